@@ -1,0 +1,107 @@
+"""The one way Tandem connects to NATS: retry until reachable, reconnect forever, drain on close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    url: str
+    name: str  # shows in the server's connection list
+    connect_timeout_s: float = 2.0
+    reconnect_wait_s: float = 0.5
+    first_retry_s: float = 0.2
+    max_retry_s: float = 5.0
+    drain_timeout_s: float = 3.0
+
+
+class Bus:
+    """Owns a NATS connection. `on_connect` callbacks run once, after the first connect
+    (subscriptions made there survive reconnects on their own)."""
+
+    def __init__(self, config: BusConfig) -> None:
+        self._config = config
+        self._nc: Client | None = None
+        self._connected = asyncio.Event()
+        self._on_connect: list[Callable[[Client], Awaitable[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def client(self) -> Client:
+        if self._nc is None:
+            raise RuntimeError("NATS is not connected yet")
+        return self._nc
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    def on_connect(self, callback: Callable[[Client], Awaitable[None]]) -> None:
+        self._on_connect.append(callback)
+
+    def start(self) -> None:
+        """Connects in the background; `wait_connected` or `is_connected` tell when it is up."""
+        self._task = asyncio.create_task(self._connect_until_up(), name=f"nats-connect:{self._config.name}")
+
+    async def wait_connected(self) -> Client:
+        await self._connected.wait()
+        return self.client
+
+    async def _connect_until_up(self) -> None:
+        delay_s = self._config.first_retry_s
+        while True:
+            try:
+                self._nc = await nats.connect(
+                    self._config.url,
+                    name=self._config.name,
+                    connect_timeout=self._config.connect_timeout_s,
+                    reconnect_time_wait=self._config.reconnect_wait_s,
+                    max_reconnect_attempts=-1,
+                    allow_reconnect=True,
+                    drain_timeout=self._config.drain_timeout_s,
+                    reconnected_cb=self._reconnected,
+                    disconnected_cb=self._disconnected,
+                    error_cb=self._error,
+                )
+                break
+            except (OSError, asyncio.TimeoutError, nats.errors.NoServersError) as exc:
+                log.warning("NATS at %s not reachable (%s); retrying in %.1f s", self._config.url, exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, self._config.max_retry_s)
+        log.info("connected to NATS at %s", self._config.url)
+        self._connected.set()
+        await self._run_on_connect()
+
+    async def _run_on_connect(self) -> None:
+        for callback in self._on_connect:
+            await callback(self.client)
+
+    async def _reconnected(self) -> None:
+        log.info("reconnected to NATS")
+
+    async def _disconnected(self) -> None:
+        log.warning("disconnected from NATS; reconnecting")
+
+    async def _error(self, exc: Exception) -> None:
+        log.warning("NATS: %s", exc)
+
+    async def close(self) -> None:
+        """Stops connecting, then drains: pending messages are delivered before the socket closes."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                pass
+            if not self._nc.is_closed:
+                await self._nc.close()

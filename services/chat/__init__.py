@@ -1,0 +1,1 @@
+"""The chat service: the public HTTP API and the conversation store."""

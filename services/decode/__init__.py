@@ -1,0 +1,1 @@
+"""The decode worker: one engine, its NATS subscriptions, its gRPC control server."""

@@ -1,0 +1,1 @@
+"""The prefill worker: one engine, its NATS subscriptions, its gRPC control server."""

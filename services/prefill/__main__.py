@@ -1,0 +1,4 @@
+from tandem.service import run_service
+from tandem.worker import build_worker_app
+
+run_service("prefill", lambda settings: build_worker_app("prefill", settings))

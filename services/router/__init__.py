@@ -1,0 +1,1 @@
+"""The router: admits requests and picks prefill and decode workers from what they publish."""
