@@ -88,6 +88,7 @@ class Stack:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal)
+        self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
         try:
             return await self._run()
         finally:
