@@ -127,22 +127,14 @@ def test_malformed_api_keys_fail_at_start(nats_server, redis_server):
     _one_clear_line(result, "chat", "TANDEM_API_KEYS", "key=user:tier")
 
 
-def test_port_in_use_fails_at_start(nats_server, redis_server):
+@pytest.mark.parametrize(("role", "setting"), [("relay", "TANDEM_HTTP_PORT"), ("prefill", "TANDEM_GRPC_PORT")])
+def test_port_in_use_fails_at_start(nats_server, redis_server, role, setting):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
         port = holder.getsockname()[1]
-        result = _start_failing("relay", nats_server.url, redis_server.url, TANDEM_HTTP_PORT=str(port))
-    _one_clear_line(result, "relay", f"port {port} on 127.0.0.1 is in use", "TANDEM_HTTP_PORT")
-
-
-def test_grpc_port_in_use_fails_at_start(nats_server, redis_server):
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen(1)
-        port = holder.getsockname()[1]
-        result = _start_failing("prefill", nats_server.url, redis_server.url, TANDEM_GRPC_PORT=str(port))
-    _one_clear_line(result, "prefill", f"port {port}", "TANDEM_GRPC_PORT")
+        result = _start_failing(role, nats_server.url, redis_server.url, **{setting: str(port)})
+    _one_clear_line(result, role, f"port {port} on 127.0.0.1 is in use", setting)
 
 
 def test_missing_model_fails_at_start(nats_server, redis_server, tmp_path):
