@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -68,6 +69,7 @@ class Settings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
+    advertise_host: str = ""  # how others reach this process; empty: host, or the hostname when host is a wildcard
     http_port: int | None = None  # None: the role's default (DEFAULT_HTTP_PORTS)
     grpc_port: int | None = None  # workers only; None: DEFAULT_GRPC_PORTS
     instance_id: str = ""  # empty: <role>-<hostname>-<pid>
@@ -113,6 +115,12 @@ class Settings(BaseSettings):
 
     def grpc_port_for(self, role: str) -> int:
         return DEFAULT_GRPC_PORTS[role] if self.grpc_port is None else self.grpc_port
+
+    def reachable_host(self) -> str:
+        """The host other processes dial to reach this one (heartbeats carry it)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
 
     def instance_id_for(self, role: str) -> str:
         return self.instance_id or f"{role}-{os.uname().nodename}-{os.getpid()}"

@@ -46,7 +46,7 @@ class RuntimeConfig:
         return cls(
             role=role,
             instance_id=settings.instance_id_for(role),
-            http_url=f"http://{settings.host}:{settings.http_port_for(role)}",
+            http_url=f"http://{settings.reachable_host()}:{settings.http_port_for(role)}",
             nats_url=settings.nats_url,
             redis_url=settings.redis_url if uses_redis else None,
             heartbeat_interval_s=settings.heartbeat_interval_s,

@@ -18,7 +18,7 @@ def build_worker_app(role: str, settings: Settings) -> FastAPI:
     model = open_model(settings.model_path)
     grpc_port = settings.grpc_port_for(role)
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")
-    grpc_address = f"{settings.host}:{grpc_port}"
+    grpc_address = f"{settings.reachable_host()}:{grpc_port}"
 
     def heartbeat(base: ServiceHeartbeat) -> WorkerHeartbeat:
         return WorkerHeartbeat(service=base, model=model.name, grpc_address=grpc_address, kv_block_size=KV_BLOCK_SIZE)
@@ -26,6 +26,6 @@ def build_worker_app(role: str, settings: Settings) -> FastAPI:
     runtime = Runtime(RuntimeConfig.from_settings(role, settings, uses_redis=False), heartbeat=heartbeat)
     control = ControlServer(
         WorkerControl(runtime, stats=lambda: heartbeat(runtime.service_heartbeat(is_ready=not runtime.is_draining))),
-        grpc_address,
+        f"{settings.host}:{grpc_port}",
     )
     return create_app(runtime, on_start=control.start, on_stop=control.stop)

