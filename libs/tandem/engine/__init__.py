@@ -1,0 +1,1 @@
+"""The inference engine: block pool and prefix cache, scheduler, runner, sampling."""
