@@ -40,10 +40,6 @@ class KvCacheShape:
     def as_tuple(self) -> tuple[int, ...]:
         return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    @property
-    def bytes_per_block_per_dtype_byte(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-
 
 @dataclass(frozen=True)
 class AttentionMetadata:
