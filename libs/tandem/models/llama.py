@@ -1,0 +1,128 @@
+"""The Llama-family decoder over a paged KV cache, in plain torch.
+
+One forward runs one engine step: the ragged batch of every sequence's new tokens (see
+tandem.engine.batch). Attention is a pluggable function with the signature of
+tandem.kernels.attention_reference.paged_attention_reference, so the torch and triton backends
+share this model.
+
+Parameter names follow Hugging Face Llama except two fusions that save matmuls on the hot path:
+`self_attn.qkv_proj` holds rows [q_proj; k_proj; v_proj] and `mlp.gate_up_proj` rows
+[gate_proj; up_proj]. checkpoint_names.py maps Hugging Face names onto them and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.batch import AttentionMetadata
+from tandem.models.config import ModelConfig
+from tandem.models.layers import RMSNorm, SwiGLUMLP
+from tandem.models.rotary import RotaryEmbedding, apply_rotary
+
+# (q, k, v, k_cache, v_cache, meta, scale) -> out, as paged_attention_reference
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, num_heads, head_dim) and k, v (T, num_kv_heads, head_dim), q and k rotated."""
+        c = self.config
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        out = self.attention(q, k, v, k_cache, v_cache, meta, self.config.attention_scale)
+        return self.o_proj(out.reshape(x.shape[0], self.config.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[:, index, 0], kv_cache[:, index, 1], meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attention)
+        # Tied models have no lm_head module: a second reference to the embedding would come
+        # apart under `to_empty` (each reference gets its own new tensor).
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+        """Uninitialised parameters of `dtype` on `device`, for a loader to fill: skips the random
+        init of ~all the weights it is about to overwrite."""
+        with torch.device("meta"):
+            model = cls(config, attention).to(dtype)
+        return model.to_empty(device=device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size). Writes this
+        step's K and V into kv_cache (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)."""
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) float32; call it on the rows you sample from only."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

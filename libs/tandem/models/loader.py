@@ -1,0 +1,73 @@
+"""One call from a checkpoint path to a ready model: config, weights and tokenizer, whatever the
+format (a GGUF file or a Hugging Face safetensors folder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.models.checkpoint_names import load_hf_weights
+from tandem.models.config import ModelConfig
+from tandem.models.files import open_model
+from tandem.models.gguf_weights import read_gguf
+from tandem.models.llama import AttentionFn, LlamaForCausalLM
+from tandem.models.safetensors_weights import read_hf_config, read_safetensors
+from tandem.models.tokenizer import Tokenizer
+
+# /proc/cpuinfo flags of CPUs with native bf16 matmul (x86 AVX512-BF16 or AMX, Arm BF16)
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a reply: the model config's and the tokenizer's."""
+        return tuple(dict.fromkeys([*self.config.eos_token_ids, *self.tokenizer.eos_token_ids]))
+
+
+def load_model(path: Path | None, dtype: torch.dtype, device: torch.device | str, attention: AttentionFn) -> LoadedModel:
+    """`path` None means the embedded SmolLM2 GGUF."""
+    checkpoint = open_model(path)
+    if checkpoint.format == "gguf":
+        gguf = read_gguf(checkpoint.path)
+        config = gguf.config()
+        tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        weights = gguf.weights(config)
+    else:
+        config = read_hf_config(checkpoint.path)
+        tokenizer = Tokenizer.from_hf_folder(checkpoint.path)
+        weights = read_safetensors(checkpoint.path)
+    model = LlamaForCausalLM.empty(config, attention, dtype, device)
+    load_hf_weights(model, weights)
+    return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer)
+
+
+def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bfloat16 where the device computes it natively, else float32 (emulated bf16 on an older
+    CPU is slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu":
+        return torch.bfloat16 if _cpu_flags() & CPU_BF16_FLAGS else torch.float32
+    return torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 | Arm
+            flags.update(value.split())
+    return flags

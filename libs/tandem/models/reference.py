@@ -1,0 +1,88 @@
+"""The naive forward every fast path is checked against: one sequence, no KV cache, no paging,
+dense causal attention over the whole sequence, recomputed from scratch for every new token.
+
+It reuses the model's modules (norms, projections, rotary, MLP), so it checks the paged
+machinery (block tables, slot mapping, chunking, the attention backend), not the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from tandem.models.config import ModelConfig
+from tandem.models.llama import AttentionFn, LlamaAttention, LlamaForCausalLM
+
+
+def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (T, H, D), k and v (T, KVH, D) -> (T, H, D): float32 softmax, explicit causal mask."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)
+    values = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    length = q.shape[0]
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
+
+
+def _attention_block(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    q, k, v = attn.qkv(x, cos, sin)
+    out = _dense_causal_attention(q, k, v, attn.config.attention_scale)
+    return attn.o_proj(out.reshape(x.shape[0], attn.config.q_size))
+
+
+@torch.inference_mode()
+def reference_hidden(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch.Tensor:
+    """(len, hidden_size) final-normed hidden states of the sequence, positions 0..len-1."""
+    device = model.model.embed_tokens.weight.device
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    positions = torch.arange(len(token_ids), device=device)
+    h = model.model.embed_tokens(ids)
+    cos, sin = model.model.rotary_emb(positions)
+    for layer in model.model.layers:
+        h = h + _attention_block(layer.self_attn, layer.input_layernorm(h), cos, sin)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.model.norm(h)
+
+
+def reference_logits(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch.Tensor:
+    """(len, vocab_size) float32 logits at every position."""
+    with torch.inference_mode():
+        return model.compute_logits(reference_hidden(model, token_ids))
+
+
+def reference_greedy(
+    model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int] = ()
+) -> list[int]:
+    """Greedy continuation (new tokens only, an end token included), each step recomputing the
+    whole sequence."""
+    ids = list(prompt_ids)
+    generated: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            next_id = int(model.compute_logits(reference_hidden(model, ids)[-1:]).argmax(dim=-1).item())
+            generated.append(next_id)
+            ids.append(next_id)
+            if next_id in eos_ids:
+                break
+    return generated
+
+
+@torch.no_grad()
+def random_model(config: ModelConfig, seed: int, attention: AttentionFn, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A seeded random-weight model for tests. Projections are drawn with std 1/sqrt(fan_in), so
+    attention scores are far from uniform (positions and cache contents change the output) and
+    logits spread over several units (greedy picks are not near-ties)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config, attention)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+        elif name.endswith("bias"):
+            values = 0.1 * torch.randn(param.shape, generator=generator)
+        else:
+            values = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5
+        param.copy_(values)
+    return model.to(dtype)

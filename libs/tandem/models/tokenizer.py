@@ -1,0 +1,163 @@
+"""Text <-> token ids for a checkpoint, with its chat template and special token ids.
+
+From a GGUF the `tokenizers` byte-level BPE is rebuilt from the stored vocabulary and merges; the
+pre-tokenizer (how text is split before BPE) is chosen by `tokenizer.ggml.pre`, mirroring the
+regexes llama.cpp's llama-vocab.cpp uses for that name. From a Hugging Face folder it is read
+from tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+from tandem.errors import StartupError
+from tandem.models.chat_template import ChatTemplate, ChatTemplateError
+
+# GGUF token types (llama.cpp's llama_token_type)
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# The GPT-2 regex after splitting every digit alone (llama.cpp: STARCODER, SMOLLM, ...).
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_GPT2_PRE = ("gpt2", "mpt", "olmo", "jais")
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        chat_template: ChatTemplate | None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Special-token text (`<|im_start|>`) becomes its one id; nothing is added unless asked
+        (chat templates write their own BOS)."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError("this checkpoint has no chat template")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise StartupError(f"GGUF tokenizer model {model!r} is not supported (supported: gpt2 byte-level BPE)")
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        token_types: list[int] = metadata.get("tokenizer.ggml.token_type", [])
+        merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+        pre = metadata.get("tokenizer.ggml.pre", "gpt2")
+        vocab = {token: index for index, token in enumerate(tokens)}
+        backend = BackendTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=pre == "llama-bpe"))
+        _set_pre_tokenizer(backend, pre)
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens are special: one id each, dropped from decoded text. User-defined tokens
+        # are Hugging Face's non-special added tokens: never split, but part of the text.
+        control = [i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL]
+        user_defined = [i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_USER_DEFINED]
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        eos_ids = () if eos is None else (int(eos),)
+        source = metadata.get("tokenizer.chat_template")
+        template = None
+        if source is not None:
+            template = ChatTemplate(
+                source=source,
+                bos_token="" if bos is None else tokens[bos],
+                eos_token="" if eos is None else tokens[eos],
+            )
+        return cls(backend, None if bos is None else int(bos), eos_ids, template)
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> Tokenizer:
+        """tokenizer.json, with tokenizer_config.json for the special tokens and chat template
+        (or chat_template.jinja, where newer transformers put it)."""
+        if not (folder / "tokenizer.json").is_file():
+            raise StartupError(f"TANDEM_MODEL_PATH={folder}: a model folder needs tokenizer.json")
+        backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
+        settings_file = folder / "tokenizer_config.json"
+        settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+        bos_token = _token_text(settings.get("bos_token"))
+        eos_token = _token_text(settings.get("eos_token"))
+        bos = None if bos_token is None else backend.token_to_id(bos_token)
+        eos = None if eos_token is None else backend.token_to_id(eos_token)
+        source = _hf_chat_template(folder, settings)
+        template = None if source is None else ChatTemplate(source, bos_token or "", eos_token or "")
+        return cls(backend, bos, () if eos is None else (eos,), template)
+
+
+def _set_pre_tokenizer(backend: BackendTokenizer, pre: str) -> None:
+    if pre in _DIGIT_SPLIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    elif pre in _GPT2_PRE:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre in ("llama-bpe", "qwen2"):
+        regex = _LLAMA3_REGEX if pre == "llama-bpe" else _QWEN2_REGEX
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        if pre == "qwen2":
+            backend.normalizer = normalizers.NFC()
+    else:
+        supported = ", ".join((*_DIGIT_SPLIT_PRE, *_GPT2_PRE, "llama-bpe", "qwen2"))
+        raise StartupError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {supported})")
+
+
+def _token_text(token: str | Mapping[str, Any] | None) -> str | None:
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token
+
+
+def _hf_chat_template(folder: Path, settings: Mapping[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: the "default" one is the chat template
+        by_name = {entry["name"]: entry["template"] for entry in template}
+        return by_name.get("default")
+    return template

@@ -1,0 +1,55 @@
+"""GGUF tensors come back in Hugging Face's layout and names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.models.gguf_weights import hf_name, unpermute_rotary
+
+
+def llama_cpp_permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim apart from numpy -> torch."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(9, 64), (3, 64), (4, 16)])
+def test_unpermute_inverts_llama_cpp_rotary_permutation(num_heads, head_dim):
+    weight = torch.randn(num_heads * head_dim, 40)
+    permuted = llama_cpp_permute(weight, num_heads)
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_rotary(permuted, num_heads), weight)
+    bias = torch.randn(num_heads * head_dim)
+    assert torch.equal(unpermute_rotary(llama_cpp_permute(bias, num_heads), num_heads), bias)
+
+
+def test_unpermuted_rows_pair_i_with_i_plus_half_head():
+    """What the permutation means: llama.cpp's adjacent rotary pairs (2i, 2i+1) of a head are
+    Hugging Face's rows (i, i + head_dim/2)."""
+    head_dim = 8
+    hf_rows = torch.arange(2 * head_dim, dtype=torch.float32).unsqueeze(1)  # two heads, row = its index
+    gguf_rows = llama_cpp_permute(hf_rows, 2).squeeze(1).tolist()
+    assert gguf_rows[:head_dim] == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert gguf_rows[head_dim:] == [8, 12, 9, 13, 10, 14, 11, 15]
+
+
+@pytest.mark.parametrize(
+    ("gguf", "hf"),
+    [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+        ("blk.12.ffn_norm.weight", "model.layers.12.post_attention_layernorm.weight"),
+        ("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight"),
+        ("blk.3.attn_k.bias", "model.layers.3.self_attn.k_proj.bias"),
+        ("blk.3.attn_v.weight", "model.layers.3.self_attn.v_proj.weight"),
+        ("blk.3.attn_output.weight", "model.layers.3.self_attn.o_proj.weight"),
+        ("blk.29.ffn_gate.weight", "model.layers.29.mlp.gate_proj.weight"),
+        ("blk.29.ffn_up.weight", "model.layers.29.mlp.up_proj.weight"),
+        ("blk.29.ffn_down.weight", "model.layers.29.mlp.down_proj.weight"),
+        ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_exps.weight"),  # unknown: left for the loader to refuse
+    ],
+)
+def test_gguf_names_map_to_hugging_face_names(gguf, hf):
+    assert hf_name(gguf) == hf

@@ -1,0 +1,81 @@
+"""A Hugging Face folder (config.json, safetensors, tokenizer files) loads into the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tandem.errors import StartupError
+from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.models.checkpoint_names import hf_state_dict
+from tandem.models.config import tiny_config
+from tandem.models.loader import load_model
+from tandem.models.reference import random_model, reference_logits
+from tandem.models.safetensors_weights import SHARD_INDEX, save_safetensors_folder
+
+TOKENS = [7, 300, 42, 511, 3, 99, 100]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE trained on the spot, saved the way transformers saves one."""
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    backend.save(str(folder / "tokenizer.json"))
+    settings = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_saved_folder_loads_back_to_the_same_logits(tmp_path: Path, tied: bool):
+    original = random_model(tiny_config(tie_word_embeddings=tied), seed=5, attention=paged_attention_reference)
+    save_safetensors_folder(original, tmp_path)
+    write_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference)
+    assert loaded.config.eos_token_ids == (2, 0)  # config.json's, then generation_config.json's
+    torch.testing.assert_close(reference_logits(loaded.model, TOKENS), reference_logits(original, TOKENS), atol=0, rtol=0)
+    ids = loaded.tokenizer.encode("<|im_start|>the fox<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2 and loaded.tokenizer.decode(ids) == "the fox"
+    assert loaded.tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
+    assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_ids) == (1, (2,))
+
+
+def test_sharded_folder_with_index(tmp_path: Path):
+    original = random_model(tiny_config(), seed=6, attention=paged_attention_reference)
+    save_safetensors_folder(original, tmp_path)
+    write_tokenizer(tmp_path)
+    weights = hf_state_dict(original)
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    (tmp_path / "model.safetensors").unlink()
+    for file, shard_names in shards.items():
+        save_file({n: weights[n] for n in shard_names}, str(tmp_path / file))
+    (tmp_path / "stray.safetensors").write_bytes(b"not listed in the index, never read")
+    weight_map = {n: file for file, shard_names in shards.items() for n in shard_names}
+    (tmp_path / SHARD_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded = load_model(tmp_path, torch.bfloat16, "cpu", paged_attention_reference)
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(loaded.model.model.embed_tokens.weight, original.model.embed_tokens.weight.bfloat16())
+
+
+def test_a_missing_tensor_is_named(tmp_path: Path):
+    original = random_model(tiny_config(), seed=7, attention=paged_attention_reference)
+    save_safetensors_folder(original, tmp_path)
+    write_tokenizer(tmp_path)
+    weights = hf_state_dict(original)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(StartupError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_model(tmp_path, torch.float32, "cpu", paged_attention_reference)
