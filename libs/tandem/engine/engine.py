@@ -1,0 +1,260 @@
+"""The engine: requests in, token streams out. One `step()` is the whole algorithm:
+
+    plan = scheduler.schedule(); sampled = runner.execute(plan); scheduler.update(plan, sampled)
+
+plus the text of each reply (detokenization, stop strings) and the disaggregation hooks: run a
+request prefill-only and export its blocks; reserve blocks, fill them and import a sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.batch import BLOCK_SIZE, KvCacheShape
+from tandem.engine.block_pool import BlockPool, KvEvent
+from tandem.engine.kv_cache_manager import KvCacheManager
+from tandem.engine.reply_text import ReplyText
+from tandem.engine.runner import Runner
+from tandem.engine.sampling import Sampler
+from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
+from tandem.models.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = BLOCK_SIZE
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_mib holds
+    kv_cache_mib: int = 1024
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    num_reserved_blocks: int = 4
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions = SamplingOptions()
+    lane: Lane = Lane.FREE
+    tenant: str = ""
+    num_public_prefix_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A prefill-only request whose first token is sampled: its KV blocks await export.
+    Block i holds tokens [16i, 16i+16) of the prompt; release it with Engine.release()."""
+
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text: str  # the delta released by this step
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    handoff: Handoff | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prefill_tokens: int  # computed since start
+    num_decode_tokens: int
+    prefill_time_s: float  # step time, split by each step's share of prefill and decode tokens
+    decode_time_s: float
+
+
+@dataclass
+class _Counters:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+
+
+@dataclass
+class _Reply:
+    text: ReplyText
+    is_prefill_only: bool = False
+    pending_token_ids: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()) -> None:
+        self.loaded = loaded
+        self.config = config
+        model_config = loaded.config
+        parameter = next(loaded.model.parameters())
+        num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_mib, parameter.dtype)
+        self.kv_shape = KvCacheShape(
+            num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim
+        )
+        kv_cache = torch.zeros(self.kv_shape.as_tuple(), dtype=parameter.dtype, device=parameter.device)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KvCacheManager(self.pool)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                num_reserved_blocks=config.num_reserved_blocks,
+                max_model_len=model_config.max_position_embeddings,
+            ),
+            self.kv,
+        )
+        self.runner = Runner(loaded.model, kv_cache, config.block_size, Sampler())
+        self._replies: dict[str, _Reply] = {}
+        self._exports: dict[str, Sequence] = {}
+        self._counters = _Counters()
+
+    def _blocks_for(self, kv_cache_mib: int, dtype: torch.dtype) -> int:
+        c = self.loaded.config
+        bytes_per_block = c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+        return max(1, kv_cache_mib * 2**20 // bytes_per_block)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add(self, request: Request, prefill_only: bool = False) -> None:
+        """Queues a request; raises PromptTooLong / EmptyPrompt (ValueErrors) for one that can never run."""
+        self.scheduler.add(self._sequence(request))
+        self._replies[request.request_id] = _Reply(self._reply_text(request), is_prefill_only=prefill_only)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; its blocks are freed at the next step."""
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        started_s = time.perf_counter()
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan)
+        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
+        outputs = [self._cancelled(seq) for seq in plan.aborted]
+        for seq in plan.sampled_seqs:
+            if seq.seq_id in sampled:
+                outputs.append(self._advance(seq, sampled[seq.seq_id], is_finished=seq.seq_id in finished))
+        self._count(plan.num_prefill_tokens, plan.num_decode_tokens, time.perf_counter() - started_s)
+        return outputs
+
+    def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
+        """Runs the requests to completion (a convenience for tools and tests)."""
+        for request in requests:
+            self.add(request)
+        streams: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        while self.has_work():
+            for output in self.step():
+                streams[output.request_id].append(output)
+        return streams
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self.pool.drain_events()
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        return EngineStats(
+            self.scheduler.stats(), c.num_steps, c.num_prefill_tokens, c.num_decode_tokens, c.prefill_time_s, c.decode_time_s
+        )
+
+    # -- disaggregation hooks -------------------------------------------------------------------
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """One block's K and V for every layer: a contiguous view (num_layers, 2, block_size,
+        num_kv_heads, head_dim) to send from, or to receive into."""
+        return self.runner.kv_cache[block_id]
+
+    def release(self, request_id: str) -> None:
+        """Frees an exported prefill's blocks (their content stays in the prefix cache)."""
+        seq = self._exports.pop(request_id)
+        self.kv.free(seq)
+
+    def reserve_blocks(self, num_blocks: int) -> list[int]:
+        """Blocks for a sequence about to be imported; raises NoFreeBlocks when there is no room."""
+        return self.pool.allocate(num_blocks)
+
+    def cancel_reservation(self, block_ids: list[int]) -> None:
+        self.pool.free(block_ids)
+
+    def import_sequence(self, request: Request, block_ids: list[int], first_token_id: int, num_cached_tokens: int = 0) -> None:
+        """Continues a request prefilled elsewhere: `block_ids` (from reserve_blocks) hold the KV
+        of its whole prompt, and its first token was sampled (and streamed) by the prefill side."""
+        seq = self._sequence(request)
+        seq.attach_computed_blocks(block_ids, [], seq.num_prompt_tokens)
+        seq.append_token(first_token_id)
+        reply = _Reply(self._reply_text(request))
+        reply.text.add(first_token_id)  # its text was already sent by the prefill worker
+        self.scheduler.adopt(seq, num_cached_tokens)
+        self._replies[request.request_id] = reply
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _sequence(self, request: Request) -> Sequence:
+        return Sequence(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling,
+            lane=request.lane,
+            tenant=request.tenant,
+            num_public_prefix_tokens=request.num_public_prefix_tokens,
+            eos_token_ids=() if request.sampling.ignore_eos else self.loaded.eos_token_ids,
+        )
+
+    def _reply_text(self, request: Request) -> ReplyText:
+        return ReplyText(self.loaded.tokenizer, request.prompt_token_ids, request.sampling.stop)
+
+    def _advance(self, seq: Sequence, token_id: int, is_finished: bool) -> RequestOutput:
+        reply = self._replies[seq.seq_id]
+        text = reply.text.add(token_id)
+        if not is_finished and reply.text.has_hit_stop:
+            self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+            is_finished = True
+        handoff = None
+        if is_finished:
+            text += reply.text.finish()
+            del self._replies[seq.seq_id]
+            self.runner.forget(seq.seq_id)
+        elif reply.is_prefill_only:
+            self._exports[seq.seq_id] = self.scheduler.detach(seq.seq_id)
+            handoff = Handoff(tuple(seq.block_table), seq.num_computed_tokens)
+            del self._replies[seq.seq_id]
+            self.runner.forget(seq.seq_id)
+        return self._output(seq, (token_id,), text, seq.finish_reason if is_finished else None, handoff)
+
+    def _cancelled(self, seq: Sequence) -> RequestOutput:
+        reply = self._replies.pop(seq.seq_id, None)
+        self.runner.forget(seq.seq_id)
+        text = reply.text.finish() if reply is not None else ""
+        return self._output(seq, (), text, FinishReason.CANCELLED)
+
+    def _output(
+        self, seq: Sequence, token_ids: tuple[int, ...], text: str, reason: FinishReason | None, handoff: Handoff | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            seq.seq_id, token_ids, text, reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, handoff
+        )
+
+    def _count(self, num_prefill_tokens: int, num_decode_tokens: int, elapsed_s: float) -> None:
+        c = self._counters
+        c.num_steps += 1
+        c.num_prefill_tokens += num_prefill_tokens
+        c.num_decode_tokens += num_decode_tokens
+        num_tokens = num_prefill_tokens + num_decode_tokens
+        if num_tokens:
+            c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens
+            c.decode_time_s += elapsed_s * num_decode_tokens / num_tokens

@@ -1,0 +1,69 @@
+"""Next-token choice for a batch of sequences, each with its own options and random stream.
+
+Greedy rows take the argmax. The others divide by their temperature, keep their top-k tokens
+and then their nucleus (the smallest set of most likely tokens whose probability reaches top_p,
+never empty), and draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i
+with probability p_i. The race needs only elementwise noise, so each row draws its noise from
+its sequence's own seeded generator (same seed, same tokens) while the arithmetic stays batched
+and nothing waits on the host until the caller reads the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from tandem.engine.sequence import SamplingOptions
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        options: SequenceOf[SamplingOptions],
+        generators: SequenceOf[torch.Generator | None],
+    ) -> torch.Tensor:
+        """One token id per row of `logits` (N, vocab); a LongTensor (N,) on logits' device."""
+        if logits.dim() != 2 or logits.shape[0] != len(options) or len(options) != len(generators):
+            raise ValueError(
+                f"logits {tuple(logits.shape)} need one options and one generator per row, "
+                f"got {len(options)} and {len(generators)}"
+            )
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, option in enumerate(options) if not option.is_greedy]
+        if not random_rows:
+            return tokens
+        row_options = [options[i] for i in random_rows]
+        rows = torch.tensor(random_rows, device=logits.device)
+        temperatures = torch.tensor([o.temperature for o in row_options], dtype=torch.float32, device=logits.device)
+        scaled = logits[rows].float() / temperatures.unsqueeze(1)
+        probs, token_of_column = _filtered_probs(scaled, row_options)
+        noise = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:
+                noise[j].exponential_(generator=generators[i])
+        choice = (probs / noise.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        if token_of_column is not None:
+            choice = token_of_column.gather(1, choice.unsqueeze(1)).squeeze(1)
+        tokens[rows] = choice
+        return tokens
+
+
+def _filtered_probs(scaled: torch.Tensor, options: list[SamplingOptions]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after top-k and top-p (unnormalised), and, when sorted, each column's token."""
+    if all(o.top_k == 0 and o.top_p >= 1.0 for o in options):
+        return torch.softmax(scaled, dim=-1), None
+    vocab_size = scaled.shape[1]
+    device = scaled.device
+    sorted_logits, token_of_column = scaled.sort(dim=-1, descending=True)
+    top_k = torch.tensor([o.top_k if 0 < o.top_k < vocab_size else vocab_size for o in options], device=device)
+    ranks = torch.arange(vocab_size, device=device)
+    sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # A token is in the nucleus while the mass ranked above it is still short of top_p; the first
+    # always is. Rows with top_p = 1 get a threshold no sum reaches, so rounding drops nothing.
+    top_p = torch.tensor([o.top_p if o.top_p < 1.0 else 2.0 for o in options], dtype=torch.float32, device=device)
+    mass_above = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_above >= top_p.unsqueeze(1), 0.0)
+    return probs, token_of_column

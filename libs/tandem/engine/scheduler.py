@@ -1,0 +1,299 @@
+"""Continuous batching: each step's work under a token budget, and the results applied after it.
+
+    plan = scheduler.schedule()          # who computes how many tokens this step
+    sampled = runner.execute(plan)       # {seq_id: token} for plan.sampled_seqs
+    finished = scheduler.update(plan, sampled)
+
+There is no prefill phase or decode phase: every sequence's computed-token count catches up to
+its token count, one chunk per step, which covers chunked prefill, prefix hits and decoding in
+one rule. A step takes, in order: every running decode (one token each), the next chunk of
+running prefills, then admissions from the waiting queues by lane (paid, free, background; FIFO
+within a lane) while KV blocks last above the reserve. When a running sequence cannot get a
+block, the newest running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.engine.kv_cache_manager import KvCacheManager
+from tandem.engine.sequence import FinishReason, Lane, Sequence, SequenceStatus
+from tandem.engine.step_plan import ScheduledChunk, StepPlan
+
+__all__ = [
+    "EmptyPrompt",
+    "PromptTooLong",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "StepPlan",
+]
+
+
+class PromptTooLong(ValueError):
+    """The prompt can never fit in this engine's KV cache or context window."""
+
+
+class EmptyPrompt(ValueError):
+    """A prompt with no tokens gives the model nothing to continue."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # tokens computed per step, decodes and prefill chunks together
+    max_num_seqs: int = 256  # running sequences at once
+    num_reserved_blocks: int = 4  # admissions leave this many blocks free for running sequences to grow
+    max_model_len: int | None = None  # context window in tokens; None = only the KV pool limits it
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.num_reserved_blocks < 0:
+            raise ValueError(f"invalid scheduler config: {self}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: dict[Lane, int]
+    num_waiting: dict[Lane, int]
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    num_prefix_hit_tokens: int  # total since start, recomputes included
+    num_preemptions: int  # total since start
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KvCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        num_usable_blocks = kv.pool.num_blocks - config.num_reserved_blocks
+        if num_usable_blocks < 1:
+            raise ValueError(f"{kv.pool.num_blocks} KV blocks leave none above the {config.num_reserved_blocks} reserved")
+        self._max_blocks_per_seq = num_usable_blocks
+        max_tokens = num_usable_blocks * kv.block_size
+        self._max_seq_tokens = min(max_tokens, config.max_model_len) if config.max_model_len else max_tokens
+        self._waiting: dict[Lane, deque[Sequence]] = {lane: deque() for lane in Lane}
+        self._running: list[Sequence] = []  # oldest arrival first
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self._abort_ids: dict[str, None] = {}
+        self._num_arrivals = 0
+        self._num_prefix_hit_tokens = 0
+        self._num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; refuses one that could never run."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"{seq.seq_id}: only a fresh waiting sequence can be added")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"{seq.seq_id}: a sequence with this id is already scheduled")
+        if seq.num_prompt_tokens == 0:
+            raise EmptyPrompt(f"{seq.seq_id}: the prompt is empty")
+        num_blocks = self.kv.blocks_needed(seq.num_prompt_tokens)
+        if num_blocks > self._max_blocks_per_seq:
+            raise PromptTooLong(
+                f"{seq.seq_id}: a prompt of {seq.num_prompt_tokens} tokens needs {num_blocks} KV blocks of "
+                f"{self.kv.block_size} tokens; this engine holds at most {self._max_blocks_per_seq} blocks "
+                f"({self._max_blocks_per_seq * self.kv.block_size} tokens) per sequence: {self.kv.pool.num_blocks} "
+                f"blocks minus {self.config.num_reserved_blocks} reserved"
+            )
+        if self.config.max_model_len is not None and seq.num_prompt_tokens > self.config.max_model_len:
+            raise PromptTooLong(
+                f"{seq.seq_id}: a prompt of {seq.num_prompt_tokens} tokens is longer than the "
+                f"{self.config.max_model_len}-token context window"
+            )
+        seq.mark_arrived(self._num_arrivals)
+        self._num_arrivals += 1
+        self._seqs[seq.seq_id] = seq
+        self._waiting[seq.lane].append(seq)
+
+    def abort(self, seq_id: str) -> bool:
+        """Cancel a waiting or running sequence at the next schedule(); False if it is not here."""
+        if seq_id not in self._seqs:
+            return False
+        self._abort_ids[seq_id] = None
+        return True
+
+    def finish(self, seq_id: str, reason: FinishReason) -> Sequence | None:
+        """Finish a sequence now (the engine matched a stop string) and free its blocks."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._retire(seq, reason)
+        return seq
+
+    def adopt(self, seq: Sequence, num_cached_tokens: int = 0) -> None:
+        """Run a sequence prefilled elsewhere from its next decode on (decode side of a handoff).
+
+        Its blocks must already be attached and filled (pool.allocate, the transfer, then
+        seq.attach_computed_blocks) and its first token appended. Capacity is the caller's
+        check: the reservation that preceded the transfer.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.seq_id in self._seqs:
+            raise ValueError(f"{seq.seq_id}: only a new waiting sequence can be adopted")
+        if seq.num_uncomputed_tokens < 1 or seq.num_computed_tokens > len(seq.block_table) * self.kv.block_size:
+            raise ValueError(f"{seq.seq_id}: adopt needs blocks covering the computed tokens and a token to decode: {seq!r}")
+        seq.mark_arrived(self._num_arrivals)
+        self._num_arrivals += 1
+        self._seqs[seq.seq_id] = seq
+        seq.admit(num_cached_tokens)
+        bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
+
+    def detach(self, seq_id: str) -> Sequence:
+        """Stop scheduling a running sequence but leave it its blocks (prefill side of a handoff).
+
+        Call it between steps, e.g. once the first token is sampled; the caller then owns the
+        blocks: export them, then release them with kv.free(seq).
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"{seq_id}: only a running sequence can be detached")
+        self._running.remove(seq)
+        del self._seqs[seq_id]
+        return seq
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(aborted=self._apply_aborts())
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        running = list(self._running)
+        decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
+        prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = self._make_room(seq, min(seq.num_uncomputed_tokens, budget), scheduled_ids, plan)
+            if num_new_tokens:
+                budget -= self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
+                scheduled_ids.add(seq.seq_id)
+        if not plan.preempted:  # blocks ran out this step: nobody new gets in
+            self._admit(plan, budget)
+        return plan
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a step's results: computed counts, newly full blocks, sampled tokens; the finished."""
+        finished = []
+        for chunk in plan.scheduled:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished by the engine while the step ran
+            seq.advance_computed(chunk.num_new_tokens)
+            self.kv.cache_full_blocks(seq)
+            if not chunk.is_sampled:
+                continue
+            if seq.seq_id not in sampled:
+                raise KeyError(f"{seq.seq_id}: its chunk completes the sequence but no token was sampled for it")
+            seq.append_token(sampled[seq.seq_id])
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._retire(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stats(self) -> SchedulerStats:
+        running = {lane: 0 for lane in Lane}
+        for seq in self._running:
+            running[seq.lane] += 1
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=running,
+            num_waiting={lane: len(queue) for lane, queue in self._waiting.items()},
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
+            num_preemptions=self._num_preemptions,
+        )
+
+    # -- inside a step --------------------------------------------------------------------------
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str], plan: StepPlan) -> int:
+        """Allocate blocks for up to `num_tokens` of a running sequence, preempting newest first.
+
+        Returns how many tokens got room: fewer than asked when only part fits, 0 when `seq`
+        itself was the newest and got preempted.
+        """
+        while (num_fitting := self.kv.max_new_tokens(seq)) < 1:
+            victim = next(s for s in reversed(self._running) if s.seq_id not in scheduled_ids)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is seq:
+                return 0
+        num_tokens = min(num_tokens, num_fitting)
+        self.kv.allocate_slots(seq, num_tokens)
+        return num_tokens
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        for lane in Lane:
+            queue = self._waiting[lane]
+            while queue and budget > 0 and len(self._running) < self.config.max_num_seqs:
+                seq = queue[0]
+                num_hit_tokens = self.kv.find_cached_prefix(seq)
+                num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
+                num_new_tokens = min(seq.num_uncomputed_tokens, budget, num_fitting)
+                if num_new_tokens < 1:
+                    self.kv.free(seq)  # give the prefix back; it stays cached
+                    return  # out of blocks: lower lanes must not overtake this one
+                self.kv.allocate_slots(seq, num_new_tokens)
+                queue.popleft()
+                seq.admit()
+                bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
+                self._num_prefix_hit_tokens += num_hit_tokens
+                budget -= self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
+
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> int:
+        plan.scheduled.append(ScheduledChunk(seq, num_new_tokens))
+        if is_decode:
+            plan.num_decode_tokens += num_new_tokens
+        else:
+            plan.num_prefill_tokens += num_new_tokens
+        return num_new_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.preempt()
+        self._running.remove(seq)
+        self._waiting[seq.lane].appendleft(seq)
+        self._num_preemptions += 1
+
+    def _apply_aborts(self) -> list[Sequence]:
+        aborted = []
+        for seq_id in self._abort_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                self._retire(seq, FinishReason.CANCELLED)
+                aborted.append(seq)
+        self._abort_ids.clear()
+        return aborted
+
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        token_id = seq.last_token_id
+        if (token_id in seq.eos_token_ids and not seq.sampling.ignore_eos) or token_id in seq.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self._max_seq_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take an unfinished sequence out of every queue, free its blocks, mark it finished."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self._waiting[seq.lane].remove(seq)
+        self.kv.free(seq)
+        seq.finish(reason)
+        del self._seqs[seq.seq_id]

@@ -1,0 +1,66 @@
+"""The typed plan one scheduler step hands to the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `seq` to compute this step, right after its computed ones.
+
+    The positions are fixed when the chunk is planned: the new tokens are
+    seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], and the
+    sequence's context after the step is `num_context_tokens` long. Only a chunk that reaches
+    the end of the sequence's tokens is sampled; a prefill that is not complete gets no token.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    num_computed_tokens: int = field(init=False)
+    is_sampled: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_new_tokens <= self.seq.num_uncomputed_tokens:
+            raise ValueError(f"{self.seq.seq_id}: a chunk of {self.num_new_tokens} of {self.seq.num_uncomputed_tokens} uncomputed tokens")
+        object.__setattr__(self, "num_computed_tokens", self.seq.num_computed_tokens)
+        object.__setattr__(self, "is_sampled", self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.num_computed_tokens : self.num_context_tokens]
+
+
+@dataclass
+class StepPlan:
+    """One step's work: decodes first, then prefill chunks; what was preempted or aborted."""
+
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    aborted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every chunk is one token (AttentionMetadata.is_decode_only)."""
+        return bool(self.scheduled) and all(chunk.num_new_tokens == 1 for chunk in self.scheduled)
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in chunk order."""
+        return [chunk.seq for chunk in self.scheduled if chunk.is_sampled]

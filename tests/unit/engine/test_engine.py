@@ -1,0 +1,169 @@
+"""The engine with a real (tiny, random-weight) Llama: batched, chunked, paged and cached output
+equals a naive one-sequence forward token for token; handoffs between engines are exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.scheduler import PromptTooLong
+from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
+from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.models.config import tiny_config
+from tandem.models.loader import LoadedModel
+from tandem.models.reference import random_model, reference_greedy
+from tandem.models.tokenizer import Tokenizer
+
+NUM_NEW_TOKENS = 12
+
+
+def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
+    """256 byte tokens (no merges) and filler tokens up to the tiny model's vocabulary."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), vocab_size)})
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024)
+    model = random_model(config, seed=0, attention=paged_attention_reference)
+    return LoadedModel(model=model.eval(), config=config, tokenizer=byte_level_tokenizer(config.vocab_size))
+
+
+def seeded_prompts(num_prompts: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 2, 15, 16, 17, 31, 33, 64, 100, 150] + [rng.randint(3, 200) for _ in range(num_prompts - 10)]
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths[:num_prompts]]
+
+
+def greedy(request_id: str, prompt: list[int], **options) -> Request:
+    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, **options)
+    return Request(request_id, tuple(prompt), sampling)
+
+
+def tokens_of(stream) -> list[int]:
+    return [t for output in stream for t in output.new_token_ids]
+
+
+def test_batched_chunked_output_equals_the_naive_reference_cold_and_warm(tiny):
+    prompts = seeded_prompts(20)
+    expected = [reference_greedy(tiny.model, p, NUM_NEW_TOKENS) for p in prompts]
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=400, max_num_batched_tokens=48))
+    cold = engine.generate([greedy(f"cold-{i}", p) for i, p in enumerate(prompts)])
+    assert [tokens_of(cold[f"cold-{i}"]) for i in range(20)] == expected
+    assert engine.stats().num_steps > sum(len(p) for p in prompts) // 48, "the small budget forces chunked prefill"
+
+    warm = engine.generate([greedy(f"warm-{i}", p) for i, p in enumerate(prompts)])
+    assert [tokens_of(warm[f"warm-{i}"]) for i in range(20)] == expected
+    cached = [warm[f"warm-{i}"][-1].num_cached_tokens for i in range(20)]
+    assert all(c == (len(p) - 1) // 16 * 16 for c, p in zip(cached, prompts)), "every full prompt block is a hit"
+
+
+def test_a_follow_up_turn_reuses_the_reply_it_just_wrote(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    prompt = seeded_prompts(10)[8][:90]
+    first = tokens_of(engine.generate([greedy("turn-1", prompt)])["turn-1"])
+    follow_up = prompt + first + [7, 8, 9]
+    stream = engine.generate([greedy("turn-2", follow_up)])["turn-2"]
+    # Turn 1 computed KV for 90 + 11 tokens (its last token was sampled, never fed back): six full
+    # blocks, the sixth made of prompt and reply tokens.
+    assert stream[-1].num_cached_tokens == 96 > len(prompt)
+    assert tokens_of(stream) == reference_greedy(tiny.model, follow_up, NUM_NEW_TOKENS)
+
+
+def test_prefill_on_one_engine_then_decode_on_another_equals_one_engine(tiny):
+    prompt = seeded_prompts(10)[9]  # 150 tokens
+    expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    prefill = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    decode = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    decode.generate([greedy("other", seeded_prompts(10)[5])])  # its pool is not fresh: block ids differ
+
+    prefill.add(greedy("r", prompt), prefill_only=True)
+    outputs = []
+    while not outputs:
+        outputs = prefill.step()
+    (first,) = outputs
+    assert first.handoff is not None and not first.is_finished
+    block_ids = decode.reserve_blocks(len(first.handoff.block_ids))
+    assert block_ids != list(first.handoff.block_ids)
+    for source, target in zip(first.handoff.block_ids, block_ids):
+        decode.block_view(target).copy_(prefill.block_view(source))
+    free_before_release = prefill.pool.num_free_blocks
+    prefill.release("r")
+    assert prefill.pool.num_free_blocks == free_before_release + len(block_ids)
+    assert not prefill.has_work()
+
+    decode.import_sequence(greedy("r", prompt), block_ids, first.new_token_ids[0])
+    stream = []
+    while decode.has_work():
+        stream.extend(decode.step())
+    assert [first.new_token_ids[0], *tokens_of(stream)] == expected
+    assert stream[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_abort_frees_every_block_and_reports_cancelled(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    free_at_start = engine.pool.num_free_blocks
+    engine.add(greedy("running", seeded_prompts(10)[7]))
+    engine.add(greedy("waiting", seeded_prompts(10)[8]))
+    engine.step()
+    assert engine.abort("running") and engine.abort("waiting")
+    outputs = engine.step()
+    assert {o.request_id: o.finish_reason for o in outputs} == {
+        "running": FinishReason.CANCELLED,
+        "waiting": FinishReason.CANCELLED,
+    }
+    assert not engine.has_work()
+    assert engine.pool.num_free_blocks == free_at_start
+
+
+def test_a_prompt_that_can_never_fit_is_refused_clearly(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=8, num_reserved_blocks=2))
+    with pytest.raises(PromptTooLong, match=r"a prompt of 200 tokens needs 13 KV blocks"):
+        engine.add(greedy("huge", [5] * 200))
+    assert not engine.has_work()
+
+
+def test_stop_token_and_max_tokens_set_the_finish_reason(tiny):
+    prompt = seeded_prompts(10)[4]
+    expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    stopped = engine.generate([greedy("s", prompt, stop_token_ids=(expected[3],))])["s"]
+    assert tokens_of(stopped) == expected[: expected.index(expected[3]) + 1]
+    assert stopped[-1].finish_reason is FinishReason.STOP
+    capped = engine.generate([Request("c", tuple(prompt), SamplingOptions(max_tokens=2, ignore_eos=True))])["c"]
+    assert tokens_of(capped) == expected[:2] and capped[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_seeded_sampling_repeats_and_lanes_are_accepted(tiny):
+    prompt = seeded_prompts(10)[6]
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    options = dict(temperature=1.0, top_p=0.9, seed=1234)
+    runs = [
+        tokens_of(engine.generate([Request(f"x{i}", tuple(prompt), SamplingOptions(max_tokens=8, ignore_eos=True, **options), lane=Lane.PAID)])[f"x{i}"])
+        for i in range(2)
+    ]
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 8
+
+
+def test_stats_split_prefill_and_decode_work(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    engine.generate([greedy("a", seeded_prompts(10)[7])])
+    stats = engine.stats()
+    assert stats.num_prefill_tokens == 64
+    assert stats.num_decode_tokens == NUM_NEW_TOKENS - 1
+    assert stats.prefill_time_s > 0 and stats.decode_time_s > 0
+    assert stats.scheduler.num_used_blocks == 0 and stats.scheduler.num_cached_blocks > 0
+    events = engine.drain_kv_events()
+    assert events and all(e.kind.value == "stored" for e in events)

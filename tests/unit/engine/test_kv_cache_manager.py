@@ -1,0 +1,107 @@
+from tandem.engine.block_pool import BlockPool, KvEventKind
+from tandem.engine.kv_cache_manager import KvCacheManager
+from tandem.engine.sequence import Sequence
+
+
+def manager(num_blocks: int = 32) -> KvCacheManager:
+    return KvCacheManager(BlockPool(num_blocks, block_size=16))
+
+
+def compute(kv: KvCacheManager, seq: Sequence, num_tokens: int) -> None:
+    """What a step does for one chunk: room, KV written, full blocks cached."""
+    assert kv.allocate_slots(seq, num_tokens)
+    seq.advance_computed(num_tokens)
+    kv.cache_full_blocks(seq)
+
+
+def prefilled(kv: KvCacheManager, prompt: list[int], tenant: str = "a", num_public_prefix_tokens: int = 0) -> Sequence:
+    seq = Sequence(f"seq-{tenant}-{len(prompt)}", prompt, tenant=tenant, num_public_prefix_tokens=num_public_prefix_tokens)
+    kv.find_cached_prefix(seq)
+    compute(kv, seq, seq.num_uncomputed_tokens)
+    return seq
+
+
+def test_a_tenants_cached_blocks_are_no_hit_for_another_tenant():
+    kv = manager()
+    prompt = list(range(50))
+    first = prefilled(kv, prompt, tenant="a")
+    first_blocks = first.block_table[:3]
+    kv.free(first)
+    other_tenant = Sequence("b", prompt, tenant="b")
+    same_tenant = Sequence("a2", prompt, tenant="a")
+    assert kv.find_cached_prefix(other_tenant) == 0
+    assert kv.find_cached_prefix(same_tenant) == 48
+    assert same_tenant.block_table == first_blocks
+
+
+def test_public_prefix_blocks_are_hits_for_every_tenant_and_the_rest_is_not():
+    kv = manager()
+    prompt = list(range(60))
+    prefilled(kv, prompt, tenant="a", num_public_prefix_tokens=32)
+    other = Sequence("b", prompt, tenant="b", num_public_prefix_tokens=32)
+    assert kv.find_cached_prefix(other) == 32
+    assert (other.num_computed_tokens, len(other.block_table), len(other.block_hashes)) == (32, 2, 2)
+
+
+def test_a_fully_cached_prompt_still_leaves_tokens_to_compute():
+    kv = manager()
+    prompt = list(range(32))
+    prefilled(kv, prompt)
+    again = Sequence("again", prompt, tenant="a")
+    assert kv.find_cached_prefix(again) == 16  # the last block is recomputed for its logits
+    assert again.num_uncomputed_tokens == 16
+    longer = Sequence("longer", prompt + [7], tenant="a")
+    assert kv.find_cached_prefix(longer) == 32
+    assert longer.num_uncomputed_tokens == 1
+
+
+def test_allocate_slots_grows_the_block_table_to_cover_the_new_tokens_exactly():
+    kv = manager(num_blocks=4)
+    seq = Sequence("s", list(range(40)))
+    assert kv.allocate_slots(seq, 17) and len(seq.block_table) == 2
+    seq.advance_computed(17)
+    assert kv.allocate_slots(seq, 15) and len(seq.block_table) == 2  # 32 tokens still fit in 2 blocks
+    assert kv.allocate_slots(seq, 16) and len(seq.block_table) == 3
+    assert not kv.allocate_slots(seq, 48)  # would need 5 blocks of 4
+    assert len(seq.block_table) == 3  # a refusal takes nothing
+
+
+def test_can_allocate_keeps_the_reserve_free():
+    kv = manager(num_blocks=4)
+    seq = Sequence("s", list(range(64)))
+    assert kv.can_allocate(seq, 48, num_reserved_blocks=1)
+    assert not kv.can_allocate(seq, 49, num_reserved_blocks=1)
+    assert kv.can_allocate(seq, 64, num_reserved_blocks=0)
+    assert kv.blocks_needed(49) == 4
+
+
+def test_output_blocks_are_cached_too():
+    kv = manager()
+    seq = Sequence("s", list(range(20)), tenant="a")
+    compute(kv, seq, 20)
+    for token in range(500, 513):  # 13 decoded tokens: 33 in all, 32 computed after the last step
+        seq.append_token(token)
+        compute(kv, seq, 1)
+    assert len(seq.block_hashes) == 2
+    follow_up = Sequence("turn-2", seq.token_ids + [9, 9], tenant="a")
+    assert kv.find_cached_prefix(follow_up) == 32
+
+
+def test_free_releases_the_tail_first_so_the_prefix_is_reused_last():
+    kv = manager(num_blocks=3)
+    seq = Sequence("s", list(range(48)))
+    compute(kv, seq, 48)
+    blocks = list(seq.block_table)
+    kv.free(seq)
+    assert (seq.block_table, seq.block_hashes, seq.num_computed_tokens) == ([], [], 0)
+    assert kv.pool.allocate(1) == [blocks[2]]
+
+
+def test_caching_a_prefill_announces_each_block_with_its_parent():
+    kv = manager()
+    seq = prefilled(kv, list(range(50)))
+    events = kv.pool.drain_events()
+    assert [(e.kind, e.block_hash, e.parent_hash) for e in events] == [
+        (KvEventKind.STORED, key, parent) for key, parent in zip(seq.block_hashes, [None, *seq.block_hashes[:-1]])
+    ]
+    assert len(events) == 3
