@@ -1,2 +1,36 @@
 """Attention kernels over the paged KV cache (see tandem.engine.batch for the layout): a torch
 reference, an optimised torch path for CPU, and a triton kernel for GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tandem.engine.batch import AttentionMetadata
+from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.kernels.attention_torch import paged_attention_torch
+from tandem.kernels.paged_attention_triton import is_triton_available, paged_attention_triton
+
+# (q, k, v, k_cache, v_cache, meta, scale) -> out; see attention_reference for the contract.
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
+
+
+def select_attention(device: torch.device | str) -> AttentionFn:
+    """The fastest backend for `device`: the triton kernel on CUDA when triton is installed,
+    the batched torch path everywhere else."""
+    if torch.device(device).type == "cuda" and is_triton_available():
+        return paged_attention_triton
+    return paged_attention_torch
+
+
+__all__ = [
+    "AttentionFn",
+    "is_triton_available",
+    "paged_attention_reference",
+    "paged_attention_torch",
+    "paged_attention_triton",
+    "select_attention",
+]

@@ -1,0 +1,145 @@
+"""Paged attention backends on the engine's real batch shapes: reference vs torch path (and triton on CUDA).
+
+    .venv/bin/python bench/attention.py [--dtype fp32 bf16] [--rounds 15] [--json build/bench/attention.json]
+
+SmolLM2-135M attention shapes (9 heads, 3 kv heads, head_dim 64, 16-token blocks) over a
+block-major cache with shuffled block ids; one layer's strided K/V views, as the model passes
+them. Every backend runs on the same step in interleaved rounds of the same process and the
+table reports each one's median and best time and its speedup over the reference measured in
+this run (median over median, and best over best: on a shared machine the best is the steadier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tandem.engine.batch import AttentionMetadata
+from tandem.kernels import AttentionFn, paged_attention_reference, paged_attention_torch, paged_attention_triton
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+NUM_LAYERS = 2  # enough for the per-layer views to be strided; the real 30 would only add memory
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def decode_chunks(num_seqs: int, mean_ctx: int, generator: torch.Generator) -> list[tuple[int, int]]:
+    """(cached tokens, new tokens) per sequence: decodes with contexts spread ±25% around mean_ctx."""
+    spread = mean_ctx // 4
+    return [(int(ctx), 1) for ctx in torch.randint(mean_ctx - spread, mean_ctx + spread, (num_seqs,), generator=generator)]
+
+
+def cases(generator: torch.Generator) -> dict[str, list[tuple[int, int]]]:
+    return {
+        "decode 64 x ~400": decode_chunks(64, 400, generator),
+        "decode 256 x ~600": decode_chunks(256, 600, generator),
+        # Two 512-token prefill chunks (one fresh prompt, one continuing after 512 cached) among decodes.
+        "mixed 2x512 + 62 dec": [(0, 512), *decode_chunks(31, 400, generator), (512, 512), *decode_chunks(31, 400, generator)],
+    }
+
+
+def build_step(chunks: list[tuple[int, int]], dtype: torch.dtype, device: str, generator: torch.Generator) -> tuple:
+    seq_lens = [cached + new for cached, new in chunks]
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 16
+    block_ids = torch.randperm(num_blocks, generator=generator)
+    block_tables = torch.zeros(len(chunks), max(blocks_per_seq), dtype=torch.int32)
+    slots, used = [], 0
+    for s, ((cached, new), count) in enumerate(zip(chunks, blocks_per_seq, strict=True)):
+        table = block_ids[used : used + count]
+        used += count
+        block_tables[s, :count] = table
+        positions = torch.arange(cached, cached + new)
+        slots.append(table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
+    kv_cache = torch.randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(device, dtype)
+    num_tokens = sum(new for _, new in chunks)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=generator).to(device, dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(device, dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(device, dtype)
+    q_lens = torch.tensor([new for _, new in chunks])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device),
+        query_start_loc=torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(device, torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=max(seq_lens),
+        is_decode_only=bool((q_lens == 1).all()),
+    )
+    return q, k, v, kv_cache[:, 1, 0], kv_cache[:, 1, 1], meta, HEAD_DIM**-0.5
+
+
+def time_ms(fn: Callable[[], torch.Tensor], device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench_case(step: tuple, backends: dict[str, AttentionFn], device: str, rounds: int) -> dict[str, dict[str, float]]:
+    reference_cpu = paged_attention_reference(*_to_cpu(step))  # the reference reads host-side lengths
+    errors = {name: (fn(*step).float().cpu() - reference_cpu.float()).abs().max().item() for name, fn in backends.items()}
+    samples: dict[str, list[float]] = {name: [] for name in backends}
+    for _ in range(rounds):  # interleaved, so drift in the machine's load hits every backend alike
+        for name, attention in backends.items():
+            samples[name].append(time_ms(lambda attention=attention: attention(*step), device))
+    return {
+        name: {"median_ms": statistics.median(times), "min_ms": min(times), "max_abs_error": errors[name]}
+        for name, times in samples.items()
+    }
+
+
+def _to_cpu(step: tuple) -> tuple:
+    q, k, v, k_cache, v_cache, meta, scale = step
+    if q.device.type == "cpu":
+        return step
+    fields = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in vars(meta).items()}
+    cpu_meta = AttentionMetadata(**fields)
+    return q.cpu(), k.cpu(), v.cpu(), k_cache.cpu(), v_cache.cpu(), cpu_meta, scale
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=["fp32", "bf16"])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", type=Path, default=Path("build/bench/attention.json"))
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backends: dict[str, AttentionFn] = {"reference": paged_attention_reference, "torch": paged_attention_torch}
+    if device == "cuda":
+        backends["triton"] = paged_attention_triton
+    results = []
+    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} rounds={args.rounds}")
+    print(f"{'case':<22} {'dtype':<5} {'backend':<10} {'median ms':>10} {'min ms':>8} {'speedup':>8} {'(by min)':>9} {'max |err|':>10}")
+    for dtype_name in args.dtype:
+        generator = torch.Generator().manual_seed(0)
+        for case, chunks in cases(generator).items():
+            step = build_step(chunks, DTYPES[dtype_name], device, generator)
+            timings = bench_case(step, backends, device, args.rounds)
+            reference = timings["reference"]
+            for name, timing in timings.items():
+                speedup = reference["median_ms"] / timing["median_ms"]
+                speedup_by_min = reference["min_ms"] / timing["min_ms"]
+                print(
+                    f"{case:<22} {dtype_name:<5} {name:<10} {timing['median_ms']:>10.2f} {timing['min_ms']:>8.2f}"
+                    f" {speedup:>7.2f}x {speedup_by_min:>8.2f}x {timing['max_abs_error']:>10.1e}"
+                )
+                results.append(
+                    {"case": case, "dtype": dtype_name, "backend": name, "speedup": speedup, "speedup_by_min": speedup_by_min, **timing}
+                )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"device": device, "threads": torch.get_num_threads(), "results": results}, indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

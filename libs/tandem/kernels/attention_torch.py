@@ -1,0 +1,177 @@
+"""Paged attention in plain torch, batched: the CPU backend (correct on any device).
+
+Same contract as attention_reference.paged_attention_reference. The difference is the work
+shape: the single-token rows (decodes) of a step go through SDPA together, padded; only prefill
+chunks (query length > 1, a few per step) are handled one sequence at a time.
+
+Decode rows: each sequence's blocks are gathered through its block table into a padded
+(num_seqs, max_ctx, num_kv_heads, head_dim) tensor and masked by length. GQA costs no copy: a
+decode has one query token, so the `group` query heads that share a kv head become that kv
+head's `group` query rows. On CPU the decodes go a few sequences (about 3 MiB of K and V) at a
+time, which keeps the gathered blocks in cache until SDPA reads them.
+
+Host reads: on a GPU a decode-only step (the steady state of a decode worker) reads nothing
+back; on CPU the lengths are host memory already. A mixed step reads the query starts and
+context lengths once, to split decodes from prefill chunks.
+
+Padding reads slots past a sequence's end (the rest of its last block, table entries past its
+blocks) and masks them out of the softmax; masking cannot undo a NaN or inf there, so the cache
+must hold finite values everywhere (allocate it zeroed; the model's own K and V are finite).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.batch import AttentionMetadata
+from tandem.kernels.attention_reference import write_kv
+
+# Gathered K and V per decode chunk on CPU: about what stays in cache from gather to SDPA.
+_CPU_DECODE_CHUNK_BYTES = 3 << 20
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode_only:
+        return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale)
+    return _mixed_attention(q, k_cache, v_cache, meta, scale)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: q (num_seqs, num_heads, head_dim), its context already in the
+    cache. max_seq_len is a host-side upper bound of seq_lens (it sets the padding)."""
+    if q.device.type != "cpu":
+        return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale)
+    # On CPU, a few sequences at a time: a chunk's gathered K and V stay in cache between the
+    # gather and SDPA, and no allocation is big enough to be fresh pages every call (one padded
+    # gather of 256 x 600 tokens is 3-4x slower). The lengths are host memory here, so reading
+    # them costs nothing, and each chunk pads only to its own longest context.
+    num_seqs = q.shape[0]
+    bytes_per_seq = 2 * max_seq_len * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
+    seqs_per_chunk = max(1, _CPU_DECODE_CHUNK_BYTES // bytes_per_seq)
+    if seqs_per_chunk >= num_seqs:
+        return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale)
+    lens = seq_lens.tolist()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for start in range(0, num_seqs, seqs_per_chunk):
+        end = min(start + seqs_per_chunk, num_seqs)
+        out[start:end] = _padded_decode(
+            q[start:end], k_cache, v_cache, seq_lens[start:end], block_tables[start:end], max(lens[start:end]), scale
+        )
+    return out
+
+
+def _padded_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max_seq_len // block_size)
+    max_ctx = num_blocks * block_size
+    # index_select copies whole blocks; it is several times faster than advanced indexing here.
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    keys = _gather(k_cache, block_ids, q.dtype).view(num_seqs, max_ctx, num_kv_heads, head_dim)
+    values = _gather(v_cache, block_ids, q.dtype).view(num_seqs, max_ctx, num_kv_heads, head_dim)
+    is_valid = torch.arange(max_ctx, device=q.device) < seq_lens.to(q.device, torch.long).unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.reshape(num_seqs, num_kv_heads, group, head_dim),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=is_valid[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_chunk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's chunk: q (q_len, num_heads, head_dim) are the last q_len tokens of its
+    seq_len-token context; token j attends to positions 0..seq_len - q_len + j."""
+    q_len, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_ids = block_table[: -(-seq_len // block_size)].long()
+    keys = _gather(k_cache, block_ids, q.dtype).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    values = _gather(v_cache, block_ids, q.dtype).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    # 4-D inputs and kv heads expanded (a copy the size of this chunk's context): CPU SDPA runs
+    # its flash kernel only so; 3-D inputs or enable_gqa fall back to the math path, 3-10x slower.
+    keys, values = _expand_kv_heads(keys, num_heads), _expand_kv_heads(values, num_heads)
+    if q_len == seq_len:  # no earlier context: plain causal, which SDPA can skip blocks for
+        causal = {"is_causal": True}
+    else:  # causal with an offset: earlier context is visible to every query token
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        causal = {"attn_mask": (torch.arange(seq_len, device=q.device) <= query_pos)[None, None]}
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], scale=scale, **causal)
+    return out[0].transpose(0, 1)
+
+
+def _mixed_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    # One host read: where each sequence's rows start and how long its context is.
+    num_seqs = meta.num_seqs
+    host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).tolist()
+    starts, seq_lens = host[: num_seqs + 1], host[num_seqs + 1 :]
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    decode_seqs = [s for s in range(num_seqs) if q_lens[s] == 1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if decode_seqs:
+        index = torch.tensor(decode_seqs, device=q.device)
+        rows = torch.tensor([starts[s] for s in decode_seqs], device=q.device)
+        decoded = decode_attention(
+            q.index_select(0, rows),
+            k_cache,
+            v_cache,
+            meta.seq_lens[index],
+            meta.block_tables[index],
+            max(seq_lens[s] for s in decode_seqs),
+            scale,
+        )
+        out.index_copy_(0, rows, decoded)
+    for s in (s for s in range(num_seqs) if q_lens[s] > 1):  # the few prefill chunks
+        rows = slice(starts[s], starts[s + 1])
+        out[rows] = prefill_chunk_attention(q[rows], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The listed blocks of one layer's strided cache view, contiguous, in the compute dtype."""
+    return cache.index_select(0, block_ids).to(dtype)
+
+
+def _expand_kv_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(num_kv_heads, L, D) -> (num_heads, L, D), query head h reading kv head h // group."""
+    num_kv_heads, length, head_dim = kv.shape
+    if num_kv_heads == num_heads:
+        return kv
+    group = num_heads // num_kv_heads
+    return kv.unsqueeze(1).expand(num_kv_heads, group, length, head_dim).reshape(num_heads, length, head_dim)

@@ -1,0 +1,80 @@
+"""The batched torch attention path agrees with the reference on every batch shape the engine makes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from paged_batches import DECODE_ONLY, LONG_DECODE, LONG_MIXED, MIXED, PREFILL_ONLY, fill_unowned_slots, make_step
+
+from tandem.kernels import attention_torch, paged_attention_reference, paged_attention_torch, select_attention
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+BATCHES = {
+    "decode_only": DECODE_ONLY,
+    "mixed": MIXED,
+    "prefill_only": PREFILL_ONLY,
+    "long_decode": LONG_DECODE,
+    "long_mixed": LONG_MIXED,
+}
+HEADS = {"mha": (4, 4), "gqa3": (6, 2), "smollm2": (9, 3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_torch_path_matches_reference(batch: list[tuple[int, int]], heads: tuple[int, int], dtype: torch.dtype) -> None:
+    num_heads, num_kv_heads = heads
+    step = make_step(batch, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
+    expected, _ = step.run(paged_attention_reference)
+    out, _ = step.run(paged_attention_torch)
+    assert out.dtype == dtype and out.shape == step.q.shape
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_torch_path_writes_new_kv_to_their_slots_and_nothing_else(batch: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    step = make_step(batch, num_heads=6, num_kv_heads=2, dtype=dtype, seed=1)
+    _, kv_cache = step.run(paged_attention_torch)
+    # The whole cache, every layer and both K and V: only this layer's new slots changed.
+    assert torch.equal(kv_cache, step.expected_cache())
+    assert not torch.equal(kv_cache, step.kv_cache)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 500_000], ids=["one_seq_per_chunk", "few_seqs_per_chunk"])
+@pytest.mark.parametrize("batch", [DECODE_ONLY, MIXED], ids=["decode_only", "mixed"])
+def test_cpu_decode_chunks_match_reference(batch: list[tuple[int, int]], chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes go through SDPA a few sequences at a time on CPU, each chunk padded to its own
+    longest context; small budgets force several chunks (the default fits these batches in one)."""
+    monkeypatch.setattr(attention_torch, "_CPU_DECODE_CHUNK_BYTES", chunk_bytes)
+    step = make_step(batch, num_heads=9, num_kv_heads=3, head_dim=64, seed=4)
+    expected, _ = step.run(paged_attention_reference)
+    out, kv_cache = step.run(paged_attention_torch)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert torch.equal(kv_cache, step.expected_cache())
+
+
+def test_torch_path_masks_whatever_lies_past_each_context() -> None:
+    """Slots past a sequence's end are read (padding) but must not count: fill them with values
+    that would dominate every softmax if they leaked in. (They must be finite: the torch path
+    documents that it needs a cache without NaN or inf in unowned slots.)"""
+    step = make_step(MIXED, num_heads=6, num_kv_heads=2, seed=2)
+    expected, _ = step.run(paged_attention_reference)
+    out, _ = step.run(paged_attention_torch, fill_unowned_slots(step, 1e4))
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_padding_bound_above_longest_context_changes_nothing() -> None:
+    """meta.max_seq_len only bounds the padding: a looser bound (and wider tables) give the same answer."""
+    step = make_step(DECODE_ONLY, num_heads=9, num_kv_heads=3, seed=3)
+    expected, _ = step.run(paged_attention_torch)
+    wider_tables = torch.nn.functional.pad(step.meta.block_tables, (0, 4))
+    step.meta = dataclasses.replace(step.meta, block_tables=wider_tables, max_seq_len=step.meta.max_seq_len + 50)
+    out, _ = step.run(paged_attention_torch)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_select_attention_uses_the_torch_path_off_cuda() -> None:
+    assert select_attention("cpu") is paged_attention_torch
