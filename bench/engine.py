@@ -1,0 +1,219 @@
+"""Engine throughput on SmolLM2-135M against Hugging Face `generate` and this machine's roofline.
+
+    .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
+
+64 chat requests (seeded prompts of 40-400 tokens) are submitted at once and each writes exactly
+128 greedy tokens (ignore_eos here, eos disabled in transformers). In the same run it measures
+transformers `generate` on the same GGUF in the same dtype (static batches of 1, 8 and 32, left
+padded, each on a subset of the requests; the best is the baseline) and this machine's peak
+matmul FLOP/s and copy bandwidth, from which it computes the batch's roofline. The targets are
+printed beside the numbers as information; the exit code does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import chat_prompts, kv_blocks_for, load_ours, mark, percentile, resolve_dtype, run_timed, set_threads, write_json
+from hf_baseline import hf_generate, hf_version, is_hf_available, load_hf
+from roofline import ModelCost, batch_roofline, decode_roofline_tokens_per_s, measure_copy_bandwidth, measure_peak_flops
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import SamplingOptions
+from tandem.models.loader import LoadedModel
+
+TARGET_RATIO_VS_HF = 5.0
+TARGET_ROOFLINE_FRACTION = 0.5
+TARGET_TPOT_B1_OVER_FLOOR = 1.5
+FULL = dict(requests=64, output_tokens=128, hf_batches="1:4,8:16,32:32", b1_tokens=64, matmul_size=2048, copy_mib=256, repeats=5)
+QUICK = dict(requests=8, output_tokens=16, hf_batches="1:1,4:4", b1_tokens=16, matmul_size=1024, copy_mib=64, repeats=3)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"smoke-test sizes: {QUICK}")
+    parser.add_argument("--requests", type=int, help=f"concurrent requests (default {FULL['requests']})")
+    parser.add_argument("--output-tokens", type=int, help=f"tokens each request writes (default {FULL['output_tokens']})")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(40, 400), metavar=("MIN", "MAX"))
+    parser.add_argument("--hf-batches", help=f"BATCH:REQUESTS,... for transformers (default {FULL['hf_batches']})")
+    parser.add_argument("--b1-tokens", type=int, help=f"tokens of the batch-1 TPOT run (default {FULL['b1_tokens']})")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, all cores)")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args()
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.hf_batches = [tuple(int(n) for n in item.split(":")) for item in args.hf_batches.split(",")]
+    return args
+
+
+def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> dict:
+    sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
+    num_blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=num_blocks))
+    requests = [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
+    timings = run_timed(engine, requests)
+    wrong = {rid: t.num_output_tokens for rid, t in timings.items() if t.num_output_tokens != num_tokens}
+    if len(timings) != len(requests) or wrong:
+        raise RuntimeError(f"expected {num_tokens} tokens from each of {len(requests)} requests; got {wrong}")
+    start_s = min(t.submit_s for t in timings.values())
+    elapsed_s = max(t.last_token_s for t in timings.values()) - start_s
+    ordered = [timings[r.request_id] for r in requests]
+    return {
+        "elapsed_s": elapsed_s,
+        "tokens_per_s": len(requests) * num_tokens / elapsed_s,
+        "ttft_ms": [t.ttft_ms for t in ordered],
+        "tpot_ms": [t.tpot_ms for t in ordered],
+        "num_preemptions": engine.stats().scheduler.num_preemptions,
+        "num_steps": engine.stats().num_steps,
+    }
+
+
+def run_hf(dtype: torch.dtype, prompts: list[list[int]], num_tokens: int, plan: list[tuple[int, int]], pad_id: int) -> list:
+    model = load_hf(dtype)
+    hf_generate(model, prompts[:1], 1, 4, pad_id)  # warm-up
+    return [hf_generate(model, prompts[:num_requests], batch_size, num_tokens, pad_id) for batch_size, num_requests in plan]
+
+
+def main() -> None:
+    args = parse_args()
+    bench_start_s = time.perf_counter()
+    num_threads = set_threads(args.threads)
+    dtype = resolve_dtype(args.dtype)
+    loaded = load_ours(dtype)
+    cost = ModelCost.of(loaded)
+    prompts = chat_prompts(loaded.tokenizer, args.requests, *args.prompt_tokens, seed=args.seed)
+    is_hf_run = not args.skip_hf and is_hf_available()
+    if not args.skip_hf and not is_hf_run:
+        print("transformers/accelerate not installed (pip install -e '.[bench]'): no HF baseline", file=sys.stderr)
+
+    peak_flops = measure_peak_flops(dtype, args.matmul_size, args.repeats)
+    bandwidth = measure_copy_bandwidth(args.copy_mib, args.repeats)
+
+    run_ours(loaded, prompts[:2], 4)  # warm-up
+    ours = run_ours(loaded, prompts, args.output_tokens)
+    solo = run_ours(loaded, prompts[:1], args.b1_tokens)
+    hf_runs = run_hf(dtype, prompts, args.output_tokens, args.hf_batches, loaded.tokenizer.eos_token_ids[0]) if is_hf_run else []
+
+    roofline = batch_roofline(cost, [len(p) for p in prompts], args.output_tokens, peak_flops, bandwidth)
+    decode_roofline = decode_roofline_tokens_per_s(cost, args.requests, peak_flops, bandwidth)
+    best_hf = max(hf_runs, key=lambda run: run.tokens_per_s, default=None)
+    tpot_b1_ms = solo["tpot_ms"][0]
+    memory_floor_ms = 1e3 * cost.weight_bytes / bandwidth
+    ratio_vs_hf = ours["tokens_per_s"] / best_hf.tokens_per_s if best_hf else None
+    roofline_fraction = ours["tokens_per_s"] / roofline.tokens_per_s
+    lens = [len(p) for p in prompts]
+    result = {
+        "tokens_per_s": ours["tokens_per_s"],
+        "hf_tokens_per_s": best_hf.tokens_per_s if best_hf else None,
+        "ratio_vs_hf": ratio_vs_hf,
+        "roofline_tokens_per_s": roofline.tokens_per_s,
+        "roofline_fraction": roofline_fraction,
+        "tpot_b1_ms": tpot_b1_ms,
+        "memory_floor_ms": memory_floor_ms,
+        "tpot_b1_over_floor": tpot_b1_ms / memory_floor_ms,
+        "ttft_p50_ms": percentile(ours["ttft_ms"], 50),
+        "ttft_p95_ms": percentile(ours["ttft_ms"], 95),
+        "tpot_p50_ms": percentile(ours["tpot_ms"], 50),
+        "tpot_p95_ms": percentile(ours["tpot_ms"], 95),
+        "engine_elapsed_s": ours["elapsed_s"],
+        "engine_steps": ours["num_steps"],
+        "engine_preemptions": ours["num_preemptions"],
+        "hf_best_batch_size": best_hf.batch_size if best_hf else None,
+        "hf_runs": [
+            {"batch_size": r.batch_size, "num_requests": r.num_requests, "tokens_per_s": r.tokens_per_s, "elapsed_s": r.elapsed_s}
+            for r in hf_runs
+        ],
+        "peak_flops": peak_flops,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "roofline_compute_s": roofline.compute_s,
+        "roofline_memory_s": roofline.memory_s,
+        "roofline_bound": roofline.bound,
+        "roofline_decode_only_tokens_per_s": decode_roofline,
+        "roofline_decode_only_fraction": ours["tokens_per_s"] / decode_roofline,
+        "flops_per_token": cost.flops_per_token,
+        "num_non_embedding_params": cost.num_non_embedding_params,
+        "weight_bytes": cost.weight_bytes,
+        "workload": {
+            "num_requests": args.requests, "num_output_tokens": args.output_tokens, "b1_tokens": args.b1_tokens,
+            "prompt_tokens_min": min(lens), "prompt_tokens_mean": statistics.fmean(lens), "prompt_tokens_max": max(lens),
+        },  # fmt: skip
+        "targets": {
+            "ratio_vs_hf": {"target": TARGET_RATIO_VS_HF, "met": ratio_vs_hf >= TARGET_RATIO_VS_HF if ratio_vs_hf else None},
+            "roofline_fraction": {"target": TARGET_ROOFLINE_FRACTION, "met": roofline_fraction >= TARGET_ROOFLINE_FRACTION},
+            "tpot_b1_over_floor": {"target": TARGET_TPOT_B1_OVER_FLOOR, "met": tpot_b1_ms <= TARGET_TPOT_B1_OVER_FLOOR * memory_floor_ms},
+        },
+        "env": {
+            "dtype": str(dtype).removeprefix("torch."), "threads": num_threads, "torch": torch.__version__,
+            "transformers": hf_version() if is_hf_run else None, "machine": platform.machine(),
+            "matmul_size": args.matmul_size, "copy_mib": args.copy_mib, "repeats": args.repeats, "quick": args.quick,
+        },  # fmt: skip
+    }
+    result["elapsed_s"] = time.perf_counter() - bench_start_s
+    print_table(result, cost)
+    write_json(args.out, result)
+
+
+def print_table(r: dict, cost: ModelCost) -> None:
+    w, env = r["workload"], r["env"]
+    n, b = w["num_requests"], w["num_output_tokens"]
+    line = "-" * 78
+
+    def row(label: str, value: str, target: str = "", status: str = "") -> None:
+        print(f"  {label:<34}{value:>16}   {target:<9}{status}")
+
+    print(f"\nTandem engine bench: SmolLM2-135M-Instruct, {env['dtype']}, torch threads={env['threads']}, torch {env['torch']}"
+          + (f", transformers {env['transformers']}" if env["transformers"] else ""))  # fmt: skip
+    print(f"workload: {n} requests submitted at once, chat prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
+          f"(mean {w['prompt_tokens_mean']:.0f}), {b} greedy output tokens each")  # fmt: skip
+    print(line)
+    print("machine, measured in this run")
+    row("peak matmul", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s", f"{env['dtype']} {env['matmul_size']}^2 matmul, best of {env['repeats']}")
+    row("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s", f"{env['copy_mib']} MiB copy, (read+written)/time")
+    print(f"{f'tandem engine, {n} concurrent requests':<52}value   target")
+    row("output tokens/s", f"{r['tokens_per_s']:.1f}")
+    row("TTFT p50 / p95 ms", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f}")
+    row("TPOT p50 / p95 ms", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f}")
+    row(f"({r['engine_steps']} steps, {r['engine_preemptions']} preemptions)", f"{r['engine_elapsed_s']:.1f} s")
+    if r["hf_runs"]:
+        print("HF transformers generate: static batches, left padded; each on the first R requests")
+        for run in r["hf_runs"]:
+            best = "  <- baseline (best)" if run["batch_size"] == r["hf_best_batch_size"] else ""
+            row(f"batch {run['batch_size']:<3} (R = {run['num_requests']})", f"{run['tokens_per_s']:.1f} tok/s", best.strip())
+        ratio = r["ratio_vs_hf"]
+        row("ratio: ours / HF best", f"{ratio:.2f}x", f">= {TARGET_RATIO_VS_HF:g}x", mark(r["targets"]["ratio_vs_hf"]["met"]))
+    else:
+        row("ratio: ours / HF best", "skipped", f">= {TARGET_RATIO_VS_HF:g}x")
+    row("roofline tokens/s (this batch)", f"{r['roofline_tokens_per_s']:.1f}", f"{r['roofline_bound']}-bound")
+    row("fraction of roofline", f"{100 * r['roofline_fraction']:.1f}%", f">= {100 * TARGET_ROOFLINE_FRACTION:.0f}%",
+        mark(r["targets"]["roofline_fraction"]["met"]))  # fmt: skip
+    row(f"batch-1 TPOT ms ({w['b1_tokens']} tokens, alone)", f"{r['tpot_b1_ms']:.1f}")
+    row("memory floor ms (weights / bw)", f"{r['memory_floor_ms']:.1f}")
+    row("batch-1 TPOT / memory floor", f"{r['tpot_b1_over_floor']:.2f}x", f"<= {TARGET_TPOT_B1_OVER_FLOOR:g}x",
+        mark(r["targets"]["tpot_b1_over_floor"]["met"]))  # fmt: skip
+    print(line)
+    print(f"roofline = output tokens / max(FLOPs / peak matmul, bytes / copy bandwidth), the whole batch at once:\n"
+          f"  FLOPs = per request, 2 x {cost.num_non_embedding_params / 1e6:.1f}M non-embedding params x (prompt + {b - 1}) "
+          f"tokens\n          + 2 x {cost.hidden_size} x {cost.vocab_size} logits x {b} + causal attention -> "
+          f"{r['roofline_compute_s']:.2f} s\n"
+          f"  bytes = {b} dependent forward steps x {cost.weight_bytes / 1e6:.0f} MB weights + KV written once "
+          f"and read by each decode -> {r['roofline_memory_s']:.2f} s\n"
+          f"  decode-only form, min(peak / {cost.flops_per_token / 1e6:.0f} MFLOP per token, {n} x bw / weight bytes) = "
+          f"{r['roofline_decode_only_tokens_per_s']:.1f} tok/s ({100 * r['roofline_decode_only_fraction']:.1f}% reached),\n"
+          f"  ignores prefill and KV traffic\n"
+          f"memory floor = {cost.weight_bytes / 1e6:.0f} MB of weights (non-embedding + lm_head) / copy bandwidth: "
+          f"the least one decode step can take\n"
+          f"targets are information, not pass/fail of this command; bench took {r['elapsed_s']:.0f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""What this machine could do at best: its measured peaks, and a model's cost in FLOPs and bytes.
+
+A roofline is a lower bound on time: a workload needs at least its FLOPs at the peak matmul rate
+and at least its unavoidable memory traffic at the copy bandwidth, whichever is longer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.models.loader import LoadedModel
+
+
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first-touch pages, thread pool start
+    best_s = float("inf")
+    for _ in range(repeats):
+        start_s = time.perf_counter()
+        fn()
+        best_s = min(best_s, time.perf_counter() - start_s)
+    return best_s
+
+
+def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
+    """FLOP/s of a large square matmul in `dtype` on all torch threads, best of `repeats`."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    return 2 * size**3 / _best_s(lambda: torch.matmul(a, b, out=out), repeats)
+
+
+def measure_copy_bandwidth(num_mib: int, repeats: int) -> float:
+    """Bytes/s of copying a `num_mib` tensor (bytes read + bytes written), best of `repeats`."""
+    src = torch.ones(num_mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / _best_s(lambda: dst.copy_(src), repeats)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """A Llama-family model's work per token. Weights count once however they are shared."""
+
+    num_non_embedding_params: int
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    kv_bytes_per_token: int  # K and V of one token, every layer
+    weight_bytes: int  # read by every forward step: the non-embedding weights and the lm_head
+
+    @classmethod
+    def of(cls, loaded: LoadedModel) -> ModelCost:
+        config = loaded.config
+        unique = {p.data_ptr(): p for p in loaded.model.parameters()}.values()
+        num_params = sum(p.numel() for p in unique)
+        itemsize = next(iter(unique)).element_size()
+        num_embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+        num_non_embedding = num_params - num_embedding
+        return cls(
+            num_non_embedding_params=num_non_embedding,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize,
+            weight_bytes=(num_non_embedding + config.vocab_size * config.hidden_size) * itemsize,
+        )
+
+    @property
+    def logits_flops(self) -> int:
+        return 2 * self.hidden_size * self.vocab_size
+
+    @property
+    def flops_per_token(self) -> int:
+        """One decoded token: every non-embedding weight once (2 FLOPs a multiply-add), plus its logits."""
+        return 2 * self.num_non_embedding_params + self.logits_flops
+
+    def attention_flops(self, num_positions: int) -> int:
+        """QK^T and PV over causal attention for positions 0..n-1 (position j sees j+1 keys)."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim * num_positions * (num_positions + 1) // 2
+
+
+@dataclass(frozen=True)
+class Roofline:
+    compute_s: float  # the workload's FLOPs at the peak matmul rate
+    memory_s: float  # its unavoidable bytes at the copy bandwidth
+    num_output_tokens: int
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.time_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def batch_roofline(
+    cost: ModelCost, prompt_lens: Sequence[int], num_output_tokens: int, peak_flops: float, bandwidth: float
+) -> Roofline:
+    """The fastest this machine could serve the batch, every request running at once.
+
+    FLOPs: each request forwards its prompt and all but its last output token through every
+    weight (2 x non-embedding params each), computes logits for each output token, and attends
+    causally. Bytes: producing n tokens takes n dependent forward steps, each reading the weights
+    once for the whole batch; each decode step reads its sequence's KV so far; every forwarded
+    token's KV is written once.
+    """
+    flops = 0
+    num_bytes = num_output_tokens * cost.weight_bytes
+    for prompt_len in prompt_lens:
+        num_forwarded = prompt_len + num_output_tokens - 1
+        flops += 2 * cost.num_non_embedding_params * num_forwarded + cost.logits_flops * num_output_tokens
+        flops += cost.attention_flops(num_forwarded)
+        # decode positions prompt_len .. num_forwarded-1, position j reads j+1 tokens of KV
+        num_kv_reads = sum(range(prompt_len + 1, num_forwarded + 1))
+        num_bytes += cost.kv_bytes_per_token * (num_kv_reads + num_forwarded)
+    return Roofline(flops / peak_flops, num_bytes / bandwidth, len(prompt_lens) * num_output_tokens)
+
+
+def decode_roofline_tokens_per_s(cost: ModelCost, batch_size: int, peak_flops: float, bandwidth: float) -> float:
+    """The issue's decode-only bound: min(peak / flops_per_token, batch x bandwidth / weight_bytes).
+    It leaves out prefill FLOPs and KV traffic, so it overstates what a batch with prompts can do."""
+    return min(peak_flops / cost.flops_per_token, batch_size * bandwidth / cost.weight_bytes)

@@ -1,0 +1,66 @@
+"""The benches run end to end at smoke sizes and write the JSON their readers rely on.
+
+No timing is asserted (speed is read from the benches' tables, against baselines measured in the
+same run). One torch thread: these check that the benches work, and on a shared machine more
+threads than free cores make every torch op wait on a descheduled thread.
+"""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+ENGINE_KEYS = (
+    "tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "roofline_tokens_per_s", "roofline_fraction", "tpot_b1_ms",
+    "memory_floor_ms", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms", "peak_flops",
+    "copy_bandwidth_bytes_per_s", "roofline_decode_only_tokens_per_s", "weight_bytes", "flops_per_token", "targets",
+)  # fmt: skip
+HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate"))
+
+
+def _bench(script: str, out: Path, *args: str) -> dict:
+    command = [sys.executable, str(REPO / "bench" / script), "--quick", "--threads", "1", "--out", str(out), *args]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "PASS" in result.stdout or "MISS" in result.stdout  # the table shows its targets
+    return json.loads(out.read_text())
+
+
+def _is_positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(tmp_path):
+    result = _bench("engine.py", tmp_path / "engine.json", "--skip-hf")
+    assert set(ENGINE_KEYS) <= result.keys()
+    for key in ("tokens_per_s", "roofline_tokens_per_s", "roofline_fraction", "tpot_b1_ms", "memory_floor_ms",
+                "ttft_p50_ms", "tpot_p50_ms", "peak_flops", "copy_bandwidth_bytes_per_s", "weight_bytes"):  # fmt: skip
+        assert _is_positive(result[key]), (key, result[key])
+    assert result["hf_tokens_per_s"] is None and result["ratio_vs_hf"] is None
+    assert result["ttft_p95_ms"] >= result["ttft_p50_ms"] and result["tpot_p95_ms"] >= result["tpot_p50_ms"]
+    assert result["roofline_fraction"] == pytest.approx(result["tokens_per_s"] / result["roofline_tokens_per_s"])
+    assert result["workload"]["num_requests"] == 8 and result["workload"]["num_output_tokens"] == 16
+    assert result["engine_preemptions"] == 0  # the KV cache is sized to hold the whole batch
+
+
+@pytest.mark.skipif(not HAS_HF, reason="the HF baseline needs the bench extra: pip install -e '.[bench]'")
+def test_engine_bench_measures_the_hf_baseline_at_each_batch_size(tmp_path):
+    result = _bench("engine.py", tmp_path / "engine.json", "--requests", "2", "--output-tokens", "4", "--hf-batches", "1:1,2:2")
+    assert [(run["batch_size"], run["num_requests"]) for run in result["hf_runs"]] == [(1, 1), (2, 2)]
+    assert all(_is_positive(run["tokens_per_s"]) for run in result["hf_runs"])
+    assert result["hf_tokens_per_s"] == max(run["tokens_per_s"] for run in result["hf_runs"])
+    assert result["ratio_vs_hf"] == pytest.approx(result["tokens_per_s"] / result["hf_tokens_per_s"])
+
+
+def test_prefix_cache_bench_serves_turn_2_from_the_cache(tmp_path):
+    result = _bench("prefix_cache.py", tmp_path / "prefix.json")
+    assert _is_positive(result["cold_ttft_ms"]) and _is_positive(result["warm_ttft_ms"])
+    assert result["warm_over_cold"] == pytest.approx(result["warm_ttft_ms"] / result["cold_ttft_ms"])
+    # the history is cached, the new message is not
+    assert result["num_history_tokens"] - 16 < result["num_cached_tokens"] < result["num_prompt_tokens"]
