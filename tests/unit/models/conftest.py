@@ -13,10 +13,6 @@ from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.loader import LoadedModel, load_model
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "real_model: loads the embedded SmolLM2-135M GGUF (a few seconds, once per session)")
-
-
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded GGUF in float32, so greedy picks do not depend on the CPU's bf16 support."""
