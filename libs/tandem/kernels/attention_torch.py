@@ -62,18 +62,32 @@ def decode_attention(
     # On CPU, a few sequences at a time: a chunk's gathered K and V stay in cache between the
     # gather and SDPA, and no allocation is big enough to be fresh pages every call (one padded
     # gather of 256 x 600 tokens is 3-4x slower). The lengths are host memory here, so reading
-    # them costs nothing, and each chunk pads only to its own longest context.
+    # them costs nothing.
     num_seqs = q.shape[0]
     bytes_per_seq = 2 * max_seq_len * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
     seqs_per_chunk = max(1, _CPU_DECODE_CHUNK_BYTES // bytes_per_seq)
     if seqs_per_chunk >= num_seqs:
         return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale)
+    # Chunks of similar lengths: each pads only to its own longest context, so a batch of mixed
+    # lengths gathers (and attends over) little more than its real tokens.
     lens = seq_lens.tolist()
+    order = sorted(range(num_seqs), key=lens.__getitem__)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for start in range(0, num_seqs, seqs_per_chunk):
-        end = min(start + seqs_per_chunk, num_seqs)
-        out[start:end] = _padded_decode(
-            q[start:end], k_cache, v_cache, seq_lens[start:end], block_tables[start:end], max(lens[start:end]), scale
+        chunk = order[start : start + seqs_per_chunk]
+        rows = torch.tensor(chunk, device=q.device)
+        out.index_copy_(
+            0,
+            rows,
+            _padded_decode(
+                q.index_select(0, rows),
+                k_cache,
+                v_cache,
+                seq_lens.index_select(0, rows),
+                block_tables.index_select(0, rows),
+                lens[chunk[-1]],
+                scale,
+            ),
         )
     return out
 
