@@ -22,6 +22,7 @@ sits at absolute position `seq_lens[s] - q_len[s] + j` and attends to positions 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,10 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+# attention(q, k, v, k_cache, v_cache, meta, scale) -> out: every backend (tandem.kernels) has this
+# signature; see tandem.kernels.attention_reference for the contract.
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]

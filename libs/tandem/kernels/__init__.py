@@ -3,19 +3,12 @@ reference, an optimised torch path for CPU, and a triton kernel for GPUs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from tandem.engine.batch import AttentionMetadata
+from tandem.engine.batch import AttentionFn
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.kernels.attention_torch import paged_attention_torch
 from tandem.kernels.paged_attention_triton import is_triton_available, paged_attention_triton
-
-# (q, k, v, k_cache, v_cache, meta, scale) -> out; see attention_reference for the contract.
-AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
 
 
 def select_attention(device: torch.device | str) -> AttentionFn:

@@ -12,21 +12,15 @@ Parameter names follow Hugging Face Llama except two fusions that save matmuls o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.batch import AttentionMetadata
+from tandem.engine.batch import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.layers import RMSNorm, SwiGLUMLP
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
 
-# (q, k, v, k_cache, v_cache, meta, scale) -> out, as paged_attention_reference
-AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
 
 
 class LlamaAttention(nn.Module):

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.batch import AttentionFn
 from tandem.models.checkpoint_names import load_hf_weights
 from tandem.models.config import ModelConfig
 from tandem.models.files import open_model
 from tandem.models.gguf_weights import read_gguf
-from tandem.models.llama import AttentionFn, LlamaForCausalLM
+from tandem.models.llama import LlamaForCausalLM
 from tandem.models.safetensors_weights import read_hf_config, read_safetensors
 from tandem.models.tokenizer import Tokenizer
 

@@ -11,8 +11,9 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from tandem.engine.batch import AttentionFn
 from tandem.models.config import ModelConfig
-from tandem.models.llama import AttentionFn, LlamaAttention, LlamaForCausalLM
+from tandem.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
