@@ -167,3 +167,17 @@ def test_stats_split_prefill_and_decode_work(tiny):
     assert stats.scheduler.num_used_blocks == 0 and stats.scheduler.num_cached_blocks > 0
     events = engine.drain_kv_events()
     assert events and all(e.kind.value == "stored" for e in events)
+
+
+def test_a_stop_string_ends_the_reply_and_is_not_shown(tiny):
+    prompt = seeded_prompts(10)[6]
+    expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    full_text = tiny.tokenizer.decode(expected)
+    stop = tiny.tokenizer.decode(expected[4:6])
+    assert stop and full_text.index(stop) > 0
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    stream = engine.generate([greedy("s", prompt, stop=(stop,))])["s"]
+    assert stream[-1].finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in stream) == full_text[: full_text.index(stop)]
+    assert len(tokens_of(stream)) < NUM_NEW_TOKENS
+    assert engine.pool.num_used_blocks == 0, "a stop string frees the sequence's blocks"
