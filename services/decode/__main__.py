@@ -1,4 +1,4 @@
+from services.decode.app import ROLE, build_app
 from tandem.service import run_service
-from tandem.worker import build_worker_app
 
-run_service("decode", lambda settings: build_worker_app("decode", settings))
+run_service(ROLE, build_app)

@@ -1,0 +1,127 @@
+"""The decode worker as a real process on real NATS: an Assignment becomes a TokenEvent stream
+equal to the in-process engine's output, a cancel stops it and frees every block."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import next_heartbeat, service_env, service_process
+
+from tandem.bus import decode, encode, subjects
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import SamplingOptions
+from tandem.kernels import select_attention
+from tandem.models.loader import LoadedModel, load_model
+from tandem.proc import ChildProcess
+from tandem.v1 import common_pb2
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.tokens_pb2 import TokenEvent
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32() -> LoadedModel:
+    return load_model(None, torch.float32, "cpu", select_attention("cpu"))
+
+
+@pytest.fixture(scope="module")
+def decode_worker(nats_server, redis_server) -> Iterator[tuple[ChildProcess, str]]:
+    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64")
+    child = service_process("decode", env)
+    child.start()
+    yield child, env["TANDEM_INSTANCE_ID"]
+    child.stop(timeout_s=10)
+
+
+async def _ready(nc, instance_id: str):
+    return await next_heartbeat(nc, "decode", instance_id, accept=lambda hb: hb.is_ready, timeout_s=120)
+
+
+def _request(prompt_ids: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(
+        model="auto",
+        prompt_token_ids=prompt_ids,
+        lane=common_pb2.LANE_PAID,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+
+
+async def _assign(nc, instance_id: str, reply_id: str, request: GenerateRequest) -> AssignmentReply:
+    msg = await nc.request(subjects.assign(instance_id), encode(Assignment(reply_id=reply_id, request=request, first_seq=1)), timeout=30)
+    return decode(msg.data, AssignmentReply)
+
+
+async def _collect(nc, reply_id: str) -> tuple[asyncio.Future[list[TokenEvent]], object, asyncio.Event]:
+    events: list[TokenEvent] = []
+    done = asyncio.get_running_loop().create_future()
+    first = asyncio.Event()
+
+    async def on_event(msg):
+        event = decode(msg.data, TokenEvent)
+        events.append(event)
+        first.set()
+        if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED and not done.done():
+            done.set_result(events)
+
+    subscription = await nc.subscribe(subjects.tokens(reply_id), cb=on_event)
+    return done, subscription, first
+
+
+async def test_an_assignment_streams_the_engines_tokens(decode_worker, nc, smollm2_fp32):
+    _, instance_id = decode_worker
+    heartbeat = await _ready(nc, instance_id)
+    assert heartbeat.is_engine_ready and heartbeat.max_model_len == 8192
+    prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    expected = Engine(smollm2_fp32, EngineConfig(kv_cache_mib=64)).generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=24))])["x"]
+
+    done, subscription, _ = await _collect(nc, "reply-paris")
+    reply = await _assign(nc, instance_id, "reply-paris", _request(prompt, 24))
+    assert reply.WhichOneof("outcome") == "accepted"
+    events = await asyncio.wait_for(done, 120)
+    await subscription.unsubscribe()
+
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.token_id for e in events] == [t for o in expected for t in o.new_token_ids]
+    assert "".join(e.text for e in events) == "".join(o.text for o in expected)
+    assert "Paris" in "".join(e.text for e in events)
+    last = events[-1]
+    assert last.finish == common_pb2.FINISH_REASON_STOP
+    assert (last.usage.input_tokens, last.usage.output_tokens) == (len(prompt), len(events))
+
+
+async def test_cancel_stops_the_reply_and_frees_its_blocks(decode_worker, nc, smollm2_fp32):
+    _, instance_id = decode_worker
+    idle = await _ready(nc, instance_id)
+    prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "Tell me a very long story about a dragon."}])
+    done, subscription, first = await _collect(nc, "reply-long")
+    assert (await _assign(nc, instance_id, "reply-long", _request(prompt, 2000))).WhichOneof("outcome") == "accepted"
+    await asyncio.wait_for(first.wait(), 120)
+    await nc.publish(subjects.cancel("reply-long"), b"")
+    events = await asyncio.wait_for(done, 60)
+    await subscription.unsubscribe()
+    assert events[-1].finish == common_pb2.FINISH_REASON_CANCELLED
+    assert len(events) < 2000
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    # The engine records its stats before handing a step's outputs over, so a heartbeat sent
+    # after the final event counts the freed blocks; skip one that may have been in flight.
+    await next_heartbeat(nc, "decode", instance_id, timeout_s=30)
+    freed = await next_heartbeat(nc, "decode", instance_id, timeout_s=30)
+    assert freed.kv_blocks_free == idle.kv_blocks_free == freed.kv_blocks_total
+
+
+async def test_bad_assignments_are_refused_with_a_reason(decode_worker, nc):
+    _, instance_id = decode_worker
+    await _ready(nc, instance_id)
+    empty = await _assign(nc, instance_id, "reply-empty", _request([], 10))
+    assert empty.refused.reason == "bad_request" and "empty" in empty.refused.message
+    bad_sampling = _request([1, 2, 3], 10)
+    bad_sampling.sampling.temperature = -1
+    refused = await _assign(nc, instance_id, "reply-bad", bad_sampling)
+    assert refused.refused.reason == "bad_request" and "temperature" in refused.refused.message
+    garbage = await nc.request(subjects.assign(instance_id), b"\xff\xff\xff", timeout=30)
+    assert decode(garbage.data, AssignmentReply).refused.reason == "bad_request"
