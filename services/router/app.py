@@ -1,5 +1,5 @@
-"""Wiring of the router process: the live worker view now; admission and dispatch join with the
-disaggregation issue."""
+"""Wiring of the router process: the live worker view from heartbeats, and `tandem.v1.generate`
+(admission, placement, dispatch to decode workers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import logging
 from fastapi import APIRouter, FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
+from services.router.dispatch import DispatchConfig, nats_assign
+from services.router.generate import GenerateService
+from services.router.placement import Placement, PlacementConfig
 from services.router.workers import WorkerRegistry
 from tandem import metrics
 from tandem.bus import BadMessage, decode, subjects
@@ -18,12 +22,19 @@ from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 ROLE = "router"
 WORKER_ROLES = ("prefill", "decode")
+QUEUE_GROUP = "router"  # several routers share the generate requests
+SHUTDOWN_DISPATCH_WAIT_S = 3.0
 log = logging.getLogger(__name__)
 
 
 def build_app(settings: Settings) -> FastAPI:
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=False))
     workers = WorkerRegistry(expiry_s=3.0)
+    placement = Placement(PlacementConfig())
+    dispatch_config = DispatchConfig()
+    generate: GenerateService | None = None
+    generate_subscription: Subscription | None = None
+    is_subscribed = False
 
     async def on_heartbeat(msg: Msg) -> None:
         try:
@@ -34,17 +45,26 @@ def build_app(settings: Settings) -> FastAPI:
         metrics.HEARTBEATS_SEEN.labels(role=heartbeat.service.role).inc()
         workers.observe(heartbeat)
 
-    is_subscribed = False
-
     async def subscribe(client: Client) -> None:
-        nonlocal is_subscribed
+        nonlocal generate, generate_subscription, is_subscribed
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
+        generate = GenerateService(
+            workers, placement, nats_assign(client, dispatch_config.assign_timeout_s), client.publish, dispatch_config
+        )
+        generate_subscription = await client.subscribe(subjects.GENERATE, queue=QUEUE_GROUP, cb=generate.on_request)
         await client.flush()  # the server has the subscriptions before we call ourselves ready
         is_subscribed = True
 
     async def has_subscribed() -> bool:
         return is_subscribed
+
+    async def on_stop() -> None:
+        # No new requests reach this router; those already taken are answered and dispatched.
+        if generate_subscription is not None and runtime.bus.is_connected:
+            await generate_subscription.drain()
+        if generate is not None:
+            await generate.wait_idle(SHUTDOWN_DISPATCH_WAIT_S)
 
     runtime.bus.on_connect(subscribe)
     runtime.add_check("subscribed", has_subscribed)
@@ -52,11 +72,23 @@ def build_app(settings: Settings) -> FastAPI:
     api = APIRouter(tags=["router"])
 
     @api.get("/workers")
-    async def live_workers() -> dict[str, list[dict[str, str]]]:
-        """Live, ready workers by role (an operator's view; the router's own choices use the same)."""
+    async def live_workers() -> dict[str, list[dict[str, object]]]:
+        """Live, ready workers by role (an operator's view; the router's own choices use the same).
+        `engine_ready`: the model is loaded and the worker takes replies."""
         return {
-            role: [{"instance_id": w.service.instance_id, "model": w.model, "grpc": w.grpc_address} for w in workers.live(role)]
+            role: [
+                {
+                    "instance_id": w.instance_id,
+                    "model": w.model,
+                    "grpc": w.heartbeat.grpc_address,
+                    "engine_ready": w.heartbeat.is_engine_ready,
+                    "max_model_len": w.heartbeat.max_model_len,
+                    "load": round(placement.load(w), 3),
+                }
+                for w in workers.workers(role)
+                if w.heartbeat.service.is_ready
+            ]
             for role in WORKER_ROLES
         }
 
-    return create_app(runtime, routers=[api])
+    return create_app(runtime, routers=[api], on_stop=on_stop)

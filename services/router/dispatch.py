@@ -1,0 +1,148 @@
+"""Handing an admitted reply to a decode worker: offer it to the best worker, then the next, at
+most `max_attempts` in all. If none takes it, the reply ends with one error token event, so a
+reader of its token log learns why instead of waiting for tokens that never come."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.client import Client
+
+from services.router import metrics
+from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Error
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.generate_pb2 import Refusal
+from tandem.v1.tokens_pb2 import TokenEvent
+
+ACCEPTED = "accepted"
+REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    assign_timeout_s: float = 2.0
+    max_attempts: int = 3
+    # Suggested to the caller when a worker was silent or unreachable (it may be back soon).
+    retry_after_s: float = 2.0
+
+
+class AssignFailed(Exception):
+    """The worker gave no answer: `outcome` is "timeout", "no_responders", "bad_reply" or "error"."""
+
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+
+
+# Offers an Assignment to one worker and returns its answer, or raises AssignFailed.
+Assign = Callable[[str, Assignment], Awaitable[AssignmentReply]]
+
+
+def nats_assign(client: Client, timeout_s: float) -> Assign:
+    """The production Assign: NATS request/reply on the worker's assign subject."""
+
+    async def assign(worker_id: str, assignment: Assignment) -> AssignmentReply:
+        try:
+            msg = await client.request(subjects.assign(worker_id), encode(assignment), timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise AssignFailed("no_responders", "nothing listens on its assign subject") from None
+        except nats.errors.TimeoutError:
+            raise AssignFailed("timeout", f"no answer within {timeout_s:g} s") from None
+        except nats.errors.Error as exc:
+            raise AssignFailed("error", f"NATS: {exc or type(exc).__name__}") from None
+        try:
+            return decode(msg.data, AssignmentReply)
+        except BadMessage as exc:
+            raise AssignFailed("bad_reply", str(exc)) from None
+
+    return assign
+
+
+@dataclass(frozen=True)
+class Attempt:
+    worker_id: str
+    outcome: str  # ACCEPTED, REFUSED, or an AssignFailed outcome
+    refusal: Refusal | None = None
+    detail: str = ""
+
+    def describe(self) -> str:
+        if self.refusal is not None:
+            return f"{self.worker_id} refused ({self.refusal.reason}: {self.refusal.message})"
+        return f"{self.worker_id}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    attempts: tuple[Attempt, ...]
+
+    @property
+    def accepted_by(self) -> str | None:
+        last = self.attempts[-1] if self.attempts else None
+        return last.worker_id if last is not None and last.outcome == ACCEPTED else None
+
+
+async def dispatch(
+    assign: Assign,
+    assignment: Assignment,
+    worker_ids: Sequence[str],
+    config: DispatchConfig,
+    on_retry: Callable[[str], None] = lambda worker_id: None,
+) -> DispatchResult:
+    """Offers `assignment` to `worker_ids` in order until one accepts. `on_retry` hears of each
+    worker after the first as it is tried (the caller counted the first when it chose it)."""
+    attempts: list[Attempt] = []
+    for worker_id in worker_ids[: config.max_attempts]:
+        if attempts:
+            on_retry(worker_id)
+        attempt = await _offer(assign, worker_id, assignment)
+        metrics.DISPATCH_ATTEMPTS.labels(outcome=attempt.outcome).inc()
+        attempts.append(attempt)
+        if attempt.outcome == ACCEPTED:
+            break
+    return DispatchResult(tuple(attempts))
+
+
+async def _offer(assign: Assign, worker_id: str, assignment: Assignment) -> Attempt:
+    try:
+        reply = await assign(worker_id, assignment)
+    except AssignFailed as exc:
+        return Attempt(worker_id, exc.outcome, detail=exc.detail)
+    outcome = reply.WhichOneof("outcome")
+    if outcome == "accepted" and reply.accepted:
+        return Attempt(worker_id, ACCEPTED)
+    if outcome == "refused":
+        return Attempt(worker_id, REFUSED, refusal=reply.refused)
+    return Attempt(worker_id, "bad_reply", detail="its reply neither accepted nor refused")
+
+
+def failure_event(assignment: Assignment, result: DispatchResult, config: DispatchConfig) -> TokenEvent:
+    """The one event that ends a reply no worker took."""
+    return TokenEvent(
+        reply_id=assignment.reply_id,
+        seq=assignment.first_seq,
+        finish=FINISH_REASON_ERROR,
+        error=failure_error(result, config),
+        produced_unix_ms=int(time.time() * 1000),
+    )
+
+
+def failure_error(result: DispatchResult, config: DispatchConfig) -> Error:
+    attempts = result.attempts
+    if not attempts:
+        return Error(code="no_workers", message="no decode worker was left to take the reply", retry_after_s=config.retry_after_s)
+    reasons = {a.refusal.reason if a.refusal is not None else a.outcome for a in attempts}
+    # Every worker refusing for the same reason says more than a generic code.
+    code = reasons.pop() if len(reasons) == 1 and attempts[0].refusal is not None else "no_worker_accepted"
+    retry_after_s = max(
+        (a.refusal.retry_after_s if a.refusal is not None else config.retry_after_s) for a in attempts
+    )
+    tried = "; ".join(a.describe() for a in attempts)
+    error = Error(code=code, message=f"no decode worker took the reply after {len(attempts)} tries: {tried}")
+    if retry_after_s > 0:
+        error.retry_after_s = retry_after_s
+    return error

@@ -1,0 +1,129 @@
+"""`tandem.v1.generate`: admit or refuse at once, answer with the reply id, then hand the reply
+to a decode worker in the background. Every request prefills on its decode worker for now."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from services.router import metrics
+from services.router.admission import Admitted, admit, parse_request
+from services.router.dispatch import Assign, DispatchConfig, dispatch, failure_event
+from services.router.placement import Placement, affinity_key, num_context_tokens
+from services.router.workers import WorkerRegistry
+from tandem.bus import encode, subjects
+from tandem.v1.dispatch_pb2 import Assignment
+from tandem.v1.generate_pb2 import GenerateReply, Refusal
+
+DECODE_ROLE = "decode"
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+
+def new_reply_id() -> str:
+    """32 hex digits: unique, and a valid NATS subject token."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Job:
+    """An admitted reply and the workers to offer it to, best first."""
+
+    assignment: Assignment
+    worker_ids: tuple[str, ...]
+    admitted_at_s: float
+
+
+class GenerateService:
+    def __init__(
+        self,
+        workers: WorkerRegistry,
+        placement: Placement,
+        assign: Assign,
+        publish: Publish,
+        config: DispatchConfig = DispatchConfig(),
+    ) -> None:
+        self._workers = workers
+        self._placement = placement
+        self._assign = assign
+        self._publish = publish
+        self._config = config
+        self._dispatching: set[asyncio.Task[None]] = set()
+
+    async def on_request(self, msg: Msg) -> None:
+        """The NATS callback: never raises, whatever the payload."""
+        if not msg.reply:
+            log.warning("dropped a generate message without a reply subject (send it as a request)")
+            return
+        reply, job = self.handle(msg.data)
+        await msg.respond(encode(reply))
+        if job is not None:
+            task = asyncio.create_task(self.dispatch(job), name=f"dispatch:{job.assignment.reply_id}")
+            self._dispatching.add(task)
+            task.add_done_callback(self._dispatching.discard)
+
+    def handle(self, data: bytes) -> tuple[GenerateReply, Job | None]:
+        """The answer to one generate payload, and the dispatch job when it was admitted."""
+        request = parse_request(data)
+        if isinstance(request, Refusal):
+            return self._refuse(request), None
+        decode_workers = self._workers.workers(DECODE_ROLE)
+        admitted = admit(request, decode_workers)
+        if isinstance(admitted, Refusal):
+            return self._refuse(admitted), None
+        # A continuation keeps its reply id and numbering: the logged tokens come first.
+        reply_id = request.resume_reply_id or new_reply_id()
+        assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1)
+        ranked = self._placement.rank(decode_workers, admitted.model, request, affinity_key(request, reply_id))
+        if ranked:
+            # Counted from the moment it is chosen, so a burst spreads before any worker answers.
+            self._workers.note_assigned(ranked[0].instance_id, num_context_tokens(request))
+        metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
+        job = Job(assignment, tuple(w.instance_id for w in ranked), time.monotonic())
+        return GenerateReply(reply_id=reply_id, model=admitted.model), job
+
+    def _refuse(self, refusal: Refusal) -> GenerateReply:
+        metrics.REQUESTS_REFUSED.labels(reason=refusal.reason).inc()
+        log.info("refused a generate request: %s: %s", refusal.reason, refusal.message)
+        return GenerateReply(refused=refusal)
+
+    async def dispatch(self, job: Job) -> None:
+        """Offers the job to its workers in order; if none takes it, the reply ends with an error event."""
+        assignment = job.assignment
+        num_tokens = num_context_tokens(assignment.request)
+        result = await dispatch(
+            self._assign,
+            assignment,
+            job.worker_ids,
+            self._config,
+            on_retry=lambda worker_id: self._workers.note_assigned(worker_id, num_tokens),
+        )
+        if result.accepted_by is not None:
+            metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
+            log.debug("reply %s runs on %s", assignment.reply_id, result.accepted_by)
+            return
+        metrics.DISPATCH_FAILURES.inc()
+        event = failure_event(assignment, result, self._config)
+        log.warning("reply %s failed: %s", assignment.reply_id, event.error.message)
+        try:
+            await self._publish(subjects.tokens(assignment.reply_id), encode(event))
+        except Exception:  # a task's exception would otherwise go unseen
+            log.exception("could not publish the error event of reply %s", assignment.reply_id)
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """For shutdown: lets dispatches in flight finish, then cancels what is left."""
+        pending = set(self._dispatching)
+        if not pending:
+            return
+        _, still_running = await asyncio.wait(pending, timeout=timeout_s)
+        for task in still_running:
+            task.cancel()
+        if still_running:
+            log.warning("cancelled %d dispatches at shutdown", len(still_running))

@@ -1,0 +1,17 @@
+"""The router's own Prometheus metrics (the shared ones live in tandem.metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+REQUESTS_ACCEPTED = Counter("tandem_router_requests_accepted", "Generate requests admitted", ["model"])
+REQUESTS_REFUSED = Counter("tandem_router_requests_refused", "Generate requests refused", ["reason"])
+DISPATCH_ATTEMPTS = Counter(
+    "tandem_router_dispatch_attempts", "Assignments offered to workers, by outcome", ["outcome"]
+)
+DISPATCH_FAILURES = Counter("tandem_router_dispatch_failures", "Admitted replies that no worker took")
+DISPATCH_SECONDS = Histogram(
+    "tandem_router_dispatch_seconds",
+    "From admission to a worker's acceptance",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)

@@ -1,0 +1,302 @@
+"""The router as a real process against a real nats-server: admission and refusals over
+`tandem.v1.generate`, placement by load, and dispatch with retries to decode workers.
+
+The decode workers here are stand-ins written in the test: real NATS clients that heartbeat like
+a decode worker and answer Assignments as told, so each path is driven exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import pytest_asyncio
+from conftest import next_heartbeat, service_env, service_process
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from tandem.bus import decode, encode, subjects
+from tandem.proc import ChildProcess
+from tandem.servers import EmbeddedServer
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR, LaneCounts
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
+from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
+
+MODEL = "SmolLM2-135M-Instruct"
+WINDOW = 8192
+HEARTBEAT_INTERVAL_S = 0.2
+WAIT_S = 10.0
+
+ACCEPT = "accept"
+REFUSE = "refuse"
+SILENT = "silent"  # subscribed, never answers: the router times out
+DEAF = "deaf"  # not subscribed at all: the router gets "no responders"
+
+
+@dataclass
+class Router:
+    child: ChildProcess
+    url: str
+    instance_id: str
+
+
+async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer, nc: Client) -> Router:
+    env = service_env("router", nats_server.url, redis_server.url)
+    child = service_process("router", env)
+    child.start()
+    router = Router(child, f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}", env["TANDEM_INSTANCE_ID"])
+    # Ready means subscribed to heartbeats and generate, and flushed to the server.
+    await next_heartbeat(nc, "router", router.instance_id, accept=lambda hb: hb.is_ready, timeout_s=30)
+    return router
+
+
+@pytest_asyncio.fixture
+async def router(nats_server, redis_server, nc) -> AsyncIterator[Router]:
+    started = await start_router(nats_server, redis_server, nc)
+    yield started
+    started.child.stop(timeout_s=10)
+
+
+class StandInWorker:
+    """A decode worker as the router sees it: heartbeats with a fixed load, and Assignments
+    answered by `answer`."""
+
+    def __init__(self, nc: Client, answer: str = ACCEPT, *, num_running: int = 0, is_engine_ready: bool = True) -> None:
+        self.nc = nc
+        self.instance_id = f"decode-standin-{uuid.uuid4().hex[:8]}"
+        self.answer = answer
+        self.heartbeat = WorkerHeartbeat(
+            service=ServiceHeartbeat(role="decode", instance_id=self.instance_id, is_ready=True, interval_s=HEARTBEAT_INTERVAL_S),
+            model=MODEL,
+            kv_block_size=16,
+            kv_blocks_total=1024,
+            kv_blocks_free=1024,
+            running=LaneCounts(paid=num_running),
+            waiting=LaneCounts(),
+            max_model_len=WINDOW if is_engine_ready else 0,
+            is_engine_ready=is_engine_ready,
+        )
+        self.assignments: asyncio.Queue[Assignment] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        if self.answer != DEAF:
+            await self.nc.subscribe(subjects.assign(self.instance_id), cb=self._on_assignment)
+            await self.nc.flush()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self.heartbeat.service.sent_unix_ms = int(time.time() * 1000)
+            await self.nc.publish(subjects.heartbeat("decode", self.instance_id), encode(self.heartbeat))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period, not a wait for an event
+
+    async def _on_assignment(self, msg: Msg) -> None:
+        await self.assignments.put(decode(msg.data, Assignment))
+        if self.answer == ACCEPT:
+            await msg.respond(encode(AssignmentReply(accepted=True)))
+        elif self.answer == REFUSE:
+            refusal = Refusal(reason="overloaded", message=f"{self.instance_id} is full", retry_after_s=1.5)
+            await msg.respond(encode(AssignmentReply(refused=refusal)))
+
+    async def next_assignment(self) -> Assignment:
+        return await asyncio.wait_for(self.assignments.get(), WAIT_S)
+
+
+@pytest_asyncio.fixture
+async def stand_in(nc) -> AsyncIterator[Callable]:
+    workers: list[StandInWorker] = []
+
+    async def start(answer: str = ACCEPT, **load: object) -> StandInWorker:
+        worker = StandInWorker(nc, answer, **load)
+        await worker.start()
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        await worker.stop()
+
+
+async def wait_until_router_lists(router: Router, *workers: StandInWorker) -> None:
+    """Until the router has a heartbeat from each (a bounded poll of its /workers listing)."""
+    expected = {w.instance_id: w.heartbeat.is_engine_ready for w in workers}
+    deadline = time.monotonic() + WAIT_S
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        while True:
+            listed = {w["instance_id"]: w["engine_ready"] for w in (await http.get("/workers")).json()["decode"]}
+            if all(listed.get(i) == ready for i, ready in expected.items()):
+                return
+            assert time.monotonic() < deadline, f"the router lists {listed}, not {expected}"
+            await asyncio.sleep(0.05)
+
+
+def generate_request(num_prompt_tokens: int = 12, model: str = MODEL, **fields: object) -> GenerateRequest:
+    request = GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        model=model,
+        user_id="u1",
+        tenant="t1",
+        prompt_token_ids=list(range(1, num_prompt_tokens + 1)),
+        **fields,
+    )
+    request.sampling.max_tokens = 32
+    request.sampling.temperature = 0.7
+    return request
+
+
+async def ask(nc: Client, payload: GenerateRequest | bytes) -> GenerateReply:
+    data = payload if isinstance(payload, bytes) else encode(payload)
+    return decode((await nc.request(subjects.GENERATE, data, timeout=WAIT_S)).data, GenerateReply)
+
+
+async def ask_refused(nc: Client, payload: GenerateRequest | bytes) -> Refusal:
+    reply = await ask(nc, payload)
+    assert reply.WhichOneof("outcome") == "refused", reply
+    return reply.refused
+
+
+async def ask_accepted(nc: Client, payload: GenerateRequest) -> GenerateReply:
+    reply = await ask(nc, payload)
+    assert reply.WhichOneof("outcome") == "reply_id", reply
+    return reply
+
+
+async def test_a_request_runs_once_on_the_least_loaded_worker(router, stand_in, nc):
+    busy = await stand_in(num_running=5)
+    idle = await stand_in(num_running=1)
+    await wait_until_router_lists(router, busy, idle)
+    request = generate_request(conversation_id="conv-1")
+    reply = await ask_accepted(nc, request)
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", reply.reply_id)
+    assert reply.model == MODEL
+    assignment = await idle.next_assignment()
+    assert assignment.reply_id == reply.reply_id
+    assert assignment.request == request
+    assert assignment.first_seq == 1
+    # A later request's assignment is a barrier: by then the first went out once, to idle only.
+    await ask_accepted(nc, generate_request(conversation_id="conv-2"))
+    await idle.next_assignment()
+    assert busy.assignments.empty() and idle.assignments.empty()
+
+
+async def test_auto_gets_the_model_the_workers_serve(router, stand_in, nc):
+    worker = await stand_in()
+    await wait_until_router_lists(router, worker)
+    reply = await ask_accepted(nc, generate_request(model="auto"))
+    assert reply.model == MODEL
+    assert (await worker.next_assignment()).reply_id == reply.reply_id
+
+
+async def test_a_refusing_worker_sends_the_reply_to_the_next(router, stand_in, nc):
+    refuser = await stand_in(REFUSE, num_running=0)
+    acceptor = await stand_in(ACCEPT, num_running=3)
+    await wait_until_router_lists(router, refuser, acceptor)
+    reply = await ask_accepted(nc, generate_request())
+    assert (await refuser.next_assignment()).reply_id == reply.reply_id
+    assert (await acceptor.next_assignment()).reply_id == reply.reply_id
+
+
+async def test_silent_and_unsubscribed_workers_are_skipped(router, stand_in, nc):
+    silent = await stand_in(SILENT, num_running=0)
+    deaf = await stand_in(DEAF, num_running=1)
+    acceptor = await stand_in(ACCEPT, num_running=2)
+    await wait_until_router_lists(router, silent, deaf, acceptor)
+    reply = await ask_accepted(nc, generate_request())
+    assert (await silent.next_assignment()).reply_id == reply.reply_id
+    assert (await acceptor.next_assignment()).reply_id == reply.reply_id  # after the 2 s timeout
+
+
+async def test_when_every_worker_refuses_the_reply_ends_with_an_error_event(router, stand_in, nc):
+    first, second = await stand_in(REFUSE), await stand_in(REFUSE, num_running=1)
+    await wait_until_router_lists(router, first, second)
+    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    async def on_event(msg: Msg) -> None:
+        await events.put(decode(msg.data, TokenEvent))
+
+    subscription = await nc.subscribe(subjects.TOKENS_ALL, cb=on_event)
+    await nc.flush()
+    try:
+        reply = await ask_accepted(nc, generate_request())
+        event = await asyncio.wait_for(events.get(), WAIT_S)
+        while event.reply_id != reply.reply_id:  # another test's leftovers never match a fresh id
+            event = await asyncio.wait_for(events.get(), WAIT_S)
+    finally:
+        await subscription.unsubscribe()
+    assert (event.seq, event.finish) == (1, FINISH_REASON_ERROR)
+    assert event.error.code == "overloaded"
+    assert f"{first.instance_id} refused (overloaded: {first.instance_id} is full)" in event.error.message
+    assert f"{second.instance_id} refused" in event.error.message
+    assert event.error.retry_after_s == 1.5
+    assert (await first.next_assignment()).reply_id == (await second.next_assignment()).reply_id == reply.reply_id
+
+
+async def test_each_invalid_request_is_refused_with_its_reason(router, stand_in, nc):
+    worker = await stand_in()
+    await wait_until_router_lists(router, worker)
+    empty = await ask_refused(nc, generate_request(num_prompt_tokens=0))
+    assert empty.reason == "empty_prompt"
+    unknown = await ask_refused(nc, generate_request(model="gpt-9"))
+    assert unknown.reason == "unknown_model"
+    assert f"models served: {MODEL}" in unknown.message
+    too_long = await ask_refused(nc, generate_request(num_prompt_tokens=WINDOW))
+    assert too_long.reason == "prompt_too_long"
+    assert f"the prompt has {WINDOW} tokens; {MODEL} takes at most {WINDOW - 1}" in too_long.message
+    no_room = generate_request()
+    no_room.sampling.max_tokens = WINDOW + 1
+    assert (await ask_refused(nc, no_room)).reason == "bad_max_tokens"
+    assert worker.assignments.empty()  # refused requests never reach a worker
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        body = (await http.get("/metrics")).text
+    for reason in ("empty_prompt", "unknown_model", "prompt_too_long", "bad_max_tokens"):
+        assert f'tandem_router_requests_refused_total{{reason="{reason}"}} 1.0' in body
+
+
+async def test_without_a_worker_that_takes_work_requests_are_refused_with_a_retry(router, stand_in, nc):
+    refusal = await ask_refused(nc, generate_request())
+    assert (refusal.reason, refusal.retry_after_s) == ("no_workers", 2.0)
+    loading = await stand_in(is_engine_ready=False)
+    await wait_until_router_lists(router, loading)
+    refusal = await ask_refused(nc, generate_request(model="auto"))
+    assert refusal.reason == "no_workers"
+    assert f"no decode worker for {MODEL} takes work now" in refusal.message
+    assert refusal.retry_after_s == 2.0
+
+
+async def test_a_garbage_payload_is_a_bad_request_and_the_router_keeps_serving(router, stand_in, nc):
+    worker = await stand_in()
+    await wait_until_router_lists(router, worker)
+    refusal = await ask_refused(nc, b"\x0a\xff\x01garbage")
+    assert refusal.reason == "bad_request"
+    assert "not a valid tandem.v1.GenerateRequest" in refusal.message
+    reply = await ask_accepted(nc, generate_request())
+    assert (await worker.next_assignment()).reply_id == reply.reply_id
+    assert router.child.poll() is None
+
+
+async def test_routers_in_one_queue_group_answer_each_request_once(router, stand_in, nc, nats_server, redis_server):
+    second = await start_router(nats_server, redis_server, nc)
+    try:
+        worker = await stand_in()
+        await wait_until_router_lists(router, worker)
+        await wait_until_router_lists(second, worker)
+        reply_ids = {(await ask_accepted(nc, generate_request())).reply_id for _ in range(8)}
+        assigned = [(await worker.next_assignment()).reply_id for _ in range(8)]
+        assert sorted(assigned) == sorted(reply_ids) and len(reply_ids) == 8
+    finally:
+        second.child.stop(timeout_s=10)
