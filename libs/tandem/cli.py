@@ -25,26 +25,37 @@ def _up(args: argparse.Namespace) -> int:
     return asyncio.run(Stack(config).run())
 
 
+def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+
+
+def _sampling(args: argparse.Namespace):  # -> SamplingOptions; validated before anything loads
+    from tandem.engine.sequence import SamplingOptions
+
+    try:
+        return SamplingOptions(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
+
 def _generate(args: argparse.Namespace) -> int:
-    """Streams one chat answer from the in-process engine."""
+    """Streams one chat answer from the in-process engine, or through the running stack."""
+    sampling = _sampling(args)
+    if args.via_bus:
+        return asyncio.run(_generate_via_bus(args, sampling))
     import time
     from pathlib import Path
 
     import torch
 
     from tandem.engine.engine import Engine, EngineConfig, Request
-    from tandem.engine.sequence import SamplingOptions
     from tandem.kernels import select_attention
     from tandem.models.loader import default_dtype, load_model
 
-    try:
-        sampling = SamplingOptions(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
     dtype = {"auto": default_dtype("cpu"), "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     loaded = load_model(Path(args.model) if args.model else None, dtype, "cpu", select_attention("cpu"))
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
-    prompt_ids = loaded.tokenizer.encode_chat(messages) if not args.raw else loaded.tokenizer.encode(args.prompt, add_bos=True)
+    tokenizer = loaded.tokenizer
+    prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
     engine = Engine(loaded, EngineConfig(kv_cache_mib=256))
     try:
         engine.add(Request("cli", tuple(prompt_ids), sampling))
@@ -66,6 +77,67 @@ def _generate(args: argparse.Namespace) -> int:
             f"{(num_tokens - 1) / decode_s if decode_s > 0 else 0:.1f} tokens/s after]",
             file=sys.stderr,
         )
+    return 0
+
+
+async def _quiet(*_: object) -> None:
+    """nats-py logs every connection error with a traceback; the CLI says it in one line instead."""
+
+
+async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:  # noqa: ANN001
+    """The internal-client path: a GenerateRequest on tandem.v1.generate, then the TokenEvents."""
+    from pathlib import Path
+
+    import nats
+
+    from tandem.bus import decode, encode, subjects
+    from tandem.models.loader import load_tokenizer
+    from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_UNSPECIFIED, SamplingParams
+    from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
+    from tandem.v1.tokens_pb2 import TokenEvent
+
+    settings = load_settings()
+    tokenizer = load_tokenizer(Path(args.model) if args.model else settings.model_path)
+    prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
+    if sampling.seed is not None:
+        params.seed = sampling.seed
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(settings.nats_url, connect_timeout=2, max_reconnect_attempts=0, error_cb=_quiet), timeout=5
+        )
+    except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds; all mean the same here
+        raise StartupError(
+            f"cannot reach NATS at {settings.nats_url} ({exc or type(exc).__name__}): start the stack or set TANDEM_NATS_URL"
+        ) from None
+    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    async def on_event(msg: nats.aio.msg.Msg) -> None:
+        events.put_nowait(decode(msg.data, TokenEvent))
+
+    # Subscribed before asking, so no token can arrive before we listen.
+    await nc.subscribe(f"{subjects.PREFIX}.tokens.*", cb=on_event)
+    try:
+        answer = await nc.request(subjects.GENERATE, encode(GenerateRequest(model="auto", prompt_token_ids=prompt_ids, sampling=params)), timeout=10)
+    except Exception as exc:  # noqa: BLE001
+        await nc.close()
+        raise StartupError(f"no router answered on {subjects.GENERATE} ({exc or type(exc).__name__}): is the stack up?") from None
+    reply = decode(answer.data, GenerateReply)
+    if reply.WhichOneof("outcome") == "refused":
+        await nc.close()
+        raise StartupError(f"refused ({reply.refused.reason}): {reply.refused.message}")
+    while True:
+        event = await events.get()
+        if event.reply_id != reply.reply_id:
+            continue
+        print(event.text, end="", flush=True)
+        if event.finish == FINISH_REASON_ERROR:
+            await nc.close()
+            raise StartupError(f"{event.error.code}: {event.error.message}")
+        if event.finish != FINISH_REASON_UNSPECIFIED:
+            break
+    print(flush=True)
+    await nc.close()
     return 0
 
 
@@ -91,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--model", help="a .gguf file or safetensors folder (default: the embedded SmolLM2)")
     generate.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    generate.add_argument("--via-bus", action="store_true", help="ask the running stack over NATS (TANDEM_NATS_URL)")
     generate.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
     generate.set_defaults(run=_generate)
     serve = commands.add_parser("serve", help="run one service in this process")

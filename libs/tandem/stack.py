@@ -116,7 +116,7 @@ class Stack:
         self._supervisors = [asyncio.create_task(self._supervise(m), name=f"supervise:{m.name}") for m in self._members]
         if not await self._wait_all_ready():
             return 1
-        self._announce()
+        self._announce(nats.url)
         await self._stopping.wait()
         return 0
 
@@ -220,12 +220,13 @@ class Stack:
             )
         return False
 
-    def _announce(self) -> None:
+    def _announce(self, nats_url: str) -> None:
         host, port = self._config.host, self._config.chat_port
         self._console.say(f"Tandem is up at http://{host}:{port}")
         for key, api_key in self._config.api_keys.items():
             self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
+        self._console.say(f'internal clients: TANDEM_NATS_URL={nats_url} tandem generate --via-bus "Hello"')
         self._console.say("Ctrl-C stops everything")
 
     async def _stop_all(self) -> None:

@@ -57,6 +57,14 @@ def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind():
             assert _is_running(pids[name]), name
         assert up.wait_for_line(r"API key: (tdm-dev-\S+)", 1) is not None
         assert httpx.get(f"{ready[1]}/readyz", timeout=10).status_code == 200
+        nats_url = up.wait_for_line(r"internal clients: TANDEM_NATS_URL=(\S+)", 1)
+        assert nats_url is not None
+        answer = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "generate", "--via-bus", "What is the capital of France?"],
+            env={**_env(), "TANDEM_NATS_URL": nats_url[1]}, cwd=REPO, capture_output=True, text=True, timeout=120,
+        )
+        assert answer.returncode == 0, answer.stderr
+        assert "Paris" in answer.stdout, "router -> decode worker -> TokenEvents, over the stack's NATS"
 
         mark = up.num_lines
         os.kill(pids["decode"], signal.SIGKILL)

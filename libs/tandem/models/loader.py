@@ -50,6 +50,14 @@ def load_model(path: Path | None, dtype: torch.dtype, device: torch.device | str
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer)
 
 
+def load_tokenizer(path: Path | None) -> Tokenizer:
+    """The checkpoint's tokenizer alone (no weights), for clients that only encode prompts."""
+    checkpoint = open_model(path)
+    if checkpoint.format == "gguf":
+        return Tokenizer.from_gguf(read_gguf(checkpoint.path).metadata)
+    return Tokenizer.from_hf_folder(checkpoint.path)
+
+
 def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bfloat16 where the device computes it natively, else float32 (emulated bf16 on an older
     CPU is slower than float32)."""
