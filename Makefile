@@ -16,7 +16,7 @@ test: $(STAMP)
 # Regenerates libs/tandem/v1 from protos/; a unit test fails when the committed code is stale.
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=libs --pyi_out=libs protos/tandem/v1/*.proto
-	$(PY) -m grpc_tools.protoc -Iprotos --grpc_python_out=libs protos/tandem/v1/control.proto
+	$(PY) -m grpc_tools.protoc -Iprotos --grpc_python_out=libs protos/tandem/v1/control.proto protos/tandem/v1/kv_handoff.proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -12,7 +12,8 @@ def _generate(out: Path) -> None:
     protos = sorted(str(p.relative_to(REPO)) for p in (REPO / "protos" / "tandem" / "v1").glob("*.proto"))
     protoc = [sys.executable, "-m", "grpc_tools.protoc", "-Iprotos"]
     subprocess.run([*protoc, f"--python_out={out}", f"--pyi_out={out}", *protos], cwd=REPO, check=True)
-    subprocess.run([*protoc, f"--grpc_python_out={out}", "protos/tandem/v1/control.proto"], cwd=REPO, check=True)
+    services = ["protos/tandem/v1/control.proto", "protos/tandem/v1/kv_handoff.proto"]
+    subprocess.run([*protoc, f"--grpc_python_out={out}", *services], cwd=REPO, check=True)
 
 
 def test_generated_code_matches_the_protos(tmp_path: Path):
