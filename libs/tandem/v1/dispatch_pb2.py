@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/dispatch.proto\x12\ttandem.v1\x1a\x18tandem/v1/generate.proto\"^\n\nAssignment\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\"W\n\x0f\x41ssignmentReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x42\t\n\x07outcomeb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/dispatch.proto\x12\ttandem.v1\x1a\x18tandem/v1/generate.proto\"\x95\x01\n\nAssignment\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x1b\n\x13\x64\x65\x63ode_grpc_address\x18\x05 \x01(\t\"W\n\x0f\x41ssignmentReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x42\t\n\x07outcomeb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.dispatch_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ASSIGNMENT']._serialized_start=65
-  _globals['_ASSIGNMENT']._serialized_end=159
-  _globals['_ASSIGNMENTREPLY']._serialized_start=161
-  _globals['_ASSIGNMENTREPLY']._serialized_end=248
+  _globals['_ASSIGNMENT']._serialized_start=66
+  _globals['_ASSIGNMENT']._serialized_end=215
+  _globals['_ASSIGNMENTREPLY']._serialized_start=217
+  _globals['_ASSIGNMENTREPLY']._serialized_end=304
 # @@protoc_insertion_point(module_scope)
