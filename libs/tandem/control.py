@@ -40,10 +40,17 @@ class ControlServer:
         self.address = address
         self._grace_s = grace_s
         self._server: grpc.aio.Server | None = None
+        self._registrations: list[Callable[[grpc.aio.Server], None]] = []
+
+    def add_service(self, register: Callable[[grpc.aio.Server], None]) -> None:
+        """Another gRPC service on the same port (the decode worker's KvHandoff); before start()."""
+        self._registrations.append(register)
 
     async def start(self) -> None:
         self._server = grpc.aio.server()
         control_pb2_grpc.add_WorkerControlServicer_to_server(self._servicer, self._server)
+        for register in self._registrations:
+            register(self._server)
         self._server.add_insecure_port(self.address)
         await self._server.start()
 

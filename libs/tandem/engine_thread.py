@@ -1,5 +1,6 @@
 """An Engine on a thread of its own, driven from asyncio: a worker's event loop stays free for
-NATS and gRPC while the engine steps. Commands go in through a queue; each step's outputs come
+NATS, gRPC and UCX while the engine steps. Every touch of the engine (add, abort, reserve,
+import, release) runs on its thread between two steps, through `call`; each step's outputs come
 back to the loop through a callback."""
 
 from __future__ import annotations
@@ -10,21 +11,20 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from tandem.engine.engine import Engine, EngineStats, Request, RequestOutput
+from tandem.engine.engine import Engine, EngineStats, RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Add:
-    request: Request
-    accepted: asyncio.Future[None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class _Abort:
-    request_id: str
+class _Call:
+    fn: Callable[[Engine], Any]
+    done: asyncio.Future[Any] | None  # None: nobody waits for the result
 
 
 class EngineThread:
@@ -37,7 +37,7 @@ class EngineThread:
         self._build_engine = build_engine
         self._on_outputs = on_outputs
         self._loop = loop
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._is_ready = threading.Event()
         self._failure: BaseException | None = None
@@ -51,14 +51,15 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    async def add(self, request: Request) -> None:
-        """Queues a request; raises what Engine.add raises (PromptTooLong, ...)."""
-        accepted = self._loop.create_future()
-        self._commands.put(_Add(request, accepted))
-        await accepted
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Runs fn(engine) on the engine thread before its next step; returns or raises what fn does."""
+        done = self._loop.create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def post(self, fn: Callable[[Engine], object]) -> None:
+        """Like `call`, without waiting (an abort, a release)."""
+        self._commands.put(_Call(fn, None))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._commands.put(None)
@@ -86,29 +87,32 @@ class EngineThread:
                 return
             for command in commands:
                 self._apply(command)
+            if commands:  # a release or reservation changes the block counts without a step
+                self.latest_stats = self.engine.stats()
             if self.engine.has_work():
                 outputs = self.engine.step()
                 self.latest_stats = self.engine.stats()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
 
-    def _apply(self, command: _Add | _Abort | None) -> None:
+    def _apply(self, command: _Call | None) -> None:
         assert self.engine is not None and command is not None
-        if isinstance(command, _Abort):
-            self.engine.abort(command.request_id)
-            return
         try:
-            self.engine.add(command.request)
-        except ValueError as exc:
-            self._loop.call_soon_threadsafe(_settle, command.accepted, exc)
+            result = command.fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, whose request it was
+            if command.done is None:
+                log.warning("engine call failed: %s", exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle, command.done, None, exc)
         else:
-            self._loop.call_soon_threadsafe(_settle, command.accepted, None)
+            if command.done is not None:
+                self._loop.call_soon_threadsafe(_settle, command.done, result, None)
 
 
-def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future[Any], result: object, exc: BaseException | None) -> None:
     if future.done():
         return
     if exc is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(exc)

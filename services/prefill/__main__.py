@@ -1,4 +1,4 @@
+from services.prefill.app import ROLE, build_app
 from tandem.service import run_service
-from tandem.worker import build_worker_app
 
-run_service("prefill", lambda settings: build_worker_app("prefill", settings))
+run_service(ROLE, build_app)

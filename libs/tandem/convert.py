@@ -1,0 +1,69 @@
+"""Between the wire (our protobufs) and the engine's own types, in one place for every worker."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tandem.engine.engine import Engine, Request, RequestOutput
+from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
+from tandem.v1 import common_pb2
+from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.kv_handoff_pb2 import KvLayout
+from tandem.v1.tokens_pb2 import TokenEvent
+
+LANES = {common_pb2.LANE_PAID: Lane.PAID, common_pb2.LANE_BACKGROUND: Lane.BACKGROUND}  # anything else: FREE
+FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def engine_request(reply_id: str, request: GenerateRequest) -> Request:
+    """The engine's view of a GenerateRequest; raises ValueError for bad sampling."""
+    p = request.sampling
+    sampling = SamplingOptions(
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+    )
+    return Request(
+        reply_id,
+        tuple(request.prompt_token_ids),
+        sampling,
+        lane=LANES.get(request.lane, Lane.FREE),
+        tenant=request.tenant or request.user_id,
+        num_public_prefix_tokens=min(request.public_prefix_tokens, len(request.prompt_token_ids)),
+    )
+
+
+def token_event(output: RequestOutput, seq: int, worker_id: str) -> TokenEvent:
+    event = TokenEvent(
+        reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=int(time.time() * 1000)
+    )
+    if output.new_token_ids:
+        event.token_id = output.new_token_ids[0]
+    if output.finish_reason is not None:
+        event.finish = FINISH[output.finish_reason]
+        event.usage.input_tokens = output.num_prompt_tokens
+        event.usage.cached_tokens = output.num_cached_tokens
+        event.usage.output_tokens = output.num_output_tokens
+    return event
+
+
+def kv_layout(engine: Engine, model_name: str) -> KvLayout:
+    shape = engine.kv_shape
+    return KvLayout(
+        model=model_name,
+        dtype=str(engine.block_view(0).dtype).removeprefix("torch."),
+        block_size=shape.block_size,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        byte_order=sys.byteorder,
+    )

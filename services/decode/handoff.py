@@ -1,0 +1,125 @@
+"""The decode side of a KV handoff: reserve blocks (with a lease), receive the prefill worker's
+KV into them over UCXX, then import the sequence on commit. The decode worker allocates first,
+so a transfer never lands without room, and never runs a half-written sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.convert import engine_request, kv_layout
+from tandem.engine.block_pool import NoFreeBlocks
+from tandem.engine_host import EngineHost
+from tandem.kvtransfer import KvReceiver
+from tandem.v1 import kv_handoff_pb2 as pb
+from tandem.v1 import kv_handoff_pb2_grpc
+from tandem.v1.generate_pb2 import Refusal
+
+log = logging.getLogger(__name__)
+TRANSFER_WAIT_S = 10.0
+
+
+@dataclass
+class _Reservation:
+    block_ids: list[int]
+    lease: asyncio.TimerHandle
+
+
+class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
+    def __init__(self, host: EngineHost, model_name: str, ucx_host: str, ucx_port: int, lease_s: float, is_draining) -> None:  # noqa: ANN001
+        self._host = host
+        self._model_name = model_name
+        self._lease_s = lease_s
+        self._is_draining = is_draining
+        self._reservations: dict[str, _Reservation] = {}
+        self.receiver = KvReceiver(ucx_host, ucx_port, resolve=self._destination)
+        self._ucx_host = ucx_host
+
+    def _destination(self, reply_id: str) -> list | None:  # noqa: ANN401
+        reservation = self._reservations.get(reply_id)
+        if reservation is None:
+            return None
+        return [self._host.engine.block_view(b) for b in reservation.block_ids]
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reservations)
+
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveReply:
+        def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> pb.ReserveReply:
+            return pb.ReserveReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
+
+        if self._is_draining():
+            return refuse("draining", "this decode worker is draining", 1.0)
+        if not await self._host.is_ready():
+            return refuse("loading", "this decode worker's engine is still loading", 2.0)
+        ours = kv_layout(self._host.engine, self._model_name)
+        if request.layout != ours:
+            return refuse("layout_mismatch", f"KV layout differs: sender {_show(request.layout)}, this worker {_show(ours)}")
+        if request.reply_id in self._reservations:
+            return refuse("bad_request", f"{request.reply_id} already holds a reservation here")
+        try:
+            block_ids = await self._host.thread.call(lambda engine: engine.reserve_blocks(request.num_blocks))
+        except NoFreeBlocks as exc:
+            return refuse("no_room", str(exc), 1.0)
+        lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
+        self._reservations[request.reply_id] = _Reservation(block_ids, lease)
+        return pb.ReserveReply(
+            reservation=pb.Reservation(
+                block_ids=block_ids, ucx_host=self._ucx_host, ucx_port=self.receiver.port, lease_s=self._lease_s
+            )
+        )
+
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
+        def refuse(reason: str, message: str) -> pb.CommitReply:
+            return pb.CommitReply(refused=Refusal(reason=reason, message=message))
+
+        reservation = self._reservations.get(request.reply_id)
+        if reservation is None:
+            return refuse("no_reservation", f"{request.reply_id} holds no reservation here (released, or its lease expired)")
+        if not await self.receiver.wait_received(request.reply_id, TRANSFER_WAIT_S):
+            self._free(request.reply_id)
+            return refuse("transfer_incomplete", f"the KV of {request.reply_id} did not arrive within {TRANSFER_WAIT_S:.0f} s")
+        try:
+            engine_req = engine_request(request.reply_id, request.assignment.request)
+        except ValueError as exc:
+            self._free(request.reply_id)
+            return refuse("bad_request", str(exc))
+        reservation.lease.cancel()
+        del self._reservations[request.reply_id]
+        self.receiver.forget(request.reply_id)
+        self._host.track(request.reply_id, request.assignment.first_seq)
+        try:
+            await self._host.thread.call(
+                lambda engine: engine.import_sequence(engine_req, reservation.block_ids, request.first_token_id, request.num_cached_tokens)
+            )
+        except ValueError as exc:
+            self._host.thread.post(lambda engine: engine.cancel_reservation(reservation.block_ids))
+            return refuse("bad_request", str(exc))
+        return pb.CommitReply(accepted=True)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        return pb.ReleaseReply(was_reserved=self._free(request.reply_id))
+
+    def _expire(self, reply_id: str) -> None:
+        if self._free(reply_id):
+            log.warning("the reservation of %s expired uncommitted; its blocks are free again", reply_id)
+
+    def _free(self, reply_id: str) -> bool:
+        reservation = self._reservations.pop(reply_id, None)
+        if reservation is None:
+            return False
+        reservation.lease.cancel()
+        self.receiver.forget(reply_id)
+        self._host.thread.post(lambda engine: engine.cancel_reservation(reservation.block_ids))
+        return True
+
+
+def _show(layout: pb.KvLayout) -> str:
+    return (
+        f"{layout.model} {layout.dtype} block {layout.block_size} x {layout.num_layers} layers x "
+        f"{layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.byte_order}-endian)"
+    )

@@ -1,0 +1,189 @@
+"""The prefill worker: runs a request prefill-only (chunked, with its own prefix cache), publishes
+the first token at once, and hands the sequence to the decode worker the router chose:
+
+    Reserve on the decode worker (gRPC, it allocates first) -> prefill -> first token out ->
+    KV blocks over UCXX into the reserved blocks -> Commit (gRPC) -> free the local blocks.
+
+Any failure releases the reservation on both sides and ends the reply with an error event."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from fastapi import FastAPI
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.config import Settings
+from tandem.convert import engine_request, kv_layout
+from tandem.engine.engine import RequestOutput
+from tandem.engine_host import EngineHost
+from tandem.kvtransfer import KvSender, KvTransferError
+from tandem.v1 import common_pb2
+from tandem.v1 import kv_handoff_pb2 as pb
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.generate_pb2 import Refusal
+from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
+from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.worker import build_worker
+
+ROLE = "prefill"
+RESERVE_TIMEOUT_S = 2.0
+TRANSFER_TIMEOUT_S = 10.0
+COMMIT_TIMEOUT_S = 15.0
+log = logging.getLogger(__name__)
+
+
+class HandoffFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PrefillWorker:
+    def __init__(self, settings: Settings) -> None:
+        self._worker = build_worker(ROLE, settings, lambda: self._host.load())
+        self._host = EngineHost(settings, self._worker)
+        self._sender = KvSender()
+        self._stubs: dict[str, tuple[grpc.aio.Channel, KvHandoffStub]] = {}
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+
+    def app(self) -> FastAPI:
+        self._worker.runtime.add_check("engine", self._host.is_ready)
+        self._worker.runtime.bus.on_connect(self._subscribe)
+        return self._worker.app(on_start=self._host.start, on_stop=self._stop)
+
+    async def _stop(self) -> None:
+        for task in self._in_flight.values():
+            task.cancel()
+        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+        await self._host.stop()
+        await self._sender.close()
+        for channel, _ in self._stubs.values():
+            await channel.close()
+
+    async def _subscribe(self, client: Client) -> None:
+        await client.subscribe(subjects.assign(self._worker.runtime.config.instance_id), cb=self._on_assign)
+        await client.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        task = self._in_flight.get(subjects.reply_id_of(msg.subject))
+        if task is not None:
+            task.cancel()
+
+    async def _on_assign(self, msg: Msg) -> None:
+        await msg.respond(encode(await self._accept(msg.data)))
+
+    def _stub(self, address: str) -> KvHandoffStub:
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address)
+            self._stubs[address] = (channel, KvHandoffStub(channel))
+        return self._stubs[address][1]
+
+    async def _accept(self, data: bytes) -> AssignmentReply:
+        def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
+            return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
+
+        try:
+            assignment = decode(data, Assignment)
+            subjects.tokens(assignment.reply_id)
+            request = engine_request(assignment.reply_id, assignment.request)
+        except (BadMessage, ValueError) as exc:
+            return refuse("bad_request", str(exc))
+        if not assignment.decode_grpc_address:
+            return refuse("bad_request", "an assignment to a prefill worker must name its decode worker")
+        if self._worker.runtime.is_draining:
+            return refuse("draining", "this worker is draining", retry_after_s=1.0)
+        if not await self._host.is_ready():
+            return refuse("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
+        if assignment.reply_id in self._in_flight:
+            return AssignmentReply(accepted=True)
+        engine = self._host.engine
+        num_blocks = -(-len(request.prompt_token_ids) // engine.kv_shape.block_size)
+        stub = self._stub(assignment.decode_grpc_address)
+        try:
+            reserved = await stub.Reserve(
+                pb.ReserveRequest(reply_id=assignment.reply_id, layout=kv_layout(engine, self._worker.model.name), num_blocks=num_blocks),
+                timeout=RESERVE_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return refuse("decode_unreachable", f"decode worker {assignment.decode_worker_id}: {exc.code().name}", 1.0)
+        if reserved.WhichOneof("outcome") == "refused":
+            r = reserved.refused
+            return refuse(r.reason, f"decode worker {assignment.decode_worker_id}: {r.message}", r.retry_after_s)
+        first_seq = assignment.first_seq or 1
+        self._host.track(assignment.reply_id, first_seq)
+        handoff = self._host.expect_handoff(assignment.reply_id)
+        try:
+            await self._host.thread.call(lambda e: e.add(request, prefill_only=True))
+        except ValueError as exc:
+            self._host.untrack(assignment.reply_id)
+            await _release(stub, assignment.reply_id)
+            return refuse("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
+        task = asyncio.create_task(self._hand_over(assignment, reserved.reservation, handoff, stub))
+        self._in_flight[assignment.reply_id] = task
+        task.add_done_callback(lambda _: self._in_flight.pop(assignment.reply_id, None))
+        return AssignmentReply(accepted=True)
+
+    async def _hand_over(
+        self, assignment: Assignment, reservation: pb.Reservation, handoff: asyncio.Future[RequestOutput], stub: KvHandoffStub
+    ) -> None:
+        reply_id = assignment.reply_id
+        first_seq = assignment.first_seq or 1
+        output: RequestOutput | None = None
+        try:
+            output = await handoff
+            if output.handoff is None:  # finished (or was cancelled) at its first token: nothing to hand over
+                await _release(stub, reply_id)
+                return
+            blocks = [self._host.engine.block_view(b) for b in output.handoff.block_ids]
+            try:
+                await self._sender.send(reservation.ucx_host, reservation.ucx_port, reply_id, blocks, TRANSFER_TIMEOUT_S)
+            except KvTransferError as exc:
+                raise HandoffFailed("kv_transfer_failed", str(exc)) from None
+            continued = Assignment()
+            continued.CopyFrom(assignment)
+            continued.first_seq = first_seq + 1
+            commit = pb.CommitRequest(
+                reply_id=reply_id,
+                assignment=continued,
+                first_token_id=output.new_token_ids[0],
+                num_cached_tokens=output.num_cached_tokens,
+            )
+            committed = await stub.Commit(commit, timeout=COMMIT_TIMEOUT_S)
+            if committed.WhichOneof("outcome") == "refused":
+                raise HandoffFailed(committed.refused.reason, committed.refused.message)
+        except asyncio.CancelledError:  # tandem.v1.cancel.<reply_id>, or shutting down
+            self._host.untrack(reply_id)  # first: the aborted request's last output is not published
+            if output is None:
+                self._host.thread.post(lambda e: e.abort(reply_id))
+            await _release(stub, reply_id)
+            await self._publish_end(reply_id, first_seq + (output is not None), common_pb2.FINISH_REASON_CANCELLED, None)
+        except (HandoffFailed, grpc.aio.AioRpcError) as exc:
+            code = exc.code if isinstance(exc, HandoffFailed) else "decode_unreachable"
+            log.warning("handoff of %s to %s failed: %s", reply_id, assignment.decode_worker_id, exc)
+            await _release(stub, reply_id)
+            await self._publish_end(reply_id, first_seq + 1, common_pb2.FINISH_REASON_ERROR, common_pb2.Error(code=code, message=str(exc)))
+        finally:
+            if output is not None and output.handoff is not None:
+                self._host.thread.post(lambda e: e.release(reply_id))
+
+    async def _publish_end(self, reply_id: str, seq: int, finish: int, error: common_pb2.Error | None) -> None:
+        event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, worker_id=self._worker.runtime.config.instance_id)
+        if error is not None:
+            event.error.CopyFrom(error)
+        await self._worker.runtime.bus.client.publish(subjects.tokens(reply_id), encode(event))
+
+
+async def _release(stub: KvHandoffStub, reply_id: str) -> None:
+    try:
+        await stub.Release(pb.ReleaseRequest(reply_id=reply_id), timeout=RESERVE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:  # the decode worker is gone: its lease frees the blocks
+        log.warning("release of %s failed (%s); the lease will free its blocks", reply_id, exc.code().name)
+
+
+def build_app(settings: Settings) -> FastAPI:
+    return PrefillWorker(settings).app()
