@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def build_app(settings: Settings) -> FastAPI:
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=False))
     workers = WorkerRegistry(expiry_s=3.0)
-    placement = Placement(PlacementConfig())
+    placement = Placement(PlacementConfig(remote_prefill_min_tokens=settings.remote_prefill_min_tokens))
     dispatch_config = DispatchConfig()
     generate: GenerateService | None = None
     generate_subscription: Subscription | None = None

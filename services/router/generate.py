@@ -1,5 +1,7 @@
 """`tandem.v1.generate`: admit or refuse at once, answer with the reply id, then hand the reply
-to a decode worker in the background. Every request prefills on its decode worker for now."""
+over in the background: to a prefill worker naming the chosen decode worker when the uncached
+prompt is long (disaggregated), else to the decode worker itself (local prefill). If no prefill
+worker takes it, the decode workers are offered it with local prefill."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from services.router import metrics
 from services.router.admission import Admitted, admit, parse_request
 from services.router.dispatch import Assign, DispatchConfig, dispatch, failure_event
 from services.router.placement import Placement, affinity_key, num_context_tokens
-from services.router.workers import WorkerRegistry
+from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, subjects
 from tandem.v1.dispatch_pb2 import Assignment
 from tandem.v1.generate_pb2 import GenerateReply, Refusal
 
 DECODE_ROLE = "decode"
+PREFILL_ROLE = "prefill"
 log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes], Awaitable[None]]
@@ -39,6 +42,8 @@ class Job:
     assignment: Assignment
     worker_ids: tuple[str, ...]
     admitted_at_s: float
+    # Offered first when the prompt is long: prefill workers, with an assignment naming the decode worker.
+    remote: tuple[Assignment, tuple[str, ...]] | None = None
 
 
 class GenerateService:
@@ -86,8 +91,22 @@ class GenerateService:
             # Counted from the moment it is chosen, so a burst spreads before any worker answers.
             self._workers.note_assigned(ranked[0].instance_id, num_context_tokens(request))
         metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
-        job = Job(assignment, tuple(w.instance_id for w in ranked), time.monotonic())
+        job = Job(assignment, tuple(w.instance_id for w in ranked), time.monotonic(), self._remote(assignment, ranked, admitted.model))
         return GenerateReply(reply_id=reply_id, model=admitted.model), job
+
+    def _remote(self, assignment: Assignment, ranked_decode: list[LiveWorker], model: str) -> tuple[Assignment, tuple[str, ...]] | None:
+        if not ranked_decode or not self._placement.should_prefill_remotely(ranked_decode[0], assignment.request):
+            return None
+        key = affinity_key(assignment.request, assignment.reply_id)
+        prefill = self._placement.rank(self._workers.workers(PREFILL_ROLE), model, assignment.request, key)
+        if not prefill:
+            return None
+        decode_worker = ranked_decode[0].heartbeat
+        remote = Assignment()
+        remote.CopyFrom(assignment)
+        remote.decode_worker_id = decode_worker.service.instance_id
+        remote.decode_grpc_address = decode_worker.grpc_address
+        return remote, tuple(w.instance_id for w in prefill)
 
     def _refuse(self, refusal: Refusal) -> GenerateReply:
         metrics.REQUESTS_REFUSED.labels(reason=refusal.reason).inc()
@@ -98,6 +117,14 @@ class GenerateService:
         """Offers the job to its workers in order; if none takes it, the reply ends with an error event."""
         assignment = job.assignment
         num_tokens = num_context_tokens(assignment.request)
+        if job.remote is not None:
+            remote_assignment, prefill_ids = job.remote
+            remote = await dispatch(self._assign, remote_assignment, prefill_ids, self._config)
+            if remote.accepted_by is not None:
+                metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
+                log.debug("reply %s prefills on %s for %s", assignment.reply_id, remote.accepted_by, remote_assignment.decode_worker_id)
+                return
+            log.info("no prefill worker took reply %s (%s); prefilling locally", assignment.reply_id, remote.attempts[-1].describe())
         result = await dispatch(
             self._assign,
             assignment,

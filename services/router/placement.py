@@ -26,6 +26,9 @@ class PlacementConfig:
     prefill_tokens_per_unit: int = 512
     # Costs within this of the best count as tied, so affinity beats a slightly lower load.
     tie_slack: float = 0.0
+    # Uncached prompt tokens above which a prefill worker reads the prompt (a follow-up turn
+    # whose uncached part is short prefills on its decode worker).
+    remote_prefill_min_tokens: int = 256
 
 
 CachedTokens = Callable[[LiveWorker, GenerateRequest], int]
@@ -75,6 +78,10 @@ class Placement:
         `cached_tokens` knows better)."""
         num_uncached_tokens = max(0, num_context_tokens(request) - self._cached_tokens(worker, request))
         return self.load(worker) + num_uncached_tokens / self._config.prefill_tokens_per_unit
+
+    def should_prefill_remotely(self, decode_worker: LiveWorker, request: GenerateRequest) -> bool:
+        num_uncached = num_context_tokens(request) - self._cached_tokens(decode_worker, request)
+        return num_uncached > self._config.remote_prefill_min_tokens
 
     def rank(self, workers: Sequence[LiveWorker], model: str, request: GenerateRequest, key: str) -> list[LiveWorker]:
         """Workers that serve `model` and take work, best first."""
