@@ -24,6 +24,8 @@ _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: the kernel sends SIGTERM when the parent dies.
+    # Strictly, when the parent's forking *thread* ends: `tandem up` starts children from the
+    # loop's executor threads, which live as long as the launcher (they are never retired).
     if _libc is not None and hasattr(_libc, "prctl"):
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
