@@ -1,6 +1,7 @@
 """A worker's engine as a service part: loaded on its own thread at start, its outputs published
-as TokenEvents (contiguous sequence numbers per reply), cancels applied, its load reported.
-Decode and prefill workers both compose one."""
+as TokenEvents (contiguous sequence numbers per reply), its prefix cache's changes as KV events
+(and its full state on request), cancels applied, its load reported. Decode and prefill workers
+both compose one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tandem.convert import token_event
 from tandem.engine.engine import Engine, EngineConfig, RequestOutput
 from tandem.engine_thread import EngineThread
 from tandem.kernels import select_attention
+from tandem.kv_events import KvEventPublisher
 from tandem.models.loader import default_dtype, load_model
 from tandem.worker import EngineLoad, Worker
 
@@ -32,20 +34,26 @@ class EngineHost:
         self._next_seq: dict[str, int] = {}
         self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
         self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
-        self._publisher: asyncio.Task[None] | None = None
+        self._kv_events: KvEventPublisher | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.thread = EngineThread(self._build_engine, self._outbox.put_nowait, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        self._kv_events = KvEventPublisher(self._worker.runtime.config.instance_id, loop)
+        self.thread = EngineThread(self._build_engine, self._outbox.put_nowait, loop, after_change=self._kv_events.collect)
         self.thread.start()
-        self._publisher = asyncio.create_task(self._publish_outputs(), name="publish-tokens")
+        self._tasks = [
+            asyncio.create_task(self._publish_outputs(), name="publish-tokens"),
+            asyncio.create_task(self._publish_kv_events(), name="publish-kv-events"),
+        ]
 
     async def stop(self) -> None:
         if self.thread is not None:
             await asyncio.to_thread(self.thread.stop)
-        if self._publisher is not None:
-            self._publisher.cancel()
+        for task in self._tasks:
+            task.cancel()
 
     def _build_engine(self) -> Engine:
         dtype = default_dtype("cpu") if self._settings.dtype == "auto" else DTYPES[self._settings.dtype]
@@ -68,7 +76,13 @@ class EngineHost:
             return None
         stats = self.thread.latest_stats
         mean_step_ms = 1000 * (stats.prefill_time_s + stats.decode_time_s) / max(1, stats.num_steps)
-        return EngineLoad(stats, self.engine.kv_shape.num_blocks, self.engine.loaded.config.max_position_embeddings, mean_step_ms)
+        return EngineLoad(
+            stats,
+            self.engine.kv_shape.num_blocks,
+            self.engine.loaded.config.max_position_embeddings,
+            mean_step_ms,
+            last_kv_event_id=self._kv_events.last_published_event_id if self._kv_events else 0,
+        )
 
     # -- replies --------------------------------------------------------------------------------
 
@@ -96,6 +110,11 @@ class EngineHost:
         reply_id = subjects.reply_id_of(msg.subject)
         if reply_id in self._next_seq and self.thread is not None:
             self.thread.post(lambda engine: engine.abort(reply_id))
+
+    async def _publish_kv_events(self) -> None:
+        assert self._kv_events is not None and self.thread is not None
+        client = await self._worker.runtime.bus.wait_connected()
+        await self._kv_events.run(client, self.thread)
 
     async def _publish_outputs(self) -> None:
         client = await self._worker.runtime.bus.wait_connected()

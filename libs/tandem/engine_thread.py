@@ -1,7 +1,9 @@
 """An Engine on a thread of its own, driven from asyncio: a worker's event loop stays free for
 NATS, gRPC and UCX while the engine steps. Every touch of the engine (add, abort, reserve,
 import, release) runs on its thread between two steps, through `call`; each step's outputs come
-back to the loop through a callback."""
+back to the loop through a callback. After every change (a batch of calls, a step) the thread
+refreshes `latest_stats` and runs `after_change` on itself: the place to drain what the engine
+recorded, such as its KV events, while nothing else touches it."""
 
 from __future__ import annotations
 
@@ -33,10 +35,12 @@ class EngineThread:
         build_engine: Callable[[], Engine],
         on_outputs: Callable[[list[RequestOutput]], None],
         loop: asyncio.AbstractEventLoop,
+        after_change: Callable[[Engine], None] = lambda engine: None,
     ) -> None:
         self._build_engine = build_engine
         self._on_outputs = on_outputs
         self._loop = loop
+        self._after_change = after_change
         self._commands: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._is_ready = threading.Event()
@@ -87,13 +91,21 @@ class EngineThread:
                 return
             for command in commands:
                 self._apply(command)
-            if commands:  # a release or reservation changes the block counts without a step
-                self.latest_stats = self.engine.stats()
+            if commands:  # a release or reservation changes the blocks without a step
+                self._changed()
             if self.engine.has_work():
                 outputs = self.engine.step()
-                self.latest_stats = self.engine.stats()
+                self._changed()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+    def _changed(self) -> None:
+        assert self.engine is not None
+        self.latest_stats = self.engine.stats()
+        try:
+            self._after_change(self.engine)
+        except Exception:  # noqa: BLE001 - a reporting hook must never stop the engine
+            log.exception("the engine's after-change hook failed")
 
     def _apply(self, command: _Call | None) -> None:
         assert self.engine is not None and command is not None

@@ -27,6 +27,7 @@ class EngineLoad:
     num_total_blocks: int
     max_model_len: int
     mean_step_time_ms: float
+    last_kv_event_id: int = 0  # the last KV event published
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Worker:
             heartbeat.running.CopyFrom(_lanes(s.num_running))
             heartbeat.waiting.CopyFrom(_lanes(s.num_waiting))
             heartbeat.step_time_ms = load.mean_step_time_ms
+            heartbeat.kv_event_id = load.last_kv_event_id
         return heartbeat
 
     def app(

@@ -1,5 +1,7 @@
 """The decode worker as a real process on real NATS: an Assignment becomes a TokenEvent stream
-equal to the in-process engine's output, a cancel stops it and frees every block."""
+equal to the in-process engine's output, a cancel stops it and frees every block, and its prefix
+cache's changes go out as KV events (contiguous ids, the engine's block keys) with the full
+state on request."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from conftest import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.engine.block_hash import prefix_block_hashes
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
@@ -19,6 +22,7 @@ from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.kv_pb2 import KvEvent, KvState, KvStateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 
 pytestmark = pytest.mark.real_model
@@ -125,3 +129,58 @@ async def test_bad_assignments_are_refused_with_a_reason(decode_worker, nc):
     assert refused.refused.reason == "bad_request" and "temperature" in refused.refused.message
     garbage = await nc.request(subjects.assign(instance_id), b"\xff\xff\xff", timeout=30)
     assert decode(garbage.data, AssignmentReply).refused.reason == "bad_request"
+
+
+async def _idle_kv_event_id(nc, instance_id: str) -> int:
+    """The worker's last published KV event id once it is idle: two heartbeats in a row agree."""
+    previous = (await next_heartbeat(nc, "decode", instance_id, timeout_s=30)).kv_event_id
+    while True:
+        current = (await next_heartbeat(nc, "decode", instance_id, timeout_s=30)).kv_event_id
+        if current == previous:
+            return current
+        previous = current
+
+
+async def test_kv_events_carry_the_prompts_block_keys_with_contiguous_ids_and_the_state_agrees(decode_worker, nc, smollm2_fp32):
+    _, instance_id = decode_worker
+    await _ready(nc, instance_id)
+    events: list[KvEvent] = []
+
+    async def on_kv_event(msg):
+        events.append(decode(msg.data, KvEvent))
+
+    kv_subscription = await nc.subscribe(subjects.kv_events(instance_id), cb=on_kv_event)
+    await nc.flush()
+    # Every event after this heartbeat's id is published after it, so it reaches us.
+    before = await _idle_kv_event_id(nc, instance_id)
+
+    tenant = "kv-events-test"  # a namespace no other test's blocks share
+    prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "Name three rivers of Europe and one of Asia."}])
+    request = _request(prompt, 20)
+    request.tenant = tenant
+    done, token_subscription, _ = await _collect(nc, "reply-kv")
+    assert (await _assign(nc, instance_id, "reply-kv", request)).WhichOneof("outcome") == "accepted"
+    tokens = await asyncio.wait_for(done, 120)
+    await token_subscription.unsubscribe()
+    last = await _idle_kv_event_id(nc, instance_id)
+    await kv_subscription.unsubscribe()
+
+    mine = [e for e in events if e.event_id > before]
+    assert [e.event_id for e in mine] == list(range(before + 1, last + 1)), "one id per message, none skipped"
+    assert {e.worker_id for e in mine} == {instance_id}
+    stored = [b for e in mine if e.WhichOneof("change") == "stored" for b in e.stored.blocks]
+    # Every full block of the computed tokens (the prompt, and the reply but its last token).
+    computed = [*prompt, *(e.token_id for e in tokens[:-1])]
+    expected = prefix_block_hashes(computed, tenant=tenant, num_public_prefix_tokens=0, block_size=16)
+    assert len(prompt) >= 32 and len(expected) >= 2
+    assert [b.block_hash for b in stored if b.block_hash in set(expected)] == expected
+    assert [b.parent_hash for b in stored if b.block_hash in set(expected)] == [0, *expected[:-1]]
+    assert {b.num_tokens for b in stored} == {16}
+
+    reply = await nc.request(subjects.kv_state(instance_id), encode(KvStateRequest()), timeout=30)
+    state = decode(reply.data, KvState)
+    assert (state.worker_id, state.event_id) == (instance_id, last)
+    parents = {b.block_hash: b.parent_hash for b in state.blocks}
+    assert all(parents.get(h) == p for h, p in zip(expected, [0, *expected[:-1]])), "the state holds the reply's blocks"
+    removed = {h for e in mine if e.WhichOneof("change") == "removed" for h in e.removed.block_hashes}
+    assert not removed & set(expected)

@@ -17,7 +17,7 @@ from enum import Enum
 from tandem.engine.batch import BLOCK_SIZE
 from tandem.engine.block_hash import block_hash
 
-__all__ = ["BlockPool", "KvEvent", "KvEventKind", "NoFreeBlocks", "block_hash"]
+__all__ = ["BlockPool", "CachedBlock", "KvEvent", "KvEventKind", "NoFreeBlocks", "block_hash"]
 
 
 class NoFreeBlocks(RuntimeError):
@@ -39,7 +39,7 @@ class KvEvent:
 
 
 @dataclass(frozen=True)
-class _CacheEntry:
+class CachedBlock:
     block_hash: int
     parent_hash: int | None
     num_tokens: int
@@ -53,7 +53,7 @@ class BlockPool:
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next to reuse
-        self._entry_of_block: dict[int, _CacheEntry] = {}
+        self._entry_of_block: dict[int, CachedBlock] = {}
         self._block_of_hash: dict[int, int] = {}
         self._events: list[KvEvent] = []
         self._next_event_id = 0
@@ -122,9 +122,13 @@ class BlockPool:
             raise RuntimeError(f"KV block {block_id} is not in use; only a filled block can be cached")
         if block_hash in self._block_of_hash or block_id in self._entry_of_block:
             return  # the same content computed twice (two requests at once): keep the first copy
-        self._entry_of_block[block_id] = _CacheEntry(block_hash, parent_hash, self.block_size)
+        self._entry_of_block[block_id] = CachedBlock(block_hash, parent_hash, self.block_size)
         self._block_of_hash[block_hash] = block_id
         self._record(KvEventKind.STORED, self._entry_of_block[block_id])
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every block the prefix cache holds now, in use or free (for a full-state answer)."""
+        return list(self._entry_of_block.values())
 
     def drain_events(self) -> list[KvEvent]:
         events, self._events = self._events, []
@@ -136,6 +140,6 @@ class BlockPool:
             del self._block_of_hash[entry.block_hash]
             self._record(KvEventKind.REMOVED, entry)
 
-    def _record(self, kind: KvEventKind, entry: _CacheEntry) -> None:
+    def _record(self, kind: KvEventKind, entry: CachedBlock) -> None:
         self._events.append(KvEvent(self._next_event_id, kind, entry.block_hash, entry.parent_hash, entry.num_tokens))
         self._next_event_id += 1
