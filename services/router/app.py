@@ -1,5 +1,5 @@
-"""Wiring of the router process: the live worker view from heartbeats, and `tandem.v1.generate`
-(admission, placement, dispatch to decode workers)."""
+"""Wiring of the router process: the live worker view from heartbeats, the prefix index from KV
+events, and `tandem.v1.generate` (admission, placement, dispatch to decode workers)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,34 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.router.cached_tokens import IndexedCachedTokens
 from services.router.dispatch import DispatchConfig, nats_assign
 from services.router.generate import GenerateService
 from services.router.placement import Placement, PlacementConfig
+from services.router.prefix_index import PrefixIndex, nats_fetch_state
 from services.router.workers import WorkerRegistry
 from tandem import metrics
 from tandem.bus import BadMessage, decode, subjects
 from tandem.config import Settings
 from tandem.service import Runtime, RuntimeConfig, create_app
+from tandem.v1.kv_pb2 import KvEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 ROLE = "router"
 WORKER_ROLES = ("prefill", "decode")
 QUEUE_GROUP = "router"  # several routers share the generate requests
 SHUTDOWN_DISPATCH_WAIT_S = 3.0
+KV_STATE_TIMEOUT_S = 2.0
 log = logging.getLogger(__name__)
 
 
 def build_app(settings: Settings) -> FastAPI:
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=False))
-    workers = WorkerRegistry(expiry_s=3.0)
-    placement = Placement(PlacementConfig(remote_prefill_min_tokens=settings.remote_prefill_min_tokens))
+    index = PrefixIndex(nats_fetch_state(runtime.bus, KV_STATE_TIMEOUT_S))
+    workers = WorkerRegistry(expiry_s=3.0, on_forget=index.forget)
+    placement = Placement(
+        PlacementConfig(remote_prefill_min_tokens=settings.remote_prefill_min_tokens), cached_tokens=IndexedCachedTokens(index)
+    )
     dispatch_config = DispatchConfig()
     generate: GenerateService | None = None
     generate_subscription: Subscription | None = None
@@ -44,11 +51,22 @@ def build_app(settings: Settings) -> FastAPI:
             return
         metrics.HEARTBEATS_SEEN.labels(role=heartbeat.service.role).inc()
         workers.observe(heartbeat)
+        index.observe_heartbeat(heartbeat)
+
+    async def on_kv_event(msg: Msg) -> None:
+        try:
+            event = decode(msg.data, KvEvent)
+        except BadMessage as exc:
+            log.warning("dropped a KV event on %s: %s", msg.subject, exc)
+            return
+        event.worker_id = event.worker_id or msg.subject.rsplit(".", 1)[-1]
+        index.apply(event)
 
     async def subscribe(client: Client) -> None:
         nonlocal generate, generate_subscription, is_subscribed
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
+        await client.subscribe(subjects.KV_EVENTS_ALL, cb=on_kv_event)
         generate = GenerateService(
             workers, placement, nats_assign(client, dispatch_config.assign_timeout_s), client.publish, dispatch_config
         )
@@ -74,7 +92,8 @@ def build_app(settings: Settings) -> FastAPI:
     @api.get("/workers")
     async def live_workers() -> dict[str, list[dict[str, object]]]:
         """Live, ready workers by role (an operator's view; the router's own choices use the same).
-        `engine_ready`: the model is loaded and the worker takes replies."""
+        `engine_ready`: the model is loaded and the worker takes replies; `kv_event_id`: the last
+        of its KV events applied to this router's prefix index."""
         return {
             role: [
                 {
@@ -84,6 +103,7 @@ def build_app(settings: Settings) -> FastAPI:
                     "engine_ready": w.heartbeat.is_engine_ready,
                     "max_model_len": w.heartbeat.max_model_len,
                     "load": round(placement.load(w), 3),
+                    "kv_event_id": index.last_event_id(w.instance_id),
                 }
                 for w in workers.workers(role)
                 if w.heartbeat.service.is_ready

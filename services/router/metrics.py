@@ -15,3 +15,6 @@ DISPATCH_SECONDS = Histogram(
     "From admission to a worker's acceptance",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+KV_STATE_REQUESTS = Counter(
+    "tandem_router_kv_state_requests", "Full KV state asked of a worker: after a gap in its events, or behind its heartbeat", ["reason"]
+)

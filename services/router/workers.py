@@ -44,16 +44,24 @@ class _Seen:
 
 
 class WorkerRegistry:
-    """A worker is live while its last heartbeat is younger than `expiry_s`."""
+    """A worker is live while its last heartbeat is younger than `expiry_s`; `on_forget` hears
+    of each worker that falls silent (checked on every heartbeat and every listing)."""
 
-    def __init__(self, expiry_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        expiry_s: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_forget: Callable[[str], None] = lambda instance_id: None,
+    ) -> None:
         self._expiry_s = expiry_s
         self._clock = clock
+        self._on_forget = on_forget
         self._seen: dict[str, _Seen] = {}
 
     def observe(self, heartbeat: WorkerHeartbeat) -> None:
         # A fresh heartbeat counts what it was assigned before, so this router's tally restarts.
         self._seen[heartbeat.service.instance_id] = _Seen(heartbeat, self._clock())
+        self._forget_silent()
 
     def note_assigned(self, instance_id: str, num_prompt_tokens: int) -> None:
         """The worker accepted a reply from this router; count it until its next heartbeat."""
@@ -79,3 +87,4 @@ class WorkerRegistry:
         now_s = self._clock()
         for instance_id in [i for i, s in self._seen.items() if now_s - s.at_s > self._expiry_s]:
             del self._seen[instance_id]
+            self._on_forget(instance_id)

@@ -1,12 +1,19 @@
 """Disaggregated serving end to end, every part a real process on real NATS: a long prompt is
-prefilled on the prefill worker, its KV moves to the decode worker over UCXX, and the reply
-equals the in-process engine's token for token; a short one prefills on its decode worker."""
+prefilled on the prefill worker, its KV moves to a decode worker over UCXX, and the reply equals
+the in-process engine's token for token; a short one prefills on its decode worker; and a
+follow-up turn goes back to the decode worker whose prefix cache holds its history (the router
+knows from KV events) and prefills only its new part there.
+
+Two decode workers, so "the same worker" is a choice the router makes, not the only option."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+import httpx
 import pytest
 import torch
 from conftest import next_heartbeat, service_env, service_process
@@ -30,17 +37,29 @@ def model() -> LoadedModel:
     return load_model(None, torch.float32, "cpu", select_attention("cpu"))
 
 
+@dataclass(frozen=True)
+class Stack:
+    router: str
+    router_url: str
+    prefill: str
+    decode: tuple[str, str]
+
+    def workers(self) -> list[tuple[str, str]]:
+        return [("prefill", self.prefill), *(("decode", d) for d in self.decode)]
+
+
 @pytest.fixture(scope="module")
-def stack(nats_server, redis_server) -> Iterator[dict[str, str]]:
+def stack(nats_server, redis_server) -> Iterator[Stack]:
     children: list[ChildProcess] = []
-    ids = {}
-    for role in ("router", "prefill", "decode"):
+    envs = []
+    for role in ("router", "prefill", "decode", "decode"):
         env = service_env(role, nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64")
         child = service_process(role, env)
         child.start()
         children.append(child)
-        ids[role] = env["TANDEM_INSTANCE_ID"]
-    yield ids
+        envs.append(env)
+    router, prefill, decode_1, decode_2 = (env["TANDEM_INSTANCE_ID"] for env in envs)
+    yield Stack(router, f"http://127.0.0.1:{envs[0]['TANDEM_HTTP_PORT']}", prefill, (decode_1, decode_2))
     for child in children:
         child.stop(timeout_s=10)
 
@@ -70,15 +89,32 @@ def _expected(model: LoadedModel, prompt: list[int]) -> list[int]:
     return [t for o in stream for t in o.new_token_ids]
 
 
-async def _all_serving(nc, ids: dict[str, str]) -> dict[str, object]:
+async def _all_serving(nc, stack: Stack) -> dict[str, object]:
     beats = {}
-    for role in ("prefill", "decode"):
-        beats[role] = await next_heartbeat(nc, role, ids[role], accept=lambda hb: hb.is_ready, timeout_s=180)
-    await next_heartbeat(nc, "router", ids["router"], accept=lambda hb: hb.is_ready, timeout_s=60)
+    for role, instance_id in stack.workers():
+        beats[instance_id] = await next_heartbeat(nc, role, instance_id, accept=lambda hb: hb.is_ready, timeout_s=180)
+    await next_heartbeat(nc, "router", stack.router, accept=lambda hb: hb.is_ready, timeout_s=60)
     # The router learns of the workers from the same heartbeats; one more round reaches it too.
-    for role in ("prefill", "decode"):
-        await next_heartbeat(nc, role, ids[role], timeout_s=30)
+    for role, instance_id in stack.workers():
+        await next_heartbeat(nc, role, instance_id, timeout_s=30)
     return beats
+
+
+async def _router_has_every_kv_event(nc, stack: Stack, decode_id: str) -> None:
+    """Until the router's prefix index has applied every KV event the (idle) decode worker
+    published: its heartbeats agree twice on the last id, then a bounded poll of /workers."""
+    published = (await next_heartbeat(nc, "decode", decode_id, timeout_s=30)).kv_event_id
+    while (latest := (await next_heartbeat(nc, "decode", decode_id, timeout_s=30)).kv_event_id) != published:
+        published = latest
+    assert published > 0, "the decode worker published KV events"
+    deadline = time.monotonic() + 10
+    async with httpx.AsyncClient(base_url=stack.router_url) as http:
+        while True:
+            listed = {w["instance_id"]: w for w in (await http.get("/workers")).json()["decode"]}
+            if listed.get(decode_id, {}).get("kv_event_id", 0) >= published:
+                return
+            assert time.monotonic() < deadline, f"the router has {listed.get(decode_id)}, the worker published {published}"
+            await asyncio.sleep(0.05)
 
 
 async def test_a_long_prompt_is_prefilled_remotely_and_decoded_exactly(stack, nc, model):
@@ -89,20 +125,44 @@ async def test_a_long_prompt_is_prefilled_remotely_and_decoded_exactly(stack, nc
     events = await _ask(nc, prompt)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert [e.token_id for e in events] == _expected(model, prompt)
-    assert events[0].worker_id == stack["prefill"], "the first token comes from the prefill worker"
-    assert {e.worker_id for e in events[1:]} == {stack["decode"]}, "the rest from the decode worker"
+    assert events[0].worker_id == stack.prefill, "the first token comes from the prefill worker"
+    decode_ids = {e.worker_id for e in events[1:]}
+    assert len(decode_ids) == 1 and decode_ids <= set(stack.decode), "the rest from one decode worker"
     assert events[-1].usage.input_tokens == len(prompt) and events[-1].usage.output_tokens == len(events)
-    # Nothing stays reserved or held on either side.
-    for role in ("prefill", "decode"):
-        await next_heartbeat(nc, role, stack[role], timeout_s=30)
-        after = await next_heartbeat(nc, role, stack[role], timeout_s=30)
-        assert after.kv_blocks_free == idle[role].kv_blocks_free == after.kv_blocks_total, role
+    # Nothing stays reserved or held anywhere.
+    for role, instance_id in stack.workers():
+        await next_heartbeat(nc, role, instance_id, timeout_s=30)
+        after = await next_heartbeat(nc, role, instance_id, timeout_s=30)
+        assert after.kv_blocks_free == idle[instance_id].kv_blocks_free == after.kv_blocks_total, instance_id
 
 
 async def test_a_short_prompt_prefills_on_its_decode_worker(stack, nc, model):
     await _all_serving(nc, stack)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     events = await _ask(nc, prompt)
-    assert {e.worker_id for e in events} == {stack["decode"]}
+    assert len({e.worker_id for e in events}) == 1 and events[0].worker_id in stack.decode
     assert [e.token_id for e in events] == _expected(model, prompt)
     assert "Paris" in "".join(e.text for e in events)
+
+
+async def test_a_follow_up_turn_returns_to_the_decode_worker_holding_its_history_and_prefills_there(stack, nc, model):
+    await _all_serving(nc, stack)
+    log = " ".join(f"Day {i}: the ferry left the harbour at dawn and crossed the bay to the island." for i in range(25))
+    first_prompt = model.tokenizer.encode_chat([{"role": "user", "content": f"{log}\nWhat did the ferry do each day?"}])
+    first = await _ask(nc, first_prompt)
+    assert len(first_prompt) > 256 and first[0].worker_id == stack.prefill, "turn 1 is long and uncached: remote prefill"
+    decode_id = first[-1].worker_id
+    assert decode_id in stack.decode
+    await _router_has_every_kv_event(nc, stack, decode_id)
+
+    # Turn 2 as the chat service builds it: turn 1's prompt, its reply, then the new message.
+    reply = [e.token_id for e in first]
+    closing = [] if reply[-1] in model.eos_token_ids else model.tokenizer.encode("<|im_end|>")
+    new_message = model.tokenizer.encode("\n<|im_start|>user\nAnd in five words?<|im_end|>\n<|im_start|>assistant\n")
+    second_prompt = [*first_prompt, *reply, *closing, *new_message]
+    assert len(second_prompt) > 256, "long enough that, uncached, it would go to the prefill worker"
+    second = await _ask(nc, second_prompt)
+    assert {e.worker_id for e in second} == {decode_id}, "the worker holding turn 1, prefilling turn 2 itself"
+    usage = second[-1].usage
+    assert usage.input_tokens == len(second_prompt)
+    assert usage.cached_tokens >= len(first_prompt) // 16 * 16, "turn 1's prompt came from the prefix cache"

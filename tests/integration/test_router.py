@@ -1,5 +1,6 @@
 """The router as a real process against a real nats-server: admission and refusals over
-`tandem.v1.generate`, placement by load, and dispatch with retries to decode workers.
+`tandem.v1.generate`, placement by load and by cached prefix (KV events, and a worker's state
+fetched on a gap), and dispatch with retries to decode workers.
 
 The decode workers here are stand-ins written in the test: real NATS clients that heartbeat like
 a decode worker and answer Assignments as told, so each path is driven exactly."""
@@ -22,11 +23,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import decode, encode, subjects
+from tandem.engine.block_hash import prefix_block_hashes
 from tandem.proc import ChildProcess
 from tandem.servers import EmbeddedServer
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR, LaneCounts
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
+from tandem.v1.kv_pb2 import BlocksStored, KvEvent, KvState, KvStateRequest, StoredBlock
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
@@ -300,3 +303,44 @@ async def test_routers_in_one_queue_group_answer_each_request_once(router, stand
         assert sorted(assigned) == sorted(reply_ids) and len(reply_ids) == 8
     finally:
         second.child.stop(timeout_s=10)
+
+
+async def wait_until_router_indexed(router: Router, worker: StandInWorker, event_id: int) -> None:
+    """Until the router's prefix index has applied the worker's KV events up to `event_id`."""
+    deadline = time.monotonic() + WAIT_S
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        while True:
+            listed = {w["instance_id"]: w["kv_event_id"] for w in (await http.get("/workers")).json()["decode"]}
+            if listed.get(worker.instance_id, 0) >= event_id:
+                return
+            assert time.monotonic() < deadline, f"the router has KV events up to {listed}, not {event_id}"
+            await asyncio.sleep(0.05)
+
+
+async def test_a_gap_in_kv_events_fetches_the_state_and_the_prefix_holder_gets_the_request(router, stand_in, nc):
+    holder = await stand_in(num_running=1)
+    other = await stand_in()
+    await wait_until_router_lists(router, holder, other)
+    request = generate_request(num_prompt_tokens=600)
+    hashes = prefix_block_hashes(request.prompt_token_ids, tenant=request.tenant, num_public_prefix_tokens=0, block_size=16)
+    blocks = [StoredBlock(block_hash=h, parent_hash=p, num_tokens=16) for h, p in zip(hashes, [0, *hashes[:-1]])]
+    asked: asyncio.Queue[KvStateRequest] = asyncio.Queue()
+
+    async def on_state_request(msg: Msg) -> None:
+        await asked.put(decode(msg.data, KvStateRequest))
+        await msg.respond(encode(KvState(worker_id=holder.instance_id, event_id=6, blocks=blocks[:-1])))
+
+    subscription = await nc.subscribe(subjects.kv_state(holder.instance_id), cb=on_state_request)
+    await nc.flush()
+    try:
+        # The router never saw events 1..6: event 7 is a gap, so it asks for the state (as of 6).
+        last = KvEvent(worker_id=holder.instance_id, event_id=7, stored=BlocksStored(blocks=blocks[-1:]))
+        await nc.publish(subjects.kv_events(holder.instance_id), encode(last))
+        await asyncio.wait_for(asked.get(), WAIT_S)
+        await wait_until_router_indexed(router, holder, 7)
+    finally:
+        await subscription.unsubscribe()
+    # One more reply running there, yet 592 of its 600 tokens are cached there: it wins.
+    reply = await ask_accepted(nc, request)
+    assert (await holder.next_assignment()).reply_id == reply.reply_id
+    assert other.assignments.empty()
