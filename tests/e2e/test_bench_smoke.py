@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 ENGINE_KEYS = (
     "tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "roofline_tokens_per_s", "roofline_fraction", "tpot_b1_ms",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import torch
-from conftest import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
 from tandem.engine.engine import Engine, EngineConfig, Request

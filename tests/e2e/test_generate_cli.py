@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess[str]:

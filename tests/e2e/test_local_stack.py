@@ -11,7 +11,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from tandem.proc import ChildProcess, free_port
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
 from tandem.engine.block_hash import prefix_block_hashes

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import pytest_asyncio
-from conftest import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, service_env, service_process
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 

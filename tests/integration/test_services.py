@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from conftest import REPO, next_heartbeat, service_env, service_process
+from helpers import REPO, next_heartbeat, service_env, service_process
 
 from tandem.proc import ChildProcess, free_port
 from tandem.servers import EmbeddedServer
