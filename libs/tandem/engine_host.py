@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import encode, subjects
+from tandem.cancels import RecentCancels
 from tandem.config import Settings
 from tandem.convert import token_event
 from tandem.engine.engine import Engine, EngineConfig, RequestOutput
@@ -32,6 +33,7 @@ class EngineHost:
         self._worker = worker
         self.thread: EngineThread | None = None
         self._next_seq: dict[str, int] = {}
+        self.cancels = RecentCancels()  # a cancel may overtake the reply's assignment
         self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
         self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._kv_events: KvEventPublisher | None = None
@@ -108,6 +110,7 @@ class EngineHost:
 
     async def _on_cancel(self, msg: Msg) -> None:
         reply_id = subjects.reply_id_of(msg.subject)
+        self.cancels.note(reply_id)
         if reply_id in self._next_seq and self.thread is not None:
             self.thread.post(lambda engine: engine.abort(reply_id))
 

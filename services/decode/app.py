@@ -70,6 +70,8 @@ class DecodeWorker:
             return refuse("draining", "this worker is draining", retry_after_s=1.0)
         if not await self._host.is_ready():
             return refuse("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
+        if assignment.reply_id in self._host.cancels:
+            return refuse("cancelled", f"{assignment.reply_id} was cancelled before it started")
         if self._host.is_tracked(assignment.reply_id):
             return AssignmentReply(accepted=True)  # a retried assignment: it is already running here
         self._host.track(assignment.reply_id, assignment.first_seq or 1)

@@ -78,6 +78,9 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return pb.CommitReply(refused=Refusal(reason=reason, message=message))
 
         reservation = self._reservations.get(request.reply_id)
+        if request.reply_id in self._host.cancels:
+            self._free(request.reply_id)
+            return refuse("cancelled", f"{request.reply_id} was cancelled during its handoff")
         if reservation is None:
             return refuse("no_reservation", f"{request.reply_id} holds no reservation here (released, or its lease expired)")
         if not await self.receiver.wait_received(request.reply_id, TRANSFER_WAIT_S):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 from fastapi import FastAPI
@@ -43,6 +44,25 @@ class HandoffFailed(Exception):
         self.code = code
 
 
+@dataclass
+class _Handoff:
+    """One reply on its way to a decode worker, and how far it got."""
+
+    assignment: Assignment
+    reservation: pb.Reservation
+    stub: KvHandoffStub
+    future: asyncio.Future[RequestOutput]
+    output: RequestOutput | None = None  # the first token's output, once the prefill is done
+
+    @property
+    def reply_id(self) -> str:
+        return self.assignment.reply_id
+
+    @property
+    def first_seq(self) -> int:
+        return self.assignment.first_seq or 1
+
+
 class PrefillWorker:
     def __init__(self, settings: Settings) -> None:
         self._worker = build_worker(ROLE, settings, lambda: self._host.load())
@@ -50,6 +70,7 @@ class PrefillWorker:
         self._sender = KvSender()
         self._stubs: dict[str, tuple[grpc.aio.Channel, KvHandoffStub]] = {}
         self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     def app(self) -> FastAPI:
         self._worker.runtime.add_check("engine", self._host.is_ready)
@@ -60,6 +81,7 @@ class PrefillWorker:
         for task in self._in_flight.values():
             task.cancel()
         await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
         await self._host.stop()
         await self._sender.close()
         for channel, _ in self._stubs.values():
@@ -70,7 +92,9 @@ class PrefillWorker:
         await client.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        task = self._in_flight.get(subjects.reply_id_of(msg.subject))
+        reply_id = subjects.reply_id_of(msg.subject)
+        self._host.cancels.note(reply_id)
+        task = self._in_flight.get(reply_id)
         if task is not None:
             task.cancel()
 
@@ -99,6 +123,8 @@ class PrefillWorker:
             return refuse("draining", "this worker is draining", retry_after_s=1.0)
         if not await self._host.is_ready():
             return refuse("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
+        if assignment.reply_id in self._host.cancels:
+            return refuse("cancelled", f"{assignment.reply_id} was cancelled before it started")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
         engine = self._host.engine
@@ -123,53 +149,60 @@ class PrefillWorker:
             self._host.untrack(assignment.reply_id)
             await _release(stub, assignment.reply_id)
             return refuse("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
-        task = asyncio.create_task(self._hand_over(assignment, reserved.reservation, handoff, stub))
+        state = _Handoff(assignment, reserved.reservation, stub, handoff)
+        task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task
-        task.add_done_callback(lambda _: self._in_flight.pop(assignment.reply_id, None))
+        task.add_done_callback(lambda done: self._on_done(state, done))
+        if assignment.reply_id in self._host.cancels:  # cancelled while we were reserving
+            task.cancel()
         return AssignmentReply(accepted=True)
 
-    async def _hand_over(
-        self, assignment: Assignment, reservation: pb.Reservation, handoff: asyncio.Future[RequestOutput], stub: KvHandoffStub
-    ) -> None:
-        reply_id = assignment.reply_id
-        first_seq = assignment.first_seq or 1
-        output: RequestOutput | None = None
+    async def _hand_over(self, h: _Handoff) -> None:
         try:
-            output = await handoff
-            if output.handoff is None:  # finished (or was cancelled) at its first token: nothing to hand over
-                await _release(stub, reply_id)
+            h.output = await h.future
+            if h.output.handoff is None:  # finished at its first token: nothing to hand over
+                await _release(h.stub, h.reply_id)
                 return
-            blocks = [self._host.engine.block_view(b) for b in output.handoff.block_ids]
+            blocks = [self._host.engine.block_view(b) for b in h.output.handoff.block_ids]
             try:
-                await self._sender.send(reservation.ucx_host, reservation.ucx_port, reply_id, blocks, TRANSFER_TIMEOUT_S)
+                await self._sender.send(h.reservation.ucx_host, h.reservation.ucx_port, h.reply_id, blocks, TRANSFER_TIMEOUT_S)
             except KvTransferError as exc:
                 raise HandoffFailed("kv_transfer_failed", str(exc)) from None
             continued = Assignment()
-            continued.CopyFrom(assignment)
-            continued.first_seq = first_seq + 1
+            continued.CopyFrom(h.assignment)
+            continued.first_seq = h.first_seq + 1
             commit = pb.CommitRequest(
-                reply_id=reply_id,
+                reply_id=h.reply_id,
                 assignment=continued,
-                first_token_id=output.new_token_ids[0],
-                num_cached_tokens=output.num_cached_tokens,
+                first_token_id=h.output.new_token_ids[0],
+                num_cached_tokens=h.output.num_cached_tokens,
             )
-            committed = await stub.Commit(commit, timeout=COMMIT_TIMEOUT_S)
+            committed = await h.stub.Commit(commit, timeout=COMMIT_TIMEOUT_S)
             if committed.WhichOneof("outcome") == "refused":
                 raise HandoffFailed(committed.refused.reason, committed.refused.message)
-        except asyncio.CancelledError:  # tandem.v1.cancel.<reply_id>, or shutting down
-            self._host.untrack(reply_id)  # first: the aborted request's last output is not published
-            if output is None:
-                self._host.thread.post(lambda e: e.abort(reply_id))
-            await _release(stub, reply_id)
-            await self._publish_end(reply_id, first_seq + (output is not None), common_pb2.FINISH_REASON_CANCELLED, None)
         except (HandoffFailed, grpc.aio.AioRpcError) as exc:
             code = exc.code if isinstance(exc, HandoffFailed) else "decode_unreachable"
-            log.warning("handoff of %s to %s failed: %s", reply_id, assignment.decode_worker_id, exc)
-            await _release(stub, reply_id)
-            await self._publish_end(reply_id, first_seq + 1, common_pb2.FINISH_REASON_ERROR, common_pb2.Error(code=code, message=str(exc)))
+            log.warning("handoff of %s to %s failed: %s", h.reply_id, h.assignment.decode_worker_id, exc)
+            await _release(h.stub, h.reply_id)
+            await self._publish_end(h.reply_id, h.first_seq + 1, common_pb2.FINISH_REASON_ERROR, common_pb2.Error(code=code, message=str(exc)))
         finally:
-            if output is not None and output.handoff is not None:
-                self._host.thread.post(lambda e: e.release(reply_id))
+            if h.output is not None and h.output.handoff is not None:
+                self._host.thread.post(lambda e: e.release(h.reply_id))
+
+    def _on_done(self, h: _Handoff, task: asyncio.Task[None]) -> None:
+        self._in_flight.pop(h.reply_id, None)
+        if task.cancelled():  # also when cancelled before it ever ran: clean up here, not in the task
+            cleanup = asyncio.create_task(self._after_cancel(h))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+
+    async def _after_cancel(self, h: _Handoff) -> None:
+        """tandem.v1.cancel.<reply_id> (or shutdown) during the prefill or the handoff."""
+        self._host.untrack(h.reply_id)  # first: the aborted request's last output is not published
+        if h.output is None:
+            self._host.thread.post(lambda e: e.discard(h.reply_id))
+        await _release(h.stub, h.reply_id)
+        await self._publish_end(h.reply_id, h.first_seq + (h.output is not None), common_pb2.FINISH_REASON_CANCELLED, None)
 
     async def _publish_end(self, reply_id: str, seq: int, finish: int, error: common_pb2.Error | None) -> None:
         event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, worker_id=self._worker.runtime.config.instance_id)

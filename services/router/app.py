@@ -70,6 +70,7 @@ def build_app(settings: Settings) -> FastAPI:
         generate = GenerateService(
             workers, placement, nats_assign(client, dispatch_config.assign_timeout_s), client.publish, dispatch_config
         )
+        await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
         generate_subscription = await client.subscribe(subjects.GENERATE, queue=QUEUE_GROUP, cb=generate.on_request)
         await client.flush()  # the server has the subscriptions before we call ourselves ready
         is_subscribed = True

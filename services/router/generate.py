@@ -20,8 +20,11 @@ from services.router.dispatch import Assign, DispatchConfig, dispatch, failure_e
 from services.router.placement import Placement, affinity_key, num_context_tokens
 from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, subjects
+from tandem.cancels import RecentCancels
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED
 from tandem.v1.dispatch_pb2 import Assignment
 from tandem.v1.generate_pb2 import GenerateReply, Refusal
+from tandem.v1.tokens_pb2 import TokenEvent
 
 DECODE_ROLE = "decode"
 PREFILL_ROLE = "prefill"
@@ -61,6 +64,11 @@ class GenerateService:
         self._publish = publish
         self._config = config
         self._dispatching: set[asyncio.Task[None]] = set()
+        self._cancels = RecentCancels()
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """A cancel may come before the reply reaches any worker: remember it."""
+        self._cancels.note(subjects.reply_id_of(msg.subject))
 
     async def on_request(self, msg: Msg) -> None:
         """The NATS callback: never raises, whatever the payload."""
@@ -117,6 +125,9 @@ class GenerateService:
         """Offers the job to its workers in order; if none takes it, the reply ends with an error event."""
         assignment = job.assignment
         num_tokens = num_context_tokens(assignment.request)
+        if assignment.reply_id in self._cancels:
+            await self._end_cancelled(assignment)
+            return
         if job.remote is not None:
             remote_assignment, prefill_ids = job.remote
             remote = await dispatch(self._assign, remote_assignment, prefill_ids, self._config)
@@ -132,6 +143,10 @@ class GenerateService:
             self._config,
             on_retry=lambda worker_id: self._workers.note_assigned(worker_id, num_tokens),
         )
+        was_cancelled = any(a.refusal is not None and a.refusal.reason == "cancelled" for a in result.attempts)
+        if result.accepted_by is None and (was_cancelled or assignment.reply_id in self._cancels):
+            await self._end_cancelled(assignment)
+            return
         if result.accepted_by is not None:
             metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
             log.debug("reply %s runs on %s", assignment.reply_id, result.accepted_by)
@@ -143,6 +158,11 @@ class GenerateService:
             await self._publish(subjects.tokens(assignment.reply_id), encode(event))
         except Exception:  # a task's exception would otherwise go unseen
             log.exception("could not publish the error event of reply %s", assignment.reply_id)
+
+    async def _end_cancelled(self, assignment: Assignment) -> None:
+        """A reply cancelled before any worker ran it ends here, with its one (cancelled) event."""
+        event = TokenEvent(reply_id=assignment.reply_id, seq=assignment.first_seq or 1, finish=FINISH_REASON_CANCELLED)
+        await self._publish(subjects.tokens(assignment.reply_id), encode(event))
 
     async def wait_idle(self, timeout_s: float) -> None:
         """For shutdown: lets dispatches in flight finish, then cancels what is left."""

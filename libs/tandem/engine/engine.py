@@ -179,6 +179,13 @@ class Engine:
         num_kv_heads, head_dim) to send from, or to receive into."""
         return self.runner.kv_cache[block_id]
 
+    def discard(self, request_id: str) -> bool:
+        """Drops a request wherever it is: aborted if still scheduled, released if exported."""
+        if request_id in self._exports:
+            self.release(request_id)
+            return True
+        return self.abort(request_id)
+
     def release(self, request_id: str) -> None:
         """Frees an exported prefill's blocks (their content stays in the prefix cache)."""
         seq = self._exports.pop(request_id)
