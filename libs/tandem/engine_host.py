@@ -12,19 +12,25 @@ import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from tandem.bus import encode, subjects
+from tandem.bus import BadMessage, decode, encode, subjects
 from tandem.cancels import RecentCancels
 from tandem.config import Settings
-from tandem.convert import token_event
-from tandem.engine.engine import Engine, EngineConfig, RequestOutput
+from tandem.convert import engine_request, token_event
+from tandem.engine.engine import Engine, EngineConfig, Request, RequestOutput
 from tandem.engine_thread import EngineThread
 from tandem.kernels import select_attention
 from tandem.kv_events import KvEventPublisher
 from tandem.models.loader import default_dtype, load_model
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.generate_pb2 import Refusal
 from tandem.worker import EngineLoad, Worker
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def refusal(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
+    return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
 
 
 class EngineHost:
@@ -87,6 +93,23 @@ class EngineHost:
         )
 
     # -- replies --------------------------------------------------------------------------------
+
+    async def screen_assignment(self, data: bytes) -> tuple[Assignment, Request] | AssignmentReply:
+        """The checks every worker makes of an Assignment before taking it: the refusal, or the
+        assignment and the engine's request for it."""
+        try:
+            assignment = decode(data, Assignment)
+            subjects.tokens(assignment.reply_id)  # a reply id must be a valid subject token
+            request = engine_request(assignment.reply_id, assignment.request)
+        except (BadMessage, ValueError) as exc:
+            return refusal("bad_request", str(exc))
+        if self._worker.runtime.is_draining:
+            return refusal("draining", "this worker is draining", retry_after_s=1.0)
+        if not await self.is_ready():
+            return refusal("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
+        if assignment.reply_id in self.cancels:
+            return refusal("cancelled", f"{assignment.reply_id} was cancelled before it started")
+        return assignment, request
 
     def track(self, reply_id: str, first_seq: int) -> None:
         """Publish this reply's tokens from sequence number `first_seq` on."""

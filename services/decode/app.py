@@ -12,13 +12,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.decode.handoff import KvHandoffService
-from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.convert import engine_request
-from tandem.engine_host import EngineHost
+from tandem.engine_host import EngineHost, refusal
 from tandem.v1 import kv_handoff_pb2_grpc
-from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
-from tandem.v1.generate_pb2 import Refusal
+from tandem.v1.dispatch_pb2 import AssignmentReply
 from tandem.worker import build_worker
 
 ROLE = "decode"
@@ -57,21 +55,10 @@ class DecodeWorker:
         await msg.respond(encode(await self._accept(msg.data)))
 
     async def _accept(self, data: bytes) -> AssignmentReply:
-        def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
-            return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
-
-        try:
-            assignment = decode(data, Assignment)
-            subjects.tokens(assignment.reply_id)  # a reply id must be a valid subject token
-            request = engine_request(assignment.reply_id, assignment.request)
-        except (BadMessage, ValueError) as exc:
-            return refuse("bad_request", str(exc))
-        if self._worker.runtime.is_draining:
-            return refuse("draining", "this worker is draining", retry_after_s=1.0)
-        if not await self._host.is_ready():
-            return refuse("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
-        if assignment.reply_id in self._host.cancels:
-            return refuse("cancelled", f"{assignment.reply_id} was cancelled before it started")
+        screened = await self._host.screen_assignment(data)
+        if isinstance(screened, AssignmentReply):
+            return screened
+        assignment, request = screened
         if self._host.is_tracked(assignment.reply_id):
             return AssignmentReply(accepted=True)  # a retried assignment: it is already running here
         self._host.track(assignment.reply_id, assignment.first_seq or 1)
@@ -79,7 +66,7 @@ class DecodeWorker:
             await self._host.thread.call(lambda engine: engine.add(request))
         except ValueError as exc:  # PromptTooLong, EmptyPrompt
             self._host.untrack(assignment.reply_id)
-            return refuse("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
+            return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
         return AssignmentReply(accepted=True)
 
 

@@ -17,16 +17,15 @@ from fastapi import FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.convert import engine_request, kv_layout
+from tandem.convert import kv_layout
 from tandem.engine.engine import RequestOutput
-from tandem.engine_host import EngineHost
+from tandem.engine_host import EngineHost, refusal
 from tandem.kvtransfer import KvSender, KvTransferError
 from tandem.v1 import common_pb2
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
-from tandem.v1.generate_pb2 import Refusal
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker import build_worker
@@ -108,23 +107,12 @@ class PrefillWorker:
         return self._stubs[address][1]
 
     async def _accept(self, data: bytes) -> AssignmentReply:
-        def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
-            return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
-
-        try:
-            assignment = decode(data, Assignment)
-            subjects.tokens(assignment.reply_id)
-            request = engine_request(assignment.reply_id, assignment.request)
-        except (BadMessage, ValueError) as exc:
-            return refuse("bad_request", str(exc))
+        screened = await self._host.screen_assignment(data)
+        if isinstance(screened, AssignmentReply):
+            return screened
+        assignment, request = screened
         if not assignment.decode_grpc_address:
-            return refuse("bad_request", "an assignment to a prefill worker must name its decode worker")
-        if self._worker.runtime.is_draining:
-            return refuse("draining", "this worker is draining", retry_after_s=1.0)
-        if not await self._host.is_ready():
-            return refuse("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
-        if assignment.reply_id in self._host.cancels:
-            return refuse("cancelled", f"{assignment.reply_id} was cancelled before it started")
+            return refusal("bad_request", "an assignment to a prefill worker must name its decode worker")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
         engine = self._host.engine
@@ -136,10 +124,10 @@ class PrefillWorker:
                 timeout=RESERVE_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as exc:
-            return refuse("decode_unreachable", f"decode worker {assignment.decode_worker_id}: {exc.code().name}", 1.0)
+            return refusal("decode_unreachable", f"decode worker {assignment.decode_worker_id}: {exc.code().name}", 1.0)
         if reserved.WhichOneof("outcome") == "refused":
             r = reserved.refused
-            return refuse(r.reason, f"decode worker {assignment.decode_worker_id}: {r.message}", r.retry_after_s)
+            return refusal(r.reason, f"decode worker {assignment.decode_worker_id}: {r.message}", r.retry_after_s)
         first_seq = assignment.first_seq or 1
         self._host.track(assignment.reply_id, first_seq)
         handoff = self._host.expect_handoff(assignment.reply_id)
@@ -148,7 +136,7 @@ class PrefillWorker:
         except ValueError as exc:
             self._host.untrack(assignment.reply_id)
             await _release(stub, assignment.reply_id)
-            return refuse("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
+            return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
         state = _Handoff(assignment, reserved.reservation, stub, handoff)
         task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task

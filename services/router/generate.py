@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from services.router import metrics
-from services.router.admission import Admitted, admit, parse_request
+from services.router.admission import admit, parse_request
 from services.router.dispatch import Assign, DispatchConfig, dispatch, failure_event
 from services.router.placement import Placement, affinity_key, num_context_tokens
 from services.router.workers import LiveWorker, WorkerRegistry

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
-import pytest
 import pytest_asyncio
 from helpers import next_heartbeat, service_env, service_process
 from nats.aio.client import Client
