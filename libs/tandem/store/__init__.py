@@ -1,0 +1,23 @@
+"""The conversation store: one interface (base.py), SQLite and Cassandra implementations."""
+
+from tandem.store.base import (
+    FINAL_STATUSES,
+    Conversation,
+    ConversationStore,
+    Message,
+    MessageStatus,
+    NewMessage,
+    Role,
+    StoreUnavailable,
+)
+
+__all__ = [
+    "FINAL_STATUSES",
+    "Conversation",
+    "ConversationStore",
+    "Message",
+    "MessageStatus",
+    "NewMessage",
+    "Role",
+    "StoreUnavailable",
+]

@@ -1,0 +1,109 @@
+"""The conversation store's contract: conversations by user (newest first), messages by
+conversation in order. SQLite is the embedded default, Cassandra the production store; one
+contract test suite runs against both.
+
+Every write is acknowledged only once it is durable. Writes are idempotent by id, so a retry
+after a timeout never makes a second conversation or message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached or did not answer in time; the API answers 503 with this message."""
+
+
+class Role(str, Enum):
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class MessageStatus(str, Enum):
+    COMPLETE = "complete"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    MODERATED = "moderated"
+
+
+FINAL_STATUSES = frozenset({MessageStatus.COMPLETE, MessageStatus.STOPPED, MessageStatus.FAILED, MessageStatus.MODERATED})
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    user_id: str
+    title: str
+    model: str
+    created_at_ms: int
+    updated_at_ms: int
+    summary: str = ""
+    summary_upto_seq: int = 0  # the summary covers messages with seq <= this
+    total_tokens: int = 0  # sum of the messages' tokens
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """A message to append; the store gives it the next seq of its conversation."""
+
+    id: str  # idempotency key: appending the same id twice stores it once
+    conversation_id: str
+    role: Role
+    content: str
+    tokens: int  # its token count, counted once when saved so prompts never re-tokenize history
+    model: str = ""
+    status: MessageStatus = MessageStatus.COMPLETE
+    parent_seq: int = 0  # an assistant turn: the seq of the user turn it answers; 0 for none
+    created_at_ms: int = 0  # 0: the store's clock
+
+
+@dataclass(frozen=True)
+class Message:
+    id: str
+    conversation_id: str
+    seq: int  # 1, 2, 3 ... in the order appended
+    parent_seq: int
+    role: Role
+    content: str
+    tokens: int
+    model: str
+    status: MessageStatus
+    created_at_ms: int
+
+
+class ConversationStore(Protocol):
+    async def start(self) -> None:
+        """Connects and creates (or migrates) the schema; idempotent."""
+
+    async def close(self) -> None: ...
+
+    async def create_conversation(self, conversation: Conversation) -> Conversation:
+        """Stores a new conversation; the same id again returns the stored one unchanged."""
+
+    async def get_conversation(self, user_id: str, conversation_id: str) -> Conversation | None:
+        """None when it does not exist or belongs to another user."""
+
+    async def list_conversations(self, user_id: str, *, limit: int = 50, before_ms: int | None = None) -> list[Conversation]:
+        """The user's conversations, most recently updated first; `before_ms` pages on updated_at_ms."""
+
+    async def update_conversation(
+        self, user_id: str, conversation_id: str, *, title: str | None = None, summary: str | None = None, summary_upto_seq: int | None = None
+    ) -> Conversation | None: ...
+
+    async def append_message(self, user_id: str, message: NewMessage) -> Message:
+        """Appends with the next seq, bumps the conversation's updated_at_ms and total_tokens.
+        The same message id again returns the stored message. Raises KeyError when the
+        conversation does not exist for this user."""
+
+    async def finish_message(self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int) -> Message | None:
+        """A running message becomes final with its text and token count. A message already final
+        is left as it is (the first final write wins) and returned. None when it does not exist."""
+
+    async def get_message(self, message_id: str) -> Message | None: ...
+
+    async def list_messages(self, conversation_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[Message]:
+        """In seq order, those with seq > after_seq, at most `limit`."""
