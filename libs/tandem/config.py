@@ -82,6 +82,23 @@ class Settings(BaseSettings):
     kv_cache_mib: int = 1024  # KV cache of a worker's engine
     ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
     remote_prefill_min_tokens: int = 256  # router: uncached prompt tokens above which a prefill worker reads the prompt
+    # conversation store (chat and relay)
+    store: Literal["sqlite", "cassandra"] = "sqlite"
+    sqlite_path: Path = Path(".tandem/conversations.db")
+    cassandra_hosts: str = "127.0.0.1:9042"  # comma-separated host[:port]
+    cassandra_keyspace: str = "tandem"
+    cassandra_replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}"  # a cluster: NetworkTopologyStrategy
+    cassandra_consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM"] = "LOCAL_QUORUM"
+    store_timeout_s: float = 5.0
+    # token log and replies (relay and chat)
+    token_log_ttl_s: int = 600  # how long a finished reply's log stays readable
+    reader_idle_timeout_s: float = 30.0  # relay: a reply nobody has read for this long is cancelled
+    idempotency_ttl_s: int = 86400
+    system_prompt: str = "You are a helpful assistant."
+    max_answer_tokens: int = 512  # chat: the answer's budget, also the default max_tokens
+    prompt_budget_free: int = 8000  # chat: prompt tokens a tier may send (the model's window caps it too)
+    prompt_budget_plus: int = 32000
+    max_message_chars: int = 32000  # chat: longer messages are refused with 413 before tokenizing
 
     @field_validator("api_keys", mode="before")
     @classmethod
