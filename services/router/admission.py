@@ -69,8 +69,12 @@ def _check_shape(request: GenerateRequest) -> Refusal | None:
             "bad_request",
             f"public_prefix_tokens is {request.public_prefix_tokens} but the prompt has {num_prompt_tokens} tokens",
         )
-    if request.resume_reply_id and not _is_subject_token(request.resume_reply_id):
-        return refusal("bad_request", f"resume_reply_id {request.resume_reply_id!r} may hold only letters, digits, '-' and '_'")
+    for field in ("resume_reply_id", "reply_id"):
+        value = getattr(request, field)
+        if value and not _is_subject_token(value):
+            return refusal("bad_request", f"{field} {value!r} may hold only letters, digits, '-' and '_'")
+    if request.reply_id and request.resume_reply_id and request.reply_id != request.resume_reply_id:
+        return refusal("bad_request", "reply_id and resume_reply_id differ: a continuation keeps its reply id")
     sampling = request.sampling
     if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
         return refusal("bad_sampling", f"sampling.temperature must be 0 (greedy) or more; got {sampling.temperature}")

@@ -92,7 +92,7 @@ class GenerateService:
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
         # A continuation keeps its reply id and numbering: the logged tokens come first.
-        reply_id = request.resume_reply_id or new_reply_id()
+        reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
         assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1)
         ranked = self._placement.rank(decode_workers, admitted.model, request, affinity_key(request, reply_id))
         if ranked:

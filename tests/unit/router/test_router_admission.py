@@ -137,3 +137,14 @@ def test_sampling_out_of_range_is_refused(field, value):
     refusal = refused(req)
     assert refusal.reason == "bad_sampling"
     assert f"sampling.{field}" in refusal.message
+
+
+def test_a_caller_chosen_reply_id_that_is_no_subject_token_is_a_bad_request():
+    refusal = refused(request(reply_id="a b"))
+    assert refusal.reason == "bad_request"
+    assert "reply_id" in refusal.message
+
+
+def test_a_continuation_cannot_change_its_reply_id():
+    refusal = refused(request(reply_id="r2", resume_reply_id="r1", generated_token_ids=[5]))
+    assert refusal.reason == "bad_request"

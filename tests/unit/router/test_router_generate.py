@@ -83,3 +83,9 @@ async def test_a_job_is_offered_in_rank_order_and_a_refused_worker_is_counted_on
     await generate.dispatch(job)
     assert offers == ["d1", "d2"]
     assert {w.instance_id: w.num_assigned for w in registry.workers("decode")} == {"d1": 1, "d2": 1}
+
+
+def test_a_caller_chosen_reply_id_is_kept():
+    generate, _ = service(decode_worker("d1"))
+    reply, job = generate.handle(request(reply_id="msg-42").SerializeToString())
+    assert reply.reply_id == job.assignment.reply_id == "msg-42"
