@@ -27,26 +27,30 @@ class KvLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("reply_id", "layout", "num_blocks")
+    __slots__ = ("reply_id", "layout", "num_blocks", "request")
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     reply_id: str
     layout: KvLayout
     num_blocks: int
-    def __init__(self, reply_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    request: _generate_pb2.GenerateRequest
+    def __init__(self, reply_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("block_ids", "ucx_host", "ucx_port", "lease_s")
+    __slots__ = ("block_ids", "ucx_host", "ucx_port", "lease_s", "num_cached_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     UCX_HOST_FIELD_NUMBER: _ClassVar[int]
     UCX_PORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     ucx_host: str
     ucx_port: int
     lease_s: float
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., lease_s: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("reservation", "refused")
