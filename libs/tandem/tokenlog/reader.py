@@ -1,0 +1,48 @@
+"""Any edge's side of the token log: the logged events after N, then the live ones as they
+land (blocking XREAD, no polling with sleeps), ending after the final event."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from redis.asyncio import Redis
+
+from tandem.tokenlog.keys import ReplyKeys
+from tandem.tokenlog.meta import load_reply
+from tandem.v1.common_pb2 import FINISH_REASON_UNSPECIFIED
+from tandem.v1.tokens_pb2 import TokenEvent
+
+
+class ReplyGone(LookupError):
+    """The reply is unknown, or its log has expired."""
+
+
+def entry_id(seq: int) -> str:
+    return f"{seq}-1"
+
+
+async def read(redis: Redis, reply_id: str, *, after: int = 0, block_ms: int = 5000) -> AsyncIterator[TokenEvent]:
+    """Events of one reply with seq > `after`, in order, ending after the final one.
+
+    `redis` must allow a socket timeout longer than `block_ms`. Raises ReplyGone when the reply
+    is not known or its log expires while waiting."""
+    if after < 0:
+        raise ValueError(f"after must be 0 or more; got {after}")
+    keys = ReplyKeys(reply_id)
+    last_id = entry_id(after) if after else "0-0"
+    while True:
+        entries = await redis.xread({keys.log: last_id}, count=256, block=block_ms)
+        if not entries:
+            meta = await load_reply(redis, reply_id)
+            if meta is None:
+                raise ReplyGone(f"reply {reply_id} is unknown or its log has expired")
+            if not meta.is_running and meta.last_seq <= after:
+                return  # asked for what follows the final event: nothing
+            continue
+        for _, items in entries:
+            for item_id, fields in items:
+                event = TokenEvent.FromString(fields[b"e"])
+                yield event
+                if event.finish != FINISH_REASON_UNSPECIFIED:
+                    return
+                last_id = item_id

@@ -1,0 +1,189 @@
+"""The token log on a real redis-server: ordered, idempotent, resumable, expiring."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from tandem.tokenlog import (
+    ReplyGone,
+    ReplyKeys,
+    ReplyMeta,
+    ReplyStatus,
+    TokenLogWriter,
+    attach,
+    create_reply,
+    detach,
+    idle_for_ms,
+    load_reply,
+    now_ms,
+    read,
+)
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage
+from tandem.v1.tokens_pb2 import TokenEvent
+
+TTL_S = 60
+
+
+@pytest_asyncio.fixture
+async def redis(redis_server):
+    client = aioredis.from_url(redis_server.url, socket_timeout=10)
+    yield client
+    await client.aclose()
+
+
+def events(reply_id: str, num: int, finish: int = FINISH_REASON_STOP) -> list[TokenEvent]:
+    out = [TokenEvent(reply_id=reply_id, seq=i, token_id=100 + i, text=f"w{i} ") for i in range(1, num + 1)]
+    out[-1].finish = finish
+    out[-1].usage.CopyFrom(Usage(input_tokens=7, output_tokens=num))
+    return out
+
+
+async def read_all(redis, reply_id: str, after: int = 0) -> list[TokenEvent]:
+    return [event async for event in read(redis, reply_id, after=after, block_ms=200)]
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+async def test_events_in_order_are_read_back_in_order_and_the_read_ends_at_the_final_one(redis):
+    reply_id = new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    for event in events(reply_id, 5):
+        await writer.append(event)
+    logged = await read_all(redis, reply_id)
+    assert [e.seq for e in logged] == [1, 2, 3, 4, 5]
+    assert "".join(e.text for e in logged) == "w1 w2 w3 w4 w5 "
+    assert logged[-1].usage.output_tokens == 5
+
+
+async def test_a_duplicate_delivery_is_logged_once(redis):
+    reply_id = new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    first, second, last = events(reply_id, 3)
+    assert (await writer.append(first)).num_appended == 1
+    assert (await writer.append(first)).num_appended == 0
+    await writer.append(second)
+    await writer.append(first)
+    await writer.append(last)
+    assert [e.seq for e in await read_all(redis, reply_id)] == [1, 2, 3]
+
+
+async def test_an_event_ahead_of_a_gap_is_held_until_the_gap_fills(redis):
+    reply_id = new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    e1, e2, e3, e4 = events(reply_id, 4)
+    await writer.append(e1)
+    held = await writer.append(e3)
+    assert (held.num_appended, held.last_seq, held.num_held) == (0, 1, 1)
+    await writer.append(e4)  # the final event, also held
+    assert (await load_reply(redis, reply_id)).is_running
+    filled = await writer.append(e2)
+    assert (filled.num_appended, filled.last_seq, filled.final_status, filled.num_held) == (3, 4, ReplyStatus.COMPLETE, 0)
+    assert [e.seq for e in await read_all(redis, reply_id)] == [1, 2, 3, 4]
+
+
+async def test_two_writers_appending_a_shuffled_stream_log_it_in_order(redis_server, redis):
+    reply_id = new_id()
+    other = aioredis.from_url(redis_server.url)
+    writers = [TokenLogWriter(redis, TTL_S), TokenLogWriter(other, TTL_S)]
+    stream = events(reply_id, 60)
+    deliveries = stream + random.Random(7).sample(stream, 20)  # duplicates too
+    random.Random(11).shuffle(deliveries)
+    await asyncio.gather(*(writers[i % 2].append(e) for i, e in enumerate(deliveries)))
+    await other.aclose()
+    logged = await read_all(redis, reply_id)
+    assert [e.seq for e in logged] == list(range(1, 61))
+    assert [e.token_id for e in logged] == [e.token_id for e in stream]
+
+
+async def test_a_reader_resumes_after_the_seq_it_names(redis):
+    reply_id = new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    for event in events(reply_id, 6):
+        await writer.append(event)
+    assert [e.seq for e in await read_all(redis, reply_id, after=4)] == [5, 6]
+    assert await read_all(redis, reply_id, after=6) == []
+
+
+async def test_a_reader_attached_before_the_tokens_gets_them_live(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id="u1"), track_readers=False)
+    reader = asyncio.create_task(read_all(redis, reply_id))
+    writer = TokenLogWriter(redis, TTL_S)
+    for event in events(reply_id, 4):
+        await writer.append(event)
+    logged = await asyncio.wait_for(reader, 10)
+    assert [e.seq for e in logged] == [1, 2, 3, 4]
+
+
+async def test_the_final_event_closes_the_log_and_starts_its_expiry(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id="u1", conversation_id="c1"), track_readers=False)
+    writer = TokenLogWriter(redis, TTL_S)
+    stream = events(reply_id, 3, finish=FINISH_REASON_CANCELLED)
+    for event in stream:
+        await writer.append(event)
+    late = TokenEvent(reply_id=reply_id, seq=4, token_id=1, text="late")
+    assert (await writer.append(late)).num_appended == 0
+    meta = await load_reply(redis, reply_id)
+    assert (meta.status, meta.last_seq, meta.conversation_id) == (ReplyStatus.STOPPED, 3, "c1")
+    assert meta.finished_ms >= meta.created_ms > 0
+    keys = ReplyKeys(reply_id)
+    assert 0 < await redis.ttl(keys.log) <= TTL_S
+    assert 0 < await redis.ttl(keys.meta) <= TTL_S
+
+
+async def test_a_running_reply_never_expires(redis):
+    reply_id = new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    await writer.append(events(reply_id, 3)[0])
+    assert await redis.ttl(ReplyKeys(reply_id).log) == -1
+    assert await redis.ttl(ReplyKeys(reply_id).meta) == -1
+
+
+async def test_reading_an_unknown_reply_raises_reply_gone(redis):
+    with pytest.raises(ReplyGone):
+        await read_all(redis, new_id())
+
+
+async def test_the_request_is_kept_for_a_continuation(redis):
+    from tandem.v1.generate_pb2 import GenerateRequest
+
+    reply_id = new_id()
+    request = GenerateRequest(reply_id=reply_id, prompt_token_ids=[1, 2, 3], conversation_id="c9")
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, request=request.SerializeToString()), track_readers=True)
+    assert (await load_reply(redis, reply_id)).generate_request() == request
+
+
+async def test_a_reply_is_idle_only_once_every_reader_lease_is_gone(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id), track_readers=True)
+    await attach(redis, reply_id, "reader-a", lease_s=30)
+    await attach(redis, reply_id, "reader-b", lease_s=30)
+    await detach(redis, reply_id, "reader-a")
+    assert await idle_for_ms(redis, reply_id) == 0
+    await detach(redis, reply_id, "reader-b")
+    # Nobody reads now; pretend the last one left 5 s ago.
+    await redis.hset(ReplyKeys(reply_id).meta, "last_reader_ms", now_ms() - 5000)
+    assert await idle_for_ms(redis, reply_id) >= 5000
+
+
+async def test_a_dead_readers_lease_runs_out(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id), track_readers=True)
+    await redis.zadd(ReplyKeys(reply_id).readers, {"crashed": now_ms() - 3000})
+    await redis.hset(ReplyKeys(reply_id).meta, "last_reader_ms", now_ms() - 10000)
+    assert 3000 <= await idle_for_ms(redis, reply_id) < 6000  # since the lease ran out, not since the last detach
+
+
+async def test_a_detach_after_expiry_leaves_no_key(redis):
+    reply_id = new_id()
+    await detach(redis, reply_id, "late-reader")
+    assert await redis.exists(ReplyKeys(reply_id).meta) == 0
