@@ -9,6 +9,7 @@ from tandem.store.base import (
     NewMessage,
     Role,
     StoreUnavailable,
+    store_is_available,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "NewMessage",
     "Role",
     "StoreUnavailable",
+    "store_is_available",
 ]

@@ -107,3 +107,12 @@ class ConversationStore(Protocol):
 
     async def list_messages(self, conversation_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[Message]:
         """In seq order, those with seq > after_seq, at most `limit`."""
+
+
+async def store_is_available(store: ConversationStore) -> bool:
+    """For readiness checks: one cheap read that must answer."""
+    try:
+        await store.get_conversation("_readiness", "_readiness")
+    except StoreUnavailable:
+        return False
+    return True
