@@ -8,6 +8,7 @@ import asyncio
 import runpy
 import sys
 
+from tandem import cassandra_node
 from tandem.config import ROLES, load_settings
 from tandem.errors import StartupError
 from tandem.models.files import open_model
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run one service in this process")
     serve.add_argument("role", choices=ROLES)
     serve.set_defaults(run=_serve)
+    cassandra_node.add_cli(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
