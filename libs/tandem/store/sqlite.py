@@ -1,0 +1,201 @@
+"""The embedded conversation store: one SQLite file shared by the chat and relay processes.
+
+WAL lets readers run beside the one writer; every write is a short `BEGIN IMMEDIATE`
+transaction (the write lock is taken before anything is read, so the seq a writer reads is the
+seq it writes), and busy_timeout makes another process wait for the lock instead of failing.
+synchronous=FULL: each commit fsyncs the WAL before it returns, so an acknowledged write
+survives a power cut too (NORMAL would only survive a process crash, and the contract promises
+durable acknowledgements). A commit is one fsync; the store writes a few rows per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiosqlite
+
+from tandem.store.base import FINAL_STATUSES, Conversation, Message, MessageStatus, NewMessage, Role, StoreUnavailable
+
+SCHEMA_VERSION = 1
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS conversations (
+        id TEXT PRIMARY KEY, user_id TEXT NOT NULL, title TEXT NOT NULL, model TEXT NOT NULL,
+        created_at_ms INTEGER NOT NULL, updated_at_ms INTEGER NOT NULL,
+        summary TEXT NOT NULL DEFAULT '', summary_upto_seq INTEGER NOT NULL DEFAULT 0,
+        total_tokens INTEGER NOT NULL DEFAULT 0, last_seq INTEGER NOT NULL DEFAULT 0)""",
+    "CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user_id, updated_at_ms DESC, id DESC)",
+    """CREATE TABLE IF NOT EXISTS messages (
+        id TEXT PRIMARY KEY, conversation_id TEXT NOT NULL REFERENCES conversations (id), seq INTEGER NOT NULL,
+        parent_seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, tokens INTEGER NOT NULL,
+        model TEXT NOT NULL, status TEXT NOT NULL, created_at_ms INTEGER NOT NULL,
+        UNIQUE (conversation_id, seq))""",
+]
+_CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms, summary, summary_upto_seq, total_tokens"
+_MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    return Conversation(**{key: row[key] for key in _CONVERSATION_COLUMNS.split(", ")})
+
+
+def _message(row: sqlite3.Row) -> Message:
+    fields = {key: row[key] for key in _MESSAGE_COLUMNS.split(", ")}
+    return Message(**fields | {"role": Role(fields["role"]), "status": MessageStatus(fields["status"])})
+
+
+class SqliteStore:
+    def __init__(self, path: Path, *, timeout_s: float = 5.0) -> None:
+        self._path = path
+        self._timeout_s = timeout_s
+        self._db: aiosqlite.Connection | None = None
+        self._write_lock = asyncio.Lock()  # one connection: its coroutines take turns at transactions
+
+    async def start(self) -> None:
+        if self._db is not None:
+            return
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            db = await aiosqlite.connect(self._path, timeout=self._timeout_s, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreUnavailable(f"sqlite {self._path}: {exc}") from None
+        db.row_factory = sqlite3.Row
+        self._db = db
+        async with self._failures():
+            await db.execute(f"PRAGMA busy_timeout = {int(self._timeout_s * 1000)}")
+            await db.execute("PRAGMA journal_mode = WAL")
+            await db.execute("PRAGMA synchronous = FULL")
+            await db.execute("PRAGMA foreign_keys = ON")
+        async with self._write() as db:
+            version = (await (await db.execute("PRAGMA user_version")).fetchone())[0]
+            if version > SCHEMA_VERSION:
+                raise StoreUnavailable(f"sqlite {self._path}: schema version {version} is newer than this code ({SCHEMA_VERSION})")
+            for statement in _SCHEMA:
+                await db.execute(statement)
+            await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @asynccontextmanager
+    async def _failures(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as exc:  # locked past busy_timeout, disk full, unreadable file
+            raise StoreUnavailable(f"sqlite {self._path}: {exc}") from None
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One short write transaction, holding the file's write lock from its first statement."""
+        if self._db is None:
+            raise StoreUnavailable("sqlite store is not started")
+        async with self._write_lock, self._failures():
+            await self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                await self._db.execute("ROLLBACK")
+                raise
+            await self._db.execute("COMMIT")
+
+    async def _fetchone(self, sql: str, params: tuple) -> sqlite3.Row | None:
+        if self._db is None:
+            raise StoreUnavailable("sqlite store is not started")
+        async with self._failures():
+            return await (await self._db.execute(sql, params)).fetchone()
+
+    async def _fetchall(self, sql: str, params: tuple) -> list[sqlite3.Row]:
+        if self._db is None:
+            raise StoreUnavailable("sqlite store is not started")
+        async with self._failures():
+            return list(await (await self._db.execute(sql, params)).fetchall())
+
+    async def create_conversation(self, conversation: Conversation) -> Conversation:
+        async with self._write() as db:
+            await db.execute(
+                f"INSERT OR IGNORE INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation.id, conversation.user_id, conversation.title, conversation.model, conversation.created_at_ms,
+                 conversation.updated_at_ms, conversation.summary, conversation.summary_upto_seq, conversation.total_tokens),
+            )
+            row = await (await db.execute(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ?", (conversation.id,))).fetchone()
+        return _conversation(row)
+
+    async def get_conversation(self, user_id: str, conversation_id: str) -> Conversation | None:
+        row = await self._fetchone(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id))
+        return None if row is None else _conversation(row)
+
+    async def list_conversations(self, user_id: str, *, limit: int = 50, before_ms: int | None = None) -> list[Conversation]:
+        rows = await self._fetchall(
+            f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE user_id = ? AND updated_at_ms < ? "
+            "ORDER BY updated_at_ms DESC, id DESC LIMIT ?",
+            (user_id, before_ms if before_ms is not None else 2**62, limit),
+        )
+        return [_conversation(row) for row in rows]
+
+    async def update_conversation(
+        self, user_id: str, conversation_id: str, *, title: str | None = None, summary: str | None = None, summary_upto_seq: int | None = None
+    ) -> Conversation | None:
+        async with self._write() as db:
+            await db.execute(
+                "UPDATE conversations SET title = coalesce(?, title), summary = coalesce(?, summary), "
+                "summary_upto_seq = coalesce(?, summary_upto_seq) WHERE id = ? AND user_id = ?",
+                (title, summary, summary_upto_seq, conversation_id, user_id),
+            )
+            row = await (await db.execute(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id))).fetchone()
+        return None if row is None else _conversation(row)
+
+    async def append_message(self, user_id: str, message: NewMessage) -> Message:
+        async with self._write() as db:
+            owner = await (await db.execute("SELECT last_seq FROM conversations WHERE id = ? AND user_id = ?", (message.conversation_id, user_id))).fetchone()
+            if owner is None:
+                raise KeyError(message.conversation_id)
+            stored = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
+            if stored is not None:
+                return _message(stored)
+            seq = owner["last_seq"] + 1
+            created_at_ms = message.created_at_ms or _now_ms()
+            await db.execute(
+                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (message.id, message.conversation_id, seq, message.parent_seq, message.role.value, message.content,
+                 message.tokens, message.model, message.status.value, created_at_ms),
+            )
+            await db.execute(
+                "UPDATE conversations SET last_seq = ?, total_tokens = total_tokens + ?, updated_at_ms = max(updated_at_ms, ?) WHERE id = ?",
+                (seq, message.tokens, _now_ms(), message.conversation_id),
+            )
+            row = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
+        return _message(row)
+
+    async def finish_message(self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int) -> Message | None:
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"{status.value} is not a final status")
+        async with self._write() as db:
+            query = f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ? AND conversation_id = ?"
+            row = await (await db.execute(query, (message_id, conversation_id))).fetchone()
+            if row is None or MessageStatus(row["status"]) in FINAL_STATUSES:
+                return None if row is None else _message(row)
+            await db.execute("UPDATE messages SET content = ?, status = ?, tokens = ? WHERE id = ?", (content, status.value, tokens, message_id))
+            await db.execute("UPDATE conversations SET total_tokens = total_tokens + ? WHERE id = ?", (tokens - row["tokens"], conversation_id))
+            row = await (await db.execute(query, (message_id, conversation_id))).fetchone()
+        return _message(row)
+
+    async def get_message(self, message_id: str) -> Message | None:
+        row = await self._fetchone(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
+        return None if row is None else _message(row)
+
+    async def list_messages(self, conversation_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[Message]:
+        rows = await self._fetchall(
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (conversation_id, after_seq, -1 if limit is None else limit),
+        )
+        return [_message(row) for row in rows]
