@@ -49,6 +49,7 @@ class Worker:
             heartbeat.kv_blocks_total = load.num_total_blocks
             heartbeat.running.CopyFrom(_lanes(s.num_running))
             heartbeat.waiting.CopyFrom(_lanes(s.num_waiting))
+            heartbeat.queued_prefill_tokens = s.num_queued_prefill_tokens
             heartbeat.step_time_ms = load.mean_step_time_ms
             heartbeat.kv_event_id = load.last_kv_event_id
         return heartbeat

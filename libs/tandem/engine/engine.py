@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.batch import BLOCK_SIZE, KvCacheShape
-from tandem.engine.block_pool import BlockPool, KvEvent
+from tandem.engine.block_pool import BlockPool, KvEvent, NoFreeBlocks
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
@@ -42,6 +42,24 @@ class Request:
     lane: Lane = Lane.FREE
     tenant: str = ""
     num_public_prefix_tokens: int = 0
+    # A continuation: tokens of this reply generated (and streamed) before, by a worker that died
+    # or a handoff that failed. They follow the prompt, count as output, and are not streamed again.
+    generated_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ImportReservation:
+    """Blocks held for a sequence about to be imported: the leading blocks of its tokens that this
+    engine's prefix cache already has (a reference taken on each), then fresh ones for the rest,
+    which the prefill side fills."""
+
+    cached_block_ids: tuple[int, ...]
+    cached_block_hashes: tuple[int, ...]
+    new_block_ids: tuple[int, ...]
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.cached_block_ids + self.new_block_ids
 
 
 @dataclass(frozen=True)
@@ -191,18 +209,30 @@ class Engine:
         seq = self._exports.pop(request_id)
         self.kv.free(seq)
 
-    def reserve_blocks(self, num_blocks: int) -> list[int]:
-        """Blocks for a sequence about to be imported; raises NoFreeBlocks when there is no room."""
-        return self.pool.allocate(num_blocks)
-
-    def cancel_reservation(self, block_ids: list[int]) -> None:
-        self.pool.free(block_ids)
-
-    def import_sequence(self, request: Request, block_ids: list[int], first_token_id: int, num_cached_tokens: int = 0) -> None:
-        """Continues a request prefilled elsewhere: `block_ids` (from reserve_blocks) hold the KV
-        of its whole prompt, and its first token was sampled (and streamed) by the prefill side."""
+    def reserve_import(self, request: Request, num_blocks: int) -> ImportReservation:
+        """Holds `num_blocks` blocks for `request`'s tokens (prompt and generated ones): the cached
+        prefix, then fresh blocks for the rest; raises NoFreeBlocks when they do not fit."""
         seq = self._sequence(request)
-        seq.attach_computed_blocks(block_ids, [], seq.num_prompt_tokens)
+        self.kv.find_cached_prefix(seq)
+        num_cached = min(len(seq.block_table), num_blocks)
+        cached_ids, cached_hashes = seq.block_table[:num_cached], seq.block_hashes[:num_cached]
+        self.pool.free(seq.release_blocks()[num_cached:])
+        try:
+            new_ids = self.pool.allocate(num_blocks - num_cached)
+        except NoFreeBlocks:
+            self.pool.free(cached_ids)
+            raise
+        return ImportReservation(tuple(cached_ids), tuple(cached_hashes), tuple(new_ids))
+
+    def cancel_import(self, reservation: ImportReservation) -> None:
+        self.pool.free(reservation.block_ids)
+
+    def import_sequence(self, request: Request, reservation: ImportReservation, first_token_id: int, num_cached_tokens: int = 0) -> None:
+        """Continues a request prefilled elsewhere: the reservation's blocks (from reserve_import,
+        the new ones filled by the transfer) hold the KV of all its tokens, and its next token was
+        sampled (and streamed) by the prefill side."""
+        seq = self._sequence(request)
+        seq.attach_computed_blocks(reservation.block_ids, reservation.cached_block_hashes, seq.num_tokens)
         seq.append_token(first_token_id)
         reply = _Reply(self._reply_text(request))
         reply.text.add(first_token_id)  # its text was already sent by the prefill worker
@@ -212,7 +242,7 @@ class Engine:
     # -- internals ------------------------------------------------------------------------------
 
     def _sequence(self, request: Request) -> Sequence:
-        return Sequence(
+        seq = Sequence(
             request.request_id,
             request.prompt_token_ids,
             request.sampling,
@@ -221,9 +251,16 @@ class Engine:
             num_public_prefix_tokens=request.num_public_prefix_tokens,
             eos_token_ids=() if request.sampling.ignore_eos else self.loaded.eos_token_ids,
         )
+        for token_id in request.generated_token_ids:
+            seq.append_token(token_id)
+        return seq
 
     def _reply_text(self, request: Request) -> ReplyText:
-        return ReplyText(self.loaded.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        """The reply's text so far: a continuation's generated tokens were streamed already."""
+        text = ReplyText(self.loaded.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        for token_id in request.generated_token_ids:
+            text.add(token_id)
+        return text
 
     def _advance(self, seq: Sequence, token_id: int, is_finished: bool) -> RequestOutput:
         reply = self._replies[seq.seq_id]

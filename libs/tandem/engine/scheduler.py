@@ -64,6 +64,7 @@ class SchedulerStats:
     num_used_blocks: int
     num_prefix_hit_tokens: int  # total since start, recomputes included
     num_preemptions: int  # total since start
+    num_queued_prefill_tokens: int  # tokens still to prefill: waiting sequences' and running prefills'
 
 
 class Scheduler:
@@ -94,17 +95,17 @@ class Scheduler:
             raise ValueError(f"{seq.seq_id}: a sequence with this id is already scheduled")
         if seq.num_prompt_tokens == 0:
             raise EmptyPrompt(f"{seq.seq_id}: the prompt is empty")
-        num_blocks = self.kv.blocks_needed(seq.num_prompt_tokens)
+        num_blocks = self.kv.blocks_needed(seq.num_tokens)  # a continuation's generated tokens too
         if num_blocks > self._max_blocks_per_seq:
             raise PromptTooLong(
-                f"{seq.seq_id}: a prompt of {seq.num_prompt_tokens} tokens needs {num_blocks} KV blocks of "
+                f"{seq.seq_id}: a prompt of {seq.num_tokens} tokens needs {num_blocks} KV blocks of "
                 f"{self.kv.block_size} tokens; this engine holds at most {self._max_blocks_per_seq} blocks "
                 f"({self._max_blocks_per_seq * self.kv.block_size} tokens) per sequence: {self.kv.pool.num_blocks} "
                 f"blocks minus {self.config.num_reserved_blocks} reserved"
             )
-        if self.config.max_model_len is not None and seq.num_prompt_tokens > self.config.max_model_len:
+        if self.config.max_model_len is not None and seq.num_tokens > self.config.max_model_len:
             raise PromptTooLong(
-                f"{seq.seq_id}: a prompt of {seq.num_prompt_tokens} tokens is longer than the "
+                f"{seq.seq_id}: a prompt of {seq.num_tokens} tokens is longer than the "
                 f"{self.config.max_model_len}-token context window"
             )
         seq.mark_arrived(self._num_arrivals)
@@ -217,7 +218,13 @@ class Scheduler:
             num_used_blocks=pool.num_used_blocks,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
+            num_queued_prefill_tokens=self._num_queued_prefill_tokens(),
         )
+
+    def _num_queued_prefill_tokens(self) -> int:
+        waiting = sum(seq.num_uncomputed_tokens for queue in self._waiting.values() for seq in queue)
+        prefilling = sum(seq.num_uncomputed_tokens for seq in self._running if seq.num_uncomputed_tokens > 1)
+        return waiting + prefilling
 
     # -- inside a step --------------------------------------------------------------------------
 

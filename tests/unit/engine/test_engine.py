@@ -93,8 +93,9 @@ def test_prefill_on_one_engine_then_decode_on_another_equals_one_engine(tiny):
         outputs = prefill.step()
     (first,) = outputs
     assert first.handoff is not None and not first.is_finished
-    block_ids = decode.reserve_blocks(len(first.handoff.block_ids))
-    assert block_ids != list(first.handoff.block_ids)
+    reservation = decode.reserve_import(greedy("r", prompt), len(first.handoff.block_ids))
+    block_ids = reservation.block_ids
+    assert reservation.cached_block_ids == () and block_ids != first.handoff.block_ids
     for source, target in zip(first.handoff.block_ids, block_ids):
         decode.block_view(target).copy_(prefill.block_view(source))
     free_before_release = prefill.pool.num_free_blocks
@@ -102,12 +103,70 @@ def test_prefill_on_one_engine_then_decode_on_another_equals_one_engine(tiny):
     assert prefill.pool.num_free_blocks == free_before_release + len(block_ids)
     assert not prefill.has_work()
 
-    decode.import_sequence(greedy("r", prompt), block_ids, first.new_token_ids[0])
+    decode.import_sequence(greedy("r", prompt), reservation, first.new_token_ids[0])
     stream = []
     while decode.has_work():
         stream.extend(decode.step())
     assert [first.new_token_ids[0], *tokens_of(stream)] == expected
     assert stream[-1].finish_reason is FinishReason.LENGTH
+
+
+def _prefill_only(engine: Engine, request: Request):
+    engine.add(request, prefill_only=True)
+    outputs = []
+    while not outputs:
+        outputs = engine.step()
+    (first,) = outputs
+    assert first.handoff is not None
+    return first
+
+
+def test_a_decode_engine_reserves_only_the_blocks_its_prefix_cache_lacks_and_the_import_is_exact(tiny):
+    history = seeded_prompts(10)[9][:96]  # six full blocks the decode engine will hold
+    prompt = history + seeded_prompts(10)[8][:70]
+    expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    prefill = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    decode = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    decode.generate([Request("earlier", tuple(history), SamplingOptions(max_tokens=1))])
+    free_at_start = decode.pool.num_free_blocks
+
+    first = _prefill_only(prefill, greedy("r", prompt))
+    num_blocks = len(first.handoff.block_ids)
+    reservation = decode.reserve_import(greedy("r", prompt), num_blocks)
+    assert len(reservation.cached_block_ids) == 6 and len(reservation.new_block_ids) == num_blocks - 6
+    assert decode.pool.num_free_blocks == free_at_start - num_blocks
+    for source, target in zip(first.handoff.block_ids[6:], reservation.new_block_ids):  # only what it lacks
+        decode.block_view(target).copy_(prefill.block_view(source))
+    prefill.release("r")
+    decode.import_sequence(greedy("r", prompt), reservation, first.new_token_ids[0])
+    stream = []
+    while decode.has_work():
+        stream.extend(decode.step())
+    assert [first.new_token_ids[0], *tokens_of(stream)] == expected
+    assert decode.pool.num_free_blocks == free_at_start
+
+
+def test_a_cancelled_import_reservation_gives_back_every_block_and_keeps_the_cache(tiny):
+    history = seeded_prompts(10)[9][:64]
+    decode = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    decode.generate([Request("earlier", tuple(history), SamplingOptions(max_tokens=1))])
+    free_at_start, cached_at_start = decode.pool.num_free_blocks, decode.pool.num_cached_blocks
+    reservation = decode.reserve_import(greedy("r", history + [5] * 40), 7)
+    assert len(reservation.cached_block_ids) == 4
+    decode.cancel_import(reservation)
+    assert (decode.pool.num_free_blocks, decode.pool.num_cached_blocks) == (free_at_start, cached_at_start)
+
+
+def test_a_continuation_neither_repeats_nor_counts_twice_the_tokens_it_was_given(tiny):
+    prompt = seeded_prompts(10)[9]
+    expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    request = Request("c", tuple(prompt), SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True), generated_token_ids=tuple(expected[:3]))
+    stream = engine.generate([request])["c"]
+    assert tokens_of(stream) == expected[3:]
+    assert stream[-1].num_output_tokens == NUM_NEW_TOKENS and stream[-1].num_prompt_tokens == len(prompt)
+    full_text = tiny.tokenizer.decode(expected)
+    assert "".join(o.text for o in stream) == full_text[len(tiny.tokenizer.decode(expected[:3])) :]
 
 
 def test_abort_frees_every_block_and_reports_cancelled(tiny):

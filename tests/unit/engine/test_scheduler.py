@@ -166,3 +166,19 @@ def test_a_prefill_chunk_without_room_preempts_the_newest_so_the_oldest_always_p
     engine.run_until_idle(max_steps=100)
     assert [s.num_output_tokens for s in (first, second)] == [2, 2]
     assert second.num_preemptions >= 1 and first.num_preemptions == 0
+
+
+def test_queued_prefill_tokens_count_what_waits_and_what_is_still_prefilling_not_decodes(make_engine):
+    engine = make_engine(num_blocks=512, max_num_batched_tokens=64)
+    decoder, long, waiting = seq("d", 10), seq("long", 200, first_token=1000), seq("w", 30, first_token=3000)
+    engine.scheduler.add(decoder)
+    engine.step()  # d prefilled: it decodes from now on
+    engine.scheduler.add(long)
+    engine.scheduler.add(waiting)
+    assert engine.scheduler.stats().num_queued_prefill_tokens == 230
+    engine.step()  # d decodes one, long prefills 63; the budget leaves w waiting
+    assert waiting.status is SequenceStatus.WAITING
+    assert engine.scheduler.stats().num_queued_prefill_tokens == (200 - 63) + 30
+    while engine.scheduler.has_work() and engine.scheduler.stats().num_queued_prefill_tokens:
+        engine.step()
+    assert long.num_computed_tokens == 200 and waiting.num_computed_tokens == 30
