@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 from nats.aio.client import Client
@@ -31,6 +32,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def refusal(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
     return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
+
+
+def is_expired(assignment: Assignment) -> bool:
+    """The router stopped waiting for this worker's answer (and may have offered the reply to
+    another worker): accepting now would run the reply twice."""
+    return 0 < assignment.accept_by_unix_ms < time.time() * 1000
+
+
+def expired(assignment: Assignment) -> AssignmentReply:
+    return refusal("expired", f"{assignment.reply_id} reached this worker after the router's accept-by deadline")
 
 
 class EngineHost:
@@ -109,6 +120,8 @@ class EngineHost:
             return refusal("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
         if assignment.reply_id in self.cancels:
             return refusal("cancelled", f"{assignment.reply_id} was cancelled before it started")
+        if is_expired(assignment):
+            return expired(assignment)
         return assignment, request
 
     def track(self, reply_id: str, first_seq: int) -> None:

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.engine_host import EngineHost, refusal
+from tandem.engine_host import EngineHost, expired, is_expired, refusal
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.dispatch_pb2 import AssignmentReply
 from tandem.worker import build_worker
@@ -67,6 +67,10 @@ class DecodeWorker:
         except ValueError as exc:  # PromptTooLong, EmptyPrompt
             self._host.untrack(assignment.reply_id)
             return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
+        if is_expired(assignment):  # the add took past the router's deadline: keep nothing
+            self._host.untrack(assignment.reply_id)
+            self._host.thread.post(lambda engine: engine.abort(assignment.reply_id))
+            return expired(assignment)
         return AssignmentReply(accepted=True)
 
 

@@ -12,6 +12,7 @@ import grpc
 
 from tandem.convert import engine_request, kv_layout
 from tandem.engine.block_pool import NoFreeBlocks
+from tandem.engine.engine import ImportReservation
 from tandem.engine_host import EngineHost
 from tandem.kvtransfer import KvReceiver
 from tandem.v1 import kv_handoff_pb2 as pb
@@ -24,7 +25,7 @@ TRANSFER_WAIT_S = 10.0
 
 @dataclass
 class _Reservation:
-    block_ids: list[int]
+    blocks: ImportReservation
     lease: asyncio.TimerHandle
 
 
@@ -42,7 +43,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         reservation = self._reservations.get(reply_id)
         if reservation is None:
             return None
-        return [self._host.engine.block_view(b) for b in reservation.block_ids]
+        return [self._host.engine.block_view(b) for b in reservation.blocks.new_block_ids]  # the cached ones stay as they are
 
     @property
     def num_reserved(self) -> int:
@@ -62,14 +63,22 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         if request.reply_id in self._reservations:
             return refuse("bad_request", f"{request.reply_id} already holds a reservation here")
         try:
-            block_ids = await self._host.thread.call(lambda engine: engine.reserve_blocks(request.num_blocks))
+            engine_req = engine_request(request.reply_id, request.request)
+        except ValueError as exc:
+            return refuse("bad_request", str(exc))
+        try:
+            blocks = await self._host.thread.call(lambda engine: engine.reserve_import(engine_req, request.num_blocks))
         except NoFreeBlocks as exc:
             return refuse("no_room", str(exc), 1.0)
         lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
-        self._reservations[request.reply_id] = _Reservation(block_ids, lease)
+        self._reservations[request.reply_id] = _Reservation(blocks, lease)
         return pb.ReserveReply(
             reservation=pb.Reservation(
-                block_ids=block_ids, ucx_host=self._ucx_host, ucx_port=self.receiver.port, lease_s=self._lease_s
+                block_ids=blocks.new_block_ids,
+                num_cached_blocks=len(blocks.cached_block_ids),
+                ucx_host=self._ucx_host,
+                ucx_port=self.receiver.port,
+                lease_s=self._lease_s,
             )
         )
 
@@ -97,10 +106,11 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         self._host.track(request.reply_id, request.assignment.first_seq)
         try:
             await self._host.thread.call(
-                lambda engine: engine.import_sequence(engine_req, reservation.block_ids, request.first_token_id, request.num_cached_tokens)
+                lambda engine: engine.import_sequence(engine_req, reservation.blocks, request.first_token_id, request.num_cached_tokens)
             )
         except ValueError as exc:
-            self._host.thread.post(lambda engine: engine.cancel_reservation(reservation.block_ids))
+            self._host.untrack(request.reply_id)
+            self._host.thread.post(lambda engine: engine.cancel_import(reservation.blocks))
             return refuse("bad_request", str(exc))
         return pb.CommitReply(accepted=True)
 
@@ -117,7 +127,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return False
         reservation.lease.cancel()
         self.receiver.forget(reply_id)
-        self._host.thread.post(lambda engine: engine.cancel_reservation(reservation.block_ids))
+        self._host.thread.post(lambda engine: engine.cancel_import(reservation.blocks))
         return True
 
 

@@ -4,7 +4,10 @@ the first token at once, and hands the sequence to the decode worker the router 
     Reserve on the decode worker (gRPC, it allocates first) -> prefill -> first token out ->
     KV blocks over UCXX into the reserved blocks -> Commit (gRPC) -> free the local blocks.
 
-Any failure releases the reservation on both sides and ends the reply with an error event."""
+Any failure releases the reservation on both sides and returns the reply to the router: a refusal
+of the Assignment when the decode worker will not reserve, else a failed HandoffOutcome on
+tandem.v1.handoff.<reply_id> naming the tokens already published, so the router's retry continues
+the numbering. Every handoff this worker accepts ends with exactly one HandoffOutcome."""
 
 from __future__ import annotations
 
@@ -21,11 +24,11 @@ from tandem.bus import encode, subjects
 from tandem.config import Settings
 from tandem.convert import kv_layout
 from tandem.engine.engine import RequestOutput
-from tandem.engine_host import EngineHost, refusal
+from tandem.engine_host import EngineHost, expired, is_expired, refusal
 from tandem.kvtransfer import KvSender, KvTransferError
 from tandem.v1 import common_pb2
 from tandem.v1 import kv_handoff_pb2 as pb
-from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker import build_worker
@@ -115,21 +118,11 @@ class PrefillWorker:
             return refusal("bad_request", "an assignment to a prefill worker must name its decode worker")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
-        engine = self._host.engine
-        num_blocks = -(-len(request.prompt_token_ids) // engine.kv_shape.block_size)
         stub = self._stub(assignment.decode_grpc_address)
-        try:
-            reserved = await stub.Reserve(
-                pb.ReserveRequest(reply_id=assignment.reply_id, layout=kv_layout(engine, self._worker.model.name), num_blocks=num_blocks),
-                timeout=RESERVE_TIMEOUT_S,
-            )
-        except grpc.aio.AioRpcError as exc:
-            return refusal("decode_unreachable", f"decode worker {assignment.decode_worker_id}: {exc.code().name}", 1.0)
-        if reserved.WhichOneof("outcome") == "refused":
-            r = reserved.refused
-            return refusal(r.reason, f"decode worker {assignment.decode_worker_id}: {r.message}", r.retry_after_s)
-        first_seq = assignment.first_seq or 1
-        self._host.track(assignment.reply_id, first_seq)
+        reservation = await self._reserve(stub, assignment)
+        if isinstance(reservation, AssignmentReply):
+            return reservation
+        self._host.track(assignment.reply_id, assignment.first_seq or 1)
         handoff = self._host.expect_handoff(assignment.reply_id)
         try:
             await self._host.thread.call(lambda e: e.add(request, prefill_only=True))
@@ -137,7 +130,12 @@ class PrefillWorker:
             self._host.untrack(assignment.reply_id)
             await _release(stub, assignment.reply_id)
             return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
-        state = _Handoff(assignment, reserved.reservation, stub, handoff)
+        if is_expired(assignment):  # the router stopped waiting while we reserved: keep nothing
+            self._host.untrack(assignment.reply_id)
+            self._host.thread.post(lambda e: e.discard(assignment.reply_id))
+            await _release(stub, assignment.reply_id)
+            return expired(assignment)
+        state = _Handoff(assignment, reservation, stub, handoff)
         task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task
         task.add_done_callback(lambda done: self._on_done(state, done))
@@ -145,37 +143,70 @@ class PrefillWorker:
             task.cancel()
         return AssignmentReply(accepted=True)
 
+    async def _reserve(self, stub: KvHandoffStub, assignment: Assignment) -> pb.Reservation | AssignmentReply:
+        """Room on the decode worker for the blocks it lacks, or the refusal that sends the router
+        to another decode worker."""
+        engine = self._host.engine
+        request = assignment.request
+        num_tokens = len(request.prompt_token_ids) + len(request.generated_token_ids)
+        reserve = pb.ReserveRequest(
+            reply_id=assignment.reply_id,
+            layout=kv_layout(engine, self._worker.model.name),
+            num_blocks=-(-num_tokens // engine.kv_shape.block_size),
+            request=request,
+        )
+        decode_id = assignment.decode_worker_id
+        try:
+            reserved = await stub.Reserve(reserve, timeout=RESERVE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            refused = refusal("decode_unreachable", f"decode worker {decode_id}: {exc.code().name}", 1.0)
+        else:
+            if reserved.WhichOneof("outcome") == "reservation":
+                return reserved.reservation
+            r = reserved.refused
+            refused = refusal(r.reason, f"decode worker {decode_id}: {r.message}", r.retry_after_s)
+        refused.failed_decode_worker_id = decode_id
+        return refused
+
     async def _hand_over(self, h: _Handoff) -> None:
         try:
             h.output = await h.future
             if h.output.handoff is None:  # finished at its first token: nothing to hand over
                 await _release(h.stub, h.reply_id)
+                await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED)
                 return
-            blocks = [self._host.engine.block_view(b) for b in h.output.handoff.block_ids]
-            try:
-                await self._sender.send(h.reservation.ucx_host, h.reservation.ucx_port, h.reply_id, blocks, TRANSFER_TIMEOUT_S)
-            except KvTransferError as exc:
-                raise HandoffFailed("kv_transfer_failed", str(exc)) from None
-            continued = Assignment()
-            continued.CopyFrom(h.assignment)
-            continued.first_seq = h.first_seq + 1
-            commit = pb.CommitRequest(
-                reply_id=h.reply_id,
-                assignment=continued,
-                first_token_id=h.output.new_token_ids[0],
-                num_cached_tokens=h.output.num_cached_tokens,
-            )
-            committed = await h.stub.Commit(commit, timeout=COMMIT_TIMEOUT_S)
-            if committed.WhichOneof("outcome") == "refused":
-                raise HandoffFailed(committed.refused.reason, committed.refused.message)
+            await self._send_and_commit(h)
+            await self._publish_outcome(h, HandoffOutcome.RESULT_COMMITTED)
         except (HandoffFailed, grpc.aio.AioRpcError) as exc:
             code = exc.code if isinstance(exc, HandoffFailed) else "decode_unreachable"
-            log.warning("handoff of %s to %s failed: %s", h.reply_id, h.assignment.decode_worker_id, exc)
+            log.warning("handoff of %s to %s failed, returning it to the router: %s", h.reply_id, h.assignment.decode_worker_id, exc)
             await _release(h.stub, h.reply_id)
-            await self._publish_end(h.reply_id, h.first_seq + 1, common_pb2.FINISH_REASON_ERROR, common_pb2.Error(code=code, message=str(exc)))
+            await self._publish_outcome(h, HandoffOutcome.RESULT_FAILED, code, str(exc))
         finally:
             if h.output is not None and h.output.handoff is not None:
                 self._host.thread.post(lambda e: e.release(h.reply_id))
+
+    async def _send_and_commit(self, h: _Handoff) -> None:
+        assert h.output is not None and h.output.handoff is not None
+        # The decode worker holds the leading blocks already: send only the rest.
+        to_send = h.output.handoff.block_ids[h.reservation.num_cached_blocks :]
+        blocks = [self._host.engine.block_view(b) for b in to_send]
+        try:
+            await self._sender.send(h.reservation.ucx_host, h.reservation.ucx_port, h.reply_id, blocks, TRANSFER_TIMEOUT_S)
+        except KvTransferError as exc:
+            raise HandoffFailed("kv_transfer_failed", str(exc)) from None
+        continued = Assignment()
+        continued.CopyFrom(h.assignment)
+        continued.first_seq = h.first_seq + 1
+        commit = pb.CommitRequest(
+            reply_id=h.reply_id,
+            assignment=continued,
+            first_token_id=h.output.new_token_ids[0],
+            num_cached_tokens=h.output.num_cached_tokens,
+        )
+        committed = await h.stub.Commit(commit, timeout=COMMIT_TIMEOUT_S)
+        if committed.WhichOneof("outcome") == "refused":
+            raise HandoffFailed(committed.refused.reason, committed.refused.message)
 
     def _on_done(self, h: _Handoff, task: asyncio.Task[None]) -> None:
         self._in_flight.pop(h.reply_id, None)
@@ -190,13 +221,28 @@ class PrefillWorker:
         if h.output is None:
             self._host.thread.post(lambda e: e.discard(h.reply_id))
         await _release(h.stub, h.reply_id)
-        await self._publish_end(h.reply_id, h.first_seq + (h.output is not None), common_pb2.FINISH_REASON_CANCELLED, None)
+        await self._publish_end(h.reply_id, h.first_seq + (h.output is not None), common_pb2.FINISH_REASON_CANCELLED)
+        await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED, "cancelled")
 
-    async def _publish_end(self, reply_id: str, seq: int, finish: int, error: common_pb2.Error | None) -> None:
+    async def _publish_end(self, reply_id: str, seq: int, finish: int) -> None:
         event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, worker_id=self._worker.runtime.config.instance_id)
-        if error is not None:
-            event.error.CopyFrom(error)
         await self._worker.runtime.bus.client.publish(subjects.tokens(reply_id), encode(event))
+
+    async def _publish_outcome(self, h: _Handoff, result: int, reason: str = "", message: str = "") -> None:
+        outcome = HandoffOutcome(
+            reply_id=h.reply_id,
+            result=result,
+            prefill_worker_id=self._worker.runtime.config.instance_id,
+            decode_worker_id=h.assignment.decode_worker_id,
+            reason=reason,
+            message=message,
+        )
+        if result == HandoffOutcome.RESULT_FAILED and h.output is not None:
+            outcome.published_token_ids.extend(h.output.new_token_ids)
+        try:
+            await self._worker.runtime.bus.client.publish(subjects.handoff(h.reply_id), encode(outcome))
+        except Exception:  # noqa: BLE001 - the router's wait times out instead
+            log.exception("could not publish the handoff outcome of %s", h.reply_id)
 
 
 async def _release(stub: KvHandoffStub, reply_id: str) -> None:

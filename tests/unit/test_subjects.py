@@ -9,6 +9,7 @@ def test_subjects_live_under_tandem_v1():
     assert subjects.cancel("r_1") == "tandem.v1.cancel.r_1"
     assert subjects.heartbeat("decode", "decode-0") == "tandem.v1.heartbeat.decode.decode-0"
     assert subjects.kv_events("w1") == "tandem.v1.kv.events.w1"
+    assert subjects.handoff("r-1") == "tandem.v1.handoff.r-1"
     assert subjects.reply_id_of(subjects.tokens("abc")) == "abc"
 
 

@@ -10,6 +10,7 @@ TOKENS_ALL = f"{PREFIX}.tokens.>"
 CANCEL_ALL = f"{PREFIX}.cancel.*"
 HEARTBEATS_ALL = f"{PREFIX}.heartbeat.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
+HANDOFFS_ALL = f"{PREFIX}.handoff.*"
 
 # A token of a subject: no dots, spaces or wildcards, so an id can never widen a subscription.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -28,6 +29,11 @@ def tokens(reply_id: str) -> str:
 
 def cancel(reply_id: str) -> str:
     return f"{PREFIX}.cancel.{_token(reply_id, 'reply id')}"
+
+
+def handoff(reply_id: str) -> str:
+    """HandoffOutcome of one reply's KV handoff, from its prefill worker to the router."""
+    return f"{PREFIX}.handoff.{_token(reply_id, 'reply id')}"
 
 
 def heartbeat(role: str, instance_id: str) -> str:
