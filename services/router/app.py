@@ -68,9 +68,10 @@ def build_app(settings: Settings) -> FastAPI:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
         await client.subscribe(subjects.KV_EVENTS_ALL, cb=on_kv_event)
         generate = GenerateService(
-            workers, placement, nats_assign(client, dispatch_config.assign_timeout_s), client.publish, dispatch_config
+            workers, placement, nats_assign(client, dispatch_config.assign_timeout_s, dispatch_config.accept_margin_s), client.publish, dispatch_config
         )
         await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
+        await client.subscribe(subjects.HANDOFFS_ALL, cb=generate.outcomes.on_message)
         generate_subscription = await client.subscribe(subjects.GENERATE, queue=QUEUE_GROUP, cb=generate.on_request)
         await client.flush()  # the server has the subscriptions before we call ourselves ready
         is_subscribed = True

@@ -25,7 +25,15 @@ REFUSED = "refused"
 @dataclass(frozen=True)
 class DispatchConfig:
     assign_timeout_s: float = 2.0
+    # A worker answering this close to the timeout refuses instead (Assignment.accept_by_unix_ms),
+    # so a late acceptance can never run a reply the router has offered elsewhere.
+    accept_margin_s: float = 0.25
     max_attempts: int = 3
+    # Placements of one reply whose KV handoff failed (another decode worker, or local prefill)
+    # before it ends with an error event.
+    max_handoff_attempts: int = 3
+    # How long a router waits for a prefill worker's HandoffOutcome (its whole prefill included).
+    handoff_outcome_timeout_s: float = 300.0
     # Suggested to the caller when a worker was silent or unreachable (it may be back soon).
     retry_after_s: float = 2.0
 
@@ -43,12 +51,16 @@ class AssignFailed(Exception):
 Assign = Callable[[str, Assignment], Awaitable[AssignmentReply]]
 
 
-def nats_assign(client: Client, timeout_s: float) -> Assign:
-    """The production Assign: NATS request/reply on the worker's assign subject."""
+def nats_assign(client: Client, timeout_s: float, accept_margin_s: float = 0.25) -> Assign:
+    """The production Assign: NATS request/reply on the worker's assign subject, with an accept-by
+    deadline `accept_margin_s` before the router stops waiting."""
 
     async def assign(worker_id: str, assignment: Assignment) -> AssignmentReply:
+        sent = Assignment()
+        sent.CopyFrom(assignment)
+        sent.accept_by_unix_ms = int(1000 * (time.time() + timeout_s - accept_margin_s))
         try:
-            msg = await client.request(subjects.assign(worker_id), encode(assignment), timeout=timeout_s)
+            msg = await client.request(subjects.assign(worker_id), encode(sent), timeout=timeout_s)
         except nats.errors.NoRespondersError:
             raise AssignFailed("no_responders", "nothing listens on its assign subject") from None
         except nats.errors.TimeoutError:
@@ -69,6 +81,7 @@ class Attempt:
     outcome: str  # ACCEPTED, REFUSED, or an AssignFailed outcome
     refusal: Refusal | None = None
     detail: str = ""
+    failed_decode_worker_id: str = ""  # a prefill worker's refusal that was its decode worker's
 
     def describe(self) -> str:
         if self.refusal is not None:
@@ -102,8 +115,8 @@ async def dispatch(
         attempt = await _offer(assign, worker_id, assignment)
         metrics.DISPATCH_ATTEMPTS.labels(outcome=attempt.outcome).inc()
         attempts.append(attempt)
-        if attempt.outcome == ACCEPTED:
-            break
+        if attempt.outcome == ACCEPTED or attempt.failed_decode_worker_id:
+            break  # accepted; or the decode worker failed, which no other prefill worker changes
     return DispatchResult(tuple(attempts))
 
 
@@ -116,7 +129,7 @@ async def _offer(assign: Assign, worker_id: str, assignment: Assignment) -> Atte
     if outcome == "accepted" and reply.accepted:
         return Attempt(worker_id, ACCEPTED)
     if outcome == "refused":
-        return Attempt(worker_id, REFUSED, refusal=reply.refused)
+        return Attempt(worker_id, REFUSED, refusal=reply.refused, failed_decode_worker_id=reply.failed_decode_worker_id)
     return Attempt(worker_id, "bad_reply", detail="its reply neither accepted nor refused")
 
 

@@ -1,7 +1,8 @@
 """`tandem.v1.generate`: admit or refuse at once, answer with the reply id, then hand the reply
 over in the background: to a prefill worker naming the chosen decode worker when the uncached
 prompt is long (disaggregated), else to the decode worker itself (local prefill). If no prefill
-worker takes it, the decode workers are offered it with local prefill."""
+worker takes it, the decode workers are offered it with local prefill. A handoff that fails comes
+back (HandoffOutcome) and the reply is placed again without that decode worker."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from nats.aio.msg import Msg
 from services.router import metrics
 from services.router.admission import admit, parse_request
 from services.router.dispatch import Assign, DispatchConfig, dispatch, failure_event
+from services.router.handoffs import HandoffOutcomes, continuation
 from services.router.placement import Placement, affinity_key, num_context_tokens
 from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, subjects
 from tandem.cancels import RecentCancels
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED
-from tandem.v1.dispatch_pb2 import Assignment
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, Error
+from tandem.v1.dispatch_pb2 import Assignment, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, Refusal
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -47,6 +49,21 @@ class Job:
     admitted_at_s: float
     # Offered first when the prompt is long: prefill workers, with an assignment naming the decode worker.
     remote: tuple[Assignment, tuple[str, ...]] | None = None
+    model: str = ""  # the admitted model, for placing the reply again
+
+
+@dataclass(frozen=True)
+class _HandoffFailed:
+    """A remote placement that came back: the decode worker to avoid, and the reply to place next
+    (a continuation when the prefill worker had published tokens already)."""
+
+    decode_worker_id: str
+    assignment: Assignment
+    detail: str
+
+
+_HANDED_OVER = "handed_over"  # the prefill worker's handoff committed, or the reply ended there
+_PREFILL_LOCALLY = "prefill_locally"  # no prefill worker took it, for reasons of their own
 
 
 class GenerateService:
@@ -65,6 +82,7 @@ class GenerateService:
         self._config = config
         self._dispatching: set[asyncio.Task[None]] = set()
         self._cancels = RecentCancels()
+        self.outcomes = HandoffOutcomes()  # subscribe its on_message to subjects.HANDOFFS_ALL
 
     async def on_cancel(self, msg: Msg) -> None:
         """A cancel may come before the reply reaches any worker: remember it."""
@@ -87,20 +105,27 @@ class GenerateService:
         request = parse_request(data)
         if isinstance(request, Refusal):
             return self._refuse(request), None
-        decode_workers = self._workers.workers(DECODE_ROLE)
-        admitted = admit(request, decode_workers)
+        admitted = admit(request, self._workers.workers(DECODE_ROLE))
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
         # A continuation keeps its reply id and numbering: the logged tokens come first.
         reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
         assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1)
-        ranked = self._placement.rank(decode_workers, admitted.model, request, affinity_key(request, reply_id))
+        metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
+        job = self._plan(assignment, admitted.model, frozenset(), time.monotonic())
+        return GenerateReply(reply_id=reply_id, model=admitted.model), job
+
+    def _plan(self, assignment: Assignment, model: str, excluded: frozenset[str], admitted_at_s: float) -> Job:
+        """Where the reply goes: decode workers best first (none of `excluded`), and prefill
+        workers first when its uncached part is long."""
+        request = assignment.request
+        decode_workers = [w for w in self._workers.workers(DECODE_ROLE) if w.instance_id not in excluded]
+        ranked = self._placement.rank(decode_workers, model, request, affinity_key(request, assignment.reply_id))
         if ranked:
             # Counted from the moment it is chosen, so a burst spreads before any worker answers.
             self._workers.note_assigned(ranked[0].instance_id, num_context_tokens(request))
-        metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
-        job = Job(assignment, tuple(w.instance_id for w in ranked), time.monotonic(), self._remote(assignment, ranked, admitted.model))
-        return GenerateReply(reply_id=reply_id, model=admitted.model), job
+        worker_ids = tuple(w.instance_id for w in ranked)
+        return Job(assignment, worker_ids, admitted_at_s, self._remote(assignment, ranked, model), model)
 
     def _remote(self, assignment: Assignment, ranked_decode: list[LiveWorker], model: str) -> tuple[Assignment, tuple[str, ...]] | None:
         if not ranked_decode or not self._placement.should_prefill_remotely(ranked_decode[0], assignment.request):
@@ -122,20 +147,59 @@ class GenerateService:
         return GenerateReply(refused=refusal)
 
     async def dispatch(self, job: Job) -> None:
-        """Offers the job to its workers in order; if none takes it, the reply ends with an error event."""
+        """Places the reply until it runs: a failed handoff (the decode worker full, gone, or the
+        transfer broken) comes back here and the reply is placed again without that decode worker,
+        at most `max_handoff_attempts` times; then it ends with an error event."""
+        failures: list[str] = []
+        excluded: set[str] = set()
+        while True:
+            if job.assignment.reply_id in self._cancels:
+                await self._end_cancelled(job.assignment)
+                return
+            if job.remote is not None:
+                remote = await self._dispatch_remote(job)
+                if remote == _HANDED_OVER:
+                    return
+                if isinstance(remote, _HandoffFailed):
+                    failures.append(remote.detail)
+                    excluded.add(remote.decode_worker_id)
+                    log.warning("the handoff of reply %s failed (%s)", job.assignment.reply_id, remote.detail)
+                    job = self._plan(remote.assignment, job.model, frozenset(excluded), job.admitted_at_s)
+                    if len(failures) < self._config.max_handoff_attempts and job.worker_ids:
+                        continue
+                    await self._end_failed(job.assignment, failures)
+                    return
+            await self._dispatch_local(job)
+            return
+
+    async def _dispatch_remote(self, job: Job) -> str | _HandoffFailed:
+        assert job.remote is not None
+        remote_assignment, prefill_ids = job.remote
+        reply_id = remote_assignment.reply_id
+        self.outcomes.expect(reply_id)
+        result = await dispatch(self._assign, remote_assignment, prefill_ids, self._config)
+        if result.accepted_by is None:
+            self.outcomes.forget(reply_id)
+            last = result.attempts[-1] if result.attempts else None
+            if last is not None and last.failed_decode_worker_id:
+                return _HandoffFailed(last.failed_decode_worker_id, job.assignment, last.describe())
+            log.info("no prefill worker took reply %s (%s); prefilling locally", reply_id, last.describe() if last else "none live")
+            return _PREFILL_LOCALLY
+        metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
+        log.debug("reply %s prefills on %s for %s", reply_id, result.accepted_by, remote_assignment.decode_worker_id)
+        outcome = await self.outcomes.wait(reply_id, self._config.handoff_outcome_timeout_s)
+        if outcome is None:
+            log.warning("no handoff outcome for reply %s from %s; leaving it to stall detection", reply_id, result.accepted_by)
+            return _HANDED_OVER
+        if outcome.result != HandoffOutcome.RESULT_FAILED:
+            return _HANDED_OVER
+        detail = f"{outcome.prefill_worker_id} -> {outcome.decode_worker_id}: {outcome.reason}: {outcome.message}"
+        return _HandoffFailed(outcome.decode_worker_id, continuation(job.assignment, list(outcome.published_token_ids)), detail)
+
+    async def _dispatch_local(self, job: Job) -> None:
+        """Offers the reply to its decode workers in order; if none takes it, it ends with an error event."""
         assignment = job.assignment
         num_tokens = num_context_tokens(assignment.request)
-        if assignment.reply_id in self._cancels:
-            await self._end_cancelled(assignment)
-            return
-        if job.remote is not None:
-            remote_assignment, prefill_ids = job.remote
-            remote = await dispatch(self._assign, remote_assignment, prefill_ids, self._config)
-            if remote.accepted_by is not None:
-                metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
-                log.debug("reply %s prefills on %s for %s", assignment.reply_id, remote.accepted_by, remote_assignment.decode_worker_id)
-                return
-            log.info("no prefill worker took reply %s (%s); prefilling locally", assignment.reply_id, remote.attempts[-1].describe())
         result = await dispatch(
             self._assign,
             assignment,
@@ -154,10 +218,23 @@ class GenerateService:
         metrics.DISPATCH_FAILURES.inc()
         event = failure_event(assignment, result, self._config)
         log.warning("reply %s failed: %s", assignment.reply_id, event.error.message)
+        await self._publish_event(event)
+
+    async def _end_failed(self, assignment: Assignment, failures: list[str]) -> None:
+        """A reply whose handoffs all failed ends with one error event, after what was published."""
+        metrics.DISPATCH_FAILURES.inc()
+        message = f"the KV handoff failed {len(failures)} times: " + "; ".join(failures)
+        error = Error(code="handoff_failed", message=message, retry_after_s=self._config.retry_after_s)
+        event = TokenEvent(reply_id=assignment.reply_id, seq=assignment.first_seq or 1, finish=FINISH_REASON_ERROR, error=error)
+        event.produced_unix_ms = int(time.time() * 1000)
+        log.warning("reply %s failed: %s", assignment.reply_id, message)
+        await self._publish_event(event)
+
+    async def _publish_event(self, event: TokenEvent) -> None:
         try:
-            await self._publish(subjects.tokens(assignment.reply_id), encode(event))
+            await self._publish(subjects.tokens(event.reply_id), encode(event))
         except Exception:  # a task's exception would otherwise go unseen
-            log.exception("could not publish the error event of reply %s", assignment.reply_id)
+            log.exception("could not publish the final event of reply %s", event.reply_id)
 
     async def _end_cancelled(self, assignment: Assignment) -> None:
         """A reply cancelled before any worker ran it ends here, with its one (cancelled) event."""

@@ -94,3 +94,12 @@ async def test_a_continuation_fails_at_its_next_sequence_number():
     continuation = Assignment(reply_id="r1", request=request(), first_seq=6)
     result = await dispatch(Workers(d1=Refusal(reason="draining")), continuation, ["d1"], CONFIG)
     assert failure_event(continuation, result, CONFIG).seq == 6
+
+
+async def test_a_prefill_worker_refusing_for_its_decode_worker_stops_the_round():
+    async def assign(worker_id: str, assignment: Assignment) -> AssignmentReply:
+        return AssignmentReply(refused=Refusal(reason="no_room"), failed_decode_worker_id="d1")
+
+    result = await dispatch(assign, assignment(), ["p1", "p2", "p3"], CONFIG)
+    assert [a.worker_id for a in result.attempts] == ["p1"], "another prefill worker would ask the same decode worker"
+    assert result.attempts[0].failed_decode_worker_id == "d1"
