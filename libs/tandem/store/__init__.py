@@ -1,5 +1,9 @@
 """The conversation store: one interface (base.py), SQLite and Cassandra implementations."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from tandem.store.base import (
     FINAL_STATUSES,
     Conversation,
@@ -11,6 +15,27 @@ from tandem.store.base import (
     StoreUnavailable,
     store_is_available,
 )
+
+if TYPE_CHECKING:
+    from tandem.config import Settings
+
+
+def open_store(settings: Settings) -> ConversationStore:
+    """The configured store, not yet started (`await store.start()` connects and creates the schema)."""
+    if settings.store == "cassandra":
+        from tandem.store.cassandra import CassandraStore
+
+        return CassandraStore(
+            settings.cassandra_hosts,
+            keyspace=settings.cassandra_keyspace,
+            replication=settings.cassandra_replication,
+            consistency=settings.cassandra_consistency,
+            timeout_s=settings.store_timeout_s,
+        )
+    from tandem.store.sqlite import SqliteStore
+
+    return SqliteStore(settings.sqlite_path, timeout_s=settings.store_timeout_s)
+
 
 __all__ = [
     "FINAL_STATUSES",
