@@ -82,6 +82,8 @@ class Settings(BaseSettings):
     kv_cache_mib: int = 1024  # KV cache of a worker's engine
     ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
     remote_prefill_min_tokens: int = 256  # router: uncached prompt tokens above which a prefill worker reads the prompt
+    # prefill workers: cap on one KV transfer's send rate, so handoffs leave room on a shared link; 0: none
+    kv_transfer_max_bytes_per_s: float = 0.0
     # conversation store (chat and relay)
     store: Literal["sqlite", "cassandra"] = "sqlite"
     sqlite_path: Path = Path(".tandem/conversations.db")

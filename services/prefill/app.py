@@ -69,7 +69,7 @@ class PrefillWorker:
     def __init__(self, settings: Settings) -> None:
         self._worker = build_worker(ROLE, settings, lambda: self._host.load())
         self._host = EngineHost(settings, self._worker)
-        self._sender = KvSender()
+        self._sender = KvSender(settings.kv_transfer_max_bytes_per_s)
         self._stubs: dict[str, tuple[grpc.aio.Channel, KvHandoffStub]] = {}
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._cleanups: set[asyncio.Task[None]] = set()

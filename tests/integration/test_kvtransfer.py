@@ -305,3 +305,22 @@ class RawSender:
     async def send_blocks(self, transfer_id: int, blocks: list[torch.Tensor], first_index: int = 0) -> None:
         for i, block in enumerate(blocks, start=first_index):
             await self.endpoint.send(wire.as_buffer(block), tag=wire.tag(Kind.BLOCK, transfer_id, i))
+
+
+async def test_a_paced_sender_keeps_to_its_rate_and_every_byte_still_lands(start_receiver: StartReceiver, ucx: None):
+    prefill_pool = random_pool(torch.bfloat16, seed=1)
+    pool = torch.zeros_like(prefill_pool)
+    receiver, reservations = await start_receiver(pool)
+    source_ids, dest_ids = [1, 2, 3, 4, 5, 6], [50, 51, 7, 8, 20, 33]
+    reservations.reserve("reply-paced", dest_ids)
+    bytes_per_block = wire.nbytes(prefill_pool[0])
+    paced = KvSender(max_bytes_per_s=10 * bytes_per_block)  # ten blocks a second
+    started_s = time.monotonic()
+    try:
+        await paced.send(receiver.host, receiver.port, "reply-paced", [prefill_pool[b] for b in source_ids], TIMEOUT_S)
+    finally:
+        await paced.close()
+    # Block i starts no earlier than i / 10 s after the first: the last one at 0.5 s.
+    assert time.monotonic() - started_s >= 0.5
+    for source, dest in zip(source_ids, dest_ids):
+        assert same_bytes(pool[dest], prefill_pool[source])

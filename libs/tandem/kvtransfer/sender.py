@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,10 +34,12 @@ class KvSender:
     """The prefill side. One connection per (host, port), opened on first use and reused by later
     and concurrent sends; a send that fails other than by a refusal aborts its connection (so the
     receiver stops writing, and the source blocks may be freed once send() returns) and the next
-    send opens a new one."""
+    send opens a new one. `max_bytes_per_s` (0: none) paces each transfer's blocks so handoffs
+    leave room for other traffic on a shared link."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes_per_s: float = 0.0) -> None:
         self._connections: dict[tuple[str, int], asyncio.Future[_Connection]] = {}
+        self._max_bytes_per_s = max_bytes_per_s
 
     async def send(self, host: str, port: int, reply_id: str, blocks: list[torch.Tensor], timeout_s: float) -> None:
         """Sends every block in order into the blocks the receiver resolves for reply_id; returns once
@@ -48,7 +51,7 @@ class KvSender:
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 connection = await self._connect(host, port, timeout_s)
-                await connection.transfer(header, buffers, where)
+                await connection.transfer(header, buffers, where, self._max_bytes_per_s)
         except asyncio.CancelledError:
             if connection is not None:  # stop sending from blocks the caller may free now
                 self._drop(host, port, connection)
@@ -125,7 +128,7 @@ class _Connection:
     def abort(self) -> None:
         self._endpoint.abort()
 
-    async def transfer(self, header: wire.Header, buffers: list, where: str) -> None:
+    async def transfer(self, header: wire.Header, buffers: list, where: str, max_bytes_per_s: float = 0.0) -> None:
         endpoint = self._endpoint
         transfer_id = next(self._transfer_ids)
         header = dataclasses.replace(header, transfer_id=transfer_id)
@@ -134,10 +137,13 @@ class _Connection:
         if verdict.status != Status.OK:
             reason = verdict.status.name.lower()
             raise KvTransferError(f"{where} refused the KV of {header.reply_id}: {_explain(verdict, header)}", reason)
+        started_s = time.monotonic()
         async with asyncio.TaskGroup() as group:
-            for i, buffer in enumerate(buffers):
-                group.create_task(endpoint.send(buffer, tag=wire.tag(Kind.BLOCK, transfer_id, i)))
             ack = group.create_task(_recv_reply(endpoint, wire.tag(Kind.ACK, transfer_id)))
+            for i, buffer in enumerate(buffers):
+                if max_bytes_per_s > 0:  # block i may start once the ones before it fit the rate
+                    await asyncio.sleep(started_s + i * header.bytes_per_block / max_bytes_per_s - time.monotonic())
+                group.create_task(endpoint.send(buffer, tag=wire.tag(Kind.BLOCK, transfer_id, i)))
         if ack.result().status != Status.OK:
             status = ack.result().status.name
             raise KvTransferError(f"{where} did not acknowledge the KV of {header.reply_id}: {status}", "peer_gone")
