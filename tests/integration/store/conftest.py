@@ -1,0 +1,130 @@
+"""The conversation store on real SQLite files and a real Cassandra node.
+
+Cassandra: TANDEM_CASSANDRA_HOSTS names a running cluster; otherwise one node is started per
+session (JDK 17 and mvn needed, see tandem.cassandra_node). Without them the Cassandra cases are
+skipped with one line saying why; TANDEM_REQUIRE_CASSANDRA=1 (CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from tandem.cassandra_node import NodeConfig, RunningNode, find_java17, start_node, stop_node
+from tandem.errors import StartupError
+from tandem.store import ConversationStore
+from tandem.store.cassandra import CassandraStore
+from tandem.store.sqlite import SqliteStore
+
+BUCKET_SIZE = 3  # small, so that every conversation in the suite spans several buckets
+TIMEOUT_S = 5.0
+_skip_reason: list[str] = []
+
+
+def cassandra_missing() -> str | None:
+    """Why no node can be started here, or None."""
+    if shutil.which("mvn") is None:
+        return "mvn is not installed (Cassandra's jars come from Maven Central)"
+    try:
+        find_java17()
+    except StartupError as exc:
+        return str(exc)
+    return None
+
+
+def skip_cassandra(reason: str) -> None:
+    if os.environ.get("TANDEM_REQUIRE_CASSANDRA") == "1":
+        pytest.fail(f"TANDEM_REQUIRE_CASSANDRA=1 but no Cassandra: {reason}", pytrace=False)
+    _skip_reason[:] = [reason]
+    pytest.skip(f"Cassandra cases skipped: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _skip_reason:
+        terminalreporter.write_line(f"!!! CASSANDRA STORE TESTS SKIPPED: {_skip_reason[0]} (set TANDEM_CASSANDRA_HOSTS, or install JDK 17 and maven)", red=True, bold=True)
+
+
+@pytest.fixture(scope="session")
+def cassandra_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if os.environ.get("TANDEM_CASSANDRA_HOSTS"):
+        yield os.environ["TANDEM_CASSANDRA_HOSTS"]
+        return
+    if (reason := cassandra_missing()) is not None:
+        skip_cassandra(reason)
+    started_s = time.monotonic()
+    node = start_node(NodeConfig(node_dir=tmp_path_factory.mktemp("cassandra"), is_durable=False))
+    print(f"\nCassandra node ready in {time.monotonic() - started_s:.1f} s on {node.hosts}")
+    yield node.hosts
+    stop_node(node, kill=True)  # a throwaway node: no drain needed
+
+
+@pytest.fixture
+def own_cassandra_node(tmp_path: Path) -> Iterator[Callable[..., RunningNode]]:
+    """Starts nodes that a test may stop and restart (never the shared one)."""
+    if (reason := cassandra_missing()) is not None:
+        skip_cassandra(reason)
+    nodes: list[RunningNode] = []
+
+    def start(**fields: object) -> RunningNode:
+        nodes.append(start_node(NodeConfig(node_dir=tmp_path / "node", **fields)))
+        return nodes[-1]
+
+    yield start
+    for node in nodes:
+        if node.is_alive():
+            stop_node(node, kill=True)
+
+
+@pytest.fixture(scope="session")
+def bucket_size() -> int:
+    return BUCKET_SIZE
+
+
+@pytest.fixture(scope="session")
+def keyspace() -> str:
+    return f"test_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["sqlite", "cassandra"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+StoreFactory = Callable[[], Awaitable[ConversationStore]]
+
+
+@pytest.fixture
+def make_client(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ConversationStore]:
+    """A new, unstarted client of this test's store: the same SQLite file or Cassandra keyspace."""
+    if store_kind == "sqlite":
+        return lambda: SqliteStore(tmp_path / "store" / "conversations.db", timeout_s=TIMEOUT_S)
+    hosts, keyspace = request.getfixturevalue("cassandra_hosts"), request.getfixturevalue("keyspace")
+    return lambda: CassandraStore(hosts, keyspace=keyspace, timeout_s=TIMEOUT_S, bucket_size=BUCKET_SIZE)
+
+
+@pytest_asyncio.fixture
+async def new_store(make_client: Callable[[], ConversationStore]) -> AsyncIterator[StoreFactory]:
+    """Opens another started client on each call; all are closed after the test."""
+    opened: list[ConversationStore] = []
+
+    async def open_one() -> ConversationStore:
+        store = make_client()
+        await store.start()
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        await store.close()
+
+
+@pytest_asyncio.fixture
+async def store(new_store: StoreFactory) -> ConversationStore:
+    return await new_store()

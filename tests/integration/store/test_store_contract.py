@@ -1,0 +1,183 @@
+"""One contract, two stores: every case runs on a SQLite file and on a real Cassandra node."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tandem.store import Conversation, ConversationStore, MessageStatus, NewMessage, Role
+
+StoreFactory = Callable[[], Awaitable[ConversationStore]]
+
+
+def new_conversation(user_id: str = "alice", updated_at_ms: int = 1_000, title: str = "a chat") -> Conversation:
+    return Conversation(
+        id=f"conv-{uuid.uuid4().hex}", user_id=user_id, title=title, model="auto", created_at_ms=updated_at_ms, updated_at_ms=updated_at_ms
+    )
+
+
+def user_turn(conversation: Conversation, content: str = "hello", tokens: int = 3, message_id: str | None = None) -> NewMessage:
+    return NewMessage(id=message_id or f"msg-{uuid.uuid4().hex}", conversation_id=conversation.id, role=Role.USER, content=content, tokens=tokens)
+
+
+def running_reply(conversation: Conversation, parent_seq: int) -> NewMessage:
+    return NewMessage(
+        id=f"msg-{uuid.uuid4().hex}", conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0,
+        model="smollm2", status=MessageStatus.RUNNING, parent_seq=parent_seq,
+    )
+
+
+async def test_a_created_conversation_reads_back_and_a_second_create_keeps_the_first(store: ConversationStore) -> None:
+    conversation = new_conversation(title="first title")
+    assert await store.create_conversation(conversation) == conversation
+    again = await store.create_conversation(Conversation(**{**conversation.__dict__, "title": "second title"}))
+    assert again == conversation
+    assert await store.get_conversation("alice", conversation.id) == conversation
+    assert conversation.id in [c.id for c in await store.list_conversations("alice")]
+
+
+async def test_another_users_conversation_is_invisible_and_refuses_their_appends(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation(user_id="alice"))
+    assert await store.get_conversation("mallory", conversation.id) is None
+    assert conversation.id not in [c.id for c in await store.list_conversations("mallory")]
+    assert await store.update_conversation("mallory", conversation.id, title="mine now") is None
+    with pytest.raises(KeyError):
+        await store.append_message("mallory", user_turn(conversation))
+    with pytest.raises(KeyError):
+        await store.append_message("alice", user_turn(new_conversation()))  # never created
+    assert await store.list_messages(conversation.id) == []
+    assert (await store.get_conversation("alice", conversation.id)).title == conversation.title
+
+
+async def test_turns_get_seqs_in_order_and_bump_the_conversation(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation(updated_at_ms=1_000))
+    question = await store.append_message("alice", user_turn(conversation, "what is 2+2?", tokens=7))
+    reply = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
+    assert (question.seq, question.role, question.content, question.status) == (1, Role.USER, "what is 2+2?", MessageStatus.COMPLETE)
+    assert (reply.seq, reply.parent_seq, reply.role, reply.status, reply.model) == (2, 1, Role.ASSISTANT, MessageStatus.RUNNING, "smollm2")
+    assert question.created_at_ms > 0
+    assert await store.list_messages(conversation.id) == [question, reply]
+    assert await store.get_message(reply.id) == reply
+    stored = await store.get_conversation("alice", conversation.id)
+    assert stored.total_tokens == 7
+    assert stored.updated_at_ms > conversation.updated_at_ms
+
+
+@pytest.mark.parametrize("status", [MessageStatus.COMPLETE, MessageStatus.STOPPED, MessageStatus.FAILED])
+async def test_finishing_a_running_reply_stores_its_text_status_and_tokens(store: ConversationStore, status: MessageStatus) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    question = await store.append_message("alice", user_turn(conversation, tokens=4))
+    reply = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
+    finished = await store.finish_message(conversation.id, reply.id, content="Four.", status=status, tokens=2)
+    assert (finished.id, finished.seq, finished.content, finished.status, finished.tokens) == (reply.id, 2, "Four.", status, 2)
+    assert await store.get_message(reply.id) == finished
+    assert (await store.get_conversation("alice", conversation.id)).total_tokens == 6
+
+
+async def test_the_first_final_write_wins(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    reply = await store.append_message("alice", running_reply(conversation, parent_seq=0))
+    first = await store.finish_message(conversation.id, reply.id, content="partial", status=MessageStatus.STOPPED, tokens=5)
+    second = await store.finish_message(conversation.id, reply.id, content="the whole answer", status=MessageStatus.COMPLETE, tokens=9)
+    assert second == first
+    assert (second.content, second.status, second.tokens) == ("partial", MessageStatus.STOPPED, 5)
+    assert (await store.get_conversation("alice", conversation.id)).total_tokens == 5
+
+
+async def test_finishing_an_unknown_message_or_in_another_conversation_finds_nothing(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    other = await store.create_conversation(new_conversation())
+    reply = await store.append_message("alice", running_reply(conversation, parent_seq=0))
+    assert await store.finish_message(conversation.id, "msg-never-written", content="x", status=MessageStatus.COMPLETE, tokens=1) is None
+    assert await store.finish_message(other.id, reply.id, content="x", status=MessageStatus.COMPLETE, tokens=1) is None
+    assert (await store.get_message(reply.id)).status == MessageStatus.RUNNING
+    assert await store.get_message("msg-never-written") is None
+
+
+async def test_conversations_list_newest_first_and_page_by_updated_at(store: ConversationStore) -> None:
+    user = f"user-{uuid.uuid4().hex}"
+    created = [await store.create_conversation(new_conversation(user_id=user, updated_at_ms=1_000 + i)) for i in range(5)]
+    listed = await store.list_conversations(user)
+    assert [c.id for c in listed] == [c.id for c in reversed(created)]
+    # A new turn in the oldest conversation moves it to the top.
+    await store.append_message(user, user_turn(created[0]))
+    listed = await store.list_conversations(user)
+    assert [c.id for c in listed] == [created[0].id] + [c.id for c in reversed(created[1:])]
+    paged: list[str] = []
+    before_ms = None
+    while page := await store.list_conversations(user, limit=2, before_ms=before_ms):
+        assert len(page) <= 2
+        paged += [c.id for c in page]
+        before_ms = page[-1].updated_at_ms
+    assert paged == [c.id for c in listed]
+    assert await store.list_conversations(user, before_ms=created[2].updated_at_ms) == [c for c in listed if c.id in {created[1].id}]
+
+
+async def test_messages_page_by_seq_across_buckets(store: ConversationStore, bucket_size: int) -> None:
+    assert bucket_size == 3  # the pages below assume it
+    conversation = await store.create_conversation(new_conversation())
+    num_messages = 3 * bucket_size + 1  # several Cassandra buckets, the last one partly filled
+    appended = [await store.append_message("alice", user_turn(conversation, f"turn {i}")) for i in range(num_messages)]
+    assert [m.seq for m in appended] == list(range(1, num_messages + 1))
+    assert await store.list_messages(conversation.id) == appended
+    pages, after_seq = [], 0
+    while page := await store.list_messages(conversation.id, after_seq=after_seq, limit=4):
+        pages.append([m.seq for m in page])
+        after_seq = page[-1].seq
+    assert pages == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert await store.list_messages(conversation.id, after_seq=bucket_size, limit=1) == [appended[bucket_size]]
+    assert await store.list_messages(conversation.id, after_seq=num_messages) == []
+
+
+async def test_two_writers_appending_at_once_get_distinct_contiguous_seqs(new_store: StoreFactory) -> None:
+    writer_a, writer_b = await new_store(), await new_store()
+    conversation = await writer_a.create_conversation(new_conversation())
+    turns = [user_turn(conversation, f"turn {i}", tokens=i) for i in range(16)]
+    appended = await asyncio.gather(*(writer.append_message("alice", turn) for writer, turn in zip([writer_a, writer_b] * 8, turns)))
+    assert sorted(m.seq for m in appended) == list(range(1, 17))
+    stored = await writer_b.list_messages(conversation.id)
+    assert [m.seq for m in stored] == list(range(1, 17))
+    assert {m.id: m.seq for m in stored} == {m.id: m.seq for m in appended}
+    assert (await writer_a.get_conversation("alice", conversation.id)).total_tokens == sum(range(16))
+
+
+async def test_a_retried_append_with_the_same_id_stores_one_message(new_store: StoreFactory) -> None:
+    writer_a, writer_b = await new_store(), await new_store()
+    conversation = await writer_a.create_conversation(new_conversation())
+    first = await writer_a.append_message("alice", user_turn(conversation, "once", tokens=5, message_id="msg-retried-1"))
+    retried = await writer_b.append_message("alice", user_turn(conversation, "once", tokens=5, message_id="msg-retried-1"))
+    assert retried == first
+    # Two retries racing each other, from two clients.
+    racing = user_turn(conversation, "racing", tokens=2)
+    results = await asyncio.gather(writer_a.append_message("alice", racing), writer_b.append_message("alice", racing))
+    assert results[0] == results[1]
+    assert [(m.id, m.seq) for m in await writer_a.list_messages(conversation.id)] == [(first.id, 1), (racing.id, 2)]
+    assert (await writer_a.get_conversation("alice", conversation.id)).total_tokens == 7
+
+
+async def test_nothing_acknowledged_is_lost_when_the_client_restarts(new_store: StoreFactory) -> None:
+    before = await new_store()
+    conversation = await before.create_conversation(new_conversation())
+    question = await before.append_message("alice", user_turn(conversation, "remember me", tokens=3))
+    reply = await before.append_message("alice", running_reply(conversation, parent_seq=question.seq))
+    await before.update_conversation("alice", conversation.id, title="renamed", summary="a summary", summary_upto_seq=1)
+    await before.close()
+    after = await new_store()
+    assert await after.list_messages(conversation.id) == [question, reply]
+    stored = await after.get_conversation("alice", conversation.id)
+    assert (stored.title, stored.summary, stored.summary_upto_seq, stored.total_tokens) == ("renamed", "a summary", 1, 3)
+    finished = await after.finish_message(conversation.id, reply.id, content="done", status=MessageStatus.COMPLETE, tokens=1)
+    assert (finished.seq, finished.content) == (2, "done")
+    assert (await after.append_message("alice", user_turn(conversation))).seq == 3
+
+
+async def test_an_update_changes_only_the_fields_given(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation(title="before"))
+    summarized = await store.update_conversation("alice", conversation.id, summary="they said hi", summary_upto_seq=2)
+    assert (summarized.title, summarized.summary, summarized.summary_upto_seq) == ("before", "they said hi", 2)
+    renamed = await store.update_conversation("alice", conversation.id, title="after")
+    assert (renamed.title, renamed.summary, renamed.summary_upto_seq) == ("after", "they said hi", 2)
+    assert await store.get_conversation("alice", conversation.id) == renamed
