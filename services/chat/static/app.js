@@ -1,0 +1,511 @@
+// Tandem's chat page: conversations, the composer, and replies streamed over the product API.
+// Model output only ever reaches the page as text nodes (never innerHTML).
+
+import { apiError, followReply } from '/static/stream.js';
+
+const KEY_STORAGE = 'tandem.apiKey';
+const MODEL_STORAGE = 'tandem.model';
+const STATUS_TEXT = {
+  running: 'Writing…',
+  stopped: 'Stopped',
+  failed: 'Failed',
+  moderated: 'Withheld by the safety check',
+};
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  sidebar: $('sidebar'), toggleSidebar: $('toggle-sidebar'), list: $('conversations'), listNote: $('conversations-note'),
+  newChat: $('new-chat'), changeKey: $('change-key'), title: $('chat-title'), model: $('model'),
+  messages: $('messages'), empty: $('empty'), banner: $('banner'),
+  composer: $('composer'), input: $('input'), send: $('send'), stop: $('stop'),
+  keyDialog: $('key-dialog'), keyForm: $('key-form'), keyInput: $('api-key'), keyError: $('key-error'),
+};
+
+const state = {
+  key: localStorage.getItem(KEY_STORAGE) || '',
+  conversationId: '',
+  active: null, // the reply being followed: {el, controller, messageId, stopping}
+  sendHeldUntilMs: 0,
+};
+
+// ---- API ----------------------------------------------------------------------------------------
+
+function uuid() {
+  if (crypto.randomUUID) return crypto.randomUUID(); // secure contexts only
+  const b = crypto.getRandomValues(new Uint8Array(16));
+  b[6] = (b[6] & 0x0f) | 0x40;
+  b[8] = (b[8] & 0x3f) | 0x80;
+  const h = [...b].map((x) => x.toString(16).padStart(2, '0')).join('');
+  return `${h.slice(0, 8)}-${h.slice(8, 12)}-${h.slice(12, 16)}-${h.slice(16, 20)}-${h.slice(20)}`;
+}
+
+/** A fetch with the API key; a 401 asks for a key again. Never throws for an HTTP status. */
+async function api(path, { method = 'GET', body, headers = {}, signal } = {}) {
+  const all = { Authorization: `Bearer ${state.key}`, ...headers };
+  if (body !== undefined) all['Content-Type'] = 'application/json';
+  const response = await fetch(path, { method, headers: all, body: body === undefined ? undefined : JSON.stringify(body), signal });
+  if (response.status === 401) askForKey('That API key was refused. Enter a valid one.');
+  return response;
+}
+
+async function apiJson(path, options) {
+  const response = await api(path, options);
+  if (!response.ok) throw await apiError(response);
+  return response.json();
+}
+
+function streamHeaders(lastEventId, extra = {}) {
+  return { Accept: 'text/event-stream', 'Last-Event-ID': String(lastEventId), ...extra };
+}
+
+// ---- the API key ---------------------------------------------------------------------------------
+
+function askForKey(problem = '') {
+  ui.keyError.textContent = problem;
+  ui.keyError.hidden = !problem;
+  ui.keyInput.value = '';
+  if (!ui.keyDialog.open) ui.keyDialog.showModal();
+  ui.keyInput.focus();
+}
+
+ui.keyForm.addEventListener('submit', () => {
+  state.key = ui.keyInput.value.trim();
+  localStorage.setItem(KEY_STORAGE, state.key);
+  start();
+});
+ui.keyDialog.addEventListener('cancel', (event) => {
+  if (!state.key) event.preventDefault(); // nothing works without one
+});
+ui.changeKey.addEventListener('click', () => askForKey());
+
+// ---- the banner: errors that belong to no message --------------------------------------------------
+
+let bannerTimer = 0;
+
+function showBanner(message, retryAfterS = 0) {
+  clearInterval(bannerTimer);
+  const until = Date.now() + retryAfterS * 1000;
+  const render = () => {
+    const left = Math.ceil((until - Date.now()) / 1000);
+    ui.banner.textContent = left > 0 ? `${message} (try again in ${left} s)` : message;
+    if (left <= 0) clearInterval(bannerTimer);
+  };
+  render();
+  if (retryAfterS > 0) bannerTimer = setInterval(render, 1000);
+  ui.banner.hidden = false;
+}
+
+function hideBanner() {
+  clearInterval(bannerTimer);
+  ui.banner.hidden = true;
+  ui.banner.textContent = '';
+}
+
+let holdTimer = 0;
+
+function holdSending(retryAfterS) {
+  if (retryAfterS <= 0) return;
+  state.sendHeldUntilMs = Date.now() + retryAfterS * 1000;
+  clearInterval(holdTimer);
+  holdTimer = setInterval(() => {
+    updateControls();
+    if (Date.now() >= state.sendHeldUntilMs) clearInterval(holdTimer);
+  }, 500);
+  updateControls();
+}
+
+// ---- conversations -------------------------------------------------------------------------------
+
+async function refreshConversations() {
+  try {
+    const { conversations } = await apiJson('/v1/conversations?limit=50');
+    ui.list.replaceChildren(...conversations.map(conversationItem));
+    const current = conversations.find((c) => c.id === state.conversationId);
+    if (current && current.title) ui.title.textContent = current.title;
+    ui.listNote.hidden = conversations.length > 0;
+    ui.listNote.textContent = 'No conversations yet.';
+  } catch (err) {
+    ui.listNote.hidden = false;
+    ui.listNote.textContent = `Could not load conversations: ${err.message}`;
+  }
+}
+
+function conversationItem(conversation) {
+  const link = document.createElement('a');
+  link.href = `#${conversation.id}`;
+  link.dataset.id = conversation.id;
+  link.textContent = conversation.title || 'Untitled';
+  link.title = new Date(conversation.updated_at).toLocaleString();
+  if (conversation.id === state.conversationId) link.setAttribute('aria-current', 'page');
+  const item = document.createElement('li');
+  item.append(link);
+  return item;
+}
+
+function markCurrent() {
+  for (const link of ui.list.querySelectorAll('a')) {
+    if (link.dataset.id === state.conversationId) link.setAttribute('aria-current', 'page');
+    else link.removeAttribute('aria-current');
+  }
+}
+
+function leaveConversation() {
+  if (state.active) state.active.controller.abort(); // the reply goes on server-side; we reattach on return
+  state.active = null;
+  hideBanner();
+  ui.messages.replaceChildren(ui.empty);
+  ui.empty.hidden = false;
+  updateControls();
+}
+
+function showNewChat() {
+  leaveConversation();
+  state.conversationId = '';
+  ui.title.textContent = 'New chat';
+  history.replaceState(null, '', location.pathname);
+  markCurrent();
+  ui.input.focus();
+}
+
+async function openConversation(id) {
+  leaveConversation();
+  state.conversationId = id;
+  markCurrent();
+  let conversation;
+  try {
+    conversation = await apiJson(`/v1/conversations/${encodeURIComponent(id)}`);
+  } catch (err) {
+    if (state.conversationId === id) showBanner(`Could not open the conversation: ${err.message}`, err.retryAfterS);
+    return;
+  }
+  if (state.conversationId !== id) return; // another one was opened meanwhile
+  renderConversation(conversation);
+}
+
+function renderConversation(conversation) {
+  ui.title.textContent = conversation.title || 'New chat';
+  ui.messages.replaceChildren(ui.empty);
+  ui.empty.hidden = conversation.messages.length > 0;
+  for (const message of conversation.messages) ui.messages.append(messageElement(message));
+  markLastAnswer();
+  scrollToBottom();
+  const last = conversation.messages.at(-1);
+  if (last && last.role === 'assistant' && last.status === 'running') {
+    // Attach from the start (Last-Event-ID 0): its text replaces the partial text shown.
+    followStream(lastMessageEl(), { messageId: last.id, replaceText: true });
+  }
+  updateControls();
+}
+
+// ---- messages ------------------------------------------------------------------------------------
+
+function messageElement({ id = '', role, content = '', status = 'complete' }) {
+  const el = document.createElement('article');
+  el.className = 'message';
+  el.dataset.role = role;
+  el.dataset.status = status;
+  if (id) el.dataset.id = id;
+  const body = document.createElement('div');
+  body.className = 'content';
+  body.append(document.createTextNode(content));
+  const foot = document.createElement('div');
+  foot.className = 'message-foot';
+  const statusLine = document.createElement('span');
+  statusLine.className = 'status';
+  const errorLine = document.createElement('span');
+  errorLine.className = 'error-line';
+  errorLine.setAttribute('role', 'alert');
+  foot.append(statusLine, errorLine);
+  if (role === 'assistant') {
+    const again = document.createElement('button');
+    again.type = 'button';
+    again.className = 'link regenerate';
+    again.textContent = 'Regenerate';
+    again.hidden = true;
+    again.addEventListener('click', () => regenerate(el));
+    foot.append(again);
+  }
+  el.append(body, foot);
+  setStatus(el, status);
+  return el;
+}
+
+const textOf = (el) => el.querySelector('.content');
+const lastMessageEl = () => ui.messages.querySelector('.message:last-of-type');
+
+function setStatus(el, status, note = '') {
+  el.dataset.status = status;
+  el.querySelector('.status').textContent = note || (el.dataset.role === 'assistant' ? STATUS_TEXT[status] || '' : '');
+}
+
+function setError(el, message) {
+  el.querySelector('.error-line').textContent = message;
+}
+
+function markLastAnswer() {
+  for (const el of ui.messages.querySelectorAll('.message[data-last-answer]')) delete el.dataset.lastAnswer;
+  const last = lastMessageEl();
+  if (last && last.dataset.role === 'assistant') last.dataset.lastAnswer = '';
+  updateControls();
+}
+
+function isNearBottom() {
+  const m = ui.messages;
+  return m.scrollHeight - m.scrollTop - m.clientHeight < 80;
+}
+
+function scrollToBottom() {
+  ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+/** Runs `change`, then keeps the list at its bottom if the reader was there (not if they scrolled up). */
+function keepingBottom(change) {
+  const stick = isNearBottom();
+  change();
+  if (stick) scrollToBottom();
+}
+
+// ---- replies -------------------------------------------------------------------------------------
+
+/**
+ * Streams a reply into `el` until it ends: from `start` (a POST) or, given `messageId`, from its
+ * stream. `replaceText`: the text shown is the partial text, replaced by the stream from event 1.
+ */
+function followStream(el, { start = null, messageId = '', replaceText = false, onRefused = () => {} }) {
+  const controller = new AbortController();
+  const active = { el, controller, messageId, stopping: false };
+  state.active = active;
+  setStatus(el, 'running');
+  setError(el, '');
+  updateControls();
+  const text = textOf(el).firstChild;
+  const isMine = () => state.active === active;
+
+  const on = {
+    meta(data) {
+      active.messageId = data.message_id;
+      el.dataset.id = data.message_id;
+      if (replaceText) text.data = '';
+      refreshConversations(); // the first message gives the conversation its title
+      updateControls();
+    },
+    delta(data) {
+      keepingBottom(() => text.appendData(data.text));
+    },
+    done(data) {
+      const stopped = data.finish === 'cancelled';
+      setStatus(el, stopped ? 'stopped' : 'complete', data.finish === 'length' ? 'Cut short at the length limit' : '');
+    },
+    error(data) {
+      setStatus(el, 'failed');
+      const wait = data.retry_after ? ` (try again in ${Math.ceil(data.retry_after)} s)` : '';
+      setError(el, `${data.message || 'The reply failed.'}${wait}`);
+      holdRegenerate(el, data.retry_after || 0);
+    },
+    failed(error, { atStart }) {
+      if (atStart) {
+        onRefused(error);
+        return;
+      }
+      // The reply can no longer be streamed (its log expired, or it is gone): show what is stored.
+      if (error.status !== 410) showBanner(error.message, error.retryAfterS);
+      if (isMine()) openConversation(state.conversationId);
+    },
+    reconnecting(delayMs) {
+      el.dataset.connection = 'lost';
+      setStatus(el, 'running', `Connection lost; reconnecting in ${Math.max(1, Math.round(delayMs / 1000))} s…`);
+    },
+    connected() {
+      delete el.dataset.connection;
+      if (el.dataset.status === 'running') setStatus(el, 'running');
+    },
+  };
+  followReply({
+    start,
+    resume: (id, lastEventId, signal) => api(`/v1/messages/${encodeURIComponent(id)}/stream`, { headers: streamHeaders(lastEventId), signal }),
+    messageId,
+    on,
+    signal: controller.signal,
+  }).then((ending) => {
+    if (!isMine()) return;
+    state.active = null;
+    if (ending === 'abandoned' && el.dataset.status === 'running') setStatus(el, 'running', 'Not following this reply');
+    markLastAnswer();
+    refreshConversations();
+  });
+}
+
+function holdRegenerate(el, retryAfterS) {
+  if (retryAfterS <= 0) return;
+  el.dataset.heldUntil = String(Date.now() + retryAfterS * 1000);
+  setTimeout(updateControls, retryAfterS * 1000 + 50);
+}
+
+async function send(content) {
+  if (!content.trim() || state.active || Date.now() < state.sendHeldUntilMs) return;
+  hideBanner();
+  let conversationId = state.conversationId;
+  if (!conversationId) {
+    try {
+      ({ id: conversationId } = await apiJson('/v1/conversations', { method: 'POST', body: {} }));
+    } catch (err) {
+      showBanner(`Could not start a conversation: ${err.message}`, err.retryAfterS);
+      return;
+    }
+    state.conversationId = conversationId;
+    history.replaceState(null, '', `#${conversationId}`);
+  }
+  ui.input.value = '';
+  autosize();
+  ui.empty.hidden = true;
+  const answer = messageElement({ role: 'assistant', content: '', status: 'running' });
+  keepingBottom(() => ui.messages.append(messageElement({ role: 'user', content }), answer));
+  scrollToBottom();
+  // One key per send, reused when the same send is retried after a network failure.
+  const idempotencyKey = uuid();
+  const body = { content, model: ui.model.value || 'auto' };
+  followStream(answer, {
+    start: (lastEventId, signal) => api(`/v1/conversations/${encodeURIComponent(conversationId)}/messages`, {
+      method: 'POST', body, signal, headers: streamHeaders(lastEventId, { 'Idempotency-Key': idempotencyKey }),
+    }),
+    onRefused: (error) => refused(error, conversationId, content),
+  });
+}
+
+/** A send the server refused: say why, show what was stored, give the text back if it was not. */
+async function refused(error, conversationId, content) {
+  state.active = null;
+  showBanner(error.message, error.retryAfterS);
+  holdSending(error.retryAfterS);
+  await openConversation(conversationId);
+  const users = ui.messages.querySelectorAll('.message[data-role="user"]');
+  const stored = users.length && textOf(users[users.length - 1]).textContent === content;
+  if (!stored && !ui.input.value) {
+    ui.input.value = content;
+    autosize();
+  }
+  refreshConversations();
+}
+
+function regenerate(el) {
+  const messageId = el.dataset.id;
+  if (!messageId || state.active) return;
+  hideBanner();
+  textOf(el).firstChild.data = '';
+  delete el.dataset.id;
+  followStream(el, {
+    start: (_, signal) => api(`/v1/messages/${encodeURIComponent(messageId)}/regenerate`, {
+      method: 'POST', body: { model: ui.model.value === 'auto' ? '' : ui.model.value }, headers: streamHeaders(0), signal,
+    }),
+    onRefused: (error) => {
+      state.active = null;
+      showBanner(error.message, error.retryAfterS);
+      openConversation(state.conversationId);
+    },
+  });
+}
+
+async function stop() {
+  const active = state.active;
+  if (!active || !active.messageId || active.stopping) return;
+  active.stopping = true;
+  updateControls();
+  try {
+    const response = await api(`/v1/messages/${encodeURIComponent(active.messageId)}/stop`, { method: 'POST' });
+    if (!response.ok) throw await apiError(response);
+    // The stream ends with done (finish "cancelled"), which marks the message stopped.
+  } catch (err) {
+    active.stopping = false;
+    showBanner(`Could not stop the reply: ${err.message}`, err.retryAfterS);
+    updateControls();
+  }
+}
+
+// ---- controls ------------------------------------------------------------------------------------
+
+function updateControls() {
+  const active = state.active;
+  ui.stop.hidden = !active;
+  ui.send.hidden = Boolean(active);
+  ui.stop.disabled = !active || !active.messageId || active.stopping;
+  ui.stop.textContent = active && active.stopping ? 'Stopping…' : 'Stop';
+  const heldS = Math.ceil((state.sendHeldUntilMs - Date.now()) / 1000);
+  ui.send.disabled = heldS > 0;
+  ui.send.textContent = heldS > 0 ? `Wait ${heldS} s` : 'Send';
+  for (const button of ui.messages.querySelectorAll('.regenerate')) {
+    const el = button.closest('.message');
+    const held = Number(el.dataset.heldUntil || 0) > Date.now();
+    button.hidden = active !== null || !('lastAnswer' in el.dataset) || !el.dataset.id;
+    button.disabled = held;
+  }
+}
+
+function autosize() {
+  ui.input.style.height = 'auto';
+  ui.input.style.height = `${Math.min(ui.input.scrollHeight, 240)}px`;
+}
+
+ui.composer.addEventListener('submit', (event) => {
+  event.preventDefault();
+  send(ui.input.value);
+});
+ui.input.addEventListener('keydown', (event) => {
+  if (event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    send(ui.input.value);
+  }
+});
+ui.input.addEventListener('input', autosize);
+ui.stop.addEventListener('click', stop);
+ui.newChat.addEventListener('click', () => {
+  showNewChat();
+  closeSidebar();
+});
+ui.list.addEventListener('click', (event) => {
+  if (event.target.closest('a')) closeSidebar();
+});
+ui.toggleSidebar.addEventListener('click', () => {
+  const open = ui.sidebar.classList.toggle('open');
+  ui.toggleSidebar.setAttribute('aria-expanded', String(open));
+});
+ui.model.addEventListener('change', () => localStorage.setItem(MODEL_STORAGE, ui.model.value));
+
+function closeSidebar() {
+  ui.sidebar.classList.remove('open');
+  ui.toggleSidebar.setAttribute('aria-expanded', 'false');
+}
+
+window.addEventListener('hashchange', () => {
+  const id = decodeURIComponent(location.hash.slice(1));
+  if (id === state.conversationId) return;
+  if (id) openConversation(id);
+  else showNewChat();
+});
+
+// ---- start ---------------------------------------------------------------------------------------
+
+async function loadModels() {
+  try {
+    const { data } = await apiJson('/v1/models');
+    const chosen = localStorage.getItem(MODEL_STORAGE) || 'auto';
+    const names = ['auto', ...data.map((m) => m.id).filter((id) => id !== 'auto')];
+    ui.model.replaceChildren(...names.map((name) => new Option(name, name, false, name === chosen)));
+  } catch {
+    // "auto" stays the only choice
+  }
+}
+
+function start() {
+  if (!state.key) {
+    askForKey();
+    return;
+  }
+  document.body.dataset.ready = '';
+  refreshConversations();
+  loadModels();
+  const id = decodeURIComponent(location.hash.slice(1));
+  if (id) openConversation(id);
+  else showNewChat();
+}
+
+start();
