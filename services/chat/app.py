@@ -1,13 +1,26 @@
-"""Wiring of the chat process. The product API joins with the relay/chat issue."""
+"""Wiring of the chat process: the product API (conversations, messages, SSE streams), the
+OpenAI-compatible endpoints and the web page, over NATS (router), Redis (token log) and the
+conversation store, which its lifespan owns."""
 
+from __future__ import annotations
+
+import asyncio
 import logging
 
+import redis.asyncio as aioredis
 from fastapi import FastAPI
 
+from services.chat import conversations_api, errors, messages_api, openai_api, web
+from services.chat.models_view import ModelsView
+from services.chat.state import ChatConfig, ChatState
+from tandem.bus import subjects
 from tandem.config import Settings
+from tandem.models.loader import load_tokenizer
 from tandem.service import Runtime, RuntimeConfig, create_app
+from tandem.store import open_store, store_is_available
 
 ROLE = "chat"
+STREAM_SOCKET_TIMEOUT_S = 30.0  # longer than the token log reader's blocking read
 log = logging.getLogger(__name__)
 
 
@@ -15,4 +28,44 @@ def build_app(settings: Settings) -> FastAPI:
     if not settings.api_keys:
         log.warning("TANDEM_API_KEYS is empty: every API request will be refused with 401")
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=True))
-    return create_app(runtime)
+    assert runtime.redis is not None
+    state = ChatState(
+        config=ChatConfig.from_settings(settings),
+        instance_id=runtime.config.instance_id,
+        api_keys=settings.api_keys,
+        store=open_store(settings),
+        redis=runtime.redis,
+        stream_redis=aioredis.from_url(settings.redis_url, socket_timeout=STREAM_SOCKET_TIMEOUT_S),
+        bus=runtime.bus,
+        models=ModelsView(),
+    )
+
+    async def subscribe(client) -> None:  # noqa: ANN001
+        await client.subscribe(subjects.heartbeats_of("decode"), cb=state.models.on_heartbeat)
+
+    async def on_start() -> None:
+        state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+        await state.store.start()
+
+    async def on_stop() -> None:
+        await state.store.close()
+        await state.stream_redis.aclose()
+
+    async def tokenizer_loaded() -> bool:
+        return state.tokenizer is not None
+
+    async def store_answers() -> bool:
+        return await store_is_available(state.store)
+
+    runtime.bus.on_connect(subscribe)
+    runtime.add_check("tokenizer", tokenizer_loaded)
+    runtime.add_check("store", store_answers)
+    app = create_app(
+        runtime,
+        routers=[conversations_api.router, messages_api.router, openai_api.router, web.router],
+        on_start=on_start,
+        on_stop=on_stop,
+    )
+    app.state.chat = state
+    errors.install(app)
+    return app

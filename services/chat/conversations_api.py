@@ -1,0 +1,113 @@
+"""/v1/conversations: create, list (newest first), read, and send a message (an SSE stream)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query
+from sse_starlette.sse import EventSourceResponse
+
+from services.chat.auth import CurrentUser
+from services.chat.replies import new_reply_id, sse_stream
+from services.chat.schemas import MessageBody, NewConversationBody, conversation_summary, message_view
+from services.chat.state import State
+from services.chat.streams import as_logged, finished_message_response
+from services.chat.turns import send_message
+from tandem.config import ApiKey
+from tandem.store import Conversation, MessageStatus, Role
+from tandem.tokenlog import load_reply
+
+router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
+
+
+async def owned_conversation(state: State, user: ApiKey, conversation_id: str) -> Conversation:
+    conversation = await state.store.get_conversation(user.user_id, conversation_id)
+    if conversation is None:
+        raise HTTPException(404, f"conversation {conversation_id} not found")
+    return conversation
+
+
+@router.post("", status_code=201)
+async def create_conversation(state: State, user: CurrentUser, body: NewConversationBody | None = None) -> dict[str, str]:
+    body = body or NewConversationBody()
+    now = int(time.time() * 1000)
+    conversation = Conversation(
+        id=uuid.uuid4().hex, user_id=user.user_id, title=body.title, model=body.model, created_at_ms=now, updated_at_ms=now
+    )
+    await state.store.create_conversation(conversation)
+    return {"id": conversation.id}
+
+
+@router.get("")
+async def list_conversations(
+    state: State, user: CurrentUser, limit: Annotated[int, Query(ge=1, le=200)] = 50, before_ms: int | None = None
+) -> dict[str, object]:
+    conversations = await state.store.list_conversations(user.user_id, limit=limit, before_ms=before_ms)
+    return {"conversations": [conversation_summary(c) for c in conversations]}
+
+
+@router.get("/{conversation_id}")
+async def get_conversation(state: State, user: CurrentUser, conversation_id: str) -> dict[str, object]:
+    conversation = await owned_conversation(state, user, conversation_id)
+    messages = await state.store.list_messages(conversation_id)
+    # The active branch: each user turn with its latest answer, whatever that answer's status.
+    latest = {m.parent_seq: m for m in messages if m.role == Role.ASSISTANT}
+    shown = []
+    for message in messages:
+        if message.role == Role.USER:
+            shown.append(message)
+            if message.seq in latest:
+                shown.append(latest[message.seq])
+    views = [message_view(await as_logged(state, m) if m.status == MessageStatus.RUNNING else m) for m in shown]
+    return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": views}
+
+
+def idempotency_key(user: ApiKey, conversation_id: str, key: str) -> str:
+    digest = hashlib.sha256(f"{conversation_id}\n{key}".encode()).hexdigest()[:32]
+    return f"tandem:idempotency:{user.user_id}:{digest}"
+
+
+@router.post("/{conversation_id}/messages")
+async def post_message(
+    state: State,
+    user: CurrentUser,
+    conversation_id: str,
+    body: MessageBody,
+    idempotency: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
+    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0,
+) -> EventSourceResponse:
+    conversation = await owned_conversation(state, user, conversation_id)
+    reply_id = new_reply_id()
+    if idempotency:
+        key = idempotency_key(user, conversation_id, idempotency)
+        is_first = await state.redis.set(key, reply_id, nx=True, ex=state.config.idempotency_ttl_s)
+        if not is_first:
+            earlier = (await state.redis.get(key) or b"").decode()
+            return await attach_stream(state, earlier, last_event_id)
+        try:
+            started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling())
+        except BaseException:
+            await state.redis.delete(key)  # nothing started: a retry may try again
+            raise
+    else:
+        started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling())
+    return EventSourceResponse(
+        sse_stream(state, started.reply_id, started.model), ping=int(state.config.keepalive_s),
+        headers={"X-Message-Id": started.reply_id, "X-Dropped-Turns": str(started.num_dropped_turns)},
+    )
+
+
+async def attach_stream(state: State, reply_id: str, last_event_id: int) -> EventSourceResponse:
+    """The stream of a reply already started: from its log while kept, else from the store."""
+    meta = await load_reply(state.redis, reply_id)
+    if meta is not None:
+        return EventSourceResponse(
+            sse_stream(state, reply_id, meta.model, last_event_id), ping=int(state.config.keepalive_s), headers={"X-Message-Id": reply_id}
+        )
+    message = await state.store.get_message(reply_id)
+    if message is None:
+        raise HTTPException(409, "this Idempotency-Key was used for a request that is still starting; retry shortly")
+    return finished_message_response(message, last_event_id)

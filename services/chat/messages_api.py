@@ -1,0 +1,65 @@
+"""/v1/messages/{id}: resume a reply's stream, stop it, regenerate it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException
+from sse_starlette.sse import EventSourceResponse
+
+from services.chat.auth import CurrentUser
+from services.chat.replies import cancel_reply, sse_stream
+from services.chat.schemas import RegenerateBody
+from services.chat.state import State
+from services.chat.streams import finished_message_response
+from services.chat.turns import regenerate
+from tandem.config import ApiKey
+from tandem.store import Conversation, Message, Role
+from tandem.tokenlog import load_reply
+
+router = APIRouter(prefix="/v1/messages", tags=["messages"])
+
+
+async def owned_message(state: State, user: ApiKey, message_id: str) -> tuple[Message, Conversation]:
+    message = await state.store.get_message(message_id)
+    conversation = await state.store.get_conversation(user.user_id, message.conversation_id) if message else None
+    if message is None or conversation is None:
+        raise HTTPException(404, f"message {message_id} not found")
+    return message, conversation
+
+
+@router.get("/{message_id}/stream")
+async def stream(
+    state: State, user: CurrentUser, message_id: str, last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0
+) -> EventSourceResponse:
+    message, _ = await owned_message(state, user, message_id)
+    meta = await load_reply(state.redis, message_id)
+    if meta is None:
+        return finished_message_response(message, last_event_id)
+    return EventSourceResponse(
+        sse_stream(state, message_id, meta.model, last_event_id), ping=int(state.config.keepalive_s), headers={"X-Message-Id": message_id}
+    )
+
+
+@router.post("/{message_id}/stop")
+async def stop(state: State, user: CurrentUser, message_id: str) -> dict[str, str]:
+    message, _ = await owned_message(state, user, message_id)
+    meta = await load_reply(state.redis, message_id)
+    if meta is None or not meta.is_running:
+        return {"id": message_id, "status": message.status.value}
+    await cancel_reply(state, message_id, "user")
+    return {"id": message_id, "status": "stopping"}
+
+
+@router.post("/{message_id}/regenerate")
+async def regenerate_message(
+    state: State, user: CurrentUser, message_id: str, body: RegenerateBody | None = None
+) -> EventSourceResponse:
+    body = body or RegenerateBody()
+    message, conversation = await owned_message(state, user, message_id)
+    if message.role != Role.ASSISTANT:
+        raise HTTPException(400, "only an assistant message can be regenerated")
+    started = await regenerate(state, user, conversation, message, body.model, body.sampling())
+    return EventSourceResponse(
+        sse_stream(state, started.reply_id, started.model), ping=int(state.config.keepalive_s), headers={"X-Message-Id": started.reply_id}
+    )

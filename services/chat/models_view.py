@@ -1,0 +1,48 @@
+"""The models being served, from the decode workers' heartbeats: name -> context window."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from tandem.bus import BadMessage, decode
+from tandem.v1.worker_pb2 import WorkerHeartbeat
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    window_tokens: int
+
+
+class ModelsView:
+    def __init__(self, expiry_s: float = 3.0) -> None:
+        self._expiry_s = expiry_s
+        self._seen: dict[str, tuple[float, ServedModel]] = {}  # worker id -> (when, model)
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            heartbeat = decode(msg.data, WorkerHeartbeat)
+        except BadMessage:
+            return
+        if heartbeat.is_engine_ready and heartbeat.model and heartbeat.max_model_len:
+            model = ServedModel(heartbeat.model, heartbeat.max_model_len)
+            self._seen[heartbeat.service.instance_id] = (time.monotonic(), model)
+
+    def models(self) -> dict[str, ServedModel]:
+        now = time.monotonic()
+        live = [model for when, model in self._seen.values() if now - when <= self._expiry_s]
+        # Several workers may serve one model with different windows: the smallest holds on any of them.
+        out: dict[str, ServedModel] = {}
+        for model in sorted(live, key=lambda m: -m.window_tokens):
+            out[model.name] = model
+        return out
+
+    def resolve(self, requested: str) -> ServedModel | None:
+        """"auto" (or empty) is any served model; otherwise the one named."""
+        models = self.models()
+        if requested in ("", "auto"):
+            return next(iter(sorted(models.values(), key=lambda m: m.name)), None)
+        return models.get(requested)

@@ -1,0 +1,66 @@
+"""Request bodies and response shapes of the product API."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, Field
+
+from services.chat.turns import SamplingChoice
+from tandem.store import Conversation, Message
+
+
+class NewConversationBody(BaseModel):
+    title: str = Field(default="", max_length=200)
+    model: str = "auto"
+
+
+class MessageBody(BaseModel):
+    content: str
+    model: str = "auto"
+    temperature: float = Field(default=0.7, ge=0, le=2)
+    top_p: float = Field(default=0.9, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling(self) -> SamplingChoice:
+        return SamplingChoice(temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=self.max_tokens)
+
+
+class RegenerateBody(BaseModel):
+    model: str = ""
+    temperature: float = Field(default=0.7, ge=0, le=2)
+    top_p: float = Field(default=0.9, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling(self) -> SamplingChoice:
+        return SamplingChoice(temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=self.max_tokens)
+
+
+def iso(unix_ms: int) -> str:
+    return datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def conversation_summary(conversation: Conversation) -> dict[str, object]:
+    return {
+        "id": conversation.id,
+        "title": conversation.title,
+        "model": conversation.model,
+        "created_at": iso(conversation.created_at_ms),
+        "updated_at": iso(conversation.updated_at_ms),
+        "updated_at_ms": conversation.updated_at_ms,
+    }
+
+
+def message_view(message: Message) -> dict[str, object]:
+    return {
+        "id": message.id,
+        "seq": message.seq,
+        "role": message.role.value,
+        "content": message.content,
+        "status": message.status.value,
+        "model": message.model,
+        "tokens": message.tokens,
+        "created_at": iso(message.created_at_ms),
+    }

@@ -1,0 +1,56 @@
+"""A reply's token log as the product's SSE events, numbered from 1 with `id:` lines:
+`meta` is 1; the event of log seq s is a `delta` with id s+1; the final log event gives its
+text as a delta (when it has any) and then `done` (or `error`), so ids stay contiguous and a
+client resuming with Last-Event-ID N receives exactly the events after N."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_UNSPECIFIED
+from tandem.v1.tokens_pb2 import TokenEvent
+
+FINISH_NAMES = {FINISH_REASON_LENGTH: "length", FINISH_REASON_CANCELLED: "cancelled"}
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    id: int
+    event: str
+    data: dict[str, object]
+
+    def as_dict(self) -> dict[str, str]:
+        """For sse-starlette's EventSourceResponse."""
+        return {"id": str(self.id), "event": self.event, "data": json.dumps(self.data, ensure_ascii=False)}
+
+
+def meta_event(message_id: str, model: str) -> SseEvent:
+    return SseEvent(1, "meta", {"message_id": message_id, "model": model})
+
+
+def usage_of(event: TokenEvent) -> dict[str, int]:
+    return {"input": event.usage.input_tokens, "cached": event.usage.cached_tokens, "output": event.usage.output_tokens}
+
+
+def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
+    next_id = event.seq + 1
+    if event.finish == FINISH_REASON_UNSPECIFIED:
+        yield SseEvent(next_id, "delta", {"text": event.text})
+        return
+    if event.text:
+        yield SseEvent(next_id, "delta", {"text": event.text})
+        next_id += 1
+    if event.finish == FINISH_REASON_ERROR:
+        error: dict[str, object] = {"code": event.error.code or "error", "message": event.error.message or "the reply failed"}
+        if event.error.HasField("retry_after_s"):
+            error["retry_after"] = event.error.retry_after_s
+        yield SseEvent(next_id, "error", error)
+        return
+    yield SseEvent(next_id, "done", {"finish": FINISH_NAMES.get(event.finish, "stop"), "usage": usage_of(event)})
+
+
+def log_seq_to_resume_after(last_event_id: int) -> int:
+    """The log seq to read after so every SSE id above `last_event_id` is produced again."""
+    return max(last_event_id - 2, 0)

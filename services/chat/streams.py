@@ -1,0 +1,51 @@
+"""Replies read back outside the live stream: the text so far of a running reply, and a whole
+stored message as SSE once its log has expired."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from fastapi import HTTPException
+from sse_starlette.sse import EventSourceResponse
+
+from services.chat.sse import SseEvent, meta_event
+from services.chat.state import ChatState
+from tandem.store import Message, MessageStatus
+from tandem.tokenlog import ReplyKeys, load_reply
+from tandem.v1.tokens_pb2 import TokenEvent
+
+FINISH_OF_STATUS = {MessageStatus.COMPLETE: "stop", MessageStatus.STOPPED: "cancelled"}
+
+
+async def as_logged(state: ChatState, message: Message) -> Message:
+    """A message the store still has as running, as its token log has it now: the text so far,
+    or its final text, status and tokens when the reply ended before the relay stored it."""
+    meta = await load_reply(state.redis, message.id)
+    if meta is None:
+        return message
+    entries = await state.redis.xrange(ReplyKeys(message.id).log)
+    events = [TokenEvent.FromString(fields[b"e"]) for _, fields in entries]
+    text = "".join(event.text for event in events)
+    if meta.is_running:
+        return replace(message, content=text)
+    tokens = events[-1].usage.output_tokens if events else 0
+    return replace(message, content=text, status=MessageStatus(meta.status.value), tokens=tokens)
+
+
+async def _stored_events(message: Message) -> AsyncIterator[dict[str, str]]:
+    yield meta_event(message.id, message.model).as_dict()
+    yield SseEvent(2, "delta", {"text": message.content}).as_dict()
+    if message.status in FINISH_OF_STATUS:
+        usage = {"input": 0, "cached": 0, "output": message.tokens}
+        yield SseEvent(3, "done", {"finish": FINISH_OF_STATUS[message.status], "usage": usage}).as_dict()
+    else:
+        yield SseEvent(3, "error", {"code": message.status.value, "message": f"the reply ended as {message.status.value}"}).as_dict()
+
+
+def finished_message_response(message: Message, last_event_id: int) -> EventSourceResponse:
+    if message.status == MessageStatus.RUNNING:
+        raise HTTPException(503, "the reply is running but its log is not readable; retry shortly", headers={"Retry-After": "1"})
+    if last_event_id > 0:
+        raise HTTPException(410, "the reply's event log has expired: GET its conversation for the stored text")
+    return EventSourceResponse(_stored_events(message), headers={"X-Message-Id": message.id})

@@ -1,0 +1,177 @@
+"""A chat turn: check the message, build the prompt from the conversation, store the user turn
+and a running assistant turn, and start the reply. Regenerate reuses all but the first store."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from fastapi import HTTPException
+
+from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context
+from services.chat.models_view import ServedModel
+from services.chat.prompt import PromptCounter, encode_prompt
+from services.chat.replies import ReplyRefused, ReplyRequest, begin_reply, cancel_reply, new_reply_id
+from services.chat.state import ChatState
+from tandem.config import ApiKey
+from tandem.store import Conversation, Message, MessageStatus, NewMessage, Role
+from tandem.tokenlog import load_reply
+from tandem.v1.common_pb2 import SamplingParams
+
+log = logging.getLogger(__name__)
+TITLE_CHARS = 60
+
+
+def inflight_key(conversation_id: str) -> str:
+    return f"tandem:conversation:{{{conversation_id}}}:inflight"
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    temperature: float = 0.7
+    top_p: float = 0.9
+    seed: int | None = None
+    max_tokens: int | None = None  # None: the configured answer budget
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens)
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+
+@dataclass(frozen=True)
+class StartedReply:
+    reply_id: str
+    model: str
+    num_dropped_turns: int
+
+
+def resolve_model(state: ChatState, requested: str) -> ServedModel:
+    model = state.models.resolve(requested)
+    if model is None:
+        if requested in ("", "auto"):
+            raise ReplyRefused(503, "no_workers", "no model is being served yet; try again shortly", 2.0)
+        raise ReplyRefused(404, "unknown_model", f"model {requested!r} is not served; GET /v1/models lists those that are")
+    return model
+
+
+def check_content(state: ChatState, content: str) -> None:
+    if not content.strip():
+        raise HTTPException(400, "the message is empty")
+    if len(content) > state.config.max_message_chars:
+        raise HTTPException(413, f"the message has {len(content)} characters; at most {state.config.max_message_chars} are accepted")
+
+
+async def send_message(
+    state: ChatState, user: ApiKey, conversation: Conversation, content: str, requested_model: str, reply_id: str, sampling: SamplingChoice
+) -> StartedReply:
+    check_content(state, content)
+    model = resolve_model(state, requested_model)
+    counter = PromptCounter(state.tokenizer)
+    new_turn = Turn("user", content, counter.count(content))
+    history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq)
+    prompt = _prompt(state, user, conversation, history, new_turn, model, counter)
+    user_message = await state.store.append_message(
+        user.user_id,
+        NewMessage(id=uuid.uuid4().hex, conversation_id=conversation.id, role=Role.USER, content=content, tokens=new_turn.tokens, model=model.name),
+    )
+    if not conversation.title:
+        await state.store.update_conversation(user.user_id, conversation.id, title=_title_of(content))
+    return await _start(state, user, conversation, user_message.seq, model, prompt, reply_id, sampling)
+
+
+async def regenerate(
+    state: ChatState, user: ApiKey, conversation: Conversation, answer: Message, requested_model: str, sampling: SamplingChoice
+) -> StartedReply:
+    """A new answer to the user turn that `answer` answered; the prompt up to it is cached."""
+    model = resolve_model(state, requested_model or answer.model or "auto")
+    messages = await state.store.list_messages(conversation.id)
+    user_turn = next((m for m in messages if m.seq == answer.parent_seq and m.role == Role.USER), None)
+    if user_turn is None:
+        raise HTTPException(400, "only an answer to a user message can be regenerated")
+    earlier = active_history([m for m in messages if m.seq < user_turn.seq], conversation.summary_upto_seq)
+    counter = PromptCounter(state.tokenizer)
+    prompt = _prompt(state, user, conversation, earlier, Turn("user", user_turn.content, user_turn.tokens), model, counter)
+    return await _start(state, user, conversation, user_turn.seq, model, prompt, new_reply_id(), sampling)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    num_public: int
+    num_dropped: int
+
+
+def _prompt(
+    state: ChatState, user: ApiKey, conversation: Conversation, history: list[Message], new_turn: Turn, model: ServedModel, counter: PromptCounter
+) -> _Prompt:
+    config = state.config
+    budget = Budget(
+        window_tokens=model.window_tokens - counter.generation_prompt_tokens,
+        tier_prompt_tokens=config.prompt_budget_for(user.tier),
+        answer_tokens=min(config.max_answer_tokens, model.window_tokens // 2),
+    )
+    system = Turn("system", config.system_prompt, counter.count(config.system_prompt))
+    summary = Turn("system", f"Summary of the conversation so far: {conversation.summary}", 0) if conversation.summary else None
+    if summary is not None:
+        summary = Turn(summary.role, summary.content, counter.count(summary.content))
+    try:
+        context = build_context(system, summary, history, new_turn, budget)
+    except PromptTooLong as exc:
+        raise HTTPException(413, str(exc)) from None
+    ids, num_public = encode_prompt(state.tokenizer, context.turns)
+    return _Prompt(ids, num_public, context.num_dropped)
+
+
+async def _start(
+    state: ChatState,
+    user: ApiKey,
+    conversation: Conversation,
+    parent_seq: int,
+    model: ServedModel,
+    prompt: _Prompt,
+    reply_id: str,
+    sampling: SamplingChoice,
+) -> StartedReply:
+    await state.store.append_message(
+        user.user_id,
+        NewMessage(
+            id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0,
+            model=model.name, status=MessageStatus.RUNNING, parent_seq=parent_seq,
+        ),
+    )
+    await _supersede(state, conversation.id, reply_id)
+    wanted = sampling.max_tokens or state.config.max_answer_tokens
+    max_tokens = max(1, min(wanted, model.window_tokens - len(prompt.ids)))
+    reply = ReplyRequest(
+        reply_id=reply_id, user=user, model=model.name, prompt_ids=prompt.ids, public_prefix_tokens=prompt.num_public,
+        sampling=sampling.params(max_tokens),
+        conversation_id=conversation.id, message_id=reply_id,
+    )
+    try:
+        await begin_reply(state, reply)
+    except ReplyRefused as exc:
+        await state.store.finish_message(conversation.id, reply_id, content="", status=MessageStatus.FAILED, tokens=0)
+        await state.redis.delete(inflight_key(conversation.id))
+        log.info("reply %s refused: %s: %s", reply_id, exc.code, exc.message)
+        raise
+    return StartedReply(reply_id, model.name, prompt.num_dropped)
+
+
+async def _supersede(state: ChatState, conversation_id: str, reply_id: str) -> None:
+    """One reply in flight per conversation: a new one cancels the one before."""
+    previous = await state.redis.getset(inflight_key(conversation_id), reply_id)
+    if previous is None:
+        return
+    previous_id = previous.decode()
+    meta = await load_reply(state.redis, previous_id)
+    if meta is not None and meta.is_running:
+        await cancel_reply(state, previous_id, "superseded")
+
+
+def _title_of(content: str) -> str:
+    line = " ".join(content.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+

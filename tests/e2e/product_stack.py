@@ -1,0 +1,126 @@
+"""The product stack for e2e tests: router, a decode worker, two relays and two chat instances,
+each a real process on the session's real nats-server and redis-server, with a SQLite store.
+Tests talk to it over HTTP/SSE as a client would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from helpers import next_heartbeat, service_env, service_process
+
+from tandem.proc import ChildProcess
+
+API_KEYS = "key-alice=alice:plus,key-bob=bob:free"
+ALICE = {"Authorization": "Bearer key-alice"}
+BOB = {"Authorization": "Bearer key-bob"}
+READER_IDLE_TIMEOUT_S = 4.0
+
+
+@dataclass
+class ProductStack:
+    chat_urls: list[str]
+    ids: dict[str, list[str]]
+    store_path: Path
+    children: list[ChildProcess] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.chat_urls[0]
+
+    def logs(self, num_lines: int = 30) -> str:
+        return "\n".join(f"--- {c.name}\n{c.recent_output(num_lines)}" for c in self.children)
+
+
+async def start_product_stack(nc, nats_url: str, redis_url: str, workdir: Path, **extra_env: str) -> ProductStack:
+    store_path = workdir / "conversations.db"
+    common = {
+        "TANDEM_STORE": "sqlite",
+        "TANDEM_SQLITE_PATH": str(store_path),
+        "TANDEM_KV_CACHE_MIB": "128",
+        "TANDEM_API_KEYS": API_KEYS,
+        "TANDEM_READER_IDLE_TIMEOUT_S": str(READER_IDLE_TIMEOUT_S),
+        "TANDEM_MAX_ANSWER_TOKENS": "48",
+        **extra_env,
+    }
+    stack = ProductStack(chat_urls=[], ids={}, store_path=store_path)
+    for role in ("router", "decode", "relay", "relay", "chat", "chat"):
+        env = service_env(role, nats_url, redis_url, **common)
+        child = service_process(role, env)
+        child.start()
+        stack.children.append(child)
+        stack.ids.setdefault(role, []).append(env["TANDEM_INSTANCE_ID"])
+        if role == "chat":
+            stack.chat_urls.append(f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}")
+    for role, instance_ids in stack.ids.items():
+        for instance_id in instance_ids:
+            await next_heartbeat(nc, role, instance_id, accept=lambda hb: hb.is_ready, timeout_s=180)
+    # Chat learns the served models from decode heartbeats: one more after everyone is ready.
+    await next_heartbeat(nc, "decode", stack.ids["decode"][0], timeout_s=30)
+    await next_heartbeat(nc, "decode", stack.ids["decode"][0], timeout_s=30)
+    return stack
+
+
+@dataclass(frozen=True)
+class Sse:
+    id: int
+    event: str
+    data: dict
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[Sse]:
+    """Parses an SSE body as it arrives (comments and keep-alives skipped)."""
+    fields: dict[str, str] = {}
+    async for line in response.aiter_lines():
+        if line == "":
+            if "data" in fields:
+                yield Sse(int(fields.get("id", "0") or 0), fields.get("event", "message"), json.loads(fields["data"]))
+            fields = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            fields[name] = fields.get(name, "") + value.removeprefix(" ")
+
+
+class SseReader:
+    """Reads one SSE response in parts: some events now, the rest later."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        assert response.status_code == 200, response.status_code
+        self._events = sse_events(response)
+
+    async def read(self, stop_after: int | None = None) -> list[Sse]:
+        """Events until done/error, or until `stop_after` of them."""
+        seen = []
+        async for event in self._events:
+            seen.append(event)
+            if event.event in ("done", "error") or (stop_after is not None and len(seen) >= stop_after):
+                break
+        return seen
+
+
+async def read_stream(response: httpx.Response, stop_after: int | None = None) -> list[Sse]:
+    """The events of one SSE response, until done/error or after `stop_after` events."""
+    if response.status_code != 200:
+        raise AssertionError((response.status_code, (await response.aread()).decode()))
+    return await SseReader(response).read(stop_after)
+
+
+def text_of(events: list[Sse]) -> str:
+    return "".join(e.data["text"] for e in events if e.event == "delta")
+
+
+async def wait_until(check, timeout_s: float = 30.0, interval_s: float = 0.1):
+    """Polls an async condition until it returns something truthy (for state another process
+    writes, where no event announces it); fails with the last value after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s (last: {value!r})")
+        await asyncio.sleep(interval_s)

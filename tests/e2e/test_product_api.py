@@ -1,0 +1,209 @@
+"""The product API over HTTP/SSE against the whole stack as processes: conversations of several
+turns, resume with Last-Event-ID on either chat instance, stop, the idle cancel, idempotency,
+auth, and input checks."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from product_stack import ALICE, BOB, READER_IDLE_TIMEOUT_S, SseReader, read_stream, text_of, wait_until
+
+from tandem.models.loader import load_tokenizer
+from tandem.tokenlog import load_reply
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+async def new_conversation(client: httpx.AsyncClient, headers=ALICE) -> str:
+    response = await client.post("/v1/conversations", headers=headers, json={})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+async def send(client: httpx.AsyncClient, conversation_id: str, content: str, headers=ALICE, stop_after=None, **body):
+    async with client.stream(
+        "POST", f"/v1/conversations/{conversation_id}/messages", headers={**headers, "Accept": "text/event-stream"},
+        json={"content": content, **GREEDY, **body},
+    ) as response:
+        return await read_stream(response, stop_after)
+
+
+async def resume(client: httpx.AsyncClient, message_id: str, last_event_id: int, headers=ALICE):
+    async with client.stream(
+        "GET", f"/v1/messages/{message_id}/stream", headers={**headers, "Last-Event-ID": str(last_event_id)}
+    ) as response:
+        return await read_stream(response)
+
+
+async def stored(client: httpx.AsyncClient, conversation_id: str, headers=ALICE) -> dict:
+    response = await client.get(f"/v1/conversations/{conversation_id}", headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def finished(client, conversation_id: str, message_id: str) -> dict:
+    """The stored message once the relay has saved its final state."""
+
+    async def check():
+        messages = {m["id"]: m for m in (await stored(client, conversation_id))["messages"]}
+        message = messages.get(message_id)
+        return message if message and message["status"] != "running" else None
+
+    return await wait_until(check)
+
+
+async def test_a_three_turn_conversation_streams_is_stored_and_carries_its_history(product_stack, redis_server):
+    tokenizer = load_tokenizer(None)
+    redis = aioredis.from_url(redis_server.url)
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        questions = ["What is the capital of France?", "And of Italy?", "Which of the two is further north?"]
+        replies = []
+        for question in questions:
+            events = await send(client, conversation_id, question)
+            assert [e.event for e in events][0] == "meta" and events[-1].event == "done", events
+            assert [e.id for e in events] == list(range(1, len(events) + 1))
+            replies.append((events[0].data["message_id"], text_of(events), events[-1].data["usage"]))
+        assert "Paris" in replies[0][1]
+        for _, _, usage in replies[1:]:
+            assert usage["cached"] > 0, "a follow-up turn finds the earlier turns in the prefix cache"
+        conversation = await stored(client, conversation_id)
+        assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"] * 3
+        assert conversation["title"].startswith("What is the capital")
+        for (message_id, text, usage), answer in zip(replies, conversation["messages"][1::2]):
+            assert (answer["id"], answer["content"], answer["status"]) == (message_id, text, "complete")
+            assert answer["tokens"] == usage["output"]
+        third = await load_reply(redis, replies[2][0])
+        prompt = tokenizer.decode(third.generate_request().prompt_token_ids)
+        assert questions[0] in prompt and questions[1] in prompt and replies[0][1].strip() in prompt
+        listed = (await client.get("/v1/conversations", headers=ALICE)).json()["conversations"]
+        assert listed[0]["id"] == conversation_id, "the conversation just written is the newest"
+    await redis.aclose()
+
+
+async def test_a_dropped_stream_resumes_with_last_event_id_on_either_instance(product_stack):
+    rng = random.Random(2026)
+    clients = [httpx.AsyncClient(base_url=url, timeout=120) for url in product_stack.chat_urls]
+    prompt = "Name three colours of the rainbow."
+    reference = await send(clients[0], await new_conversation(clients[0]), prompt)
+    assert reference[-1].event == "done"
+    for run in range(50):
+        first, second = rng.choice(clients), rng.choice(clients)
+        conversation_id = await new_conversation(first)
+        drop_after = rng.randint(1, len(reference) - 1)
+        head = await send(first, conversation_id, prompt, stop_after=drop_after)
+        assert len(head) == drop_after
+        tail = await resume(second, head[0].data["message_id"], head[-1].id)
+        events = head + tail
+        assert [e.id for e in events] == list(range(1, len(events) + 1)), f"run {run}: ids not contiguous"
+        assert text_of(events) == text_of(reference), f"run {run}: dropped after {drop_after} events"
+        assert events[-1].event == "done"
+    for client in clients:
+        await client.aclose()
+
+
+async def test_stop_mid_reply_keeps_the_streamed_text_as_stopped_and_frees_the_kv(product_stack, nc):
+    from helpers import next_heartbeat
+
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        async with client.stream(
+            "POST", f"/v1/conversations/{conversation_id}/messages", headers={**ALICE, "Accept": "text/event-stream"},
+            json={"content": "Write a long story about a lighthouse keeper.", "temperature": 0, "max_tokens": 400},
+        ) as response:
+            reader = SseReader(response)
+            head = await reader.read(stop_after=4)
+            message_id = head[0].data["message_id"]
+            stop = await client.post(f"/v1/messages/{message_id}/stop", headers=ALICE)
+            assert stop.status_code == 200 and stop.json()["status"] == "stopping"
+            rest = await reader.read()
+        events = head + rest
+        assert events[-1].event == "done" and events[-1].data["finish"] == "cancelled"
+        assert events[-1].data["usage"]["output"] < 400
+        message = await finished(client, conversation_id, message_id)
+        assert message["status"] == "stopped"
+        assert message["content"] == text_of(events)
+    decode_id = product_stack.ids["decode"][0]
+    heartbeat = await next_heartbeat(nc, "decode", decode_id, accept=lambda hb: True, timeout_s=30)
+    heartbeat = await next_heartbeat(nc, "decode", decode_id, timeout_s=30)
+    assert heartbeat.kv_blocks_free == heartbeat.kv_blocks_total
+
+
+async def test_a_reply_nobody_reads_is_cancelled_and_stored_as_stopped(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        head = await send(client, conversation_id, "Count slowly from one to five hundred.", stop_after=2, max_tokens=1000)
+        message_id = head[0].data["message_id"]
+        # Nobody reads now: the relay cancels after READER_IDLE_TIMEOUT_S.
+        message = await finished(client, conversation_id, message_id)
+        assert message["status"] == "stopped"
+        tail = await resume(client, message_id, head[-1].id)
+        assert tail[-1].event == "done" and tail[-1].data["finish"] == "cancelled"
+        assert tail[-1].data["usage"]["output"] < 1000
+        assert message["content"] == text_of(head + tail)
+    assert READER_IDLE_TIMEOUT_S < 30
+
+
+async def test_the_same_idempotency_key_twice_gives_one_generation_and_identical_streams(product_stack):
+    key = str(uuid.uuid4())
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        headers = {**ALICE, "Idempotency-Key": key}
+        first = await send(client, conversation_id, "Say hello.", headers=headers)
+        second = await send(client, conversation_id, "Say hello.", headers=headers)
+        assert first[0].data["message_id"] == second[0].data["message_id"]
+        assert [(e.id, e.event, e.data) for e in first] == [(e.id, e.event, e.data) for e in second]
+        conversation = await stored(client, conversation_id)
+        assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
+
+
+async def test_regenerate_answers_the_same_user_turn_again(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        first = await send(client, conversation_id, "Give me a name for a cat.")
+        old_id = first[0].data["message_id"]
+        await finished(client, conversation_id, old_id)
+        async with client.stream(
+            "POST", f"/v1/messages/{old_id}/regenerate", headers={**ALICE, "Accept": "text/event-stream"},
+            json={"temperature": 1.0, "seed": 7, "max_tokens": 24},
+        ) as response:
+            again = await read_stream(response)
+        new_id = again[0].data["message_id"]
+        assert new_id != old_id and again[-1].event == "done"
+        assert again[-1].data["usage"]["cached"] > 0, "the prompt up to the user turn is cached"
+        message = await finished(client, conversation_id, new_id)
+        conversation = await stored(client, conversation_id)
+        assert [m["id"] for m in conversation["messages"]] == [conversation["messages"][0]["id"], new_id]
+        assert message["content"] == text_of(again)
+
+
+async def test_auth_and_ownership(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
+        assert (await client.get("/v1/conversations")).status_code == 401
+        assert (await client.get("/v1/conversations", headers={"Authorization": "Bearer nope"})).status_code == 401
+        conversation_id = await new_conversation(client, ALICE)
+        assert (await client.get(f"/v1/conversations/{conversation_id}", headers=BOB)).status_code == 404
+        response = await client.post(f"/v1/conversations/{conversation_id}/messages", headers=BOB, json={"content": "hi"})
+        assert response.status_code == 404
+        assert conversation_id not in [c["id"] for c in (await client.get("/v1/conversations", headers=BOB)).json()["conversations"]]
+
+
+async def test_empty_and_oversize_messages_are_refused_with_the_reason(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
+        conversation_id = await new_conversation(client)
+        empty = await client.post(f"/v1/conversations/{conversation_id}/messages", headers=ALICE, json={"content": "  "})
+        assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
+        huge = "x1 " * 10000  # under the character limit, but more tokens than the model's window
+        too_long = await client.post(f"/v1/conversations/{conversation_id}/messages", headers=ALICE, json={"content": huge})
+        assert too_long.status_code == 413, too_long.text
+        message = too_long.json()["error"]["message"]
+        assert "tokens" in message and any(ch.isdigit() for ch in message)
+        too_many_chars = await client.post(f"/v1/conversations/{conversation_id}/messages", headers=ALICE, json={"content": "a" * 40000})
+        assert too_many_chars.status_code == 413 and "characters" in too_many_chars.json()["error"]["message"]
+        assert (await stored(client, conversation_id))["messages"] == [], "a refused message is not stored"
+
