@@ -1,0 +1,94 @@
+"""The OpenAI-compatible endpoints against the whole stack: /v1/models, chat completions
+streamed and not, sampling options honoured, and OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from product_stack import ALICE
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+async def served_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models", headers=ALICE)
+    assert response.status_code == 200
+    models = response.json()["data"]
+    assert models and models[0]["object"] == "model"
+    return models[0]["id"]
+
+
+async def test_a_completion_answers_with_usage(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        model = await served_model(client)
+        response = await client.post(
+            "/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["object"] == "chat.completion" and body["model"] == model
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant" and "Paris" in choice["message"]["content"]
+        assert choice["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["prompt_tokens"] > 5 and 0 < usage["completion_tokens"] <= 16
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def test_a_streamed_completion_equals_the_whole_one_and_ends_with_done(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        model = await served_model(client)
+        request = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
+        whole = (await client.post("/v1/chat/completions", headers=ALICE, json=request)).json()
+        chunks, saw_done = [], False
+        async with client.stream(
+            "POST", "/v1/chat/completions", headers=ALICE, json={**request, "stream": True, "stream_options": {"include_usage": True}}
+        ) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    saw_done = True
+                    break
+                chunks.append(json.loads(line.removeprefix("data: ")))
+        assert saw_done
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        assert text == whole["choices"][0]["message"]["content"]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert finishes == [whole["choices"][0]["finish_reason"]]
+        assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
+async def test_max_tokens_stop_and_seed_are_honoured(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        model = await served_model(client)
+        short = (await client.post(
+            "/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 3}
+        )).json()
+        assert short["usage"]["completion_tokens"] == 3 and short["choices"][0]["finish_reason"] == "length"
+        stopped = (await client.post(
+            "/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 30, "stop": ["Paris"]}
+        )).json()
+        assert "Paris" not in stopped["choices"][0]["message"]["content"]
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        seeded = {"model": model, "messages": [{"role": "user", "content": "Tell me a word."}], "temperature": 1.0, "seed": 11, "max_tokens": 12}
+        first = (await client.post("/v1/chat/completions", headers=ALICE, json=seeded)).json()
+        second = (await client.post("/v1/chat/completions", headers=ALICE, json=seeded)).json()
+        assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+async def test_errors_have_openais_shape(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
+        unknown = await client.post("/v1/chat/completions", headers=ALICE, json={"model": "gpt-9", "messages": QUESTION})
+        assert unknown.status_code == 404
+        error = unknown.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-9" in error["message"]
+        no_messages = await client.post("/v1/chat/completions", headers=ALICE, json={"model": "auto", "messages": []})
+        assert no_messages.status_code == 400 and no_messages.json()["error"]["type"] == "invalid_request_error"
+        unauthorised = await client.post("/v1/chat/completions", json={"model": "auto", "messages": QUESTION})
+        assert unauthorised.status_code == 401 and "error" in unauthorised.json()
