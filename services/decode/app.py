@@ -14,13 +14,13 @@ from nats.aio.msg import Msg
 from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.engine_host import EngineHost, expired, is_expired, refusal
+from tandem.engine_host import EngineHost, refusal
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.dispatch_pb2 import AssignmentReply
 from tandem.worker import build_worker
 
 ROLE = "decode"
-LEASE_S = 10.0
+LEASE_S = 30.0  # covers the prefill between reserve and commit: seconds for a long prompt on a CPU
 log = logging.getLogger(__name__)
 
 
@@ -61,16 +61,13 @@ class DecodeWorker:
         assignment, request = screened
         if self._host.is_tracked(assignment.reply_id):
             return AssignmentReply(accepted=True)  # a retried assignment: it is already running here
-        self._host.track(assignment.reply_id, assignment.first_seq or 1)
         try:
-            await self._host.thread.call(lambda engine: engine.add(request))
+            self._host.engine.check(request)
         except ValueError as exc:  # PromptTooLong, EmptyPrompt
-            self._host.untrack(assignment.reply_id)
             return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
-        if is_expired(assignment):  # the add took past the router's deadline: keep nothing
-            self._host.untrack(assignment.reply_id)
-            self._host.thread.post(lambda engine: engine.abort(assignment.reply_id))
-            return expired(assignment)
+        self._host.track(assignment.reply_id, assignment.first_seq or 1)
+        # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).
+        self._host.thread.post(lambda engine: engine.add(request))
         return AssignmentReply(accepted=True)
 
 

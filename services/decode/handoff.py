@@ -70,6 +70,10 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             blocks = await self._host.thread.call(lambda engine: engine.reserve_import(engine_req, request.num_blocks))
         except NoFreeBlocks as exc:
             return refuse("no_room", str(exc), 1.0)
+        remaining_s = context.time_remaining()
+        if remaining_s is not None and remaining_s <= 0:  # the caller gave up while the engine stepped
+            self._host.thread.post(lambda engine: engine.cancel_import(blocks))
+            return refuse("expired", "the reserve outlived its deadline")
         lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
         self._reservations[request.reply_id] = _Reservation(blocks, lease)
         return pb.ReserveReply(

@@ -122,19 +122,18 @@ class PrefillWorker:
         reservation = await self._reserve(stub, assignment)
         if isinstance(reservation, AssignmentReply):
             return reservation
-        self._host.track(assignment.reply_id, assignment.first_seq or 1)
-        handoff = self._host.expect_handoff(assignment.reply_id)
         try:
-            await self._host.thread.call(lambda e: e.add(request, prefill_only=True))
+            self._host.engine.check(request)
         except ValueError as exc:
-            self._host.untrack(assignment.reply_id)
             await _release(stub, assignment.reply_id)
             return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
         if is_expired(assignment):  # the router stopped waiting while we reserved: keep nothing
-            self._host.untrack(assignment.reply_id)
-            self._host.thread.post(lambda e: e.discard(assignment.reply_id))
             await _release(stub, assignment.reply_id)
             return expired(assignment)
+        self._host.track(assignment.reply_id, assignment.first_seq or 1)
+        handoff = self._host.expect_handoff(assignment.reply_id)
+        # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).
+        self._host.thread.post(lambda e: e.add(request, prefill_only=True))
         state = _Handoff(assignment, reservation, stub, handoff)
         task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task

@@ -152,6 +152,12 @@ class Engine:
         self.scheduler.add(self._sequence(request))
         self._replies[request.request_id] = _Reply(self._reply_text(request), is_prefill_only=prefill_only)
 
+    def check(self, request: Request) -> None:
+        """Raises PromptTooLong / EmptyPrompt (ValueErrors) for a request that could never run.
+        Safe from another thread: it reads only the configuration, so a worker can answer an
+        assignment without waiting for the step in progress."""
+        self.scheduler.check(self._sequence(request))
+
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its blocks are freed at the next step."""
         return self.scheduler.abort(request_id)

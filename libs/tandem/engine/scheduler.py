@@ -93,6 +93,15 @@ class Scheduler:
             raise ValueError(f"{seq.seq_id}: only a fresh waiting sequence can be added")
         if seq.seq_id in self._seqs:
             raise ValueError(f"{seq.seq_id}: a sequence with this id is already scheduled")
+        self.check(seq)
+        seq.mark_arrived(self._num_arrivals)
+        self._num_arrivals += 1
+        self._seqs[seq.seq_id] = seq
+        self._waiting[seq.lane].append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raises EmptyPrompt or PromptTooLong for a sequence that could never run. Reads only the
+        configuration, so a worker may ask from another thread before it queues the sequence."""
         if seq.num_prompt_tokens == 0:
             raise EmptyPrompt(f"{seq.seq_id}: the prompt is empty")
         num_blocks = self.kv.blocks_needed(seq.num_tokens)  # a continuation's generated tokens too
@@ -108,10 +117,6 @@ class Scheduler:
                 f"{seq.seq_id}: a prompt of {seq.num_tokens} tokens is longer than the "
                 f"{self.config.max_model_len}-token context window"
             )
-        seq.mark_arrived(self._num_arrivals)
-        self._num_arrivals += 1
-        self._seqs[seq.seq_id] = seq
-        self._waiting[seq.lane].append(seq)
 
     def abort(self, seq_id: str) -> bool:
         """Cancel a waiting or running sequence at the next schedule(); False if it is not here."""
