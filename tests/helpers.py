@@ -63,3 +63,16 @@ async def next_heartbeat(
         return await asyncio.wait_for(found, timeout_s)
     finally:
         await subscription.unsubscribe()
+
+
+async def wait_until(check, timeout_s: float = 30.0, interval_s: float = 0.1):
+    """Polls an async condition until it returns something truthy (for state another process
+    writes, where no event announces it); fails with the last value after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s (last: {value!r})")
+        await asyncio.sleep(interval_s)

@@ -11,15 +11,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.chat.sse import SseEvent, log_seq_to_resume_after, meta_event, sse_events
+from services.chat.sse import log_seq_to_resume_after, meta_event, sse_events
 from services.chat.state import ChatState
 from tandem.bus import decode, encode, subjects
-from tandem.tokenlog import ReplyKeys, ReplyMeta, attach, create_reply, detach, read
+from tandem.config import ApiKey, Tier
+from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, attach, create_reply, detach, read
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
-
-from tandem.config import ApiKey, Tier
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +97,6 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
 
 async def forget_reply(state: ChatState, reply_id: str) -> None:
     """A reply that never started: nothing to keep."""
-    from tandem.tokenlog import RUNNING
-
     await state.redis.srem(RUNNING, reply_id)
     await state.redis.delete(*ReplyKeys(reply_id).all())
 
@@ -144,6 +141,3 @@ async def sse_stream(state: ChatState, reply_id: str, model: str, last_event_id:
             if sse.id > last_event_id:
                 yield sse.as_dict()
 
-
-def error_event(event_id: int, code: str, message: str) -> SseEvent:
-    return SseEvent(event_id, "error", {"code": code, "message": message})

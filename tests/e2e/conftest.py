@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest_asyncio
-from product_stack import ProductStack, start_product_stack
+from product_stack import start_product_stack
 
 
 @pytest_asyncio.fixture(scope="session")

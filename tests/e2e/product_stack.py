@@ -4,7 +4,6 @@ Tests talk to it over HTTP/SSE as a client would."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -111,16 +110,3 @@ async def read_stream(response: httpx.Response, stop_after: int | None = None) -
 
 def text_of(events: list[Sse]) -> str:
     return "".join(e.data["text"] for e in events if e.event == "delta")
-
-
-async def wait_until(check, timeout_s: float = 30.0, interval_s: float = 0.1):
-    """Polls an async condition until it returns something truthy (for state another process
-    writes, where no event announces it); fails with the last value after `timeout_s`."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = await check()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s (last: {value!r})")
-        await asyncio.sleep(interval_s)

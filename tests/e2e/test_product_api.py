@@ -10,7 +10,8 @@ import uuid
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from product_stack import ALICE, BOB, READER_IDLE_TIMEOUT_S, SseReader, read_stream, text_of, wait_until
+from helpers import wait_until
+from product_stack import ALICE, BOB, READER_IDLE_TIMEOUT_S, SseReader, read_stream, text_of
 
 from tandem.models.loader import load_tokenizer
 from tandem.tokenlog import load_reply

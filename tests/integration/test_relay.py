@@ -1,0 +1,141 @@
+"""Two relay processes on real NATS and Redis: events delivered shuffled and twice are logged
+once and in order, a finished reply is stored as its assistant turn with nobody connected,
+and a reply nobody reads is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+from helpers import next_heartbeat, service_env, service_process, wait_until
+
+from tandem.bus import decode, encode, subjects
+from tandem.proc import ChildProcess
+from tandem.store import Conversation, MessageStatus, NewMessage, Role
+from tandem.store.sqlite import SqliteStore
+from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage
+from tandem.v1.tokens_pb2 import Cancel, TokenEvent
+
+IDLE_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("relay") / "conversations.db")
+
+
+@pytest.fixture(scope="module")
+def relays(nats_server, redis_server, store_path) -> Iterator[list[str]]:
+    children: list[ChildProcess] = []
+    ids = []
+    for _ in range(2):
+        env = service_env(
+            "relay", nats_server.url, redis_server.url,
+            TANDEM_SQLITE_PATH=store_path, TANDEM_READER_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S),
+        )
+        child = service_process("relay", env)
+        child.start()
+        children.append(child)
+        ids.append(env["TANDEM_INSTANCE_ID"])
+    yield ids
+    for child in children:
+        child.stop(timeout_s=10)
+
+
+@pytest_asyncio.fixture
+async def ready(nc, relays):
+    for instance_id in relays:
+        await next_heartbeat(nc, "relay", instance_id, accept=lambda hb: hb.is_ready, timeout_s=60)
+
+
+@pytest_asyncio.fixture
+async def redis(redis_server):
+    client = aioredis.from_url(redis_server.url, socket_timeout=10)
+    yield client
+    await client.aclose()
+
+
+@pytest_asyncio.fixture
+async def store(store_path):
+    store = SqliteStore(Path(store_path))
+    await store.start()
+    yield store
+    await store.close()
+
+
+def reply_events(reply_id: str, num: int, finish: int = FINISH_REASON_STOP) -> list[TokenEvent]:
+    events = [TokenEvent(reply_id=reply_id, seq=i, token_id=i, text=f"t{i} ") for i in range(1, num + 1)]
+    events[-1].finish = finish
+    events[-1].usage.CopyFrom(Usage(input_tokens=9, output_tokens=num))
+    return events
+
+
+async def logged(redis, reply_id: str) -> list[TokenEvent]:
+    return [event async for event in read(redis, reply_id, block_ms=5000)]
+
+
+async def test_shuffled_and_repeated_deliveries_are_logged_once_in_order(ready, nc, redis):
+    reply_id = uuid.uuid4().hex
+    events = reply_events(reply_id, 40)
+    deliveries = events + random.Random(3).sample(events, 15)
+    random.Random(5).shuffle(deliveries)
+    for event in deliveries:
+        await nc.publish(subjects.tokens(reply_id), encode(event))
+    log = await asyncio.wait_for(logged(redis, reply_id), 30)
+    assert [e.seq for e in log] == list(range(1, 41))
+    assert "".join(e.text for e in log) == "".join(e.text for e in events)
+
+
+async def test_a_finished_reply_is_stored_as_its_assistant_turn_with_nobody_connected(ready, nc, redis, store):
+    now = int(time.time() * 1000)
+    conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u1", "t", "m", now, now))
+    reply_id = uuid.uuid4().hex
+    await store.append_message("u1", NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING))
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id="u1", conversation_id=conversation.id, message_id=reply_id), track_readers=False)
+    for event in reply_events(reply_id, 6):
+        await nc.publish(subjects.tokens(reply_id), encode(event))
+
+    async def stored():
+        message = await store.get_message(reply_id)
+        return message if message.status != MessageStatus.RUNNING else None
+
+    message = await wait_until(stored)
+    assert (message.status, message.content, message.tokens) == (MessageStatus.COMPLETE, "t1 t2 t3 t4 t5 t6 ", 6)
+
+
+async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, nc, redis, store):
+    now = int(time.time() * 1000)
+    conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u2", "t", "m", now, now))
+    reply_id = uuid.uuid4().hex
+    await store.append_message("u2", NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING))
+    cancelled: asyncio.Future[Cancel] = asyncio.get_running_loop().create_future()
+
+    async def on_cancel(msg):
+        if not cancelled.done():
+            cancelled.set_result(decode(msg.data, Cancel))
+
+    subscription = await nc.subscribe(subjects.cancel(reply_id), cb=on_cancel)
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id="u2", conversation_id=conversation.id, message_id=reply_id), track_readers=True)
+    first = reply_events(reply_id, 3, finish=FINISH_REASON_CANCELLED)
+    await nc.publish(subjects.tokens(reply_id), encode(first[0]))
+    cancel = await asyncio.wait_for(cancelled, 15)
+    await subscription.unsubscribe()
+    assert cancel.reason == "no_reader"
+    for event in first[1:]:  # what the worker sends once it sees the cancel
+        await nc.publish(subjects.tokens(reply_id), encode(event))
+
+    async def stored():
+        message = await store.get_message(reply_id)
+        return message if message.status != MessageStatus.RUNNING else None
+
+    message = await wait_until(stored)
+    assert (message.status, message.content) == (MessageStatus.STOPPED, "t1 t2 t3 ")
+    assert (await load_reply(redis, reply_id)).status.value == "stopped"
