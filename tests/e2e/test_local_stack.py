@@ -39,6 +39,23 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _chat_over_http(url: str, api_key: str) -> None:
+    """A person's path: the page loads, a conversation is made, a message streams its answer."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    assert "<html" in httpx.get(url, timeout=10).text.lower()
+    conversation = httpx.post(f"{url}/v1/conversations", headers=headers, json={}, timeout=10)
+    assert conversation.status_code == 201, conversation.text
+    body = {"content": "What is the capital of France?", "temperature": 0, "max_tokens": 16}
+    with httpx.stream(
+        "POST", f"{url}/v1/conversations/{conversation.json()['id']}/messages", headers=headers, json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        lines = list(response.iter_lines())
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[0] == "meta" and events[-1] == "done", lines
+    assert "Paris" in "".join(line for line in lines if line.startswith("data: ")), lines
+
+
 def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind():
     env = {**_env(), "TANDEM_HTTP_PORT": str(free_port())}
     up = ChildProcess("make", ["make", "--no-print-directory", "run"], env=env, cwd=str(REPO))
@@ -55,8 +72,10 @@ def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind():
             assert started is not None, f"no start line for {name}"
             pids[name] = int(started[1])
             assert _is_running(pids[name]), name
-        assert up.wait_for_line(r"API key: (tdm-dev-\S+)", 1) is not None
+        api_key = up.wait_for_line(r"API key: (tdm-dev-\S+)", 1)
+        assert api_key is not None
         assert httpx.get(f"{ready[1]}/readyz", timeout=10).status_code == 200
+        _chat_over_http(ready[1], api_key[1])
         nats_url = up.wait_for_line(r"internal clients: TANDEM_NATS_URL=(\S+)", 1)
         assert nats_url is not None
         answer = subprocess.run(
