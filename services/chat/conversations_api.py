@@ -95,8 +95,9 @@ async def post_message(
     else:
         started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling())
     return EventSourceResponse(
-        sse_stream(state, started.reply_id, started.model), ping=int(state.config.keepalive_s),
-        headers={"X-Message-Id": started.reply_id, "X-Dropped-Turns": str(started.num_dropped_turns)},
+        sse_stream(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns),
+        ping=int(state.config.keepalive_s),
+        headers={"X-Message-Id": started.reply_id},
     )
 
 

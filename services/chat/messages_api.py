@@ -61,5 +61,5 @@ async def regenerate_message(
         raise HTTPException(400, "only an assistant message can be regenerated")
     started = await regenerate(state, user, conversation, message, body.model, body.sampling())
     return EventSourceResponse(
-        sse_stream(state, started.reply_id, started.model), ping=int(state.config.keepalive_s), headers={"X-Message-Id": started.reply_id}
+        sse_stream(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns), ping=int(state.config.keepalive_s), headers={"X-Message-Id": started.reply_id}
     )

@@ -132,10 +132,12 @@ async def log_events(state: ChatState, reply_id: str, after_seq: int = 0) -> Asy
             yield event
 
 
-async def sse_stream(state: ChatState, reply_id: str, model: str, last_event_id: int = 0) -> AsyncIterator[dict[str, str]]:
+async def sse_stream(
+    state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0
+) -> AsyncIterator[dict[str, str]]:
     """The product's SSE events of a reply, after `last_event_id`."""
     if last_event_id < 1:
-        yield meta_event(reply_id, model).as_dict()
+        yield meta_event(reply_id, model, num_dropped_turns).as_dict()
     async for event in log_events(state, reply_id, log_seq_to_resume_after(last_event_id)):
         for sse in sse_events(event):
             if sse.id > last_event_id:

@@ -26,8 +26,9 @@ class SseEvent:
         return {"id": str(self.id), "event": self.event, "data": json.dumps(self.data, ensure_ascii=False)}
 
 
-def meta_event(message_id: str, model: str) -> SseEvent:
-    return SseEvent(1, "meta", {"message_id": message_id, "model": model})
+def meta_event(message_id: str, model: str, num_dropped_turns: int = 0) -> SseEvent:
+    """`dropped_turns`: older turns of the conversation left out of the prompt to fit it."""
+    return SseEvent(1, "meta", {"message_id": message_id, "model": model, "dropped_turns": num_dropped_turns})
 
 
 def usage_of(event: TokenEvent) -> dict[str, int]:

@@ -1,0 +1,48 @@
+"""Token events as numbered SSE events: contiguous ids, and a resume that repeats nothing."""
+
+from services.chat.sse import log_seq_to_resume_after, meta_event, sse_events
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_STOP, Error, Usage
+from tandem.v1.tokens_pb2 import TokenEvent
+
+
+def log(num: int, finish: int = FINISH_REASON_STOP, last_text: str = "") -> list[TokenEvent]:
+    events = [TokenEvent(reply_id="r", seq=i, text=f"w{i}") for i in range(1, num + 1)]
+    events[-1].text = last_text
+    events[-1].finish = finish
+    events[-1].usage.CopyFrom(Usage(input_tokens=5, cached_tokens=2, output_tokens=num))
+    return events
+
+
+def stream(events: list[TokenEvent], last_event_id: int = 0):
+    out = [meta_event("r", "m")] if last_event_id < 1 else []
+    for event in events:
+        if event.seq > log_seq_to_resume_after(last_event_id):
+            out += [sse for sse in sse_events(event) if sse.id > last_event_id]
+    return out
+
+
+def test_ids_are_contiguous_from_the_meta_event_whether_or_not_the_last_event_has_text():
+    for last_text in ("", "!"):
+        events = stream(log(4, last_text=last_text))
+        assert [e.id for e in events] == list(range(1, len(events) + 1))
+        assert [e.event for e in events][0] == "meta" and events[-1].event == "done"
+
+
+def test_done_carries_the_finish_and_usage():
+    done = stream(log(3, FINISH_REASON_LENGTH))[-1]
+    assert done.data == {"finish": "length", "usage": {"input": 5, "cached": 2, "output": 3}}
+    assert stream(log(3, FINISH_REASON_CANCELLED))[-1].data["finish"] == "cancelled"
+
+
+def test_an_error_event_ends_the_stream_with_its_code_and_message():
+    events = log(2, FINISH_REASON_ERROR)
+    events[-1].error.CopyFrom(Error(code="handoff_failed", message="no decode worker took it", retry_after_s=2))
+    last = stream(events)[-1]
+    assert (last.event, last.data) == ("error", {"code": "handoff_failed", "message": "no decode worker took it", "retry_after": 2.0})
+
+
+def test_resuming_after_any_event_gives_exactly_the_rest():
+    for last_text in ("", "!"):
+        whole = stream(log(6, last_text=last_text))
+        for cut in range(1, len(whole) + 1):
+            assert stream(log(6, last_text=last_text), last_event_id=cut) == whole[cut:]
