@@ -308,8 +308,10 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
         return;
       }
       // The reply can no longer be streamed (its log expired, or it is gone): show what is stored.
-      if (error.status !== 410) showBanner(error.message, error.retryAfterS);
-      if (isMine()) openConversation(state.conversationId);
+      if (!isMine()) return;
+      openConversation(state.conversationId).then(() => {
+        if (error.status !== 410) showBanner(error.message, error.retryAfterS);
+      });
     },
     reconnecting(delayMs) {
       el.dataset.connection = 'lost';
@@ -375,9 +377,9 @@ async function send(content) {
 /** A send the server refused: say why, show what was stored, give the text back if it was not. */
 async function refused(error, conversationId, content) {
   state.active = null;
+  await openConversation(conversationId);
   showBanner(error.message, error.retryAfterS);
   holdSending(error.retryAfterS);
-  await openConversation(conversationId);
   const users = ui.messages.querySelectorAll('.message[data-role="user"]');
   const stored = users.length && textOf(users[users.length - 1]).textContent === content;
   if (!stored && !ui.input.value) {
@@ -399,8 +401,7 @@ function regenerate(el) {
     }),
     onRefused: (error) => {
       state.active = null;
-      showBanner(error.message, error.retryAfterS);
-      openConversation(state.conversationId);
+      openConversation(state.conversationId).then(() => showBanner(error.message, error.retryAfterS));
     },
   });
 }

@@ -127,6 +127,8 @@ export async function followReply({ start, resume, messageId = '', lastEventId =
     const link = new AbortController();
     const abortLink = () => link.abort();
     signal.addEventListener('abort', abortLink);
+    // An offline browser's connections are dead even when no error says so yet: drop at once.
+    window.addEventListener('offline', abortLink);
     let progressed = false;
     let delayMs = 0;
     try {
@@ -153,6 +155,7 @@ export async function followReply({ start, resume, messageId = '', lastEventId =
       // A network failure, a dropped or silent connection: try again below.
     } finally {
       signal.removeEventListener('abort', abortLink);
+      window.removeEventListener('offline', abortLink);
       link.abort();
     }
     if (signal.aborted) break;

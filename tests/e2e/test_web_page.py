@@ -1,0 +1,308 @@
+"""The chat page at `/` in a real browser (a system chromium driven by Playwright) against the
+product stack: the key prompt, sending, streaming, reload, Stop, Regenerate, a dropped network
+mid-reply, a reply attached to on load, and a refused send. Every wait is on the page's DOM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import pytest_asyncio
+from helpers import wait_until
+from product_stack import ALICE
+
+async_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install -e .[dev])")
+expect = async_api.expect
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.real_model,
+    pytest.mark.skipif(CHROMIUM is None, reason="no system chromium for the browser test (apt-get install chromium)"),
+]
+
+REPLY_TIMEOUT_MS = 90_000
+LONG_PROMPT = "Count from 1 to 200, separated by commas."
+# Records the lengths a running reply's text goes through, to tell streaming from one late block.
+RECORD_GROWTH = """
+window.__growth = [];
+new MutationObserver(() => {
+  const el = document.querySelector('.message[data-role="assistant"][data-status="running"] .content');
+  const len = el ? el.textContent.length : 0;
+  if (len && window.__growth.at(-1) !== len) window.__growth.push(len);
+}).observe(document, {subtree: true, childList: true, characterData: true});
+"""
+
+
+class CuttableProxy:
+    """A TCP proxy in front of a chat instance whose connections the test can cut, as a dropped
+    network does; later connections go to `upstream`, which the test may switch."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.url = ""
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, client_reader, client_writer) -> None:
+        target = urlsplit(self.upstream)
+        upstream_reader, upstream_writer = await asyncio.open_connection(target.hostname, target.port)
+        self._writers |= {client_writer, upstream_writer}
+        await asyncio.gather(self._pipe(client_reader, upstream_writer), self._pipe(upstream_reader, client_writer))
+
+    async def _pipe(self, reader, writer) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        self._close(writer)
+
+    def _close(self, writer) -> None:
+        self._writers.discard(writer)
+        writer.close()
+
+    def cut(self) -> int:
+        """Closes every open connection; returns how many there were."""
+        writers = list(self._writers)
+        for writer in writers:
+            self._close(writer)
+        return len(writers)
+
+    async def stop(self) -> None:
+        self.cut()
+        self._server.close()
+
+
+@pytest_asyncio.fixture
+async def proxy(product_stack):
+    proxy = CuttableProxy(product_stack.chat_urls[0])
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def browser():
+    async with async_api.async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        await browser.close()
+
+
+@pytest_asyncio.fixture
+async def context(browser):
+    context = await browser.new_context()
+    await context.add_init_script(RECORD_GROWTH)
+    yield context
+    await context.close()
+
+
+async def signed_in_page(context, url: str):
+    """A page at `/` with the API key entered in its prompt."""
+    page = await context.new_page()
+    await page.goto(url + "/")
+    await expect(page.locator("#key-dialog")).to_be_visible()
+    await page.fill("#api-key", "key-alice")
+    await page.click("#save-key")
+    await expect(page.locator("#key-dialog")).to_be_hidden()
+    return page
+
+
+def answers(page):
+    return page.locator('.message[data-role="assistant"]')
+
+
+async def send(page, text: str) -> None:
+    await page.fill("#input", text)
+    await page.press("#input", "Enter")
+
+
+def conversation_id_of(page) -> str:
+    conversation_id = page.url.partition("#")[2]
+    assert conversation_id, f"the page did not put the conversation in its URL: {page.url}"
+    return conversation_id
+
+
+async def stored(url: str, conversation_id: str, settled: bool = True) -> dict:
+    """The conversation as the API has it; `settled`: once its last answer is no longer running."""
+
+    async def read():
+        async with httpx.AsyncClient(base_url=url, headers=ALICE) as client:
+            response = await client.get(f"/v1/conversations/{conversation_id}")
+        assert response.status_code == 200, response.text
+        conversation = response.json()
+        if settled and conversation["messages"][-1]["status"] == "running":
+            return None
+        return conversation
+
+    return await wait_until(read, timeout_s=30)
+
+
+async def wait_for_first_words(page, answer) -> None:
+    await expect(answer.locator(".content")).not_to_have_text("", timeout=REPLY_TIMEOUT_MS)
+    await expect(answer).to_have_attribute("data-status", "running")
+
+
+async def test_key_prompt_send_stream_and_reload(product_stack, context):
+    async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
+        older = (await client.post("/v1/conversations", json={"title": "an older chat"})).json()["id"]
+    page = await signed_in_page(context, product_stack.url)
+    question = "Say hello to <b>Ada</b> & <i>Bob</i> in one short sentence."
+    await page.click("#new-chat")
+    await send(page, question)
+
+    user = page.locator('.message[data-role="user"]')
+    await expect(user.locator(".content")).to_have_text(question)
+    answer = answers(page).last
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    growth = await page.evaluate("window.__growth")
+    assert len(growth) >= 2, f"the reply did not stream in: its text went through lengths {growth}"
+    assert await page.locator("#messages b, #messages i").count() == 0, "message text was rendered as HTML"
+    await expect(page.locator("#input")).to_have_value("")
+
+    conversation_id = conversation_id_of(page)
+    conversation = await stored(product_stack.url, conversation_id)
+    shown = await answer.locator(".content").text_content()
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
+    assert conversation["messages"][0]["content"] == question
+    assert shown == conversation["messages"][1]["content"] and shown.strip()
+
+    await page.reload()
+    await expect(page.locator("#key-dialog")).to_be_hidden()
+    links = page.locator("#conversations a")
+    await expect(links.first).to_have_attribute("data-id", conversation_id)
+    await expect(links.first).to_have_text(conversation["title"])
+    await expect(page.locator(f'#conversations a[data-id="{older}"]')).to_have_text("an older chat")
+    await expect(page.locator(".message")).to_have_count(2)
+    await expect(user.locator(".content")).to_have_text(question)
+    await expect(answers(page).last.locator(".content")).to_have_text(shown)
+    await expect(answers(page).last).to_have_attribute("data-status", "complete")
+
+
+async def test_stop_mid_reply_keeps_the_partial_text_as_stopped(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await send(page, LONG_PROMPT)
+    answer = answers(page).last
+    await wait_for_first_words(page, answer)
+    await page.click("#stop")
+
+    await expect(answer).to_have_attribute("data-status", "stopped", timeout=REPLY_TIMEOUT_MS)
+    await expect(answer.locator(".status")).to_have_text("Stopped")
+    await expect(page.locator("#send")).to_be_visible()
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    last = conversation["messages"][-1]
+    shown = await answer.locator(".content").text_content()
+    assert last["status"] == "stopped"
+    assert shown == last["content"] and shown.strip(), (shown, last)
+
+    await page.reload()
+    await expect(answers(page).last).to_have_attribute("data-status", "stopped")
+    await expect(answers(page).last.locator(".content")).to_have_text(shown)
+
+
+async def test_regenerate_gives_a_new_answer(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await send(page, "Name a colour.")
+    answer = answers(page).last
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    first_id = await answer.get_attribute("data-id")
+
+    await answer.locator(".regenerate").click()
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    second_id = await answer.get_attribute("data-id")
+    assert second_id and second_id != first_id
+    await expect(answers(page)).to_have_count(1)
+
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    last = conversation["messages"][-1]
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
+    assert last["id"] == second_id
+    assert await answer.locator(".content").text_content() == last["content"]
+
+
+async def test_network_drop_mid_reply_resumes_without_repeating_a_word(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    resumed_from = []
+    page.on(
+        "request",
+        lambda request: resumed_from.append(int(request.headers.get("last-event-id", "0")))
+        if request.url.endswith("/stream")
+        else None,
+    )
+    await send(page, LONG_PROMPT)
+    answer = answers(page).last
+    await wait_for_first_words(page, answer)
+
+    await context.set_offline(True)
+    await expect(answer).to_have_attribute("data-connection", "lost", timeout=10_000)
+    await context.set_offline(False)
+
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    assert await answer.get_attribute("data-connection") is None
+    assert resumed_from and max(resumed_from) >= 2, f"no resume after a delta: Last-Event-IDs {resumed_from}"
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    last = conversation["messages"][-1]
+    assert await answer.locator(".content").text_content() == last["content"]
+
+
+async def test_a_connection_cut_mid_reply_resumes_on_another_chat_instance(product_stack, context, proxy):
+    page = await signed_in_page(context, proxy.url)
+    resumed_from = []
+    page.on(
+        "request",
+        lambda request: resumed_from.append(int(request.headers.get("last-event-id", "0")))
+        if request.url.endswith("/stream")
+        else None,
+    )
+    await send(page, LONG_PROMPT)
+    answer = answers(page).last
+    await wait_for_first_words(page, answer)
+
+    proxy.upstream = product_stack.chat_urls[1]
+    assert proxy.cut() > 0
+    await expect(answer).to_have_attribute("data-connection", "lost", timeout=10_000)
+
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    assert resumed_from and max(resumed_from) >= 2, f"no resume after a delta: Last-Event-IDs {resumed_from}"
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    assert await answer.locator(".content").text_content() == conversation["messages"][-1]["content"]
+
+
+async def test_reload_mid_reply_attaches_to_the_running_reply(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await send(page, LONG_PROMPT)
+    await wait_for_first_words(page, answers(page).last)
+    attached_from = []
+    page.on(
+        "request",
+        lambda request: attached_from.append(request.headers.get("last-event-id"))
+        if request.url.endswith("/stream")
+        else None,
+    )
+    await page.reload()
+
+    answer = answers(page).last
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    assert conversation["messages"][-1]["status"] == "complete"
+    assert await answer.locator(".content").text_content() == conversation["messages"][-1]["content"]
+    assert attached_from[:1] == ["0"], f"the page did not attach to the running reply: {attached_from}"
+
+
+async def test_a_refused_send_shows_why_and_gives_the_text_back(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    too_long = "x" * 32_001
+    await send(page, too_long)
+
+    await expect(page.locator("#banner")).to_be_visible()
+    await expect(page.locator("#banner")).to_contain_text("at most 32000 are accepted")
+    assert await page.eval_on_selector("#input", "el => el.value.length") == len(too_long)
+    await expect(page.locator(".message")).to_have_count(0)
