@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query
 from sse_starlette.sse import EventSourceResponse
 
+from services.chat import metrics
 from services.chat.auth import CurrentUser
 from services.chat.replies import new_reply_id, sse_stream
 from services.chat.schemas import MessageBody, NewConversationBody, conversation_summary, message_view
@@ -85,6 +86,7 @@ async def post_message(
         key = idempotency_key(user, conversation_id, idempotency)
         is_first = await state.redis.set(key, reply_id, nx=True, ex=state.config.idempotency_ttl_s)
         if not is_first:
+            metrics.IDEMPOTENT_REPEATS.inc()
             earlier = (await state.redis.get(key) or b"").decode()
             return await attach_stream(state, earlier, last_event_id)
         try:

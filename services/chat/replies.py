@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from services.chat import metrics
 from services.chat.sse import log_seq_to_resume_after, meta_event, sse_events
 from services.chat.state import ChatState
 from tandem.bus import decode, encode, subjects
@@ -87,12 +88,15 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
         outcome = decode(answer.data, GenerateReply)
     except Exception as exc:  # noqa: BLE001 - no router, NATS down, timeout: all mean "try again soon"
         await forget_reply(state, reply.reply_id)
+        metrics.REPLIES_REFUSED.labels(code="unavailable").inc()
         raise ReplyRefused(503, "unavailable", f"no router answered ({exc or type(exc).__name__}); try again shortly", 1.0) from None
     if outcome.WhichOneof("outcome") == "refused":
         await forget_reply(state, reply.reply_id)
         refusal = outcome.refused
+        metrics.REPLIES_REFUSED.labels(code=refusal.reason).inc()
         status = REFUSAL_STATUS.get(refusal.reason, 503)
         raise ReplyRefused(status, refusal.reason, refusal.message, refusal.retry_after_s or (1.0 if status == 503 else 0.0))
+    metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
 
 
 async def forget_reply(state: ChatState, reply_id: str) -> None:
@@ -136,10 +140,16 @@ async def sse_stream(
     state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0
 ) -> AsyncIterator[dict[str, str]]:
     """The product's SSE events of a reply, after `last_event_id`."""
-    if last_event_id < 1:
-        yield meta_event(reply_id, model, num_dropped_turns).as_dict()
-    async for event in log_events(state, reply_id, log_seq_to_resume_after(last_event_id)):
-        for sse in sse_events(event):
-            if sse.id > last_event_id:
-                yield sse.as_dict()
+    if last_event_id >= 1:
+        metrics.STREAM_RESUMES.inc()
+    metrics.STREAMS_OPEN.inc()
+    try:
+        if last_event_id < 1:
+            yield meta_event(reply_id, model, num_dropped_turns).as_dict()
+        async for event in log_events(state, reply_id, log_seq_to_resume_after(last_event_id)):
+            for sse in sse_events(event):
+                if sse.id > last_event_id:
+                    yield sse.as_dict()
+    finally:
+        metrics.STREAMS_OPEN.dec()
 
