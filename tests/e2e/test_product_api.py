@@ -208,3 +208,20 @@ async def test_empty_and_oversize_messages_are_refused_with_the_reason(product_s
         assert too_many_chars.status_code == 413 and "characters" in too_many_chars.json()["error"]["message"]
         assert (await stored(client, conversation_id))["messages"] == [], "a refused message is not stored"
 
+
+
+async def test_a_new_message_cancels_the_reply_still_running_in_its_conversation(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        async with client.stream(
+            "POST", f"/v1/conversations/{conversation_id}/messages", headers={**ALICE, "Accept": "text/event-stream"},
+            json={"content": "Write a long story about a fox.", "temperature": 0, "max_tokens": 400},
+        ) as response:
+            reader = SseReader(response)
+            head = await reader.read(stop_after=3)
+            second = await send(client, conversation_id, "Never mind: what is 2 + 2?")
+            rest = await reader.read()
+        assert rest[-1].event == "done" and rest[-1].data["finish"] == "cancelled"
+        assert second[-1].event == "done" and second[-1].data["finish"] in ("stop", "length")
+        first = await finished(client, conversation_id, head[0].data["message_id"])
+        assert first["status"] == "stopped"
