@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.chat.replies import ReplyRefused
+from tandem.models.chat_template import ChatTemplateError
 from tandem.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,10 @@ def install(app: FastAPI) -> None:
     async def store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
         log.warning("store unavailable: %s", exc)
         return error_response(503, f"the conversation store is unavailable ({exc}); try again shortly", "store_unavailable", 2.0)
+
+    @app.exception_handler(ChatTemplateError)
+    async def bad_messages(_: Request, exc: ChatTemplateError) -> JSONResponse:
+        return error_response(400, f"the model's chat template rejects these messages: {exc}", "bad_messages", param="messages")
 
     @app.exception_handler(ReplyRefused)
     async def refused(_: Request, exc: ReplyRefused) -> JSONResponse:

@@ -3,6 +3,7 @@ the same router and token log as the product API but are not stored as conversat
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -80,7 +81,7 @@ async def chat_completions(state: State, user: CurrentUser, body: CompletionBody
     model = state.models.resolve(body.model)
     if model is None:
         return error_response(404, f"The model `{body.model}` does not exist or is not served.", "model_not_found", param="model")
-    prompt_ids = state.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    prompt_ids = await asyncio.to_thread(state.tokenizer.encode_chat, [{"role": m.role, "content": m.text()} for m in body.messages])
     room = model.window_tokens - len(prompt_ids)
     if room < 1:
         return error_response(

@@ -3,6 +3,7 @@ and a running assistant turn, and start the reply. Regenerate reuses all but the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
@@ -70,9 +71,10 @@ async def send_message(
     check_content(state, content)
     model = resolve_model(state, requested_model)
     counter = PromptCounter(state.tokenizer)
-    new_turn = Turn("user", content, counter.count(content))
+    new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
     history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq)
-    prompt = _prompt(state, user, conversation, history, new_turn, model, counter)
+    # Tokenizing a long prompt takes milliseconds: off the event loop that serves every stream.
+    prompt = await asyncio.to_thread(_prompt, state, user, conversation, history, new_turn, model, counter)
     user_message = await state.store.append_message(
         user.user_id,
         NewMessage(id=uuid.uuid4().hex, conversation_id=conversation.id, role=Role.USER, content=content, tokens=new_turn.tokens, model=model.name),
@@ -93,7 +95,8 @@ async def regenerate(
         raise HTTPException(400, "only an answer to a user message can be regenerated")
     earlier = active_history([m for m in messages if m.seq < user_turn.seq], conversation.summary_upto_seq)
     counter = PromptCounter(state.tokenizer)
-    prompt = _prompt(state, user, conversation, earlier, Turn("user", user_turn.content, user_turn.tokens), model, counter)
+    new_turn = Turn("user", user_turn.content, user_turn.tokens)
+    prompt = await asyncio.to_thread(_prompt, state, user, conversation, earlier, new_turn, model, counter)
     return await _start(state, user, conversation, user_turn.seq, model, prompt, new_reply_id(), sampling)
 
 
