@@ -65,7 +65,7 @@ class NodeConfig:
     native_port: int = 0  # CQL; 0: a free port
     storage_port: int = 0  # internode; 0: a free port
     heap_mib: int = 512
-    is_durable: bool = True  # False: no fsync at all (a throwaway test node)
+    is_durable: bool = True  # False: no fsync (a test node: survives a killed JVM, not a power cut)
     start_timeout_s: float = 180.0
     version: str = CASSANDRA_VERSION
     cache_dir: Path = Path.home() / ".cache" / "tandem" / "cassandra"
@@ -171,7 +171,10 @@ def _pid_alive(pid: int) -> bool:
 def _jvm_argv(config: NodeConfig, java: str, lib: Path, yaml_path: Path, logs: Path) -> list[str]:
     jars = sorted(lib.glob("*.jar"))
     jamm = [f"-javaagent:{j}" for j in jars if j.name.startswith("jamm-")][:1]
-    no_sync = [] if config.is_durable else ["-Dcassandra.skip_sync=true", "-Dcassandra.unsafesystem=true"]
+    # skip_sync: no fsync, but the batch commit log still marks each section, so a killed JVM
+    # replays everything it acknowledged. (unsafesystem is not used: it skips flushing schema
+    # changes, and a killed node then forgets its new keyspaces and drops their data on replay.)
+    no_sync = [] if config.is_durable else ["-Dcassandra.skip_sync=true"]
     return [
         java,
         f"-Xms{config.heap_mib}m",
