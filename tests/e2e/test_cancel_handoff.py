@@ -1,6 +1,11 @@
-"""Cancelling a disaggregated reply wherever it is — during the remote prefill, or decoding after
-the handoff — ends it with a cancelled event and leaves no block held or reserved on either
-worker. Real router, prefill and decode processes on real NATS."""
+"""Cancelling a disaggregated reply wherever it is — waiting behind another prefill, during the
+remote prefill, during the KV transfer, or decoding after the handoff — ends it with a cancelled
+event and leaves every worker's free-block count where it started (nothing held or reserved).
+Real router, prefill and decode processes on real NATS and UCXX.
+
+The prefill worker's transfers are paced (TANDEM_KV_TRANSFER_MAX_BYTES_PER_S, a real setting) to
+about 25 blocks a second, so a long prompt's transfer takes seconds and a cancel sent when its
+first token is seen lands during the transfer."""
 
 from __future__ import annotations
 
@@ -12,12 +17,15 @@ from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
 from tandem.models.loader import load_tokenizer
+from tandem.models.tokenizer import Tokenizer
 from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+FP32_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M: layers, K/V, tokens, KV heads, head dim, fp32
+BLOCKS_PER_S = 25
 
 
 @pytest.fixture(scope="module")
@@ -25,38 +33,67 @@ def stack(nats_server, redis_server) -> Iterator[dict[str, str]]:
     children: list[ChildProcess] = []
     ids = {}
     for role in ("router", "prefill", "decode"):
-        env = service_env(role, nats_server.url, redis_server.url, TANDEM_KV_CACHE_MIB="128")
+        env = service_env(
+            role,
+            nats_server.url,
+            redis_server.url,
+            TANDEM_KV_CACHE_MIB="256",
+            TANDEM_DTYPE="fp32",
+            TANDEM_KV_TRANSFER_MAX_BYTES_PER_S=str(BLOCKS_PER_S * FP32_BLOCK_BYTES),
+        )
         child = service_process(role, env)
         child.start()
         children.append(child)
         ids[role] = env["TANDEM_INSTANCE_ID"]
     yield ids
-    for child in children:
+    for child in children:  # shown with the last test's report when it fails
+        print(f"==== {child.name}\n{child.recent_output(60)}")
         child.stop(timeout_s=10)
 
 
 @pytest.fixture(scope="module")
-def long_prompt() -> list[int]:
-    tokenizer = load_tokenizer(None)
-    story = " ".join(f"Line {i}: the river runs past the mill, the hill and the old stone bridge." for i in range(90))
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(None)
+
+
+def long_prompt(tokenizer: Tokenizer, place: str) -> list[int]:
+    """A different long prompt per test, so no test finds another's blocks in a prefix cache."""
+    story = " ".join(f"Line {i}: the river runs past the {place}, the hill and the old stone bridge." for i in range(90))
     prompt = tokenizer.encode_chat([{"role": "user", "content": f"{story}\nWrite a long poem about it."}])
     assert len(prompt) > 1500, "long enough that its prefill takes a while on a CPU"
     return prompt
 
 
-async def _serving(nc, ids: dict[str, str]) -> None:
+async def _serving(nc, ids: dict[str, str]) -> dict[str, int]:
+    """Once every part serves: each worker's free blocks, idle (the values to return to)."""
     for role in ("prefill", "decode"):
         await next_heartbeat(nc, role, ids[role], accept=lambda hb: hb.is_ready, timeout_s=180)
     await next_heartbeat(nc, "router", ids["router"], accept=lambda hb: hb.is_ready, timeout_s=60)
-    for role in ("prefill", "decode"):
-        await next_heartbeat(nc, role, ids[role], timeout_s=30)
+    return {role: (await next_heartbeat(nc, role, ids[role], timeout_s=30)).kv_blocks_free for role in ("prefill", "decode")}
 
 
-async def _nothing_held(nc, ids: dict[str, str]) -> None:
+async def _nothing_held(nc, ids: dict[str, str], free_at_start: dict[str, int]) -> None:
+    """Every worker's free blocks return to their starting count. The engine applies a cancel at
+    its next step, and one step of a long prefill chunk takes seconds on a CPU: wait for it."""
     for role in ("prefill", "decode"):
-        await next_heartbeat(nc, role, ids[role], timeout_s=30)  # one that may predate the cancel
-        heartbeat = await next_heartbeat(nc, role, ids[role], timeout_s=30)
-        assert heartbeat.kv_blocks_free == heartbeat.kv_blocks_total, f"{role} still holds blocks"
+        try:
+            heartbeat = await _worker_heartbeat_where(
+                nc, role, ids[role], lambda hb: hb.kv_blocks_free == free_at_start[role] and not hb.queued_prefill_tokens
+            )
+        except TimeoutError:
+            raise AssertionError(f"{role} still holds blocks a minute after the cancel") from None
+        assert heartbeat.kv_blocks_free == heartbeat.kv_blocks_total
+
+
+async def _worker_heartbeat_where(nc, role: str, instance_id: str, condition, timeout_s: float = 60):
+    """The first heartbeat of a worker whose numbers meet `condition`."""
+
+    async def first():
+        while not condition(heartbeat := await next_heartbeat(nc, role, instance_id, timeout_s=timeout_s)):
+            pass
+        return heartbeat
+
+    return await asyncio.wait_for(first(), timeout_s)
 
 
 async def _start(nc, prompt: list[int]) -> tuple[str, asyncio.Queue[TokenEvent], object]:
@@ -72,6 +109,12 @@ async def _start(nc, prompt: list[int]) -> tuple[str, asyncio.Queue[TokenEvent],
     return reply.reply_id, events, subscription
 
 
+async def _until_first(events: asyncio.Queue[TokenEvent], reply_id: str) -> TokenEvent:
+    while (event := await asyncio.wait_for(events.get(), 120)).reply_id != reply_id:
+        pass
+    return event
+
+
 async def _until_finished(events: asyncio.Queue[TokenEvent], reply_id: str) -> list[TokenEvent]:
     seen = []
     while True:
@@ -83,25 +126,59 @@ async def _until_finished(events: asyncio.Queue[TokenEvent], reply_id: str) -> l
             return seen
 
 
-async def test_cancel_during_the_remote_prefill(stack, nc, long_prompt):
-    await _serving(nc, stack)
-    reply_id, events, subscription = await _start(nc, long_prompt)
-    await nc.publish(subjects.cancel(reply_id), b"")  # the prefill of ~1,700 tokens has barely begun
+async def test_cancel_while_waiting_behind_another_prefill(stack, nc, tokenizer):
+    free_at_start = await _serving(nc, stack)
+    second_prompt = long_prompt(tokenizer, "forge")
+    first_id, events, subscription = await _start(nc, long_prompt(tokenizer, "mill"))
+    second_id, _, second_subscription = await _start(nc, second_prompt)
+    # The first prefill takes every step's token budget: the second waits in the prefill worker's queue.
+    waiting = await _worker_heartbeat_where(nc, "prefill", stack["prefill"], lambda hb: hb.waiting.free >= 1 and hb.running.free >= 1)
+    assert waiting.queued_prefill_tokens > len(second_prompt), "its heartbeat counts the waiting prompt and the rest of the running one"
+    await nc.publish(subjects.cancel(second_id), b"")
+    second = await _until_finished(events, second_id)
+    assert [(e.seq, e.finish, e.worker_id) for e in second] == [(1, common_pb2.FINISH_REASON_CANCELLED, stack["prefill"])]
+    await nc.publish(subjects.cancel(first_id), b"")
+    assert (await _until_finished(events, first_id))[-1].finish == common_pb2.FINISH_REASON_CANCELLED
+    await subscription.unsubscribe()
+    await second_subscription.unsubscribe()
+    await _nothing_held(nc, stack, free_at_start)
+
+
+async def test_cancel_during_the_remote_prefill(stack, nc, tokenizer):
+    free_at_start = await _serving(nc, stack)
+    reply_id, events, subscription = await _start(nc, long_prompt(tokenizer, "weir"))
+    # The decode worker has reserved the blocks (it allocates first); the prefill is under way.
+    await _worker_heartbeat_where(nc, "decode", stack["decode"], lambda hb: hb.kv_blocks_free < free_at_start["decode"])
+    await nc.publish(subjects.cancel(reply_id), b"")
     seen = await _until_finished(events, reply_id)
     await subscription.unsubscribe()
     assert seen[-1].finish == common_pb2.FINISH_REASON_CANCELLED
     assert [e.seq for e in seen] == list(range(1, len(seen) + 1))
-    await _nothing_held(nc, stack)
+    await _nothing_held(nc, stack, free_at_start)
 
 
-async def test_cancel_while_decoding_after_the_handoff(stack, nc, long_prompt):
-    await _serving(nc, stack)
-    reply_id, events, subscription = await _start(nc, long_prompt)
+async def test_cancel_during_the_kv_transfer(stack, nc, tokenizer):
+    free_at_start = await _serving(nc, stack)
+    reply_id, events, subscription = await _start(nc, long_prompt(tokenizer, "quay"))
+    first = await _until_first(events, reply_id)
+    assert (first.seq, first.worker_id) == (1, stack["prefill"]), "the prefill worker's first token: the transfer starts now"
+    await nc.publish(subjects.cancel(reply_id), b"")  # ~100 blocks at 25 a second: seconds of transfer left
+    seen = [first, *await _until_finished(events, reply_id)]
+    await subscription.unsubscribe()
+    assert [(e.seq, e.finish) for e in seen] == [(1, 0), (2, common_pb2.FINISH_REASON_CANCELLED)]
+    assert seen[-1].worker_id == stack["prefill"], "cancelled before the commit: the decode worker never ran it"
+    await _nothing_held(nc, stack, free_at_start)
+
+
+async def test_cancel_while_decoding_after_the_handoff(stack, nc, tokenizer):
+    free_at_start = await _serving(nc, stack)
+    reply_id, events, subscription = await _start(nc, long_prompt(tokenizer, "lock"))
     seen = []
-    while len(seen) < 4:  # the first token (prefill worker) and a few from the decode worker
+    while len(seen) < 4 and not (seen and seen[-1].finish):  # the first token (prefill worker) and a few from the decode worker
         event = await asyncio.wait_for(events.get(), 120)
         if event.reply_id == reply_id:
             seen.append(event)
+    assert not seen[-1].finish, f"the reply ended before the cancel: {seen[-1]}"
     assert seen[0].worker_id == stack["prefill"] and seen[-1].worker_id == stack["decode"]
     await nc.publish(subjects.cancel(reply_id), b"")
     seen += await _until_finished(events, reply_id)
@@ -109,4 +186,4 @@ async def test_cancel_while_decoding_after_the_handoff(stack, nc, long_prompt):
     assert seen[-1].finish == common_pb2.FINISH_REASON_CANCELLED
     assert len(seen) < 300
     assert [e.seq for e in seen] == list(range(1, len(seen) + 1))
-    await _nothing_held(nc, stack)
+    await _nothing_held(nc, stack, free_at_start)

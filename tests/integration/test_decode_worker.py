@@ -6,6 +6,7 @@ state on request."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -129,6 +130,44 @@ async def test_bad_assignments_are_refused_with_a_reason(decode_worker, nc):
     assert refused.refused.reason == "bad_request" and "temperature" in refused.refused.message
     garbage = await nc.request(subjects.assign(instance_id), b"\xff\xff\xff", timeout=30)
     assert decode(garbage.data, AssignmentReply).refused.reason == "bad_request"
+
+
+async def test_an_assignment_past_its_accept_by_deadline_is_refused_and_never_runs(decode_worker, nc):
+    _, instance_id = decode_worker
+    await _ready(nc, instance_id)
+    done, subscription, first = await _collect(nc, "reply-late")
+    late = Assignment(reply_id="reply-late", request=_request([1, 2, 3, 4], 4), first_seq=1, accept_by_unix_ms=int(time.time() * 1000) - 1)
+    reply = decode((await nc.request(subjects.assign(instance_id), encode(late), timeout=30)).data, AssignmentReply)
+    assert reply.refused.reason == "expired"
+    # A later reply's whole stream is a barrier: the late one would have streamed by then.
+    barrier, barrier_subscription, _ = await _collect(nc, "reply-after-late")
+    assert (await _assign(nc, instance_id, "reply-after-late", _request([1, 2, 3, 4], 2))).WhichOneof("outcome") == "accepted"
+    await asyncio.wait_for(barrier, 60)
+    await barrier_subscription.unsubscribe()
+    await subscription.unsubscribe()
+    assert not first.is_set() and not done.done()
+
+
+async def test_a_continuation_streams_after_the_tokens_it_was_given_and_counts_them(decode_worker, nc, smollm2_fp32):
+    """What the router sends after a failed handoff: the prompt, the tokens already published as
+    generated tokens, and the numbering continuing after them."""
+    _, instance_id = decode_worker
+    await _ready(nc, instance_id)
+    prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "Name three rivers of Europe."}])
+    expected_stream = Engine(smollm2_fp32, EngineConfig(kv_cache_mib=64)).generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=12))])["x"]
+    expected = [t for o in expected_stream for t in o.new_token_ids]
+    request = _request(prompt, 12)
+    request.generated_token_ids.extend(expected[:3])
+    done, subscription, _ = await _collect(nc, "reply-continued")
+    continued = Assignment(reply_id="reply-continued", request=request, first_seq=4)
+    reply = decode((await nc.request(subjects.assign(instance_id), encode(continued), timeout=30)).data, AssignmentReply)
+    assert reply.WhichOneof("outcome") == "accepted"
+    events = await asyncio.wait_for(done, 120)
+    await subscription.unsubscribe()
+    assert [e.seq for e in events] == list(range(4, 4 + len(events)))
+    assert [e.token_id for e in events] == expected[3:]
+    assert "".join(e.text for e in events) == "".join(o.text for o in expected_stream)[len(smollm2_fp32.tokenizer.decode(expected[:3])) :]
+    assert (events[-1].usage.input_tokens, events[-1].usage.output_tokens) == (len(prompt), len(expected))
 
 
 async def _idle_kv_event_id(nc, instance_id: str) -> int:
