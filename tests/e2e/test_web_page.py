@@ -105,11 +105,16 @@ async def context(browser):
     await context.close()
 
 
-async def signed_in_page(context, url: str):
-    """A page at `/` with the API key entered in its prompt."""
+async def signed_in_page(context, url: str, first_key: str = ""):
+    """A page at `/` with the API key entered in its prompt (after `first_key`, if given, was refused)."""
     page = await context.new_page()
     await page.goto(url + "/")
     await expect(page.locator("#key-dialog")).to_be_visible()
+    if first_key:
+        await page.fill("#api-key", first_key)
+        await page.click("#save-key")
+        await expect(page.locator("#key-error")).to_contain_text("refused")
+        await expect(page.locator("#key-dialog")).to_be_visible()
     await page.fill("#api-key", "key-alice")
     await page.click("#save-key")
     await expect(page.locator("#key-dialog")).to_be_hidden()
@@ -154,9 +159,13 @@ async def wait_for_first_words(page, answer) -> None:
 async def test_key_prompt_send_stream_and_reload(product_stack, context):
     async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
         older = (await client.post("/v1/conversations", json={"title": "an older chat"})).json()["id"]
-    page = await signed_in_page(context, product_stack.url)
+    page = await signed_in_page(context, product_stack.url, first_key="not-a-key")
     question = "Say hello to <b>Ada</b> & <i>Bob</i> in one short sentence."
     await page.click("#new-chat")
+    await page.fill("#input", "Say hello")
+    await page.press("#input", "Shift+Enter")
+    await expect(page.locator("#input")).to_have_value("Say hello\n")
+    await expect(page.locator(".message")).to_have_count(0)
     await send(page, question)
 
     user = page.locator('.message[data-role="user"]')

@@ -297,7 +297,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
       setStatus(el, stopped ? 'stopped' : 'complete', data.finish === 'length' ? 'Cut short at the length limit' : '');
     },
     error(data) {
-      setStatus(el, 'failed');
+      setStatus(el, data.code === 'moderated' ? 'moderated' : 'failed');
       const wait = data.retry_after ? ` (try again in ${Math.ceil(data.retry_after)} s)` : '';
       setError(el, `${data.message || 'The reply failed.'}${wait}`);
       holdRegenerate(el, data.retry_after || 0);
