@@ -25,7 +25,7 @@ from tandem.store.sqlite import SqliteStore
 
 BUCKET_SIZE = 3  # small, so that every conversation in the suite spans several buckets
 TIMEOUT_S = 5.0
-_skip_reason: list[str] = []
+_SKIP_PREFIX = "!!! CASSANDRA STORE NOT TESTED: "
 
 
 def cassandra_missing() -> str | None:
@@ -42,13 +42,16 @@ def cassandra_missing() -> str | None:
 def skip_cassandra(reason: str) -> None:
     if os.environ.get("TANDEM_REQUIRE_CASSANDRA") == "1":
         pytest.fail(f"TANDEM_REQUIRE_CASSANDRA=1 but no Cassandra: {reason}", pytrace=False)
-    _skip_reason[:] = [reason]
-    pytest.skip(f"Cassandra cases skipped: {reason}")
+    pytest.skip(f"{_SKIP_PREFIX}{reason} (set TANDEM_CASSANDRA_HOSTS, or install JDK 17 and maven)")
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _skip_reason:
-        terminalreporter.write_line(f"!!! CASSANDRA STORE TESTS SKIPPED: {_skip_reason[0]} (set TANDEM_CASSANDRA_HOSTS, or install JDK 17 and maven)", red=True, bold=True)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Every Cassandra skip reported from one place, so `-ra` folds them into one line."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(report.longrepr, tuple) and _SKIP_PREFIX in report.longrepr[2]:
+        report.longrepr = (os.path.relpath(__file__, item.config.rootpath), 1, report.longrepr[2])
 
 
 @pytest.fixture(scope="session")
@@ -66,10 +69,15 @@ def cassandra_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def own_cassandra_node(tmp_path: Path) -> Iterator[Callable[..., RunningNode]]:
-    """Starts nodes that a test may stop and restart (never the shared one)."""
+def cassandra_tools() -> None:
+    """Skips (or, with TANDEM_REQUIRE_CASSANDRA=1, fails) a test that starts nodes where none can start."""
     if (reason := cassandra_missing()) is not None:
         skip_cassandra(reason)
+
+
+@pytest.fixture
+def own_cassandra_node(tmp_path: Path, cassandra_tools: None) -> Iterator[Callable[..., RunningNode]]:
+    """Starts nodes that a test may stop and restart (never the shared one)."""
     nodes: list[RunningNode] = []
 
     def start(**fields: object) -> RunningNode:
