@@ -142,3 +142,25 @@ async def test_sqlite_appends_from_two_processes_get_distinct_contiguous_seqs(tm
     finally:
         other.kill()
         await store.close()
+
+
+async def test_cassandra_append_that_died_after_taking_its_seq_is_finished_by_its_retry(cassandra_hosts: str, keyspace: str, bucket_size: int) -> None:
+    store = CassandraStore(cassandra_hosts, keyspace=keyspace, bucket_size=bucket_size)
+    await store.start()
+    try:
+        conversation = await store.create_conversation(new_conversation())
+        await store.append_message("alice", turn(conversation, "first"))
+        interrupted = turn(conversation, "the writer died after taking seq 2")
+        # The first two steps of append_message, as a writer that then crashed would have left them:
+        # the id claimed, the seq row written, but neither the id's seq nor the conversation updated.
+        await store._run("claim_id", interrupted.id, conversation.id)
+        await store._take_seq(interrupted, 2)
+        assert await store.get_message(interrupted.id) is None
+        retried = await store.append_message("alice", interrupted)
+        assert (retried.seq, retried.content) == (2, interrupted.content)
+        assert [m.seq for m in await store.list_messages(conversation.id)] == [1, 2]
+        assert await store.get_message(interrupted.id) == retried
+        assert (await store.get_conversation("alice", conversation.id)).total_tokens == 2
+        assert (await store.append_message("alice", turn(conversation))).seq == 3
+    finally:
+        await store.close()
