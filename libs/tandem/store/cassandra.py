@@ -176,6 +176,9 @@ class CassandraStore:
             await self._migrate()
             for name, query in _QUERIES.items():
                 self._prepared[name] = await asyncio.wait_for(asyncio.to_thread(session.prepare, query), _DDL_TIMEOUT_S)
+        except (*_DRIVER_ERRORS, TimeoutError) as exc:
+            await self.close()
+            raise self._unavailable(exc) from None
         except BaseException:
             await self.close()
             raise
@@ -332,9 +335,11 @@ class CassandraStore:
         if conversation is None or conversation["user_id"] != user_id:
             raise KeyError(message.conversation_id)
         claim = await self._run("claim_id", message.id, message.conversation_id)
-        if not claim.was_applied and claim.current_rows[0]["seq"] is not None:
-            stored = await self._message_at(claim.current_rows[0]["conversation_id"], claim.current_rows[0]["seq"])
-            if stored is not None:
+        if not claim.was_applied:
+            claimed = claim.current_rows[0]
+            if claimed["conversation_id"] != message.conversation_id:
+                raise ValueError(f"message id {message.id!r} belongs to another conversation")
+            if claimed["seq"] is not None and (stored := await self._message_at(message.conversation_id, claimed["seq"])) is not None:
                 return stored
         seq, row = await self._take_seq(message, (conversation["last_seq"] or 0) + 1)
         updated_at_ms = max(_now_ms(), conversation["updated_at_ms"] + 1)

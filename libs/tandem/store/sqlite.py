@@ -160,6 +160,8 @@ class SqliteStore:
             if owner is None:
                 raise KeyError(message.conversation_id)
             stored = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
+            if stored is not None and stored["conversation_id"] != message.conversation_id:
+                raise ValueError(f"message id {message.id!r} belongs to another conversation")
             if stored is not None:
                 return _message(stored)
             seq = owner["last_seq"] + 1

@@ -156,6 +156,11 @@ async def test_a_retried_append_with_the_same_id_stores_one_message(new_store: S
     assert results[0] == results[1]
     assert [(m.id, m.seq) for m in await writer_a.list_messages(conversation.id)] == [(first.id, 1), (racing.id, 2)]
     assert (await writer_a.get_conversation("alice", conversation.id)).total_tokens == 7
+    # The same id in another conversation is refused, never answered with this conversation's message.
+    other = await writer_a.create_conversation(new_conversation())
+    with pytest.raises(ValueError, match="another conversation"):
+        await writer_b.append_message("alice", user_turn(other, "once", message_id="msg-retried-1"))
+    assert await writer_a.list_messages(other.id) == []
 
 
 async def test_nothing_acknowledged_is_lost_when_the_client_restarts(new_store: StoreFactory) -> None:
