@@ -10,7 +10,13 @@ from fastapi.responses import FileResponse, Response
 STATIC = Path(__file__).parent / "static"
 router = APIRouter(tags=["web"])
 
-_TYPES = {"app.js": "text/javascript", "stream.js": "text/javascript", "style.css": "text/css"}
+_TYPES = {
+    "app.js": "text/javascript",
+    "api.js": "text/javascript",
+    "messages.js": "text/javascript",
+    "stream.js": "text/javascript",
+    "style.css": "text/css",
+}
 
 
 @router.get("/", include_in_schema=False)

@@ -99,10 +99,16 @@ async def browser():
 
 @pytest_asyncio.fixture
 async def context(browser):
+    """A fresh browser profile (no stored key); fails the test on any uncaught error in the page
+    and on the page's own error reports (console lines starting "tandem:")."""
     context = await browser.new_context()
     await context.add_init_script(RECORD_GROWTH)
+    page_errors = []
+    context.on("weberror", lambda error: page_errors.append(str(error.error)))
+    context.on("console", lambda message: page_errors.append(message.text) if message.text.startswith("tandem:") else None)
     yield context
     await context.close()
+    assert not page_errors, f"the page reported errors: {page_errors}"
 
 
 async def signed_in_page(context, url: str, first_key: str = ""):

@@ -1,17 +1,12 @@
 // Tandem's chat page: conversations, the composer, and replies streamed over the product API.
 // Model output only ever reaches the page as text nodes (never innerHTML).
 
+import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
+import { keepingBottom, messageElement, scrollToBottom, setError, setStatus, textNodeOf, textOf } from '/static/messages.js';
 import { apiError, followReply } from '/static/stream.js';
 
 const KEY_STORAGE = 'tandem.apiKey';
 const MODEL_STORAGE = 'tandem.model';
-const STATUS_TEXT = {
-  running: 'Writing…',
-  stopped: 'Stopped',
-  failed: 'Failed',
-  moderated: 'Withheld by the safety check',
-};
-
 const $ = (id) => document.getElementById(id);
 const ui = {
   sidebar: $('sidebar'), toggleSidebar: $('toggle-sidebar'), list: $('conversations'), listNote: $('conversations-note'),
@@ -27,36 +22,6 @@ const state = {
   active: null, // the reply being followed: {el, controller, messageId, stopping}
   sendHeldUntilMs: 0,
 };
-
-// ---- API ----------------------------------------------------------------------------------------
-
-function uuid() {
-  if (crypto.randomUUID) return crypto.randomUUID(); // secure contexts only
-  const b = crypto.getRandomValues(new Uint8Array(16));
-  b[6] = (b[6] & 0x0f) | 0x40;
-  b[8] = (b[8] & 0x3f) | 0x80;
-  const h = [...b].map((x) => x.toString(16).padStart(2, '0')).join('');
-  return `${h.slice(0, 8)}-${h.slice(8, 12)}-${h.slice(12, 16)}-${h.slice(16, 20)}-${h.slice(20)}`;
-}
-
-/** A fetch with the API key; a 401 asks for a key again. Never throws for an HTTP status. */
-async function api(path, { method = 'GET', body, headers = {}, signal } = {}) {
-  const all = { Authorization: `Bearer ${state.key}`, ...headers };
-  if (body !== undefined) all['Content-Type'] = 'application/json';
-  const response = await fetch(path, { method, headers: all, body: body === undefined ? undefined : JSON.stringify(body), signal });
-  if (response.status === 401) askForKey('That API key was refused. Enter a valid one.');
-  return response;
-}
-
-async function apiJson(path, options) {
-  const response = await api(path, options);
-  if (!response.ok) throw await apiError(response);
-  return response.json();
-}
-
-function streamHeaders(lastEventId, extra = {}) {
-  return { Accept: 'text/event-stream', 'Last-Event-ID': String(lastEventId), ...extra };
-}
 
 // ---- the API key ---------------------------------------------------------------------------------
 
@@ -186,9 +151,9 @@ function renderConversation(conversation) {
   ui.title.textContent = conversation.title || 'New chat';
   ui.messages.replaceChildren(ui.empty);
   ui.empty.hidden = conversation.messages.length > 0;
-  for (const message of conversation.messages) ui.messages.append(messageElement(message));
+  for (const message of conversation.messages) ui.messages.append(messageElement(message, regenerate));
   markLastAnswer();
-  scrollToBottom();
+  scrollToBottom(ui.messages);
   const last = conversation.messages.at(-1);
   if (last && last.role === 'assistant' && last.status === 'running') {
     // Attach from the start (Last-Event-ID 0): its text replaces the partial text shown.
@@ -199,70 +164,13 @@ function renderConversation(conversation) {
 
 // ---- messages ------------------------------------------------------------------------------------
 
-function messageElement({ id = '', role, content = '', status = 'complete' }) {
-  const el = document.createElement('article');
-  el.className = 'message';
-  el.dataset.role = role;
-  el.dataset.status = status;
-  if (id) el.dataset.id = id;
-  const body = document.createElement('div');
-  body.className = 'content';
-  body.append(document.createTextNode(content));
-  const foot = document.createElement('div');
-  foot.className = 'message-foot';
-  const statusLine = document.createElement('span');
-  statusLine.className = 'status';
-  const errorLine = document.createElement('span');
-  errorLine.className = 'error-line';
-  errorLine.setAttribute('role', 'alert');
-  foot.append(statusLine, errorLine);
-  if (role === 'assistant') {
-    const again = document.createElement('button');
-    again.type = 'button';
-    again.className = 'link regenerate';
-    again.textContent = 'Regenerate';
-    again.hidden = true;
-    again.addEventListener('click', () => regenerate(el));
-    foot.append(again);
-  }
-  el.append(body, foot);
-  setStatus(el, status);
-  return el;
-}
-
-const textOf = (el) => el.querySelector('.content');
 const lastMessageEl = () => ui.messages.querySelector('.message:last-of-type');
-
-function setStatus(el, status, note = '') {
-  el.dataset.status = status;
-  el.querySelector('.status').textContent = note || (el.dataset.role === 'assistant' ? STATUS_TEXT[status] || '' : '');
-}
-
-function setError(el, message) {
-  el.querySelector('.error-line').textContent = message;
-}
 
 function markLastAnswer() {
   for (const el of ui.messages.querySelectorAll('.message[data-last-answer]')) delete el.dataset.lastAnswer;
   const last = lastMessageEl();
   if (last && last.dataset.role === 'assistant') last.dataset.lastAnswer = '';
   updateControls();
-}
-
-function isNearBottom() {
-  const m = ui.messages;
-  return m.scrollHeight - m.scrollTop - m.clientHeight < 80;
-}
-
-function scrollToBottom() {
-  ui.messages.scrollTop = ui.messages.scrollHeight;
-}
-
-/** Runs `change`, then keeps the list at its bottom if the reader was there (not if they scrolled up). */
-function keepingBottom(change) {
-  const stick = isNearBottom();
-  change();
-  if (stick) scrollToBottom();
 }
 
 // ---- replies -------------------------------------------------------------------------------------
@@ -278,7 +186,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
   setStatus(el, 'running');
   setError(el, '');
   updateControls();
-  const text = textOf(el).firstChild;
+  const text = textNodeOf(el);
   const isMine = () => state.active === active;
 
   const on = {
@@ -290,7 +198,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
       updateControls();
     },
     delta(data) {
-      keepingBottom(() => text.appendData(data.text));
+      keepingBottom(ui.messages, () => text.appendData(data.text));
     },
     done(data) {
       const stopped = data.finish === 'cancelled';
@@ -340,6 +248,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
 function holdRegenerate(el, retryAfterS) {
   if (retryAfterS <= 0) return;
   el.dataset.heldUntil = String(Date.now() + retryAfterS * 1000);
+  updateControls();
   setTimeout(updateControls, retryAfterS * 1000 + 50);
 }
 
@@ -360,9 +269,9 @@ async function send(content) {
   ui.input.value = '';
   autosize();
   ui.empty.hidden = true;
-  const answer = messageElement({ role: 'assistant', content: '', status: 'running' });
-  keepingBottom(() => ui.messages.append(messageElement({ role: 'user', content }), answer));
-  scrollToBottom();
+  const answer = messageElement({ role: 'assistant', content: '', status: 'running' }, regenerate);
+  keepingBottom(ui.messages, () => ui.messages.append(messageElement({ role: 'user', content }), answer));
+  scrollToBottom(ui.messages);
   // One key per send, reused when the same send is retried after a network failure.
   const idempotencyKey = uuid();
   const body = { content, model: ui.model.value || 'auto' };
@@ -380,8 +289,10 @@ async function refused(error, conversationId, content) {
   await openConversation(conversationId);
   showBanner(error.message, error.retryAfterS);
   holdSending(error.retryAfterS);
+  const last = lastMessageEl();
+  if (last && last.dataset.status === 'failed') holdRegenerate(last, error.retryAfterS); // its Regenerate is the retry
   const users = ui.messages.querySelectorAll('.message[data-role="user"]');
-  const stored = users.length && textOf(users[users.length - 1]).textContent === content;
+  const stored = users.length && textOf(users[users.length - 1]) === content;
   if (!stored && !ui.input.value) {
     ui.input.value = content;
     autosize();
@@ -393,7 +304,7 @@ function regenerate(el) {
   const messageId = el.dataset.id;
   if (!messageId || state.active) return;
   hideBanner();
-  textOf(el).firstChild.data = '';
+  textNodeOf(el).data = '';
   delete el.dataset.id;
   followStream(el, {
     start: (_, signal) => api(`/v1/messages/${encodeURIComponent(messageId)}/regenerate`, {
@@ -501,6 +412,7 @@ function start() {
     askForKey();
     return;
   }
+  useKey(state.key, () => askForKey('That API key was refused. Enter a valid one.'));
   document.body.dataset.ready = '';
   refreshConversations();
   loadModels();
