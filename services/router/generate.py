@@ -134,6 +134,8 @@ class GenerateService:
         prefill = self._placement.rank(self._workers.workers(PREFILL_ROLE), model, assignment.request, key)
         if not prefill:
             return None
+        # Counted at once like a decode worker's, so a burst spreads over the prefill workers too.
+        self._workers.note_assigned(prefill[0].instance_id, num_context_tokens(assignment.request))
         decode_worker = ranked_decode[0].heartbeat
         remote = Assignment()
         remote.CopyFrom(assignment)

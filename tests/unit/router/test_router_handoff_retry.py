@@ -124,3 +124,12 @@ async def test_a_reply_cancelled_while_its_handoff_failed_ends_cancelled_not_ret
     assert len(fleet.offers) == 1
     (event,) = fleet.events
     assert (event.seq, event.finish) == (2, FINISH_REASON_CANCELLED)
+
+
+def test_a_burst_of_long_prompts_spreads_over_the_prefill_workers_before_any_heartbeat():
+    registry = WorkerRegistry()
+    for worker in (prefill_worker("p1"), prefill_worker("p2"), decode_worker("d1")):
+        registry.observe(worker.heartbeat)
+    generate = GenerateService(registry, Placement(PlacementConfig(remote_prefill_min_tokens=32)), None, None)
+    firsts = [generate.handle(request(LONG_PROMPT_TOKENS).SerializeToString())[1].remote[1][0] for _ in range(10)]
+    assert firsts.count("p1") == firsts.count("p2") == 5
