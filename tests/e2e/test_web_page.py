@@ -321,3 +321,23 @@ async def test_a_refused_send_shows_why_and_gives_the_text_back(product_stack, c
     await expect(page.locator("#banner")).to_contain_text("at most 32000 are accepted")
     assert await page.eval_on_selector("#input", "el => el.value.length") == len(too_long)
     await expect(page.locator(".message")).to_have_count(0)
+
+
+async def test_on_a_phone_the_sidebar_slides_in_and_the_reply_stays_in_view(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await page.set_viewport_size({"width": 390, "height": 420})
+    await expect(page.locator("#sidebar")).not_to_be_in_viewport()
+    # A question taller than the screen: only following the reply keeps its end in view.
+    await send(page, LONG_PROMPT + "\n" * 14 + "Thank you!")
+    answer = answers(page).last
+    await expect(answer).not_to_have_attribute("data-status", "running", timeout=REPLY_TIMEOUT_MS)
+
+    scroll = await page.eval_on_selector("#messages", "m => [m.scrollTop, m.clientHeight, m.scrollHeight]")
+    top, visible, total = scroll
+    assert total > visible, f"the conversation fits the screen, so scrolling was not tested: {scroll}"
+    assert top + visible >= total - 2, f"the message list did not follow the reply: {scroll}"
+
+    await page.click("#toggle-sidebar")
+    await expect(page.locator("#sidebar")).to_be_in_viewport()
+    await page.click(f'#conversations a[data-id="{conversation_id_of(page)}"]')
+    await expect(page.locator("#sidebar")).not_to_be_in_viewport()
