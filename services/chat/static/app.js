@@ -20,6 +20,7 @@ const state = {
   key: localStorage.getItem(KEY_STORAGE) || '',
   conversationId: '',
   active: null, // the reply being followed: {el, controller, messageId, stopping}
+  isStarting: false, // a new conversation is being created for the first send
   sendHeldUntilMs: 0,
 };
 
@@ -253,16 +254,20 @@ function holdRegenerate(el, retryAfterS) {
 }
 
 async function send(content) {
-  if (!content.trim() || state.active || Date.now() < state.sendHeldUntilMs) return;
+  if (!content.trim() || state.active || state.isStarting || Date.now() < state.sendHeldUntilMs) return;
   hideBanner();
   let conversationId = state.conversationId;
   if (!conversationId) {
+    state.isStarting = true; // a second Enter meanwhile must not start a second conversation
     try {
       ({ id: conversationId } = await apiJson('/v1/conversations', { method: 'POST', body: {} }));
     } catch (err) {
       showBanner(`Could not start a conversation: ${err.message}`, err.retryAfterS);
       return;
+    } finally {
+      state.isStarting = false;
     }
+    if (state.conversationId) return; // the reader moved to another conversation meanwhile
     state.conversationId = conversationId;
     history.replaceState(null, '', `#${conversationId}`);
   }
