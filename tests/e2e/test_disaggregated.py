@@ -1,15 +1,22 @@
 """Disaggregated serving end to end, every part a real process on real NATS: a long prompt is
-prefilled on the prefill worker, its KV moves to a decode worker over UCXX, and the reply equals
-the in-process engine's token for token; a short one prefills on its decode worker; and a
-follow-up turn goes back to the decode worker whose prefix cache holds its history (the router
-knows from KV events) and prefills only its new part there.
+prefilled on a prefill worker, its KV moves to a decode worker over UCXX, and the reply equals
+the in-process engine's token for token (one, then sixteen at once); a short one prefills on its
+decode worker; a follow-up turn goes back to the decode worker whose prefix cache holds its
+history (the router knows from KV events) and prefills only its new part there; and a decode
+worker killed between reserve and commit leaves the reply to the other one.
 
-Two decode workers, so "the same worker" is a choice the router makes, not the only option."""
+Two prefill and two decode workers, so "the same worker" is a choice the router makes, not the
+only option. The router sends prompts above REMOTE_PREFILL_MIN_TOKENS uncached tokens to a
+prefill worker (TANDEM_REMOTE_PREFILL_MIN_TOKENS), low so short prompts keep the test quick."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import signal
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,9 +34,12 @@ from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 MAX_TOKENS = 24
+REMOTE_PREFILL_MIN_TOKENS = 96
+WORDS = "river mountain harbour ferry island lantern meadow orchard bridge castle valley market garden forest".split()
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +51,43 @@ def model() -> LoadedModel:
 class Stack:
     router: str
     router_url: str
-    prefill: str
+    prefill: tuple[str, str]
     decode: tuple[str, str]
+    pids: dict[str, int]
 
     def workers(self) -> list[tuple[str, str]]:
-        return [("prefill", self.prefill), *(("decode", d) for d in self.decode)]
+        return [*(("prefill", p) for p in self.prefill), *(("decode", d) for d in self.decode)]
 
 
 @pytest.fixture(scope="module")
 def stack(nats_server, redis_server) -> Iterator[Stack]:
     children: list[ChildProcess] = []
     envs = []
-    for role in ("router", "prefill", "decode", "decode"):
-        env = service_env(role, nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64")
+    for role in ("router", "prefill", "prefill", "decode", "decode"):
+        env = service_env(
+            role,
+            nats_server.url,
+            redis_server.url,
+            TANDEM_DTYPE="fp32",
+            TANDEM_KV_CACHE_MIB="128",
+            TANDEM_REMOTE_PREFILL_MIN_TOKENS=str(REMOTE_PREFILL_MIN_TOKENS),
+        )
         child = service_process(role, env)
         child.start()
         children.append(child)
         envs.append(env)
-    router, prefill, decode_1, decode_2 = (env["TANDEM_INSTANCE_ID"] for env in envs)
-    yield Stack(router, f"http://127.0.0.1:{envs[0]['TANDEM_HTTP_PORT']}", prefill, (decode_1, decode_2))
-    for child in children:
+    router, prefill_1, prefill_2, decode_1, decode_2 = ids = [env["TANDEM_INSTANCE_ID"] for env in envs]
+    pids = {instance_id: child.pid for instance_id, child in zip(ids, children)}
+    yield Stack(router, f"http://127.0.0.1:{envs[0]['TANDEM_HTTP_PORT']}", (prefill_1, prefill_2), (decode_1, decode_2), pids)
+    for child in children:  # shown with the last test's report when it fails
+        print(f"==== {child.name}\n{child.recent_output(60)}")
         child.stop(timeout_s=10)
 
 
-async def _ask(nc, prompt: list[int]) -> list[TokenEvent]:
+async def _ask(nc, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[TokenEvent]:
+    """One reply's events, to its last; the caller chooses the reply id, so concurrent asks each
+    hear only their own reply."""
+    reply_id = uuid.uuid4().hex
     events: list[TokenEvent] = []
     done = asyncio.get_running_loop().create_future()
 
@@ -74,19 +97,28 @@ async def _ask(nc, prompt: list[int]) -> list[TokenEvent]:
         if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED and not done.done():
             done.set_result(None)
 
-    subscription = await nc.subscribe("tandem.v1.tokens.*", cb=on_event)
-    request = GenerateRequest(model="auto", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+    subscription = await nc.subscribe(subjects.tokens(reply_id), cb=on_event)
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
+    request = GenerateRequest(model="auto", prompt_token_ids=prompt, sampling=sampling, reply_id=reply_id)
     reply = decode((await nc.request(subjects.GENERATE, encode(request), timeout=30)).data, GenerateReply)
-    assert reply.WhichOneof("outcome") == "reply_id", reply
+    assert reply.WhichOneof("outcome") == "reply_id" and reply.reply_id == reply_id, reply
     await asyncio.wait_for(done, 180)
     await subscription.unsubscribe()
-    return [e for e in events if e.reply_id == reply.reply_id]
+    return events
 
 
-def _expected(model: LoadedModel, prompt: list[int]) -> list[int]:
+def _expected(model: LoadedModel, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     engine = Engine(model, EngineConfig(kv_cache_mib=64))
-    stream = engine.generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=MAX_TOKENS))])["x"]
+    stream = engine.generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=max_tokens))])["x"]
     return [t for o in stream for t in o.new_token_ids]
+
+
+async def _blocks_back_to(nc, stack: Stack, free_at_start: dict[str, int], instance_ids: list[tuple[str, str]] | None = None) -> None:
+    """Every worker's free-block count is back where it started (two heartbeats: the first may predate the end)."""
+    for role, instance_id in instance_ids or stack.workers():
+        await next_heartbeat(nc, role, instance_id, timeout_s=30)
+        after = await next_heartbeat(nc, role, instance_id, timeout_s=30)
+        assert after.kv_blocks_free == free_at_start[instance_id] == after.kv_blocks_total, instance_id
 
 
 async def _all_serving(nc, stack: Stack) -> dict[str, object]:
@@ -125,15 +157,37 @@ async def test_a_long_prompt_is_prefilled_remotely_and_decoded_exactly(stack, nc
     events = await _ask(nc, prompt)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert [e.token_id for e in events] == _expected(model, prompt)
-    assert events[0].worker_id == stack.prefill, "the first token comes from the prefill worker"
+    assert events[0].worker_id in stack.prefill, "the first token comes from a prefill worker"
     decode_ids = {e.worker_id for e in events[1:]}
     assert len(decode_ids) == 1 and decode_ids <= set(stack.decode), "the rest from one decode worker"
     assert events[-1].usage.input_tokens == len(prompt) and events[-1].usage.output_tokens == len(events)
     # Nothing stays reserved or held anywhere.
-    for role, instance_id in stack.workers():
-        await next_heartbeat(nc, role, instance_id, timeout_s=30)
-        after = await next_heartbeat(nc, role, instance_id, timeout_s=30)
-        assert after.kv_blocks_free == idle[instance_id].kv_blocks_free == after.kv_blocks_total, instance_id
+    await _blocks_back_to(nc, stack, {i: hb.kv_blocks_free for i, hb in idle.items()})
+
+
+def _seeded_prompt(model: LoadedModel, rng: random.Random) -> list[int]:
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(90, 140)))
+    return model.tokenizer.encode_chat([{"role": "user", "content": f"{words}\nWhich of these words comes most often?"}])
+
+
+async def test_sixteen_concurrent_replies_over_two_prefill_and_two_decode_workers_equal_the_engine(stack, nc, model):
+    idle = await _all_serving(nc, stack)
+    rng = random.Random(20261129)
+    prompts = [_seeded_prompt(model, rng) for _ in range(16)]
+    assert all(len(p) > REMOTE_PREFILL_MIN_TOKENS for p in prompts), "every one is long enough to prefill remotely"
+    replies = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in prompts))
+    for prompt, events in zip(prompts, replies):
+        shown = [(e.seq, e.token_id, e.worker_id, e.finish, e.error.message) for e in events]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1)), shown
+        assert [e.token_id for e in events] == _expected(model, prompt, max_tokens=8), shown
+        assert events[0].worker_id in stack.prefill and len({e.worker_id for e in events[1:]}) == 1
+        assert events[-1].worker_id in stack.decode
+        usage = events[-1].usage
+        assert (usage.input_tokens, usage.output_tokens) == (len(prompt), len(events))
+        assert usage.cached_tokens % 16 == 0 and usage.cached_tokens < len(prompt)
+    assert {r[0].worker_id for r in replies} == set(stack.prefill), "both prefill workers took replies"
+    assert {r[-1].worker_id for r in replies} == set(stack.decode), "both decode workers took replies"
+    await _blocks_back_to(nc, stack, {i: hb.kv_blocks_free for i, hb in idle.items()})
 
 
 async def test_a_short_prompt_prefills_on_its_decode_worker(stack, nc, model):
@@ -150,7 +204,7 @@ async def test_a_follow_up_turn_returns_to_the_decode_worker_holding_its_history
     log = " ".join(f"Day {i}: the ferry left the harbour at dawn and crossed the bay to the island." for i in range(25))
     first_prompt = model.tokenizer.encode_chat([{"role": "user", "content": f"{log}\nWhat did the ferry do each day?"}])
     first = await _ask(nc, first_prompt)
-    assert len(first_prompt) > 256 and first[0].worker_id == stack.prefill, "turn 1 is long and uncached: remote prefill"
+    assert len(first_prompt) > 256 and first[0].worker_id in stack.prefill, "turn 1 is long and uncached: remote prefill"
     decode_id = first[-1].worker_id
     assert decode_id in stack.decode
     await _router_has_every_kv_event(nc, stack, decode_id)
@@ -160,9 +214,48 @@ async def test_a_follow_up_turn_returns_to_the_decode_worker_holding_its_history
     closing = [] if reply[-1] in model.eos_token_ids else model.tokenizer.encode("<|im_end|>")
     new_message = model.tokenizer.encode("\n<|im_start|>user\nAnd in five words?<|im_end|>\n<|im_start|>assistant\n")
     second_prompt = [*first_prompt, *reply, *closing, *new_message]
-    assert len(second_prompt) > 256, "long enough that, uncached, it would go to the prefill worker"
+    assert len(second_prompt) - len(first_prompt) < REMOTE_PREFILL_MIN_TOKENS < len(second_prompt), (
+        "long enough that, uncached, it would go to a prefill worker; its new part is short"
+    )
     second = await _ask(nc, second_prompt)
     assert {e.worker_id for e in second} == {decode_id}, "the worker holding turn 1, prefilling turn 2 itself"
     usage = second[-1].usage
     assert usage.input_tokens == len(second_prompt)
     assert usage.cached_tokens >= len(first_prompt) // 16 * 16, "turn 1's prompt came from the prefix cache"
+
+
+async def _first_to_reserve(nc, stack: Stack, free_at_start: dict[str, int]) -> str:
+    """The decode worker whose free blocks drop first: the one a prefill worker reserved on."""
+    chosen: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_heartbeat(msg):
+        heartbeat = decode(msg.data, WorkerHeartbeat)
+        instance_id = heartbeat.service.instance_id
+        if heartbeat.kv_blocks_free < free_at_start.get(instance_id, 0) and not chosen.done():
+            chosen.set_result(instance_id)
+
+    subscription = await nc.subscribe(subjects.heartbeats_of("decode"), cb=on_heartbeat)
+    try:
+        return await asyncio.wait_for(chosen, 60)
+    finally:
+        await subscription.unsubscribe()
+
+
+async def test_a_decode_worker_killed_between_reserve_and_commit_leaves_the_reply_to_the_other(stack, nc, model):
+    """Last in this module: it kills one of the decode workers."""
+    idle = await _all_serving(nc, stack)
+    free_at_start = {i: hb.kv_blocks_free for i, hb in idle.items()}
+    story = " ".join(f"Entry {i}: the keeper lit the lighthouse lamp and logged the passing ships." for i in range(60))
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": f"{story}\nWhat did the keeper do?"}])
+    asked = asyncio.create_task(_ask(nc, prompt))
+    killed = await _first_to_reserve(nc, stack, free_at_start)  # reserved; the prefill of ~1,000 tokens runs
+    os.kill(stack.pids[killed], signal.SIGKILL)
+    events = await asked
+    survivor = next(d for d in stack.decode if d != killed)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1)), "no token lost or repeated across the retry"
+    assert [e.token_id for e in events] == _expected(model, prompt)
+    assert events[-1].finish in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert killed not in {e.worker_id for e in events}, "killed before its commit: it never ran the reply"
+    assert events[-1].worker_id == survivor
+    assert (events[-1].usage.input_tokens, events[-1].usage.output_tokens) == (len(prompt), len(events))
+    await _blocks_back_to(nc, stack, free_at_start, [*(("prefill", p) for p in stack.prefill), ("decode", survivor)])
