@@ -6,9 +6,11 @@ state on request."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 from helpers import next_heartbeat, service_env, service_process
@@ -23,6 +25,8 @@ from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.kv_handoff_pb2 import KvLayout, ReleaseRequest, ReserveRequest
+from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.kv_pb2 import KvEvent, KvState, KvStateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -223,3 +227,36 @@ async def test_kv_events_carry_the_prompts_block_keys_with_contiguous_ids_and_th
     assert all(parents.get(h) == p for h, p in zip(expected, [0, *expected[:-1]])), "the state holds the reply's blocks"
     removed = {h for e in mine if e.WhichOneof("change") == "removed" for h in e.removed.block_hashes}
     assert not removed & set(expected)
+
+
+async def test_a_reserve_holds_the_cached_prefix_and_returns_only_the_blocks_to_send(decode_worker, nc, smollm2_fp32):
+    """The decode side of a handoff over real gRPC: a prompt whose first blocks this worker's
+    prefix cache holds gets fresh blocks only for the rest (the prefill worker sends only those)."""
+    _, instance_id = decode_worker
+    idle = await _ready(nc, instance_id)
+    history = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "List the planets of the solar system in order."}])
+    done, subscription, _ = await _collect(nc, "reply-history")
+    assert (await _assign(nc, instance_id, "reply-history", _request(history, 1))).WhichOneof("outcome") == "accepted"
+    await asyncio.wait_for(done, 60)
+    await subscription.unsubscribe()
+    prompt = [*history, *range(1000, 1070)]
+    num_blocks, num_cached_blocks = -(-len(prompt) // 16), len(history) // 16
+    layout = KvLayout(model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder)
+    async with grpc.aio.insecure_channel(idle.grpc_address) as channel:
+        stub = KvHandoffStub(channel)
+        reserve = ReserveRequest(reply_id="reply-reserve", layout=layout, num_blocks=num_blocks, request=_request(prompt, 4))
+        reserved = await stub.Reserve(reserve, timeout=10)
+        assert reserved.WhichOneof("outcome") == "reservation", reserved
+        assert reserved.reservation.num_cached_blocks == num_cached_blocks > 0
+        assert len(reserved.reservation.block_ids) == num_blocks - num_cached_blocks
+        await _until_free(nc, instance_id, idle.kv_blocks_free - num_blocks)  # the cached blocks are held too
+        assert (await stub.Release(ReleaseRequest(reply_id="reply-reserve"), timeout=10)).was_reserved
+    await _until_free(nc, instance_id, idle.kv_blocks_free)
+
+
+async def _until_free(nc, instance_id: str, num_free_blocks: int) -> None:
+    async def heartbeats_until() -> None:
+        while (await next_heartbeat(nc, "decode", instance_id, timeout_s=30)).kv_blocks_free != num_free_blocks:
+            pass
+
+    await asyncio.wait_for(heartbeats_until(), 30)
