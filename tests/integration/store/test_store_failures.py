@@ -4,6 +4,8 @@ another process, two processes writing one SQLite file."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -41,6 +43,17 @@ async def test_cassandra_store_is_unavailable_while_the_node_is_down_and_recover
     try:
         conversation = await store.create_conversation(new_conversation())
         first = await store.append_message("alice", turn(conversation, "before the crash"))
+
+        os.kill(node.pid, signal.SIGSTOP)  # a node that accepts but never answers: the timeout bounds the call
+        try:
+            started_s = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=f"^cassandra {node.hosts}: "):
+                await store.get_conversation("alice", conversation.id)
+            assert timeout_s - 0.5 < time.monotonic() - started_s < timeout_s + 1.0
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert (await store.get_conversation("alice", conversation.id)).total_tokens == 1
+
         stop_node(node, kill=True)
 
         for call in (lambda: store.get_conversation("alice", conversation.id), lambda: store.append_message("alice", turn(conversation))):
