@@ -64,3 +64,12 @@ def test_prefix_cache_bench_serves_turn_2_from_the_cache(tmp_path):
     assert result["warm_over_cold"] == pytest.approx(result["warm_ttft_ms"] / result["cold_ttft_ms"])
     # the history is cached, the new message is not
     assert result["num_history_tokens"] - 16 < result["num_cached_tokens"] < result["num_prompt_tokens"]
+
+
+def test_kv_transfer_bench_reports_the_handoff_against_raw_ucxx_and_remote_minus_local_ttft(tmp_path):
+    result = _bench("kv_transfer.py", tmp_path / "kv.json")
+    for key in ("handoff_bytes_per_s", "raw_ucxx_bytes_per_s", "ratio", "local_ttft_ms", "remote_ttft_ms"):
+        assert _is_positive(result[key]), (key, result[key])
+    assert result["is_verified"]
+    assert result["remote_minus_local_ttft_ms"] == pytest.approx(result["remote_ttft_ms"] - result["local_ttft_ms"])
+    assert result["remote_minus_local_second_token_ms"] == pytest.approx(result["remote_second_token_ms"] - result["local_second_token_ms"])
