@@ -134,14 +134,18 @@ async def test_messages_page_by_seq_across_buckets(store: ConversationStore, buc
 
 async def test_two_writers_appending_at_once_get_distinct_contiguous_seqs(new_store: StoreFactory) -> None:
     writer_a, writer_b = await new_store(), await new_store()
-    conversation = await writer_a.create_conversation(new_conversation())
+    user = f"user-{uuid.uuid4().hex}"
+    conversation = await writer_a.create_conversation(new_conversation(user_id=user))
     turns = [user_turn(conversation, f"turn {i}", tokens=i) for i in range(16)]
-    appended = await asyncio.gather(*(writer.append_message("alice", turn) for writer, turn in zip([writer_a, writer_b] * 8, turns)))
+    appended = await asyncio.gather(*(writer.append_message(user, turn) for writer, turn in zip([writer_a, writer_b] * 8, turns)))
     assert sorted(m.seq for m in appended) == list(range(1, 17))
     stored = await writer_b.list_messages(conversation.id)
     assert [m.seq for m in stored] == list(range(1, 17))
     assert {m.id: m.seq for m in stored} == {m.id: m.seq for m in appended}
-    assert (await writer_a.get_conversation("alice", conversation.id)).total_tokens == sum(range(16))
+    stored_conversation = await writer_a.get_conversation(user, conversation.id)
+    assert stored_conversation.total_tokens == sum(range(16))
+    # Racing moves in the user's list leave it listed once, at its latest time.
+    assert await writer_b.list_conversations(user) == [stored_conversation]
 
 
 async def test_a_retried_append_with_the_same_id_stores_one_message(new_store: StoreFactory) -> None:
