@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import fcntl
 import json
 import os
@@ -87,7 +88,13 @@ class RunningNode:
         return f"{self.host}:{self.native_port}"
 
     def is_alive(self) -> bool:
-        return _pid_alive(self.pid)
+        """Its process still runs (and the pid was not reused by another program)."""
+        try:
+            argv = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        is_ours = f"-Dcassandra.storagedir={self.node_dir.resolve() / 'data'}".encode() in argv
+        return is_ours and _pid_alive(self.pid)
 
     def answers(self, timeout_s: float = 1.0) -> bool:
         try:
@@ -241,6 +248,7 @@ def start_node(config: NodeConfig, *, die_with_parent: bool = True) -> RunningNo
     """Starts a node in config.node_dir (its data is kept across starts) and waits until CQL answers.
     With die_with_parent the node ends with this thread (test fixtures); without, it runs on
     (`tandem cassandra up`) and node.json lets `stop_node` find it."""
+    config = dataclasses.replace(config, node_dir=config.node_dir.resolve())  # the JVM's cwd differs
     java = find_java17(config.java)
     lib = fetch_jars(config.version, config.cache_dir)
     existing = read_state(config.node_dir)
@@ -292,7 +300,8 @@ def read_state(node_dir: Path) -> RunningNode | None:
 
 def stop_node(node: RunningNode, timeout_s: float = 30.0, *, kill: bool = False) -> None:
     """SIGTERM (Cassandra drains), SIGKILL after timeout_s or at once with kill=True."""
-    _stop_pid(node.pid, timeout_s=0 if kill else timeout_s)
+    if node.is_alive():
+        _stop_pid(node.pid, timeout_s=0 if kill else timeout_s)
     (node.node_dir / STATE_FILE).unlink(missing_ok=True)
 
 
@@ -308,6 +317,7 @@ def _stop_pid(pid: int, timeout_s: float) -> None:
             deadline = float("inf")
         _reap(pid)
         time.sleep(0.1)
+    _reap(pid)  # a child of ours killed above is a zombie until reaped
 
 
 def _reap(pid: int) -> None:
