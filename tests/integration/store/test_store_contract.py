@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
-from tandem.store import Conversation, ConversationStore, MessageStatus, NewMessage, Role
+from tandem.config import load_settings
+from tandem.store import Conversation, ConversationStore, MessageStatus, NewMessage, Role, open_store
 
 StoreFactory = Callable[[], Awaitable[ConversationStore]]
 
@@ -190,3 +192,21 @@ async def test_an_update_changes_only_the_fields_given(store: ConversationStore)
     renamed = await store.update_conversation("alice", conversation.id, title="after")
     assert (renamed.title, renamed.summary, renamed.summary_upto_seq) == ("after", "they said hi", 2)
     assert await store.get_conversation("alice", conversation.id) == renamed
+
+
+async def test_open_store_builds_the_store_the_settings_name(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    if store_kind == "cassandra":
+        hosts = request.getfixturevalue("cassandra_hosts")
+        settings = load_settings(store="cassandra", cassandra_hosts=hosts, cassandra_keyspace=f"settings_{uuid.uuid4().hex[:8]}", store_timeout_s=10)
+    else:
+        settings = load_settings(store="sqlite", sqlite_path=tmp_path / "new" / "folder" / "conversations.db")
+    store = open_store(settings)
+    assert type(store).__name__ == {"sqlite": "SqliteStore", "cassandra": "CassandraStore"}[store_kind]
+    await store.start()
+    try:
+        conversation = await store.create_conversation(new_conversation())
+        assert await store.get_conversation("alice", conversation.id) == conversation
+    finally:
+        await store.close()
+    if store_kind == "sqlite":
+        assert settings.sqlite_path.is_file()
