@@ -87,7 +87,11 @@ class Runtime:
         if self.redis is not None:
             report["redis"] = await self._redis_answers()
         for name, check in self._checks.items():
-            report[name] = await check()
+            try:
+                report[name] = await check()
+            except Exception:  # a probe that raises is a failing check, never a dead heartbeat
+                log.exception("readiness check %r raised", name)
+                report[name] = False
         metrics.IS_NATS_CONNECTED.set(report["nats"])
         metrics.IS_READY.set(all(report.values()))
         return report

@@ -10,6 +10,7 @@ import logging
 from fastapi import FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from redis.exceptions import RedisError
 
 from services.relay import metrics
 from services.relay.persist import persist_reply
@@ -70,6 +71,8 @@ def build_app(settings: Settings) -> FastAPI:
                 await sweeper.sweep()
             except StoreUnavailable as exc:
                 log.warning("sweep: store unavailable: %s", exc)
+            except (RedisError, OSError) as exc:
+                log.warning("sweep: redis unavailable: %s", exc)
             except Exception:  # a sweep must never stop for good
                 log.exception("sweep failed")
             await asyncio.sleep(SWEEP_INTERVAL_S)

@@ -57,7 +57,13 @@ async def start_product_stack(nc, nats_url: str, redis_url: str, workdir: Path, 
             stack.chat_urls.append(f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}")
     for role, instance_ids in stack.ids.items():
         for instance_id in instance_ids:
-            await next_heartbeat(nc, role, instance_id, accept=lambda hb: hb.is_ready, timeout_s=180)
+            try:
+                await next_heartbeat(nc, role, instance_id, accept=lambda hb: hb.is_ready, timeout_s=180)
+            except TimeoutError:
+                logs = stack.logs()
+                for child in stack.children:
+                    child.stop(timeout_s=5)
+                raise AssertionError(f"{instance_id} never became ready; the stack's logs:\n{logs}") from None
     # Chat learns the served models from decode heartbeats: one more after everyone is ready.
     await next_heartbeat(nc, "decode", stack.ids["decode"][0], timeout_s=30)
     await next_heartbeat(nc, "decode", stack.ids["decode"][0], timeout_s=30)

@@ -113,6 +113,6 @@ async def store_is_available(store: ConversationStore) -> bool:
     """For readiness checks: one cheap read that must answer."""
     try:
         await store.get_conversation("_readiness", "_readiness")
-    except StoreUnavailable:
+    except Exception:  # StoreUnavailable, or a store whose start has not finished
         return False
     return True
