@@ -224,6 +224,35 @@ async def test_a_follow_up_turn_returns_to_the_decode_worker_holding_its_history
     assert usage.cached_tokens >= len(first_prompt) // 16 * 16, "turn 1's prompt came from the prefix cache"
 
 
+def _next_turn(model: LoadedModel, prompt: list[int], reply: list[int], message: str) -> list[int]:
+    """The next turn's prompt as the chat service builds it: the last prompt, its reply, the new message."""
+    closing = [] if reply[-1] in model.eos_token_ids else model.tokenizer.encode("<|im_end|>")
+    new_message = model.tokenizer.encode(f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
+    return [*prompt, *reply, *closing, *new_message]
+
+
+async def test_concurrent_conversations_each_return_to_their_decode_worker_for_turn_two(stack, nc, model):
+    idle = await _all_serving(nc, stack)
+    rng = random.Random(4242)
+    first_prompts = [_seeded_prompt(model, rng) for _ in range(4)]
+    firsts = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in first_prompts))
+    assert all(f[0].worker_id in stack.prefill for f in firsts), "turn 1 is long and uncached: remote prefill"
+    for decode_id in {f[-1].worker_id for f in firsts}:
+        await _router_has_every_kv_event(nc, stack, decode_id)
+    second_prompts = [
+        _next_turn(model, p, [e.token_id for e in f], "And which comes least often?") for p, f in zip(first_prompts, firsts)
+    ]
+    seconds = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in second_prompts))
+    for first_prompt, first, second_prompt, second in zip(first_prompts, firsts, second_prompts, seconds):
+        assert {e.worker_id for e in second} == {first[-1].worker_id}, "its decode worker, prefilling turn 2 itself"
+        assert [e.seq for e in second] == list(range(1, len(second) + 1))
+        assert [e.token_id for e in second] == _expected(model, second_prompt, max_tokens=8)
+        usage = second[-1].usage
+        assert (usage.input_tokens, usage.output_tokens) == (len(second_prompt), len(second))
+        assert usage.cached_tokens >= len(first_prompt) // 16 * 16, "turn 1's prompt came from the prefix cache"
+    await _blocks_back_to(nc, stack, {i: hb.kv_blocks_free for i, hb in idle.items()})
+
+
 async def _first_to_reserve(nc, stack: Stack, free_at_start: dict[str, int]) -> str:
     """The decode worker whose free blocks drop first: the one a prefill worker reserved on."""
     chosen: asyncio.Future[str] = asyncio.get_running_loop().create_future()
