@@ -60,8 +60,8 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         ours = kv_layout(self._host.engine, self._model_name)
         if request.layout != ours:
             return refuse("layout_mismatch", f"KV layout differs: sender {_show(request.layout)}, this worker {_show(ours)}")
-        if request.reply_id in self._reservations:
-            return refuse("bad_request", f"{request.reply_id} already holds a reservation here")
+        if self._free(request.reply_id):  # a retry of this reply (its prefill worker died) supersedes the old one
+            log.info("a new reserve for %s replaced its uncommitted reservation", request.reply_id)
         try:
             engine_req = engine_request(request.reply_id, request.request)
         except ValueError as exc:

@@ -250,6 +250,10 @@ async def test_a_reserve_holds_the_cached_prefix_and_returns_only_the_blocks_to_
         assert reserved.reservation.num_cached_blocks == num_cached_blocks > 0
         assert len(reserved.reservation.block_ids) == num_blocks - num_cached_blocks
         await _until_free(nc, instance_id, idle.kv_blocks_free - num_blocks)  # the cached blocks are held too
+        # A retry of the same reply (its prefill worker died) replaces the reservation, never adds to it.
+        again = await stub.Reserve(reserve, timeout=10)
+        assert again.reservation.num_cached_blocks == num_cached_blocks
+        await _until_free(nc, instance_id, idle.kv_blocks_free - num_blocks)
         assert (await stub.Release(ReleaseRequest(reply_id="reply-reserve"), timeout=10)).was_reserved
     await _until_free(nc, instance_id, idle.kv_blocks_free)
 
