@@ -90,7 +90,9 @@ async def post_message(
             earlier = (await state.redis.get(key) or b"").decode()
             return await attach_stream(state, earlier, last_event_id)
         try:
-            started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling())
+            # The user turn's id comes from the key: a retry after a refusal never stores it twice.
+            user_message_id = key.rsplit(":", 1)[-1]
+            started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling(), user_message_id)
         except BaseException:
             await state.redis.delete(key)  # nothing started: a retry may try again
             raise

@@ -66,8 +66,17 @@ def check_content(state: ChatState, content: str) -> None:
 
 
 async def send_message(
-    state: ChatState, user: ApiKey, conversation: Conversation, content: str, requested_model: str, reply_id: str, sampling: SamplingChoice
+    state: ChatState,
+    user: ApiKey,
+    conversation: Conversation,
+    content: str,
+    requested_model: str,
+    reply_id: str,
+    sampling: SamplingChoice,
+    user_message_id: str = "",
 ) -> StartedReply:
+    """`user_message_id`: the user turn's id; a retry that passes the same one (an idempotency
+    key's) finds the turn already stored instead of storing it twice."""
     check_content(state, content)
     model = resolve_model(state, requested_model)
     counter = PromptCounter(state.tokenizer)
@@ -77,7 +86,10 @@ async def send_message(
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, history, new_turn, model, counter)
     user_message = await state.store.append_message(
         user.user_id,
-        NewMessage(id=uuid.uuid4().hex, conversation_id=conversation.id, role=Role.USER, content=content, tokens=new_turn.tokens, model=model.name),
+        NewMessage(
+            id=user_message_id or uuid.uuid4().hex, conversation_id=conversation.id, role=Role.USER,
+            content=content, tokens=new_turn.tokens, model=model.name,
+        ),
     )
     if not conversation.title:
         await state.store.update_conversation(user.user_id, conversation.id, title=_title_of(content))

@@ -21,7 +21,7 @@ _TYPES = {
 
 @router.get("/", include_in_schema=False)
 async def index() -> FileResponse:
-    return FileResponse(STATIC / "index.html", media_type="text/html")
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/static/{name}", include_in_schema=False)
