@@ -74,6 +74,9 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         if remaining_s is not None and remaining_s <= 0:  # the caller gave up while the engine stepped
             self._host.thread.post(lambda engine: engine.cancel_import(blocks))
             return refuse("expired", "the reserve outlived its deadline")
+        if request.reply_id in self._host.cancels:  # cancelled while we reserved: its Release may have come first
+            self._host.thread.post(lambda engine: engine.cancel_import(blocks))
+            return refuse("cancelled", f"{request.reply_id} was cancelled")
         lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
         self._reservations[request.reply_id] = _Reservation(blocks, lease)
         return pb.ReserveReply(

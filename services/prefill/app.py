@@ -4,10 +4,11 @@ the first token at once, and hands the sequence to the decode worker the router 
     Reserve on the decode worker (gRPC, it allocates first) -> prefill -> first token out ->
     KV blocks over UCXX into the reserved blocks -> Commit (gRPC) -> free the local blocks.
 
-Any failure releases the reservation on both sides and returns the reply to the router: a refusal
-of the Assignment when the decode worker will not reserve, else a failed HandoffOutcome on
-tandem.v1.handoff.<reply_id> naming the tokens already published, so the router's retry continues
-the numbering. Every handoff this worker accepts ends with exactly one HandoffOutcome."""
+An assignment is answered at once; the reserve runs in the handoff. Any failure (the decode worker
+full or gone, a timeout, the transfer broken) releases the reservation on both sides and returns
+the reply to the router: a failed HandoffOutcome on tandem.v1.handoff.<reply_id> naming the tokens
+already published, so the router's retry continues the numbering. Every handoff this worker
+accepts ends with exactly one HandoffOutcome."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from nats.aio.msg import Msg
 from tandem.bus import encode, subjects
 from tandem.config import Settings
 from tandem.convert import kv_layout
-from tandem.engine.engine import RequestOutput
-from tandem.engine_host import EngineHost, expired, is_expired, refusal
+from tandem.engine.engine import Request, RequestOutput
+from tandem.engine_host import EngineHost, refusal
 from tandem.kvtransfer import KvSender, KvTransferError
 from tandem.v1 import common_pb2
 from tandem.v1 import kv_handoff_pb2 as pb
@@ -51,9 +52,9 @@ class _Handoff:
     """One reply on its way to a decode worker, and how far it got."""
 
     assignment: Assignment
-    reservation: pb.Reservation
+    request: Request
     stub: KvHandoffStub
-    future: asyncio.Future[RequestOutput]
+    reservation: pb.Reservation | None = None  # once the decode worker reserved
     output: RequestOutput | None = None  # the first token's output, once the prefill is done
 
     @property
@@ -110,6 +111,8 @@ class PrefillWorker:
         return self._stubs[address][1]
 
     async def _accept(self, data: bytes) -> AssignmentReply:
+        """Answers at once (the router waits for the answer): the reserve on the decode worker runs
+        in the handoff, whose failure returns the reply to the router as a HandoffOutcome."""
         screened = await self._host.screen_assignment(data)
         if isinstance(screened, AssignmentReply):
             return screened
@@ -118,58 +121,44 @@ class PrefillWorker:
             return refusal("bad_request", "an assignment to a prefill worker must name its decode worker")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
-        stub = self._stub(assignment.decode_grpc_address)
-        reservation = await self._reserve(stub, assignment)
-        if isinstance(reservation, AssignmentReply):
-            return reservation
         try:
             self._host.engine.check(request)
         except ValueError as exc:
-            await _release(stub, assignment.reply_id)
             return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
-        if is_expired(assignment):  # the router stopped waiting while we reserved: keep nothing
-            await _release(stub, assignment.reply_id)
-            return expired(assignment)
-        self._host.track(assignment.reply_id, assignment.first_seq or 1)
-        handoff = self._host.expect_handoff(assignment.reply_id)
-        # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).
-        self._host.thread.post(lambda e: e.add(request, prefill_only=True))
-        state = _Handoff(assignment, reservation, stub, handoff)
+        state = _Handoff(assignment, request, self._stub(assignment.decode_grpc_address))
         task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task
         task.add_done_callback(lambda done: self._on_done(state, done))
-        if assignment.reply_id in self._host.cancels:  # cancelled while we were reserving
+        if assignment.reply_id in self._host.cancels:  # cancelled before it reached us
             task.cancel()
         return AssignmentReply(accepted=True)
 
-    async def _reserve(self, stub: KvHandoffStub, assignment: Assignment) -> pb.Reservation | AssignmentReply:
-        """Room on the decode worker for the blocks it lacks, or the refusal that sends the router
-        to another decode worker."""
+    async def _reserve(self, h: _Handoff) -> pb.Reservation:
+        """Room on the decode worker for the blocks it lacks (it allocates first), or HandoffFailed."""
         engine = self._host.engine
-        request = assignment.request
+        request = h.assignment.request
         num_tokens = len(request.prompt_token_ids) + len(request.generated_token_ids)
         reserve = pb.ReserveRequest(
-            reply_id=assignment.reply_id,
+            reply_id=h.reply_id,
             layout=kv_layout(engine, self._worker.model.name),
             num_blocks=-(-num_tokens // engine.kv_shape.block_size),
             request=request,
         )
-        decode_id = assignment.decode_worker_id
         try:
-            reserved = await stub.Reserve(reserve, timeout=RESERVE_TIMEOUT_S)
+            reserved = await h.stub.Reserve(reserve, timeout=RESERVE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            refused = refusal("decode_unreachable", f"decode worker {decode_id}: {exc.code().name}", 1.0)
-        else:
-            if reserved.WhichOneof("outcome") == "reservation":
-                return reserved.reservation
-            r = reserved.refused
-            refused = refusal(r.reason, f"decode worker {decode_id}: {r.message}", r.retry_after_s)
-        refused.failed_decode_worker_id = decode_id
-        return refused
+            raise HandoffFailed("decode_unreachable", f"reserve: {exc.code().name}") from None
+        if reserved.WhichOneof("outcome") != "reservation":
+            raise HandoffFailed(reserved.refused.reason, f"reserve refused: {reserved.refused.message}")
+        return reserved.reservation
 
     async def _hand_over(self, h: _Handoff) -> None:
         try:
-            h.output = await h.future
+            h.reservation = await self._reserve(h)
+            self._host.track(h.reply_id, h.first_seq)
+            prefilled = self._host.expect_handoff(h.reply_id)
+            self._host.thread.post(lambda e: e.add(h.request, prefill_only=True))
+            h.output = await prefilled
             if h.output.handoff is None:  # finished at its first token: nothing to hand over
                 await _release(h.stub, h.reply_id)
                 await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED)
@@ -186,7 +175,7 @@ class PrefillWorker:
                 self._host.thread.post(lambda e: e.release(h.reply_id))
 
     async def _send_and_commit(self, h: _Handoff) -> None:
-        assert h.output is not None and h.output.handoff is not None
+        assert h.reservation is not None and h.output is not None and h.output.handoff is not None
         # The decode worker holds the leading blocks already: send only the rest.
         to_send = h.output.handoff.block_ids[h.reservation.num_cached_blocks :]
         blocks = [self._host.engine.block_view(b) for b in to_send]
