@@ -92,8 +92,8 @@ _QUERIES = {
     "get_message": f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq = ?",
     "messages_after": f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq > ?",
 }
-_GET_SCHEMA = "SELECT version, bucket_size FROM schema_version WHERE component = 'conversations'"
-_SET_SCHEMA = "INSERT INTO schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
+_GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE component = 'conversations'"
+_SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
 
 T = TypeVar("T")
 
@@ -181,7 +181,7 @@ class CassandraStore:
         try:
             await self._migrate()
             for name, query in _QUERIES.items():
-                self._prepared[name] = await asyncio.wait_for(asyncio.to_thread(session.prepare, query), _DDL_TIMEOUT_S)
+                self._prepared[name] = await asyncio.wait_for(asyncio.to_thread(session.prepare, query, None, self._keyspace), _DDL_TIMEOUT_S)
         except (*_DRIVER_ERRORS, TimeoutError) as exc:
             await self.close()
             raise self._unavailable(exc) from None
@@ -198,9 +198,8 @@ class CassandraStore:
         ks = self._keyspace
         await self._ddl(f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {self._replication}")
         await self._ddl(f"CREATE TABLE IF NOT EXISTS {ks}.schema_version (component text PRIMARY KEY, version int, bucket_size int, applied_at_ms bigint)")
-        assert self._session is not None
-        await asyncio.to_thread(self._session.set_keyspace, ks)
-        rows = (await self._execute(_GET_SCHEMA, ())).current_rows
+        # No `USE`: statements name their keyspace (Cassandra warns about USE with prepared statements).
+        rows = (await self._execute(_GET_SCHEMA.format(ks=ks), ())).current_rows
         version, bucket_size = (rows[0]["version"], rows[0]["bucket_size"]) if rows else (0, self._bucket_size)
         if version > SCHEMA_VERSION:
             raise StoreUnavailable(f"cassandra keyspace {ks} has schema version {version}, newer than this code ({SCHEMA_VERSION})")
@@ -208,8 +207,8 @@ class CassandraStore:
             raise ValueError(f"keyspace {ks} buckets messages by {bucket_size}, not {self._bucket_size}: it cannot change")
         for step in range(version + 1, SCHEMA_VERSION + 1):
             for statement in _MIGRATIONS[step]:
-                await self._ddl(statement)
-            await self._execute(_SET_SCHEMA, (step, self._bucket_size, _now_ms()))
+                await self._ddl(statement.replace("CREATE TABLE IF NOT EXISTS ", f"CREATE TABLE IF NOT EXISTS {ks}.", 1))
+            await self._execute(_SET_SCHEMA.format(ks=ks), (step, self._bucket_size, _now_ms()))
 
     async def _ddl(self, statement: str) -> None:
         await self._execute(statement, (), timeout_s=_DDL_TIMEOUT_S)

@@ -49,7 +49,8 @@ async def test_cassandra_store_is_unavailable_while_the_node_is_down_and_recover
             started_s = time.monotonic()
             with pytest.raises(StoreUnavailable, match=f"^cassandra {node.hosts}: "):
                 await store.get_conversation("alice", conversation.id)
-            assert timeout_s - 0.5 < time.monotonic() - started_s < timeout_s + 1.0
+            # Bounded by the timeout, not hung; the slack is for a loaded machine.
+            assert timeout_s - 0.5 < time.monotonic() - started_s < 3 * timeout_s + 2
         finally:
             os.kill(node.pid, signal.SIGCONT)
         assert (await store.get_conversation("alice", conversation.id)).total_tokens == 1
@@ -60,7 +61,7 @@ async def test_cassandra_store_is_unavailable_while_the_node_is_down_and_recover
             started_s = time.monotonic()
             with pytest.raises(StoreUnavailable) as failure:
                 await call()
-            assert time.monotonic() - started_s < timeout_s + 1.0
+            assert time.monotonic() - started_s < 3 * timeout_s + 2
             message = str(failure.value)
             assert message.startswith(f"cassandra {node.hosts}: ") and "\n" not in message, message
 
