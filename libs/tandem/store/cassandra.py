@@ -98,6 +98,12 @@ _SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size,
 T = TypeVar("T")
 
 
+def _in_keyspace(query: str, keyspace: str) -> str:
+    """The query with its table named as keyspace.table: Cassandra warns about prepared
+    statements that rely on a session keyspace (USE)."""
+    return re.sub(r"\b(FROM|INTO|UPDATE) (?=[a-z_]+\b)", rf"\1 {keyspace}.", query)
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -181,7 +187,8 @@ class CassandraStore:
         try:
             await self._migrate()
             for name, query in _QUERIES.items():
-                self._prepared[name] = await asyncio.wait_for(asyncio.to_thread(session.prepare, query, None, self._keyspace), _DDL_TIMEOUT_S)
+                qualified = _in_keyspace(query, self._keyspace)
+                self._prepared[name] = await asyncio.wait_for(asyncio.to_thread(session.prepare, qualified), _DDL_TIMEOUT_S)
         except (*_DRIVER_ERRORS, TimeoutError) as exc:
             await self.close()
             raise self._unavailable(exc) from None
