@@ -186,10 +186,13 @@ async def test_a_request_runs_once_on_the_least_loaded_worker(router, stand_in, 
     reply = await ask_accepted(nc, request)
     assert re.fullmatch(r"[A-Za-z0-9_-]+", reply.reply_id)
     assert reply.model == MODEL
+    asked_ms = time.time() * 1000
     assignment = await idle.next_assignment()
     assert assignment.reply_id == reply.reply_id
     assert assignment.request == request
     assert assignment.first_seq == 1
+    # A worker must answer before the router stops waiting (2 s), with a margin for the way back.
+    assert asked_ms - 5000 < assignment.accept_by_unix_ms < time.time() * 1000 + 2000
     # A later request's assignment is a barrier: by then the first went out once, to idle only.
     await ask_accepted(nc, generate_request(conversation_id="conv-2"))
     await idle.next_assignment()
