@@ -74,6 +74,7 @@ class PrefillWorker:
         self._stubs: dict[str, tuple[grpc.aio.Channel, KvHandoffStub]] = {}
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._is_stopping = False
 
     def app(self) -> FastAPI:
         self._worker.runtime.add_check("engine", self._host.is_ready)
@@ -81,6 +82,7 @@ class PrefillWorker:
         return self._worker.app(on_start=self._host.start, on_stop=self._stop)
 
     async def _stop(self) -> None:
+        self._is_stopping = True  # what is in flight goes back to the router, not to the user as cancelled
         for task in self._in_flight.values():
             task.cancel()
         await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
@@ -204,11 +206,15 @@ class PrefillWorker:
             cleanup.add_done_callback(self._cleanups.discard)
 
     async def _after_cancel(self, h: _Handoff) -> None:
-        """tandem.v1.cancel.<reply_id> (or shutdown) during the prefill or the handoff."""
+        """tandem.v1.cancel.<reply_id> or shutdown, during the prefill or the handoff."""
         self._host.untrack(h.reply_id)  # first: the aborted request's last output is not published
         if h.output is None:
             self._host.thread.post(lambda e: e.discard(h.reply_id))
         await _release(h.stub, h.reply_id)
+        if self._is_stopping and h.reply_id not in self._host.cancels:
+            # Shutdown, not the user: the router places the reply again (its decode worker is fine).
+            await self._publish_outcome(h, HandoffOutcome.RESULT_FAILED, "prefill_stopping", "the prefill worker is shutting down", blame_decode=False)
+            return
         await self._publish_end(h.reply_id, h.first_seq + (h.output is not None), common_pb2.FINISH_REASON_CANCELLED)
         await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED, "cancelled")
 
@@ -216,12 +222,13 @@ class PrefillWorker:
         event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, worker_id=self._worker.runtime.config.instance_id)
         await self._worker.runtime.bus.client.publish(subjects.tokens(reply_id), encode(event))
 
-    async def _publish_outcome(self, h: _Handoff, result: int, reason: str = "", message: str = "") -> None:
+    async def _publish_outcome(self, h: _Handoff, result: int, reason: str = "", message: str = "", blame_decode: bool = True) -> None:
+        """`blame_decode`: name the decode worker, whom the router then avoids for this reply."""
         outcome = HandoffOutcome(
             reply_id=h.reply_id,
             result=result,
             prefill_worker_id=self._worker.runtime.config.instance_id,
-            decode_worker_id=h.assignment.decode_worker_id,
+            decode_worker_id=h.assignment.decode_worker_id if blame_decode else "",
             reason=reason,
             message=message,
         )

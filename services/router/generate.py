@@ -164,7 +164,8 @@ class GenerateService:
                     return
                 if isinstance(remote, _HandoffFailed):
                     failures.append(remote.detail)
-                    excluded.add(remote.decode_worker_id)
+                    if remote.decode_worker_id:  # empty: the prefill side failed (it was stopping)
+                        excluded.add(remote.decode_worker_id)
                     log.warning("the handoff of reply %s failed (%s)", job.assignment.reply_id, remote.detail)
                     job = self._plan(remote.assignment, job.model, frozenset(excluded), job.admitted_at_s)
                     if len(failures) < self._config.max_handoff_attempts and job.worker_ids:

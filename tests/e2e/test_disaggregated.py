@@ -18,7 +18,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -54,9 +54,12 @@ class Stack:
     prefill: tuple[str, str]
     decode: tuple[str, str]
     pids: dict[str, int]
+    stopped: set[str] = field(default_factory=set)  # workers a test stopped or killed
 
     def workers(self) -> list[tuple[str, str]]:
-        return [*(("prefill", p) for p in self.prefill), *(("decode", d) for d in self.decode)]
+        """The workers still running."""
+        every = [*(("prefill", p) for p in self.prefill), *(("decode", d) for d in self.decode)]
+        return [(role, instance_id) for role, instance_id in every if instance_id not in self.stopped]
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +116,9 @@ def _expected(model: LoadedModel, prompt: list[int], max_tokens: int = MAX_TOKEN
     return [t for o in stream for t in o.new_token_ids]
 
 
-async def _blocks_back_to(nc, stack: Stack, free_at_start: dict[str, int], instance_ids: list[tuple[str, str]] | None = None) -> None:
-    """Every worker's free-block count is back where it started (two heartbeats: the first may predate the end)."""
-    for role, instance_id in instance_ids or stack.workers():
+async def _blocks_back_to(nc, stack: Stack, free_at_start: dict[str, int]) -> None:
+    """Every running worker's free-block count is back where it started (two heartbeats: the first may predate the end)."""
+    for role, instance_id in stack.workers():
         await next_heartbeat(nc, role, instance_id, timeout_s=30)
         after = await next_heartbeat(nc, role, instance_id, timeout_s=30)
         assert after.kv_blocks_free == free_at_start[instance_id] == after.kv_blocks_total, instance_id
@@ -253,21 +256,39 @@ async def test_concurrent_conversations_each_return_to_their_decode_worker_for_t
     await _blocks_back_to(nc, stack, {i: hb.kv_blocks_free for i, hb in idle.items()})
 
 
-async def _first_to_reserve(nc, stack: Stack, free_at_start: dict[str, int]) -> str:
-    """The decode worker whose free blocks drop first: the one a prefill worker reserved on."""
+async def _first_worker_where(nc, role: str, condition) -> str:
+    """The first worker of `role` whose heartbeat meets `condition`."""
     chosen: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_heartbeat(msg):
         heartbeat = decode(msg.data, WorkerHeartbeat)
-        instance_id = heartbeat.service.instance_id
-        if heartbeat.kv_blocks_free < free_at_start.get(instance_id, 0) and not chosen.done():
-            chosen.set_result(instance_id)
+        if condition(heartbeat) and not chosen.done():
+            chosen.set_result(heartbeat.service.instance_id)
 
-    subscription = await nc.subscribe(subjects.heartbeats_of("decode"), cb=on_heartbeat)
+    subscription = await nc.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
     try:
         return await asyncio.wait_for(chosen, 60)
     finally:
         await subscription.unsubscribe()
+
+
+async def test_a_prefill_worker_stopped_mid_prefill_returns_the_reply_and_the_other_serves_it(stack, nc, model):
+    """Near the end of this module: it stops one of the prefill workers (SIGTERM, as a rolling
+    restart does). The user sees neither an error nor a cancel, and no token twice."""
+    idle = await _all_serving(nc, stack)
+    free_at_start = {i: hb.kv_blocks_free for i, hb in idle.items()}
+    story = " ".join(f"Entry {i}: the miller ground the wheat and sent the flour down the river." for i in range(60))
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": f"{story}\nWhat did the miller do?"}])
+    asked = asyncio.create_task(_ask(nc, prompt))
+    stopping = await _first_worker_where(nc, "prefill", lambda hb: hb.queued_prefill_tokens > 0)
+    os.kill(stack.pids[stopping], signal.SIGTERM)
+    stack.stopped.add(stopping)
+    events = await asked
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.token_id for e in events] == _expected(model, prompt)
+    assert events[-1].finish in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert events[0].worker_id in stack.prefill and events[0].worker_id != stopping
+    await _blocks_back_to(nc, stack, free_at_start)
 
 
 async def test_a_decode_worker_killed_between_reserve_and_commit_leaves_the_reply_to_the_other(stack, nc, model):
@@ -277,8 +298,10 @@ async def test_a_decode_worker_killed_between_reserve_and_commit_leaves_the_repl
     story = " ".join(f"Entry {i}: the keeper lit the lighthouse lamp and logged the passing ships." for i in range(60))
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": f"{story}\nWhat did the keeper do?"}])
     asked = asyncio.create_task(_ask(nc, prompt))
-    killed = await _first_to_reserve(nc, stack, free_at_start)  # reserved; the prefill of ~1,000 tokens runs
+    # The decode worker whose free blocks drop is the one reserved on; the prefill of ~1,000 tokens runs.
+    killed = await _first_worker_where(nc, "decode", lambda hb: hb.kv_blocks_free < free_at_start.get(hb.service.instance_id, 0))
     os.kill(stack.pids[killed], signal.SIGKILL)
+    stack.stopped.add(killed)
     events = await asked
     survivor = next(d for d in stack.decode if d != killed)
     assert [e.seq for e in events] == list(range(1, len(events) + 1)), "no token lost or repeated across the retry"
@@ -287,4 +310,4 @@ async def test_a_decode_worker_killed_between_reserve_and_commit_leaves_the_repl
     assert killed not in {e.worker_id for e in events}, "killed before its commit: it never ran the reply"
     assert events[-1].worker_id == survivor
     assert (events[-1].usage.input_tokens, events[-1].usage.output_tokens) == (len(prompt), len(events))
-    await _blocks_back_to(nc, stack, free_at_start, [*(("prefill", p) for p in stack.prefill), ("decode", survivor)])
+    await _blocks_back_to(nc, stack, free_at_start)  # the prefill workers and the survivor

@@ -57,7 +57,9 @@ class Fleet:
             return AssignmentReply(refused=fate, failed_decode_worker_id=assignment.decode_worker_id)
         result = HandoffOutcome.RESULT_COMMITTED if fate == "commit" else HandoffOutcome.RESULT_FAILED
         outcome = HandoffOutcome(reply_id=assignment.reply_id, result=result, prefill_worker_id=worker_id, decode_worker_id=assignment.decode_worker_id)
-        if result == HandoffOutcome.RESULT_FAILED:
+        if fate == "stopping":  # the prefill worker shut down mid-prefill: not the decode worker's fault
+            outcome.decode_worker_id, outcome.reason = "", "prefill_stopping"
+        elif result == HandoffOutcome.RESULT_FAILED:
             outcome.reason, outcome.message = "kv_transfer_failed", "receiver gone"
             outcome.published_token_ids.extend(fate[1])
         message = _Msg(subjects.handoff(assignment.reply_id), encode(outcome))
@@ -133,3 +135,10 @@ def test_a_burst_of_long_prompts_spreads_over_the_prefill_workers_before_any_hea
     generate = GenerateService(registry, Placement(PlacementConfig(remote_prefill_min_tokens=32)), None, None)
     firsts = [generate.handle(request(LONG_PROMPT_TOKENS).SerializeToString())[1].remote[1][0] for _ in range(10)]
     assert firsts.count("p1") == firsts.count("p2") == 5
+
+
+async def test_a_prefill_worker_that_stops_mid_handoff_returns_the_reply_to_the_same_decode_worker():
+    fleet = Fleet(["stopping", "commit"])
+    await run(service(fleet, num_decode_workers=1))  # avoiding d1 would leave no decode worker
+    assert [(w, a.decode_worker_id, a.first_seq) for w, a in fleet.offers] == [("p1", "d1", 1), ("p1", "d1", 1)]
+    assert fleet.events == []
