@@ -131,6 +131,17 @@ def find_java17(explicit: str | None = None) -> str:
     raise StartupError("no JDK 17 found (tried /usr/lib/jvm/*17*, JAVA_HOME, PATH): install openjdk-17-jdk-headless or set TANDEM_CASSANDRA_JAVA")
 
 
+def missing_tools() -> str | None:
+    """Why no node can be started on this machine, or None when JDK 17 and mvn are here."""
+    if shutil.which("mvn") is None:
+        return "mvn is not installed (Cassandra's jars come from Maven Central)"
+    try:
+        find_java17()
+    except StartupError as exc:
+        return str(exc)
+    return None
+
+
 def fetch_jars(version: str, cache_dir: Path) -> Path:
     """The folder of cassandra-all-<version> and its runtime jars, fetched with mvn once."""
     folder = cache_dir / version

@@ -8,7 +8,6 @@ of the SQLite stack other tests use."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 import httpx
@@ -18,27 +17,16 @@ import pytest_asyncio
 from helpers import wait_until
 from product_stack import ALICE, SseReader, read_stream, start_product_stack, text_of
 
-from tandem.cassandra_node import NodeConfig, find_java17, start_node, stop_node
-from tandem.errors import StartupError
+from tandem.cassandra_node import NodeConfig, missing_tools, start_node, stop_node
 from tandem.servers import start_nats, start_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 STORE_TIMEOUT_S = 3.0
 
 
-def _cassandra_missing() -> str | None:
-    if shutil.which("mvn") is None:
-        return "mvn is not installed (Cassandra's jars come from Maven Central)"
-    try:
-        find_java17()
-    except StartupError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.fixture(scope="module")
 def node_config(tmp_path_factory):
-    if (reason := _cassandra_missing()) is not None:
+    if (reason := missing_tools()) is not None:
         if os.environ.get("TANDEM_REQUIRE_CASSANDRA") == "1":
             pytest.fail(f"TANDEM_REQUIRE_CASSANDRA=1 but no Cassandra: {reason}", pytrace=False)
         pytest.skip(f"!!! CASSANDRA STACK NOT TESTED: {reason}")

@@ -8,7 +8,6 @@ skipped with one line saying why; TANDEM_REQUIRE_CASSANDRA=1 (CI) makes that a f
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -17,8 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from tandem.cassandra_node import NodeConfig, RunningNode, find_java17, start_node, stop_node
-from tandem.errors import StartupError
+from tandem.cassandra_node import NodeConfig, RunningNode, missing_tools, start_node, stop_node
 from tandem.store import ConversationStore
 from tandem.store.cassandra import CassandraStore
 from tandem.store.sqlite import SqliteStore
@@ -30,13 +28,7 @@ _SKIP_PREFIX = "!!! CASSANDRA STORE NOT TESTED: "
 
 def cassandra_missing() -> str | None:
     """Why no node can be started here, or None."""
-    if shutil.which("mvn") is None:
-        return "mvn is not installed (Cassandra's jars come from Maven Central)"
-    try:
-        find_java17()
-    except StartupError as exc:
-        return str(exc)
-    return None
+    return missing_tools()
 
 
 def skip_cassandra(reason: str) -> None:
