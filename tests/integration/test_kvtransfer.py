@@ -324,3 +324,18 @@ async def test_a_paced_sender_keeps_to_its_rate_and_every_byte_still_lands(start
     assert time.monotonic() - started_s >= 0.5
     for source, dest in zip(source_ids, dest_ids):
         assert same_bytes(pool[dest], prefill_pool[source])
+
+
+async def test_a_connection_the_receiver_aborted_does_not_fail_the_next_send(start_receiver: StartReceiver, sender: KvSender):
+    pool = random_pool(torch.bfloat16)
+    receiver, reservations = await start_receiver(pool)
+    source = list(random_pool(torch.bfloat16, 2, seed=9))
+    reservations.reserve("reply-1", [1, 2])
+    await sender.send(receiver.host, receiver.port, "reply-1", source, TIMEOUT_S)
+    # What forget() does to a connection whose transfer it drops, here to the one the sender keeps.
+    for endpoint in list(receiver._connections):
+        endpoint.abort()
+    reservations.reserve("reply-2", [5, 6])
+    await sender.send(receiver.host, receiver.port, "reply-2", source, TIMEOUT_S)
+    assert await receiver.wait_received("reply-2", timeout_s=0)
+    assert same_bytes(pool[[5, 6]], torch.stack(source))

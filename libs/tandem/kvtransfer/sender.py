@@ -30,6 +30,10 @@ class KvTransferError(RuntimeError):
         self.reason = reason
 
 
+class _NoVerdict(Exception):
+    """The connection failed before the receiver answered the header."""
+
+
 class KvSender:
     """The prefill side. One connection per (host, port), opened on first use and reused by later
     and concurrent sends; a send that fails other than by a refusal aborts its connection (so the
@@ -51,7 +55,16 @@ class KvSender:
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 connection = await self._connect(host, port, timeout_s)
-                await connection.transfer(header, buffers, where, self._max_bytes_per_s)
+                try:
+                    await connection.transfer(header, buffers, where, self._max_bytes_per_s)
+                except _NoVerdict:
+                    if connection.num_transfers == 1:
+                        raise
+                    # A reused connection the receiver had closed (it aborts a connection whose
+                    # transfer it forgets): nothing was written, so one fresh connection may try again.
+                    self._drop(host, port, connection)
+                    connection = await self._connect(host, port, timeout_s)
+                    await connection.transfer(header, buffers, where, self._max_bytes_per_s)
         except asyncio.CancelledError:
             if connection is not None:  # stop sending from blocks the caller may free now
                 self._drop(host, port, connection)
@@ -69,7 +82,7 @@ class KvSender:
         except Exception as exc:
             if connection is not None:
                 self._drop(host, port, connection)
-            cause = wire.describe_error(exc)
+            cause = wire.describe_error(exc.__cause__ if isinstance(exc, _NoVerdict) and exc.__cause__ else exc)
             message = f"the KV transfer of {reply_id} to {where} failed: receiver gone or unreachable ({cause})"
             raise KvTransferError(message, "peer_gone") from exc
 
@@ -116,6 +129,7 @@ class _Connection:
     def __init__(self, endpoint: Endpoint) -> None:
         self._endpoint = endpoint
         self._transfer_ids = itertools.count(1)
+        self.num_transfers = 0  # started on it so far
 
     @classmethod
     async def open(cls, host: str, port: int, timeout_s: float) -> _Connection:
@@ -131,9 +145,13 @@ class _Connection:
     async def transfer(self, header: wire.Header, buffers: list, where: str, max_bytes_per_s: float = 0.0) -> None:
         endpoint = self._endpoint
         transfer_id = next(self._transfer_ids)
+        self.num_transfers += 1
         header = dataclasses.replace(header, transfer_id=transfer_id)
-        await endpoint.send(header.pack(), tag=wire.HEADER_TAG)
-        verdict = await _recv_reply(endpoint, wire.tag(Kind.VERDICT, transfer_id))
+        try:
+            await endpoint.send(header.pack(), tag=wire.HEADER_TAG)
+            verdict = await _recv_reply(endpoint, wire.tag(Kind.VERDICT, transfer_id))
+        except Exception as exc:  # the receiver never said go: no byte of the blocks was sent
+            raise _NoVerdict(exc) from exc
         if verdict.status != Status.OK:
             reason = verdict.status.name.lower()
             raise KvTransferError(f"{where} refused the KV of {header.reply_id}: {_explain(verdict, header)}", reason)
