@@ -25,6 +25,8 @@ class ProductStack:
     chat_urls: list[str]
     ids: dict[str, list[str]]
     store_path: Path
+    nats_url: str
+    redis_url: str
     children: list[ChildProcess] = field(default_factory=list)
 
     @property
@@ -46,7 +48,7 @@ async def start_product_stack(nc, nats_url: str, redis_url: str, workdir: Path, 
         "TANDEM_MAX_ANSWER_TOKENS": "48",
         **extra_env,
     }
-    stack = ProductStack(chat_urls=[], ids={}, store_path=store_path)
+    stack = ProductStack(chat_urls=[], ids={}, store_path=store_path, nats_url=nats_url, redis_url=redis_url)
     for role in ("router", "decode", "relay", "relay", "chat", "chat"):
         env = service_env(role, nats_url, redis_url, **common)
         child = service_process(role, env)
