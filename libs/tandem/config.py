@@ -81,6 +81,7 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 where the device computes it natively
     kv_cache_mib: int = 1024  # KV cache of a worker's engine
     ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
+    kv_lease_s: float = 30.0  # decode workers: a reservation whose prefill worker stops renewing it is freed after this
     remote_prefill_min_tokens: int = 256  # router: uncached prompt tokens above which a prefill worker reads the prompt
     # prefill workers: cap on one KV transfer's send rate, so handoffs leave room on a shared link; 0: none
     kv_transfer_max_bytes_per_s: float = 0.0

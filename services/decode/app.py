@@ -20,7 +20,6 @@ from tandem.v1.dispatch_pb2 import AssignmentReply
 from tandem.worker import build_worker
 
 ROLE = "decode"
-LEASE_S = 30.0  # covers the prefill between reserve and commit: seconds for a long prompt on a CPU
 log = logging.getLogger(__name__)
 
 
@@ -30,7 +29,7 @@ class DecodeWorker:
         self._host = EngineHost(settings, self._worker)
         runtime = self._worker.runtime
         self._handoff = KvHandoffService(
-            self._host, self._worker.model.name, settings.reachable_host(), settings.ucx_port, LEASE_S, lambda: runtime.is_draining
+            self._host, self._worker.model.name, settings.reachable_host(), settings.ucx_port, settings.kv_lease_s, lambda: runtime.is_draining
         )
         self._worker.control.add_service(lambda server: kv_handoff_pb2_grpc.add_KvHandoffServicer_to_server(self._handoff, server))
 

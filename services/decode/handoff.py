@@ -124,6 +124,15 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
         return pb.ReleaseReply(was_reserved=self._free(request.reply_id))
 
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewReply:
+        """The prefill worker is still at it (a long prefill, a slow link): the lease starts again."""
+        reservation = self._reservations.get(request.reply_id)
+        if reservation is None:
+            return pb.RenewReply(is_reserved=False)
+        reservation.lease.cancel()
+        reservation.lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
+        return pb.RenewReply(is_reserved=True, lease_s=self._lease_s)
+
     def _expire(self, reply_id: str) -> None:
         if self._free(reply_id):
             log.warning("the reservation of %s expired uncommitted; its blocks are free again", reply_id)

@@ -155,8 +155,10 @@ class PrefillWorker:
         return reserved.reservation
 
     async def _hand_over(self, h: _Handoff) -> None:
+        renewing: asyncio.Task[None] | None = None
         try:
             h.reservation = await self._reserve(h)
+            renewing = asyncio.create_task(_renew_lease(h.stub, h.reply_id, h.reservation.lease_s), name=f"renew:{h.reply_id}")
             self._host.track(h.reply_id, h.first_seq)
             prefilled = self._host.expect_handoff(h.reply_id)
             self._host.thread.post(lambda e: e.add(h.request, prefill_only=True))
@@ -173,6 +175,8 @@ class PrefillWorker:
             await _release(h.stub, h.reply_id)
             await self._publish_outcome(h, HandoffOutcome.RESULT_FAILED, code, str(exc))
         finally:
+            if renewing is not None:
+                renewing.cancel()
             if h.output is not None and h.output.handoff is not None:
                 self._host.thread.post(lambda e: e.release(h.reply_id))
 
@@ -238,6 +242,22 @@ class PrefillWorker:
             await self._worker.runtime.bus.client.publish(subjects.handoff(h.reply_id), encode(outcome))
         except Exception:  # noqa: BLE001 - the router's wait times out instead
             log.exception("could not publish the handoff outcome of %s", h.reply_id)
+
+
+async def _renew_lease(stub: KvHandoffStub, reply_id: str, lease_s: float) -> None:
+    """Renews the reservation's lease while the handoff works (a long prefill on a busy machine
+    can outlast one lease); stops when the decode worker no longer holds it."""
+    while True:
+        await asyncio.sleep(max(0.1, lease_s / 3))
+        try:
+            renewed = await stub.Renew(pb.RenewRequest(reply_id=reply_id), timeout=RESERVE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("renewing the reservation of %s failed (%s); trying again", reply_id, exc.code().name)
+            continue
+        if not renewed.is_reserved:
+            log.warning("the decode worker no longer holds the reservation of %s", reply_id)
+            return
+        lease_s = renewed.lease_s or lease_s
 
 
 async def _release(stub: KvHandoffStub, reply_id: str) -> None:

@@ -25,7 +25,7 @@ from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateRequest
-from tandem.v1.kv_handoff_pb2 import KvLayout, ReleaseRequest, ReserveRequest
+from tandem.v1.kv_handoff_pb2 import KvLayout, ReleaseRequest, RenewRequest, ReserveRequest
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.kv_pb2 import KvEvent, KvState, KvStateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -264,3 +264,41 @@ async def _until_free(nc, instance_id: str, num_free_blocks: int) -> None:
             pass
 
     await asyncio.wait_for(heartbeats_until(), 30)
+
+
+@pytest.fixture(scope="module")
+def short_lease_decode_worker(nats_server, redis_server) -> Iterator[str]:
+    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64", TANDEM_KV_LEASE_S="1.5")
+    child = service_process("decode", env)
+    child.start()
+    yield env["TANDEM_INSTANCE_ID"]
+    child.stop(timeout_s=10)
+
+
+async def test_a_renewed_reservation_outlives_its_lease_and_an_unrenewed_one_expires(short_lease_decode_worker, nc):
+    """A prefill worker renews while it prefills (that can take longer than one lease on a busy
+    CPU); a silent one loses its blocks when the lease runs out."""
+    idle = await _ready(nc, short_lease_decode_worker)
+    layout = KvLayout(model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder)
+    prompt = list(range(1000, 1100))  # 7 blocks, none cached
+    async with grpc.aio.insecure_channel(idle.grpc_address) as channel:
+        stub = KvHandoffStub(channel)
+        for reply_id in ("reply-renewed", "reply-silent"):
+            reserved = await stub.Reserve(ReserveRequest(reply_id=reply_id, layout=layout, num_blocks=7, request=_request(prompt, 4)), timeout=10)
+            assert reserved.WhichOneof("outcome") == "reservation" and reserved.reservation.lease_s == 1.5
+        started_s = time.monotonic()
+        renewals: list[bool] = []
+
+        async def renew_forever() -> None:  # the prefill worker's cadence: a third of the lease
+            while True:
+                renewals.append((await stub.Renew(RenewRequest(reply_id="reply-renewed"), timeout=10)).is_reserved)
+                await asyncio.sleep(0.5)
+
+        renewing = asyncio.create_task(renew_forever())
+        await _until_free(nc, short_lease_decode_worker, idle.kv_blocks_free - 7)  # only the silent one's blocks came back
+        renewing.cancel()
+        assert time.monotonic() - started_s >= 1.5
+        assert renewals and all(renewals), "a renewed reservation expired"
+        assert not (await stub.Renew(RenewRequest(reply_id="reply-silent"), timeout=10)).is_reserved
+        assert (await stub.Release(ReleaseRequest(reply_id="reply-renewed"), timeout=10)).was_reserved
+    await _until_free(nc, short_lease_decode_worker, idle.kv_blocks_free)

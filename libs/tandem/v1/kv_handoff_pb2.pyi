@@ -91,3 +91,17 @@ class ReleaseReply(_message.Message):
     WAS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     was_reserved: bool
     def __init__(self, was_reserved: _Optional[bool] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("reply_id",)
+    REPLY_ID_FIELD_NUMBER: _ClassVar[int]
+    reply_id: str
+    def __init__(self, reply_id: _Optional[str] = ...) -> None: ...
+
+class RenewReply(_message.Message):
+    __slots__ = ("is_reserved", "lease_s")
+    IS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    is_reserved: bool
+    lease_s: float
+    def __init__(self, is_reserved: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...

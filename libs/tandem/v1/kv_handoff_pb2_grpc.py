@@ -49,6 +49,11 @@ class KvHandoffStub:
                 request_serializer=tandem_dot_v1_dot_kv__handoff__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_kv__handoff__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/tandem.v1.KvHandoff/Renew',
+                request_serializer=tandem_dot_v1_dot_kv__handoff__pb2.RenewRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__handoff__pb2.RenewReply.FromString,
+                _registered_method=True)
 
 
 class KvHandoffServicer:
@@ -72,6 +77,12 @@ class KvHandoffServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvHandoffServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_KvHandoffServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=tandem_dot_v1_dot_kv__handoff__pb2.ReleaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_kv__handoff__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=tandem_dot_v1_dot_kv__handoff__pb2.RenewRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__handoff__pb2.RenewReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class KvHandoff:
             '/tandem.v1.KvHandoff/Release',
             tandem_dot_v1_dot_kv__handoff__pb2.ReleaseRequest.SerializeToString,
             tandem_dot_v1_dot_kv__handoff__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KvHandoff/Renew',
+            tandem_dot_v1_dot_kv__handoff__pb2.RenewRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__handoff__pb2.RenewReply.FromString,
             options,
             channel_credentials,
             insecure,
