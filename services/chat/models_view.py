@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ class ModelsView:
     def __init__(self, expiry_s: float = 3.0) -> None:
         self._expiry_s = expiry_s
         self._seen: dict[str, tuple[float, ServedModel]] = {}  # worker id -> (when, model)
+        self._heard = asyncio.Event()  # set by each serving heartbeat
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -30,6 +32,7 @@ class ModelsView:
         if heartbeat.is_engine_ready and heartbeat.model and heartbeat.max_model_len:
             model = ServedModel(heartbeat.model, heartbeat.max_model_len)
             self._seen[heartbeat.service.instance_id] = (time.monotonic(), model)
+            self._heard.set()
 
     def models(self) -> dict[str, ServedModel]:
         now = time.monotonic()
@@ -46,3 +49,14 @@ class ModelsView:
         if requested in ("", "auto"):
             return next(iter(sorted(models.values(), key=lambda m: m.name)), None)
         return models.get(requested)
+
+    async def resolve_soon(self, requested: str, wait_s: float) -> ServedModel | None:
+        """`resolve`, but when no model is known at all (this process just started, or every worker
+        just restarted) it waits up to `wait_s` for a serving heartbeat before answering."""
+        if not self.models():
+            self._heard.clear()
+            try:
+                await asyncio.wait_for(self._heard.wait(), wait_s)
+            except TimeoutError:
+                pass
+        return self.resolve(requested)

@@ -19,7 +19,7 @@ from services.chat.auth import CurrentUser
 from services.chat.errors import error_response
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, log_events, new_reply_id
 from services.chat.state import ChatState, State
-from services.chat.turns import SamplingChoice
+from services.chat.turns import MODEL_WAIT_S, SamplingChoice
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_UNSPECIFIED
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -78,7 +78,7 @@ def finish_reason(event: TokenEvent) -> str:
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(state: State, user: CurrentUser, body: CompletionBody, request: Request) -> JSONResponse | EventSourceResponse:
-    model = state.models.resolve(body.model)
+    model = await state.models.resolve_soon(body.model, MODEL_WAIT_S)
     if model is None:
         return error_response(404, f"The model `{body.model}` does not exist or is not served.", "model_not_found", param="model")
     prompt_ids = await asyncio.to_thread(state.tokenizer.encode_chat, [{"role": m.role, "content": m.text()} for m in body.messages])

@@ -22,6 +22,7 @@ from tandem.v1.common_pb2 import SamplingParams
 
 log = logging.getLogger(__name__)
 TITLE_CHARS = 60
+MODEL_WAIT_S = 3.0  # a chat that just started hears the workers' heartbeats within a second or two
 
 
 def inflight_key(conversation_id: str) -> str:
@@ -49,8 +50,8 @@ class StartedReply:
     num_dropped_turns: int
 
 
-def resolve_model(state: ChatState, requested: str) -> ServedModel:
-    model = state.models.resolve(requested)
+async def resolve_model(state: ChatState, requested: str) -> ServedModel:
+    model = await state.models.resolve_soon(requested, MODEL_WAIT_S)
     if model is None:
         if requested in ("", "auto"):
             raise ReplyRefused(503, "no_workers", "no model is being served yet; try again shortly", 2.0)
@@ -78,7 +79,7 @@ async def send_message(
     """`user_message_id`: the user turn's id; a retry that passes the same one (an idempotency
     key's) finds the turn already stored instead of storing it twice."""
     check_content(state, content)
-    model = resolve_model(state, requested_model)
+    model = await resolve_model(state, requested_model)
     counter = PromptCounter(state.tokenizer)
     new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
     history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq)
@@ -100,7 +101,7 @@ async def regenerate(
     state: ChatState, user: ApiKey, conversation: Conversation, answer: Message, requested_model: str, sampling: SamplingChoice
 ) -> StartedReply:
     """A new answer to the user turn that `answer` answered; the prompt up to it is cached."""
-    model = resolve_model(state, requested_model or answer.model or "auto")
+    model = await resolve_model(state, requested_model or answer.model or "auto")
     messages = await state.store.list_messages(conversation.id)
     user_turn = next((m for m in messages if m.seq == answer.parent_seq and m.role == Role.USER), None)
     if user_turn is None:

@@ -140,7 +140,8 @@ async def test_stop_mid_reply_keeps_the_streamed_text_as_stopped_and_frees_the_k
 async def test_a_reply_nobody_reads_is_cancelled_and_stored_as_stopped(product_stack):
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
         conversation_id = await new_conversation(client)
-        head = await send(client, conversation_id, "Count slowly from one to five hundred.", stop_after=2, max_tokens=1000)
+        prompt = "Write a long story about a lighthouse keeper and the ships he guides."  # runs far past the idle timeout
+        head = await send(client, conversation_id, prompt, stop_after=2, max_tokens=1000)
         message_id = head[0].data["message_id"]
         # Nobody reads now: the relay cancels it after the stack's short idle timeout (product_stack.py).
         message = await finished(client, conversation_id, message_id)
