@@ -12,8 +12,7 @@ from sse_starlette.sse import EventSourceResponse
 from services.chat.sse import SseEvent, meta_event
 from services.chat.state import ChatState
 from tandem.store import Message, MessageStatus
-from tandem.tokenlog import ReplyKeys, load_reply
-from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.tokenlog import load_reply, logged_events
 
 FINISH_OF_STATUS = {MessageStatus.COMPLETE: "stop", MessageStatus.STOPPED: "cancelled"}
 
@@ -24,8 +23,7 @@ async def as_logged(state: ChatState, message: Message) -> Message:
     meta = await load_reply(state.redis, message.id)
     if meta is None:
         return message
-    entries = await state.redis.xrange(ReplyKeys(message.id).log)
-    events = [TokenEvent.FromString(fields[b"e"]) for _, fields in entries]
+    events = await logged_events(state.redis, message.id)
     text = "".join(event.text for event in events)
     if meta.is_running:
         return replace(message, content=text)

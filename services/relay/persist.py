@@ -11,7 +11,7 @@ import logging
 from redis.asyncio import Redis
 
 from tandem.store import ConversationStore, MessageStatus, StoreUnavailable
-from tandem.tokenlog import UNPERSISTED, ReplyKeys, load_reply, read
+from tandem.tokenlog import UNPERSISTED, ReplyKeys, load_reply, logged_events
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, t
         return True  # expired (nothing left to save) or not finished yet
     if not meta.conversation_id or not meta.message_id:
         return True  # a reply of the OpenAI endpoint or a bus client: not a conversation turn
-    events = [event async for event in read(redis, reply_id, block_ms=100)]
+    events = await logged_events(redis, reply_id)  # complete: its final event is logged
     text = "".join(event.text for event in events)
     num_output_tokens = events[-1].usage.output_tokens if events else 0
     keys = ReplyKeys(reply_id)

@@ -3,7 +3,7 @@ The relay writes it (writer.py); any edge reads it (reader.py)."""
 
 from tandem.tokenlog.keys import RUNNING, UNPERSISTED, ReplyKeys
 from tandem.tokenlog.meta import ReplyMeta, ReplyStatus, create_reply, load_reply, now_ms, status_of_finish
-from tandem.tokenlog.reader import ReplyGone, read
+from tandem.tokenlog.reader import ReplyGone, logged_events, read
 from tandem.tokenlog.readers import attach, detach, idle_for_ms
 from tandem.tokenlog.writer import Appended, TokenLogWriter
 
@@ -21,6 +21,7 @@ __all__ = [
     "detach",
     "idle_for_ms",
     "load_reply",
+    "logged_events",
     "now_ms",
     "read",
     "status_of_finish",

@@ -46,3 +46,9 @@ async def read(redis: Redis, reply_id: str, *, after: int = 0, block_ms: int = 5
                 if event.finish != FINISH_REASON_UNSPECIFIED:
                     return
                 last_id = item_id
+
+
+async def logged_events(redis: Redis, reply_id: str) -> list[TokenEvent]:
+    """The events logged so far, at once (one range read, no waiting)."""
+    entries = await redis.xrange(ReplyKeys(reply_id).log)
+    return [TokenEvent.FromString(fields[b"e"]) for _, fields in entries]

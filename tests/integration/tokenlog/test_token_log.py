@@ -187,3 +187,17 @@ async def test_a_detach_after_expiry_leaves_no_key(redis):
     reply_id = new_id()
     await detach(redis, reply_id, "late-reader")
     assert await redis.exists(ReplyKeys(reply_id).meta) == 0
+
+
+async def test_logged_events_is_what_the_log_holds_now_without_waiting(redis):
+    from tandem.tokenlog import logged_events
+
+    reply_id = new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    first, second, third = events(reply_id, 3)
+    await writer.append(first)
+    await writer.append(third)  # held behind the gap: not in the log yet
+    assert [e.seq for e in await logged_events(redis, reply_id)] == [1]
+    await writer.append(second)
+    assert [e.text for e in await logged_events(redis, reply_id)] == ["w1 ", "w2 ", "w3 "]
+    assert await logged_events(redis, new_id()) == []
