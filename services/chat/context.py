@@ -47,23 +47,27 @@ class PromptTooLong(ValueError):
         )
 
 
-def active_history(messages: Sequence[Message], summary_upto_seq: int = 0) -> list[Message]:
-    """The turns the model should see: each user turn with its latest answer (a regenerated
-    answer replaces the earlier ones), without what the summary covers or answers that failed."""
-    latest_answer: dict[int, Message] = {}
+def active_branch(messages: Sequence[Message]) -> list[Message]:
+    """Each user turn followed by its latest answer (a regenerated answer replaces the earlier ones)."""
+    latest_answer = {m.parent_seq: m for m in messages if m.role == Role.ASSISTANT}
+    branch = []
     for message in messages:
-        if message.role == Role.ASSISTANT:
-            latest_answer[message.parent_seq] = message
-    history = []
-    for message in messages:
-        if message.seq <= summary_upto_seq:
-            continue
         if message.role == Role.USER:
-            history.append(message)
-            answer = latest_answer.get(message.seq)
-            if answer is not None and answer.status in (MessageStatus.COMPLETE, MessageStatus.STOPPED) and answer.content:
-                history.append(answer)
-    return history
+            branch.append(message)
+            if message.seq in latest_answer:
+                branch.append(latest_answer[message.seq])
+    return branch
+
+
+def active_history(messages: Sequence[Message], summary_upto_seq: int = 0) -> list[Message]:
+    """The turns the model should see: the active branch without what the summary covers and
+    without answers that failed or are still being written."""
+    return [
+        m
+        for m in active_branch(messages)
+        if m.seq > summary_upto_seq
+        and (m.role == Role.USER or (m.status in (MessageStatus.COMPLETE, MessageStatus.STOPPED) and m.content))
+    ]
 
 
 def build_context(system: Turn, summary: Turn | None, history: Sequence[Message], new: Turn, budget: Budget) -> Context:

@@ -12,13 +12,14 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
 from services.chat.auth import CurrentUser
+from services.chat.context import active_branch
 from services.chat.replies import new_reply_id, sse_stream
 from services.chat.schemas import MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
 from services.chat.streams import as_logged, finished_message_response
 from services.chat.turns import send_message
 from tandem.config import ApiKey
-from tandem.store import Conversation, MessageStatus, Role
+from tandem.store import Conversation, MessageStatus
 from tandem.tokenlog import load_reply
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
@@ -54,14 +55,7 @@ async def list_conversations(
 async def get_conversation(state: State, user: CurrentUser, conversation_id: str) -> dict[str, object]:
     conversation = await owned_conversation(state, user, conversation_id)
     messages = await state.store.list_messages(conversation_id)
-    # The active branch: each user turn with its latest answer, whatever that answer's status.
-    latest = {m.parent_seq: m for m in messages if m.role == Role.ASSISTANT}
-    shown = []
-    for message in messages:
-        if message.role == Role.USER:
-            shown.append(message)
-            if message.seq in latest:
-                shown.append(latest[message.seq])
+    shown = active_branch(messages)  # each user turn with its latest answer, whatever its status
     views = [message_view(await as_logged(state, m) if m.status == MessageStatus.RUNNING else m) for m in shown]
     return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": views}
 
