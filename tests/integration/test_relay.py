@@ -1,6 +1,7 @@
 """Two relay processes on real NATS and Redis: events delivered shuffled and twice are logged
 once and in order, a finished reply is stored as its assistant turn with nobody connected,
-and a reply nobody reads is cancelled."""
+and a reply nobody reads is cancelled. The module has its own nats-server and redis-server:
+the relays consume every reply's tokens, so they must not share a bus with other tests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
@@ -18,6 +20,7 @@ from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
 from tandem.proc import ChildProcess
+from tandem.servers import start_nats, start_redis
 from tandem.store import Conversation, MessageStatus, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
@@ -33,32 +36,48 @@ def store_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def relays(nats_server, redis_server, store_path) -> Iterator[list[str]]:
+def servers(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    workdir = tmp_path_factory.mktemp("relay-servers")
+    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
+    yield nats_server.url, redis_server.url
+    redis_server.stop()
+    nats_server.stop()
+
+
+@pytest.fixture(scope="module")
+def relays(servers, store_path) -> Iterator[list[ChildProcess]]:
+    nats_url, redis_url = servers
     children: list[ChildProcess] = []
-    ids = []
     for _ in range(2):
-        env = service_env(
-            "relay", nats_server.url, redis_server.url,
-            TANDEM_SQLITE_PATH=store_path, TANDEM_READER_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S),
-        )
+        env = service_env("relay", nats_url, redis_url, TANDEM_SQLITE_PATH=store_path, TANDEM_READER_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S))
         child = service_process("relay", env)
+        child.name = env["TANDEM_INSTANCE_ID"]
         child.start()
         children.append(child)
-        ids.append(env["TANDEM_INSTANCE_ID"])
-    yield ids
+    yield children
     for child in children:
         child.stop(timeout_s=10)
 
 
 @pytest_asyncio.fixture
-async def ready(nc, relays):
-    for instance_id in relays:
-        await next_heartbeat(nc, "relay", instance_id, accept=lambda hb: hb.is_ready, timeout_s=60)
+async def nc(servers):
+    client = await nats.connect(servers[0])
+    yield client
+    await client.close()
 
 
 @pytest_asyncio.fixture
-async def redis(redis_server):
-    client = aioredis.from_url(redis_server.url, socket_timeout=10)
+async def ready(nc, relays):
+    for child in relays:
+        try:
+            await next_heartbeat(nc, "relay", child.name, accept=lambda hb: hb.is_ready, timeout_s=60)
+        except TimeoutError:
+            raise AssertionError(f"{child.name} never became ready:\n{child.recent_output(40)}") from None
+
+
+@pytest_asyncio.fixture
+async def redis(servers):
+    client = aioredis.from_url(servers[1], socket_timeout=10)
     yield client
     await client.aclose()
 
