@@ -15,27 +15,25 @@ class NewConversationBody(BaseModel):
     model: str = "auto"
 
 
-class MessageBody(BaseModel):
+class SamplingBody(BaseModel):
+    """The sampling options a message or a regenerate may set."""
+
+    temperature: float = Field(default=0.7, ge=0, le=2)
+    top_p: float = Field(default=0.9, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling(self) -> SamplingChoice:
+        return SamplingChoice(temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=self.max_tokens)
+
+
+class MessageBody(SamplingBody):
     content: str
     model: str = "auto"
-    temperature: float = Field(default=0.7, ge=0, le=2)
-    top_p: float = Field(default=0.9, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=1)
-
-    def sampling(self) -> SamplingChoice:
-        return SamplingChoice(temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=self.max_tokens)
 
 
-class RegenerateBody(BaseModel):
-    model: str = ""
-    temperature: float = Field(default=0.7, ge=0, le=2)
-    top_p: float = Field(default=0.9, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=1)
-
-    def sampling(self) -> SamplingChoice:
-        return SamplingChoice(temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=self.max_tokens)
+class RegenerateBody(SamplingBody):
+    model: str = ""  # empty: the model of the answer being regenerated
 
 
 def iso(unix_ms: int) -> str:
