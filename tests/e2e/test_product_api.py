@@ -35,6 +35,14 @@ async def send(client: httpx.AsyncClient, conversation_id: str, content: str, he
         return await read_stream(response, stop_after)
 
 
+def long_reply(client: httpx.AsyncClient, conversation_id: str, content: str):
+    """The streaming response of a message whose answer runs long (up to 400 tokens)."""
+    return client.stream(
+        "POST", f"/v1/conversations/{conversation_id}/messages", headers={**ALICE, "Accept": "text/event-stream"},
+        json={"content": content, "temperature": 0, "max_tokens": 400},
+    )
+
+
 async def resume(client: httpx.AsyncClient, message_id: str, last_event_id: int, headers=ALICE):
     async with client.stream(
         "GET", f"/v1/messages/{message_id}/stream", headers={**headers, "Last-Event-ID": str(last_event_id)}
@@ -110,13 +118,9 @@ async def test_a_dropped_stream_resumes_with_last_event_id_on_either_instance(pr
 
 
 async def test_stop_mid_reply_keeps_the_streamed_text_as_stopped_and_frees_the_kv(product_stack):
-
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
         conversation_id = await new_conversation(client)
-        async with client.stream(
-            "POST", f"/v1/conversations/{conversation_id}/messages", headers={**ALICE, "Accept": "text/event-stream"},
-            json={"content": "Write a long story about a lighthouse keeper.", "temperature": 0, "max_tokens": 400},
-        ) as response:
+        async with long_reply(client, conversation_id, "Write a long story about a lighthouse keeper.") as response:
             reader = SseReader(response)
             head = await reader.read(stop_after=4)
             message_id = head[0].data["message_id"]
@@ -215,10 +219,7 @@ async def test_empty_and_oversize_messages_are_refused_with_the_reason(product_s
 async def test_a_new_message_cancels_the_reply_still_running_in_its_conversation(product_stack):
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
         conversation_id = await new_conversation(client)
-        async with client.stream(
-            "POST", f"/v1/conversations/{conversation_id}/messages", headers={**ALICE, "Accept": "text/event-stream"},
-            json={"content": "Write a long story about a fox.", "temperature": 0, "max_tokens": 400},
-        ) as response:
+        async with long_reply(client, conversation_id, "Write a long story about a fox.") as response:
             reader = SseReader(response)
             head = await reader.read(stop_after=3)
             second = await send(client, conversation_id, "Never mind: what is 2 + 2?")
