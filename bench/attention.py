@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.batch import AttentionMetadata
 from tandem.kernels import AttentionFn, paged_attention_reference, paged_attention_torch, paged_attention_triton
+from tandem.kernels.metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 NUM_LAYERS = 2  # enough for the per-layer views to be strided; the real 30 would only add memory

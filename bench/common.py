@@ -25,7 +25,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """"auto" is the engine's own choice for this CPU (bf16 where it is native)."""
+    """ "auto" is the engine's own choice for this CPU (bf16 where it is native)."""
     return default_dtype("cpu") if name == "auto" else DTYPES[name]
 
 
@@ -43,26 +43,48 @@ def set_threads(num_threads: int | None) -> int:
 # -- seeded chat text ---------------------------------------------------------------------------
 
 TOPICS = (
-    "the history of the printing press", "how vaccines train the immune system", "sourdough baking at high altitude",
-    "the causes of the 2008 financial crisis", "how a bicycle stays upright", "photosynthesis in desert plants",
-    "learning a second language as an adult", "how GPS satellites keep time", "composting in a small apartment",
-    "the rules of cricket", "why the sky is blue", "writing a good cover letter", "how jet engines work",
-    "caring for a young cat", "the water cycle", "saving for retirement", "the plot of Hamlet",
-    "how noise-cancelling headphones work", "training for a first marathon", "the basics of music theory",
+    "the history of the printing press",
+    "how vaccines train the immune system",
+    "sourdough baking at high altitude",
+    "the causes of the 2008 financial crisis",
+    "how a bicycle stays upright",
+    "photosynthesis in desert plants",
+    "learning a second language as an adult",
+    "how GPS satellites keep time",
+    "composting in a small apartment",
+    "the rules of cricket",
+    "why the sky is blue",
+    "writing a good cover letter",
+    "how jet engines work",
+    "caring for a young cat",
+    "the water cycle",
+    "saving for retirement",
+    "the plot of Hamlet",
+    "how noise-cancelling headphones work",
+    "training for a first marathon",
+    "the basics of music theory",
 )
 OPENERS = (
-    "Can you explain {topic}?", "I'm preparing a short talk on {topic} and need help.",
-    "My friend {name} and I disagree about {topic}.", "Please give me an overview of {topic}.",
-    "What should a beginner know about {topic}?", "I keep reading conflicting things about {topic}.",
+    "Can you explain {topic}?",
+    "I'm preparing a short talk on {topic} and need help.",
+    "My friend {name} and I disagree about {topic}.",
+    "Please give me an overview of {topic}.",
+    "What should a beginner know about {topic}?",
+    "I keep reading conflicting things about {topic}.",
 )
 DETAILS = (
-    "I live in {city}, if that matters.", "{name} says it takes about {number} years to really understand it.",
+    "I live in {city}, if that matters.",
+    "{name} says it takes about {number} years to really understand it.",
     "Last week I read an article claiming that {number} percent of people get this wrong.",
-    "Please keep the answer {style}.", "I already know a little, so you can skip the very basics.",
-    "My teacher mentioned {topic} in passing and I got curious.", "Could you add one concrete example?",
+    "Please keep the answer {style}.",
+    "I already know a little, so you can skip the very basics.",
+    "My teacher mentioned {topic} in passing and I got curious.",
+    "Could you add one concrete example?",
     "I tried to look it up in {city} library but the books were out of date.",
-    "Assume I have about {number} minutes to read your answer.", "What is the most common misconception here?",
-    "How would you explain it to a {number}-year-old?", "{name} thinks it is related to {topic}; is that right?",
+    "Assume I have about {number} minutes to read your answer.",
+    "What is the most common misconception here?",
+    "How would you explain it to a {number}-year-old?",
+    "{name} thinks it is related to {topic}; is that right?",
     "If there are numbers involved, please show the arithmetic step by step.",
     "I would also like to know where to learn more afterwards.",
 )

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import chat_prompts, kv_blocks_for, load_ours, mark, percentile, resolve_dtype, run_timed, set_threads, write_json
 from hf_baseline import hf_generate, hf_version, is_hf_available, load_hf
 from roofline import ModelCost, batch_roofline, decode_roofline_tokens_per_s, measure_copy_bandwidth, measure_peak_flops
+
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.models.loader import LoadedModel
@@ -144,19 +144,29 @@ def main() -> None:
         "num_non_embedding_params": cost.num_non_embedding_params,
         "weight_bytes": cost.weight_bytes,
         "workload": {
-            "num_requests": args.requests, "num_output_tokens": args.output_tokens, "b1_tokens": args.b1_tokens,
-            "prompt_tokens_min": min(lens), "prompt_tokens_mean": statistics.fmean(lens), "prompt_tokens_max": max(lens),
-        },  # fmt: skip
+            "num_requests": args.requests,
+            "num_output_tokens": args.output_tokens,
+            "b1_tokens": args.b1_tokens,
+            "prompt_tokens_min": min(lens),
+            "prompt_tokens_mean": statistics.fmean(lens),
+            "prompt_tokens_max": max(lens),
+        },
         "targets": {
             "ratio_vs_hf": {"target": TARGET_RATIO_VS_HF, "met": ratio_vs_hf >= TARGET_RATIO_VS_HF if ratio_vs_hf else None},
             "roofline_fraction": {"target": TARGET_ROOFLINE_FRACTION, "met": roofline_fraction >= TARGET_ROOFLINE_FRACTION},
             "tpot_b1_over_floor": {"target": TARGET_TPOT_B1_OVER_FLOOR, "met": tpot_b1_ms <= TARGET_TPOT_B1_OVER_FLOOR * memory_floor_ms},
         },
         "env": {
-            "dtype": str(dtype).removeprefix("torch."), "threads": num_threads, "torch": torch.__version__,
-            "transformers": hf_version() if is_hf_run else None, "machine": platform.machine(),
-            "matmul_size": args.matmul_size, "copy_mib": args.copy_mib, "repeats": args.repeats, "quick": args.quick,
-        },  # fmt: skip
+            "dtype": str(dtype).removeprefix("torch."),
+            "threads": num_threads,
+            "torch": torch.__version__,
+            "transformers": hf_version() if is_hf_run else None,
+            "machine": platform.machine(),
+            "matmul_size": args.matmul_size,
+            "copy_mib": args.copy_mib,
+            "repeats": args.repeats,
+            "quick": args.quick,
+        },
     }
     result["elapsed_s"] = time.perf_counter() - bench_start_s
     print_table(result, cost)
@@ -171,10 +181,14 @@ def print_table(r: dict, cost: ModelCost) -> None:
     def row(label: str, value: str, target: str = "", status: str = "") -> None:
         print(f"  {label:<34}{value:>16}   {target:<9}{status}")
 
-    print(f"\nTandem engine bench: SmolLM2-135M-Instruct, {env['dtype']}, torch threads={env['threads']}, torch {env['torch']}"
-          + (f", transformers {env['transformers']}" if env["transformers"] else ""))  # fmt: skip
-    print(f"workload: {n} requests submitted at once, chat prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
-          f"(mean {w['prompt_tokens_mean']:.0f}), {b} greedy output tokens each")  # fmt: skip
+    print(
+        f"\nTandem engine bench: SmolLM2-135M-Instruct, {env['dtype']}, torch threads={env['threads']}, torch {env['torch']}"
+        + (f", transformers {env['transformers']}" if env["transformers"] else "")
+    )
+    print(
+        f"workload: {n} requests submitted at once, chat prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
+        f"(mean {w['prompt_tokens_mean']:.0f}), {b} greedy output tokens each"
+    )
     print(line)
     print("machine, measured in this run")
     row("peak matmul", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s", f"{env['dtype']} {env['matmul_size']}^2 matmul, best of {env['repeats']}")
@@ -194,25 +208,35 @@ def print_table(r: dict, cost: ModelCost) -> None:
     else:
         row("ratio: ours / HF best", "skipped", f">= {TARGET_RATIO_VS_HF:g}x")
     row("roofline tokens/s (this batch)", f"{r['roofline_tokens_per_s']:.1f}", f"{r['roofline_bound']}-bound")
-    row("fraction of roofline", f"{100 * r['roofline_fraction']:.1f}%", f">= {100 * TARGET_ROOFLINE_FRACTION:.0f}%",
-        mark(r["targets"]["roofline_fraction"]["met"]))  # fmt: skip
+    row(
+        "fraction of roofline",
+        f"{100 * r['roofline_fraction']:.1f}%",
+        f">= {100 * TARGET_ROOFLINE_FRACTION:.0f}%",
+        mark(r["targets"]["roofline_fraction"]["met"]),
+    )
     row(f"batch-1 TPOT ms ({w['b1_tokens']} tokens, alone)", f"{r['tpot_b1_ms']:.1f}")
     row("memory floor ms (weights / bw)", f"{r['memory_floor_ms']:.1f}")
-    row("batch-1 TPOT / memory floor", f"{r['tpot_b1_over_floor']:.2f}x", f"<= {TARGET_TPOT_B1_OVER_FLOOR:g}x",
-        mark(r["targets"]["tpot_b1_over_floor"]["met"]))  # fmt: skip
+    row(
+        "batch-1 TPOT / memory floor",
+        f"{r['tpot_b1_over_floor']:.2f}x",
+        f"<= {TARGET_TPOT_B1_OVER_FLOOR:g}x",
+        mark(r["targets"]["tpot_b1_over_floor"]["met"]),
+    )
     print(line)
-    print(f"roofline = output tokens / max(FLOPs / peak matmul, bytes / copy bandwidth), the whole batch at once:\n"
-          f"  FLOPs = per request, 2 x {cost.num_non_embedding_params / 1e6:.1f}M non-embedding params x (prompt + {b - 1}) "
-          f"tokens\n          + 2 x {cost.hidden_size} x {cost.vocab_size} logits x {b} + causal attention -> "
-          f"{r['roofline_compute_s']:.2f} s\n"
-          f"  bytes = {b} dependent forward steps x {cost.weight_bytes / 1e6:.0f} MB weights + KV written once "
-          f"and read by each decode -> {r['roofline_memory_s']:.2f} s\n"
-          f"  decode-only form, min(peak / {cost.flops_per_token / 1e6:.0f} MFLOP per token, {n} x bw / weight bytes) = "
-          f"{r['roofline_decode_only_tokens_per_s']:.1f} tok/s ({100 * r['roofline_decode_only_fraction']:.1f}% reached),\n"
-          f"  ignores prefill and KV traffic\n"
-          f"memory floor = {cost.weight_bytes / 1e6:.0f} MB of weights (non-embedding + lm_head) / copy bandwidth: "
-          f"the least one decode step can take\n"
-          f"targets are information, not pass/fail of this command; bench took {r['elapsed_s']:.0f} s")  # fmt: skip
+    print(
+        f"roofline = output tokens / max(FLOPs / peak matmul, bytes / copy bandwidth), the whole batch at once:\n"
+        f"  FLOPs = per request, 2 x {cost.num_non_embedding_params / 1e6:.1f}M non-embedding params x (prompt + {b - 1}) "
+        f"tokens\n          + 2 x {cost.hidden_size} x {cost.vocab_size} logits x {b} + causal attention -> "
+        f"{r['roofline_compute_s']:.2f} s\n"
+        f"  bytes = {b} dependent forward steps x {cost.weight_bytes / 1e6:.0f} MB weights + KV written once "
+        f"and read by each decode -> {r['roofline_memory_s']:.2f} s\n"
+        f"  decode-only form, min(peak / {cost.flops_per_token / 1e6:.0f} MFLOP per token, {n} x bw / weight bytes) = "
+        f"{r['roofline_decode_only_tokens_per_s']:.1f} tok/s ({100 * r['roofline_decode_only_fraction']:.1f}% reached),\n"
+        f"  ignores prefill and KV traffic\n"
+        f"memory floor = {cost.weight_bytes / 1e6:.0f} MB of weights (non-embedding + lm_head) / copy bandwidth: "
+        f"the least one decode step can take\n"
+        f"targets are information, not pass/fail of this command; bench took {r['elapsed_s']:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ import nats
 from nats.aio.client import Client
 
 from tandem.bus import decode, encode, subjects
+from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.servers import start_nats
 from tandem.models.loader import load_tokenizer
-from tandem.proc import ChildProcess, free_port
-from tandem.servers import start_nats
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateRequest
@@ -49,7 +49,9 @@ class Timing:
 
 def prompt_of(num_tokens: int) -> list[int]:
     tokenizer = load_tokenizer(None)
-    story = " ".join(f"Note {i}: the tide turned at the pier and the boats came home with the evening light." for i in range(num_tokens // 10))
+    story = " ".join(
+        f"Note {i}: the tide turned at the pier and the boats came home with the evening light." for i in range(num_tokens // 10)
+    )
     prompt = tokenizer.encode_chat([{"role": "user", "content": story}])
     assert len(prompt) >= num_tokens, (len(prompt), num_tokens)
     return prompt[:num_tokens]
@@ -72,7 +74,7 @@ def _worker(role: str, nats_url: str, dtype: str, num_threads: int | None) -> tu
 async def _ready(nc: Client, role: str, instance_id: str) -> WorkerHeartbeat:
     ready: asyncio.Future[WorkerHeartbeat] = asyncio.get_running_loop().create_future()
 
-    async def on_heartbeat(msg) -> None:  # noqa: ANN001
+    async def on_heartbeat(msg) -> None:
         heartbeat = decode(msg.data, WorkerHeartbeat)
         if heartbeat.service.is_ready and heartbeat.is_engine_ready and not ready.done():
             ready.set_result(heartbeat)
@@ -88,7 +90,7 @@ async def _time_one(nc: Client, worker_id: str, assignment: Assignment) -> Timin
     arrivals: list[float] = []
     done = asyncio.get_running_loop().create_future()
 
-    async def on_event(msg) -> None:  # noqa: ANN001
+    async def on_event(msg) -> None:
         event = decode(msg.data, TokenEvent)
         arrivals.append(time.perf_counter())
         if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED and not done.done():
@@ -157,7 +159,5 @@ def measure_ttft(num_tokens: int, repeats: int, dtype: str, num_threads: int | N
         "remote_second_token_ms": remote_second_ms,
         "ttft_num_prompt_tokens": len(prompt),
         "ttft_repeats": repeats,
-        "ttft_runs_ms": {
-            side: [[1e3 * t.ttft_s, 1e3 * t.second_token_s] for t in timings] for side, timings in runs.items()
-        },
+        "ttft_runs_ms": {side: [[1e3 * t.ttft_s, 1e3 * t.second_token_s] for t in timings] for side, timings in runs.items()},
     }

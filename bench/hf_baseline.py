@@ -68,9 +68,7 @@ class HfRun:
         return self.num_output_tokens / self.elapsed_s
 
 
-def hf_generate(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], batch_size: int, num_new_tokens: int, pad_token_id: int
-) -> HfRun:
+def hf_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], batch_size: int, num_new_tokens: int, pad_token_id: int) -> HfRun:
     """Greedy `generate` over `prompts` in arrival order, `batch_size` at a time, left-padded."""
     outputs: list[list[int]] = []
     elapsed_s = 0.0

@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # read when UCX loads: ucxx sets one UCX_* variable itself
-import ucxx  # noqa: E402
-
+import ucxx
 from common import mark, set_threads, write_json
 from handoff_ttft import measure_ttft
+
 from tandem.kvtransfer import KvReceiver, KvSender
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2-135M: layers, K/V, tokens per block, KV heads, head dim
@@ -63,9 +63,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help=f"raw/handoff pairs, median reported (default {FULL['repeats']})")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, all cores)")
     parser.add_argument(
-        "--progress-mode", choices=("thread", "thread-polling", "blocking", "polling"),
+        "--progress-mode",
+        choices=("thread", "thread-polling", "blocking", "polling"),
         help="ucxx progress mode of both processes (default: ucxx's, or UCXPY_PROGRESS_MODE)",
-    )  # fmt: skip
+    )
     parser.add_argument("--ttft-tokens", type=int, help=f"prompt tokens of the TTFT comparison (default {FULL['ttft_tokens']})")
     parser.add_argument("--ttft-repeats", type=int, help=f"remote/local pairs, median reported (default {FULL['ttft_repeats']})")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the remote-vs-local TTFT (worker processes)")
@@ -112,7 +113,7 @@ async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], pr
     raw_buffer = np.empty(len(dest_ids) * pool[0].numel() * pool.element_size(), np.uint8)
     raw_handlers: list[asyncio.Task] = []
 
-    async def raw_handler(endpoint) -> None:  # noqa: ANN001
+    async def raw_handler(endpoint) -> None:
         raw_handlers.append(asyncio.current_task())
         ack = np.ones(1, np.uint8)
         try:
@@ -209,12 +210,17 @@ def main() -> None:
         "num_bytes": num_bytes,
         "runs": {"raw_ms": [1e3 * s for s in runs["raw_s"]], "handoff_ms": [1e3 * s for s in runs["handoff_s"]]},
         "env": {
-            "dtype": str(DTYPE).removeprefix("torch."), "block_shape": list(BLOCK_SHAPE), "threads": num_threads,
+            "dtype": str(DTYPE).removeprefix("torch."),
+            "block_shape": list(BLOCK_SHAPE),
+            "threads": num_threads,
             "progress_mode": args.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
-            "transports": ports["transports"], "ucx_tls": os.environ.get("UCX_TLS"),
-            "ucx": ".".join(map(str, ucxx.get_ucx_version())), "ucxx": ucxx.__version__, "torch": torch.__version__,
+            "transports": ports["transports"],
+            "ucx_tls": os.environ.get("UCX_TLS"),
+            "ucx": ".".join(map(str, ucxx.get_ucx_version())),
+            "ucxx": ucxx.__version__,
+            "torch": torch.__version__,
             "quick": args.quick,
-        },  # fmt: skip
+        },
     }
     if not args.skip_ttft:
         result.update(measure_ttft(args.ttft_tokens, args.ttft_repeats, args.dtype, args.threads))
@@ -225,10 +231,14 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     env = r["env"]
-    print(f"\nKV transfer bench: {r['num_blocks']} SmolLM2-135M blocks ({r['num_tokens']} tokens, {env['dtype']}), "
-          f"{r['num_blocks']} x {r['bytes_per_block']:,} = {r['num_bytes']:,} bytes, loopback to another process")  # fmt: skip
-    print(f"UCX {env['ucx']}, ucxx {env['ucxx']}, progress mode {env['progress_mode']}, "
-          f"context transports {','.join(env['transports'])}, UCX_TLS={env['ucx_tls'] or '(default)'}")  # fmt: skip
+    print(
+        f"\nKV transfer bench: {r['num_blocks']} SmolLM2-135M blocks ({r['num_tokens']} tokens, {env['dtype']}), "
+        f"{r['num_blocks']} x {r['bytes_per_block']:,} = {r['num_bytes']:,} bytes, loopback to another process"
+    )
+    print(
+        f"UCX {env['ucx']}, ucxx {env['ucxx']}, progress mode {env['progress_mode']}, "
+        f"context transports {','.join(env['transports'])}, UCX_TLS={env['ucx_tls'] or '(default)'}"
+    )
     print("-" * 78)
     print(f"  {'':<36}{'median':>10}{'GB/s':>8}   runs (ms)")
     for label, ms, bps, runs in (
@@ -243,7 +253,9 @@ def print_table(r: dict) -> None:
         print(f"  {'remote - local TTFT':<36}{'n/a':>10}   --skip-ttft")
     else:
         n = r["ttft_num_prompt_tokens"]
-        print(f"  {'TTFT local / remote prefill':<36}{r['local_ttft_ms']:>7.0f} ms / {r['remote_ttft_ms']:.0f} ms   {n}-token prompt, worker processes")
+        print(
+            f"  {'TTFT local / remote prefill':<36}{r['local_ttft_ms']:>7.0f} ms / {r['remote_ttft_ms']:.0f} ms   {n}-token prompt, worker processes"
+        )
         print(f"  {'remote - local TTFT':<36}{r['remote_minus_local_ttft_ms']:>7.1f} ms")
         print(f"  {'remote - local, second token':<36}{r['remote_minus_local_second_token_ms']:>7.1f} ms   includes transfer + commit")
     print("-" * 78)

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import load_ours, mark, message_text, resolve_dtype, run_timed, set_threads, write_json
+
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.models.loader import LoadedModel

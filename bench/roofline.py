@@ -106,9 +106,7 @@ class Roofline:
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
 
-def batch_roofline(
-    cost: ModelCost, prompt_lens: Sequence[int], num_output_tokens: int, peak_flops: float, bandwidth: float
-) -> Roofline:
+def batch_roofline(cost: ModelCost, prompt_lens: Sequence[int], num_output_tokens: int, peak_flops: float, bandwidth: float) -> Roofline:
     """The fastest this machine could serve the batch, every request running at once.
 
     FLOPs: each request forwards its prompt and all but its last output token through every

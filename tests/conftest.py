@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from tandem.servers import EmbeddedServer, start_nats, start_redis
+from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import nats
 from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
-from tandem.proc import ChildProcess, free_port
+from tandem.devstack.proc import ChildProcess, free_port
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,15 +8,15 @@ import asyncio
 import runpy
 import sys
 
-from tandem import cassandra_node
 from tandem.config import ROLES, load_settings
+from tandem.devstack import cassandra_node
 from tandem.errors import StartupError
 from tandem.models.files import open_model
-from tandem.service import bind_port
+from tandem.runtime import bind_port
 
 
 def _up(args: argparse.Namespace) -> int:
-    from tandem.stack import Stack, stack_config_from
+    from tandem.devstack.stack import Stack, stack_config_from
 
     settings = load_settings(**({"host": args.host} if args.host else {}))
     config = stack_config_from(settings, chat_port=args.port)
@@ -85,7 +85,7 @@ async def _quiet(*_: object) -> None:
     """nats-py logs every connection error with a traceback; the CLI says it in one line instead."""
 
 
-async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:  # noqa: ANN001
+async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     """The internal-client path: a GenerateRequest on tandem.v1.generate, then the TokenEvents."""
     from pathlib import Path
 
@@ -107,7 +107,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:  # noqa:
         nc = await asyncio.wait_for(
             nats.connect(settings.nats_url, connect_timeout=2, max_reconnect_attempts=0, error_cb=_quiet), timeout=5
         )
-    except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds; all mean the same here
+    except Exception as exc:
         raise StartupError(
             f"cannot reach NATS at {settings.nats_url} ({exc or type(exc).__name__}): start the stack or set TANDEM_NATS_URL"
         ) from None
@@ -119,8 +119,10 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:  # noqa:
     # Subscribed before asking, so no token can arrive before we listen.
     await nc.subscribe(f"{subjects.PREFIX}.tokens.*", cb=on_event)
     try:
-        answer = await nc.request(subjects.GENERATE, encode(GenerateRequest(model="auto", prompt_token_ids=prompt_ids, sampling=params)), timeout=10)
-    except Exception as exc:  # noqa: BLE001
+        answer = await nc.request(
+            subjects.GENERATE, encode(GenerateRequest(model="auto", prompt_token_ids=prompt_ids, sampling=params)), timeout=10
+        )
+    except Exception as exc:
         await nc.close()
         raise StartupError(f"no router answered on {subjects.GENERATE} ({exc or type(exc).__name__}): is the stack up?") from None
     reply = decode(answer.data, GenerateReply)

@@ -1,4 +1,4 @@
 from services.chat.app import ROLE, build_app
-from tandem.service import run_service
+from tandem.runtime import run_service
 
 run_service(ROLE, build_app)

@@ -16,7 +16,7 @@ from services.chat.state import ChatConfig, ChatState
 from tandem.bus import subjects
 from tandem.config import Settings
 from tandem.models.loader import load_tokenizer
-from tandem.service import Runtime, RuntimeConfig, create_app
+from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.store import open_store, store_is_available
 
 ROLE = "chat"
@@ -40,7 +40,7 @@ def build_app(settings: Settings) -> FastAPI:
         models=ModelsView(),
     )
 
-    async def subscribe(client) -> None:  # noqa: ANN001
+    async def subscribe(client) -> None:
         await client.subscribe(subjects.heartbeats_of("decode"), cb=state.models.on_heartbeat)
 
     async def on_start() -> None:

@@ -65,8 +65,7 @@ def active_history(messages: Sequence[Message], summary_upto_seq: int = 0) -> li
     return [
         m
         for m in active_branch(messages)
-        if m.seq > summary_upto_seq
-        and (m.role == Role.USER or (m.status in (MessageStatus.COMPLETE, MessageStatus.STOPPED) and m.content))
+        if m.seq > summary_upto_seq and (m.role == Role.USER or (m.status in (MessageStatus.COMPLETE, MessageStatus.STOPPED) and m.content))
     ]
 
 

@@ -19,7 +19,14 @@ TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404
 
 
 def error_response(status: int, message: str, code: str, retry_after_s: float = 0.0, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error"), "code": code, "param": param}}
+    body = {
+        "error": {
+            "message": message,
+            "type": TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "code": code,
+            "param": param,
+        }
+    }
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else {}
     return JSONResponse(body, status_code=status, headers=headers)
 

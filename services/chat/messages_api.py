@@ -52,14 +52,14 @@ async def stop(state: State, user: CurrentUser, message_id: str) -> dict[str, st
 
 
 @router.post("/{message_id}/regenerate")
-async def regenerate_message(
-    state: State, user: CurrentUser, message_id: str, body: RegenerateBody | None = None
-) -> EventSourceResponse:
+async def regenerate_message(state: State, user: CurrentUser, message_id: str, body: RegenerateBody | None = None) -> EventSourceResponse:
     body = body or RegenerateBody()
     message, conversation = await owned_message(state, user, message_id)
     if message.role != Role.ASSISTANT:
         raise HTTPException(400, "only an assistant message can be regenerated")
     started = await regenerate(state, user, conversation, message, body.model, body.sampling())
     return EventSourceResponse(
-        sse_stream(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns), ping=int(state.config.keepalive_s), headers={"X-Message-Id": started.reply_id}
+        sse_stream(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns),
+        ping=int(state.config.keepalive_s),
+        headers={"X-Message-Id": started.reply_id},
     )

@@ -6,4 +6,6 @@ REPLIES_STARTED = Counter("tandem_chat_replies_started_total", "Replies the rout
 REPLIES_REFUSED = Counter("tandem_chat_replies_refused_total", "Replies refused before streaming", ["code"])
 STREAMS_OPEN = Gauge("tandem_chat_streams_open", "SSE streams being served now")
 STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed with Last-Event-ID > 0")
-IDEMPOTENT_REPEATS = Counter("tandem_chat_idempotent_repeats_total", "Requests that attached to the reply of an earlier one with the same key")
+IDEMPOTENT_REPEATS = Counter(
+    "tandem_chat_idempotent_repeats_total", "Requests that attached to the reply of an earlier one with the same key"
+)

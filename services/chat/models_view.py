@@ -44,7 +44,7 @@ class ModelsView:
         return out
 
     def resolve(self, requested: str) -> ServedModel | None:
-        """"auto" (or empty) is any served model; otherwise the one named."""
+        """ "auto" (or empty) is any served model; otherwise the one named."""
         models = self.models()
         if requested in ("", "auto"):
             return next(iter(sorted(models.values(), key=lambda m: m.name)), None)

@@ -68,7 +68,9 @@ async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
     models = state.models.models()
     return {
         "object": "list",
-        "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": m.window_tokens} for m in models.values()],
+        "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": m.window_tokens} for m in models.values()
+        ],
     }
 
 
@@ -132,8 +134,14 @@ async def _completion(state: ChatState, reply_id: str, model: str, created: int)
 
 async def _chunks(state: ChatState, reply_id: str, model: str, created: int, include_usage: bool) -> AsyncIterator[dict[str, str]]:
     def chunk(delta: dict[str, str], finish: str | None, **extra: object) -> dict[str, str]:
-        body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        body = {
+            "id": reply_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            **extra,
+        }
         return {"data": json.dumps(body, ensure_ascii=False)}
 
     yield chunk({"role": "assistant", "content": ""}, None)
@@ -148,8 +156,23 @@ async def _chunks(state: ChatState, reply_id: str, model: str, created: int, inc
                 yield chunk({}, finish_reason(event))
                 if include_usage:
                     u = event.usage
-                    usage = {"prompt_tokens": u.input_tokens, "completion_tokens": u.output_tokens, "total_tokens": u.input_tokens + u.output_tokens}
-                    yield {"data": json.dumps({"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage})}
+                    usage = {
+                        "prompt_tokens": u.input_tokens,
+                        "completion_tokens": u.output_tokens,
+                        "total_tokens": u.input_tokens + u.output_tokens,
+                    }
+                    yield {
+                        "data": json.dumps(
+                            {
+                                "id": reply_id,
+                                "object": "chat.completion.chunk",
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": usage,
+                            }
+                        )
+                    }
         finished.append(True)
     yield {"data": "[DONE]"}
 

@@ -86,7 +86,7 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
         client = state.bus.client
         answer = await client.request(subjects.GENERATE, encode(request), timeout=state.config.generate_timeout_s)
         outcome = decode(answer.data, GenerateReply)
-    except Exception as exc:  # noqa: BLE001 - no router, NATS down, timeout: all mean "try again soon"
+    except Exception as exc:
         await forget_reply(state, reply.reply_id)
         metrics.REPLIES_REFUSED.labels(code="unavailable").inc()
         raise ReplyRefused(503, "unavailable", f"no router answered ({exc or type(exc).__name__}); try again shortly", 1.0) from None
@@ -152,4 +152,3 @@ async def sse_stream(
                     yield sse.as_dict()
     finally:
         metrics.STREAMS_OPEN.dec()
-

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
 
@@ -37,7 +37,7 @@ class RegenerateBody(SamplingBody):
 
 
 def iso(unix_ms: int) -> str:
-    return datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(unix_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def conversation_summary(conversation: Conversation) -> dict[str, object]:

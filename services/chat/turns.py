@@ -88,8 +88,12 @@ async def send_message(
     user_message = await state.store.append_message(
         user.user_id,
         NewMessage(
-            id=user_message_id or uuid.uuid4().hex, conversation_id=conversation.id, role=Role.USER,
-            content=content, tokens=new_turn.tokens, model=model.name,
+            id=user_message_id or uuid.uuid4().hex,
+            conversation_id=conversation.id,
+            role=Role.USER,
+            content=content,
+            tokens=new_turn.tokens,
+            model=model.name,
         ),
     )
     if not conversation.title:
@@ -121,7 +125,13 @@ class _Prompt:
 
 
 def _prompt(
-    state: ChatState, user: ApiKey, conversation: Conversation, history: list[Message], new_turn: Turn, model: ServedModel, counter: PromptCounter
+    state: ChatState,
+    user: ApiKey,
+    conversation: Conversation,
+    history: list[Message],
+    new_turn: Turn,
+    model: ServedModel,
+    counter: PromptCounter,
 ) -> _Prompt:
     config = state.config
     budget = Budget(
@@ -154,17 +164,28 @@ async def _start(
     await state.store.append_message(
         user.user_id,
         NewMessage(
-            id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0,
-            model=model.name, status=MessageStatus.RUNNING, parent_seq=parent_seq,
+            id=reply_id,
+            conversation_id=conversation.id,
+            role=Role.ASSISTANT,
+            content="",
+            tokens=0,
+            model=model.name,
+            status=MessageStatus.RUNNING,
+            parent_seq=parent_seq,
         ),
     )
     await _supersede(state, conversation.id, reply_id)
     wanted = sampling.max_tokens or state.config.max_answer_tokens
     max_tokens = max(1, min(wanted, model.window_tokens - len(prompt.ids)))
     reply = ReplyRequest(
-        reply_id=reply_id, user=user, model=model.name, prompt_ids=prompt.ids, public_prefix_tokens=prompt.num_public,
+        reply_id=reply_id,
+        user=user,
+        model=model.name,
+        prompt_ids=prompt.ids,
+        public_prefix_tokens=prompt.num_public,
         sampling=sampling.params(max_tokens),
-        conversation_id=conversation.id, message_id=reply_id,
+        conversation_id=conversation.id,
+        message_id=reply_id,
     )
     try:
         await begin_reply(state, reply)
@@ -190,4 +211,3 @@ async def _supersede(state: ChatState, conversation_id: str, reply_id: str) -> N
 def _title_of(content: str) -> str:
     line = " ".join(content.split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
-

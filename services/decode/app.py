@@ -14,10 +14,10 @@ from nats.aio.msg import Msg
 from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.engine_host import EngineHost, refusal
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.dispatch_pb2 import AssignmentReply
-from tandem.worker import build_worker
+from tandem.worker.host import EngineHost, refusal
+from tandem.worker.service import build_worker
 
 ROLE = "decode"
 log = logging.getLogger(__name__)
@@ -29,7 +29,12 @@ class DecodeWorker:
         self._host = EngineHost(settings, self._worker)
         runtime = self._worker.runtime
         self._handoff = KvHandoffService(
-            self._host, self._worker.model.name, settings.reachable_host(), settings.ucx_port, settings.kv_lease_s, lambda: runtime.is_draining
+            self._host,
+            self._worker.model.name,
+            settings.reachable_host(),
+            settings.ucx_port,
+            settings.kv_lease_s,
+            lambda: runtime.is_draining,
         )
         self._worker.control.add_service(lambda server: kv_handoff_pb2_grpc.add_KvHandoffServicer_to_server(self._handoff, server))
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.convert import engine_request, kv_layout
 from tandem.engine.block_pool import NoFreeBlocks
 from tandem.engine.engine import ImportReservation
-from tandem.engine_host import EngineHost
 from tandem.kvtransfer import KvReceiver
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.generate_pb2 import Refusal
+from tandem.worker.host import EngineHost
+from tandem.worker.wire import engine_request, kv_layout
 
 log = logging.getLogger(__name__)
 TRANSFER_WAIT_S = 10.0
@@ -30,7 +30,7 @@ class _Reservation:
 
 
 class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
-    def __init__(self, host: EngineHost, model_name: str, ucx_host: str, ucx_port: int, lease_s: float, is_draining) -> None:  # noqa: ANN001
+    def __init__(self, host: EngineHost, model_name: str, ucx_host: str, ucx_port: int, lease_s: float, is_draining) -> None:
         self._host = host
         self._model_name = model_name
         self._lease_s = lease_s
@@ -39,7 +39,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         self.receiver = KvReceiver(ucx_host, ucx_port, resolve=self._destination)
         self._ucx_host = ucx_host
 
-    def _destination(self, reply_id: str) -> list | None:  # noqa: ANN401
+    def _destination(self, reply_id: str) -> list | None:
         reservation = self._reservations.get(reply_id)
         if reservation is None:
             return None

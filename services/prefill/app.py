@@ -23,16 +23,16 @@ from nats.aio.msg import Msg
 
 from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.convert import kv_layout
 from tandem.engine.engine import Request, RequestOutput
-from tandem.engine_host import EngineHost, refusal
 from tandem.kvtransfer import KvSender, KvTransferError
 from tandem.v1 import common_pb2
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.tokens_pb2 import TokenEvent
-from tandem.worker import build_worker
+from tandem.worker.host import EngineHost, refusal
+from tandem.worker.service import build_worker
+from tandem.worker.wire import kv_layout
 
 ROLE = "prefill"
 RESERVE_TIMEOUT_S = 2.0
@@ -217,7 +217,9 @@ class PrefillWorker:
         await _release(h.stub, h.reply_id)
         if self._is_stopping and h.reply_id not in self._host.cancels:
             # Shutdown, not the user: the router places the reply again (its decode worker is fine).
-            await self._publish_outcome(h, HandoffOutcome.RESULT_FAILED, "prefill_stopping", "the prefill worker is shutting down", blame_decode=False)
+            await self._publish_outcome(
+                h, HandoffOutcome.RESULT_FAILED, "prefill_stopping", "the prefill worker is shutting down", blame_decode=False
+            )
             return
         await self._publish_end(h.reply_id, h.first_seq + (h.output is not None), common_pb2.FINISH_REASON_CANCELLED)
         await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED, "cancelled")
@@ -240,7 +242,7 @@ class PrefillWorker:
             outcome.published_token_ids.extend(h.output.new_token_ids)
         try:
             await self._worker.runtime.bus.client.publish(subjects.handoff(h.reply_id), encode(outcome))
-        except Exception:  # noqa: BLE001 - the router's wait times out instead
+        except Exception:
             log.exception("could not publish the handoff outcome of %s", h.reply_id)
 
 

@@ -17,7 +17,7 @@ from services.relay.persist import persist_reply
 from services.relay.sweep import SweepConfig, Sweeper
 from tandem.bus import BadMessage, decode, subjects
 from tandem.config import Settings
-from tandem.service import Runtime, RuntimeConfig, create_app
+from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.store import StoreUnavailable, open_store, store_is_available
 from tandem.tokenlog import RUNNING, TokenLogWriter
 from tandem.v1.tokens_pb2 import TokenEvent

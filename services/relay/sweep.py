@@ -51,7 +51,9 @@ class Sweeper:
         gap_since_ms = int(await self._redis.hget(keys.meta, "gap_since_ms") or 0)
         if gap_since_ms and now_ms() - gap_since_ms > self._config.gap_report_s * 1000:
             metrics.GAPS_REPORTED.inc()
-            log.warning("reply %s: events after seq %d wait for a missing one since %d ms", reply_id, meta.last_seq, now_ms() - gap_since_ms)
+            log.warning(
+                "reply %s: events after seq %d wait for a missing one since %d ms", reply_id, meta.last_seq, now_ms() - gap_since_ms
+            )
         cancel_sent_ms = int(await self._redis.hget(keys.meta, "cancel_sent_ms") or 0)
         if cancel_sent_ms:
             if now_ms() - cancel_sent_ms > self._config.cancel_grace_s * 1000:

@@ -19,7 +19,7 @@ from services.router.workers import WorkerRegistry
 from tandem import metrics
 from tandem.bus import BadMessage, decode, subjects
 from tandem.config import Settings
-from tandem.service import Runtime, RuntimeConfig, create_app
+from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.v1.kv_pb2 import KvEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
@@ -68,7 +68,11 @@ def build_app(settings: Settings) -> FastAPI:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
         await client.subscribe(subjects.KV_EVENTS_ALL, cb=on_kv_event)
         generate = GenerateService(
-            workers, placement, nats_assign(client, dispatch_config.assign_timeout_s, dispatch_config.accept_margin_s), client.publish, dispatch_config
+            workers,
+            placement,
+            nats_assign(client, dispatch_config.assign_timeout_s, dispatch_config.accept_margin_s),
+            client.publish,
+            dispatch_config,
         )
         await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
         await client.subscribe(subjects.HANDOFFS_ALL, cb=generate.outcomes.on_message)

@@ -1,7 +1,7 @@
 """Placement's `cached_tokens` seam, answered from the prefix index: how many leading tokens of a
 request a worker's prefix cache holds, by the block keys that worker's engine will compute.
 
-The keys follow the engine's rules exactly (tandem.convert.engine_request, the KV cache
+The keys follow the engine's rules exactly (tandem.worker.wire.engine_request, the KV cache
 manager): tenant = request.tenant or request.user_id; blocks wholly inside the public prefix use
 the public namespace; only full blocks count; and at least one token is always left to compute,
 so a prompt's last token's block never counts as cached.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from services.router.prefix_index import PrefixIndex
 from services.router.workers import LiveWorker
-from tandem.engine.batch import BLOCK_SIZE
 from tandem.engine.block_hash import prefix_block_hashes
+from tandem.kernels.metadata import BLOCK_SIZE
 from tandem.v1.generate_pb2 import GenerateRequest
 
 

@@ -151,9 +151,7 @@ def failure_error(result: DispatchResult, config: DispatchConfig) -> Error:
     reasons = {a.refusal.reason if a.refusal is not None else a.outcome for a in attempts}
     # Every worker refusing for the same reason says more than a generic code.
     code = reasons.pop() if len(reasons) == 1 and attempts[0].refusal is not None else "no_worker_accepted"
-    retry_after_s = max(
-        (a.refusal.retry_after_s if a.refusal is not None else config.retry_after_s) for a in attempts
-    )
+    retry_after_s = max((a.refusal.retry_after_s if a.refusal is not None else config.retry_after_s) for a in attempts)
     tried = "; ".join(a.describe() for a in attempts)
     error = Error(code=code, message=f"no decode worker took the reply after {len(attempts)} tries: {tried}")
     if retry_after_s > 0:

@@ -22,7 +22,7 @@ from services.router.handoffs import HandoffOutcomes, continuation
 from services.router.placement import Placement, affinity_key, num_context_tokens
 from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, subjects
-from tandem.cancels import RecentCancels
+from tandem.bus.cancels import RecentCancels
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, Error
 from tandem.v1.dispatch_pb2 import Assignment, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, Refusal

@@ -6,9 +6,7 @@ from prometheus_client import Counter, Histogram
 
 REQUESTS_ACCEPTED = Counter("tandem_router_requests_accepted", "Generate requests admitted", ["model"])
 REQUESTS_REFUSED = Counter("tandem_router_requests_refused", "Generate requests refused", ["reason"])
-DISPATCH_ATTEMPTS = Counter(
-    "tandem_router_dispatch_attempts", "Assignments offered to workers, by outcome", ["outcome"]
-)
+DISPATCH_ATTEMPTS = Counter("tandem_router_dispatch_attempts", "Assignments offered to workers, by outcome", ["outcome"])
 DISPATCH_FAILURES = Counter("tandem_router_dispatch_failures", "Admitted replies that no worker took")
 DISPATCH_SECONDS = Histogram(
     "tandem_router_dispatch_seconds",

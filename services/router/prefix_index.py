@@ -122,7 +122,12 @@ class PrefixIndex:
         if worker.resync is not None:
             return
         if worker.awaited_event_id is not None and worker.last_event_id < worker.awaited_event_id:
-            log.info("%s published KV event %d, the last seen is %d; asking for its state", worker_id, heartbeat.kv_event_id, worker.last_event_id)
+            log.info(
+                "%s published KV event %d, the last seen is %d; asking for its state",
+                worker_id,
+                heartbeat.kv_event_id,
+                worker.last_event_id,
+            )
             self._start_resync(worker_id, worker, "behind")
             return
         worker.awaited_event_id = heartbeat.kv_event_id if heartbeat.kv_event_id > worker.last_event_id else None
@@ -171,7 +176,7 @@ class PrefixIndex:
     async def _resync(self, worker_id: str, worker: _Worker, answer: Awaitable[KvState]) -> None:
         try:
             state = await answer
-        except Exception as exc:  # noqa: BLE001 - NATS errors, a bad reply, no connection yet
+        except Exception as exc:
             # The next event (a gap again) or heartbeat (still ahead) asks anew.
             log.warning("no KV state from %s (%s); its entries may be stale", worker_id, exc or type(exc).__name__)
             worker.resync = None

@@ -8,7 +8,7 @@ import nats
 import pytest_asyncio
 from product_stack import start_product_stack
 
-from tandem.servers import start_nats, start_redis
+from tandem.devstack.servers import start_nats, start_redis
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from helpers import next_heartbeat, service_env, service_process
 
-from tandem.proc import ChildProcess
+from tandem.devstack.proc import ChildProcess
 
 API_KEYS = "key-alice=alice:plus,key-bob=bob:free"
 ALICE = {"Authorization": "Bearer key-alice"}

@@ -16,9 +16,9 @@ import pytest
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.devstack.proc import ChildProcess
 from tandem.models.loader import load_tokenizer
 from tandem.models.tokenizer import Tokenizer
-from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -78,7 +78,7 @@ async def _nothing_held(nc, ids: dict[str, str], free_at_start: dict[str, int]) 
     for role in ("prefill", "decode"):
         try:
             heartbeat = await _worker_heartbeat_where(
-                nc, role, ids[role], lambda hb: hb.kv_blocks_free == free_at_start[role] and not hb.queued_prefill_tokens
+                nc, role, ids[role], lambda hb, role=role: hb.kv_blocks_free == free_at_start[role] and not hb.queued_prefill_tokens
             )
         except TimeoutError:
             raise AssertionError(f"{role} still holds blocks a minute after the cancel") from None

@@ -17,8 +17,8 @@ import pytest_asyncio
 from helpers import wait_until
 from product_stack import ALICE, SseReader, read_stream, start_product_stack, text_of
 
-from tandem.cassandra_node import NodeConfig, missing_tools, start_node, stop_node
-from tandem.servers import start_nats, start_redis
+from tandem.devstack.cassandra_node import NodeConfig, missing_tools, start_node, stop_node
+from tandem.devstack.servers import start_nats, start_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 STORE_TIMEOUT_S = 3.0
@@ -40,8 +40,13 @@ async def cassandra_stack(node_config, tmp_path_factory):
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
     nc = await nats.connect(nats_server.url)
     stack = await start_product_stack(
-        nc, nats_server.url, redis_server.url, workdir,
-        TANDEM_STORE="cassandra", TANDEM_CASSANDRA_HOSTS=node.hosts, TANDEM_STORE_TIMEOUT_S=str(STORE_TIMEOUT_S),
+        nc,
+        nats_server.url,
+        redis_server.url,
+        workdir,
+        TANDEM_STORE="cassandra",
+        TANDEM_CASSANDRA_HOSTS=node.hosts,
+        TANDEM_STORE_TIMEOUT_S=str(STORE_TIMEOUT_S),
     )
     await nc.close()
     holder = {"stack": stack, "node": node}
@@ -61,7 +66,9 @@ async def test_three_turns_stop_and_reload_on_cassandra(cassandra_stack):
         replies = []
         for question in ("What is the capital of France?", "And of Spain?", "Which is bigger?"):
             async with client.stream(
-                "POST", f"/v1/conversations/{conversation_id}/messages", headers=ALICE,
+                "POST",
+                f"/v1/conversations/{conversation_id}/messages",
+                headers=ALICE,
                 json={"content": question, "temperature": 0, "max_tokens": 16},
             ) as response:
                 events = await read_stream(response)
@@ -69,7 +76,9 @@ async def test_three_turns_stop_and_reload_on_cassandra(cassandra_stack):
             replies.append(events)
         assert all(r[-1].data["usage"]["cached"] > 0 for r in replies[1:])
         async with client.stream(
-            "POST", f"/v1/conversations/{conversation_id}/messages", headers=ALICE,
+            "POST",
+            f"/v1/conversations/{conversation_id}/messages",
+            headers=ALICE,
             json={"content": "Now write a long poem about both.", "temperature": 0, "max_tokens": 400},
         ) as response:
             reader = SseReader(response)
@@ -121,7 +130,9 @@ async def test_a_dead_node_is_a_clear_503_and_the_service_recovers_when_it_is_ba
 
         await wait_until(answers, timeout_s=120, interval_s=0.5)
         async with client.stream(
-            "POST", f"/v1/conversations/{conversation_id}/messages", headers=ALICE,
+            "POST",
+            f"/v1/conversations/{conversation_id}/messages",
+            headers=ALICE,
             json={"content": "Are you back?", "temperature": 0, "max_tokens": 8},
         ) as response:
             assert (await read_stream(response))[-1].event == "done"

@@ -26,11 +26,11 @@ import torch
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.devstack.proc import ChildProcess
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.models.loader import LoadedModel, load_model
-from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -39,7 +39,22 @@ from tandem.v1.worker_pb2 import WorkerHeartbeat
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 MAX_TOKENS = 24
 REMOTE_PREFILL_MIN_TOKENS = 96
-WORDS = "river mountain harbour ferry island lantern meadow orchard bridge castle valley market garden forest".split()
+WORDS = [
+    "river",
+    "mountain",
+    "harbour",
+    "ferry",
+    "island",
+    "lantern",
+    "meadow",
+    "orchard",
+    "bridge",
+    "castle",
+    "valley",
+    "market",
+    "garden",
+    "forest",
+]
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +257,7 @@ async def test_concurrent_conversations_each_return_to_their_decode_worker_for_t
     assert all(f[0].worker_id in stack.prefill for f in firsts), "turn 1 is long and uncached: remote prefill"
     for decode_id in {f[-1].worker_id for f in firsts}:
         await _router_has_every_kv_event(nc, stack, decode_id)
-    second_prompts = [
-        _next_turn(model, p, [e.token_id for e in f], "And which comes least often?") for p, f in zip(first_prompts, firsts)
-    ]
+    second_prompts = [_next_turn(model, p, [e.token_id for e in f], "And which comes least often?") for p, f in zip(first_prompts, firsts)]
     seconds = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in second_prompts))
     for first_prompt, first, second_prompt, second in zip(first_prompts, firsts, second_prompts, seconds):
         assert {e.worker_id for e in second} == {first[-1].worker_id}, "its decode worker, prefilling turn 2 itself"

@@ -7,9 +7,7 @@ from helpers import REPO
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", "tandem.cli", "generate", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def test_greedy_answer_names_paris():

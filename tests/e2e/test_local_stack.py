@@ -13,7 +13,7 @@ import httpx
 import pytest
 from helpers import REPO
 
-from tandem.proc import ChildProcess, free_port
+from tandem.devstack.proc import ChildProcess, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -80,7 +80,11 @@ def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind():
         assert nats_url is not None
         answer = subprocess.run(
             [sys.executable, "-m", "tandem.cli", "generate", "--via-bus", "What is the capital of France?"],
-            env={**_env(), "TANDEM_NATS_URL": nats_url[1]}, cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**_env(), "TANDEM_NATS_URL": nats_url[1]},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert answer.returncode == 0, answer.stderr
         assert "Paris" in answer.stdout, "router -> decode worker -> TokenEvents, over the stack's NATS"
@@ -124,8 +128,15 @@ def test_up_refuses_a_busy_chat_port_before_starting_anything():
         port = holder.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "tandem.cli", "up", "--port", str(port)],
-            env=_env(), cwd=REPO, capture_output=True, text=True, timeout=60,
+            env=_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 2
-    assert result.stderr.strip() == f"tandem up: error: port {port} on 127.0.0.1 is in use: stop what holds it or set TANDEM_HTTP_PORT or --port"
+    assert (
+        result.stderr.strip()
+        == f"tandem up: error: port {port} on 127.0.0.1 is in use: stop what holds it or set TANDEM_HTTP_PORT or --port"
+    )
     assert "started" not in result.stdout

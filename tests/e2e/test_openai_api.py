@@ -67,16 +67,28 @@ async def test_a_streamed_completion_equals_the_whole_one_and_ends_with_done(pro
 async def test_max_tokens_stop_and_seed_are_honoured(product_stack):
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
         model = await served_model(client)
-        short = (await client.post(
-            "/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 3}
-        )).json()
+        short = (
+            await client.post(
+                "/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 3}
+            )
+        ).json()
         assert short["usage"]["completion_tokens"] == 3 and short["choices"][0]["finish_reason"] == "length"
-        stopped = (await client.post(
-            "/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 30, "stop": ["Paris"]}
-        )).json()
+        stopped = (
+            await client.post(
+                "/v1/chat/completions",
+                headers=ALICE,
+                json={"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 30, "stop": ["Paris"]},
+            )
+        ).json()
         assert "Paris" not in stopped["choices"][0]["message"]["content"]
         assert stopped["choices"][0]["finish_reason"] == "stop"
-        seeded = {"model": model, "messages": [{"role": "user", "content": "Tell me a word."}], "temperature": 1.0, "seed": 11, "max_tokens": 12}
+        seeded = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a word."}],
+            "temperature": 1.0,
+            "seed": 11,
+            "max_tokens": 12,
+        }
         first = (await client.post("/v1/chat/completions", headers=ALICE, json=seeded)).json()
         second = (await client.post("/v1/chat/completions", headers=ALICE, json=seeded)).json()
         assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]

@@ -29,7 +29,9 @@ async def new_conversation(client: httpx.AsyncClient, headers=ALICE) -> str:
 
 async def send(client: httpx.AsyncClient, conversation_id: str, content: str, headers=ALICE, stop_after=None, **body):
     async with client.stream(
-        "POST", f"/v1/conversations/{conversation_id}/messages", headers={**headers, "Accept": "text/event-stream"},
+        "POST",
+        f"/v1/conversations/{conversation_id}/messages",
+        headers={**headers, "Accept": "text/event-stream"},
         json={"content": content, **GREEDY, **body},
     ) as response:
         return await read_stream(response, stop_after)
@@ -38,7 +40,9 @@ async def send(client: httpx.AsyncClient, conversation_id: str, content: str, he
 def long_reply(client: httpx.AsyncClient, conversation_id: str, content: str):
     """The streaming response of a message whose answer runs long (up to 400 tokens)."""
     return client.stream(
-        "POST", f"/v1/conversations/{conversation_id}/messages", headers={**ALICE, "Accept": "text/event-stream"},
+        "POST",
+        f"/v1/conversations/{conversation_id}/messages",
+        headers={**ALICE, "Accept": "text/event-stream"},
         json={"content": content, "temperature": 0, "max_tokens": 400},
     )
 
@@ -176,7 +180,9 @@ async def test_regenerate_answers_the_same_user_turn_again(product_stack):
         old_id = first[0].data["message_id"]
         await finished(client, conversation_id, old_id)
         async with client.stream(
-            "POST", f"/v1/messages/{old_id}/regenerate", headers={**ALICE, "Accept": "text/event-stream"},
+            "POST",
+            f"/v1/messages/{old_id}/regenerate",
+            headers={**ALICE, "Accept": "text/event-stream"},
             json={"temperature": 1.0, "seed": 7, "max_tokens": 24},
         ) as response:
             again = await read_stream(response)
@@ -213,7 +219,6 @@ async def test_empty_and_oversize_messages_are_refused_with_the_reason(product_s
         too_many_chars = await client.post(f"/v1/conversations/{conversation_id}/messages", headers=ALICE, json={"content": "a" * 40000})
         assert too_many_chars.status_code == 413 and "characters" in too_many_chars.json()["error"]["message"]
         assert (await stored(client, conversation_id))["messages"] == [], "a refused message is not stored"
-
 
 
 async def test_a_new_message_cancels_the_reply_still_running_in_its_conversation(product_stack):

@@ -246,9 +246,7 @@ async def test_network_drop_mid_reply_resumes_without_repeating_a_word(product_s
     resumed_from = []
     page.on(
         "request",
-        lambda request: resumed_from.append(int(request.headers.get("last-event-id", "0")))
-        if request.url.endswith("/stream")
-        else None,
+        lambda request: resumed_from.append(int(request.headers.get("last-event-id", "0"))) if request.url.endswith("/stream") else None,
     )
     await send(page, LONG_PROMPT)
     answer = answers(page).last
@@ -271,9 +269,7 @@ async def test_a_connection_cut_mid_reply_resumes_on_another_chat_instance(produ
     resumed_from = []
     page.on(
         "request",
-        lambda request: resumed_from.append(int(request.headers.get("last-event-id", "0")))
-        if request.url.endswith("/stream")
-        else None,
+        lambda request: resumed_from.append(int(request.headers.get("last-event-id", "0"))) if request.url.endswith("/stream") else None,
     )
     await send(page, LONG_PROMPT)
     answer = answers(page).last
@@ -296,9 +292,7 @@ async def test_reload_mid_reply_attaches_to_the_running_reply(product_stack, con
     attached_from = []
     page.on(
         "request",
-        lambda request: attached_from.append(request.headers.get("last-event-id"))
-        if request.url.endswith("/stream")
-        else None,
+        lambda request: attached_from.append(request.headers.get("last-event-id")) if request.url.endswith("/stream") else None,
     )
     await page.reload()
 

@@ -6,8 +6,8 @@ import asyncio
 import nats
 
 from tandem.bus import Bus, BusConfig
-from tandem.proc import free_port
-from tandem.servers import EmbeddedServer, start_nats
+from tandem.devstack.proc import free_port
+from tandem.devstack.servers import EmbeddedServer, start_nats
 
 
 async def test_connects_once_a_late_server_comes_up(tmp_path):

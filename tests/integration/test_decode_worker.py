@@ -16,12 +16,12 @@ import torch
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.devstack.proc import ChildProcess
 from tandem.engine.block_hash import prefix_block_hashes
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.models.loader import LoadedModel, load_model
-from tandem.proc import ChildProcess
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateRequest
@@ -86,7 +86,9 @@ async def test_an_assignment_streams_the_engines_tokens(decode_worker, nc, smoll
     heartbeat = await _ready(nc, instance_id)
     assert heartbeat.is_engine_ready and heartbeat.max_model_len == 8192
     prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    expected = Engine(smollm2_fp32, EngineConfig(kv_cache_mib=64)).generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=24))])["x"]
+    expected = Engine(smollm2_fp32, EngineConfig(kv_cache_mib=64)).generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=24))])[
+        "x"
+    ]
 
     done, subscription, _ = await _collect(nc, "reply-paris")
     reply = await _assign(nc, instance_id, "reply-paris", _request(prompt, 24))
@@ -158,7 +160,9 @@ async def test_a_continuation_streams_after_the_tokens_it_was_given_and_counts_t
     _, instance_id = decode_worker
     await _ready(nc, instance_id)
     prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "Name three rivers of Europe."}])
-    expected_stream = Engine(smollm2_fp32, EngineConfig(kv_cache_mib=64)).generate([Request("x", tuple(prompt), SamplingOptions(max_tokens=12))])["x"]
+    expected_stream = Engine(smollm2_fp32, EngineConfig(kv_cache_mib=64)).generate(
+        [Request("x", tuple(prompt), SamplingOptions(max_tokens=12))]
+    )["x"]
     expected = [t for o in expected_stream for t in o.new_token_ids]
     request = _request(prompt, 12)
     request.generated_token_ids.extend(expected[:3])
@@ -241,7 +245,9 @@ async def test_a_reserve_holds_the_cached_prefix_and_returns_only_the_blocks_to_
     await subscription.unsubscribe()
     prompt = [*history, *range(1000, 1070)]
     num_blocks, num_cached_blocks = -(-len(prompt) // 16), len(history) // 16
-    layout = KvLayout(model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder)
+    layout = KvLayout(
+        model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder
+    )
     async with grpc.aio.insecure_channel(idle.grpc_address) as channel:
         stub = KvHandoffStub(channel)
         reserve = ReserveRequest(reply_id="reply-reserve", layout=layout, num_blocks=num_blocks, request=_request(prompt, 4))
@@ -279,12 +285,16 @@ async def test_a_renewed_reservation_outlives_its_lease_and_an_unrenewed_one_exp
     """A prefill worker renews while it prefills (that can take longer than one lease on a busy
     CPU); a silent one loses its blocks when the lease runs out."""
     idle = await _ready(nc, short_lease_decode_worker)
-    layout = KvLayout(model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder)
+    layout = KvLayout(
+        model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder
+    )
     prompt = list(range(1000, 1100))  # 7 blocks, none cached
     async with grpc.aio.insecure_channel(idle.grpc_address) as channel:
         stub = KvHandoffStub(channel)
         for reply_id in ("reply-renewed", "reply-silent"):
-            reserved = await stub.Reserve(ReserveRequest(reply_id=reply_id, layout=layout, num_blocks=7, request=_request(prompt, 4)), timeout=10)
+            reserved = await stub.Reserve(
+                ReserveRequest(reply_id=reply_id, layout=layout, num_blocks=7, request=_request(prompt, 4)), timeout=10
+            )
             assert reserved.WhichOneof("outcome") == "reservation" and reserved.reservation.lease_s == 1.5
         started_s = time.monotonic()
         renewals: list[bool] = []

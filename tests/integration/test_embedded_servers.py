@@ -3,7 +3,7 @@
 import nats
 import redis.asyncio as aioredis
 
-from tandem.servers import EmbeddedServer, start_redis
+from tandem.devstack.servers import EmbeddedServer, start_redis
 
 
 async def test_nats_has_jetstream_and_delivers(nats_server: EmbeddedServer):

@@ -13,10 +13,9 @@ import pytest_asyncio
 import torch
 import ucxx
 
-from tandem.kvtransfer import KvReceiver, KvSender, KvTransferError
-from tandem.kvtransfer import wire
+from tandem.devstack.proc import free_port
+from tandem.kvtransfer import KvReceiver, KvSender, KvTransferError, wire
 from tandem.kvtransfer.wire import Kind, Reply, Status
-from tandem.proc import free_port
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2-135M: layers, K/V, tokens per block, KV heads, head dim
 NUM_POOL_BLOCKS = 64

@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
-from tandem.proc import ChildProcess
-from tandem.servers import start_nats, start_redis
+from tandem.devstack.proc import ChildProcess
+from tandem.devstack.servers import start_nats, start_redis
 from tandem.store import Conversation, MessageStatus, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
@@ -117,8 +117,13 @@ async def test_a_finished_reply_is_stored_as_its_assistant_turn_with_nobody_conn
     now = int(time.time() * 1000)
     conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u1", "t", "m", now, now))
     reply_id = uuid.uuid4().hex
-    await store.append_message("u1", NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING))
-    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id="u1", conversation_id=conversation.id, message_id=reply_id), track_readers=False)
+    await store.append_message(
+        "u1",
+        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING),
+    )
+    await create_reply(
+        redis, ReplyMeta(reply_id=reply_id, user_id="u1", conversation_id=conversation.id, message_id=reply_id), track_readers=False
+    )
     for event in reply_events(reply_id, 6):
         await nc.publish(subjects.tokens(reply_id), encode(event))
 
@@ -134,7 +139,10 @@ async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, n
     now = int(time.time() * 1000)
     conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u2", "t", "m", now, now))
     reply_id = uuid.uuid4().hex
-    await store.append_message("u2", NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING))
+    await store.append_message(
+        "u2",
+        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING),
+    )
     cancelled: asyncio.Future[Cancel] = asyncio.get_running_loop().create_future()
 
     async def on_cancel(msg):
@@ -142,7 +150,9 @@ async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, n
             cancelled.set_result(decode(msg.data, Cancel))
 
     subscription = await nc.subscribe(subjects.cancel(reply_id), cb=on_cancel)
-    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id="u2", conversation_id=conversation.id, message_id=reply_id), track_readers=True)
+    await create_reply(
+        redis, ReplyMeta(reply_id=reply_id, user_id="u2", conversation_id=conversation.id, message_id=reply_id), track_readers=True
+    )
     first = reply_events(reply_id, 3, finish=FINISH_REASON_CANCELLED)
     await nc.publish(subjects.tokens(reply_id), encode(first[0]))
     cancel = await asyncio.wait_for(cancelled, 15)

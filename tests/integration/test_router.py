@@ -22,9 +22,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import decode, encode, subjects
+from tandem.devstack.proc import ChildProcess
+from tandem.devstack.servers import EmbeddedServer
 from tandem.engine.block_hash import prefix_block_hashes
-from tandem.proc import ChildProcess
-from tandem.servers import EmbeddedServer
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR, LaneCounts
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from helpers import REPO, next_heartbeat, service_env, service_process
 
-from tandem.proc import ChildProcess, free_port
-from tandem.servers import EmbeddedServer
+from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.servers import EmbeddedServer
 from tandem.v1 import control_pb2, control_pb2_grpc
 
 ROLES = ("prefill", "decode", "router", "relay", "chat")
@@ -107,9 +107,7 @@ async def test_router_sees_live_workers(start_service, nc):
 
 def _start_failing(role: str, nats_url: str, redis_url: str, **extra: str) -> subprocess.CompletedProcess[str]:
     env = service_env(role, nats_url, redis_url, **extra)
-    return subprocess.run(
-        [sys.executable, "-m", f"services.{role}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, "-m", f"services.{role}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
 def _one_clear_line(result: subprocess.CompletedProcess[str], role: str, *fragments: str) -> None:

@@ -1,6 +1,7 @@
 import os
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from tandem.config import ApiKey, Tier, load_settings, parse_api_keys
@@ -74,7 +75,7 @@ def test_bad_values_name_the_variable(monkeypatch, name, value, complaint):
 
 def test_settings_are_frozen():
     settings = load_settings()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         settings.nats_url = "nats://elsewhere:4222"
 
 

@@ -185,7 +185,5 @@ def test_docker_compose_accepts_the_file() -> None:
     has_compose = docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
     if not has_compose:
         pytest.skip("docker compose plugin not installed")
-    result = subprocess.run(
-        [docker, "compose", "-f", "docker-compose.yml", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True
-    )
+    result = subprocess.run([docker, "compose", "-f", "docker-compose.yml", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -73,7 +73,7 @@ class Bus:
                     error_cb=self._error,
                 )
                 break
-            except (OSError, asyncio.TimeoutError, nats.errors.NoServersError) as exc:
+            except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
                 log.warning("NATS at %s not reachable (%s); retrying in %.1f s", self._config.url, exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, self._config.max_retry_s)

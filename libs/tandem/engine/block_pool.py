@@ -10,12 +10,13 @@ the cache and every cached block evicted is recorded as a KvEvent for the router
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as SequenceOf
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from enum import Enum
 
-from tandem.engine.batch import BLOCK_SIZE
 from tandem.engine.block_hash import block_hash
+from tandem.kernels.metadata import BLOCK_SIZE
 
 __all__ = ["BlockPool", "CachedBlock", "KvEvent", "KvEventKind", "NoFreeBlocks", "block_hash"]
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.batch import BLOCK_SIZE, KvCacheShape
-from tandem.engine.block_pool import BlockPool, KvEvent, NoFreeBlocks
+from tandem.engine.block_pool import BlockPool, CachedBlock, KvEvent, NoFreeBlocks
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
+from tandem.kernels.metadata import BLOCK_SIZE, KvCacheShape
 from tandem.models.loader import LoadedModel
 
 
@@ -189,6 +189,10 @@ class Engine:
 
     def drain_kv_events(self) -> list[KvEvent]:
         return self.pool.drain_events()
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every block the prefix cache holds now (a worker's full KV state)."""
+        return self.pool.cached_blocks()
 
     def stats(self) -> EngineStats:
         c = self._counters

@@ -1,6 +1,6 @@
 """A reply's text as it streams: incremental detokenization plus stop strings.
 
-A stop string can arrive split across tokens, so the last (longest stop − 1) characters are
+A stop string can arrive split across tokens, so the last (longest stop - 1) characters are
 held back until they can no longer start one; when a stop string appears, the text ends right
 before it (the stop string itself is never shown), as OpenAI-compatible servers do.
 """

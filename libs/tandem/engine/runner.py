@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.batch import AttentionMetadata
 from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import StepPlan
 from tandem.engine.sequence import Sequence
+from tandem.kernels.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

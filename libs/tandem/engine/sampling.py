@@ -27,8 +27,7 @@ class Sampler:
         """One token id per row of `logits` (N, vocab); a LongTensor (N,) on logits' device."""
         if logits.dim() != 2 or logits.shape[0] != len(options) or len(options) != len(generators):
             raise ValueError(
-                f"logits {tuple(logits.shape)} need one options and one generator per row, "
-                f"got {len(options)} and {len(generators)}"
+                f"logits {tuple(logits.shape)} need one options and one generator per row, got {len(options)} and {len(generators)}"
             )
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, option in enumerate(options) if not option.is_greedy]

@@ -114,8 +114,7 @@ class Scheduler:
             )
         if self.config.max_model_len is not None and seq.num_tokens > self.config.max_model_len:
             raise PromptTooLong(
-                f"{seq.seq_id}: a prompt of {seq.num_tokens} tokens is longer than the "
-                f"{self.config.max_model_len}-token context window"
+                f"{seq.seq_id}: a prompt of {seq.num_tokens} tokens is longer than the {self.config.max_model_len}-token context window"
             )
 
     def abort(self, seq_id: str) -> bool:
@@ -211,7 +210,7 @@ class Scheduler:
         return finished
 
     def stats(self) -> SchedulerStats:
-        running = {lane: 0 for lane in Lane}
+        running = dict.fromkeys(Lane, 0)
         for seq in self._running:
             running[seq.lane] += 1
         pool = self.kv.pool

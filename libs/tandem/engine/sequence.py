@@ -9,7 +9,8 @@ computed count closer to the token count (a prefill chunk, a prefix-cache hit, o
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence as SequenceOf
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -85,8 +86,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         if not 0 <= num_public_prefix_tokens <= self.num_prompt_tokens:
             raise ValueError(
-                f"num_public_prefix_tokens must be in [0, {self.num_prompt_tokens}] (the prompt's length), "
-                f"got {num_public_prefix_tokens}"
+                f"num_public_prefix_tokens must be in [0, {self.num_prompt_tokens}] (the prompt's length), got {num_public_prefix_tokens}"
             )
         self.sampling = sampling
         self.lane = lane

@@ -1,13 +1,13 @@
-"""Attention kernels over the paged KV cache (see tandem.engine.batch for the layout): a torch
+"""Attention kernels over the paged KV cache (see tandem.kernels.metadata for the layout): a torch
 reference, an optimised torch path for CPU, and a triton kernel for GPUs."""
 
 from __future__ import annotations
 
 import torch
 
-from tandem.engine.batch import AttentionFn
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.kernels.attention_torch import paged_attention_torch
+from tandem.kernels.metadata import AttentionFn
 from tandem.kernels.paged_attention_triton import is_triton_available, paged_attention_triton
 
 

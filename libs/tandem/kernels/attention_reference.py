@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.batch import AttentionMetadata
+from tandem.kernels.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

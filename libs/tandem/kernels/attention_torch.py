@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.batch import AttentionMetadata
 from tandem.kernels.attention_reference import write_kv
+from tandem.kernels.metadata import AttentionMetadata
 
 # Gathered K and V per decode chunk on CPU: about what stays in cache from gather to SDPA.
 _CPU_DECODE_CHUNK_BYTES = 3 << 20
@@ -148,9 +148,7 @@ def prefill_chunk_attention(
     return out[0].transpose(0, 1)
 
 
-def _mixed_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def _mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # One host read: where each sequence's rows start and how long its context is.
     num_seqs = meta.num_seqs
     host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).tolist()

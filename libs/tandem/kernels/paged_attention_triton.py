@@ -16,8 +16,8 @@ from types import ModuleType
 
 import torch
 
-from tandem.engine.batch import AttentionMetadata
 from tandem.kernels.attention_reference import write_kv
+from tandem.kernels.metadata import AttentionMetadata
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)

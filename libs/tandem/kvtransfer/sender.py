@@ -19,6 +19,7 @@ from tandem.kvtransfer.wire import Kind, Reply, Status
 if TYPE_CHECKING:
     from ucxx._lib_async import Endpoint
 
+
 class KvTransferError(RuntimeError):
     """A KV transfer that did not complete. `reason` is one of: the refusals "unknown_reply",
     "count_mismatch", "size_mismatch", "in_flight", "bad_header", "no_destination" (nothing was

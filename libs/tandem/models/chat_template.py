@@ -31,7 +31,7 @@ def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:  # noqa: A002 (the name templates call it with)
+def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
@@ -53,9 +53,7 @@ class ChatTemplate:
     bos_token: str
     eos_token: str
 
-    def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any
-    ) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for `messages` ([{"role", "content"}, ...]); with
         `add_generation_prompt` it ends where the assistant's reply begins."""
         try:

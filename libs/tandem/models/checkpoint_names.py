@@ -61,8 +61,7 @@ def load_hf_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.
         missing.discard(name)
     if unexpected or missing:
         raise StartupError(
-            "checkpoint does not fit the model config: "
-            f"unexpected tensors {sorted(unexpected)[:5]}, missing tensors {sorted(missing)[:5]}"
+            f"checkpoint does not fit the model config: unexpected tensors {sorted(unexpected)[:5]}, missing tensors {sorted(missing)[:5]}"
         )
 
 

@@ -1,7 +1,7 @@
 """The Llama-family decoder over a paged KV cache, in plain torch.
 
 One forward runs one engine step: the ragged batch of every sequence's new tokens (see
-tandem.engine.batch). Attention is a pluggable function with the signature of
+tandem.kernels.metadata). Attention is a pluggable function with the signature of
 tandem.kernels.attention_reference.paged_attention_reference, so the torch and triton backends
 share this model.
 
@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.batch import AttentionFn, AttentionMetadata
+from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.layers import RMSNorm, SwiGLUMLP
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
-
 
 
 class LlamaAttention(nn.Module):
@@ -82,9 +81,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
         for index, layer in enumerate(self.layers):
@@ -109,9 +106,7 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config, attention).to(dtype)
         return model.to_empty(device=device)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size). Writes this
         step's K and V into kv_cache (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)."""
         return self.model(input_ids, positions, kv_cache, meta)

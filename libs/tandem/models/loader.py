@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.batch import AttentionFn
+from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import load_hf_weights
 from tandem.models.config import ModelConfig
 from tandem.models.files import open_model

@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from tandem.engine.batch import AttentionFn
+from tandem.kernels.metadata import AttentionFn
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -54,9 +54,7 @@ def reference_logits(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch
         return model.compute_logits(reference_hidden(model, token_ids))
 
 
-def reference_greedy(
-    model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int] = ()
-) -> list[int]:
+def reference_greedy(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int] = ()) -> list[int]:
     """Greedy continuation (new tokens only, an end token included), each step recomputing the
     whole sequence."""
     ids = list(prompt_ids)

@@ -91,7 +91,13 @@ class ConversationStore(Protocol):
         """The user's conversations, most recently updated first; `before_ms` pages on updated_at_ms."""
 
     async def update_conversation(
-        self, user_id: str, conversation_id: str, *, title: str | None = None, summary: str | None = None, summary_upto_seq: int | None = None
+        self,
+        user_id: str,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        summary: str | None = None,
+        summary_upto_seq: int | None = None,
     ) -> Conversation | None: ...
 
     async def append_message(self, user_id: str, message: NewMessage) -> Message:
@@ -99,7 +105,9 @@ class ConversationStore(Protocol):
         The same message id again returns the stored message. Raises KeyError when the
         conversation does not exist for this user."""
 
-    async def finish_message(self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int) -> Message | None:
+    async def finish_message(
+        self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int
+    ) -> Message | None:
         """A running message becomes final with its text and token count. A message already final
         is left as it is (the first final write wins) and returned. None when it does not exist."""
 

@@ -21,7 +21,7 @@ Reactor: libev (the driver's C loop, in its wheel), else the driver's asyncio re
 
 Durability: a write is acknowledged by `consistency` replicas (LOCAL_QUORUM: two of three in a
 cluster). A single node keeps acknowledged writes through a crash only with
-`commitlog_sync: batch` (tandem.cassandra_node sets it); with the default "periodic" a killed
+`commitlog_sync: batch` (tandem.devstack.cassandra_node sets it); with the default "periodic" a killed
 node replays nothing written after its last sync (seen here: 3 of 50 fresh rows lost).
 """
 
@@ -52,7 +52,14 @@ SCHEMA_VERSION = 1
 DEFAULT_BUCKET_SIZE = 1000
 _DDL_TIMEOUT_S = 30.0  # schema changes wait for the cluster's agreement
 _MAX_SEQ_ATTEMPTS = 1000
-_DRIVER_ERRORS = (NoHostAvailable, OperationTimedOut, RequestExecutionException, ConnectionException, OverloadedErrorMessage, IsBootstrappingErrorMessage)
+_DRIVER_ERRORS = (
+    NoHostAvailable,
+    OperationTimedOut,
+    RequestExecutionException,
+    ConnectionException,
+    OverloadedErrorMessage,
+    IsBootstrappingErrorMessage,
+)
 _KEYSPACE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
 
 _MIGRATIONS: dict[int, list[str]] = {
@@ -109,7 +116,7 @@ def _now_ms() -> int:
 
 
 def parse_hosts(hosts: str) -> list[DefaultEndPoint]:
-    """"host[:port],..." (port 9042 when left out)."""
+    """ "host[:port],..." (port 9042 when left out)."""
     endpoints = []
     for entry in filter(None, (part.strip() for part in hosts.split(","))):
         host, _, port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
@@ -144,8 +151,14 @@ def _conversation(row: dict[str, Any]) -> Conversation:
 
 class CassandraStore:
     def __init__(
-        self, hosts: str, *, keyspace: str = "tandem", replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}",
-        consistency: str = "LOCAL_QUORUM", timeout_s: float = 5.0, bucket_size: int = DEFAULT_BUCKET_SIZE,
+        self,
+        hosts: str,
+        *,
+        keyspace: str = "tandem",
+        replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}",
+        consistency: str = "LOCAL_QUORUM",
+        timeout_s: float = 5.0,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
     ) -> None:
         if not _KEYSPACE.match(keyspace):
             raise ValueError(f"{keyspace!r} is not a keyspace name (letters, digits, _)")
@@ -174,9 +187,14 @@ class CassandraStore:
             row_factory=dict_factory,
         )
         cluster = Cluster(
-            contact_points=self._endpoints, protocol_version=5, connection_class=_Connection,
-            execution_profiles={EXEC_PROFILE_DEFAULT: profile}, reconnection_policy=ExponentialReconnectionPolicy(0.5, 5.0),
-            connect_timeout=self._timeout_s, control_connection_timeout=self._timeout_s, idle_heartbeat_interval=10,
+            contact_points=self._endpoints,
+            protocol_version=5,
+            connection_class=_Connection,
+            execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+            reconnection_policy=ExponentialReconnectionPolicy(0.5, 5.0),
+            connect_timeout=self._timeout_s,
+            control_connection_timeout=self._timeout_s,
+            idle_heartbeat_interval=10,
         )
         try:
             session = await asyncio.wait_for(asyncio.to_thread(cluster.connect), _DDL_TIMEOUT_S)
@@ -204,7 +222,9 @@ class CassandraStore:
     async def _migrate(self) -> None:
         ks = self._keyspace
         await self._ddl(f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {self._replication}")
-        await self._ddl(f"CREATE TABLE IF NOT EXISTS {ks}.schema_version (component text PRIMARY KEY, version int, bucket_size int, applied_at_ms bigint)")
+        await self._ddl(
+            f"CREATE TABLE IF NOT EXISTS {ks}.schema_version (component text PRIMARY KEY, version int, bucket_size int, applied_at_ms bigint)"
+        )
         # No `USE`: statements name their keyspace (Cassandra warns about USE with prepared statements).
         rows = (await self._execute(_GET_SCHEMA.format(ks=ks), ())).current_rows
         version, bucket_size = (rows[0]["version"], rows[0]["bucket_size"]) if rows else (0, self._bucket_size)
@@ -229,7 +249,9 @@ class CassandraStore:
         detail = " ".join(str(exc).split()) or "no detail"
         return StoreUnavailable(f"cassandra {self._hosts}: {type(exc).__name__}: {detail[:300]}")
 
-    async def _execute(self, statement: Any, params: Any, *, paging_state: bytes | None = None, timeout_s: float | None = None) -> ResultSet:
+    async def _execute(
+        self, statement: Any, params: Any, *, paging_state: bytes | None = None, timeout_s: float | None = None
+    ) -> ResultSet:
         """One request; the driver's future is bridged to asyncio (its callbacks run on the driver's thread)."""
         if self._session is None:
             raise StoreUnavailable(f"cassandra {self._hosts}: the store is not started")
@@ -244,7 +266,9 @@ class CassandraStore:
             future = self._session.execute_async(statement, params, timeout=timeout_s or self._timeout_s, paging_state=paging_state)
         except _DRIVER_ERRORS as exc:
             raise self._unavailable(exc) from None
-        future.add_callbacks(lambda _: loop.call_soon_threadsafe(settle, future, False), lambda exc: loop.call_soon_threadsafe(settle, exc, True))
+        future.add_callbacks(
+            lambda _: loop.call_soon_threadsafe(settle, future, False), lambda exc: loop.call_soon_threadsafe(settle, exc, True)
+        )
         try:
             await done
         except _DRIVER_ERRORS as exc:
@@ -280,8 +304,17 @@ class CassandraStore:
     async def create_conversation(self, conversation: Conversation) -> Conversation:
         c = conversation
         result = await self._run(
-            "create_conversation", c.id, c.user_id, c.title, c.model, c.created_at_ms, c.updated_at_ms,
-            c.summary, c.summary_upto_seq, {0: c.total_tokens} if c.total_tokens else None, 0,
+            "create_conversation",
+            c.id,
+            c.user_id,
+            c.title,
+            c.model,
+            c.created_at_ms,
+            c.updated_at_ms,
+            c.summary,
+            c.summary_upto_seq,
+            {0: c.total_tokens} if c.total_tokens else None,
+            0,
         )
         row = result.current_rows[0] if not result.was_applied else await self._conversation_row(c.id)
         stored = _conversation(row)
@@ -324,7 +357,13 @@ class CassandraStore:
 
     @_bounded
     async def update_conversation(
-        self, user_id: str, conversation_id: str, *, title: str | None = None, summary: str | None = None, summary_upto_seq: int | None = None
+        self,
+        user_id: str,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        summary: str | None = None,
+        summary_upto_seq: int | None = None,
     ) -> Conversation | None:
         row = await self._conversation_row(conversation_id)
         if row is None or row["user_id"] != user_id:
@@ -384,7 +423,9 @@ class CassandraStore:
         return _message(rows[0]) if rows else None
 
     @_bounded
-    async def finish_message(self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int) -> Message | None:
+    async def finish_message(
+        self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int
+    ) -> Message | None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"{status.value} is not a final status")
         rows = (await self._run("get_id", message_id)).current_rows

@@ -124,14 +124,25 @@ class SqliteStore:
         async with self._write() as db:
             await db.execute(
                 f"INSERT OR IGNORE INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (conversation.id, conversation.user_id, conversation.title, conversation.model, conversation.created_at_ms,
-                 conversation.updated_at_ms, conversation.summary, conversation.summary_upto_seq, conversation.total_tokens),
+                (
+                    conversation.id,
+                    conversation.user_id,
+                    conversation.title,
+                    conversation.model,
+                    conversation.created_at_ms,
+                    conversation.updated_at_ms,
+                    conversation.summary,
+                    conversation.summary_upto_seq,
+                    conversation.total_tokens,
+                ),
             )
             row = await (await db.execute(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ?", (conversation.id,))).fetchone()
         return _conversation(row)
 
     async def get_conversation(self, user_id: str, conversation_id: str) -> Conversation | None:
-        row = await self._fetchone(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id))
+        row = await self._fetchone(
+            f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id)
+        )
         return None if row is None else _conversation(row)
 
     async def list_conversations(self, user_id: str, *, limit: int = 50, before_ms: int | None = None) -> list[Conversation]:
@@ -143,7 +154,13 @@ class SqliteStore:
         return [_conversation(row) for row in rows]
 
     async def update_conversation(
-        self, user_id: str, conversation_id: str, *, title: str | None = None, summary: str | None = None, summary_upto_seq: int | None = None
+        self,
+        user_id: str,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        summary: str | None = None,
+        summary_upto_seq: int | None = None,
     ) -> Conversation | None:
         async with self._write() as db:
             await db.execute(
@@ -151,12 +168,18 @@ class SqliteStore:
                 "summary_upto_seq = coalesce(?, summary_upto_seq) WHERE id = ? AND user_id = ?",
                 (title, summary, summary_upto_seq, conversation_id, user_id),
             )
-            row = await (await db.execute(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id))).fetchone()
+            row = await (
+                await db.execute(
+                    f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id)
+                )
+            ).fetchone()
         return None if row is None else _conversation(row)
 
     async def append_message(self, user_id: str, message: NewMessage) -> Message:
         async with self._write() as db:
-            owner = await (await db.execute("SELECT last_seq FROM conversations WHERE id = ? AND user_id = ?", (message.conversation_id, user_id))).fetchone()
+            owner = await (
+                await db.execute("SELECT last_seq FROM conversations WHERE id = ? AND user_id = ?", (message.conversation_id, user_id))
+            ).fetchone()
             if owner is None:
                 raise KeyError(message.conversation_id)
             stored = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
@@ -168,8 +191,18 @@ class SqliteStore:
             created_at_ms = message.created_at_ms or _now_ms()
             await db.execute(
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (message.id, message.conversation_id, seq, message.parent_seq, message.role.value, message.content,
-                 message.tokens, message.model, message.status.value, created_at_ms),
+                (
+                    message.id,
+                    message.conversation_id,
+                    seq,
+                    message.parent_seq,
+                    message.role.value,
+                    message.content,
+                    message.tokens,
+                    message.model,
+                    message.status.value,
+                    created_at_ms,
+                ),
             )
             await db.execute(
                 "UPDATE conversations SET last_seq = ?, total_tokens = total_tokens + ?, updated_at_ms = max(updated_at_ms, ?) WHERE id = ?",
@@ -178,7 +211,9 @@ class SqliteStore:
             row = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
         return _message(row)
 
-    async def finish_message(self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int) -> Message | None:
+    async def finish_message(
+        self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int
+    ) -> Message | None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"{status.value} is not a final status")
         async with self._write() as db:
@@ -186,8 +221,12 @@ class SqliteStore:
             row = await (await db.execute(query, (message_id, conversation_id))).fetchone()
             if row is None or MessageStatus(row["status"]) in FINAL_STATUSES:
                 return None if row is None else _message(row)
-            await db.execute("UPDATE messages SET content = ?, status = ?, tokens = ? WHERE id = ?", (content, status.value, tokens, message_id))
-            await db.execute("UPDATE conversations SET total_tokens = total_tokens + ? WHERE id = ?", (tokens - row["tokens"], conversation_id))
+            await db.execute(
+                "UPDATE messages SET content = ?, status = ?, tokens = ? WHERE id = ?", (content, status.value, tokens, message_id)
+            )
+            await db.execute(
+                "UPDATE conversations SET total_tokens = total_tokens + ? WHERE id = ?", (tokens - row["tokens"], conversation_id)
+            )
             row = await (await db.execute(query, (message_id, conversation_id))).fetchone()
         return _message(row)
 

@@ -1,7 +1,7 @@
 """The conversation store on real SQLite files and a real Cassandra node.
 
 Cassandra: TANDEM_CASSANDRA_HOSTS names a running cluster; otherwise one node is started per
-session (JDK 17 and mvn needed, see tandem.cassandra_node). Without them the Cassandra cases are
+session (JDK 17 and mvn needed, see tandem.devstack.cassandra_node). Without them the Cassandra cases are
 skipped with one line saying why; TANDEM_REQUIRE_CASSANDRA=1 (CI) makes that a failure.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from tandem.cassandra_node import NodeConfig, RunningNode, missing_tools, start_node, stop_node
+from tandem.devstack.cassandra_node import NodeConfig, RunningNode, missing_tools, start_node, stop_node
 from tandem.store import ConversationStore
 from tandem.store.cassandra import CassandraStore
 from tandem.store.sqlite import SqliteStore

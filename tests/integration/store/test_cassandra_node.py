@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cassandra_node import NodeConfig, find_java17, java_major_version, read_state, start_node
+from tandem.devstack.cassandra_node import NodeConfig, find_java17, java_major_version, read_state, start_node
 from tandem.errors import StartupError
 from tandem.store import Conversation
 from tandem.store.cassandra import CassandraStore

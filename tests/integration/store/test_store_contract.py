@@ -22,13 +22,21 @@ def new_conversation(user_id: str = "alice", updated_at_ms: int = 1_000, title: 
 
 
 def user_turn(conversation: Conversation, content: str = "hello", tokens: int = 3, message_id: str | None = None) -> NewMessage:
-    return NewMessage(id=message_id or f"msg-{uuid.uuid4().hex}", conversation_id=conversation.id, role=Role.USER, content=content, tokens=tokens)
+    return NewMessage(
+        id=message_id or f"msg-{uuid.uuid4().hex}", conversation_id=conversation.id, role=Role.USER, content=content, tokens=tokens
+    )
 
 
 def running_reply(conversation: Conversation, parent_seq: int) -> NewMessage:
     return NewMessage(
-        id=f"msg-{uuid.uuid4().hex}", conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0,
-        model="smollm2", status=MessageStatus.RUNNING, parent_seq=parent_seq,
+        id=f"msg-{uuid.uuid4().hex}",
+        conversation_id=conversation.id,
+        role=Role.ASSISTANT,
+        content="",
+        tokens=0,
+        model="smollm2",
+        status=MessageStatus.RUNNING,
+        parent_seq=parent_seq,
     )
 
 
@@ -197,7 +205,9 @@ async def test_an_update_changes_only_the_fields_given(store: ConversationStore)
 async def test_open_store_builds_the_store_the_settings_name(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if store_kind == "cassandra":
         hosts = request.getfixturevalue("cassandra_hosts")
-        settings = load_settings(store="cassandra", cassandra_hosts=hosts, cassandra_keyspace=f"settings_{uuid.uuid4().hex[:8]}", store_timeout_s=10)
+        settings = load_settings(
+            store="cassandra", cassandra_hosts=hosts, cassandra_keyspace=f"settings_{uuid.uuid4().hex[:8]}", store_timeout_s=10
+        )
     else:
         settings = load_settings(store="sqlite", sqlite_path=tmp_path / "new" / "folder" / "conversations.db")
     store = open_store(settings)

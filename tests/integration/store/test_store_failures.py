@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cassandra_node import RunningNode, stop_node
-from tandem.proc import free_port
+from tandem.devstack.cassandra_node import RunningNode, stop_node
+from tandem.devstack.proc import free_port
 from tandem.store import Conversation, NewMessage, Role, StoreUnavailable
 from tandem.store.cassandra import CassandraStore
 from tandem.store.sqlite import SqliteStore
@@ -158,7 +158,9 @@ async def test_sqlite_appends_from_two_processes_get_distinct_contiguous_seqs(tm
         await store.close()
 
 
-async def test_cassandra_append_that_died_after_taking_its_seq_is_finished_by_its_retry(cassandra_hosts: str, keyspace: str, bucket_size: int) -> None:
+async def test_cassandra_append_that_died_after_taking_its_seq_is_finished_by_its_retry(
+    cassandra_hosts: str, keyspace: str, bucket_size: int
+) -> None:
     store = CassandraStore(cassandra_hosts, keyspace=keyspace, bucket_size=bucket_size)
     await store.start()
     try:

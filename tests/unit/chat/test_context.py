@@ -10,8 +10,16 @@ SYSTEM = Turn("system", "Be brief.", 10)
 
 def message(seq: int, role: Role, tokens: int, parent_seq: int = 0, status: MessageStatus = MessageStatus.COMPLETE) -> Message:
     return Message(
-        id=f"m{seq}", conversation_id="c", seq=seq, parent_seq=parent_seq, role=role, content=f"text {seq}",
-        tokens=tokens, model="m", status=status, created_at_ms=seq,
+        id=f"m{seq}",
+        conversation_id="c",
+        seq=seq,
+        parent_seq=parent_seq,
+        role=role,
+        content=f"text {seq}",
+        tokens=tokens,
+        model="m",
+        status=status,
+        created_at_ms=seq,
     )
 
 

@@ -161,7 +161,9 @@ def test_a_continuation_neither_repeats_nor_counts_twice_the_tokens_it_was_given
     prompt = seeded_prompts(10)[9]
     expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
-    request = Request("c", tuple(prompt), SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True), generated_token_ids=tuple(expected[:3]))
+    request = Request(
+        "c", tuple(prompt), SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True), generated_token_ids=tuple(expected[:3])
+    )
     stream = engine.generate([request])["c"]
     assert tokens_of(stream) == expected[3:]
     assert stream[-1].num_output_tokens == NUM_NEW_TOKENS and stream[-1].num_prompt_tokens == len(prompt)
@@ -208,7 +210,11 @@ def test_seeded_sampling_repeats_and_lanes_are_accepted(tiny):
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
     options = dict(temperature=1.0, top_p=0.9, seed=1234)
     runs = [
-        tokens_of(engine.generate([Request(f"x{i}", tuple(prompt), SamplingOptions(max_tokens=8, ignore_eos=True, **options), lane=Lane.PAID)])[f"x{i}"])
+        tokens_of(
+            engine.generate([Request(f"x{i}", tuple(prompt), SamplingOptions(max_tokens=8, ignore_eos=True, **options), lane=Lane.PAID)])[
+                f"x{i}"
+            ]
+        )
         for i in range(2)
     ]
     assert runs[0] == runs[1]

@@ -48,11 +48,11 @@ def test_the_held_back_tail_is_released_at_the_end():
 
 
 def test_the_earliest_of_several_stop_strings_wins():
-    deltas, reply = stream("a STOP b HALT", ("HALT", "STOP"))
+    _deltas, reply = stream("a STOP b HALT", ("HALT", "STOP"))
     assert reply.text == "a "
 
 
 def test_multibyte_characters_are_never_split():
-    deltas, reply = stream("naïve café 東京", ())
+    deltas, _reply = stream("naïve café 東京", ())
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == "naïve café 東京"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.batch import AttentionMetadata, KvCacheShape
+from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 
 LAYER = 1  # the layer under test; the cache has NUM_LAYERS so a write to the wrong layer shows
 NUM_LAYERS = 3

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tandem.engine.batch import AttentionMetadata, KvCacheShape
 from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 from tandem.models.loader import LoadedModel, load_model
 
 

@@ -42,4 +42,3 @@ def test_paged_decode_of_the_real_model_matches_reference_greedy(smollm2, paged_
         seq.token_ids.append(generated[-1])
         logits = runner.step([(seq, 1)])[0]
     assert generated == expected
-

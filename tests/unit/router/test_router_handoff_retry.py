@@ -56,7 +56,9 @@ class Fleet:
         if isinstance(fate, Refusal):
             return AssignmentReply(refused=fate, failed_decode_worker_id=assignment.decode_worker_id)
         result = HandoffOutcome.RESULT_COMMITTED if fate == "commit" else HandoffOutcome.RESULT_FAILED
-        outcome = HandoffOutcome(reply_id=assignment.reply_id, result=result, prefill_worker_id=worker_id, decode_worker_id=assignment.decode_worker_id)
+        outcome = HandoffOutcome(
+            reply_id=assignment.reply_id, result=result, prefill_worker_id=worker_id, decode_worker_id=assignment.decode_worker_id
+        )
         if fate == "stopping":  # the prefill worker shut down mid-prefill: not the decode worker's fault
             outcome.decode_worker_id, outcome.reason = "", "prefill_stopping"
         elif result == HandoffOutcome.RESULT_FAILED:

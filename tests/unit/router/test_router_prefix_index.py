@@ -14,7 +14,9 @@ from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 
 def stored(worker_id: str, event_id: int, *hashes: int) -> KvEvent:
-    return KvEvent(worker_id=worker_id, event_id=event_id, stored=BlocksStored(blocks=[StoredBlock(block_hash=h, num_tokens=16) for h in hashes]))
+    return KvEvent(
+        worker_id=worker_id, event_id=event_id, stored=BlocksStored(blocks=[StoredBlock(block_hash=h, num_tokens=16) for h in hashes])
+    )
 
 
 def removed(worker_id: str, event_id: int, *hashes: int) -> KvEvent:
@@ -192,7 +194,7 @@ async def test_a_restarted_worker_starts_over():
 
 async def test_a_worker_silent_past_expiry_leaves_the_index():
     clock_s = [100.0]
-    index, server = new_index()
+    index, _server = new_index()
     registry = WorkerRegistry(expiry_s=3.0, clock=lambda: clock_s[0], on_forget=index.forget)
     for worker_id in ("d1", "d2"):
         registry.observe(heartbeat(worker_id, 1))
@@ -206,7 +208,7 @@ async def test_a_worker_silent_past_expiry_leaves_the_index():
 
 
 async def test_forgetting_a_worker_cancels_its_state_request():
-    index, server = new_index()
+    index, _server = new_index()
     index.apply(stored("d1", 7, 11))
     assert index.is_resyncing("d1")
     index.forget("d1")

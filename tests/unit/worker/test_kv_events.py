@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem import kv_events
 from tandem.engine.block_pool import BlockPool
-from tandem.kv_events import KvEventPublisher, to_messages
+from tandem.worker import kv_events
+from tandem.worker.kv_events import KvEventPublisher, to_messages
 
 
 class PoolOnly:
-    """The two things the publisher asks of an engine, on a real BlockPool."""
+    """The things the publisher asks of an engine, on a real BlockPool."""
 
     def __init__(self, num_blocks: int = 4) -> None:
         self.pool = BlockPool(num_blocks, block_size=16)
 
     def drain_kv_events(self):
         return self.pool.drain_events()
+
+    def cached_blocks(self):
+        return self.pool.cached_blocks()
 
     def store(self, *keys: int, parent: int | None = None) -> list[int]:
         block_ids = self.pool.allocate(len(keys))

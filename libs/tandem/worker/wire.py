@@ -44,9 +44,7 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
 
 
 def token_event(output: RequestOutput, seq: int, worker_id: str) -> TokenEvent:
-    event = TokenEvent(
-        reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=int(time.time() * 1000)
-    )
+    event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=int(time.time() * 1000))
     if output.new_token_ids:
         event.token_id = output.new_token_ids[0]
     if output.finish_reason is not None:

@@ -61,6 +61,4 @@ class AttentionMetadata:
 
 # attention(q, k, v, k_cache, v_cache, meta, scale) -> out: every backend (tandem.kernels) has this
 # signature; see tandem.kernels.attention_reference for the contract.
-AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]

@@ -73,7 +73,7 @@ class EngineThread:
     def _run(self) -> None:
         try:
             self.engine = self._build_engine()
-        except BaseException as exc:  # noqa: BLE001 - reported by readiness and the log
+        except BaseException as exc:
             self._failure = exc
             log.exception("the engine failed to start")
             return
@@ -104,14 +104,14 @@ class EngineThread:
         self.latest_stats = self.engine.stats()
         try:
             self._after_change(self.engine)
-        except Exception:  # noqa: BLE001 - a reporting hook must never stop the engine
+        except Exception:
             log.exception("the engine's after-change hook failed")
 
     def _apply(self, command: _Call | None) -> None:
         assert self.engine is not None and command is not None
         try:
             result = command.fn(self.engine)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, whose request it was
+        except Exception as exc:
             if command.done is None:
                 log.warning("engine call failed: %s", exc)
             else:

@@ -1,4 +1,4 @@
-from tandem.cancels import RecentCancels
+from tandem.bus.cancels import RecentCancels
 
 
 class Clock:

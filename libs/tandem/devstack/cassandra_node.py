@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from tandem.devstack.proc import free_port
 from tandem.errors import StartupError
-from tandem.proc import free_port
 
 CASSANDRA_VERSION = "5.0.8"
 TEMPLATES = Path(__file__).parent / "cassandra"
@@ -128,7 +128,9 @@ def find_java17(explicit: str | None = None) -> str:
     for candidate in candidates:
         if Path(candidate).is_file() and java_major_version(candidate) == 17:
             return candidate
-    raise StartupError("no JDK 17 found (tried /usr/lib/jvm/*17*, JAVA_HOME, PATH): install openjdk-17-jdk-headless or set TANDEM_CASSANDRA_JAVA")
+    raise StartupError(
+        "no JDK 17 found (tried /usr/lib/jvm/*17*, JAVA_HOME, PATH): install openjdk-17-jdk-headless or set TANDEM_CASSANDRA_JAVA"
+    )
 
 
 def missing_tools() -> str | None:
@@ -297,7 +299,9 @@ def start_node(config: NodeConfig, *, die_with_parent: bool = True) -> RunningNo
         _stop_pid(process.pid, timeout_s=10)
         process.wait()
         raise StartupError(f"{exc}; last log lines ({logs}):\n{_log_tail(logs)}") from None
-    (config.node_dir / STATE_FILE).write_text(json.dumps({"pid": node.pid, "host": host, "native_port": native_port, "storage_port": storage_port}))
+    (config.node_dir / STATE_FILE).write_text(
+        json.dumps({"pid": node.pid, "host": host, "native_port": native_port, "storage_port": storage_port})
+    )
     return node
 
 
@@ -306,7 +310,9 @@ def read_state(node_dir: Path) -> RunningNode | None:
         state = json.loads((node_dir / STATE_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return RunningNode(pid=state["pid"], host=state["host"], native_port=state["native_port"], storage_port=state["storage_port"], node_dir=node_dir)
+    return RunningNode(
+        pid=state["pid"], host=state["host"], native_port=state["native_port"], storage_port=state["storage_port"], node_dir=node_dir
+    )
 
 
 def stop_node(node: RunningNode, timeout_s: float = 30.0, *, kill: bool = False) -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 
 from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Settings, Tier
+from tandem.devstack.proc import ChildProcess, describe_exit, free_port
+from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.errors import StartupError
-from tandem.proc import ChildProcess, describe_exit, free_port
-from tandem.servers import EmbeddedServer, start_nats, start_redis
 
 SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -177,7 +177,7 @@ class Stack:
             self._console.say(f"{member.name} {outcome}; restarting in {delay_s:.0f} s")
             try:
                 await asyncio.wait_for(self._stopping.wait(), timeout=delay_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _watch(self, member: Member) -> str:
@@ -215,9 +215,7 @@ class Stack:
         everyone.cancel()
         if not self._stopping.is_set():
             waiting = [m for m in self._members if not m.is_ready.is_set()]
-            self._console.say(
-                f"not ready after {self._config.ready_timeout_s:.0f} s: {', '.join(m.name for m in waiting)}; stopping"
-            )
+            self._console.say(f"not ready after {self._config.ready_timeout_s:.0f} s: {', '.join(m.name for m in waiting)}; stopping")
         return False
 
     def _announce(self, nats_url: str) -> None:
@@ -242,7 +240,7 @@ class Stack:
     async def _reap(self, child: ChildProcess) -> None:
         try:
             await asyncio.wait_for(child.wait_async(), timeout=self._config.stop_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._console.say(f"{child.name} did not stop in {self._config.stop_timeout_s:.0f} s; killing it")
             child.process.kill()
             await child.wait_async()

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI
 
 from tandem.config import Settings
-from tandem.control import ControlServer, WorkerControl
-from tandem.engine.batch import BLOCK_SIZE
 from tandem.engine.engine import EngineStats
 from tandem.engine.sequence import Lane
+from tandem.kernels.metadata import BLOCK_SIZE
 from tandem.models.files import ModelFile, open_model
-from tandem.service import Runtime, RuntimeConfig, check_port_free, create_app
+from tandem.runtime import Runtime, RuntimeConfig, check_port_free, create_app
 from tandem.v1.common_pb2 import LaneCounts
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
+from tandem.worker.control import ControlServer, WorkerControl
 
 
 @dataclass(frozen=True)

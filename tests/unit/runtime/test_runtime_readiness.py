@@ -1,6 +1,6 @@
 """A readiness check that raises counts as failing; it never stops the process's heartbeat."""
 
-from tandem.service import Runtime, RuntimeConfig
+from tandem.runtime import Runtime, RuntimeConfig
 
 
 async def test_a_raising_check_is_reported_as_not_ready():

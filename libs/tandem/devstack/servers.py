@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.devstack.proc import ChildProcess, free_port
 from tandem.errors import StartupError
-from tandem.proc import ChildProcess, free_port
 
 READY_TIMEOUT_S = 30.0
 
@@ -66,7 +66,18 @@ def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None,
     """nats-server with JetStream; without a port the server chooses a free one (no race)."""
     store = workdir / "nats"
     store.mkdir(parents=True, exist_ok=True)
-    argv = [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(-1 if port is None else port), "-n", "tandem-local"]
+    argv = [
+        nats_server_binary(),
+        "-js",
+        "-sd",
+        str(store),
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(-1 if port is None else port),
+        "-n",
+        "tandem-local",
+    ]
     child = ChildProcess("nats", argv, on_line=on_line)
     child.start()
     listening = child.wait_for_line(r"Listening for client connections on ([\d.]+):(\d+)", READY_TIMEOUT_S)
@@ -82,11 +93,16 @@ def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None
     port = free_port() if port is None else port
     argv = [
         redis_server_binary(),
-        "--bind", "127.0.0.1",
-        "--port", str(port),
-        "--dir", str(data),
-        "--save", "",
-        "--appendonly", "no",
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(data),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
     ]
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()

@@ -14,17 +14,17 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import BadMessage, decode, encode, subjects
-from tandem.cancels import RecentCancels
+from tandem.bus.cancels import RecentCancels
 from tandem.config import Settings
-from tandem.convert import engine_request, token_event
 from tandem.engine.engine import Engine, EngineConfig, Request, RequestOutput
-from tandem.engine_thread import EngineThread
 from tandem.kernels import select_attention
-from tandem.kv_events import KvEventPublisher
 from tandem.models.loader import default_dtype, load_model
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import Refusal
-from tandem.worker import EngineLoad, Worker
+from tandem.worker.kv_events import KvEventPublisher
+from tandem.worker.service import EngineLoad, Worker
+from tandem.worker.thread import EngineThread
+from tandem.worker.wire import engine_request, token_event
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -1,12 +1,10 @@
 import signal
 import sys
 
-from tandem.proc import ChildProcess, describe_exit
+from tandem.devstack.proc import ChildProcess, describe_exit
 
 PRINT_THEN_WAIT = "import sys, time; print('one'); print('ready at 42', flush=True); sys.stdin.read() if False else time.sleep(60)"
-IGNORE_TERM = (
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring', flush=True); time.sleep(60)"
-)
+IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring', flush=True); time.sleep(60)"
 
 
 def test_waits_for_a_line_and_captures_groups():

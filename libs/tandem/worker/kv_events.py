@@ -21,10 +21,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import encode, subjects
-from tandem.engine.block_pool import CachedBlock, KvEvent as PoolEvent, KvEventKind
+from tandem.engine.block_pool import CachedBlock, KvEventKind
+from tandem.engine.block_pool import KvEvent as PoolEvent
 from tandem.engine.engine import Engine
-from tandem.engine_thread import EngineThread
 from tandem.v1.kv_pb2 import BlocksRemoved, BlocksStored, KvEvent, KvState, StoredBlock
+from tandem.worker.thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class KvEventPublisher:
     def snapshot(self, engine: Engine) -> KvState:
         """Every cached block, as of the last event numbered (pending events are numbered first)."""
         self.collect(engine)
-        return kv_state(self._worker_id, self._num_numbered, engine.pool.cached_blocks())
+        return kv_state(self._worker_id, self._num_numbered, engine.cached_blocks())
 
     # -- loop -----------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.service import Runtime
+from tandem.runtime import Runtime
 from tandem.v1 import control_pb2, control_pb2_grpc
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
@@ -20,9 +20,7 @@ class WorkerControl(control_pb2_grpc.WorkerControlServicer):
         checks = await self._runtime.readiness()
         failing = sorted(name for name, ok in checks.items() if not ok)
         if failing:
-            return control_pb2.HealthReply(
-                status=control_pb2.HealthReply.STATUS_NOT_SERVING, detail="failing: " + ", ".join(failing)
-            )
+            return control_pb2.HealthReply(status=control_pb2.HealthReply.STATUS_NOT_SERVING, detail="failing: " + ", ".join(failing))
         return control_pb2.HealthReply(status=control_pb2.HealthReply.STATUS_SERVING)
 
     async def Drain(self, request: control_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> control_pb2.DrainReply:

@@ -1,0 +1,96 @@
+"""What a reply's token events mean, defined once for every service: the event that ends a reply
+(finished, cancelled or failed), the name of each finish reason as clients see it, the status a
+reply ends in, and the wall clock in milliseconds that events and stores carry."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from tandem.v1.common_pb2 import (
+    FINISH_REASON_CANCELLED,
+    FINISH_REASON_ERROR,
+    FINISH_REASON_LENGTH,
+    FINISH_REASON_STOP,
+    FINISH_REASON_UNSPECIFIED,
+    Error,
+    Usage,
+)
+from tandem.v1.tokens_pb2 import TokenEvent
+
+# The finish reason of a final TokenEvent as the product's `done` event and OpenAI's
+# `finish_reason` name it; an error has its own event and is never a `done`.
+FINISH_NAMES = {
+    FINISH_REASON_STOP: "stop",
+    FINISH_REASON_LENGTH: "length",
+    FINISH_REASON_CANCELLED: "cancelled",
+    FINISH_REASON_ERROR: "error",
+}
+
+
+class ReplyStatus(str, Enum):
+    """A reply's state, in its token log and as the stored assistant turn."""
+
+    RUNNING = "running"
+    COMPLETE = "complete"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    MODERATED = "moderated"
+
+
+FINAL_STATUSES = frozenset({ReplyStatus.COMPLETE, ReplyStatus.STOPPED, ReplyStatus.FAILED, ReplyStatus.MODERATED})
+
+
+def now_ms() -> int:
+    """Wall-clock time in milliseconds since the epoch (comparable across processes)."""
+    return int(time.time() * 1000)
+
+
+def is_final(event: TokenEvent) -> bool:
+    return event.finish != FINISH_REASON_UNSPECIFIED
+
+
+def finish_name(finish: int) -> str:
+    """ "stop", "length", "cancelled" or "error"; raises ValueError for an event that ends nothing."""
+    try:
+        return FINISH_NAMES[finish]
+    except KeyError:
+        raise ValueError(f"finish reason {finish} does not end a reply") from None
+
+
+def status_of_finish(finish: int) -> ReplyStatus:
+    """The status a reply ends in, from its final event's finish reason."""
+    if finish in (FINISH_REASON_STOP, FINISH_REASON_LENGTH):
+        return ReplyStatus.COMPLETE
+    if finish == FINISH_REASON_CANCELLED:
+        return ReplyStatus.STOPPED
+    if finish == FINISH_REASON_ERROR:
+        return ReplyStatus.FAILED
+    raise ValueError(f"finish reason {finish} does not end a reply")
+
+
+def final_event(
+    reply_id: str, seq: int, finish: int, *, worker_id: str = "", text: str = "", token_id: int | None = None, usage: Usage | None = None
+) -> TokenEvent:
+    """The event that ends a reply at `seq` (STOP, LENGTH or CANCELLED); `usage` for a reply that ran."""
+    if finish not in (FINISH_REASON_STOP, FINISH_REASON_LENGTH, FINISH_REASON_CANCELLED):
+        raise ValueError(f"a final event ends with stop, length or cancelled, not {finish}; use error_event for a failure")
+    event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, text=text, worker_id=worker_id, produced_unix_ms=now_ms())
+    if token_id is not None:
+        event.token_id = token_id
+    if usage is not None:
+        event.usage.CopyFrom(usage)
+    return event
+
+
+def cancelled_event(reply_id: str, seq: int, *, worker_id: str = "") -> TokenEvent:
+    """Ends a reply that was cancelled before (or without) a worker ending it."""
+    return final_event(reply_id, seq, FINISH_REASON_CANCELLED, worker_id=worker_id)
+
+
+def error_event(reply_id: str, seq: int, code: str, message: str, *, retry_after_s: float | None = None, worker_id: str = "") -> TokenEvent:
+    """Ends a reply that failed: `code` a stable machine name, `message` what the user can do."""
+    error = Error(code=code, message=message)
+    if retry_after_s is not None:
+        error.retry_after_s = retry_after_s
+    return TokenEvent(reply_id=reply_id, seq=seq, finish=FINISH_REASON_ERROR, error=error, worker_id=worker_id, produced_unix_ms=now_ms())

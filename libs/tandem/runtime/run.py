@@ -1,0 +1,80 @@
+"""The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0; and the
+port checks that make a bad setting fail at start in one line."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+import uvicorn
+from fastapi import FastAPI
+
+from tandem.config import Settings, load_settings
+from tandem.errors import StartupError
+
+log = logging.getLogger(__name__)
+
+
+def bind_port(host: str, port: int, setting: str) -> socket.socket:
+    """A bound TCP socket, or a StartupError naming the setting to change."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(f"port {port} on {host} is in use: stop what holds it or set {setting}") from None
+        raise StartupError(f"cannot listen on {host}:{port} ({exc.strerror}): check TANDEM_HOST and {setting}") from None
+    return sock
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """For ports another library binds later (gRPC): fail at start, clearly, if it is taken."""
+    bind_port(host, port, setting).close()
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; this handler makes that a no-op,
+    # so a stopped service exits 0 instead of dying by the signal.
+    pass
+
+
+def fail(role: str, message: str) -> NoReturn:
+    print(f"tandem {role}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def run_service(role: str, build_app: Callable[[Settings], FastAPI]) -> NoReturn:
+    """The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0."""
+    try:
+        settings = load_settings()
+        logging.basicConfig(
+            level=settings.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stdout,
+        )
+        app = build_app(settings)
+        sock = bind_port(settings.host, settings.http_port_for(role), "TANDEM_HTTP_PORT")
+        sock.listen(2048)
+    except StartupError as exc:
+        fail(role, str(exc))
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    signal.signal(signal.SIGINT, _ignore_signal)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=settings.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s / 2)),
+            lifespan="on",
+        )
+    )
+    log.info("%s listening on http://%s:%d", role, settings.host, sock.getsockname()[1])
+    server.run(sockets=[sock])
+    raise SystemExit(0 if server.started else 1)

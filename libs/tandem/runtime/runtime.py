@@ -1,0 +1,117 @@
+"""One process's long-lived clients (NATS, Redis), its readiness checks, drain flag and heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from google.protobuf.message import Message
+
+from tandem import __version__, metrics
+from tandem.bus import Bus, BusConfig, encode, subjects
+from tandem.config import Settings
+from tandem.v1.worker_pb2 import ServiceHeartbeat
+
+log = logging.getLogger(__name__)
+
+ReadinessCheck = Callable[[], Awaitable[bool]]
+HeartbeatBuilder = Callable[[ServiceHeartbeat], Message]
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    role: str
+    instance_id: str
+    http_url: str
+    nats_url: str
+    redis_url: str | None  # None: this service does not use Redis
+    heartbeat_interval_s: float
+
+    @classmethod
+    def from_settings(cls, role: str, settings: Settings, *, uses_redis: bool) -> RuntimeConfig:
+        return cls(
+            role=role,
+            instance_id=settings.instance_id_for(role),
+            http_url=f"http://{settings.reachable_host()}:{settings.http_port_for(role)}",
+            nats_url=settings.nats_url,
+            redis_url=settings.redis_url if uses_redis else None,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+        )
+
+
+class Runtime:
+    """Owns the long-lived clients of one process and answers its readiness."""
+
+    def __init__(self, config: RuntimeConfig, heartbeat: HeartbeatBuilder | None = None) -> None:
+        self.config = config
+        self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id))
+        self.redis = aioredis.from_url(config.redis_url, socket_timeout=1.0) if config.redis_url else None
+        self.is_draining = False
+        self._checks: dict[str, ReadinessCheck] = {}
+        self._build_heartbeat = heartbeat or (lambda base: base)
+        self._started_unix_ms = int(time.time() * 1000)
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    def add_check(self, name: str, check: ReadinessCheck) -> None:
+        self._checks[name] = check
+
+    async def start(self) -> None:
+        metrics.SERVICE_INFO.info({"role": self.config.role, "instance": self.config.instance_id, "version": __version__})
+        self.bus.start()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def stop(self) -> None:
+        self.is_draining = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        await self.bus.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def readiness(self) -> dict[str, bool]:
+        report = {"nats": self.bus.is_connected, "not_draining": not self.is_draining}
+        if self.redis is not None:
+            report["redis"] = await self._redis_answers()
+        for name, check in self._checks.items():
+            try:
+                report[name] = await check()
+            except Exception:  # a probe that raises is a failing check, never a dead heartbeat
+                log.exception("readiness check %r raised", name)
+                report[name] = False
+        metrics.IS_NATS_CONNECTED.set(report["nats"])
+        metrics.IS_READY.set(all(report.values()))
+        return report
+
+    async def _redis_answers(self) -> bool:
+        assert self.redis is not None
+        try:
+            return bool(await self.redis.ping())
+        except (aioredis.RedisError, OSError):
+            return False
+
+    def service_heartbeat(self, is_ready: bool) -> ServiceHeartbeat:
+        return ServiceHeartbeat(
+            role=self.config.role,
+            instance_id=self.config.instance_id,
+            version=__version__,
+            http_url=self.config.http_url,
+            is_ready=is_ready,
+            is_draining=self.is_draining,
+            started_unix_ms=self._started_unix_ms,
+            sent_unix_ms=int(time.time() * 1000),
+            interval_s=self.config.heartbeat_interval_s,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        client = await self.bus.wait_connected()
+        subject = subjects.heartbeat(self.config.role, self.config.instance_id)
+        while True:
+            if client.is_connected:
+                is_ready = all((await self.readiness()).values())
+                await client.publish(subject, encode(self._build_heartbeat(self.service_heartbeat(is_ready))))
+                metrics.HEARTBEATS_SENT.inc()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
