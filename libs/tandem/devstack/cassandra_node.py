@@ -123,8 +123,9 @@ def find_java17(explicit: str | None = None) -> str:
     candidates = sorted(str(p) for p in Path("/usr/lib/jvm").glob("*17*/bin/java"))
     if os.environ.get("JAVA_HOME"):
         candidates.append(str(Path(os.environ["JAVA_HOME"]) / "bin" / "java"))
-    if shutil.which("java"):
-        candidates.append(shutil.which("java"))
+    on_path = shutil.which("java")
+    if on_path:
+        candidates.append(on_path)
     for candidate in candidates:
         if Path(candidate).is_file() and java_major_version(candidate) == 17:
             return candidate

@@ -158,7 +158,12 @@ class ChildProcess:
         loop = asyncio.get_running_loop()
         pidfd = os.pidfd_open(process.pid)
         exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
         try:
             await exited
         finally:

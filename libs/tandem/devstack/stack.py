@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -208,7 +209,8 @@ class Stack:
     async def _wait_all_ready(self) -> bool:
         everyone = asyncio.gather(*(m.is_ready.wait() for m in self._members))
         stopping = asyncio.ensure_future(self._stopping.wait())
-        done, _ = await asyncio.wait({everyone, stopping}, timeout=self._config.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {everyone, stopping}
+        done, _ = await asyncio.wait(either, timeout=self._config.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if everyone in done:
             return True
@@ -247,7 +249,7 @@ class Stack:
 
 
 def stack_config_from(settings: Settings, chat_port: int | None) -> StackConfig:
-    extra_env = {"TANDEM_LOG_LEVEL": settings.log_level}
+    extra_env: dict[str, str] = {"TANDEM_LOG_LEVEL": settings.log_level}
     if settings.model_path is not None:
         extra_env["TANDEM_MODEL_PATH"] = str(settings.model_path)
     return StackConfig(

@@ -118,6 +118,7 @@ class KvReceiver:
             endpoint.abort()
             return
         serving = asyncio.current_task()
+        assert serving is not None  # a coroutine run by the listener's task
         self._serving.add(serving)
         self._connections.add(endpoint)
         transfers: set[asyncio.Task] = set()

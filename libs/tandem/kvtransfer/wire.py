@@ -90,14 +90,14 @@ class Header:
     def pack(self) -> np.ndarray:
         reply_id = self.reply_id.encode()
         out = np.zeros(HEADER_BYTES, np.uint8)
-        _HEADER.pack_into(out, 0, MAGIC, VERSION, 0, self.transfer_id, self.num_blocks, self.bytes_per_block, len(reply_id))
+        _HEADER.pack_into(out.data, 0, MAGIC, VERSION, 0, self.transfer_id, self.num_blocks, self.bytes_per_block, len(reply_id))
         out[_HEADER.size : _HEADER.size + len(reply_id)] = np.frombuffer(reply_id, np.uint8)
         return out
 
     @classmethod
     def unpack(cls, data: np.ndarray) -> Header:
         """Raises BadHeader, with the transfer id when it could be read (0 otherwise)."""
-        magic, version, _, transfer_id, num_blocks, bytes_per_block, id_len = _HEADER.unpack_from(data, 0)
+        magic, version, _, transfer_id, num_blocks, bytes_per_block, id_len = _HEADER.unpack_from(data.data, 0)
         if magic != MAGIC or version != VERSION:
             raise BadHeader(f"magic {magic!r} version {version}, expected {MAGIC!r} version {VERSION}", transfer_id)
         if id_len > MAX_REPLY_ID_BYTES:
@@ -119,12 +119,12 @@ class Reply:
 
     def pack(self) -> np.ndarray:
         out = np.zeros(STATUS_BYTES, np.uint8)
-        _STATUS.pack_into(out, 0, self.status, self.num_blocks, self.bytes_per_block)
+        _STATUS.pack_into(out.data, 0, self.status, self.num_blocks, self.bytes_per_block)
         return out
 
     @classmethod
     def unpack(cls, data: np.ndarray) -> Reply:
-        status, num_blocks, bytes_per_block = _STATUS.unpack_from(data, 0)
+        status, num_blocks, bytes_per_block = _STATUS.unpack_from(data.data, 0)
         try:
             return cls(Status(status), num_blocks, bytes_per_block)
         except ValueError:
