@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,9 @@ import nats
 from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
+from tandem.devstack.cassandra_node import find_java17
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.errors import StartupError
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,3 +79,14 @@ async def wait_until(check, timeout_s: float = 30.0, interval_s: float = 0.1):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s (last: {value!r})")
         await asyncio.sleep(interval_s)
+
+
+def cassandra_tools_missing() -> str | None:
+    """Why no Cassandra node can be started on this machine, or None when JDK 17 and mvn are here."""
+    if shutil.which("mvn") is None:
+        return "mvn is not installed (Cassandra's jars come from Maven Central)"
+    try:
+        find_java17()
+    except StartupError as exc:
+        return str(exc)
+    return None

@@ -14,10 +14,10 @@ import httpx
 import nats
 import pytest
 import pytest_asyncio
-from helpers import wait_until
+from helpers import cassandra_tools_missing, wait_until
 from product_stack import ALICE, SseReader, read_stream, start_product_stack, text_of
 
-from tandem.devstack.cassandra_node import NodeConfig, missing_tools, start_node, stop_node
+from tandem.devstack.cassandra_node import NodeConfig, start_node, stop_node
 from tandem.devstack.servers import start_nats, start_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
@@ -26,7 +26,7 @@ STORE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def node_config(tmp_path_factory):
-    if (reason := missing_tools()) is not None:
+    if (reason := cassandra_tools_missing()) is not None:
         if os.environ.get("TANDEM_REQUIRE_CASSANDRA") == "1":
             pytest.fail(f"TANDEM_REQUIRE_CASSANDRA=1 but no Cassandra: {reason}", pytrace=False)
         pytest.skip(f"!!! CASSANDRA STACK NOT TESTED: {reason}")

@@ -134,17 +134,6 @@ def find_java17(explicit: str | None = None) -> str:
     )
 
 
-def missing_tools() -> str | None:
-    """Why no node can be started on this machine, or None when JDK 17 and mvn are here."""
-    if shutil.which("mvn") is None:
-        return "mvn is not installed (Cassandra's jars come from Maven Central)"
-    try:
-        find_java17()
-    except StartupError as exc:
-        return str(exc)
-    return None
-
-
 def fetch_jars(version: str, cache_dir: Path) -> Path:
     """The folder of cassandra-all-<version> and its runtime jars, fetched with mvn once."""
     folder = cache_dir / version

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from helpers import cassandra_tools_missing
 
-from tandem.devstack.cassandra_node import NodeConfig, RunningNode, missing_tools, start_node, stop_node
+from tandem.devstack.cassandra_node import NodeConfig, RunningNode, start_node, stop_node
 from tandem.store import ConversationStore
 from tandem.store.cassandra import CassandraStore
 from tandem.store.sqlite import SqliteStore
@@ -28,7 +29,7 @@ _SKIP_PREFIX = "!!! CASSANDRA STORE NOT TESTED: "
 
 def cassandra_missing() -> str | None:
     """Why no node can be started here, or None."""
-    return missing_tools()
+    return cassandra_tools_missing()
 
 
 def skip_cassandra(reason: str) -> None:
