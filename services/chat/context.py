@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.store import Message, MessageStatus, Role
+from tandem.bus.events import ReplyStatus
+from tandem.store import Message, Role
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def active_history(messages: Sequence[Message], summary_upto_seq: int = 0) -> li
     return [
         m
         for m in active_branch(messages)
-        if m.seq > summary_upto_seq and (m.role == Role.USER or (m.status in (MessageStatus.COMPLETE, MessageStatus.STOPPED) and m.content))
+        if m.seq > summary_upto_seq and (m.role == Role.USER or (m.status in (ReplyStatus.COMPLETE, ReplyStatus.STOPPED) and m.content))
     ]
 
 

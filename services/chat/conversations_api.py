@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 import uuid
 from typing import Annotated
 
@@ -18,8 +17,9 @@ from services.chat.schemas import MessageBody, NewConversationBody, conversation
 from services.chat.state import State
 from services.chat.streams import as_logged, finished_message_response
 from services.chat.turns import send_message
+from tandem.bus.events import ReplyStatus, now_ms
 from tandem.config import ApiKey
-from tandem.store import Conversation, MessageStatus
+from tandem.store import Conversation
 from tandem.tokenlog import load_reply
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
@@ -35,7 +35,7 @@ async def owned_conversation(state: State, user: ApiKey, conversation_id: str) -
 @router.post("", status_code=201)
 async def create_conversation(state: State, user: CurrentUser, body: NewConversationBody | None = None) -> dict[str, str]:
     body = body or NewConversationBody()
-    now = int(time.time() * 1000)
+    now = now_ms()
     conversation = Conversation(
         id=uuid.uuid4().hex, user_id=user.user_id, title=body.title, model=body.model, created_at_ms=now, updated_at_ms=now
     )
@@ -56,7 +56,7 @@ async def get_conversation(state: State, user: CurrentUser, conversation_id: str
     conversation = await owned_conversation(state, user, conversation_id)
     messages = await state.store.list_messages(conversation_id)
     shown = active_branch(messages)  # each user turn with its latest answer, whatever its status
-    views = [message_view(await as_logged(state, m) if m.status == MessageStatus.RUNNING else m) for m in shown]
+    views = [message_view(await as_logged(state, m) if m.status == ReplyStatus.RUNNING else m) for m in shown]
     return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": views}
 
 

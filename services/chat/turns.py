@@ -15,8 +15,9 @@ from services.chat.models_view import ServedModel
 from services.chat.prompt import PromptCounter, encode_prompt
 from services.chat.replies import ReplyRefused, ReplyRequest, begin_reply, cancel_reply, new_reply_id
 from services.chat.state import ChatState
+from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey
-from tandem.store import Conversation, Message, MessageStatus, NewMessage, Role
+from tandem.store import Conversation, Message, NewMessage, Role
 from tandem.tokenlog import load_reply
 from tandem.v1.common_pb2 import SamplingParams
 
@@ -170,7 +171,7 @@ async def _start(
             content="",
             tokens=0,
             model=model.name,
-            status=MessageStatus.RUNNING,
+            status=ReplyStatus.RUNNING,
             parent_seq=parent_seq,
         ),
     )
@@ -190,7 +191,7 @@ async def _start(
     try:
         await begin_reply(state, reply)
     except ReplyRefused as exc:
-        await state.store.finish_message(conversation.id, reply_id, content="", status=MessageStatus.FAILED, tokens=0)
+        await state.store.finish_message(conversation.id, reply_id, content="", status=ReplyStatus.FAILED, tokens=0)
         await state.redis.delete(inflight_key(conversation.id))
         log.info("reply %s refused: %s: %s", reply_id, exc.code, exc.message)
         raise

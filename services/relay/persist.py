@@ -10,7 +10,7 @@ import logging
 
 from redis.asyncio import Redis
 
-from tandem.store import ConversationStore, MessageStatus, StoreUnavailable
+from tandem.store import ConversationStore, StoreUnavailable
 from tandem.tokenlog import UNPERSISTED, ReplyKeys, load_reply, logged_events
 
 log = logging.getLogger(__name__)
@@ -28,9 +28,7 @@ async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, t
     num_output_tokens = events[-1].usage.output_tokens if events else 0
     keys = ReplyKeys(reply_id)
     try:
-        await store.finish_message(
-            meta.conversation_id, meta.message_id, content=text, status=MessageStatus(meta.status.value), tokens=num_output_tokens
-        )
+        await store.finish_message(meta.conversation_id, meta.message_id, content=text, status=meta.status, tokens=num_output_tokens)
     except StoreUnavailable as exc:
         log.warning("reply %s is not stored yet (%s); the log is kept until it is", reply_id, exc)
         async with redis.pipeline(transaction=True) as pipe:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,10 @@ import redis.asyncio as aioredis
 from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.events import ReplyStatus, now_ms
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import start_nats, start_redis
-from tandem.store import Conversation, MessageStatus, NewMessage, Role
+from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage
@@ -114,12 +114,12 @@ async def test_shuffled_and_repeated_deliveries_are_logged_once_in_order(ready, 
 
 
 async def test_a_finished_reply_is_stored_as_its_assistant_turn_with_nobody_connected(ready, nc, redis, store):
-    now = int(time.time() * 1000)
+    now = now_ms()
     conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u1", "t", "m", now, now))
     reply_id = uuid.uuid4().hex
     await store.append_message(
         "u1",
-        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING),
+        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=ReplyStatus.RUNNING),
     )
     await create_reply(
         redis, ReplyMeta(reply_id=reply_id, user_id="u1", conversation_id=conversation.id, message_id=reply_id), track_readers=False
@@ -129,19 +129,19 @@ async def test_a_finished_reply_is_stored_as_its_assistant_turn_with_nobody_conn
 
     async def stored():
         message = await store.get_message(reply_id)
-        return message if message.status != MessageStatus.RUNNING else None
+        return message if message.status != ReplyStatus.RUNNING else None
 
     message = await wait_until(stored)
-    assert (message.status, message.content, message.tokens) == (MessageStatus.COMPLETE, "t1 t2 t3 t4 t5 t6 ", 6)
+    assert (message.status, message.content, message.tokens) == (ReplyStatus.COMPLETE, "t1 t2 t3 t4 t5 t6 ", 6)
 
 
 async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, nc, redis, store):
-    now = int(time.time() * 1000)
+    now = now_ms()
     conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u2", "t", "m", now, now))
     reply_id = uuid.uuid4().hex
     await store.append_message(
         "u2",
-        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=MessageStatus.RUNNING),
+        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=ReplyStatus.RUNNING),
     )
     cancelled: asyncio.Future[Cancel] = asyncio.get_running_loop().create_future()
 
@@ -163,8 +163,8 @@ async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, n
 
     async def stored():
         message = await store.get_message(reply_id)
-        return message if message.status != MessageStatus.RUNNING else None
+        return message if message.status != ReplyStatus.RUNNING else None
 
     message = await wait_until(stored)
-    assert (message.status, message.content) == (MessageStatus.STOPPED, "t1 t2 t3 ")
+    assert (message.status, message.content) == (ReplyStatus.STOPPED, "t1 t2 t3 ")
     assert (await load_reply(redis, reply_id)).status.value == "stopped"

@@ -14,13 +14,14 @@ from tandem.v1.common_pb2 import (
     FINISH_REASON_STOP,
     FINISH_REASON_UNSPECIFIED,
     Error,
+    FinishReason,
     Usage,
 )
 from tandem.v1.tokens_pb2 import TokenEvent
 
-# The finish reason of a final TokenEvent as the product's `done` event and OpenAI's
-# `finish_reason` name it; an error has its own event and is never a `done`.
-FINISH_NAMES = {
+# The finish reason of a final TokenEvent as the product's `done` event names it; an error has
+# its own event and is never a `done`.
+FINISH_NAMES: dict[int, str] = {
     FINISH_REASON_STOP: "stop",
     FINISH_REASON_LENGTH: "length",
     FINISH_REASON_CANCELLED: "cancelled",
@@ -58,6 +59,12 @@ def finish_name(finish: int) -> str:
         raise ValueError(f"finish reason {finish} does not end a reply") from None
 
 
+def openai_finish_reason(finish: int) -> str:
+    """OpenAI's `finish_reason`: "length" for a reply cut at its limit, else "stop" (OpenAI has
+    no "cancelled": a reply stopped early simply stopped)."""
+    return "length" if finish_name(finish) == "length" else "stop"
+
+
 def status_of_finish(finish: int) -> ReplyStatus:
     """The status a reply ends in, from its final event's finish reason."""
     if finish in (FINISH_REASON_STOP, FINISH_REASON_LENGTH):
@@ -69,8 +76,26 @@ def status_of_finish(finish: int) -> ReplyStatus:
     raise ValueError(f"finish reason {finish} does not end a reply")
 
 
+def finish_of_status(status: ReplyStatus) -> FinishReason | None:
+    """The finish a reply that ended with `status` reports, for one read back from the store
+    (which does not keep whether a complete reply stopped or hit its length); None for a status
+    that ends in an error (failed, moderated) or does not end (running)."""
+    if status == ReplyStatus.COMPLETE:
+        return FINISH_REASON_STOP
+    if status == ReplyStatus.STOPPED:
+        return FINISH_REASON_CANCELLED
+    return None
+
+
 def final_event(
-    reply_id: str, seq: int, finish: int, *, worker_id: str = "", text: str = "", token_id: int | None = None, usage: Usage | None = None
+    reply_id: str,
+    seq: int,
+    finish: FinishReason,
+    *,
+    worker_id: str = "",
+    text: str = "",
+    token_id: int | None = None,
+    usage: Usage | None = None,
 ) -> TokenEvent:
     """The event that ends a reply at `seq` (STOP, LENGTH or CANCELLED); `usage` for a reply that ran."""
     if finish not in (FINISH_REASON_STOP, FINISH_REASON_LENGTH, FINISH_REASON_CANCELLED):

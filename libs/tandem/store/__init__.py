@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tandem.store.base import (
-    FINAL_STATUSES,
     Conversation,
     ConversationStore,
     Message,
-    MessageStatus,
     NewMessage,
     Role,
     StoreUnavailable,
@@ -38,11 +36,9 @@ def open_store(settings: Settings) -> ConversationStore:
 
 
 __all__ = [
-    "FINAL_STATUSES",
     "Conversation",
     "ConversationStore",
     "Message",
-    "MessageStatus",
     "NewMessage",
     "Role",
     "StoreUnavailable",

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from tandem.bus.events import ReplyStatus
+
 
 class StoreUnavailable(Exception):
     """The store cannot be reached or did not answer in time; the API answers 503 with this message."""
@@ -20,17 +22,6 @@ class StoreUnavailable(Exception):
 class Role(str, Enum):
     USER = "user"
     ASSISTANT = "assistant"
-
-
-class MessageStatus(str, Enum):
-    COMPLETE = "complete"
-    RUNNING = "running"
-    STOPPED = "stopped"
-    FAILED = "failed"
-    MODERATED = "moderated"
-
-
-FINAL_STATUSES = frozenset({MessageStatus.COMPLETE, MessageStatus.STOPPED, MessageStatus.FAILED, MessageStatus.MODERATED})
 
 
 @dataclass(frozen=True)
@@ -56,7 +47,7 @@ class NewMessage:
     content: str
     tokens: int  # its token count, counted once when saved so prompts never re-tokenize history
     model: str = ""
-    status: MessageStatus = MessageStatus.COMPLETE
+    status: ReplyStatus = ReplyStatus.COMPLETE
     parent_seq: int = 0  # an assistant turn: the seq of the user turn it answers; 0 for none
     created_at_ms: int = 0  # 0: the store's clock
 
@@ -71,7 +62,7 @@ class Message:
     content: str
     tokens: int
     model: str
-    status: MessageStatus
+    status: ReplyStatus
     created_at_ms: int
 
 
@@ -106,7 +97,7 @@ class ConversationStore(Protocol):
         conversation does not exist for this user."""
 
     async def finish_message(
-        self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int
+        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int
     ) -> Message | None:
         """A running message becomes final with its text and token count. A message already final
         is left as it is (the first final write wins) and returned. None when it does not exist."""

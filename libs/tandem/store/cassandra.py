@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -41,7 +40,8 @@ from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionP
 from cassandra.protocol import IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import BatchStatement, BatchType, PreparedStatement, dict_factory
 
-from tandem.store.base import FINAL_STATUSES, Conversation, Message, MessageStatus, NewMessage, Role, StoreUnavailable
+from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
+from tandem.store.base import Conversation, Message, NewMessage, Role, StoreUnavailable
 
 try:  # libev: the driver's C event loop (bundled in the wheel); asyncore is gone from Python 3.12
     from cassandra.io.libevreactor import LibevConnection as _Connection
@@ -111,10 +111,6 @@ def _in_keyspace(query: str, keyspace: str) -> str:
     return re.sub(r"\b(FROM|INTO|UPDATE) (?=[a-z_]+\b)", rf"\1 {keyspace}.", query)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def parse_hosts(hosts: str) -> list[DefaultEndPoint]:
     """ "host[:port],..." (port 9042 when left out)."""
     endpoints = []
@@ -141,7 +137,7 @@ def _bounded(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]
 
 def _message(row: dict[str, Any]) -> Message:
     fields = {key: row[key] for key in _MESSAGE_COLUMNS.split(", ")}
-    return Message(**fields | {"role": Role(fields["role"]), "status": MessageStatus(fields["status"])})
+    return Message(**fields | {"role": Role(fields["role"]), "status": ReplyStatus(fields["status"])})
 
 
 def _conversation(row: dict[str, Any]) -> Conversation:
@@ -235,7 +231,7 @@ class CassandraStore:
         for step in range(version + 1, SCHEMA_VERSION + 1):
             for statement in _MIGRATIONS[step]:
                 await self._ddl(statement.replace("CREATE TABLE IF NOT EXISTS ", f"CREATE TABLE IF NOT EXISTS {ks}.", 1))
-            await self._execute(_SET_SCHEMA.format(ks=ks), (step, self._bucket_size, _now_ms()))
+            await self._execute(_SET_SCHEMA.format(ks=ks), (step, self._bucket_size, now_ms()))
 
     async def _ddl(self, statement: str) -> None:
         await self._execute(statement, (), timeout_s=_DDL_TIMEOUT_S)
@@ -393,7 +389,7 @@ class CassandraStore:
             if claimed["seq"] is not None and (stored := await self._message_at(message.conversation_id, claimed["seq"])) is not None:
                 return stored
         seq, row = await self._take_seq(message, (conversation["last_seq"] or 0) + 1)
-        updated_at_ms = max(_now_ms(), conversation["updated_at_ms"] + 1)
+        updated_at_ms = max(now_ms(), conversation["updated_at_ms"] + 1)
         # One logged batch: the id's seq, the conversation's counters and its place in the user's list.
         batch = BatchStatement(batch_type=BatchType.LOGGED)
         batch.add(self._prepared["set_id_seq"], (seq, message.id))
@@ -407,7 +403,7 @@ class CassandraStore:
         """The first free seq from `seq` on, taken with a Paxos insert; or the seq an earlier try
         of this same message already took (it is met on the way: seqs are taken in order)."""
         m = message
-        created_at_ms = m.created_at_ms or _now_ms()
+        created_at_ms = m.created_at_ms or now_ms()
         for _ in range(_MAX_SEQ_ATTEMPTS):
             values = (m.id, m.conversation_id, seq, m.parent_seq, m.role.value, m.content, m.tokens, m.model, m.status.value, created_at_ms)
             result = await self._run("claim_seq", *values, self._bucket(seq))
@@ -424,7 +420,7 @@ class CassandraStore:
 
     @_bounded
     async def finish_message(
-        self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int
+        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int
     ) -> Message | None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"{status.value} is not a final status")

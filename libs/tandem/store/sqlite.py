@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiosqlite
 
-from tandem.store.base import FINAL_STATUSES, Conversation, Message, MessageStatus, NewMessage, Role, StoreUnavailable
+from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
+from tandem.store.base import Conversation, Message, NewMessage, Role, StoreUnavailable
 
 SCHEMA_VERSION = 1
 _SCHEMA = [
@@ -39,17 +39,13 @@ _CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms
 _MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**{key: row[key] for key in _CONVERSATION_COLUMNS.split(", ")})
 
 
 def _message(row: sqlite3.Row) -> Message:
     fields = {key: row[key] for key in _MESSAGE_COLUMNS.split(", ")}
-    return Message(**fields | {"role": Role(fields["role"]), "status": MessageStatus(fields["status"])})
+    return Message(**fields | {"role": Role(fields["role"]), "status": ReplyStatus(fields["status"])})
 
 
 class SqliteStore:
@@ -188,7 +184,7 @@ class SqliteStore:
             if stored is not None:
                 return _message(stored)
             seq = owner["last_seq"] + 1
-            created_at_ms = message.created_at_ms or _now_ms()
+            created_at_ms = message.created_at_ms or now_ms()
             await db.execute(
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -206,20 +202,20 @@ class SqliteStore:
             )
             await db.execute(
                 "UPDATE conversations SET last_seq = ?, total_tokens = total_tokens + ?, updated_at_ms = max(updated_at_ms, ?) WHERE id = ?",
-                (seq, message.tokens, _now_ms(), message.conversation_id),
+                (seq, message.tokens, now_ms(), message.conversation_id),
             )
             row = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
         return _message(row)
 
     async def finish_message(
-        self, conversation_id: str, message_id: str, *, content: str, status: MessageStatus, tokens: int
+        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int
     ) -> Message | None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"{status.value} is not a final status")
         async with self._write() as db:
             query = f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ? AND conversation_id = ?"
             row = await (await db.execute(query, (message_id, conversation_id))).fetchone()
-            if row is None or MessageStatus(row["status"]) in FINAL_STATUSES:
+            if row is None or ReplyStatus(row["status"]) in FINAL_STATUSES:
                 return None if row is None else _message(row)
             await db.execute(
                 "UPDATE messages SET content = ?, status = ?, tokens = ? WHERE id = ?", (content, status.value, tokens, message_id)

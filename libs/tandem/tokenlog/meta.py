@@ -3,37 +3,16 @@ the original GenerateRequest (so a reply can be resubmitted as a continuation), 
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 
 from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
 
+from tandem.bus.events import ReplyStatus, now_ms
 from tandem.tokenlog.keys import RUNNING, ReplyKeys
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_STOP
+from tandem.tokenlog.values import as_bytes, as_text
 from tandem.v1.generate_pb2 import GenerateRequest
-
-
-class ReplyStatus(str, Enum):
-    RUNNING = "running"
-    COMPLETE = "complete"
-    STOPPED = "stopped"
-    FAILED = "failed"
-    MODERATED = "moderated"
-
-
-def status_of_finish(finish: int) -> ReplyStatus:
-    if finish in (FINISH_REASON_STOP, FINISH_REASON_LENGTH):
-        return ReplyStatus.COMPLETE
-    if finish == FINISH_REASON_CANCELLED:
-        return ReplyStatus.STOPPED
-    if finish == FINISH_REASON_ERROR:
-        return ReplyStatus.FAILED
-    raise ValueError(f"finish reason {finish} does not end a reply")
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True)
@@ -57,11 +36,11 @@ class ReplyMeta:
         return GenerateRequest.FromString(self.request)
 
     @classmethod
-    def from_hash(cls, reply_id: str, fields: dict[bytes, bytes]) -> ReplyMeta:
-        text = {k.decode(): v for k, v in fields.items()}
+    def from_hash(cls, reply_id: str, fields: Mapping[bytes | str, bytes | str]) -> ReplyMeta:
+        values = {as_text(k): v for k, v in fields.items()}
 
         def field(name: str) -> str:
-            return text[name].decode() if name in text else ""
+            return as_text(values[name]) if name in values else ""
 
         return cls(
             reply_id=reply_id,
@@ -73,7 +52,7 @@ class ReplyMeta:
             created_ms=int(field("created_ms") or 0),
             finished_ms=int(field("finished_ms") or 0),
             last_seq=int(field("last_seq") or 0),
-            request=text.get("request", b""),
+            request=as_bytes(values.get("request", b"")),
         )
 
 
@@ -81,7 +60,7 @@ async def create_reply(redis: Redis, meta: ReplyMeta, *, track_readers: bool) ->
     """Records a reply before its request is sent, so its first token always finds it.
     With `track_readers`, the relay cancels it once nobody has read it for a while."""
     keys = ReplyKeys(meta.reply_id)
-    fields = {
+    fields: dict[FieldT, EncodableT] = {
         "user_id": meta.user_id,
         "conversation_id": meta.conversation_id,
         "message_id": meta.message_id,

@@ -3,13 +3,14 @@ land (blocking XREAD, no polling with sleeps), ending after the final event."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from redis.asyncio import Redis
 
+from tandem.bus.events import is_final
 from tandem.tokenlog.keys import ReplyKeys
 from tandem.tokenlog.meta import load_reply
-from tandem.v1.common_pb2 import FINISH_REASON_UNSPECIFIED
+from tandem.tokenlog.values import as_bytes
 from tandem.v1.tokens_pb2 import TokenEvent
 
 
@@ -19,6 +20,12 @@ class ReplyGone(LookupError):
 
 def entry_id(seq: int) -> str:
     return f"{seq}-1"
+
+
+def _event_of(fields: Mapping[bytes | str, bytes | str] | None) -> TokenEvent:
+    if not fields:
+        raise ValueError("a token log entry without fields")
+    return TokenEvent.FromString(as_bytes(fields[b"e"]))
 
 
 async def read(redis: Redis, reply_id: str, *, after: int = 0, block_ms: int = 5000) -> AsyncIterator[TokenEvent]:
@@ -31,24 +38,26 @@ async def read(redis: Redis, reply_id: str, *, after: int = 0, block_ms: int = 5
     keys = ReplyKeys(reply_id)
     last_id = entry_id(after) if after else "0-0"
     while True:
-        entries = await redis.xread({keys.log: last_id}, count=256, block=block_ms)
-        if not entries:
+        response = await redis.xread({keys.log: last_id}, count=256, block=block_ms)
+        if not response:
             meta = await load_reply(redis, reply_id)
             if meta is None:
                 raise ReplyGone(f"reply {reply_id} is unknown or its log has expired")
             if not meta.is_running and meta.last_seq <= after:
                 return  # asked for what follows the final event: nothing
             continue
-        for _, items in entries:
-            for item_id, fields in items:
-                event = TokenEvent.FromString(fields[b"e"])
+        if not isinstance(response, list):
+            raise TypeError("the token log reads Redis over RESP2 (redis-py's default protocol)")
+        for _, entries in response:  # one stream: [[name, [(entry id, fields), ...]]]
+            for item_id, fields in entries:
+                event = _event_of(fields)
                 yield event
-                if event.finish != FINISH_REASON_UNSPECIFIED:
+                if is_final(event):
                     return
                 last_id = item_id
 
 
 async def logged_events(redis: Redis, reply_id: str) -> list[TokenEvent]:
     """The events logged so far, at once (one range read, no waiting)."""
-    entries = await redis.xrange(ReplyKeys(reply_id).log)
-    return [TokenEvent.FromString(fields[b"e"]) for _, fields in entries]
+    entries = await redis.xrange(ReplyKeys(reply_id).log) or []
+    return [_event_of(fields) for _, fields in entries]

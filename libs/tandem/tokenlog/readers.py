@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
+from tandem.bus.events import now_ms
 from tandem.tokenlog.keys import ReplyKeys
-from tandem.tokenlog.meta import now_ms
 
 
 async def attach(redis: Redis, reply_id: str, reader_id: str, lease_s: float) -> None:

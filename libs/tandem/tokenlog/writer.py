@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from tandem.bus.events import ReplyStatus, is_final, now_ms, status_of_finish
 from tandem.tokenlog.keys import ReplyKeys
-from tandem.tokenlog.meta import ReplyStatus, now_ms, status_of_finish
-from tandem.v1.common_pb2 import FINISH_REASON_UNSPECIFIED
+from tandem.tokenlog.values import as_text
 from tandem.v1.tokens_pb2 import TokenEvent
 
 # KEYS: log, pending, meta, readers. ARGV: seq, event, final status ('' if not last), ttl_s, now_ms.
@@ -78,11 +78,10 @@ class TokenLogWriter:
     async def append(self, event: TokenEvent) -> Appended:
         if not event.reply_id or event.seq < 1:
             raise ValueError(f"a logged event needs a reply id and a seq from 1; got {event.reply_id!r} seq {event.seq}")
-        is_final = event.finish != FINISH_REASON_UNSPECIFIED
-        status = status_of_finish(event.finish).value if is_final else ""
+        status = status_of_finish(event.finish).value if is_final(event) else ""
         keys = ReplyKeys(event.reply_id)
         num_appended, last_seq, final, num_held = await self._append(
             keys=list(keys.all()), args=[event.seq, event.SerializeToString(), status, self._ttl_s, now_ms()]
         )
-        final_text = final.decode() if isinstance(final, bytes) else final
+        final_text = as_text(final)
         return Appended(int(num_appended), int(last_seq), ReplyStatus(final_text) if final_text else None, int(num_held))

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tandem.bus.events import ReplyStatus
 from tandem.config import load_settings
-from tandem.store import Conversation, ConversationStore, MessageStatus, NewMessage, Role, open_store
+from tandem.store import Conversation, ConversationStore, NewMessage, Role, open_store
 
 StoreFactory = Callable[[], Awaitable[ConversationStore]]
 
@@ -35,7 +36,7 @@ def running_reply(conversation: Conversation, parent_seq: int) -> NewMessage:
         content="",
         tokens=0,
         model="smollm2",
-        status=MessageStatus.RUNNING,
+        status=ReplyStatus.RUNNING,
         parent_seq=parent_seq,
     )
 
@@ -66,8 +67,8 @@ async def test_turns_get_seqs_in_order_and_bump_the_conversation(store: Conversa
     conversation = await store.create_conversation(new_conversation(updated_at_ms=1_000))
     question = await store.append_message("alice", user_turn(conversation, "what is 2+2?", tokens=7))
     reply = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
-    assert (question.seq, question.role, question.content, question.status) == (1, Role.USER, "what is 2+2?", MessageStatus.COMPLETE)
-    assert (reply.seq, reply.parent_seq, reply.role, reply.status, reply.model) == (2, 1, Role.ASSISTANT, MessageStatus.RUNNING, "smollm2")
+    assert (question.seq, question.role, question.content, question.status) == (1, Role.USER, "what is 2+2?", ReplyStatus.COMPLETE)
+    assert (reply.seq, reply.parent_seq, reply.role, reply.status, reply.model) == (2, 1, Role.ASSISTANT, ReplyStatus.RUNNING, "smollm2")
     assert question.created_at_ms > 0
     assert await store.list_messages(conversation.id) == [question, reply]
     assert await store.get_message(reply.id) == reply
@@ -76,8 +77,8 @@ async def test_turns_get_seqs_in_order_and_bump_the_conversation(store: Conversa
     assert stored.updated_at_ms > conversation.updated_at_ms
 
 
-@pytest.mark.parametrize("status", [MessageStatus.COMPLETE, MessageStatus.STOPPED, MessageStatus.FAILED])
-async def test_finishing_a_running_reply_stores_its_text_status_and_tokens(store: ConversationStore, status: MessageStatus) -> None:
+@pytest.mark.parametrize("status", [ReplyStatus.COMPLETE, ReplyStatus.STOPPED, ReplyStatus.FAILED])
+async def test_finishing_a_running_reply_stores_its_text_status_and_tokens(store: ConversationStore, status: ReplyStatus) -> None:
     conversation = await store.create_conversation(new_conversation())
     question = await store.append_message("alice", user_turn(conversation, tokens=4))
     reply = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
@@ -90,10 +91,10 @@ async def test_finishing_a_running_reply_stores_its_text_status_and_tokens(store
 async def test_the_first_final_write_wins(store: ConversationStore) -> None:
     conversation = await store.create_conversation(new_conversation())
     reply = await store.append_message("alice", running_reply(conversation, parent_seq=0))
-    first = await store.finish_message(conversation.id, reply.id, content="partial", status=MessageStatus.STOPPED, tokens=5)
-    second = await store.finish_message(conversation.id, reply.id, content="the whole answer", status=MessageStatus.COMPLETE, tokens=9)
+    first = await store.finish_message(conversation.id, reply.id, content="partial", status=ReplyStatus.STOPPED, tokens=5)
+    second = await store.finish_message(conversation.id, reply.id, content="the whole answer", status=ReplyStatus.COMPLETE, tokens=9)
     assert second == first
-    assert (second.content, second.status, second.tokens) == ("partial", MessageStatus.STOPPED, 5)
+    assert (second.content, second.status, second.tokens) == ("partial", ReplyStatus.STOPPED, 5)
     assert (await store.get_conversation("alice", conversation.id)).total_tokens == 5
 
 
@@ -101,9 +102,9 @@ async def test_finishing_an_unknown_message_or_in_another_conversation_finds_not
     conversation = await store.create_conversation(new_conversation())
     other = await store.create_conversation(new_conversation())
     reply = await store.append_message("alice", running_reply(conversation, parent_seq=0))
-    assert await store.finish_message(conversation.id, "msg-never-written", content="x", status=MessageStatus.COMPLETE, tokens=1) is None
-    assert await store.finish_message(other.id, reply.id, content="x", status=MessageStatus.COMPLETE, tokens=1) is None
-    assert (await store.get_message(reply.id)).status == MessageStatus.RUNNING
+    assert await store.finish_message(conversation.id, "msg-never-written", content="x", status=ReplyStatus.COMPLETE, tokens=1) is None
+    assert await store.finish_message(other.id, reply.id, content="x", status=ReplyStatus.COMPLETE, tokens=1) is None
+    assert (await store.get_message(reply.id)).status == ReplyStatus.RUNNING
     assert await store.get_message("msg-never-written") is None
 
 
@@ -188,7 +189,7 @@ async def test_nothing_acknowledged_is_lost_when_the_client_restarts(new_store: 
     assert await after.list_messages(conversation.id) == [question, reply]
     stored = await after.get_conversation("alice", conversation.id)
     assert (stored.title, stored.summary, stored.summary_upto_seq, stored.total_tokens) == ("renamed", "a summary", 1, 3)
-    finished = await after.finish_message(conversation.id, reply.id, content="done", status=MessageStatus.COMPLETE, tokens=1)
+    finished = await after.finish_message(conversation.id, reply.id, content="done", status=ReplyStatus.COMPLETE, tokens=1)
     assert (finished.seq, finished.content) == (2, "done")
     assert (await after.append_message("alice", user_turn(conversation))).seq == 3
 

@@ -10,18 +10,17 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
+from tandem.bus.events import ReplyStatus, now_ms
 from tandem.tokenlog import (
     ReplyGone,
     ReplyKeys,
     ReplyMeta,
-    ReplyStatus,
     TokenLogWriter,
     attach,
     create_reply,
     detach,
     idle_for_ms,
     load_reply,
-    now_ms,
     read,
 )
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage

@@ -3,12 +3,13 @@
 import pytest
 
 from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context
-from tandem.store import Message, MessageStatus, Role
+from tandem.bus.events import ReplyStatus
+from tandem.store import Message, Role
 
 SYSTEM = Turn("system", "Be brief.", 10)
 
 
-def message(seq: int, role: Role, tokens: int, parent_seq: int = 0, status: MessageStatus = MessageStatus.COMPLETE) -> Message:
+def message(seq: int, role: Role, tokens: int, parent_seq: int = 0, status: ReplyStatus = ReplyStatus.COMPLETE) -> Message:
     return Message(
         id=f"m{seq}",
         conversation_id="c",
@@ -79,7 +80,7 @@ def test_the_active_history_keeps_the_latest_answer_of_each_user_turn():
         message(2, Role.ASSISTANT, 10, 1),
         message(3, Role.ASSISTANT, 10, 1),  # regenerated
         message(4, Role.USER, 10),
-        message(5, Role.ASSISTANT, 10, 4, status=MessageStatus.FAILED),
+        message(5, Role.ASSISTANT, 10, 4, status=ReplyStatus.FAILED),
     ]
     assert [m.seq for m in active_history(messages)] == [1, 3, 4]
 
