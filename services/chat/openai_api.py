@@ -20,7 +20,8 @@ from services.chat.errors import error_response
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, log_events, new_reply_id
 from services.chat.state import ChatState, State
 from services.chat.turns import MODEL_WAIT_S, SamplingChoice
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_UNSPECIFIED
+from tandem.bus.events import is_final, openai_finish_reason
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -74,10 +75,6 @@ async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
     }
 
 
-def finish_reason(event: TokenEvent) -> str:
-    return "length" if event.finish == FINISH_REASON_LENGTH else "stop"
-
-
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(state: State, user: CurrentUser, body: CompletionBody, request: Request) -> JSONResponse | EventSourceResponse:
     model = await state.models.resolve_soon(body.model, MODEL_WAIT_S)
@@ -121,7 +118,13 @@ async def _completion(state: ChatState, reply_id: str, model: str, created: int)
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)}, "finish_reason": finish_reason(last)}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "finish_reason": openai_finish_reason(last.finish),
+                }
+            ],
             "usage": {
                 "prompt_tokens": usage.input_tokens,
                 "completion_tokens": usage.output_tokens,
@@ -152,8 +155,8 @@ async def _chunks(state: ChatState, reply_id: str, model: str, created: int, inc
                 break
             if event.text:
                 yield chunk({"content": event.text}, None)
-            if event.finish != FINISH_REASON_UNSPECIFIED:
-                yield chunk({}, finish_reason(event))
+            if is_final(event):
+                yield chunk({}, openai_finish_reason(event.finish))
                 if include_usage:
                     u = event.usage
                     usage = {

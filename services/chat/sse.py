@@ -9,10 +9,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_UNSPECIFIED
+from tandem.bus.events import finish_name, is_final
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
-
-FINISH_NAMES = {FINISH_REASON_LENGTH: "length", FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ def usage_of(event: TokenEvent) -> dict[str, int]:
 
 def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
     next_id = event.seq + 1
-    if event.finish == FINISH_REASON_UNSPECIFIED:
+    if not is_final(event):
         yield SseEvent(next_id, "delta", {"text": event.text})
         return
     if event.text:
@@ -49,7 +48,7 @@ def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
             error["retry_after"] = event.error.retry_after_s
         yield SseEvent(next_id, "error", error)
         return
-    yield SseEvent(next_id, "done", {"finish": FINISH_NAMES.get(event.finish, "stop"), "usage": usage_of(event)})
+    yield SseEvent(next_id, "done", {"finish": finish_name(event.finish), "usage": usage_of(event)})
 
 
 def log_seq_to_resume_after(last_event_id: int) -> int:

@@ -11,10 +11,9 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.sse import SseEvent, meta_event
 from services.chat.state import ChatState
-from tandem.store import Message, MessageStatus
+from tandem.bus.events import ReplyStatus, finish_name, finish_of_status
+from tandem.store import Message
 from tandem.tokenlog import load_reply, logged_events
-
-FINISH_OF_STATUS = {MessageStatus.COMPLETE: "stop", MessageStatus.STOPPED: "cancelled"}
 
 
 async def as_logged(state: ChatState, message: Message) -> Message:
@@ -28,21 +27,22 @@ async def as_logged(state: ChatState, message: Message) -> Message:
     if meta.is_running:
         return replace(message, content=text)
     tokens = events[-1].usage.output_tokens if events else 0
-    return replace(message, content=text, status=MessageStatus(meta.status.value), tokens=tokens)
+    return replace(message, content=text, status=meta.status, tokens=tokens)
 
 
 async def _stored_events(message: Message) -> AsyncIterator[dict[str, str]]:
     yield meta_event(message.id, message.model).as_dict()
     yield SseEvent(2, "delta", {"text": message.content}).as_dict()
-    if message.status in FINISH_OF_STATUS:
+    finish = finish_of_status(message.status)
+    if finish is not None:
         usage = {"input": 0, "cached": 0, "output": message.tokens}
-        yield SseEvent(3, "done", {"finish": FINISH_OF_STATUS[message.status], "usage": usage}).as_dict()
+        yield SseEvent(3, "done", {"finish": finish_name(finish), "usage": usage}).as_dict()
     else:
         yield SseEvent(3, "error", {"code": message.status.value, "message": f"the reply ended as {message.status.value}"}).as_dict()
 
 
 def finished_message_response(message: Message, last_event_id: int) -> EventSourceResponse:
-    if message.status == MessageStatus.RUNNING:
+    if message.status == ReplyStatus.RUNNING:
         raise HTTPException(503, "the reply is running but its log is not readable; retry shortly", headers={"Retry-After": "1"})
     if last_event_id > 0:
         raise HTTPException(410, "the reply's event log has expired: GET its conversation for the stored text")

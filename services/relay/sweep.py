@@ -12,9 +12,9 @@ from redis.asyncio import Redis
 
 from services.relay import metrics
 from tandem.bus import encode, subjects
-from tandem.tokenlog import RUNNING, UNPERSISTED, ReplyKeys, idle_for_ms, load_reply, now_ms
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED
-from tandem.v1.tokens_pb2 import Cancel, TokenEvent
+from tandem.bus.events import cancelled_event, now_ms
+from tandem.tokenlog import RUNNING, UNPERSISTED, ReplyKeys, as_text, idle_for_ms, load_reply
+from tandem.v1.tokens_pb2 import Cancel
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ class Sweeper:
 
     async def sweep(self) -> None:
         for raw in await self._redis.smembers(RUNNING):
-            await self._check_running(raw.decode())
+            await self._check_running(as_text(raw))
         for raw in await self._redis.smembers(UNPERSISTED):
-            await self._persist(raw.decode())
+            await self._persist(as_text(raw))
 
     async def _check_running(self, reply_id: str) -> None:
         meta = await load_reply(self._redis, reply_id)
@@ -70,5 +70,4 @@ class Sweeper:
     async def _close(self, reply_id: str, last_seq: int) -> None:
         """No worker ended the cancelled reply: the relay writes its final event so it ends as stopped."""
         log.warning("reply %s: no worker ended it after the cancel; closing its log", reply_id)
-        event = TokenEvent(reply_id=reply_id, seq=last_seq + 1, finish=FINISH_REASON_CANCELLED, worker_id="relay")
-        await self._publish(subjects.tokens(reply_id), encode(event))
+        await self._publish(subjects.tokens(reply_id), encode(cancelled_event(reply_id, last_seq + 1, worker_id="relay")))

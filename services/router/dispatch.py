@@ -4,7 +4,6 @@ reader of its token log learns why instead of waiting for tokens that never come
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ from nats.aio.client import Client
 
 from services.router import metrics
 from tandem.bus import BadMessage, decode, encode, subjects
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Error
+from tandem.bus.events import error_event, now_ms
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import Refusal
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -58,7 +57,7 @@ def nats_assign(client: Client, timeout_s: float, accept_margin_s: float = 0.25)
     async def assign(worker_id: str, assignment: Assignment) -> AssignmentReply:
         sent = Assignment()
         sent.CopyFrom(assignment)
-        sent.accept_by_unix_ms = int(1000 * (time.time() + timeout_s - accept_margin_s))
+        sent.accept_by_unix_ms = now_ms() + int(1000 * (timeout_s - accept_margin_s))
         try:
             msg = await client.request(subjects.assign(worker_id), encode(sent), timeout=timeout_s)
         except nats.errors.NoRespondersError:
@@ -135,25 +134,14 @@ async def _offer(assign: Assign, worker_id: str, assignment: Assignment) -> Atte
 
 def failure_event(assignment: Assignment, result: DispatchResult, config: DispatchConfig) -> TokenEvent:
     """The one event that ends a reply no worker took."""
-    return TokenEvent(
-        reply_id=assignment.reply_id,
-        seq=assignment.first_seq,
-        finish=FINISH_REASON_ERROR,
-        error=failure_error(result, config),
-        produced_unix_ms=int(time.time() * 1000),
-    )
-
-
-def failure_error(result: DispatchResult, config: DispatchConfig) -> Error:
     attempts = result.attempts
     if not attempts:
-        return Error(code="no_workers", message="no decode worker was left to take the reply", retry_after_s=config.retry_after_s)
+        message = "no decode worker was left to take the reply"
+        return error_event(assignment.reply_id, assignment.first_seq, "no_workers", message, retry_after_s=config.retry_after_s)
     reasons = {a.refusal.reason if a.refusal is not None else a.outcome for a in attempts}
     # Every worker refusing for the same reason says more than a generic code.
     code = reasons.pop() if len(reasons) == 1 and attempts[0].refusal is not None else "no_worker_accepted"
     retry_after_s = max((a.refusal.retry_after_s if a.refusal is not None else config.retry_after_s) for a in attempts)
     tried = "; ".join(a.describe() for a in attempts)
-    error = Error(code=code, message=f"no decode worker took the reply after {len(attempts)} tries: {tried}")
-    if retry_after_s > 0:
-        error.retry_after_s = retry_after_s
-    return error
+    message = f"no decode worker took the reply after {len(attempts)} tries: {tried}"
+    return error_event(assignment.reply_id, assignment.first_seq, code, message, retry_after_s=retry_after_s if retry_after_s > 0 else None)

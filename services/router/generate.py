@@ -23,7 +23,7 @@ from services.router.placement import Placement, affinity_key, num_context_token
 from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, subjects
 from tandem.bus.cancels import RecentCancels
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, Error
+from tandem.bus.events import cancelled_event, error_event
 from tandem.v1.dispatch_pb2 import Assignment, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, Refusal
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -227,9 +227,9 @@ class GenerateService:
         """A reply whose handoffs all failed ends with one error event, after what was published."""
         metrics.DISPATCH_FAILURES.inc()
         message = f"the KV handoff failed {len(failures)} times: " + "; ".join(failures)
-        error = Error(code="handoff_failed", message=message, retry_after_s=self._config.retry_after_s)
-        event = TokenEvent(reply_id=assignment.reply_id, seq=assignment.first_seq or 1, finish=FINISH_REASON_ERROR, error=error)
-        event.produced_unix_ms = int(time.time() * 1000)
+        event = error_event(
+            assignment.reply_id, assignment.first_seq or 1, "handoff_failed", message, retry_after_s=self._config.retry_after_s
+        )
         log.warning("reply %s failed: %s", assignment.reply_id, message)
         await self._publish_event(event)
 
@@ -241,8 +241,7 @@ class GenerateService:
 
     async def _end_cancelled(self, assignment: Assignment) -> None:
         """A reply cancelled before any worker ran it ends here, with its one (cancelled) event."""
-        event = TokenEvent(reply_id=assignment.reply_id, seq=assignment.first_seq or 1, finish=FINISH_REASON_CANCELLED)
-        await self._publish(subjects.tokens(assignment.reply_id), encode(event))
+        await self._publish(subjects.tokens(assignment.reply_id), encode(cancelled_event(assignment.reply_id, assignment.first_seq or 1)))
 
     async def wait_idle(self, timeout_s: float) -> None:
         """For shutdown: lets dispatches in flight finish, then cancels what is left."""
