@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.block_pool import BlockPool, CachedBlock, KvEvent, NoFreeBlocks
-from tandem.engine.kv_cache_manager import KvCacheManager
+from tandem.engine.block_pool import CachedBlock, KvEvent
+from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
@@ -22,6 +22,16 @@ from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
 from tandem.kernels.metadata import BLOCK_SIZE, KvCacheShape
 from tandem.models.loader import LoadedModel
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "Handoff",
+    "ImportReservation",  # defined with the KV cache manager, which makes and frees it
+    "Request",
+    "RequestOutput",
+]
 
 
 @dataclass(frozen=True)
@@ -45,21 +55,6 @@ class Request:
     # A continuation: tokens of this reply generated (and streamed) before, by a worker that died
     # or a handoff that failed. They follow the prompt, count as output, and are not streamed again.
     generated_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class ImportReservation:
-    """Blocks held for a sequence about to be imported: the leading blocks of its tokens that this
-    engine's prefix cache already has (a reference taken on each), then fresh ones for the rest,
-    which the prefill side fills."""
-
-    cached_block_ids: tuple[int, ...]
-    cached_block_hashes: tuple[int, ...]
-    new_block_ids: tuple[int, ...]
-
-    @property
-    def block_ids(self) -> tuple[int, ...]:
-        return self.cached_block_ids + self.new_block_ids
 
 
 @dataclass(frozen=True)
@@ -124,8 +119,7 @@ class Engine:
             num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
         kv_cache = torch.zeros(self.kv_shape.as_tuple(), dtype=parameter.dtype, device=parameter.device)
-        self.pool = BlockPool(num_blocks, config.block_size)
-        self.kv = KvCacheManager(self.pool)
+        self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -188,11 +182,11 @@ class Engine:
         return streams
 
     def drain_kv_events(self) -> list[KvEvent]:
-        return self.pool.drain_events()
+        return self.kv.drain_events()
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block the prefix cache holds now (a worker's full KV state)."""
-        return self.pool.cached_blocks()
+        return self.kv.cached_blocks()
 
     def stats(self) -> EngineStats:
         c = self._counters
@@ -222,20 +216,10 @@ class Engine:
     def reserve_import(self, request: Request, num_blocks: int) -> ImportReservation:
         """Holds `num_blocks` blocks for `request`'s tokens (prompt and generated ones): the cached
         prefix, then fresh blocks for the rest; raises NoFreeBlocks when they do not fit."""
-        seq = self._sequence(request)
-        self.kv.find_cached_prefix(seq)
-        num_cached = min(len(seq.block_table), num_blocks)
-        cached_ids, cached_hashes = seq.block_table[:num_cached], seq.block_hashes[:num_cached]
-        self.pool.free(seq.release_blocks()[num_cached:])
-        try:
-            new_ids = self.pool.allocate(num_blocks - num_cached)
-        except NoFreeBlocks:
-            self.pool.free(cached_ids)
-            raise
-        return ImportReservation(tuple(cached_ids), tuple(cached_hashes), tuple(new_ids))
+        return self.kv.reserve_import(self._sequence(request), num_blocks)
 
     def cancel_import(self, reservation: ImportReservation) -> None:
-        self.pool.free(reservation.block_ids)
+        self.kv.cancel_import(reservation)
 
     def import_sequence(self, request: Request, reservation: ImportReservation, first_token_id: int, num_cached_tokens: int = 0) -> None:
         """Continues a request prefilled elsewhere: the reservation's blocks (from reserve_import,

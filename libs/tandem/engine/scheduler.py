@@ -71,9 +71,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KvCacheManager) -> None:
         self.config = config
         self.kv = kv
-        num_usable_blocks = kv.pool.num_blocks - config.num_reserved_blocks
+        num_usable_blocks = kv.num_blocks - config.num_reserved_blocks
         if num_usable_blocks < 1:
-            raise ValueError(f"{kv.pool.num_blocks} KV blocks leave none above the {config.num_reserved_blocks} reserved")
+            raise ValueError(f"{kv.num_blocks} KV blocks leave none above the {config.num_reserved_blocks} reserved")
         self._max_blocks_per_seq = num_usable_blocks
         max_tokens = num_usable_blocks * kv.block_size
         self._max_seq_tokens = min(max_tokens, config.max_model_len) if config.max_model_len else max_tokens
@@ -109,7 +109,7 @@ class Scheduler:
             raise PromptTooLong(
                 f"{seq.seq_id}: a prompt of {seq.num_tokens} tokens needs {num_blocks} KV blocks of "
                 f"{self.kv.block_size} tokens; this engine holds at most {self._max_blocks_per_seq} blocks "
-                f"({self._max_blocks_per_seq * self.kv.block_size} tokens) per sequence: {self.kv.pool.num_blocks} "
+                f"({self._max_blocks_per_seq * self.kv.block_size} tokens) per sequence: {self.kv.num_blocks} "
                 f"blocks minus {self.config.num_reserved_blocks} reserved"
             )
         if self.config.max_model_len is not None and seq.num_tokens > self.config.max_model_len:
@@ -134,7 +134,7 @@ class Scheduler:
     def adopt(self, seq: Sequence, num_cached_tokens: int = 0) -> None:
         """Run a sequence prefilled elsewhere from its next decode on (decode side of a handoff).
 
-        Its blocks must already be attached and filled (pool.allocate, the transfer, then
+        Its blocks must already be attached and filled (kv.reserve_import, the transfer, then
         seq.attach_computed_blocks) and its first token appended. Capacity is the caller's
         check: the reservation that preceded the transfer.
         """
@@ -213,13 +213,12 @@ class Scheduler:
         running = dict.fromkeys(Lane, 0)
         for seq in self._running:
             running[seq.lane] += 1
-        pool = self.kv.pool
         return SchedulerStats(
             num_running=running,
             num_waiting={lane: len(queue) for lane, queue in self._waiting.items()},
-            num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            num_used_blocks=pool.num_used_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_cached_blocks=self.kv.num_cached_blocks,
+            num_used_blocks=self.kv.num_used_blocks,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
             num_queued_prefill_tokens=self._num_queued_prefill_tokens(),

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import pytest
 
-from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from tandem.engine.sequence import Sequence
@@ -23,9 +22,9 @@ def next_token_of_position(seq: Sequence) -> int:
 
 
 class FakeRunner:
-    def __init__(self, pool: BlockPool, next_token: Callable[[Sequence], int] = next_token_of_position) -> None:
-        self.block_size = pool.block_size
-        self.kv_tokens: list[int | None] = [None] * (pool.num_blocks * pool.block_size)
+    def __init__(self, kv: KvCacheManager, next_token: Callable[[Sequence], int] = next_token_of_position) -> None:
+        self.block_size = kv.block_size
+        self.kv_tokens: list[int | None] = [None] * (kv.num_blocks * kv.block_size)
         self.next_token = next_token
 
     def slot(self, seq: Sequence, position: int) -> int:
@@ -49,10 +48,9 @@ class Engine:
     """Scheduler + fake runner, stepping the way the real engine loop does."""
 
     def __init__(self, num_blocks: int, config: SchedulerConfig, block_size: int = 16) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
-        self.kv = KvCacheManager(self.pool)
+        self.kv = KvCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = FakeRunner(self.pool)
+        self.runner = FakeRunner(self.kv)
 
     def step(self) -> tuple[StepPlan, list[Sequence]]:
         plan = self.scheduler.schedule()

@@ -98,9 +98,9 @@ def test_prefill_on_one_engine_then_decode_on_another_equals_one_engine(tiny):
     assert reservation.cached_block_ids == () and block_ids != first.handoff.block_ids
     for source, target in zip(first.handoff.block_ids, block_ids):
         decode.block_view(target).copy_(prefill.block_view(source))
-    free_before_release = prefill.pool.num_free_blocks
+    free_before_release = prefill.kv.num_free_blocks
     prefill.release("r")
-    assert prefill.pool.num_free_blocks == free_before_release + len(block_ids)
+    assert prefill.kv.num_free_blocks == free_before_release + len(block_ids)
     assert not prefill.has_work()
 
     decode.import_sequence(greedy("r", prompt), reservation, first.new_token_ids[0])
@@ -128,13 +128,13 @@ def test_a_decode_engine_reserves_only_the_blocks_its_prefix_cache_lacks_and_the
     prefill = Engine(tiny, EngineConfig(num_kv_blocks=64))
     decode = Engine(tiny, EngineConfig(num_kv_blocks=64))
     decode.generate([Request("earlier", tuple(history), SamplingOptions(max_tokens=1))])
-    free_at_start = decode.pool.num_free_blocks
+    free_at_start = decode.kv.num_free_blocks
 
     first = _prefill_only(prefill, greedy("r", prompt))
     num_blocks = len(first.handoff.block_ids)
     reservation = decode.reserve_import(greedy("r", prompt), num_blocks)
     assert len(reservation.cached_block_ids) == 6 and len(reservation.new_block_ids) == num_blocks - 6
-    assert decode.pool.num_free_blocks == free_at_start - num_blocks
+    assert decode.kv.num_free_blocks == free_at_start - num_blocks
     for source, target in zip(first.handoff.block_ids[6:], reservation.new_block_ids):  # only what it lacks
         decode.block_view(target).copy_(prefill.block_view(source))
     prefill.release("r")
@@ -143,18 +143,18 @@ def test_a_decode_engine_reserves_only_the_blocks_its_prefix_cache_lacks_and_the
     while decode.has_work():
         stream.extend(decode.step())
     assert [first.new_token_ids[0], *tokens_of(stream)] == expected
-    assert decode.pool.num_free_blocks == free_at_start
+    assert decode.kv.num_free_blocks == free_at_start
 
 
 def test_a_cancelled_import_reservation_gives_back_every_block_and_keeps_the_cache(tiny):
     history = seeded_prompts(10)[9][:64]
     decode = Engine(tiny, EngineConfig(num_kv_blocks=64))
     decode.generate([Request("earlier", tuple(history), SamplingOptions(max_tokens=1))])
-    free_at_start, cached_at_start = decode.pool.num_free_blocks, decode.pool.num_cached_blocks
+    free_at_start, cached_at_start = decode.kv.num_free_blocks, decode.kv.num_cached_blocks
     reservation = decode.reserve_import(greedy("r", history + [5] * 40), 7)
     assert len(reservation.cached_block_ids) == 4
     decode.cancel_import(reservation)
-    assert (decode.pool.num_free_blocks, decode.pool.num_cached_blocks) == (free_at_start, cached_at_start)
+    assert (decode.kv.num_free_blocks, decode.kv.num_cached_blocks) == (free_at_start, cached_at_start)
 
 
 def test_a_continuation_neither_repeats_nor_counts_twice_the_tokens_it_was_given(tiny):
@@ -173,7 +173,7 @@ def test_a_continuation_neither_repeats_nor_counts_twice_the_tokens_it_was_given
 
 def test_abort_frees_every_block_and_reports_cancelled(tiny):
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
-    free_at_start = engine.pool.num_free_blocks
+    free_at_start = engine.kv.num_free_blocks
     engine.add(greedy("running", seeded_prompts(10)[7]))
     engine.add(greedy("waiting", seeded_prompts(10)[8]))
     engine.step()
@@ -184,7 +184,7 @@ def test_abort_frees_every_block_and_reports_cancelled(tiny):
         "waiting": FinishReason.CANCELLED,
     }
     assert not engine.has_work()
-    assert engine.pool.num_free_blocks == free_at_start
+    assert engine.kv.num_free_blocks == free_at_start
 
 
 def test_a_prompt_that_can_never_fit_is_refused_clearly(tiny):
@@ -244,4 +244,4 @@ def test_a_stop_string_ends_the_reply_and_is_not_shown(tiny):
     assert stream[-1].finish_reason is FinishReason.STOP
     assert "".join(o.text for o in stream) == full_text[: full_text.index(stop)]
     assert len(tokens_of(stream)) < NUM_NEW_TOKENS
-    assert engine.pool.num_used_blocks == 0, "a stop string frees the sequence's blocks"
+    assert engine.kv.num_used_blocks == 0, "a stop string frees the sequence's blocks"

@@ -1,10 +1,10 @@
-from tandem.engine.block_pool import BlockPool, KvEventKind
+from tandem.engine.block_pool import KvEventKind
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.sequence import Sequence
 
 
 def manager(num_blocks: int = 32) -> KvCacheManager:
-    return KvCacheManager(BlockPool(num_blocks, block_size=16))
+    return KvCacheManager(num_blocks, block_size=16)
 
 
 def compute(kv: KvCacheManager, seq: Sequence, num_tokens: int) -> None:
@@ -94,13 +94,14 @@ def test_free_releases_the_tail_first_so_the_prefix_is_reused_last():
     blocks = list(seq.block_table)
     kv.free(seq)
     assert (seq.block_table, seq.block_hashes, seq.num_computed_tokens) == ([], [], 0)
-    assert kv.pool.allocate(1) == [blocks[2]]
+    other = Sequence("other", list(range(100, 116)))
+    assert kv.allocate_slots(other, 16) and other.block_table == [blocks[2]]
 
 
 def test_caching_a_prefill_announces_each_block_with_its_parent():
     kv = manager()
     seq = prefilled(kv, list(range(50)))
-    events = kv.pool.drain_events()
+    events = kv.drain_events()
     assert [(e.kind, e.block_hash, e.parent_hash) for e in events] == [
         (KvEventKind.STORED, key, parent) for key, parent in zip(seq.block_hashes, [None, *seq.block_hashes[:-1]])
     ]

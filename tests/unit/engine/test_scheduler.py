@@ -54,7 +54,7 @@ def test_when_blocks_run_out_the_newest_is_preempted_and_later_completes(make_en
     assert c.num_preemptions >= 1
     assert c.num_cached_tokens == 0  # usage reports the first admission's hit, not the recompute's
     assert engine.scheduler.stats().num_preemptions >= 1
-    assert engine.pool.num_free_blocks == 10
+    assert engine.kv.num_free_blocks == 10
 
 
 def test_admissions_keep_the_reserved_blocks_free(make_engine):
@@ -83,12 +83,12 @@ def test_abort_frees_a_running_and_a_waiting_sequence_at_the_next_step(make_engi
     assert running.status is SequenceStatus.RUNNING and waiting.status is SequenceStatus.WAITING
     assert engine.scheduler.abort("running") and engine.scheduler.abort("waiting")
     assert not engine.scheduler.abort("nobody")
-    assert engine.pool.num_free_blocks == 13  # nothing is freed before the next step
+    assert engine.kv.num_free_blocks == 13  # nothing is freed before the next step
     plan = engine.scheduler.schedule()
     assert plan.aborted == [running, waiting]
     assert plan.scheduled == []
     assert [s.finish_reason for s in plan.aborted] == [FinishReason.CANCELLED] * 2
-    assert (running.block_table, engine.pool.num_free_blocks) == ([], 16)
+    assert (running.block_table, engine.kv.num_free_blocks) == ([], 16)
     assert not engine.scheduler.has_work()
 
 
@@ -142,7 +142,7 @@ def test_finish_frees_blocks_at_once_and_the_step_in_flight_skips_it(make_engine
     plan = engine.scheduler.schedule()
     sampled = engine.runner.execute(plan)
     assert engine.scheduler.finish("s", FinishReason.STOP) is s
-    assert engine.pool.num_free_blocks == 8
+    assert engine.kv.num_free_blocks == 8
     assert engine.scheduler.update(plan, sampled) == []
     assert (s.status, s.finish_reason, s.num_output_tokens) == (SequenceStatus.FINISHED, FinishReason.STOP, 1)
     assert not engine.scheduler.has_work()

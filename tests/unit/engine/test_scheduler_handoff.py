@@ -20,11 +20,12 @@ def test_a_sequence_prefilled_on_one_engine_decodes_on_another_to_the_same_token
     while source.num_output_tokens == 0:
         prefill.step()
     prefill.scheduler.detach("r")
-    assert not prefill.scheduler.has_work() and prefill.pool.num_used_blocks == 3  # still held for the export
+    assert not prefill.scheduler.has_work() and prefill.kv.num_used_blocks == 3  # still held for the export
 
-    block_ids = decode.pool.allocate(len(source.block_table))  # the decode side reserves first
+    reservation = decode.kv.reserve_import(Sequence("r", PROMPT, OPTIONS), len(source.block_table))  # the decode side reserves first
+    block_ids = reservation.block_ids
     for src, dst in zip(source.block_table, block_ids):  # "the transfer"
-        size = prefill.pool.block_size
+        size = prefill.kv.block_size
         decode.runner.kv_tokens[dst * size : (dst + 1) * size] = prefill.runner.kv_tokens[src * size : (src + 1) * size]
     imported = Sequence("r", PROMPT, OPTIONS)
     imported.attach_computed_blocks(block_ids, [], source.num_computed_tokens)
@@ -35,8 +36,8 @@ def test_a_sequence_prefilled_on_one_engine_decodes_on_another_to_the_same_token
     plans = decode.run_until_idle()
     assert plans[0].num_decode_tokens == 1 and plans[0].num_prefill_tokens == 0  # no prefill on the decode side
     assert (imported.finish_reason, imported.output_token_ids) == (FinishReason.LENGTH, reference.output_token_ids)
-    assert prefill.pool.num_free_blocks == 16 and decode.pool.num_free_blocks == 16
-    assert decode.pool.num_cached_blocks >= 2  # the imported prompt's blocks are findable on the decode side
+    assert prefill.kv.num_free_blocks == 16 and decode.kv.num_free_blocks == 16
+    assert decode.kv.num_cached_blocks >= 2  # the imported prompt's blocks are findable on the decode side
 
 
 def test_only_a_running_sequence_can_be_detached(make_engine):
