@@ -1,6 +1,10 @@
 """The engine: requests in, token streams out. One `step()` is the whole algorithm:
 
-    plan = scheduler.schedule(); sampled = runner.execute(plan); scheduler.update(plan, sampled)
+    plan = scheduler.schedule()                            # who computes what this step
+    sampled = runner.execute(plan)                         # one batched forward, then sampling
+    texts, stopped_ids = each sampled token's text delta and stop-string hits
+    result = scheduler.update(plan, sampled, stopped_ids)  # what finished, what was handed off
+    outputs: one per aborted and per sampled sequence
 
 plus the text of each reply (detokenization, stop strings) and the disaggregation hooks: run a
 request prefill-only and export its blocks; reserve blocks, fill them and import a sequence.
@@ -9,7 +13,7 @@ request prefill-only and export its blocks; reserve blocks, fill them and import
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +22,7 @@ from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
-from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
 from tandem.kernels.metadata import BLOCK_SIZE, KvCacheShape
 from tandem.models.loader import LoadedModel
@@ -101,13 +105,6 @@ class _Counters:
     decode_time_s: float = 0.0
 
 
-@dataclass
-class _Reply:
-    text: ReplyText
-    is_prefill_only: bool = False
-    pending_token_ids: list[int] = field(default_factory=list)
-
-
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()) -> None:
         self.loaded = loaded
@@ -130,8 +127,8 @@ class Engine:
             self.kv,
         )
         self.runner = Runner(loaded.model, kv_cache, config.block_size, Sampler())
-        self._replies: dict[str, _Reply] = {}
-        self._exports: dict[str, Sequence] = {}
+        self._replies: dict[str, ReplyText] = {}  # the text of every request still scheduled
+        self._exports: dict[str, Sequence] = {}  # handed off, blocks held until release()
         self._counters = _Counters()
 
     def _blocks_for(self, kv_cache_mib: int, dtype: torch.dtype) -> int:
@@ -143,8 +140,8 @@ class Engine:
 
     def add(self, request: Request, prefill_only: bool = False) -> None:
         """Queues a request; raises PromptTooLong / EmptyPrompt (ValueErrors) for one that can never run."""
-        self.scheduler.add(self._sequence(request))
-        self._replies[request.request_id] = _Reply(self._reply_text(request), is_prefill_only=prefill_only)
+        self.scheduler.add(self._sequence(request, is_prefill_only=prefill_only))
+        self._replies[request.request_id] = self._reply_text(request)
 
     def check(self, request: Request) -> None:
         """Raises PromptTooLong / EmptyPrompt (ValueErrors) for a request that could never run.
@@ -163,11 +160,10 @@ class Engine:
         started_s = time.perf_counter()
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan)
-        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
-        outputs = [self._cancelled(seq) for seq in plan.aborted]
-        for seq in plan.sampled_seqs:
-            if seq.seq_id in sampled:
-                outputs.append(self._advance(seq, sampled[seq.seq_id], is_finished=seq.seq_id in finished))
+        texts = {seq_id: self._replies[seq_id].add(token_id) for seq_id, token_id in sampled.items()}
+        stopped_ids = {seq_id for seq_id in sampled if self._replies[seq_id].has_hit_stop}
+        result = self.scheduler.update(plan, sampled, stopped_ids)
+        outputs = self._outputs(plan, sampled, texts, result)
         self._count(plan.num_prefill_tokens, plan.num_decode_tokens, time.perf_counter() - started_s)
         return outputs
 
@@ -228,14 +224,14 @@ class Engine:
         seq = self._sequence(request)
         seq.attach_computed_blocks(reservation.block_ids, reservation.cached_block_hashes, seq.num_tokens)
         seq.append_token(first_token_id)
-        reply = _Reply(self._reply_text(request))
-        reply.text.add(first_token_id)  # its text was already sent by the prefill worker
+        reply = self._reply_text(request)
+        reply.add(first_token_id)  # its text was already sent by the prefill worker
         self.scheduler.adopt(seq, num_cached_tokens)
         self._replies[request.request_id] = reply
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _sequence(self, request: Request) -> Sequence:
+    def _sequence(self, request: Request, is_prefill_only: bool = False) -> Sequence:
         seq = Sequence(
             request.request_id,
             request.prompt_token_ids,
@@ -244,6 +240,7 @@ class Engine:
             tenant=request.tenant,
             num_public_prefix_tokens=request.num_public_prefix_tokens,
             eos_token_ids=() if request.sampling.ignore_eos else self.loaded.eos_token_ids,
+            is_prefill_only=is_prefill_only,
         )
         for token_id in request.generated_token_ids:
             seq.append_token(token_id)
@@ -256,35 +253,30 @@ class Engine:
             text.add(token_id)
         return text
 
-    def _advance(self, seq: Sequence, token_id: int, is_finished: bool) -> RequestOutput:
-        reply = self._replies[seq.seq_id]
-        text = reply.text.add(token_id)
-        if not is_finished and reply.text.has_hit_stop:
-            self.scheduler.finish(seq.seq_id, FinishReason.STOP)
-            is_finished = True
-        handoff = None
-        if is_finished:
-            text += reply.text.finish()
-            del self._replies[seq.seq_id]
-            self.runner.forget(seq.seq_id)
-        elif reply.is_prefill_only:
-            self._exports[seq.seq_id] = self.scheduler.detach(seq.seq_id)
-            handoff = Handoff(tuple(seq.block_table), seq.num_computed_tokens)
-            del self._replies[seq.seq_id]
-            self.runner.forget(seq.seq_id)
-        return self._output(seq, (token_id,), text, seq.finish_reason if is_finished else None, handoff)
+    def _outputs(self, plan: StepPlan, sampled: dict[str, int], texts: dict[str, str], result: UpdateResult) -> list[RequestOutput]:
+        """One output per aborted sequence, then one per sampled sequence in the plan's order;
+        a finished reply's text ends with what its detokenizer held back."""
+        for seq in result.finished:
+            texts[seq.seq_id] += self._replies.pop(seq.seq_id).finish()
+        handoffs = {seq.seq_id: self._export(seq) for seq in result.handed_off}
+        outputs = [self._cancelled(seq) for seq in plan.aborted]
+        for seq in plan.sampled_seqs:
+            outputs.append(self._output(seq, (sampled[seq.seq_id],), texts[seq.seq_id], handoffs.get(seq.seq_id)))
+        return outputs
+
+    def _export(self, seq: Sequence) -> Handoff:
+        """Keeps a handed-off prefill's blocks until release() (or discard()) frees them."""
+        del self._replies[seq.seq_id]
+        self._exports[seq.seq_id] = seq
+        return Handoff(tuple(seq.block_table), seq.num_computed_tokens)
 
     def _cancelled(self, seq: Sequence) -> RequestOutput:
         reply = self._replies.pop(seq.seq_id, None)
-        self.runner.forget(seq.seq_id)
-        text = reply.text.finish() if reply is not None else ""
-        return self._output(seq, (), text, FinishReason.CANCELLED)
+        return self._output(seq, (), reply.finish() if reply is not None else "")
 
-    def _output(
-        self, seq: Sequence, token_ids: tuple[int, ...], text: str, reason: FinishReason | None, handoff: Handoff | None = None
-    ) -> RequestOutput:
+    def _output(self, seq: Sequence, token_ids: tuple[int, ...], text: str, handoff: Handoff | None = None) -> RequestOutput:
         return RequestOutput(
-            seq.seq_id, token_ids, text, reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, handoff
+            seq.seq_id, token_ids, text, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, handoff
         )
 
     def _count(self, num_prefill_tokens: int, num_decode_tokens: int, elapsed_s: float) -> None:

@@ -84,7 +84,10 @@ class Runner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Runs the plan's forward; returns the sampled token of each sequence that samples."""
+        """Forgets the sequences the plan says are gone, runs the plan's forward, and returns the
+        sampled token of each sequence that samples."""
+        for seq_id in plan.finished_seq_ids:
+            self._generators.pop(seq_id, None)
         if not plan.scheduled:
             return {}
         inputs = build_inputs(plan, self._block_size, self._kv_cache.device)
@@ -105,7 +108,3 @@ class Runner:
             generator = torch.Generator(device=self._kv_cache.device).manual_seed(seq.sampling.seed)
             self._generators[seq.seq_id] = generator
         return generator
-
-    def forget(self, seq_id: str) -> None:
-        """Drops per-sequence state (its seeded generator) once the sequence is finished."""
-        self._generators.pop(seq_id, None)

@@ -1,8 +1,13 @@
 """Continuous batching: each step's work under a token budget, and the results applied after it.
 
-    plan = scheduler.schedule()          # who computes how many tokens this step
-    sampled = runner.execute(plan)       # {seq_id: token} for plan.sampled_seqs
-    finished = scheduler.update(plan, sampled)
+    plan = scheduler.schedule()                            # who computes how many tokens this step
+    sampled = runner.execute(plan)                         # {seq_id: token} for plan.sampled_seqs
+    result = scheduler.update(plan, sampled, stopped_ids)  # what finished, what was handed off
+
+`stopped_ids` are the sequences whose text hit a stop string (the engine detokenizes); update
+finishes them with the ones their token ends, and hands off each prefill-only sequence that got
+its first token, keeping its blocks for the engine to export. The next plan names every sequence
+that left since the previous one, so the runner drops their state before it runs.
 
 There is no prefill phase or decode phase: every sequence's computed-token count catches up to
 its token count, one chunk per step, which covers chunked prefill, prefix hits and decoding in
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.sequence import FinishReason, Lane, Sequence, SequenceStatus
-from tandem.engine.step_plan import ScheduledChunk, StepPlan
+from tandem.engine.step_plan import ScheduledChunk, StepPlan, UpdateResult
 
 __all__ = [
     "EmptyPrompt",
@@ -30,6 +36,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStats",
     "StepPlan",
+    "UpdateResult",
 ]
 
 
@@ -81,6 +88,7 @@ class Scheduler:
         self._running: list[Sequence] = []  # oldest arrival first
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._abort_ids: dict[str, None] = {}
+        self._finished_ids: list[str] = []  # left scheduling since the last plan, for the runner to forget
         self._num_arrivals = 0
         self._num_prefix_hit_tokens = 0
         self._num_preemptions = 0
@@ -124,13 +132,6 @@ class Scheduler:
         self._abort_ids[seq_id] = None
         return True
 
-    def finish(self, seq_id: str, reason: FinishReason) -> Sequence | None:
-        """Finish a sequence now (the engine matched a stop string) and free its blocks."""
-        seq = self._seqs.get(seq_id)
-        if seq is not None:
-            self._retire(seq, reason)
-        return seq
-
     def adopt(self, seq: Sequence, num_cached_tokens: int = 0) -> None:
         """Run a sequence prefilled elsewhere from its next decode on (decode side of a handoff).
 
@@ -148,19 +149,6 @@ class Scheduler:
         seq.admit(num_cached_tokens)
         bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
 
-    def detach(self, seq_id: str) -> Sequence:
-        """Stop scheduling a running sequence but leave it its blocks (prefill side of a handoff).
-
-        Call it between steps, e.g. once the first token is sampled; the caller then owns the
-        blocks: export them, then release them with kv.free(seq).
-        """
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.status is not SequenceStatus.RUNNING:
-            raise ValueError(f"{seq_id}: only a running sequence can be detached")
-        self._running.remove(seq)
-        del self._seqs[seq_id]
-        return seq
-
     def get(self, seq_id: str) -> Sequence | None:
         return self._seqs.get(seq_id)
 
@@ -170,7 +158,9 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(aborted=self._apply_aborts())
+        aborted = self._apply_aborts()
+        plan = StepPlan(aborted=aborted, finished_seq_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         running = list(self._running)
@@ -189,13 +179,17 @@ class Scheduler:
             self._admit(plan, budget)
         return plan
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
-        """Apply a step's results: computed counts, newly full blocks, sampled tokens; the finished."""
-        finished = []
+    def update(self, plan: StepPlan, sampled: Mapping[str, int], stopped_ids: Collection[str] = ()) -> UpdateResult:
+        """Apply a step's results: computed counts, newly full blocks, sampled tokens.
+
+        A sequence finishes when its new token ends it (an end or stop token, max_tokens, the
+        context window) or its id is in `stopped_ids` (its text hit a stop string); its blocks
+        are freed. A prefill-only sequence that got a token and did not finish is handed off:
+        no longer scheduled, its blocks kept for the caller to export and free (kv.free).
+        """
+        finished, handed_off = [], []
         for chunk in plan.scheduled:
             seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished by the engine while the step ran
             seq.advance_computed(chunk.num_new_tokens)
             self.kv.cache_full_blocks(seq)
             if not chunk.is_sampled:
@@ -203,11 +197,14 @@ class Scheduler:
             if seq.seq_id not in sampled:
                 raise KeyError(f"{seq.seq_id}: its chunk completes the sequence but no token was sampled for it")
             seq.append_token(sampled[seq.seq_id])
-            reason = self._finish_reason(seq)
+            reason = self._finish_reason(seq, has_hit_stop_string=seq.seq_id in stopped_ids)
             if reason is not None:
                 self._retire(seq, reason)
                 finished.append(seq)
-        return finished
+            elif seq.is_prefill_only:
+                self._hand_off(seq)
+                handed_off.append(seq)
+        return UpdateResult(finished, handed_off)
 
     def stats(self) -> SchedulerStats:
         running = dict.fromkeys(Lane, 0)
@@ -290,13 +287,15 @@ class Scheduler:
         self._abort_ids.clear()
         return aborted
 
-    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence, has_hit_stop_string: bool) -> FinishReason | None:
+        """What the new last token ends, if anything; a stop string counts only when the token
+        itself does not end the sequence (LENGTH stays LENGTH)."""
         token_id = seq.last_token_id
         if (token_id in seq.eos_token_ids and not seq.sampling.ignore_eos) or token_id in seq.sampling.stop_token_ids:
             return FinishReason.STOP
         if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self._max_seq_tokens:
             return FinishReason.LENGTH
-        return None
+        return FinishReason.STOP if has_hit_stop_string else None
 
     def _retire(self, seq: Sequence, reason: FinishReason) -> None:
         """Take an unfinished sequence out of every queue, free its blocks, mark it finished."""
@@ -307,3 +306,10 @@ class Scheduler:
         self.kv.free(seq)
         seq.finish(reason)
         del self._seqs[seq.seq_id]
+        self._finished_ids.append(seq.seq_id)
+
+    def _hand_off(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence but leave it its blocks (prefill side of a handoff)."""
+        self._running.remove(seq)
+        del self._seqs[seq.seq_id]
+        self._finished_ids.append(seq.seq_id)

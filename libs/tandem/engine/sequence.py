@@ -43,7 +43,7 @@ class SamplingOptions:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # matched on text by the engine, which calls Scheduler.finish
+    stop: tuple[str, ...] = ()  # matched on text by the engine, which passes the hits to Scheduler.update
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -80,6 +80,7 @@ class Sequence:
         tenant: str = "",
         num_public_prefix_tokens: int = 0,
         eos_token_ids: Iterable[int] = (),
+        is_prefill_only: bool = False,
     ) -> None:
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -93,6 +94,9 @@ class Sequence:
         self.tenant = tenant
         self.num_public_prefix_tokens = num_public_prefix_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Prefill side of a handoff: once its first token is sampled the scheduler hands it off,
+        # blocks and all, for the engine to export, instead of decoding it.
+        self.is_prefill_only = is_prefill_only
         self.arrival_time_s = time.monotonic()
         self.arrival_order = 0  # set by the scheduler when added; breaks ties in FIFO and preemption
         self.num_computed_tokens = 0

@@ -1,4 +1,5 @@
-"""The typed plan one scheduler step hands to the runner."""
+"""The typed plan one scheduler step hands to the runner, and what the scheduler's update of
+the step's results took out of scheduling."""
 
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ class ScheduledChunk:
 
 @dataclass
 class StepPlan:
-    """One step's work: decodes first, then prefill chunks; what was preempted or aborted."""
+    """One step's work: decodes first, then prefill chunks; what was preempted or aborted; and
+    which sequences the runner can forget (their per-sequence state, e.g. a seeded generator)."""
 
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Sequence] = field(default_factory=list)
+    # Every sequence that left scheduling since the previous plan (finished, aborted or handed
+    # off); the runner forgets them before it runs this plan, as vLLM v1's finished_req_ids.
+    finished_seq_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -64,3 +69,11 @@ class StepPlan:
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences that get a token from this step, in chunk order."""
         return [chunk.seq for chunk in self.scheduled if chunk.is_sampled]
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What applying a step's results took out of scheduling."""
+
+    finished: list[Sequence]  # their blocks are freed
+    handed_off: list[Sequence]  # prefill-only, first token sampled: their blocks are kept for export

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from tandem.engine.kv_cache_manager import KvCacheManager
-from tandem.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from tandem.engine.scheduler import Scheduler, SchedulerConfig, StepPlan, UpdateResult
 from tandem.engine.sequence import Sequence
 
 
@@ -52,10 +52,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = FakeRunner(self.kv)
 
-    def step(self) -> tuple[StepPlan, list[Sequence]]:
+    def step(self) -> tuple[StepPlan, UpdateResult]:
         plan = self.scheduler.schedule()
-        finished = self.scheduler.update(plan, self.runner.execute(plan))
-        return plan, finished
+        return plan, self.scheduler.update(plan, self.runner.execute(plan))
 
     def run_until_idle(self, max_steps: int = 10_000) -> list[StepPlan]:
         plans = []

@@ -221,6 +221,13 @@ def test_seeded_sampling_repeats_and_lanes_are_accepted(tiny):
     assert len(runs[0]) == 8
 
 
+def test_a_seeded_request_whose_id_comes_back_after_it_finished_samples_afresh(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    request = Request("x", tuple(seeded_prompts(10)[6]), SamplingOptions(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7))
+    runs = [tokens_of(engine.generate([request])["x"]) for _ in range(2)]
+    assert runs[0] == runs[1], "the runner forgot the first one's generator before the second ran"
+
+
 def test_stats_split_prefill_and_decode_work(tiny):
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
     engine.generate([greedy("a", seeded_prompts(10)[7])])

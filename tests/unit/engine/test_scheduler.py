@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
+from tandem.engine.scheduler import EmptyPrompt, PromptTooLong, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence, SequenceStatus
 
 
@@ -134,18 +134,41 @@ def test_eos_and_stop_tokens_finish_with_stop_and_max_tokens_with_length(make_en
     ]
 
 
-def test_finish_frees_blocks_at_once_and_the_step_in_flight_skips_it(make_engine):
+def test_a_stop_string_hit_passed_to_update_finishes_the_sequence_and_frees_its_blocks_at_once(make_engine):
     engine = make_engine(num_blocks=8)
     s = seq("s", 20)
     engine.scheduler.add(s)
     engine.step()
     plan = engine.scheduler.schedule()
-    sampled = engine.runner.execute(plan)
-    assert engine.scheduler.finish("s", FinishReason.STOP) is s
+    result = engine.scheduler.update(plan, engine.runner.execute(plan), stopped_ids={"s"})
+    assert result == UpdateResult(finished=[s], handed_off=[])
     assert engine.kv.num_free_blocks == 8
-    assert engine.scheduler.update(plan, sampled) == []
-    assert (s.status, s.finish_reason, s.num_output_tokens) == (SequenceStatus.FINISHED, FinishReason.STOP, 1)
+    assert (s.status, s.finish_reason, s.num_output_tokens) == (SequenceStatus.FINISHED, FinishReason.STOP, 2)
     assert not engine.scheduler.has_work()
+    assert engine.scheduler.schedule().finished_seq_ids == ["s"]  # the runner forgets it next step
+
+
+def test_a_token_that_ends_the_sequence_by_length_keeps_length_when_a_stop_string_also_hit(make_engine):
+    engine = make_engine()
+    s = seq("s", 20, max_tokens=1)
+    engine.scheduler.add(s)
+    plan = engine.scheduler.schedule()
+    assert engine.scheduler.update(plan, engine.runner.execute(plan), stopped_ids={"s"}).finished == [s]
+    assert s.finish_reason is FinishReason.LENGTH
+
+
+def test_every_sequence_that_left_is_named_once_in_the_next_plan_for_the_runner_to_forget(make_engine):
+    engine = make_engine()
+    done, aborted, running = seq("done", 5, max_tokens=1), seq("aborted", 5), seq("running", 5)
+    for s in (done, aborted, running):
+        engine.scheduler.add(s)
+    plan, _ = engine.step()
+    assert plan.finished_seq_ids == []
+    engine.scheduler.abort("aborted")
+    plan, _ = engine.step()
+    assert plan.aborted == [aborted] and plan.finished_seq_ids == ["done", "aborted"]
+    plan, _ = engine.step()
+    assert plan.finished_seq_ids == []
 
 
 def test_a_sequence_that_fills_the_whole_pool_finishes_with_length_instead_of_thrashing(make_engine):

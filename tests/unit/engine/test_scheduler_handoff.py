@@ -1,7 +1,6 @@
-"""The disaggregation hooks: prefill on one engine, detach, move the blocks, adopt on another."""
+"""The disaggregation hooks: prefill on one engine, hand off, move the blocks, adopt on another."""
 
-import pytest
-
+from tandem.engine.scheduler import UpdateResult
 from tandem.engine.sequence import FinishReason, SamplingOptions, Sequence, SequenceStatus
 
 PROMPT = list(range(1, 41))
@@ -15,11 +14,10 @@ def test_a_sequence_prefilled_on_one_engine_decodes_on_another_to_the_same_token
     alone.run_until_idle()
 
     prefill, decode = make_engine(num_blocks=16), make_engine(num_blocks=16)
-    source = Sequence("r", PROMPT, OPTIONS)
+    source = Sequence("r", PROMPT, OPTIONS, is_prefill_only=True)
     prefill.scheduler.add(source)
-    while source.num_output_tokens == 0:
-        prefill.step()
-    prefill.scheduler.detach("r")
+    _, result = prefill.step()
+    assert result.handed_off == [source] and source.num_output_tokens == 1
     assert not prefill.scheduler.has_work() and prefill.kv.num_used_blocks == 3  # still held for the export
 
     reservation = decode.kv.reserve_import(Sequence("r", PROMPT, OPTIONS), len(source.block_table))  # the decode side reserves first
@@ -40,13 +38,26 @@ def test_a_sequence_prefilled_on_one_engine_decodes_on_another_to_the_same_token
     assert decode.kv.num_cached_blocks >= 2  # the imported prompt's blocks are findable on the decode side
 
 
-def test_only_a_running_sequence_can_be_detached(make_engine):
-    engine = make_engine(max_num_seqs=1)
-    running, waiting = Sequence("running", PROMPT), Sequence("waiting", PROMPT)
+def test_a_prefill_only_sequence_is_handed_off_with_its_blocks_once_its_first_token_is_sampled_not_before(make_engine):
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=16)
+    running, waiting = Sequence("running", PROMPT, is_prefill_only=True), Sequence("waiting", PROMPT, is_prefill_only=True)
     engine.scheduler.add(running)
     engine.scheduler.add(waiting)
-    engine.step()
-    assert engine.scheduler.detach("running") is running
-    assert running.status is SequenceStatus.RUNNING and running.block_table
-    with pytest.raises(ValueError, match="only a running sequence"):
-        engine.scheduler.detach("waiting")
+    for _ in range(2):  # chunks of 16 and 16 tokens: no token yet
+        _, result = engine.step()
+        assert result == UpdateResult(finished=[], handed_off=[])
+    _, result = engine.step()  # the last 8 prompt tokens, then its first token
+    assert result == UpdateResult(finished=[], handed_off=[running])
+    assert (running.status, running.num_output_tokens, len(running.block_table)) == (SequenceStatus.RUNNING, 1, 3)
+    assert waiting.status is SequenceStatus.WAITING and engine.scheduler.has_work()
+    plan, _ = engine.step()
+    assert plan.finished_seq_ids == ["running"] and [chunk.seq for chunk in plan.scheduled] == [waiting]
+
+
+def test_a_prefill_only_sequence_its_first_token_finishes_is_finished_not_handed_off(make_engine):
+    engine = make_engine()
+    s = Sequence("s", PROMPT, SamplingOptions(max_tokens=1), is_prefill_only=True)
+    engine.scheduler.add(s)
+    _, result = engine.step()
+    assert result == UpdateResult(finished=[s], handed_off=[])
+    assert s.finish_reason is FinishReason.LENGTH and engine.kv.num_used_blocks == 0
