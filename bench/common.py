@@ -16,22 +16,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.config import resolve_device, resolve_dtype
 from tandem.engine.engine import Engine, Request
 from tandem.kernels import select_attention
-from tandem.models.loader import LoadedModel, default_dtype, load_model
+from tandem.models.loader import LoadedModel, load_model
 from tandem.models.tokenizer import Tokenizer
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+def resolve_engine(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """--device and --dtype as a worker resolves TANDEM_DEVICE and TANDEM_DTYPE ("auto": the GPU
+    when torch sees one; bf16 where the device computes it natively)."""
+    resolved = resolve_device(device, setting="--device")
+    return resolved, resolve_dtype(dtype, resolved)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """ "auto" is the engine's own choice for this CPU (bf16 where it is native)."""
-    return default_dtype("cpu") if name == "auto" else DTYPES[name]
-
-
-def load_ours(dtype: torch.dtype) -> LoadedModel:
-    """The embedded SmolLM2-135M GGUF, as the engine serves it on CPU."""
-    return load_model(None, dtype, "cpu", select_attention("cpu"))
+def load_ours(dtype: torch.dtype, device: str) -> LoadedModel:
+    """The embedded SmolLM2-135M GGUF, as a worker's engine serves it on `device`."""
+    return load_model(None, dtype, device, select_attention(device))
 
 
 def set_threads(num_threads: int | None) -> int:

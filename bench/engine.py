@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import chat_prompts, kv_blocks_for, load_ours, mark, percentile, resolve_dtype, run_timed, set_threads, write_json
+from common import chat_prompts, kv_blocks_for, load_ours, mark, percentile, resolve_engine, run_timed, set_threads, write_json
 from hf_baseline import hf_generate, hf_version, is_hf_available, load_hf
 from roofline import ModelCost, batch_roofline, decode_roofline_tokens_per_s, measure_copy_bandwidth, measure_peak_flops
 
@@ -46,6 +46,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, all cores)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="cpu",
+        help="the engine's device (default cpu: the transformers baseline and the roofline are measured on the CPU)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
@@ -88,8 +94,8 @@ def main() -> None:
     args = parse_args()
     bench_start_s = time.perf_counter()
     num_threads = set_threads(args.threads)
-    dtype = resolve_dtype(args.dtype)
-    loaded = load_ours(dtype)
+    device, dtype = resolve_engine(args.device, args.dtype)
+    loaded = load_ours(dtype, device)
     cost = ModelCost.of(loaded)
     prompts = chat_prompts(loaded.tokenizer, args.requests, *args.prompt_tokens, seed=args.seed)
     is_hf_run = not args.skip_hf and is_hf_available()
@@ -158,6 +164,7 @@ def main() -> None:
         },
         "env": {
             "dtype": str(dtype).removeprefix("torch."),
+            "device": device,
             "threads": num_threads,
             "torch": torch.__version__,
             "transformers": hf_version() if is_hf_run else None,
@@ -182,7 +189,7 @@ def print_table(r: dict, cost: ModelCost) -> None:
         print(f"  {label:<34}{value:>16}   {target:<9}{status}")
 
     print(
-        f"\nTandem engine bench: SmolLM2-135M-Instruct, {env['dtype']}, torch threads={env['threads']}, torch {env['torch']}"
+        f"\nTandem engine bench: SmolLM2-135M-Instruct, {env['dtype']} on {env['device']}, torch threads={env['threads']}, torch {env['torch']}"
         + (f", transformers {env['transformers']}" if env["transformers"] else "")
     )
     print(

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import load_ours, mark, message_text, resolve_dtype, run_timed, set_threads, write_json
+from common import load_ours, mark, message_text, resolve_engine, run_timed, set_threads, write_json
 
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help=f"cold/warm pairs, median reported (default {FULL['repeats']})")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, all cores)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (the default): the GPU when torch sees one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
@@ -84,8 +85,8 @@ def main() -> None:
     args = parse_args()
     bench_start_s = time.perf_counter()
     num_threads = set_threads(args.threads)
-    dtype = resolve_dtype(args.dtype)
-    loaded = load_ours(dtype)
+    device, dtype = resolve_engine(args.device, args.dtype)
+    loaded = load_ours(dtype, device)
     tokenizer = loaded.tokenizer
     rng = random.Random(args.seed)
     turn1 = history(tokenizer, rng, args.history_tokens)
@@ -122,7 +123,13 @@ def main() -> None:
         "num_prompt_tokens": runs[0]["num_prompt_tokens"],
         "num_cached_tokens": runs[0]["num_cached_tokens"],
         "runs": runs,
-        "env": {"dtype": str(dtype).removeprefix("torch."), "threads": num_threads, "torch": torch.__version__, "quick": args.quick},
+        "env": {
+            "dtype": str(dtype).removeprefix("torch."),
+            "device": device,
+            "threads": num_threads,
+            "torch": torch.__version__,
+            "quick": args.quick,
+        },
     }
     result["elapsed_s"] = time.perf_counter() - bench_start_s
     print_table(result)
@@ -131,7 +138,7 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     runs = r["runs"]
-    print(f"\nPrefix cache bench: SmolLM2-135M-Instruct, {r['env']['dtype']}, torch threads={r['env']['threads']}")
+    print(f"\nPrefix cache bench: SmolLM2-135M-Instruct, {r['env']['dtype']} on {r['env']['device']}, torch threads={r['env']['threads']}")
     print(f"turn 1: {r['num_history_tokens']}-token history ({r['num_history_messages']} messages), "
           f"reply of {r['num_reply_tokens']} tokens; turn 2 adds a {runs[0]['num_new_message_tokens']}-token message "
           f"-> {r['num_prompt_tokens']}-token prompt")  # fmt: skip

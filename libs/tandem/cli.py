@@ -8,7 +8,7 @@ import asyncio
 import runpy
 import sys
 
-from tandem.config import ROLES, load_settings
+from tandem.config import ROLES, load_settings, resolve_device, resolve_dtype
 from tandem.devstack import cassandra_node
 from tandem.errors import StartupError
 from tandem.models.files import open_model
@@ -47,14 +47,12 @@ def _generate(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    import torch
-
     from tandem.engine.engine import Engine, EngineConfig, Request
     from tandem.kernels import select_attention
-    from tandem.models.loader import default_dtype, load_model
+    from tandem.models.loader import load_model
 
-    dtype = {"auto": default_dtype("cpu"), "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    loaded = load_model(Path(args.model) if args.model else None, dtype, "cpu", select_attention("cpu"))
+    device = resolve_device(args.device, setting="--device")
+    loaded = load_model(Path(args.model) if args.model else None, resolve_dtype(args.dtype, device), device, select_attention(device))
     tokenizer = loaded.tokenizer
     prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
     engine = Engine(loaded, EngineConfig(kv_cache_mib=256))
@@ -90,6 +88,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     from pathlib import Path
 
     import nats
+    from nats.aio.msg import Msg
 
     from tandem.bus import decode, encode, subjects
     from tandem.models.loader import load_tokenizer
@@ -113,7 +112,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
         ) from None
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-    async def on_event(msg: nats.aio.msg.Msg) -> None:
+    async def on_event(msg: Msg) -> None:
         events.put_nowait(decode(msg.data, TokenEvent))
 
     # Subscribed before asking, so no token can arrive before we listen.
@@ -165,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--model", help="a .gguf file or safetensors folder (default: the embedded SmolLM2)")
-    generate.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    generate.add_argument(
+        "--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the device computes it natively"
+    )
+    generate.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (the default): the GPU when torch sees one"
+    )
     generate.add_argument("--via-bus", action="store_true", help="ask the running stack over NATS (TANDEM_NATS_URL)")
     generate.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
     generate.set_defaults(run=_generate)

