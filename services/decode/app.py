@@ -14,10 +14,9 @@ from nats.aio.msg import Msg
 from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
-from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.dispatch_pb2 import AssignmentReply
-from tandem.worker.host import EngineHost, refusal
-from tandem.worker.service import build_worker
+from tandem.worker.assignments import screen_assignment, unrunnable
+from tandem.worker.parts import build_worker_parts
 
 ROLE = "decode"
 log = logging.getLogger(__name__)
@@ -25,53 +24,44 @@ log = logging.getLogger(__name__)
 
 class DecodeWorker:
     def __init__(self, settings: Settings) -> None:
-        self._worker = build_worker(ROLE, settings, lambda: self._host.load())
-        self._host = EngineHost(settings, self._worker)
-        runtime = self._worker.runtime
-        self._handoff = KvHandoffService(
-            self._host,
-            self._worker.model.name,
-            settings.reachable_host(),
-            settings.ucx_port,
-            settings.kv_lease_s,
-            lambda: runtime.is_draining,
-        )
-        self._worker.control.add_service(lambda server: kv_handoff_pb2_grpc.add_KvHandoffServicer_to_server(self._handoff, server))
+        parts = build_worker_parts(ROLE, settings)
+        self._parts = parts
+        self._runtime = parts.runtime
+        self._host = parts.host
+        self._handoff = KvHandoffService(self._host, self._runtime, settings.reachable_host(), settings.ucx_port, settings.kv_lease_s)
+        parts.control.add_service(self._handoff.add_to_server)
 
     def app(self) -> FastAPI:
-        self._worker.runtime.add_check("engine", self._host.is_ready)
-        self._worker.runtime.bus.on_connect(self._subscribe)
-        return self._worker.app(on_start=self._start, on_stop=self._stop)
+        self._runtime.bus.on_connect(self._subscribe)
+        return self._parts.app(on_start=self._start, on_stop=self._stop)
 
     async def _start(self) -> None:
         await self._handoff.receiver.start()
-        await self._host.start()
+        await self._host.start(self._runtime.bus)
 
     async def _stop(self) -> None:
         await self._host.stop()
         await self._handoff.receiver.stop()
 
     async def _subscribe(self, client: Client) -> None:
-        await client.subscribe(subjects.assign(self._worker.runtime.config.instance_id), cb=self._on_assign)
+        await client.subscribe(subjects.assign(self._runtime.config.instance_id), cb=self._on_assign)
         await self._host.subscribe_cancels(client)
 
     async def _on_assign(self, msg: Msg) -> None:
         await msg.respond(encode(await self._accept(msg.data)))
 
     async def _accept(self, data: bytes) -> AssignmentReply:
-        screened = await self._host.screen_assignment(data)
+        screened = await screen_assignment(data, self._host, is_draining=self._runtime.is_draining)
         if isinstance(screened, AssignmentReply):
             return screened
         assignment, request = screened
-        if self._host.is_tracked(assignment.reply_id):
+        if self._host.is_streaming(assignment.reply_id):
             return AssignmentReply(accepted=True)  # a retried assignment: it is already running here
-        try:
-            self._host.engine.check(request)
-        except ValueError as exc:  # PromptTooLong, EmptyPrompt
-            return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
-        self._host.track(assignment.reply_id, assignment.first_seq or 1)
+        refused = unrunnable(self._host, request)
+        if refused is not None:
+            return refused
         # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).
-        self._host.thread.post(lambda engine: engine.add(request))
+        self._host.add(request, assignment.first_seq or 1)
         return AssignmentReply(accepted=True)
 
 

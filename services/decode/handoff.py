@@ -9,15 +9,17 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from tandem.engine.block_pool import NoFreeBlocks
 from tandem.engine.engine import ImportReservation
 from tandem.kvtransfer import KvReceiver
+from tandem.runtime import Runtime
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.generate_pb2 import Refusal
 from tandem.worker.host import EngineHost
-from tandem.worker.wire import engine_request, kv_layout
+from tandem.worker.wire import engine_request
 
 log = logging.getLogger(__name__)
 TRANSFER_WAIT_S = 10.0
@@ -30,34 +32,32 @@ class _Reservation:
 
 
 class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
-    def __init__(self, host: EngineHost, model_name: str, ucx_host: str, ucx_port: int, lease_s: float, is_draining) -> None:
+    def __init__(self, host: EngineHost, runtime: Runtime, ucx_host: str, ucx_port: int, lease_s: float) -> None:
         self._host = host
-        self._model_name = model_name
+        self._runtime = runtime
         self._lease_s = lease_s
-        self._is_draining = is_draining
         self._reservations: dict[str, _Reservation] = {}
         self.receiver = KvReceiver(ucx_host, ucx_port, resolve=self._destination)
         self._ucx_host = ucx_host
 
-    def _destination(self, reply_id: str) -> list | None:
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        kv_handoff_pb2_grpc.add_KvHandoffServicer_to_server(self, server)
+
+    def _destination(self, reply_id: str) -> list[torch.Tensor] | None:
         reservation = self._reservations.get(reply_id)
         if reservation is None:
             return None
-        return [self._host.engine.block_view(b) for b in reservation.blocks.new_block_ids]  # the cached ones stay as they are
-
-    @property
-    def num_reserved(self) -> int:
-        return len(self._reservations)
+        return self._host.block_views(reservation.blocks.new_block_ids)  # the cached ones stay as they are
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveReply:
         def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> pb.ReserveReply:
             return pb.ReserveReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
 
-        if self._is_draining():
+        if self._runtime.is_draining:
             return refuse("draining", "this decode worker is draining", 1.0)
         if not await self._host.is_ready():
             return refuse("loading", "this decode worker's engine is still loading", 2.0)
-        ours = kv_layout(self._host.engine, self._model_name)
+        ours = self._host.kv_layout()
         if request.layout != ours:
             return refuse("layout_mismatch", f"KV layout differs: sender {_show(request.layout)}, this worker {_show(ours)}")
         if self._free(request.reply_id):  # a retry of this reply (its prefill worker died) supersedes the old one
@@ -67,15 +67,15 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         except ValueError as exc:
             return refuse("bad_request", str(exc))
         try:
-            blocks = await self._host.thread.call(lambda engine: engine.reserve_import(engine_req, request.num_blocks))
+            blocks = await self._host.reserve_import(engine_req, request.num_blocks)
         except NoFreeBlocks as exc:
             return refuse("no_room", str(exc), 1.0)
         remaining_s = context.time_remaining()
         if remaining_s is not None and remaining_s <= 0:  # the caller gave up while the engine stepped
-            self._host.thread.post(lambda engine: engine.cancel_import(blocks))
+            self._host.cancel_import(blocks)
             return refuse("expired", "the reserve outlived its deadline")
-        if request.reply_id in self._host.cancels:  # cancelled while we reserved: its Release may have come first
-            self._host.thread.post(lambda engine: engine.cancel_import(blocks))
+        if self._host.is_cancelled(request.reply_id):  # cancelled while we reserved: its Release may have come first
+            self._host.cancel_import(blocks)
             return refuse("cancelled", f"{request.reply_id} was cancelled")
         lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
         self._reservations[request.reply_id] = _Reservation(blocks, lease)
@@ -94,7 +94,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return pb.CommitReply(refused=Refusal(reason=reason, message=message))
 
         reservation = self._reservations.get(request.reply_id)
-        if request.reply_id in self._host.cancels:
+        if self._host.is_cancelled(request.reply_id):
             self._free(request.reply_id)
             return refuse("cancelled", f"{request.reply_id} was cancelled during its handoff")
         if reservation is None:
@@ -110,14 +110,12 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         reservation.lease.cancel()
         del self._reservations[request.reply_id]
         self.receiver.forget(request.reply_id)
-        self._host.track(request.reply_id, request.assignment.first_seq)
         try:
-            await self._host.thread.call(
-                lambda engine: engine.import_sequence(engine_req, reservation.blocks, request.first_token_id, request.num_cached_tokens)
+            await self._host.import_sequence(
+                engine_req, reservation.blocks, request.first_token_id, request.num_cached_tokens, request.assignment.first_seq
             )
         except ValueError as exc:
-            self._host.untrack(request.reply_id)
-            self._host.thread.post(lambda engine: engine.cancel_import(reservation.blocks))
+            self._host.cancel_import(reservation.blocks)
             return refuse("bad_request", str(exc))
         return pb.CommitReply(accepted=True)
 
@@ -143,7 +141,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return False
         reservation.lease.cancel()
         self.receiver.forget(reply_id)
-        self._host.thread.post(lambda engine: engine.cancel_import(reservation.blocks))
+        self._host.cancel_import(reservation.blocks)
         return True
 
 

@@ -22,17 +22,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import encode, subjects
+from tandem.bus.events import cancelled_event
 from tandem.config import Settings
 from tandem.engine.engine import Request, RequestOutput
 from tandem.kvtransfer import KvSender, KvTransferError
-from tandem.v1 import common_pb2
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
-from tandem.v1.tokens_pb2 import TokenEvent
-from tandem.worker.host import EngineHost, refusal
-from tandem.worker.service import build_worker
-from tandem.worker.wire import kv_layout
+from tandem.worker.assignments import refusal, screen_assignment, unrunnable
+from tandem.worker.parts import build_worker_parts
 
 ROLE = "prefill"
 RESERVE_TIMEOUT_S = 2.0
@@ -68,8 +66,10 @@ class _Handoff:
 
 class PrefillWorker:
     def __init__(self, settings: Settings) -> None:
-        self._worker = build_worker(ROLE, settings, lambda: self._host.load())
-        self._host = EngineHost(settings, self._worker)
+        parts = build_worker_parts(ROLE, settings)
+        self._parts = parts
+        self._runtime = parts.runtime
+        self._host = parts.host
         self._sender = KvSender(settings.kv_transfer_max_bytes_per_s)
         self._stubs: dict[str, tuple[grpc.aio.Channel, KvHandoffStub]] = {}
         self._in_flight: dict[str, asyncio.Task[None]] = {}
@@ -77,9 +77,11 @@ class PrefillWorker:
         self._is_stopping = False
 
     def app(self) -> FastAPI:
-        self._worker.runtime.add_check("engine", self._host.is_ready)
-        self._worker.runtime.bus.on_connect(self._subscribe)
-        return self._worker.app(on_start=self._host.start, on_stop=self._stop)
+        self._runtime.bus.on_connect(self._subscribe)
+        return self._parts.app(on_start=self._start, on_stop=self._stop)
+
+    async def _start(self) -> None:
+        await self._host.start(self._runtime.bus)
 
     async def _stop(self) -> None:
         self._is_stopping = True  # what is in flight goes back to the router, not to the user as cancelled
@@ -93,12 +95,12 @@ class PrefillWorker:
             await channel.close()
 
     async def _subscribe(self, client: Client) -> None:
-        await client.subscribe(subjects.assign(self._worker.runtime.config.instance_id), cb=self._on_assign)
+        await client.subscribe(subjects.assign(self._runtime.config.instance_id), cb=self._on_assign)
         await client.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
 
     async def _on_cancel(self, msg: Msg) -> None:
         reply_id = subjects.reply_id_of(msg.subject)
-        self._host.cancels.note(reply_id)
+        self._host.note_cancel(reply_id)
         task = self._in_flight.get(reply_id)
         if task is not None:
             task.cancel()
@@ -115,7 +117,7 @@ class PrefillWorker:
     async def _accept(self, data: bytes) -> AssignmentReply:
         """Answers at once (the router waits for the answer): the reserve on the decode worker runs
         in the handoff, whose failure returns the reply to the router as a HandoffOutcome."""
-        screened = await self._host.screen_assignment(data)
+        screened = await screen_assignment(data, self._host, is_draining=self._runtime.is_draining)
         if isinstance(screened, AssignmentReply):
             return screened
         assignment, request = screened
@@ -123,29 +125,23 @@ class PrefillWorker:
             return refusal("bad_request", "an assignment to a prefill worker must name its decode worker")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
-        try:
-            self._host.engine.check(request)
-        except ValueError as exc:
-            return refusal("prompt_too_long" if "prompt of" in str(exc) else "bad_request", str(exc))
+        refused = unrunnable(self._host, request)
+        if refused is not None:
+            return refused
         state = _Handoff(assignment, request, self._stub(assignment.decode_grpc_address))
         task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task
         task.add_done_callback(lambda done: self._on_done(state, done))
-        if assignment.reply_id in self._host.cancels:  # cancelled before it reached us
+        if self._host.is_cancelled(assignment.reply_id):  # cancelled before it reached us
             task.cancel()
         return AssignmentReply(accepted=True)
 
     async def _reserve(self, h: _Handoff) -> pb.Reservation:
         """Room on the decode worker for the blocks it lacks (it allocates first), or HandoffFailed."""
-        engine = self._host.engine
+        layout = self._host.kv_layout()
         request = h.assignment.request
         num_tokens = len(request.prompt_token_ids) + len(request.generated_token_ids)
-        reserve = pb.ReserveRequest(
-            reply_id=h.reply_id,
-            layout=kv_layout(engine, self._worker.model.name),
-            num_blocks=-(-num_tokens // engine.kv_shape.block_size),
-            request=request,
-        )
+        reserve = pb.ReserveRequest(reply_id=h.reply_id, layout=layout, num_blocks=-(-num_tokens // layout.block_size), request=request)
         try:
             reserved = await h.stub.Reserve(reserve, timeout=RESERVE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -159,10 +155,7 @@ class PrefillWorker:
         try:
             h.reservation = await self._reserve(h)
             renewing = asyncio.create_task(_renew_lease(h.stub, h.reply_id, h.reservation.lease_s), name=f"renew:{h.reply_id}")
-            self._host.track(h.reply_id, h.first_seq)
-            prefilled = self._host.expect_handoff(h.reply_id)
-            self._host.thread.post(lambda e: e.add(h.request, prefill_only=True))
-            h.output = await prefilled
+            h.output = await self._host.prefill_only(h.request, h.first_seq)
             if h.output.handoff is None:  # finished at its first token: nothing to hand over
                 await _release(h.stub, h.reply_id)
                 await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED)
@@ -178,13 +171,13 @@ class PrefillWorker:
             if renewing is not None:
                 renewing.cancel()
             if h.output is not None and h.output.handoff is not None:
-                self._host.thread.post(lambda e: e.release(h.reply_id))
+                self._host.release(h.reply_id)
 
     async def _send_and_commit(self, h: _Handoff) -> None:
         assert h.reservation is not None and h.output is not None and h.output.handoff is not None
         # The decode worker holds the leading blocks already: send only the rest.
         to_send = h.output.handoff.block_ids[h.reservation.num_cached_blocks :]
-        blocks = [self._host.engine.block_view(b) for b in to_send]
+        blocks = self._host.block_views(to_send)
         try:
             await self._sender.send(h.reservation.ucx_host, h.reservation.ucx_port, h.reply_id, blocks, TRANSFER_TIMEOUT_S)
         except KvTransferError as exc:
@@ -211,29 +204,29 @@ class PrefillWorker:
 
     async def _after_cancel(self, h: _Handoff) -> None:
         """tandem.v1.cancel.<reply_id> or shutdown, during the prefill or the handoff."""
-        self._host.untrack(h.reply_id)  # first: the aborted request's last output is not published
+        self._host.stop_streaming(h.reply_id)  # first: the aborted request's last output is not published
         if h.output is None:
-            self._host.thread.post(lambda e: e.discard(h.reply_id))
+            self._host.discard(h.reply_id)
         await _release(h.stub, h.reply_id)
-        if self._is_stopping and h.reply_id not in self._host.cancels:
+        if self._is_stopping and not self._host.is_cancelled(h.reply_id):
             # Shutdown, not the user: the router places the reply again (its decode worker is fine).
             await self._publish_outcome(
                 h, HandoffOutcome.RESULT_FAILED, "prefill_stopping", "the prefill worker is shutting down", blame_decode=False
             )
             return
-        await self._publish_end(h.reply_id, h.first_seq + (h.output is not None), common_pb2.FINISH_REASON_CANCELLED)
+        seq = h.first_seq + (h.output is not None)  # after the first token, when it went out
+        cancelled = cancelled_event(h.reply_id, seq, worker_id=self._runtime.config.instance_id)
+        await self._runtime.bus.client.publish(subjects.tokens(h.reply_id), encode(cancelled))
         await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED, "cancelled")
 
-    async def _publish_end(self, reply_id: str, seq: int, finish: int) -> None:
-        event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, worker_id=self._worker.runtime.config.instance_id)
-        await self._worker.runtime.bus.client.publish(subjects.tokens(reply_id), encode(event))
-
-    async def _publish_outcome(self, h: _Handoff, result: int, reason: str = "", message: str = "", blame_decode: bool = True) -> None:
+    async def _publish_outcome(
+        self, h: _Handoff, result: HandoffOutcome.Result, reason: str = "", message: str = "", blame_decode: bool = True
+    ) -> None:
         """`blame_decode`: name the decode worker, whom the router then avoids for this reply."""
         outcome = HandoffOutcome(
             reply_id=h.reply_id,
             result=result,
-            prefill_worker_id=self._worker.runtime.config.instance_id,
+            prefill_worker_id=self._runtime.config.instance_id,
             decode_worker_id=h.assignment.decode_worker_id if blame_decode else "",
             reason=reason,
             message=message,
@@ -241,7 +234,7 @@ class PrefillWorker:
         if result == HandoffOutcome.RESULT_FAILED and h.output is not None:
             outcome.published_token_ids.extend(h.output.new_token_ids)
         try:
-            await self._worker.runtime.bus.client.publish(subjects.handoff(h.reply_id), encode(outcome))
+            await self._runtime.bus.client.publish(subjects.handoff(h.reply_id), encode(outcome))
         except Exception:
             log.exception("could not publish the handoff outcome of %s", h.reply_id)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+import torch
 from helpers import REPO, next_heartbeat, service_env, service_process
 
 from tandem.devstack.proc import ChildProcess, free_port
@@ -138,3 +139,9 @@ def test_port_in_use_fails_at_start(nats_server, redis_server, role, setting):
 def test_missing_model_fails_at_start(nats_server, redis_server, tmp_path):
     result = _start_failing("decode", nats_server.url, redis_server.url, TANDEM_MODEL_PATH=str(tmp_path / "gone.gguf"))
     _one_clear_line(result, "decode", "TANDEM_MODEL_PATH=", "no such file")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_fails_at_start(nats_server, redis_server):
+    result = _start_failing("prefill", nats_server.url, redis_server.url, TANDEM_DEVICE="cuda")
+    _one_clear_line(result, "prefill", "TANDEM_DEVICE=cuda", "sees no CUDA GPU here")

@@ -9,12 +9,13 @@ import grpc
 from tandem.runtime import Runtime
 from tandem.v1 import control_pb2, control_pb2_grpc
 from tandem.v1.worker_pb2 import WorkerHeartbeat
+from tandem.worker.heartbeat import WorkerHeartbeats
 
 
 class WorkerControl(control_pb2_grpc.WorkerControlServicer):
-    def __init__(self, runtime: Runtime, stats: Callable[[], WorkerHeartbeat]) -> None:
+    def __init__(self, runtime: Runtime, heartbeats: WorkerHeartbeats) -> None:
         self._runtime = runtime
-        self._stats = stats
+        self._heartbeats = heartbeats
 
     async def Health(self, request: control_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> control_pb2.HealthReply:
         checks = await self._runtime.readiness()
@@ -29,7 +30,7 @@ class WorkerControl(control_pb2_grpc.WorkerControlServicer):
         return control_pb2.DrainReply(was_draining=was_draining)
 
     async def Stats(self, request: control_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> WorkerHeartbeat:
-        return self._stats()
+        return self._heartbeats.build(self._runtime.service_heartbeat(is_ready=not self._runtime.is_draining))
 
 
 class ControlServer:

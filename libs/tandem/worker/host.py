@@ -1,170 +1,227 @@
-"""A worker's engine as a service part: loaded on its own thread at start, its outputs published
-as TokenEvents (contiguous sequence numbers per reply), its prefix cache's changes as KV events
-(and its full state on request), cancels applied, its load reported. Decode and prefill workers
-both compose one."""
+"""A worker's engine behind a named async API. The engine steps on a thread of its own (thread.py)
+so the loop stays free for NATS, gRPC and UCX; the host is the only door to it, and its callers
+never see that thread. The host also publishes each reply's outputs as TokenEvents (contiguous
+sequence numbers per reply), its prefix cache's changes as KV events (and its full state on
+request), applies cancels and reports the engine's load. Decode and prefill workers both build one.
+
+Changes that nobody needs to wait for (an add, an abort, a release) are queued and return at once:
+the engine takes them between two steps, and a step can take seconds on a CPU."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus import Bus, encode, subjects
 from tandem.bus.cancels import RecentCancels
-from tandem.config import Settings
-from tandem.engine.engine import Engine, EngineConfig, Request, RequestOutput
+from tandem.config import Settings, resolve_device, resolve_dtype
+from tandem.engine.engine import Engine, EngineConfig, ImportReservation, Request, RequestOutput
 from tandem.kernels import select_attention
-from tandem.models.loader import default_dtype, load_model
-from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
-from tandem.v1.generate_pb2 import Refusal
+from tandem.models.files import ModelFile
+from tandem.models.loader import load_model
+from tandem.v1.kv_handoff_pb2 import KvLayout
+from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
-from tandem.worker.service import EngineLoad, Worker
 from tandem.worker.thread import EngineThread
-from tandem.worker.wire import engine_request, token_event
+from tandem.worker.wire import kv_layout, token_event
 
 log = logging.getLogger(__name__)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def refusal(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
-    return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker's engine is built from."""
 
+    model: ModelFile
+    device: str
+    dtype: torch.dtype
+    kv_cache_mib: int
 
-def is_expired(assignment: Assignment) -> bool:
-    """The router stopped waiting for this worker's answer (and may have offered the reply to
-    another worker): accepting now would run the reply twice."""
-    return 0 < assignment.accept_by_unix_ms < time.time() * 1000
-
-
-def expired(assignment: Assignment) -> AssignmentReply:
-    return refusal("expired", f"{assignment.reply_id} reached this worker after the router's accept-by deadline")
+    @classmethod
+    def from_settings(cls, settings: Settings, model: ModelFile) -> EngineSpec:
+        """Resolves the device now, so "cuda" without a GPU fails at start (StartupError)."""
+        device = resolve_device(settings.device)
+        return cls(model, device, resolve_dtype(settings.dtype, device), settings.kv_cache_mib)
 
 
 class EngineHost:
-    def __init__(self, settings: Settings, worker: Worker) -> None:
-        self._settings = settings
-        self._worker = worker
-        self.thread: EngineThread | None = None
-        self._next_seq: dict[str, int] = {}
-        self.cancels = RecentCancels()  # a cancel may overtake the reply's assignment
+    def __init__(self, spec: EngineSpec, worker_id: str) -> None:
+        self._spec = spec
+        self._worker_id = worker_id
+        self._thread: EngineThread | None = None  # from start()
+        self._kv_events: KvEventPublisher | None = None  # from start()
+        self._next_seq: dict[str, int] = {}  # the replies whose tokens this host publishes
+        self._cancels = RecentCancels()  # a cancel may overtake the reply's assignment
         self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
         self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
-        self._kv_events: KvEventPublisher | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, bus: Bus) -> None:
+        """Starts loading the engine (is_ready tells when it is loaded) and publishing on `bus`."""
         loop = asyncio.get_running_loop()
-        self._kv_events = KvEventPublisher(self._worker.runtime.config.instance_id, loop)
-        self.thread = EngineThread(self._build_engine, self._outbox.put_nowait, loop, after_change=self._kv_events.collect)
-        self.thread.start()
+        self._kv_events = KvEventPublisher(self._worker_id, loop)
+        self._thread = EngineThread(self._build_engine, self._outbox.put_nowait, loop, after_change=self._kv_events.collect)
+        self._thread.start()
         self._tasks = [
-            asyncio.create_task(self._publish_outputs(), name="publish-tokens"),
-            asyncio.create_task(self._publish_kv_events(), name="publish-kv-events"),
+            asyncio.create_task(self._publish_outputs(bus), name="publish-tokens"),
+            asyncio.create_task(self._publish_kv_events(bus, self._kv_events, self._thread), name="publish-kv-events"),
         ]
 
     async def stop(self) -> None:
-        if self.thread is not None:
-            await asyncio.to_thread(self.thread.stop)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
         for task in self._tasks:
             task.cancel()
 
     def _build_engine(self) -> Engine:
-        dtype = default_dtype("cpu") if self._settings.dtype == "auto" else DTYPES[self._settings.dtype]
-        loaded = load_model(self._worker.model.path, dtype, "cpu", select_attention("cpu"))
-        log.info("engine ready: %s, %s", self._worker.model.name, dtype)
-        return Engine(loaded, EngineConfig(kv_cache_mib=self._settings.kv_cache_mib))
+        spec = self._spec
+        loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device))
+        log.info("engine ready: %s, %s on %s", spec.model.name, spec.dtype, spec.device)
+        return Engine(loaded, EngineConfig(kv_cache_mib=spec.kv_cache_mib))
 
     @property
-    def engine(self) -> Engine:
-        """The engine itself: read-only use from the loop thread (its shape, block views of blocks
-        this worker owns); everything else goes through `thread.call`."""
-        assert self.thread is not None and self.thread.engine is not None
-        return self.thread.engine
+    def _engine_thread(self) -> EngineThread:
+        if self._thread is None:
+            raise RuntimeError("the engine host is not started")
+        return self._thread
 
     async def is_ready(self) -> bool:
-        return self.thread is not None and self.thread.is_ready
+        return self._thread is not None and self._thread.is_ready
 
     def load(self) -> EngineLoad | None:
-        if self.thread is None or not self.thread.is_ready or self.thread.latest_stats is None:
+        """The engine's load for the heartbeat; None until the engine is loaded."""
+        thread = self._thread
+        if thread is None or not thread.is_ready or thread.latest_stats is None:
             return None
-        stats = self.thread.latest_stats
+        stats = thread.latest_stats
         mean_step_ms = 1000 * (stats.prefill_time_s + stats.decode_time_s) / max(1, stats.num_steps)
         return EngineLoad(
             stats,
-            self.engine.kv_shape.num_blocks,
-            self.engine.loaded.config.max_position_embeddings,
+            thread.engine.kv_shape.num_blocks,
+            thread.engine.loaded.config.max_position_embeddings,
             mean_step_ms,
             last_kv_event_id=self._kv_events.last_published_event_id if self._kv_events else 0,
         )
 
+    # -- what the loop may ask at once (the engine's configuration, blocks no step touches) -----
+
+    def check(self, request: Request) -> None:
+        """Raises PromptTooLong or EmptyPrompt for a request this engine could never run; answers
+        without waiting for the step in progress."""
+        self._engine_thread.engine.check(request)
+
+    def kv_layout(self) -> KvLayout:
+        """The shape and dtype of this engine's KV blocks, which a handoff's two sides must share."""
+        return kv_layout(self._engine_thread.engine, self._spec.model.name)
+
+    def block_views(self, block_ids: Iterable[int]) -> list[torch.Tensor]:
+        """Each block's K and V for every layer, to send from or receive into; only for blocks this
+        worker holds for a handoff (exported or reserved), which no step reads or writes."""
+        engine = self._engine_thread.engine
+        return [engine.block_view(block_id) for block_id in block_ids]
+
     # -- replies --------------------------------------------------------------------------------
 
-    async def screen_assignment(self, data: bytes) -> tuple[Assignment, Request] | AssignmentReply:
-        """The checks every worker makes of an Assignment before taking it: the refusal, or the
-        assignment and the engine's request for it."""
-        try:
-            assignment = decode(data, Assignment)
-            subjects.tokens(assignment.reply_id)  # a reply id must be a valid subject token
-            request = engine_request(assignment.reply_id, assignment.request)
-        except (BadMessage, ValueError) as exc:
-            return refusal("bad_request", str(exc))
-        if self._worker.runtime.is_draining:
-            return refusal("draining", "this worker is draining", retry_after_s=1.0)
-        if not await self.is_ready():
-            return refusal("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
-        if assignment.reply_id in self.cancels:
-            return refusal("cancelled", f"{assignment.reply_id} was cancelled before it started")
-        if is_expired(assignment):
-            return expired(assignment)
-        return assignment, request
+    def add(self, request: Request, first_seq: int) -> None:
+        """Queues `request` and publishes its tokens from sequence number `first_seq` on."""
+        self._next_seq[request.request_id] = first_seq
+        self._engine_thread.post(lambda engine: engine.add(request))
 
-    def track(self, reply_id: str, first_seq: int) -> None:
-        """Publish this reply's tokens from sequence number `first_seq` on."""
-        self._next_seq[reply_id] = first_seq
+    async def prefill_only(self, request: Request, first_seq: int) -> RequestOutput:
+        """Prefills `request` here and publishes its first token as `first_seq`; returns the output
+        that carries its handoff (None when the reply ended at its first token). Its blocks stay
+        held until `release` or `discard`."""
+        self._next_seq[request.request_id] = first_seq
+        prefilled = asyncio.get_running_loop().create_future()
+        self._handoffs[request.request_id] = prefilled
+        self._engine_thread.post(lambda engine: engine.add(request, prefill_only=True))
+        return await prefilled
 
-    def untrack(self, reply_id: str) -> None:
-        self._next_seq.pop(reply_id, None)
-
-    def is_tracked(self, reply_id: str) -> bool:
+    def is_streaming(self, reply_id: str) -> bool:
+        """This host publishes the reply's tokens (it runs here, or is about to)."""
         return reply_id in self._next_seq
 
-    def expect_handoff(self, reply_id: str) -> asyncio.Future[RequestOutput]:
-        """Resolves with the output that carries a prefill-only request's handoff (its first
-        token is published as usual; the reply's stream continues elsewhere)."""
-        future = asyncio.get_running_loop().create_future()
-        self._handoffs[reply_id] = future
-        return future
+    def stop_streaming(self, reply_id: str) -> None:
+        """Publishes nothing more of the reply (the caller ends its stream)."""
+        self._next_seq.pop(reply_id, None)
+
+    def abort(self, reply_id: str) -> None:
+        """Cancels a running reply; its last output says so."""
+        self._engine_thread.post(lambda engine: engine.abort(reply_id))
+
+    def discard(self, reply_id: str) -> None:
+        """Drops a reply wherever it is: aborted while it runs, released once prefilled."""
+        self._engine_thread.post(lambda engine: engine.discard(reply_id))
+
+    def release(self, reply_id: str) -> None:
+        """Frees a prefilled reply's blocks once its handoff is over (their content stays cached)."""
+        self._engine_thread.post(lambda engine: engine.release(reply_id))
+
+    # -- imports (the decode side of a handoff) -------------------------------------------------
+
+    async def reserve_import(self, request: Request, num_blocks: int) -> ImportReservation:
+        """Holds `num_blocks` blocks for `request`'s KV: its cached prefix, then fresh blocks for the
+        rest; raises NoFreeBlocks when they do not fit."""
+        return await self._engine_thread.call(lambda engine: engine.reserve_import(request, num_blocks))
+
+    def cancel_import(self, reservation: ImportReservation) -> None:
+        self._engine_thread.post(lambda engine: engine.cancel_import(reservation))
+
+    async def import_sequence(
+        self, request: Request, reservation: ImportReservation, first_token_id: int, num_cached_tokens: int, first_seq: int
+    ) -> None:
+        """Continues a reply prefilled elsewhere from the reservation's blocks, publishing its tokens
+        from `first_seq` on; raises ValueError when the engine cannot take it (the reservation
+        stays the caller's to cancel)."""
+        self._next_seq[request.request_id] = first_seq
+        try:
+            await self._engine_thread.call(lambda engine: engine.import_sequence(request, reservation, first_token_id, num_cached_tokens))
+        except ValueError:
+            self.stop_streaming(request.request_id)
+            raise
+
+    # -- cancels --------------------------------------------------------------------------------
+
+    def note_cancel(self, reply_id: str) -> None:
+        self._cancels.note(reply_id)
+
+    def is_cancelled(self, reply_id: str) -> bool:
+        """Cancelled lately: a reply not started yet must not start."""
+        return reply_id in self._cancels
 
     async def subscribe_cancels(self, client: Client) -> None:
+        """Cancels from the bus: noted, and the reply aborted when it runs here."""
         await client.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
 
     async def _on_cancel(self, msg: Msg) -> None:
         reply_id = subjects.reply_id_of(msg.subject)
-        self.cancels.note(reply_id)
-        if reply_id in self._next_seq and self.thread is not None:
-            self.thread.post(lambda engine: engine.abort(reply_id))
+        self.note_cancel(reply_id)
+        if self.is_streaming(reply_id) and self._thread is not None:
+            self.abort(reply_id)
 
-    async def _publish_kv_events(self) -> None:
-        assert self._kv_events is not None and self.thread is not None
-        client = await self._worker.runtime.bus.wait_connected()
-        await self._kv_events.run(client, self.thread)
+    # -- publishing -----------------------------------------------------------------------------
 
-    async def _publish_outputs(self) -> None:
-        client = await self._worker.runtime.bus.wait_connected()
-        worker_id = self._worker.runtime.config.instance_id
+    async def _publish_kv_events(self, bus: Bus, kv_events: KvEventPublisher, thread: EngineThread) -> None:
+        client = await bus.wait_connected()
+        await kv_events.run(client, thread)
+
+    async def _publish_outputs(self, bus: Bus) -> None:
+        client = await bus.wait_connected()
         while True:
             for output in await self._outbox.get():
                 ends_here = output.is_finished or output.handoff is not None
                 handoff = self._handoffs.pop(output.request_id, None) if ends_here else None
                 seq = self._next_seq.get(output.request_id)
                 if seq is not None:
-                    await client.publish(subjects.tokens(output.request_id), encode(token_event(output, seq, worker_id)))
+                    await client.publish(subjects.tokens(output.request_id), encode(token_event(output, seq, self._worker_id)))
                     self._next_seq[output.request_id] = seq + 1
                     if ends_here:
                         del self._next_seq[output.request_id]

@@ -44,13 +44,20 @@ class EngineThread:
         self._commands: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._is_ready = threading.Event()
-        self._failure: BaseException | None = None
-        self.engine: Engine | None = None
+        self._engine: Engine | None = None
         self.latest_stats: EngineStats | None = None
 
     @property
     def is_ready(self) -> bool:
         return self._is_ready.is_set() and self._thread.is_alive()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine itself, for what the loop may read while it steps (its shape, views of blocks
+        no step touches); every change goes through `call` or `post`."""
+        if self._engine is None:
+            raise RuntimeError("the engine is not loaded yet")
+        return self._engine
 
     def start(self) -> None:
         self._thread.start()
@@ -72,16 +79,15 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
-            self.engine = self._build_engine()
-        except BaseException as exc:
-            self._failure = exc
+            engine = self._engine = self._build_engine()
+        except BaseException:
             log.exception("the engine failed to start")
             return
-        self.latest_stats = self.engine.stats()
+        self.latest_stats = engine.stats()
         self._is_ready.set()
         while True:
             # Block for a command only when there is nothing to step.
-            commands = [self._commands.get()] if not self.engine.has_work() else []
+            commands = [self._commands.get()] if not engine.has_work() else []
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -90,27 +96,26 @@ class EngineThread:
             if None in commands:
                 return
             for command in commands:
-                self._apply(command)
+                self._apply(engine, command)
             if commands:  # a release or reservation changes the blocks without a step
-                self._changed()
-            if self.engine.has_work():
-                outputs = self.engine.step()
-                self._changed()
+                self._changed(engine)
+            if engine.has_work():
+                outputs = engine.step()
+                self._changed(engine)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
 
-    def _changed(self) -> None:
-        assert self.engine is not None
-        self.latest_stats = self.engine.stats()
+    def _changed(self, engine: Engine) -> None:
+        self.latest_stats = engine.stats()
         try:
-            self._after_change(self.engine)
+            self._after_change(engine)
         except Exception:
             log.exception("the engine's after-change hook failed")
 
-    def _apply(self, command: _Call | None) -> None:
-        assert self.engine is not None and command is not None
+    def _apply(self, engine: Engine, command: _Call | None) -> None:
+        assert command is not None  # the stop command ends the loop before it is applied
         try:
-            result = command.fn(self.engine)
+            result = command.fn(engine)
         except Exception as exc:
             if command.done is None:
                 log.warning("engine call failed: %s", exc)

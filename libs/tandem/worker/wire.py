@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-import time
 
+from tandem.bus.events import final_event, now_ms
 from tandem.engine.engine import Engine, Request, RequestOutput
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
 from tandem.v1 import common_pb2
@@ -13,7 +13,7 @@ from tandem.v1.kv_handoff_pb2 import KvLayout
 from tandem.v1.tokens_pb2 import TokenEvent
 
 LANES = {common_pb2.LANE_PAID: Lane.PAID, common_pb2.LANE_BACKGROUND: Lane.BACKGROUND}  # anything else: FREE
-FINISH = {
+FINISH: dict[FinishReason, common_pb2.FinishReason] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
@@ -44,14 +44,17 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
 
 
 def token_event(output: RequestOutput, seq: int, worker_id: str) -> TokenEvent:
-    event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=int(time.time() * 1000))
-    if output.new_token_ids:
-        event.token_id = output.new_token_ids[0]
+    """The reply's event `seq`: this output's token and text, and the finish and usage of its last."""
+    token_id = output.new_token_ids[0] if output.new_token_ids else None
     if output.finish_reason is not None:
-        event.finish = FINISH[output.finish_reason]
-        event.usage.input_tokens = output.num_prompt_tokens
-        event.usage.cached_tokens = output.num_cached_tokens
-        event.usage.output_tokens = output.num_output_tokens
+        usage = common_pb2.Usage(
+            input_tokens=output.num_prompt_tokens, cached_tokens=output.num_cached_tokens, output_tokens=output.num_output_tokens
+        )
+        finish = FINISH[output.finish_reason]
+        return final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
+    event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms())
+    if token_id is not None:
+        event.token_id = token_id
     return event
 
 

@@ -1,0 +1,53 @@
+"""The checks every worker makes of an Assignment before it takes one, and the refusals it answers
+with (the router tries another worker, or tells the user, by the refusal's reason)."""
+
+from __future__ import annotations
+
+from tandem.bus import BadMessage, decode, subjects
+from tandem.bus.events import now_ms
+from tandem.engine.engine import Request
+from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.generate_pb2 import Refusal
+from tandem.worker.host import EngineHost
+from tandem.worker.wire import engine_request
+
+
+def refusal(reason: str, message: str, retry_after_s: float = 0.0) -> AssignmentReply:
+    return AssignmentReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
+
+
+def is_expired(assignment: Assignment) -> bool:
+    """The router stopped waiting for this worker's answer (and may have offered the reply to
+    another worker): accepting now would run the reply twice."""
+    return 0 < assignment.accept_by_unix_ms < now_ms()
+
+
+async def screen_assignment(data: bytes, host: EngineHost, *, is_draining: bool) -> tuple[Assignment, Request] | AssignmentReply:
+    """The refusal, or the assignment and the engine's request for it."""
+    try:
+        assignment = decode(data, Assignment)
+        subjects.tokens(assignment.reply_id)  # a reply id must be a valid subject token
+        request = engine_request(assignment.reply_id, assignment.request)
+    except (BadMessage, ValueError) as exc:
+        return refusal("bad_request", str(exc))
+    if is_draining:
+        return refusal("draining", "this worker is draining", retry_after_s=1.0)
+    if not await host.is_ready():
+        return refusal("loading", "this worker's engine is still loading its model", retry_after_s=2.0)
+    if host.is_cancelled(assignment.reply_id):
+        return refusal("cancelled", f"{assignment.reply_id} was cancelled before it started")
+    if is_expired(assignment):
+        return refusal("expired", f"{assignment.reply_id} reached this worker after the router's accept-by deadline")
+    return assignment, request
+
+
+def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | None:
+    """The refusal for a request this engine could never run, or None."""
+    try:
+        host.check(request)
+    except PromptTooLong as exc:
+        return refusal("prompt_too_long", str(exc))
+    except EmptyPrompt as exc:
+        return refusal("bad_request", str(exc))
+    return None
