@@ -15,10 +15,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from enum import Enum
 
-from tandem.engine.block_hash import block_hash
 from tandem.kernels.metadata import BLOCK_SIZE
-
-__all__ = ["BlockPool", "CachedBlock", "KvEvent", "KvEventKind", "NoFreeBlocks", "block_hash"]
 
 
 class NoFreeBlocks(RuntimeError):
@@ -72,16 +69,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks holding a cached prefix, in use or free."""
         return len(self._block_of_hash)
-
-    def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
-
-    def cached_hash(self, block_id: int) -> int | None:
-        entry = self._entry_of_block.get(block_id)
-        return entry.block_hash if entry else None
-
-    def is_cached(self, block_hash: int) -> bool:
-        return block_hash in self._block_of_hash
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks from the head of the free list, evicting their cached keys."""

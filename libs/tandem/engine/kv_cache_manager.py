@@ -75,13 +75,6 @@ class KvCacheManager:
         seq.attach_computed_blocks(block_ids, hashes[: len(block_ids)], num_hit_tokens)
         return num_hit_tokens
 
-    def num_blocks_to_add(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_reserved_blocks: int = 0) -> bool:
-        """Whether `num_new_tokens` more tokens fit while keeping `num_reserved_blocks` free."""
-        return self.num_blocks_to_add(seq, num_new_tokens) <= self._pool.num_free_blocks - num_reserved_blocks
-
     def max_new_tokens(self, seq: Sequence, num_reserved_blocks: int = 0) -> int:
         """How many more tokens of `seq` fit in its blocks plus the free ones above the reserve."""
         num_blocks = len(seq.block_table) + max(0, self._pool.num_free_blocks - num_reserved_blocks)
@@ -89,7 +82,7 @@ class KvCacheManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to cover num_computed_tokens + num_new_tokens; False if no room."""
-        num_blocks = self.num_blocks_to_add(seq, num_new_tokens)
+        num_blocks = max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
         if num_blocks > self._pool.num_free_blocks:
             return False
         seq.append_blocks(self._pool.allocate(num_blocks))

@@ -22,11 +22,6 @@ class ReplyText:
         self._num_emitted_chars = 0
         self.has_hit_stop = False
 
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        return self._text[: self._num_emitted_chars]
-
     def add(self, token_id: int) -> str:
         """The text delta this token releases (possibly empty)."""
         if self.has_hit_stop:

@@ -149,9 +149,6 @@ class Scheduler:
         seq.admit(num_cached_tokens)
         bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
 
-    def get(self, seq_id: str) -> Sequence | None:
-        return self._seqs.get(seq_id)
-
     def has_work(self) -> bool:
         return bool(self._seqs)
 

@@ -8,7 +8,6 @@ computed count closer to the token count (a prefill chunk, a prefix-cache hit, o
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -97,7 +96,6 @@ class Sequence:
         # Prefill side of a handoff: once its first token is sampled the scheduler hands it off,
         # blocks and all, for the engine to export, instead of decoding it.
         self.is_prefill_only = is_prefill_only
-        self.arrival_time_s = time.monotonic()
         self.arrival_order = 0  # set by the scheduler when added; breaks ties in FIFO and preemption
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
@@ -122,24 +120,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     # -- changed by the scheduler ---------------------------------------------------------------
 

@@ -53,19 +53,6 @@ class StepPlan:
     finished_seq_ids: list[str] = field(default_factory=list)
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def is_decode_only(self) -> bool:
-        """Every chunk is one token (AttentionMetadata.is_decode_only)."""
-        return bool(self.scheduled) and all(chunk.num_new_tokens == 1 for chunk in self.scheduled)
-
-    @property
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences that get a token from this step, in chunk order."""
         return [chunk.seq for chunk in self.scheduled if chunk.is_sampled]

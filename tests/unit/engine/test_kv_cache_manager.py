@@ -66,12 +66,11 @@ def test_allocate_slots_grows_the_block_table_to_cover_the_new_tokens_exactly():
     assert len(seq.block_table) == 3  # a refusal takes nothing
 
 
-def test_can_allocate_keeps_the_reserve_free():
+def test_max_new_tokens_keeps_the_reserve_free():
     kv = manager(num_blocks=4)
     seq = Sequence("s", list(range(64)))
-    assert kv.can_allocate(seq, 48, num_reserved_blocks=1)
-    assert not kv.can_allocate(seq, 49, num_reserved_blocks=1)
-    assert kv.can_allocate(seq, 64, num_reserved_blocks=0)
+    assert kv.max_new_tokens(seq, num_reserved_blocks=1) == 48  # 48 fit, 49 do not
+    assert kv.max_new_tokens(seq, num_reserved_blocks=0) == 64
     assert kv.blocks_needed(49) == 4
 
 

@@ -24,7 +24,7 @@ def random_sequence(rng: random.Random, index: int) -> Sequence:
 
 
 def check_step_invariants(engine, plan, seqs: list[Sequence]) -> None:
-    assert sum(c.num_new_tokens for c in plan.scheduled) == plan.num_scheduled_tokens <= BUDGET
+    assert sum(c.num_new_tokens for c in plan.scheduled) == plan.num_decode_tokens + plan.num_prefill_tokens <= BUDGET
     assert all(c.num_new_tokens == 1 for c in plan.scheduled[: plan.num_decode_tokens])  # decodes come first
     running = [s for s in seqs if s.block_table]
     assert len(running) <= MAX_NUM_SEQS
@@ -43,7 +43,7 @@ def test_a_random_workload_keeps_every_invariant_and_finishes_every_sequence(mak
         if len(seqs) < 80 and rng.random() < 0.4:
             seqs.append(random_sequence(rng, len(seqs)))
             engine.scheduler.add(seqs[-1])
-        unfinished = [s for s in seqs if not s.is_finished and s.seq_id not in aborted]
+        unfinished = [s for s in seqs if s.finish_reason is None and s.seq_id not in aborted]
         if unfinished and rng.random() < 0.03:
             victim = rng.choice(unfinished)
             assert engine.scheduler.abort(victim.seq_id)
