@@ -11,6 +11,7 @@ from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import StepPlan
 from tandem.engine.sequence import Sequence
 from tandem.kernels.metadata import AttentionMetadata
+from tandem.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def build_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepI
 
 
 class Runner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
         self._model = model
         self._kv_cache = kv_cache
         self._block_size = block_size

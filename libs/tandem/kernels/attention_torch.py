@@ -139,12 +139,13 @@ def prefill_chunk_attention(
     # 4-D inputs and kv heads expanded (a copy the size of this chunk's context): CPU SDPA runs
     # its flash kernel only so; 3-D inputs or enable_gqa fall back to the math path, 3-10x slower.
     keys, values = _expand_kv_heads(keys, num_heads), _expand_kv_heads(values, num_heads)
+    query = q.transpose(0, 1)[None]
     if q_len == seq_len:  # no earlier context: plain causal, which SDPA can skip blocks for
-        causal = {"is_causal": True}
+        out = F.scaled_dot_product_attention(query, keys[None], values[None], is_causal=True, scale=scale)
     else:  # causal with an offset: earlier context is visible to every query token
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        causal = {"attn_mask": (torch.arange(seq_len, device=q.device) <= query_pos)[None, None]}
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], scale=scale, **causal)
+        mask = (torch.arange(seq_len, device=q.device) <= query_pos)[None, None]
+        out = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
 
 
@@ -170,8 +171,8 @@ def _mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
         out.index_copy_(0, rows, decoded)
     for s in (s for s in range(num_seqs) if q_lens[s] > 1):  # the few prefill chunks
-        rows = slice(starts[s], starts[s + 1])
-        out[rows] = prefill_chunk_attention(q[rows], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale)
+        chunk = slice(starts[s], starts[s + 1])
+        out[chunk] = prefill_chunk_attention(q[chunk], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale)
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.config import ModelConfig
-from tandem.models.llama import LlamaAttention, LlamaForCausalLM
+from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -43,6 +43,7 @@ def reference_hidden(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch
     h = model.model.embed_tokens(ids)
     cos, sin = model.model.rotary_emb(positions)
     for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
         h = h + _attention_block(layer.self_attn, layer.input_layernorm(h), cos, sin)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.model.norm(h)

@@ -7,6 +7,7 @@ undone llama.cpp's Q/K row permutation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ def _scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin: torch.Tensor  # a buffer: (window, head_dim) cos then sin, float32
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -53,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(positions, inverse_frequencies(self.config))
         return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # (window, head_dim)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
         # The table is derived, so every move or cast (`.to(bf16)`, `to_empty` after building on
         # the meta device) rebuilds it in float32 on the new device instead of converting it.
         super()._apply(fn, recurse)
