@@ -4,10 +4,11 @@
     sampled = runner.execute(plan)                         # {seq_id: token} for plan.sampled_seqs
     result = scheduler.update(plan, sampled, stopped_ids)  # what finished, what was handed off
 
-`stopped_ids` are the sequences whose text hit a stop string (the engine detokenizes); update
-finishes them with the ones their token ends, and hands off each prefill-only sequence that got
-its first token, keeping its blocks for the engine to export. The next plan names every sequence
-that left since the previous one, so the runner drops their state before it runs.
+`stopped_ids` are the sequences whose text hit a stop string (the engine detokenizes). update
+finishes those and every sequence its new token ends, and hands off each prefill-only sequence
+once its first token is sampled, keeping its blocks for the engine to export. Each plan names
+the sequences that left since the previous one (finished, handed off, and the aborts it applies
+itself), so the runner drops their state before it runs the plan.
 
 There is no prefill phase or decode phase: every sequence's computed-token count catches up to
 its token count, one chunk per step, which covers chunked prefill, prefix hits and decoding in
