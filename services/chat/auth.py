@@ -1,11 +1,12 @@
-"""`Authorization: Bearer <key>` -> the caller (user id and tier), or 401."""
+"""`Authorization: Bearer <key>` -> the caller (user id and tier), or Unauthenticated (401)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
 
+from services.chat.errors import Unauthenticated
 from tandem.config import ApiKey
 
 
@@ -14,11 +15,7 @@ def current_user(request: Request) -> ApiKey:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     caller = keys.get(token.strip()) if scheme.lower() == "bearer" else None
     if caller is None:
-        raise HTTPException(
-            status_code=401,
-            detail="a valid API key is required: send Authorization: Bearer <key>",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise Unauthenticated("a valid API key is required: send Authorization: Bearer <key>")
     return caller
 
 

@@ -6,13 +6,14 @@ import hashlib
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query
+from fastapi import APIRouter, Header, Query
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
 from services.chat.auth import CurrentUser
 from services.chat.context import active_branch
-from services.chat.replies import new_reply_id, sse_stream
+from services.chat.errors import Conflict, NotFound
+from services.chat.replies import new_reply_id, reply_response
 from services.chat.schemas import MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
 from services.chat.streams import as_logged, finished_message_response
@@ -20,7 +21,7 @@ from services.chat.turns import send_message
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.config import ApiKey
 from tandem.store import Conversation
-from tandem.tokenlog import load_reply
+from tandem.tokenlog import as_text, load_reply
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 
@@ -28,7 +29,7 @@ router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 async def owned_conversation(state: State, user: ApiKey, conversation_id: str) -> Conversation:
     conversation = await state.store.get_conversation(user.user_id, conversation_id)
     if conversation is None:
-        raise HTTPException(404, f"conversation {conversation_id} not found")
+        raise NotFound(f"conversation {conversation_id} not found", code="conversation_not_found")
     return conversation
 
 
@@ -81,7 +82,7 @@ async def post_message(
         is_first = await state.redis.set(key, reply_id, nx=True, ex=state.config.idempotency_ttl_s)
         if not is_first:
             metrics.IDEMPOTENT_REPEATS.inc()
-            earlier = (await state.redis.get(key) or b"").decode()
+            earlier = as_text(await state.redis.get(key) or b"")
             return await attach_stream(state, earlier, last_event_id)
         try:
             # The user turn's id comes from the key: a retry after a refusal never stores it twice.
@@ -92,21 +93,15 @@ async def post_message(
             raise
     else:
         started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling())
-    return EventSourceResponse(
-        sse_stream(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns),
-        ping=int(state.config.keepalive_s),
-        headers={"X-Message-Id": started.reply_id},
-    )
+    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns)
 
 
 async def attach_stream(state: State, reply_id: str, last_event_id: int) -> EventSourceResponse:
     """The stream of a reply already started: from its log while kept, else from the store."""
     meta = await load_reply(state.redis, reply_id)
     if meta is not None:
-        return EventSourceResponse(
-            sse_stream(state, reply_id, meta.model, last_event_id), ping=int(state.config.keepalive_s), headers={"X-Message-Id": reply_id}
-        )
+        return reply_response(state, reply_id, meta.model, last_event_id)
     message = await state.store.get_message(reply_id)
     if message is None:
-        raise HTTPException(409, "this Idempotency-Key was used for a request that is still starting; retry shortly")
-    return finished_message_response(message, last_event_id)
+        raise Conflict("this Idempotency-Key was used for a request that is still starting; retry shortly", code="idempotency_key_in_use")
+    return finished_message_response(state, message, last_event_id)

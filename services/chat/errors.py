@@ -1,58 +1,130 @@
-"""Every error the chat service answers has one shape, OpenAI's:
+"""The chat service's errors. Domain code raises these (never an HTTP exception); one handler
+answers each, and the errors of the libraries the service uses, in OpenAI's shape
 `{"error": {"message", "type", "code", "param"}}`, with Retry-After where waiting helps."""
 
 from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as FrameworkHttpError
 
-from services.chat.replies import ReplyRefused
 from tandem.models.chat_template import ChatTemplateError
 from tandem.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
+
+class ChatError(Exception):
+    """What the client is told: `message` says what to do, `code` is a stable machine name
+    (each kind has its own default), `param` the request field at fault, if one is."""
+
+    default_code = "error"
+    default_retry_after_s = 0.0
+
+    def __init__(self, message: str, *, code: str = "", param: str | None = None, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.param = param
+        self.retry_after_s = retry_after_s or self.default_retry_after_s
+
+
+class InvalidRequest(ChatError):
+    default_code = "invalid_request"
+
+
+class Unauthenticated(ChatError):
+    default_code = "invalid_api_key"
+
+
+class NotFound(ChatError):
+    """Also what another user's conversation or message is: its existence is not disclosed."""
+
+    default_code = "not_found"
+
+
+class Conflict(ChatError):
+    default_code = "conflict"
+
+
+class Gone(ChatError):
+    default_code = "gone"
+
+
+class TooLarge(ChatError):
+    default_code = "too_large"
+
+
+class Unavailable(ChatError):
+    """Worth retrying: always answered with a Retry-After."""
+
+    default_code = "unavailable"
+    default_retry_after_s = 1.0
+
+
+STATUS: dict[type[ChatError], int] = {
+    InvalidRequest: 400,
+    Unauthenticated: 401,
+    NotFound: 404,
+    Conflict: 409,
+    Gone: 410,
+    TooLarge: 413,
+    Unavailable: 503,
+}
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
 
 
-def error_response(status: int, message: str, code: str, retry_after_s: float = 0.0, param: str | None = None) -> JSONResponse:
+def error_response(status: int, error: ChatError) -> JSONResponse:
     body = {
         "error": {
-            "message": message,
+            "message": error.message,
             "type": TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "code": code,
-            "param": param,
+            "code": error.code,
+            "param": error.param,
         }
     }
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else {}
+    headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if error.retry_after_s else {}
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        response = error_response(exc.status_code, str(exc.detail), f"http_{exc.status_code}")
-        response.headers.update(exc.headers or {})
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(400, f"{where}: {first['msg']}" if where else first["msg"], "bad_request", param=where or None)
-
-    @app.exception_handler(StoreUnavailable)
-    async def store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
+def as_chat_error(exc: Exception) -> ChatError:
+    """The service's own error for one raised by a library it uses."""
+    if isinstance(exc, ChatError):
+        return exc
+    if isinstance(exc, StoreUnavailable):
         log.warning("store unavailable: %s", exc)
-        return error_response(503, f"the conversation store is unavailable ({exc}); try again shortly", "store_unavailable", 2.0)
+        message = f"the conversation store is unavailable ({exc}); try again shortly"
+        return Unavailable(message, code="store_unavailable", retry_after_s=2.0)
+    if isinstance(exc, ChatTemplateError):
+        return InvalidRequest(f"the model's chat template rejects these messages: {exc}", code="bad_messages", param="messages")
+    if isinstance(exc, RequestValidationError):
+        problems = exc.errors()
+        if not problems:
+            return InvalidRequest("invalid request", code="bad_request")
+        where = ".".join(str(part) for part in problems[0]["loc"] if part != "body")
+        what = str(problems[0]["msg"])
+        return InvalidRequest(f"{where}: {what}" if where else what, code="bad_request", param=where or None)
+    raise TypeError(f"no chat error stands for {type(exc).__name__}") from exc
 
-    @app.exception_handler(ChatTemplateError)
-    async def bad_messages(_: Request, exc: ChatTemplateError) -> JSONResponse:
-        return error_response(400, f"the model's chat template rejects these messages: {exc}", "bad_messages", param="messages")
 
-    @app.exception_handler(ReplyRefused)
-    async def refused(_: Request, exc: ReplyRefused) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, exc.code, exc.retry_after_s)
+async def answer(_: Request, exc: Exception) -> JSONResponse:
+    error = as_chat_error(exc)
+    status = next((status for kind, status in STATUS.items() if isinstance(error, kind)), 500)
+    return error_response(status, error)
+
+
+async def answer_framework(_: Request, exc: Exception) -> JSONResponse:
+    """The framework's own refusals (no such route, wrong method), in the same shape."""
+    assert isinstance(exc, FrameworkHttpError)
+    return error_response(exc.status_code, ChatError(str(exc.detail), code=f"http_{exc.status_code}"))
+
+
+def install(app: FastAPI) -> None:
+    for kind in (ChatError, StoreUnavailable, ChatTemplateError, RequestValidationError):
+        app.add_exception_handler(kind, answer)
+    app.add_exception_handler(FrameworkHttpError, answer_framework)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException
+from fastapi import APIRouter, Header
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
-from services.chat.replies import cancel_reply, sse_stream
+from services.chat.errors import InvalidRequest, NotFound
+from services.chat.replies import cancel_reply, reply_response
 from services.chat.schemas import RegenerateBody
 from services.chat.state import State
 from services.chat.streams import finished_message_response
@@ -24,7 +25,7 @@ async def owned_message(state: State, user: ApiKey, message_id: str) -> tuple[Me
     message = await state.store.get_message(message_id)
     conversation = await state.store.get_conversation(user.user_id, message.conversation_id) if message else None
     if message is None or conversation is None:
-        raise HTTPException(404, f"message {message_id} not found")
+        raise NotFound(f"message {message_id} not found", code="message_not_found")
     return message, conversation
 
 
@@ -35,10 +36,8 @@ async def stream(
     message, _ = await owned_message(state, user, message_id)
     meta = await load_reply(state.redis, message_id)
     if meta is None:
-        return finished_message_response(message, last_event_id)
-    return EventSourceResponse(
-        sse_stream(state, message_id, meta.model, last_event_id), ping=int(state.config.keepalive_s), headers={"X-Message-Id": message_id}
-    )
+        return finished_message_response(state, message, last_event_id)
+    return reply_response(state, message_id, meta.model, last_event_id)
 
 
 @router.post("/{message_id}/stop")
@@ -56,10 +55,6 @@ async def regenerate_message(state: State, user: CurrentUser, message_id: str, b
     body = body or RegenerateBody()
     message, conversation = await owned_message(state, user, message_id)
     if message.role != Role.ASSISTANT:
-        raise HTTPException(400, "only an assistant message can be regenerated")
+        raise InvalidRequest("only an assistant message can be regenerated", code="not_an_answer")
     started = await regenerate(state, user, conversation, message, body.model, body.sampling())
-    return EventSourceResponse(
-        sse_stream(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns),
-        ping=int(state.config.keepalive_s),
-        headers={"X-Message-Id": started.reply_id},
-    )
+    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns)

@@ -10,21 +10,24 @@ import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
-from services.chat.errors import error_response
+from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, log_events, new_reply_id
+from services.chat.sse import sse_response
 from services.chat.state import ChatState, State
 from services.chat.turns import MODEL_WAIT_S, SamplingChoice
 from tandem.bus.events import is_final, openai_finish_reason
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR
+from tandem.tokenlog import ReplyGone
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+REPLY_LOST = "the reply's token log was lost before it ended; try again"
 
 
 class TextPart(BaseModel):
@@ -76,17 +79,17 @@ async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(state: State, user: CurrentUser, body: CompletionBody, request: Request) -> JSONResponse | EventSourceResponse:
+async def chat_completions(state: State, user: CurrentUser, body: CompletionBody) -> JSONResponse | EventSourceResponse:
     model = await state.models.resolve_soon(body.model, MODEL_WAIT_S)
     if model is None:
-        return error_response(404, f"The model `{body.model}` does not exist or is not served.", "model_not_found", param="model")
-    prompt_ids = await asyncio.to_thread(state.tokenizer.encode_chat, [{"role": m.role, "content": m.text()} for m in body.messages])
+        raise NotFound(f"The model `{body.model}` does not exist or is not served.", code="model_not_found", param="model")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
     room = model.window_tokens - len(prompt_ids)
     if room < 1:
-        return error_response(
-            400,
+        raise InvalidRequest(
             f"This model's maximum context length is {model.window_tokens} tokens; the messages have {len(prompt_ids)}.",
-            "context_length_exceeded",
+            code="context_length_exceeded",
             param="messages",
         )
     wanted = body.max_completion_tokens or body.max_tokens or state.config.max_answer_tokens
@@ -97,7 +100,7 @@ async def chat_completions(state: State, user: CurrentUser, body: CompletionBody
     created = int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_chunks(state, reply_id, model.name, created, include_usage), ping=int(state.config.keepalive_s))
+        return sse_response(state, completion_chunks(state, reply_id, model.name, created, include_usage))
     return await _completion(state, reply_id, model.name, created)
 
 
@@ -105,12 +108,15 @@ async def _completion(state: ChatState, reply_id: str, model: str, created: int)
     parts: list[str] = []
     last = TokenEvent()
     async with _cancel_unless_finished(state, reply_id) as finished:
-        async for event in log_events(state, reply_id):
-            parts.append(event.text)
-            last = event
+        try:
+            async for event in log_events(state, reply_id):
+                parts.append(event.text)
+                last = event
+        except ReplyGone:
+            raise Unavailable(REPLY_LOST, code="reply_expired") from None
         finished.append(True)
     if last.finish == FINISH_REASON_ERROR:
-        return error_response(503, last.error.message or "the reply failed", last.error.code or "error", last.error.retry_after_s)
+        raise Unavailable(last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s)
     usage = last.usage
     return JSONResponse(
         {
@@ -125,59 +131,55 @@ async def _completion(state: ChatState, reply_id: str, model: str, created: int)
                     "finish_reason": openai_finish_reason(last.finish),
                 }
             ],
-            "usage": {
-                "prompt_tokens": usage.input_tokens,
-                "completion_tokens": usage.output_tokens,
-                "total_tokens": usage.input_tokens + usage.output_tokens,
-                "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-            },
+            "usage": {**_usage(usage), "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}},
         }
     )
 
 
-async def _chunks(state: ChatState, reply_id: str, model: str, created: int, include_usage: bool) -> AsyncIterator[dict[str, str]]:
-    def chunk(delta: dict[str, str], finish: str | None, **extra: object) -> dict[str, str]:
-        body = {
-            "id": reply_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            **extra,
-        }
+async def completion_chunks(
+    state: ChatState, reply_id: str, model: str, created: int, include_usage: bool
+) -> AsyncIterator[dict[str, str]]:
+    """A streamed completion's SSE data, read from the reply's log: chunks, then `[DONE]`. A reply
+    that fails, or whose log vanishes before its end, gives an `error` chunk instead of the rest."""
+
+    def data(body: dict[str, object]) -> dict[str, str]:
         return {"data": json.dumps(body, ensure_ascii=False)}
 
-    yield chunk({"role": "assistant", "content": ""}, None)
+    def chunk(choices: list[dict[str, object]], **extra: object) -> dict[str, str]:
+        return data({"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra})
+
+    def delta(content: dict[str, str], finish: str | None) -> dict[str, str]:
+        return chunk([{"index": 0, "delta": content, "finish_reason": finish}])
+
+    def error(message: str, code: str) -> dict[str, str]:
+        return data({"error": {"message": message, "type": "server_error", "code": code}})
+
+    yield delta({"role": "assistant", "content": ""}, None)
     async with _cancel_unless_finished(state, reply_id) as finished:
-        async for event in log_events(state, reply_id):
-            if event.finish == FINISH_REASON_ERROR:
-                yield {"data": json.dumps({"error": {"message": event.error.message, "type": "server_error", "code": event.error.code}})}
-                break
-            if event.text:
-                yield chunk({"content": event.text}, None)
-            if is_final(event):
-                yield chunk({}, openai_finish_reason(event.finish))
-                if include_usage:
-                    u = event.usage
-                    usage = {
-                        "prompt_tokens": u.input_tokens,
-                        "completion_tokens": u.output_tokens,
-                        "total_tokens": u.input_tokens + u.output_tokens,
-                    }
-                    yield {
-                        "data": json.dumps(
-                            {
-                                "id": reply_id,
-                                "object": "chat.completion.chunk",
-                                "created": created,
-                                "model": model,
-                                "choices": [],
-                                "usage": usage,
-                            }
-                        )
-                    }
-        finished.append(True)
+        try:
+            async for event in log_events(state, reply_id):
+                if event.finish == FINISH_REASON_ERROR:
+                    yield error(event.error.message, event.error.code)
+                    break
+                if event.text:
+                    yield delta({"content": event.text}, None)
+                if is_final(event):
+                    yield delta({}, openai_finish_reason(event.finish))
+                    if include_usage:
+                        yield chunk([], usage=_usage(event.usage))
+        except ReplyGone:
+            yield error(REPLY_LOST, "reply_expired")
+        else:
+            finished.append(True)
     yield {"data": "[DONE]"}
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.input_tokens + usage.output_tokens,
+    }
 
 
 @contextlib.asynccontextmanager

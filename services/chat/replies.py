@@ -11,36 +11,32 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from sse_starlette.sse import EventSourceResponse
+
 from services.chat import metrics
-from services.chat.sse import log_seq_to_resume_after, meta_event, sse_events
+from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
+from services.chat.sse import SseEvent, log_seq_to_resume_after, meta_event, sse_events, sse_response
 from services.chat.state import ChatState
 from tandem.bus import decode, encode, subjects
 from tandem.config import ApiKey, Tier
-from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, attach, create_reply, detach, read
+from tandem.tokenlog import RUNNING, ReplyGone, ReplyKeys, ReplyMeta, attach, create_reply, detach, read
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 
 log = logging.getLogger(__name__)
 
-# Router refusals as HTTP statuses; anything else is 503.
-REFUSAL_STATUS = {
-    "prompt_too_long": 413,
-    "empty_prompt": 400,
-    "bad_request": 400,
-    "bad_sampling": 400,
-    "bad_max_tokens": 400,
-    "unknown_model": 404,
+# A router's refusal as the chat service's error (its reason is the error's code); any other
+# reason is Unavailable.
+REFUSALS: dict[str, type[ChatError]] = {
+    "prompt_too_long": TooLarge,
+    "empty_prompt": InvalidRequest,
+    "bad_request": InvalidRequest,
+    "bad_sampling": InvalidRequest,
+    "bad_max_tokens": InvalidRequest,
+    "unknown_model": NotFound,
 }
-
-
-class ReplyRefused(Exception):
-    def __init__(self, status_code: int, code: str, message: str, retry_after_s: float = 0.0) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
+REPLY_EXPIRED = "this reply's token log expired (or was lost) before it was read to the end; GET its conversation for the stored text"
 
 
 def new_reply_id() -> str:
@@ -60,7 +56,8 @@ class ReplyRequest:
 
 
 async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
-    """Records the reply and asks a router for it; raises ReplyRefused with an HTTP status."""
+    """Records the reply and asks a router for it; raises a ChatError (its code the router's reason)
+    when the router refuses it or none answers, and then nothing of it is kept."""
     request = GenerateRequest(
         request_id=reply.reply_id,
         reply_id=reply.reply_id,
@@ -89,13 +86,13 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
     except Exception as exc:
         await forget_reply(state, reply.reply_id)
         metrics.REPLIES_REFUSED.labels(code="unavailable").inc()
-        raise ReplyRefused(503, "unavailable", f"no router answered ({exc or type(exc).__name__}); try again shortly", 1.0) from None
+        raise Unavailable(f"no router answered ({exc or type(exc).__name__}); try again shortly") from None
     if outcome.WhichOneof("outcome") == "refused":
         await forget_reply(state, reply.reply_id)
         refusal = outcome.refused
         metrics.REPLIES_REFUSED.labels(code=refusal.reason).inc()
-        status = REFUSAL_STATUS.get(refusal.reason, 503)
-        raise ReplyRefused(status, refusal.reason, refusal.message, refusal.retry_after_s or (1.0 if status == 503 else 0.0))
+        kind = REFUSALS.get(refusal.reason, Unavailable)
+        raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
     metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
 
 
@@ -136,19 +133,32 @@ async def log_events(state: ChatState, reply_id: str, after_seq: int = 0) -> Asy
             yield event
 
 
+def reply_response(state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0) -> EventSourceResponse:
+    """The SSE response of a reply read from its log, after `last_event_id`."""
+    return sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns), reply_id)
+
+
 async def sse_stream(
     state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0
 ) -> AsyncIterator[dict[str, str]]:
-    """The product's SSE events of a reply, after `last_event_id`."""
+    """The product's SSE events of a reply, after `last_event_id`. A log that vanishes before its
+    final event ends the stream with an `error` event, code "reply_expired"."""
     if last_event_id >= 1:
         metrics.STREAM_RESUMES.inc()
     metrics.STREAMS_OPEN.inc()
+    last_id = last_event_id
     try:
         if last_event_id < 1:
+            last_id = 1
             yield meta_event(reply_id, model, num_dropped_turns).as_dict()
-        async for event in log_events(state, reply_id, log_seq_to_resume_after(last_event_id)):
-            for sse in sse_events(event):
-                if sse.id > last_event_id:
-                    yield sse.as_dict()
+        try:
+            async for event in log_events(state, reply_id, log_seq_to_resume_after(last_event_id)):
+                for sse in sse_events(event):
+                    if sse.id > last_event_id:
+                        last_id = sse.id
+                        yield sse.as_dict()
+        except ReplyGone:
+            log.info("reply %s: its log vanished while a client read it", reply_id)
+            yield SseEvent(last_id + 1, "error", {"code": "reply_expired", "message": REPLY_EXPIRED}).as_dict()
     finally:
         metrics.STREAMS_OPEN.dec()

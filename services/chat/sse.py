@@ -1,14 +1,18 @@
 """A reply's token log as the product's SSE events, numbered from 1 with `id:` lines:
 `meta` is 1; the event of log seq s is a `delta` with id s+1; the final log event gives its
 text as a delta (when it has any) and then `done` (or `error`), so ids stay contiguous and a
-client resuming with Last-Event-ID N receives exactly the events after N."""
+client resuming with Last-Event-ID N receives exactly the events after N. One helper builds
+every such response."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+from sse_starlette.sse import EventSourceResponse
+
+from services.chat.state import ChatState
 from tandem.bus.events import finish_name, is_final
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -54,3 +58,10 @@ def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
 def log_seq_to_resume_after(last_event_id: int) -> int:
     """The log seq to read after so every SSE id above `last_event_id` is produced again."""
     return max(last_event_id - 2, 0)
+
+
+def sse_response(state: ChatState, events: AsyncIterator[dict[str, str]], message_id: str = "") -> EventSourceResponse:
+    """An SSE response with the configured keep-alive; `message_id` as X-Message-Id, so a client
+    that loses the stream before the `meta` event still knows what to resume."""
+    headers = {"X-Message-Id": message_id} if message_id else {}
+    return EventSourceResponse(events, ping=int(state.config.keepalive_s), headers=headers)

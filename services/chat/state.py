@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from redis.asyncio import Redis
 
+from services.chat.errors import Unavailable
 from services.chat.models_view import ModelsView
 from tandem.bus import Bus
 from tandem.config import ApiKey, Settings, Tier
@@ -53,6 +54,12 @@ class ChatState:
     bus: Bus
     models: ModelsView
     tokenizer: Tokenizer | None = None  # loaded at start
+
+    def require_tokenizer(self) -> Tokenizer:
+        """The tokenizer; a request that needs it before it has loaded is told to retry."""
+        if self.tokenizer is None:
+            raise Unavailable("the service is still starting (loading the tokenizer); try again shortly", code="starting")
+        return self.tokenizer
 
 
 def chat_state(request: Request) -> ChatState:

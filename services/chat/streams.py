@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from fastapi import HTTPException
 from sse_starlette.sse import EventSourceResponse
 
-from services.chat.sse import SseEvent, meta_event
+from services.chat.errors import Gone, Unavailable
+from services.chat.sse import SseEvent, meta_event, sse_response
 from services.chat.state import ChatState
 from tandem.bus.events import ReplyStatus, finish_name, finish_of_status
 from tandem.store import Message
@@ -41,9 +41,9 @@ async def _stored_events(message: Message) -> AsyncIterator[dict[str, str]]:
         yield SseEvent(3, "error", {"code": message.status.value, "message": f"the reply ended as {message.status.value}"}).as_dict()
 
 
-def finished_message_response(message: Message, last_event_id: int) -> EventSourceResponse:
+def finished_message_response(state: ChatState, message: Message, last_event_id: int) -> EventSourceResponse:
     if message.status == ReplyStatus.RUNNING:
-        raise HTTPException(503, "the reply is running but its log is not readable; retry shortly", headers={"Retry-After": "1"})
+        raise Unavailable("the reply is running but its log is not readable; retry shortly", code="reply_unreadable")
     if last_event_id > 0:
-        raise HTTPException(410, "the reply's event log has expired: GET its conversation for the stored text")
-    return EventSourceResponse(_stored_events(message), headers={"X-Message-Id": message.id})
+        raise Gone("the reply's event log has expired: GET its conversation for the stored text", code="reply_expired")
+    return sse_response(state, _stored_events(message), message.id)

@@ -8,17 +8,16 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from fastapi import HTTPException
-
 from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context
+from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.models_view import ServedModel
 from services.chat.prompt import PromptCounter, encode_prompt
-from services.chat.replies import ReplyRefused, ReplyRequest, begin_reply, cancel_reply, new_reply_id
+from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
 from services.chat.state import ChatState
 from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey
 from tandem.store import Conversation, Message, NewMessage, Role
-from tandem.tokenlog import load_reply
+from tandem.tokenlog import as_text, load_reply
 from tandem.v1.common_pb2 import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,16 +54,17 @@ async def resolve_model(state: ChatState, requested: str) -> ServedModel:
     model = await state.models.resolve_soon(requested, MODEL_WAIT_S)
     if model is None:
         if requested in ("", "auto"):
-            raise ReplyRefused(503, "no_workers", "no model is being served yet; try again shortly", 2.0)
-        raise ReplyRefused(404, "unknown_model", f"model {requested!r} is not served; GET /v1/models lists those that are")
+            raise Unavailable("no model is being served yet; try again shortly", code="no_workers", retry_after_s=2.0)
+        raise NotFound(f"model {requested!r} is not served; GET /v1/models lists those that are", code="unknown_model")
     return model
 
 
 def check_content(state: ChatState, content: str) -> None:
     if not content.strip():
-        raise HTTPException(400, "the message is empty")
+        raise InvalidRequest("the message is empty", code="empty_message", param="content")
     if len(content) > state.config.max_message_chars:
-        raise HTTPException(413, f"the message has {len(content)} characters; at most {state.config.max_message_chars} are accepted")
+        message = f"the message has {len(content)} characters; at most {state.config.max_message_chars} are accepted"
+        raise TooLarge(message, code="message_too_long", param="content")
 
 
 async def send_message(
@@ -81,7 +81,7 @@ async def send_message(
     key's) finds the turn already stored instead of storing it twice."""
     check_content(state, content)
     model = await resolve_model(state, requested_model)
-    counter = PromptCounter(state.tokenizer)
+    counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
     history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq)
     # Tokenizing a long prompt takes milliseconds: off the event loop that serves every stream.
@@ -110,9 +110,9 @@ async def regenerate(
     messages = await state.store.list_messages(conversation.id)
     user_turn = next((m for m in messages if m.seq == answer.parent_seq and m.role == Role.USER), None)
     if user_turn is None:
-        raise HTTPException(400, "only an answer to a user message can be regenerated")
+        raise InvalidRequest("only an answer to a user message can be regenerated", code="not_an_answer")
     earlier = active_history([m for m in messages if m.seq < user_turn.seq], conversation.summary_upto_seq)
-    counter = PromptCounter(state.tokenizer)
+    counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", user_turn.content, user_turn.tokens)
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, earlier, new_turn, model, counter)
     return await _start(state, user, conversation, user_turn.seq, model, prompt, new_reply_id(), sampling)
@@ -147,8 +147,8 @@ def _prompt(
     try:
         context = build_context(system, summary, history, new_turn, budget)
     except PromptTooLong as exc:
-        raise HTTPException(413, str(exc)) from None
-    ids, num_public = encode_prompt(state.tokenizer, context.turns)
+        raise TooLarge(str(exc), code="prompt_too_long") from None
+    ids, num_public = encode_prompt(state.require_tokenizer(), context.turns)
     return _Prompt(ids, num_public, context.num_dropped)
 
 
@@ -190,7 +190,7 @@ async def _start(
     )
     try:
         await begin_reply(state, reply)
-    except ReplyRefused as exc:
+    except ChatError as exc:  # refused, or no router answered: it never runs
         await state.store.finish_message(conversation.id, reply_id, content="", status=ReplyStatus.FAILED, tokens=0)
         await state.redis.delete(inflight_key(conversation.id))
         log.info("reply %s refused: %s: %s", reply_id, exc.code, exc.message)
@@ -203,7 +203,7 @@ async def _supersede(state: ChatState, conversation_id: str, reply_id: str) -> N
     previous = await state.redis.getset(inflight_key(conversation_id), reply_id)
     if previous is None:
         return
-    previous_id = previous.decode()
+    previous_id = as_text(previous)
     meta = await load_reply(state.redis, previous_id)
     if meta is not None and meta.is_running:
         await cancel_reply(state, previous_id, "superseded")
