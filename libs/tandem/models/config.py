@@ -1,8 +1,7 @@
 """What a Llama-family checkpoint is: sizes, rotary settings, special token ids.
 
 Always read from the checkpoint (GGUF metadata or a Hugging Face config.json), never assumed, so
-the same code serves SmolLM2, Llama 3.x and Qwen2-style models. `tiny_config()` is the same
-architecture at toy sizes for unit tests.
+the same code serves SmolLM2, Llama 3.x and Qwen2-style models.
 """
 
 from __future__ import annotations
@@ -173,27 +172,6 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
-
-
-def tiny_config(**overrides: Any) -> ModelConfig:
-    """The Llama architecture at toy sizes: unit tests run in milliseconds per forward."""
-    fields: dict[str, Any] = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
 
 
 def _optional_int(value: Any) -> int | None:

@@ -12,11 +12,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from tandem.models.checkpoint_names import hf_state_dict
 from tandem.models.config import ModelConfig
-from tandem.models.llama import LlamaForCausalLM
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -47,10 +44,3 @@ def read_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield name, shard.get_tensor(name)
-
-
-def save_safetensors_folder(model: LlamaForCausalLM, folder: Path) -> None:
-    """Writes config.json and model.safetensors under Hugging Face names."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
-    save_file(hf_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from reference_model import random_model, reference_greedy, tiny_config
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -13,9 +14,7 @@ from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.scheduler import PromptTooLong
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
 from tandem.kernels.attention_reference import paged_attention_reference
-from tandem.models.config import tiny_config
 from tandem.models.loader import LoadedModel
-from tandem.models.reference import random_model, reference_greedy
 from tandem.models.tokenizer import Tokenizer
 
 NUM_NEW_TOKENS = 12

@@ -9,15 +9,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from reference_model import random_model, reference_logits, tiny_config
 from tokenizers import pre_tokenizers
 
 from tandem.errors import StartupError
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.checkpoint_names import hf_state_dict, load_hf_weights
-from tandem.models.config import ModelConfig, tiny_config
+from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.loader import load_model
-from tandem.models.reference import random_model, reference_logits
 
 Q = gguf.GGMLQuantizationType
 # Largest error each storage type may add to a weight of std <= 0.2 (quantisation step / 2, and margin).

@@ -7,10 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from reference_model import random_model, reference_logits, tiny_config
 
 from tandem.kernels.attention_reference import paged_attention_reference
-from tandem.models.config import tiny_config
-from tandem.models.reference import random_model, reference_logits
 
 TIGHT = dict(atol=2e-5, rtol=1e-5)  # float32: only summation order differs
 

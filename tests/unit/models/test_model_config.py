@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from reference_model import tiny_config
 
 from tandem.errors import StartupError
-from tandem.models.config import ModelConfig, RopeScaling, tiny_config
+from tandem.models.config import ModelConfig, RopeScaling
 from tandem.models.rotary import inverse_frequencies
 
 LLAMA_3_1_8B = {  # Meta-Llama-3.1-8B-Instruct's config.json, abridged

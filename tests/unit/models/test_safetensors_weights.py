@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_model import random_model, reference_logits, save_safetensors_folder, tiny_config
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -14,10 +15,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from tandem.errors import StartupError
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.checkpoint_names import hf_state_dict
-from tandem.models.config import tiny_config
 from tandem.models.loader import load_model
-from tandem.models.reference import random_model, reference_logits
-from tandem.models.safetensors_weights import SHARD_INDEX, save_safetensors_folder
+from tandem.models.safetensors_weights import SHARD_INDEX
 
 TOKENS = [7, 300, 42, 511, 3, 99, 100]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

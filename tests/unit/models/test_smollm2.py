@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from tandem.models.reference import reference_greedy
+from reference_model import reference_greedy
 
 pytestmark = pytest.mark.real_model
 

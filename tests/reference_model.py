@@ -1,5 +1,6 @@
-"""The naive forward every fast path is checked against: one sequence, no KV cache, no paging,
-dense causal attention over the whole sequence, recomputed from scratch for every new token.
+"""Tiny random-weight Llama models for the tests, and the naive forward every fast path is
+checked against: one sequence, no KV cache, no paging, dense causal attention over the whole
+sequence, recomputed from scratch for every new token.
 
 It reuses the model's modules (norms, projections, rotary, MLP), so it checks the paged
 machinery (block tables, slot mapping, chunking, the attention backend), not the weights.
@@ -7,11 +8,16 @@ machinery (block tables, slot mapping, chunking, the attention backend), not the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from tandem.kernels.metadata import AttentionFn
+from tandem.models.checkpoint_names import hf_state_dict
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -86,3 +92,31 @@ def random_model(config: ModelConfig, seed: int, attention: AttentionFn, dtype: 
             values = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5
         param.copy_(values)
     return model.to(dtype)
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """The Llama architecture at toy sizes: unit tests run in milliseconds per forward."""
+    fields: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def save_safetensors_folder(model: LlamaForCausalLM, folder: Path) -> None:
+    """Writes config.json and model.safetensors under Hugging Face names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    save_file(hf_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
