@@ -89,6 +89,7 @@ def build_app(settings: Settings) -> FastAPI:
             await generate_subscription.drain()
         if generate is not None:
             await generate.wait_idle(SHUTDOWN_DISPATCH_WAIT_S)
+        await index.wait_resynced()
 
     runtime.bus.on_connect(subscribe)
     runtime.add_check("subscribed", has_subscribed)

@@ -1,4 +1,4 @@
-"""Which workers hold which KV blocks: block hash -> worker ids, kept from the workers' KV events.
+"""Which KV blocks each worker holds (block hashes by worker id), kept from the workers' KV events.
 
 A worker numbers its events 1, 2, 3, ... and the index applies them in that order. On a gap (an
 event id that is not the last one + 1: a lost message, a restarted worker, a router that joined
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.router import metrics
@@ -53,13 +53,9 @@ class _Worker:
 class PrefixIndex:
     def __init__(self, fetch_state: FetchState) -> None:
         self._fetch_state = fetch_state
-        self._holders: dict[int, set[str]] = {}
         self._workers: dict[str, _Worker] = {}
 
     # -- queries --------------------------------------------------------------------------------
-
-    def workers_holding(self, block_hash: int) -> frozenset[str]:
-        return frozenset(self._holders.get(block_hash, ()))
 
     def num_prefix_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of `block_hashes` the worker holds, by its events."""
@@ -80,12 +76,9 @@ class PrefixIndex:
     def worker_ids(self) -> frozenset[str]:
         return frozenset(self._workers)
 
-    def is_resyncing(self, worker_id: str) -> bool:
-        worker = self._workers.get(worker_id)
-        return worker is not None and worker.resync is not None
-
     async def wait_resynced(self) -> None:
-        """Until no state request is in flight (for shutdown and tests)."""
+        """Until no state request is in flight (each ends within its timeout): a router that stops
+        waits for them before it closes its NATS connection."""
         while tasks := [w.resync for w in self._workers.values() if w.resync is not None]:
             await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -102,7 +95,7 @@ class PrefixIndex:
             worker.held_back.append(event)
             self._start_resync(event.worker_id, worker, "gap")
             return
-        self._apply_change(event.worker_id, worker, event)
+        self._apply_change(worker, event)
 
     def observe_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         """A restarted worker (a new start time) starts over; one whose published events stay
@@ -139,33 +132,18 @@ class PrefixIndex:
             return
         if worker.resync is not None:
             worker.resync.cancel()
-        self._remove(worker_id, worker, list(worker.block_hashes))
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _apply_change(self, worker_id: str, worker: _Worker, event: KvEvent) -> None:
+    def _apply_change(self, worker: _Worker, event: KvEvent) -> None:
         change = event.WhichOneof("change")
         if change == "stored":
-            self._add(worker_id, worker, (block.block_hash for block in event.stored.blocks))
+            worker.block_hashes.update(block.block_hash for block in event.stored.blocks)
         elif change == "removed":
-            self._remove(worker_id, worker, event.removed.block_hashes)
+            worker.block_hashes.difference_update(event.removed.block_hashes)
         elif change == "cleared":
-            self._remove(worker_id, worker, list(worker.block_hashes))
+            worker.block_hashes.clear()
         worker.last_event_id = event.event_id
-
-    def _add(self, worker_id: str, worker: _Worker, block_hashes: Iterable[int]) -> None:
-        for block_hash in block_hashes:
-            worker.block_hashes.add(block_hash)
-            self._holders.setdefault(block_hash, set()).add(worker_id)
-
-    def _remove(self, worker_id: str, worker: _Worker, block_hashes: Iterable[int]) -> None:
-        for block_hash in block_hashes:
-            worker.block_hashes.discard(block_hash)
-            holders = self._holders.get(block_hash)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self._holders[block_hash]
 
     def _start_resync(self, worker_id: str, worker: _Worker, reason: str) -> None:
         metrics.KV_STATE_REQUESTS.labels(reason=reason).inc()
@@ -185,8 +163,7 @@ class PrefixIndex:
         if self._workers.get(worker_id) is not worker:
             return  # forgotten meanwhile
         worker.resync = None
-        self._remove(worker_id, worker, list(worker.block_hashes))
-        self._add(worker_id, worker, (block.block_hash for block in state.blocks))
+        worker.block_hashes = {block.block_hash for block in state.blocks}
         worker.last_event_id = state.event_id
         held_back, worker.held_back = worker.held_back, []
         for event in held_back:

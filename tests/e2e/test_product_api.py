@@ -16,6 +16,7 @@ from product_stack import ALICE, BOB, SseReader, read_stream, text_of
 
 from tandem.models.loader import load_tokenizer
 from tandem.tokenlog import load_reply
+from tandem.v1.generate_pb2 import GenerateRequest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 GREEDY = {"temperature": 0, "max_tokens": 24}
@@ -93,7 +94,7 @@ async def test_a_three_turn_conversation_streams_is_stored_and_carries_its_histo
             assert (answer["id"], answer["content"], answer["status"]) == (message_id, text, "complete")
             assert answer["tokens"] == usage["output"]
         third = await load_reply(redis, replies[2][0])
-        prompt = tokenizer.decode(third.generate_request().prompt_token_ids)
+        prompt = tokenizer.decode(GenerateRequest.FromString(third.request).prompt_token_ids)
         assert questions[0] in prompt and questions[1] in prompt and replies[0][1].strip() in prompt
         listed = (await client.get("/v1/conversations", headers=ALICE)).json()["conversations"]
         assert listed[0]["id"] == conversation_id, "the conversation just written is the newest"

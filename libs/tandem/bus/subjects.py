@@ -8,7 +8,6 @@ PREFIX = "tandem.v1"
 GENERATE = f"{PREFIX}.generate"
 TOKENS_ALL = f"{PREFIX}.tokens.>"
 CANCEL_ALL = f"{PREFIX}.cancel.*"
-HEARTBEATS_ALL = f"{PREFIX}.heartbeat.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 HANDOFFS_ALL = f"{PREFIX}.handoff.*"
 

@@ -12,7 +12,6 @@ from redis.typing import EncodableT, FieldT
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.tokenlog.keys import RUNNING, ReplyKeys
 from tandem.tokenlog.values import as_bytes, as_text
-from tandem.v1.generate_pb2 import GenerateRequest
 
 
 @dataclass(frozen=True)
@@ -31,9 +30,6 @@ class ReplyMeta:
     @property
     def is_running(self) -> bool:
         return self.status == ReplyStatus.RUNNING
-
-    def generate_request(self) -> GenerateRequest:
-        return GenerateRequest.FromString(self.request)
 
     @classmethod
     def from_hash(cls, reply_id: str, fields: Mapping[bytes | str, bytes | str]) -> ReplyMeta:

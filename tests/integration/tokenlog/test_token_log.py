@@ -158,7 +158,7 @@ async def test_the_request_is_kept_for_a_continuation(redis):
     reply_id = new_id()
     request = GenerateRequest(reply_id=reply_id, prompt_token_ids=[1, 2, 3], conversation_id="c9")
     await create_reply(redis, ReplyMeta(reply_id=reply_id, request=request.SerializeToString()), track_readers=True)
-    assert (await load_reply(redis, reply_id)).generate_request() == request
+    assert GenerateRequest.FromString((await load_reply(redis, reply_id)).request) == request
 
 
 async def test_a_reply_is_idle_only_once_every_reader_lease_is_gone(redis):

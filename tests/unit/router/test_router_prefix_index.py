@@ -72,18 +72,22 @@ def held(index: PrefixIndex, worker_id: str, *hashes: int) -> bool:
     return index.num_prefix_blocks(worker_id, hashes) == len(hashes)
 
 
+def holders(index: PrefixIndex, block_hash: int) -> set[str]:
+    return {worker_id for worker_id in index.worker_ids() if held(index, worker_id, block_hash)}
+
+
 async def test_stored_removed_and_cleared_events_change_who_holds_a_block():
     index, server = new_index()
     index.apply(stored("d1", 1, 11, 12, 13))
     index.apply(stored("d2", 1, 11))
-    assert index.workers_holding(11) == {"d1", "d2"}
-    assert index.workers_holding(12) == {"d1"}
+    assert holders(index, 11) == {"d1", "d2"}
+    assert holders(index, 12) == {"d1"}
     index.apply(removed("d1", 2, 11))
-    assert index.workers_holding(11) == {"d2"}
-    assert index.workers_holding(12) == {"d1"}
+    assert holders(index, 11) == {"d2"}
+    assert holders(index, 12) == {"d1"}
     index.apply(cleared("d1", 3))
-    assert index.workers_holding(12) == index.workers_holding(13) == frozenset()
-    assert index.workers_holding(11) == {"d2"}
+    assert holders(index, 12) == holders(index, 13) == set()
+    assert holders(index, 11) == {"d2"}
     assert (index.last_event_id("d1"), index.last_event_id("d2")) == (3, 1)
     assert server.asked == []
 
@@ -101,12 +105,12 @@ async def test_a_gap_fetches_the_state_which_replaces_the_workers_entries():
     index, server = new_index()
     index.apply(stored("d1", 1, 11, 12))
     index.apply(stored("d1", 3, 14))  # event 2 was lost
-    assert server.asked == ["d1"] and index.is_resyncing("d1")
+    assert server.asked == ["d1"]
     assert held(index, "d1", 11, 12), "the old entries serve until the state arrives"
+    assert not held(index, "d1", 14), "the event after the gap waits for the state"
     server.answer(state("d1", 3, 12, 14, 15))
     await index.wait_resynced()
-    assert not index.is_resyncing("d1")
-    assert index.workers_holding(11) == frozenset()
+    assert holders(index, 11) == set()
     assert held(index, "d1", 12) and held(index, "d1", 14) and held(index, "d1", 15)
     assert index.last_event_id("d1") == 3
     index.apply(stored("d1", 4, 16))  # and the next event applies as usual
@@ -122,7 +126,7 @@ async def test_events_newer_than_the_state_are_applied_after_it_and_older_ones_d
     assert server.asked == ["d1"], "one state request, whatever arrives while it is in flight"
     server.answer(state("d1", 6, 11, 12))  # as of event 6: events 5 and 6 are in it
     await index.wait_resynced()
-    assert index.workers_holding(11) == frozenset(), "event 7 removed it after the state"
+    assert holders(index, 11) == set(), "event 7 removed it after the state"
     assert held(index, "d1", 12) and held(index, "d1", 13)
     assert index.last_event_id("d1") == 8
 
@@ -144,7 +148,7 @@ async def test_a_failed_state_request_is_retried_at_the_next_event():
     index.apply(stored("d1", 2, 11))
     server.answer(nats.errors.TimeoutError())
     await index.wait_resynced()
-    assert not index.is_resyncing("d1") and index.last_event_id("d1") == 0
+    assert index.last_event_id("d1") == 0
     index.apply(stored("d1", 3, 12))
     assert server.asked == ["d1", "d1"]
     server.answer(state("d1", 3, 11, 12))
@@ -187,7 +191,7 @@ async def test_a_restarted_worker_starts_over():
     index.apply(stored("d1", 1, 11))
     index.observe_heartbeat(heartbeat("d1", 1, started_unix_ms=1000))
     index.observe_heartbeat(heartbeat("d1", 0, started_unix_ms=2000))
-    assert index.workers_holding(11) == frozenset()
+    assert holders(index, 11) == set()
     index.apply(stored("d1", 1, 12))  # the new process's first event applies without a state request
     assert held(index, "d1", 12) and server.asked == []
 
@@ -203,14 +207,14 @@ async def test_a_worker_silent_past_expiry_leaves_the_index():
     registry.observe(heartbeat("d2", 1))
     clock_s[0] += 1.5  # d1 silent for 3.5 s, d2 for 1.5 s
     assert [w.instance_id for w in registry.workers("decode")] == ["d2"]
-    assert index.workers_holding(11) == index.workers_holding(12) == {"d2"}
+    assert holders(index, 11) == holders(index, 12) == {"d2"}
     assert index.worker_ids() == {"d2"}
 
 
 async def test_forgetting_a_worker_cancels_its_state_request():
-    index, _server = new_index()
+    index, server = new_index()
     index.apply(stored("d1", 7, 11))
-    assert index.is_resyncing("d1")
+    assert server.asked == ["d1"]
     index.forget("d1")
     await index.wait_resynced()
-    assert index.worker_ids() == frozenset() and index.workers_holding(11) == frozenset()
+    assert index.worker_ids() == frozenset() and holders(index, 11) == set()
