@@ -25,5 +25,5 @@ class RecentCancels:
             self._at_s.popitem(last=False)
 
     def __contains__(self, reply_id: object) -> bool:
-        at_s = self._at_s.get(reply_id)  # type: ignore[arg-type]
+        at_s = self._at_s.get(reply_id) if isinstance(reply_id, str) else None
         return at_s is not None and at_s >= self._clock() - self._remember_s

@@ -30,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from cassandra import ConsistencyLevel, OperationTimedOut, RequestExecutionException
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable, ResponseFuture, ResultSet, Session
@@ -103,6 +103,7 @@ _GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE compon
 _SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def _in_keyspace(query: str, keyspace: str) -> str:
@@ -122,11 +123,13 @@ def parse_hosts(hosts: str) -> list[DefaultEndPoint]:
     return endpoints
 
 
-def _bounded(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _bounded(
+    method: Callable[Concatenate[CassandraStore, P], Awaitable[T]],
+) -> Callable[Concatenate[CassandraStore, P], Coroutine[Any, Any, T]]:
     """The whole store call, not only each request, ends within timeout_s."""
 
     @functools.wraps(method)
-    async def call(self: CassandraStore, *args: Any, **kwargs: Any) -> T:
+    async def call(self: CassandraStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return await asyncio.wait_for(method(self, *args, **kwargs), self._timeout_s)
         except TimeoutError:
@@ -313,6 +316,8 @@ class CassandraStore:
             0,
         )
         row = result.current_rows[0] if not result.was_applied else await self._conversation_row(c.id)
+        if row is None:  # written at the configured consistency, but a read did not see it yet
+            raise StoreUnavailable(f"cassandra {self._hosts}: conversation {c.id} was written but is not readable yet; retry")
         stored = _conversation(row)
         # Idempotent: a retry after a crash between the two writes still lists the conversation.
         await self._run("index_insert", stored.user_id, stored.updated_at_ms, stored.id)

@@ -39,6 +39,14 @@ _CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms
 _MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
 
 
+async def _the_row(db: aiosqlite.Connection, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Row:
+    """The row a query inside a write transaction must find (one the transaction just wrote)."""
+    row = await (await db.execute(sql, params)).fetchone()
+    if row is None:
+        raise StoreUnavailable(f"sqlite: a row this transaction wrote is not there ({sql})")
+    return row
+
+
 def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**{key: row[key] for key in _CONVERSATION_COLUMNS.split(", ")})
 
@@ -71,7 +79,7 @@ class SqliteStore:
             await db.execute("PRAGMA synchronous = FULL")
             await db.execute("PRAGMA foreign_keys = ON")
         async with self._write() as db:
-            version = (await (await db.execute("PRAGMA user_version")).fetchone())[0]
+            version = (await _the_row(db, "PRAGMA user_version"))[0]
             if version > SCHEMA_VERSION:
                 raise StoreUnavailable(f"sqlite {self._path}: schema version {version} is newer than this code ({SCHEMA_VERSION})")
             for statement in _SCHEMA:
@@ -132,7 +140,7 @@ class SqliteStore:
                     conversation.total_tokens,
                 ),
             )
-            row = await (await db.execute(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ?", (conversation.id,))).fetchone()
+            row = await _the_row(db, f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ?", (conversation.id,))
         return _conversation(row)
 
     async def get_conversation(self, user_id: str, conversation_id: str) -> Conversation | None:
@@ -204,7 +212,7 @@ class SqliteStore:
                 "UPDATE conversations SET last_seq = ?, total_tokens = total_tokens + ?, updated_at_ms = max(updated_at_ms, ?) WHERE id = ?",
                 (seq, message.tokens, now_ms(), message.conversation_id),
             )
-            row = await (await db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))).fetchone()
+            row = await _the_row(db, f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))
         return _message(row)
 
     async def finish_message(
@@ -223,8 +231,8 @@ class SqliteStore:
             await db.execute(
                 "UPDATE conversations SET total_tokens = total_tokens + ? WHERE id = ?", (tokens - row["tokens"], conversation_id)
             )
-            row = await (await db.execute(query, (message_id, conversation_id))).fetchone()
-        return _message(row)
+            written = await _the_row(db, query, (message_id, conversation_id))
+        return _message(written)
 
     async def get_message(self, message_id: str) -> Message | None:
         row = await self._fetchone(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
