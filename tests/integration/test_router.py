@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.events import now_ms
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import EmbeddedServer
 from tandem.engine.block_hash import prefix_block_hashes
@@ -103,7 +104,7 @@ class StandInWorker:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            self.heartbeat.service.sent_unix_ms = int(time.time() * 1000)
+            self.heartbeat.service.sent_unix_ms = now_ms()
             await self.nc.publish(subjects.heartbeat("decode", self.instance_id), encode(self.heartbeat))
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period, not a wait for an event
 
@@ -186,13 +187,13 @@ async def test_a_request_runs_once_on_the_least_loaded_worker(router, stand_in, 
     reply = await ask_accepted(nc, request)
     assert re.fullmatch(r"[A-Za-z0-9_-]+", reply.reply_id)
     assert reply.model == MODEL
-    asked_ms = time.time() * 1000
+    asked_ms = now_ms()
     assignment = await idle.next_assignment()
     assert assignment.reply_id == reply.reply_id
     assert assignment.request == request
     assert assignment.first_seq == 1
     # A worker must answer before the router stops waiting (2 s), with a margin for the way back.
-    assert asked_ms - 5000 < assignment.accept_by_unix_ms < time.time() * 1000 + 2000
+    assert asked_ms - 5000 < assignment.accept_by_unix_ms < now_ms() + 2000
     # A later request's assignment is a barrier: by then the first went out once, to idle only.
     await ask_accepted(nc, generate_request(conversation_id="conv-2"))
     await idle.next_assignment()
