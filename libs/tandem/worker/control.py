@@ -36,7 +36,7 @@ class WorkerControl(control_pb2_grpc.WorkerControlServicer):
 class ControlServer:
     def __init__(self, servicer: WorkerControl, address: str, grace_s: float = 2.0) -> None:
         self._servicer = servicer
-        self.address = address
+        self._address = address
         self._grace_s = grace_s
         self._server: grpc.aio.Server | None = None
         self._registrations: list[Callable[[grpc.aio.Server], None]] = []
@@ -50,7 +50,7 @@ class ControlServer:
         control_pb2_grpc.add_WorkerControlServicer_to_server(self._servicer, self._server)
         for register in self._registrations:
             register(self._server)
-        self._server.add_insecure_port(self.address)
+        self._server.add_insecure_port(self._address)
         await self._server.start()
 
     async def stop(self) -> None:
