@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.config import resolve_device, resolve_dtype
 from tandem.engine.engine import Engine, Request
 from tandem.kernels import select_attention
-from tandem.models.loader import LoadedModel, load_model
+from tandem.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from tandem.models.tokenizer import Tokenizer
 
 

@@ -8,7 +8,7 @@ import asyncio
 import runpy
 import sys
 
-from tandem.config import ROLES, load_settings, resolve_device, resolve_dtype
+from tandem.config import ROLES, load_settings
 from tandem.devstack import cassandra_node
 from tandem.errors import StartupError
 from tandem.models.files import open_model
@@ -49,7 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from tandem.engine.engine import Engine, EngineConfig, Request
     from tandem.kernels import select_attention
-    from tandem.models.loader import load_model
+    from tandem.models.loader import load_model, resolve_device, resolve_dtype
 
     device = resolve_device(args.device, setting="--device")
     loaded = load_model(Path(args.model) if args.model else None, resolve_dtype(args.dtype, device), device, select_attention(device))

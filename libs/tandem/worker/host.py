@@ -20,11 +20,11 @@ from nats.aio.msg import Msg
 
 from tandem.bus import Bus, encode, subjects
 from tandem.bus.cancels import RecentCancels
-from tandem.config import Settings, resolve_device, resolve_dtype
+from tandem.config import Settings
 from tandem.engine.engine import Engine, EngineConfig, ImportReservation, Request, RequestOutput
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
-from tandem.models.loader import load_model
+from tandem.models.loader import load_model, resolve_device, resolve_dtype
 from tandem.v1.kv_handoff_pb2 import KvLayout
 from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher

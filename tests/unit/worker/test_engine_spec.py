@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.config import Settings, load_settings, resolve_device
+from tandem.config import Settings, load_settings
 from tandem.errors import StartupError
 from tandem.models.files import ModelFile
-from tandem.models.loader import default_dtype
+from tandem.models.loader import default_dtype, resolve_device
 from tandem.worker.host import EngineSpec
 
 MODEL = ModelFile(Path("model.gguf"), "model", "gguf")
