@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, FastAPI
+from fastapi import FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -15,7 +15,8 @@ from services.router.dispatch import DispatchConfig, nats_assign
 from services.router.generate import GenerateService
 from services.router.placement import Placement, PlacementConfig
 from services.router.prefix_index import PrefixIndex, nats_fetch_state
-from services.router.workers import WorkerRegistry
+from services.router.workers import WORKER_ROLES, WorkerRegistry
+from services.router.workers_api import workers_router
 from tandem import metrics
 from tandem.bus import BadMessage, decode, subjects
 from tandem.config import Settings
@@ -24,7 +25,6 @@ from tandem.v1.kv_pb2 import KvEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 ROLE = "router"
-WORKER_ROLES = ("prefill", "decode")
 QUEUE_GROUP = "router"  # several routers share the generate requests
 SHUTDOWN_DISPATCH_WAIT_S = 3.0
 KV_STATE_TIMEOUT_S = 2.0
@@ -94,28 +94,4 @@ def build_app(settings: Settings) -> FastAPI:
     runtime.bus.on_connect(subscribe)
     runtime.add_check("subscribed", has_subscribed)
 
-    api = APIRouter(tags=["router"])
-
-    @api.get("/workers")
-    async def live_workers() -> dict[str, list[dict[str, object]]]:
-        """Live, ready workers by role (an operator's view; the router's own choices use the same).
-        `engine_ready`: the model is loaded and the worker takes replies; `kv_event_id`: the last
-        of its KV events applied to this router's prefix index."""
-        return {
-            role: [
-                {
-                    "instance_id": w.instance_id,
-                    "model": w.model,
-                    "grpc": w.heartbeat.grpc_address,
-                    "engine_ready": w.heartbeat.is_engine_ready,
-                    "max_model_len": w.heartbeat.max_model_len,
-                    "load": round(placement.load(w), 3),
-                    "kv_event_id": index.last_event_id(w.instance_id),
-                }
-                for w in workers.workers(role)
-                if w.heartbeat.service.is_ready
-            ]
-            for role in WORKER_ROLES
-        }
-
-    return create_app(runtime, routers=[api], on_stop=on_stop)
+    return create_app(runtime, routers=[workers_router(workers, placement, index)], on_stop=on_stop)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
+WORKER_ROLES = ("prefill", "decode")  # the roles whose heartbeats the router follows
+
 
 @dataclass(frozen=True)
 class LiveWorker:
