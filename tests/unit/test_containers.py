@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -102,7 +104,8 @@ def test_target_runs_its_service_as_non_root(stages: dict[str, Stage], role: str
     users = effective(stages, role, "USER")
     assert users and users[-1].split(":")[0] not in ("root", "0"), f"{role} runs as root"
     assert effective_env(stages, role).get("TANDEM_HOST") == "0.0.0.0"
-    assert "/healthz" in effective(stages, role, "HEALTHCHECK")[-1]
+    # Healthy means ready: compose's depends_on waits for it.
+    assert "/readyz" in effective(stages, role, "HEALTHCHECK")[-1]
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -174,10 +177,115 @@ def test_compose_depends_on_only_defined_services(compose: dict) -> None:
             assert dependency in services, f"{name} depends on unknown service {dependency}"
 
 
-def test_compose_publishes_only_chat(compose: dict) -> None:
+def test_compose_publishes_only_chat_and_only_on_loopback(compose: dict) -> None:
     published = {name for name, service in compose["services"].items() if service.get("ports")}
     assert published == {"chat"}
-    assert compose["services"]["chat"]["ports"] == [f"{DEFAULT_HTTP_PORTS['chat']}:{DEFAULT_HTTP_PORTS['chat']}"]
+    port = DEFAULT_HTTP_PORTS["chat"]
+    assert compose["services"]["chat"]["ports"] == [f"127.0.0.1:{port}:{port}"]
+
+
+_VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}")
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate(node: object, env: dict[str, str]) -> object:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?message} in every string of the loaded file,
+    as compose does it (after parsing the YAML); enough for our file."""
+
+    def value(match: re.Match[str]) -> str:
+        name, op, arg = match["name"], match["op"], match["arg"]
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise MissingVariable(f"{name}: {arg}")
+        return arg or ""
+
+    if isinstance(node, str):
+        return _VARIABLE.sub(value, node)
+    if isinstance(node, dict):
+        return {key: interpolate(item, env) for key, item in node.items()}
+    if isinstance(node, list):
+        return [interpolate(item, env) for item in node]
+    return node
+
+
+def test_compose_variables_are_all_defaulted_or_required() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    uses = [line for line in text.splitlines() if "${" in line and not line.lstrip().startswith("#")]
+    assert uses
+    for line in uses:
+        for match in _VARIABLE.finditer(line):
+            assert match["op"] in (":-", ":?"), f"{match[0]}: neither a default nor a required variable"
+        assert "${" not in _VARIABLE.sub("", line), f"a variable compose would read differently: {line}"
+
+
+def test_compose_refuses_to_start_without_api_keys_and_has_no_default_key(compose: dict) -> None:
+    with pytest.raises(MissingVariable, match=r"TANDEM_API_KEYS: set TANDEM_API_KEYS to key=user:tier") as caught:
+        interpolate(compose, {})
+    assert "there is no default key" in str(caught.value)
+    # The API key is the only thing a user must set.
+    filled = interpolate(compose, {"TANDEM_API_KEYS": "k=u:plus"})
+    assert isinstance(filled, dict)
+    assert filled["services"]["chat"]["environment"]["TANDEM_API_KEYS"] == "k=u:plus"
+    assert filled["services"]["chat"]["environment"]["TANDEM_MODEL_PATH"] == ""  # the embedded model
+
+
+def _image_healthcheck(stages: dict[str, Stage], service: dict) -> str | None:
+    build = service.get("build")
+    if not isinstance(build, dict):
+        return None
+    checks = effective(stages, build["target"], "HEALTHCHECK")
+    return checks[-1] if checks else None
+
+
+def test_compose_every_service_has_a_healthcheck(compose: dict, stages: dict[str, Stage]) -> None:
+    for name, service in compose["services"].items():
+        healthcheck = service.get("healthcheck", {})
+        assert not healthcheck.get("disable"), f"{name} disables its healthcheck"
+        if "build" in service:  # ours: the Dockerfile's /readyz, unless compose replaces it
+            test = healthcheck.get("test") or _image_healthcheck(stages, service)
+            assert test and "/readyz" in str(test), f"{name}: no /readyz healthcheck"
+        else:
+            assert healthcheck.get("test"), f"{name}: no healthcheck"
+    for name in ("nats", "redis"):
+        assert compose["services"][name]["healthcheck"]["test"][0] == "CMD"
+
+
+def test_compose_nats_serves_the_monitoring_port_its_healthcheck_asks(compose: dict) -> None:
+    nats = compose["services"]["nats"]
+    assert ":8222/healthz" in " ".join(nats["healthcheck"]["test"])
+    assert nats["command"][nats["command"].index("-m") + 1] == "8222"
+    assert "alpine" in nats["image"], "the scratch nats image has no wget for the healthcheck"
+
+
+def test_compose_services_wait_for_their_dependencies_to_be_healthy(compose: dict) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        depends_on = service.get("depends_on", {})
+        assert isinstance(depends_on, dict), f"{name}: depends_on without conditions"
+        for dependency, condition in depends_on.items():
+            assert condition == {"condition": "service_healthy"}, f"{name} -> {dependency}: {condition}"
+    for role in ROLES:
+        assert "nats" in services[role]["depends_on"], f"{role} starts before NATS"
+    for role in ("relay", "chat"):
+        assert {"redis", "cassandra"} <= set(services[role]["depends_on"]), role
+
+
+def test_compose_services_restart(compose: dict) -> None:
+    for name, service in compose["services"].items():
+        assert service.get("restart") in ("unless-stopped", "always", "on-failure"), f"{name}: no restart policy"
+
+
+def test_compose_model_readers_mount_the_models_volume(compose: dict, stages: dict[str, Stage]) -> None:
+    assert "models" in compose["volumes"]
+    for role in (*WORKER_ROLES, "chat"):
+        assert "models:/models:ro" in compose["services"][role]["volumes"], role
+    # A new named volume takes the owner of the folder it is mounted on: the image's user.
+    user = effective(stages, "chat", "USER")[-1]
+    assert any("install -d" in run and f"-o {user.split(':')[0]}" in run and "/models" in run for run in effective(stages, "chat", "RUN"))
 
 
 def test_docker_compose_accepts_the_file() -> None:
@@ -185,5 +293,9 @@ def test_docker_compose_accepts_the_file() -> None:
     has_compose = docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
     if not has_compose:
         pytest.skip("docker compose plugin not installed")
-    result = subprocess.run([docker, "compose", "-f", "docker-compose.yml", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True)
+    command = [docker, "compose", "-f", "docker-compose.yml", "config", "--quiet"]
+    env = {name: value for name, value in os.environ.items() if name != "TANDEM_API_KEYS"}
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "TANDEM_API_KEYS" in refused.stderr
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env | {"TANDEM_API_KEYS": "k=u:plus"})
     assert result.returncode == 0, result.stderr
