@@ -8,63 +8,28 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
+from services.chat.openai_schemas import ChatCompletionBody, openai_finish_reason
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, log_events, new_reply_id
 from services.chat.sse import sse_response
 from services.chat.state import ChatState, State
-from services.chat.turns import MODEL_WAIT_S, SamplingChoice
-from tandem.bus.events import is_final, openai_finish_reason
+from services.chat.turns import MODEL_WAIT_S
+from tandem import __version__
+from tandem.bus.events import is_final
 from tandem.tokenlog import ReplyGone
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 REPLY_LOST = "the reply's token log was lost before it ended; try again"
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class CompletionBody(BaseModel):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
-    n: int = Field(default=1, ge=1, le=1)
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]
+# What OpenAI's `system_fingerprint` stands for: the serving software that produced the answer.
+SYSTEM_FINGERPRINT = f"tandem-{__version__}"
 
 
 @router.get("/models")
@@ -79,11 +44,12 @@ async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(state: State, user: CurrentUser, body: CompletionBody) -> JSONResponse | EventSourceResponse:
+async def chat_completions(state: State, user: CurrentUser, body: ChatCompletionBody) -> JSONResponse | EventSourceResponse:
+    body.refuse_unsupported()
     model = await state.models.resolve_soon(body.model, MODEL_WAIT_S)
     if model is None:
         raise NotFound(f"The model `{body.model}` does not exist or is not served.", code="model_not_found", param="model")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.as_template_message() for m in body.messages]
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
     room = model.window_tokens - len(prompt_ids)
     if room < 1:
@@ -92,15 +58,12 @@ async def chat_completions(state: State, user: CurrentUser, body: CompletionBody
             code="context_length_exceeded",
             param="messages",
         )
-    wanted = body.max_completion_tokens or body.max_tokens or state.config.max_answer_tokens
-    sampling = SamplingChoice(temperature=body.temperature, top_p=body.top_p, seed=body.seed).params(min(wanted, room))
-    sampling.stop.extend(body.stop_strings())
+    sampling = body.sampling(state.config.max_answer_tokens, room)
     reply_id = f"chatcmpl-{new_reply_id()}"
     await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
     created = int(time.time())
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(state, completion_chunks(state, reply_id, model.name, created, include_usage))
+        return sse_response(state, completion_chunks(state, reply_id, model.name, created, body.wants_usage_chunk))
     return await _completion(state, reply_id, model.name, created)
 
 
@@ -124,6 +87,7 @@ async def _completion(state: ChatState, reply_id: str, model: str, created: int)
             "object": "chat.completion",
             "created": created,
             "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [
                 {
                     "index": 0,
@@ -131,7 +95,7 @@ async def _completion(state: ChatState, reply_id: str, model: str, created: int)
                     "finish_reason": openai_finish_reason(last.finish),
                 }
             ],
-            "usage": {**_usage(usage), "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}},
+            "usage": _usage(usage),
         }
     )
 
@@ -146,7 +110,17 @@ async def completion_chunks(
         return {"data": json.dumps(body, ensure_ascii=False)}
 
     def chunk(choices: list[dict[str, object]], **extra: object) -> dict[str, str]:
-        return data({"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra})
+        return data(
+            {
+                "id": reply_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     def delta(content: dict[str, str], finish: str | None) -> dict[str, str]:
         return chunk([{"index": 0, "delta": content, "finish_reason": finish}])
@@ -174,11 +148,12 @@ async def completion_chunks(
     yield {"data": "[DONE]"}
 
 
-def _usage(usage: Usage) -> dict[str, int]:
+def _usage(usage: Usage) -> dict[str, object]:
     return {
         "prompt_tokens": usage.input_tokens,
         "completion_tokens": usage.output_tokens,
         "total_tokens": usage.input_tokens + usage.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 from product_stack import ALICE
+
+from tandem.models.loader import load_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -104,3 +107,64 @@ async def test_errors_have_openais_shape(product_stack):
         assert no_messages.status_code == 400 and no_messages.json()["error"]["type"] == "invalid_request_error"
         unauthorised = await client.post("/v1/chat/completions", json={"model": "auto", "messages": QUESTION})
         assert unauthorised.status_code == 401 and "error" in unauthorised.json()
+
+
+def sdk(product_stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{product_stack.url}/v1", api_key="key-alice", max_retries=0, timeout=120)
+
+
+async def test_the_openai_sdk_completes_with_developer_role_fingerprint_and_cached_tokens(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    messages = [{"role": "developer", "content": "Answer in one word."}, *QUESTION]
+    first = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_completion_tokens=8)
+    again = await client.chat.completions.create(model=model, messages=messages, temperature=0, max_completion_tokens=8)
+    assert "Paris" in (first.choices[0].message.content or "")
+    assert first.choices[0].finish_reason in ("stop", "length") and first.system_fingerprint
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    # The second asks the same prompt: its full blocks come from the prefix cache.
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+async def test_the_openai_sdk_streams_the_same_text_with_usage(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    request = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 12}
+    whole = await client.chat.completions.create(**request)
+    stream = await client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [whole.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 0
+
+
+async def test_top_k_one_is_greedy_and_a_stop_token_id_ends_the_reply(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    greedy = await client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8)
+    top_one = await client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=1.5, seed=5, max_tokens=8, extra_body={"top_k": 1}
+    )
+    assert top_one.choices[0].message.content == greedy.choices[0].message.content
+    # The greedy reply's first token, as a stop token: the reply ends at once, with "stop".
+    first_token = load_tokenizer(None).encode(greedy.choices[0].message.content or "")[0]
+    cut = await client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=8, extra_body={"stop_token_ids": [first_token]}
+    )
+    assert cut.choices[0].finish_reason == "stop" and cut.usage is not None and cut.usage.completion_tokens == 1
+    assert greedy.usage is not None and greedy.usage.completion_tokens > 1
+
+
+async def test_unsupported_parameters_are_refused_by_name_through_the_sdk(product_stack):
+    client = sdk(product_stack)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="auto", messages=QUESTION, logprobs=True)
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="auto", messages=QUESTION, max_tokens=4, max_completion_tokens=5)
+    assert refused.value.body["param"] == "max_completion_tokens"
+    accepted = await client.chat.completions.create(model="auto", messages=QUESTION, max_tokens=2, n=1, user="someone", presence_penalty=0)
+    assert accepted.usage is not None and accepted.usage.completion_tokens <= 2

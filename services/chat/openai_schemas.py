@@ -1,0 +1,143 @@
+"""The request bodies of the OpenAI-compatible endpoints and what they ask of the engine.
+
+Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
+ignoring it changes nothing the client can see (`user`: Tandem knows the user from the API key),
+accepted only at its neutral value (`n: 1`, `presence_penalty: 0`, ...), or refused with a 400
+that names it. A parameter sent as `null` counts as not sent. Nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.chat.errors import InvalidRequest
+from tandem.bus.events import finish_name
+from tandem.v1.common_pb2 import SamplingParams
+
+# Ignoring these changes nothing a client can observe.
+IGNORED = frozenset({"user"})
+# Accepted at the value that means "off"; any other value is refused.
+NEUTRAL: dict[str, object] = {
+    "n": 1,
+    "best_of": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logprobs": False,
+    "echo": False,
+    "parallel_tool_calls": False,
+    "tools": [],
+    "functions": [],
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+    "tool_choice": "none",
+    "include_stop_str_in_output": False,
+    "ignore_eos": False,
+}
+# The engine's finish reasons as OpenAI's `finish_reason`. A cancelled reply (its client went
+# away, or it was stopped) is "abort", as vLLM's server says; OpenAI itself has no name for it.
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_TOKEN_IDS = 64
+
+
+def openai_finish_reason(finish: int) -> str:
+    """ "stop", "length" or "abort" for a final event's finish reason."""
+    return FINISH_REASONS[finish_name(finish)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
+
+
+class GenerationBody(BaseModel):
+    """What a chat completion and a text completion share: the model, sampling and streaming."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # vLLM: -1 or 0 = off
+    stop: str | list[str] | None = Field(default=None)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+
+    def refuse_unsupported(self) -> None:
+        """Raises InvalidRequest naming the first parameter Tandem cannot honour."""
+        for name, value in (self.model_extra or {}).items():
+            if value is None or name in IGNORED or (name in NEUTRAL and value == NEUTRAL[name]):
+                continue
+            if name in NEUTRAL:
+                message = f"`{name}` is not supported by Tandem (only {NEUTRAL[name]!r}, its default, is accepted)"
+            else:
+                message = f"`{name}` is not a parameter Tandem supports"
+            raise InvalidRequest(message, code="unsupported_parameter", param=name)
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stop_strings(self) -> list[str]:
+        stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"`stop` has {len(stops)} strings; at most {MAX_STOP_STRINGS} are accepted", param="stop")
+        return [s for s in stops if s]
+
+    def sampling(self, default_max_tokens: int, room_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters, with max_tokens capped to the room left in the window."""
+        wanted = self.requested_max_tokens() or default_max_tokens
+        params = SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            max_tokens=max(1, min(wanted, room_tokens)),
+            stop=self.stop_strings(),
+            stop_token_ids=self.stop_token_ids or [],
+        )
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # tool_calls, audio, ...: refused, never dropped
+    # "developer" is OpenAI's newer name for the system role; the chat template sees "system".
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted; chat templates have no place for it
+
+    def as_template_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionBody(GenerationBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` is OpenAI's newer name for `max_tokens`; both may be given only
+        when they agree."""
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequest(
+                f"`max_tokens` ({self.max_tokens}) and `max_completion_tokens` ({self.max_completion_tokens}) disagree; send one",
+                param="max_completion_tokens",
+            )
+        return self.max_completion_tokens or self.max_tokens
