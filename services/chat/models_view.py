@@ -1,10 +1,11 @@
-"""The models being served, from the decode workers' heartbeats: name -> context window."""
+"""The models being served, from the decode workers' heartbeats: name -> context window, and
+since when (the start of the longest-running worker that serves it: OpenAI's `created`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.aio.msg import Msg
 
@@ -16,6 +17,7 @@ from tandem.v1.worker_pb2 import WorkerHeartbeat
 class ServedModel:
     name: str
     window_tokens: int
+    created_unix_s: int
 
 
 class ModelsView:
@@ -30,17 +32,21 @@ class ModelsView:
         except BadMessage:
             return
         if heartbeat.is_engine_ready and heartbeat.model and heartbeat.max_model_len:
-            model = ServedModel(heartbeat.model, heartbeat.max_model_len)
+            started_unix_s = heartbeat.service.started_unix_ms // 1000
+            model = ServedModel(heartbeat.model, heartbeat.max_model_len, started_unix_s)
             self._seen[heartbeat.service.instance_id] = (time.monotonic(), model)
             self._heard.set()
 
     def models(self) -> dict[str, ServedModel]:
         now = time.monotonic()
         live = [model for when, model in self._seen.values() if now - when <= self._expiry_s]
-        # Several workers may serve one model with different windows: the smallest holds on any of them.
+        # Several workers may serve one model with different windows: the smallest holds on any of
+        # them; it has been served since the earliest of their starts.
         out: dict[str, ServedModel] = {}
         for model in sorted(live, key=lambda m: -m.window_tokens):
-            out[model.name] = model
+            earlier = out.get(model.name)
+            created_unix_s = model.created_unix_s if earlier is None else min(earlier.created_unix_s, model.created_unix_s)
+            out[model.name] = replace(model, created_unix_s=created_unix_s)
         return out
 
     def resolve(self, requested: str) -> ServedModel | None:

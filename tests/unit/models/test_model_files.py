@@ -35,3 +35,17 @@ def test_safetensors_folder_needs_config_and_weights(tmp_path: Path):
         open_model(tmp_path)
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     assert open_model(tmp_path).format == "safetensors"
+
+
+@pytest.mark.parametrize(
+    ("file_name", "model_id"),
+    [
+        ("Qwen2.5-7B-Instruct.gguf", "Qwen2.5-7B-Instruct"),
+        ("llama-3.1-8b.Q4_K_M.gguf", "llama-3.1-8b.Q4_K_M"),
+        (EMBEDDED_MODEL_FILE, "SmolLM2-135M-Instruct"),
+    ],
+)
+def test_a_gguf_is_served_as_its_file_name_without_the_extension(tmp_path: Path, file_name: str, model_id: str):
+    model = tmp_path / file_name
+    model.write_bytes(b"GGUF" + b"\0" * 8)
+    assert open_model(model).name == model_id
