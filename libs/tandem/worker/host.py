@@ -41,13 +41,18 @@ class EngineSpec:
     model: ModelFile
     device: str
     dtype: torch.dtype
-    kv_cache_mib: int
+    engine: EngineConfig
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelFile) -> EngineSpec:
         """Resolves the device now, so "cuda" without a GPU fails at start (StartupError)."""
         device = resolve_device(settings.device)
-        return cls(model, device, resolve_dtype(settings.dtype, device), settings.kv_cache_mib)
+        engine = EngineConfig(
+            kv_cache_mib=settings.kv_cache_mib,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        )
+        return cls(model, device, resolve_dtype(settings.dtype, device), engine)
 
 
 class EngineHost:
@@ -85,7 +90,7 @@ class EngineHost:
         spec = self._spec
         loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device))
         log.info("engine ready: %s, %s on %s", spec.model.name, spec.dtype, spec.device)
-        return Engine(loaded, EngineConfig(kv_cache_mib=spec.kv_cache_mib))
+        return Engine(loaded, spec.engine)
 
     @property
     def _engine_thread(self) -> EngineThread:

@@ -1,0 +1,44 @@
+"""A worker's engine batch limits and KV cache size come from its settings (TANDEM_MAX_NUM_SEQS,
+TANDEM_MAX_NUM_BATCHED_TOKENS, TANDEM_KV_CACHE_MIB), not from constants."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tandem.config import Settings, load_settings
+from tandem.engine.engine import EngineConfig
+from tandem.errors import StartupError
+from tandem.models.files import ModelFile
+from tandem.worker.host import EngineSpec
+
+MODEL = ModelFile(Path("model.gguf"), "model", "gguf")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path: Path):
+    for name in [n for n in os.environ if n.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TANDEM_CONFIG", str(tmp_path / "absent.toml"))
+
+
+def test_the_engine_gets_the_batch_limits_and_kv_cache_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TANDEM_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("TANDEM_MAX_NUM_BATCHED_TOKENS", "96")
+    monkeypatch.setenv("TANDEM_KV_CACHE_MIB", "64")
+    spec = EngineSpec.from_settings(load_settings(device="cpu"), MODEL)
+    assert spec.engine == EngineConfig(kv_cache_mib=64, max_num_seqs=8, max_num_batched_tokens=96)
+
+
+def test_unset_limits_are_the_engines_own_defaults():
+    spec = EngineSpec.from_settings(Settings(device="cpu"), MODEL)
+    assert spec.engine == EngineConfig()
+
+
+@pytest.mark.parametrize("name", ["TANDEM_MAX_NUM_SEQS", "TANDEM_MAX_NUM_BATCHED_TOKENS", "TANDEM_KV_CACHE_MIB"])
+def test_a_limit_below_one_stops_the_process_naming_the_variable(monkeypatch, name):
+    monkeypatch.setenv(name, "0")
+    with pytest.raises(StartupError, match=f"^{name}: Input should be greater than or equal to 1$"):
+        load_settings()
