@@ -11,6 +11,7 @@ import openai
 import pytest
 from product_stack import ALICE
 
+import tandem
 from tandem.models.loader import load_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
@@ -171,3 +172,33 @@ async def test_unsupported_parameters_are_refused_by_name_through_the_sdk(produc
     assert refused.value.body["param"] == "max_completion_tokens"
     accepted = await client.chat.completions.create(model="auto", messages=QUESTION, max_tokens=2, n=1, user="someone", presence_penalty=0)
     assert accepted.usage is not None and accepted.usage.completion_tokens <= 2
+
+
+async def test_tokenize_counts_what_a_completion_bills_and_detokenize_inverts_it(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        model = await served_model(client)
+        counted = await client.post("/tokenize", headers=ALICE, json={"model": model, "messages": QUESTION})
+        assert counted.status_code == 200, counted.text
+        body = counted.json()
+        assert body["count"] == len(body["tokens"]) and body["max_model_len"] > body["count"]
+        billed = (
+            await client.post("/v1/chat/completions", headers=ALICE, json={"model": model, "messages": QUESTION, "max_tokens": 1})
+        ).json()
+        assert billed["usage"]["prompt_tokens"] == body["count"]
+        text = "The capital of France is Paris."
+        ids = (await client.post("/tokenize", headers=ALICE, json={"prompt": text, "add_special_tokens": False})).json()["tokens"]
+        back = await client.post("/detokenize", headers=ALICE, json={"model": model, "tokens": ids})
+        assert back.status_code == 200 and back.json() == {"prompt": text}
+        outside = await client.post("/detokenize", headers=ALICE, json={"tokens": [10**9]})
+        assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+        assert (await client.post("/tokenize", json={"prompt": text})).status_code == 401
+        unknown = await client.post("/tokenize", headers=ALICE, json={"model": "gpt-9", "prompt": text})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+async def test_version_and_health_answer_without_a_key(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
+        version = await client.get("/version")
+        assert version.status_code == 200 and version.json()["version"] == tandem.__version__
+        health = await client.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
