@@ -10,7 +10,7 @@ import logging
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from services.chat import conversations_api, errors, messages_api, openai_api, tokenize_api, web
+from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, tokenize_api, web
 from services.chat.models_view import ModelsView
 from services.chat.state import ChatConfig, ChatState
 from tandem.bus import subjects
@@ -62,7 +62,7 @@ def build_app(settings: Settings) -> FastAPI:
     runtime.add_check("store", store_answers)
     app = create_app(
         runtime,
-        routers=[conversations_api.router, messages_api.router, openai_api.router, tokenize_api.router, web.router],
+        routers=[conversations_api.router, messages_api.router, openai_api.router, completions_api.router, tokenize_api.router, web.router],
         on_start=on_start,
         on_stop=on_stop,
     )

@@ -78,7 +78,7 @@ class GenerationBody(BaseModel):
             if name in NEUTRAL:
                 message = f"`{name}` is not supported by Tandem (only {NEUTRAL[name]!r}, its default, is accepted)"
             else:
-                message = f"`{name}` is not a parameter Tandem supports"
+                message = f"`{name}` is not supported by Tandem"
             raise InvalidRequest(message, code="unsupported_parameter", param=name)
 
     @property

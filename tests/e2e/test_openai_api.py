@@ -202,3 +202,26 @@ async def test_version_and_health_answer_without_a_key(product_stack):
         assert version.status_code == 200 and version.json()["version"] == tandem.__version__
         health = await client.get("/health")
         assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+async def test_the_sdk_completes_a_text_prompt_whole_and_streamed_alike(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    request = {"model": model, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6}
+    whole = await client.completions.create(**request)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-") and whole.system_fingerprint
+    assert "Paris" in whole.choices[0].text and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+    stream = await client.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # The same prompt as token ids (with the BOS a text prompt gets) gives the same text.
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as http:
+        ids = (await http.post("/tokenize", headers=ALICE, json={"prompt": request["prompt"]})).json()["tokens"]
+    as_ids = await client.completions.create(**{**request, "prompt": ids})
+    assert as_ids.choices[0].text == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=model, prompt="x", echo=True)
+    assert refused.value.body["param"] == "echo"

@@ -1,0 +1,58 @@
+"""OpenAI's legacy `POST /v1/completions`: a prompt in (text, or token ids as vLLM accepts), text
+out, whole or streamed, through the same machinery as chat completions. One prompt per request:
+a batch of prompts is refused, as `n` > 1 is."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from services.chat.auth import CurrentUser
+from services.chat.errors import InvalidRequest
+from services.chat.openai_replies import TEXT, answer, served_model
+from services.chat.openai_schemas import GenerationBody
+from services.chat.state import ChatState, State
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+class TextCompletionBody(GenerationBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    def only_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids (a list of one of either is that one)."""
+        prompts: list[str | list[int]]
+        if isinstance(self.prompt, str):
+            prompts = [self.prompt]
+        elif all(isinstance(item, int) for item in self.prompt):
+            prompts = [[item for item in self.prompt if isinstance(item, int)]]
+        else:
+            prompts = [item for item in self.prompt if not isinstance(item, int)]
+        if len(prompts) != 1:
+            raise InvalidRequest(f"`prompt` has {len(prompts)} prompts; Tandem completes one per request", param="prompt")
+        if not prompts[0]:
+            raise InvalidRequest("`prompt` is empty", param="prompt")
+        return prompts[0]
+
+
+@router.post("/completions", response_model=None)
+async def completions(state: State, user: CurrentUser, body: TextCompletionBody) -> JSONResponse | EventSourceResponse:
+    body.refuse_unsupported()
+    model = await served_model(state, body.model)
+    prompt_ids = await _prompt_ids(state, body.only_prompt())
+    return await answer(state, user, body, model, prompt_ids, TEXT, "prompt")
+
+
+async def _prompt_ids(state: ChatState, prompt: str | list[int]) -> list[int]:
+    """A text prompt is encoded with the model's BOS, as vLLM does; token ids are checked against
+    the vocabulary and sent as they are."""
+    tokenizer = state.require_tokenizer()
+    if isinstance(prompt, str):
+        return await asyncio.to_thread(tokenizer.encode, prompt, True)
+    outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+    if outside is not None:
+        raise InvalidRequest(f"token id {outside} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})", param="prompt")
+    return prompt

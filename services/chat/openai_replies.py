@@ -1,0 +1,158 @@
+"""What the OpenAI endpoints share once they have a prompt's token ids: check it fits the model,
+start the reply, and answer it whole or as SSE chunks read from its token log. A `ReplyShape`
+says how one endpoint writes its objects (chat: `message`/`delta`; text: `text`). Replies are
+not stored as conversations; a client that goes away cannot resume, so its reply is cancelled."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from services.chat.errors import InvalidRequest, NotFound, Unavailable
+from services.chat.models_view import ServedModel
+from services.chat.openai_schemas import GenerationBody, openai_finish_reason
+from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, log_events, new_reply_id
+from services.chat.sse import sse_response
+from services.chat.state import ChatState
+from services.chat.turns import MODEL_WAIT_S
+from tandem import __version__
+from tandem.bus.events import is_final
+from tandem.config import ApiKey
+from tandem.tokenlog import ReplyGone
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Usage
+from tandem.v1.tokens_pb2 import TokenEvent
+
+REPLY_LOST = "the reply's token log was lost before it ended; try again"
+# What OpenAI's `system_fingerprint` stands for: the serving software that produced the answer.
+SYSTEM_FINGERPRINT = f"tandem-{__version__}"
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """How one endpoint writes a reply: id prefix, object names, and a choice's form."""
+
+    id_prefix: str
+    object_name: str
+    chunk_object: str
+    is_chat: bool
+
+    def choice(self, text: str, finish: str) -> dict[str, object]:
+        if self.is_chat:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def chunk_choice(self, text: str, finish: str | None) -> dict[str, object]:
+        if self.is_chat:
+            return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_chat=True)
+TEXT = ReplyShape("cmpl-", "text_completion", "text_completion", is_chat=False)
+
+
+async def served_model(state: ChatState, requested: str) -> ServedModel:
+    model = await state.models.resolve_soon(requested, MODEL_WAIT_S)
+    if model is None:
+        raise NotFound(f"The model `{requested}` does not exist or is not served.", code="model_not_found", param="model")
+    return model
+
+
+async def answer(
+    state: ChatState, user: ApiKey, body: GenerationBody, model: ServedModel, prompt_ids: list[int], shape: ReplyShape, prompt_param: str
+) -> JSONResponse | EventSourceResponse:
+    """Starts the reply to `prompt_ids` and answers it as `body.stream` asks."""
+    room = model.window_tokens - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequest(
+            f"This model's maximum context length is {model.window_tokens} tokens; the {prompt_param} have {len(prompt_ids)}.",
+            code="context_length_exceeded",
+            param=prompt_param,
+        )
+    sampling = body.sampling(state.config.max_answer_tokens, room)
+    reply_id = f"{shape.id_prefix}{new_reply_id()}"
+    await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+    head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
+    if body.stream:
+        return sse_response(state, _chunks(state, reply_id, head, shape, body.wants_usage_chunk))
+    return await _whole(state, reply_id, head, shape)
+
+
+async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape) -> JSONResponse:
+    parts: list[str] = []
+    last = TokenEvent()
+    async with _cancel_unless_finished(state, reply_id) as finished:
+        try:
+            async for event in log_events(state, reply_id):
+                parts.append(event.text)
+                last = event
+        except ReplyGone:
+            raise Unavailable(REPLY_LOST, code="reply_expired") from None
+        finished.append(True)
+    if last.finish == FINISH_REASON_ERROR:
+        raise Unavailable(last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s)
+    choice = shape.choice("".join(parts), openai_finish_reason(last.finish))
+    return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
+
+
+async def _chunks(
+    state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool
+) -> AsyncIterator[dict[str, str]]:
+    """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
+    or whose log vanishes before its end, gives an `error` chunk instead of the rest."""
+
+    def data(body: dict[str, object]) -> dict[str, str]:
+        return {"data": json.dumps(body, ensure_ascii=False)}
+
+    def chunk(choices: list[dict[str, object]], **extra: object) -> dict[str, str]:
+        return data({**head, "object": shape.chunk_object, "choices": choices, **extra})
+
+    def error(message: str, code: str) -> dict[str, str]:
+        return data({"error": {"message": message, "type": "server_error", "code": code}})
+
+    if shape.is_chat:  # OpenAI's first chat chunk names the role
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    async with _cancel_unless_finished(state, reply_id) as finished:
+        try:
+            async for event in log_events(state, reply_id):
+                if event.finish == FINISH_REASON_ERROR:
+                    yield error(event.error.message, event.error.code)
+                    break
+                if event.text:
+                    yield chunk([shape.chunk_choice(event.text, None)])
+                if is_final(event):
+                    yield chunk([shape.chunk_choice("", openai_finish_reason(event.finish))])
+                    if include_usage:
+                        yield chunk([], usage=_usage(event.usage))
+        except ReplyGone:
+            yield error(REPLY_LOST, "reply_expired")
+        else:
+            finished.append(True)
+    yield {"data": "[DONE]"}
+
+
+def _usage(usage: Usage) -> dict[str, object]:
+    return {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.input_tokens + usage.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+@contextlib.asynccontextmanager
+async def _cancel_unless_finished(state: ChatState, reply_id: str) -> AsyncIterator[list[bool]]:
+    """An OpenAI client that goes away cannot resume: its reply is cancelled at once."""
+    finished: list[bool] = []
+    try:
+        yield finished
+    finally:
+        if not finished:
+            with contextlib.suppress(Exception):
+                await cancel_reply(state, reply_id, "client_gone")
