@@ -1,4 +1,4 @@
-"""The web page at `/`: plain HTML, CSS and JS served from static/."""
+"""The web page at `/`: plain HTML, CSS and JS served from static/ (vendored libraries in static/vendor/)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse, Response
 
 STATIC = Path(__file__).parent / "static"
+_MEDIA_TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".css": "text/css"}
+# Every servable file, found once: a request names one of these or gets 404 (no path is joined).
+_ASSETS = {path.relative_to(STATIC).as_posix(): path for path in STATIC.rglob("*") if path.suffix in _MEDIA_TYPES}
 router = APIRouter(tags=["web"])
-
-_TYPES = {
-    "app.js": "text/javascript",
-    "api.js": "text/javascript",
-    "messages.js": "text/javascript",
-    "stream.js": "text/javascript",
-    "style.css": "text/css",
-}
 
 
 @router.get("/", include_in_schema=False)
@@ -24,8 +19,9 @@ async def index() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/static/{name}", include_in_schema=False)
+@router.get("/static/{name:path}", include_in_schema=False)
 async def asset(name: str) -> Response:
-    if name not in _TYPES:
+    path = _ASSETS.get(name)
+    if path is None:
         return Response(status_code=404)
-    return FileResponse(STATIC / name, media_type=_TYPES[name], headers={"Cache-Control": "no-cache"})
+    return FileResponse(path, media_type=_MEDIA_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,6 +17,10 @@ import pytest
 import pytest_asyncio
 from helpers import wait_until
 from product_stack import ALICE
+
+from tandem.bus.events import now_ms
+from tandem.store import Conversation, NewMessage, Role
+from tandem.store.sqlite import SqliteStore
 
 # Where a browser is required (CI sets TANDEM_REQUIRE_BROWSER=1), a missing one fails every test
 # here (not the collection, which would stop the whole run) instead of skipping them.
@@ -151,6 +156,11 @@ async def signed_in_page(context, url: str, first_key: str = ""):
     return page
 
 
+async def source_of(answer) -> str:
+    """The text an answer on the page was rendered from (its Markdown), as streamed or loaded."""
+    return await answer.get_attribute("data-source") or ""
+
+
 def answers(page):
     return page.locator('.message[data-role="assistant"]')
 
@@ -209,10 +219,11 @@ async def test_key_prompt_send_stream_and_reload(product_stack, context):
 
     conversation_id = conversation_id_of(page)
     conversation = await stored(product_stack.url, conversation_id)
-    shown = await answer.locator(".content").text_content()
+    shown = await answer.locator(".content").text_content()  # as rendered
+    source = await source_of(answer)
     assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
     assert conversation["messages"][0]["content"] == question
-    assert shown == conversation["messages"][1]["content"] and shown.strip()
+    assert source == conversation["messages"][1]["content"] and shown.strip()
 
     await page.reload()
     await expect(page.locator("#key-dialog")).to_be_hidden()
@@ -222,6 +233,7 @@ async def test_key_prompt_send_stream_and_reload(product_stack, context):
     await expect(page.locator(f'#conversations a[data-id="{older}"]')).to_have_text("an older chat")
     await expect(page.locator(".message")).to_have_count(2)
     await expect(user.locator(".content")).to_have_text(question)
+    await expect(answers(page).last).to_have_attribute("data-source", source)
     await expect(answers(page).last.locator(".content")).to_have_text(shown)
     await expect(answers(page).last).to_have_attribute("data-status", "complete")
 
@@ -238,13 +250,13 @@ async def test_stop_mid_reply_keeps_the_partial_text_as_stopped(product_stack, c
     await expect(page.locator("#send")).to_be_visible()
     conversation = await stored(product_stack.url, conversation_id_of(page))
     last = conversation["messages"][-1]
-    shown = await answer.locator(".content").text_content()
+    source = await source_of(answer)
     assert last["status"] == "stopped"
-    assert shown == last["content"] and shown.strip(), (shown, last)
+    assert source == last["content"] and source.strip(), (source, last)
 
     await page.reload()
     await expect(answers(page).last).to_have_attribute("data-status", "stopped")
-    await expect(answers(page).last.locator(".content")).to_have_text(shown)
+    await expect(answers(page).last).to_have_attribute("data-source", source)
 
 
 async def test_regenerate_gives_a_new_answer(product_stack, context):
@@ -264,7 +276,7 @@ async def test_regenerate_gives_a_new_answer(product_stack, context):
     last = conversation["messages"][-1]
     assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
     assert last["id"] == second_id
-    assert await answer.locator(".content").text_content() == last["content"]
+    assert await source_of(answer) == last["content"]
 
 
 async def test_network_drop_mid_reply_resumes_without_repeating_a_word(product_stack, context):
@@ -287,7 +299,7 @@ async def test_network_drop_mid_reply_resumes_without_repeating_a_word(product_s
     assert resumed_from and max(resumed_from) >= 2, f"no resume after a delta: Last-Event-IDs {resumed_from}"
     conversation = await stored(product_stack.url, conversation_id_of(page))
     last = conversation["messages"][-1]
-    assert await answer.locator(".content").text_content() == last["content"]
+    assert await source_of(answer) == last["content"]
 
 
 async def test_a_connection_cut_mid_reply_resumes_on_another_chat_instance(product_stack, context, proxy):
@@ -308,7 +320,7 @@ async def test_a_connection_cut_mid_reply_resumes_on_another_chat_instance(produ
     await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
     assert resumed_from and max(resumed_from) >= 2, f"no resume after a delta: Last-Event-IDs {resumed_from}"
     conversation = await stored(product_stack.url, conversation_id_of(page))
-    assert await answer.locator(".content").text_content() == conversation["messages"][-1]["content"]
+    assert await source_of(answer) == conversation["messages"][-1]["content"]
 
 
 async def test_reload_mid_reply_attaches_to_the_running_reply(product_stack, context):
@@ -326,7 +338,7 @@ async def test_reload_mid_reply_attaches_to_the_running_reply(product_stack, con
     await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
     conversation = await stored(product_stack.url, conversation_id_of(page))
     assert conversation["messages"][-1]["status"] == "complete"
-    assert await answer.locator(".content").text_content() == conversation["messages"][-1]["content"]
+    assert await source_of(answer) == conversation["messages"][-1]["content"]
     assert attached_from[:1] == ["0"], f"the page did not attach to the running reply: {attached_from}"
 
 
@@ -359,3 +371,92 @@ async def test_on_a_phone_the_sidebar_slides_in_and_the_reply_stays_in_view(prod
     await expect(page.locator("#sidebar")).to_be_in_viewport()
     await page.click(f'#conversations a[data-id="{conversation_id_of(page)}"]')
     await expect(page.locator("#sidebar")).not_to_be_in_viewport()
+
+
+# An answer as a model might write it, Markdown with script smuggled in every way it could be.
+HOSTILE_MARKDOWN = """# Plan
+
+Some **bold**, `inline code`, a [safe link](https://example.com/docs) and a [bad one](javascript:window.__pwned='link').
+
+| step | cost |
+|------|------|
+| one  | 1    |
+
+- first
+- second
+
+```python
+def add(a, b):
+    return a + b
+```
+
+<img src=x onerror="window.__pwned='img'">
+
+<script>window.__pwned = 'script'</script>
+
+Inline <img src=x onerror=window.__pwned='inline'> and ![a picture](https://example.com/x.png) too.
+"""
+
+
+async def stored_answer(store_path, content: str) -> str:
+    """A conversation of Alice's whose answer is `content`, written to the stack's own store: the
+    model's output is not the test's to choose, so the page is given this text as stored."""
+    store = SqliteStore(store_path)
+    await store.start()
+    try:
+        conversation_id = uuid.uuid4().hex
+        now = now_ms()
+        await store.create_conversation(Conversation(conversation_id, "alice", "markdown", "auto", now, now))
+        question = await store.append_message("alice", NewMessage(uuid.uuid4().hex, conversation_id, Role.USER, "Plan it.", 3))
+        answer = NewMessage(uuid.uuid4().hex, conversation_id, Role.ASSISTANT, content, 80, parent_seq=question.seq)
+        await store.append_message("alice", answer)
+    finally:
+        await store.close()
+    return conversation_id
+
+
+async def test_answers_render_markdown_with_highlighted_code_and_never_run_script(product_stack, context):
+    conversation_id = await stored_answer(product_stack.store_path, HOSTILE_MARKDOWN)
+    page = await signed_in_page(context, product_stack.url)
+    await page.goto(f"{product_stack.url}/#{conversation_id}")
+    answer = answers(page).last
+    await expect(answer).to_have_attribute("data-source", HOSTILE_MARKDOWN)
+    content = answer.locator(".content")
+
+    await expect(content.locator("h1")).to_have_text("Plan")
+    await expect(content.locator("strong")).to_have_text("bold")
+    await expect(content.locator("p > code")).to_have_text("inline code")
+    await expect(content.locator("li")).to_have_count(2)
+    await expect(content.locator("td")).to_have_text(["one", "1"])
+    safe = content.locator('a[href="https://example.com/docs"]')
+    await expect(safe).to_have_attribute("rel", "noopener noreferrer nofollow")
+    await expect(safe).to_have_attribute("target", "_blank")
+    code = content.locator(".code-block pre code.hljs")
+    await expect(code).to_have_text("def add(a, b):\n    return a + b")
+    await expect(code.locator(".hljs-keyword").first).to_have_text("def")
+    await expect(content.locator(".code-block .copy-code")).to_have_text("Copy")
+    # The smuggled markup is shown as the text it is; images become links, nothing is fetched.
+    await expect(content).to_contain_text("<img src=x onerror=\"window.__pwned='img'\">")
+    await expect(content).to_contain_text("<script>window.__pwned = 'script'</script>")
+    await expect(content.locator('a[href="https://example.com/x.png"]')).to_have_text("a picture")
+    assert await page.locator("#messages img, #messages script, #messages [onerror]").count() == 0
+    assert await content.locator('a[href^="javascript"]').count() == 0
+
+    # While streaming, every prefix of the answer is rendered: none of them may run script either.
+    dangerous = await page.evaluate(
+        """async (source) => {
+            const { renderMarkdown } = await import('/static/markdown.js');
+            const target = document.createElement('div');
+            document.body.append(target);
+            const found = [];
+            for (let end = 1; end <= source.length; end += 1) {
+                renderMarkdown(target, source.slice(0, end), end === source.length);
+                if (target.querySelector('img, script, [onerror], a[href^="javascript"]')) found.push(end);
+            }
+            target.remove();
+            return found;
+        }""",
+        HOSTILE_MARKDOWN,
+    )
+    assert dangerous == [], f"script-capable markup appeared at prefix lengths {dangerous[:10]}"
+    assert await page.evaluate("window.__pwned") is None, "model output ran script in the page"

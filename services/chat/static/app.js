@@ -1,8 +1,8 @@
 // Tandem's chat page: conversations, the composer, and replies streamed over the product API.
-// Model output only ever reaches the page as text nodes (never innerHTML).
+// Model output reaches the page only through messages.js: sanitised Markdown, never raw HTML.
 
 import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
-import { keepingBottom, messageElement, scrollToBottom, setError, setStatus, textNodeOf, textOf } from '/static/messages.js';
+import { appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, textOf } from '/static/messages.js';
 import { apiError, followReply } from '/static/stream.js';
 
 const KEY_STORAGE = 'tandem.apiKey';
@@ -171,7 +171,7 @@ function markLastAnswer() {
   for (const el of ui.messages.querySelectorAll('.message[data-last-answer]')) delete el.dataset.lastAnswer;
   const last = lastMessageEl();
   if (last && last.dataset.role === 'assistant') last.dataset.lastAnswer = '';
-  updateControls();
+  keepingBottom(ui.messages, updateControls); // Regenerate may appear below the reader's last line
 }
 
 // ---- replies -------------------------------------------------------------------------------------
@@ -187,19 +187,18 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
   setStatus(el, 'running');
   setError(el, '');
   updateControls();
-  const text = textNodeOf(el);
   const isMine = () => state.active === active;
 
   const on = {
     meta(data) {
       active.messageId = data.message_id;
       el.dataset.id = data.message_id;
-      if (replaceText) text.data = '';
+      if (replaceText) setText(el, '');
       refreshConversations(); // the first message gives the conversation its title
       updateControls();
     },
     delta(data) {
-      keepingBottom(ui.messages, () => text.appendData(data.text));
+      appendText(el, data.text);
     },
     done(data) {
       const stopped = data.finish === 'cancelled';
@@ -309,7 +308,7 @@ function regenerate(el) {
   const messageId = el.dataset.id;
   if (!messageId || state.active) return;
   hideBanner();
-  textNodeOf(el).data = '';
+  setText(el, '');
   delete el.dataset.id;
   followStream(el, {
     start: (_, signal) => api(`/v1/messages/${encodeURIComponent(messageId)}/regenerate`, {

@@ -1,5 +1,12 @@
-// One message on the page: an <article> whose text is only ever set as text nodes, with a foot
-// line for its status, its error and (for answers) Regenerate.
+// One message on the page: an <article> that keeps its text in data-source, with a foot line for
+// its status, its error and (for answers) Regenerate. A user's text is shown as a text node; an
+// answer is rendered as sanitised Markdown (markdown.js), at most every RENDER_EVERY_MS while it
+// streams and at once when it ends.
+
+import { renderMarkdown } from '/static/markdown.js';
+
+const RENDER_EVERY_MS = 50;
+const pendingRenders = new WeakMap(); // element -> timer of its next render
 
 const STATUS_TEXT = {
   running: 'Writing…',
@@ -16,7 +23,6 @@ export function messageElement({ id = '', role, content = '', status = 'complete
   if (id) el.dataset.id = id;
   const body = document.createElement('div');
   body.className = 'content';
-  body.append(document.createTextNode(content)); // the one text node replies append to
   const foot = document.createElement('div');
   foot.className = 'message-foot';
   const statusLine = document.createElement('span');
@@ -35,17 +41,43 @@ export function messageElement({ id = '', role, content = '', status = 'complete
     foot.append(again);
   }
   el.append(body, foot);
+  el.dataset.source = content;
   setStatus(el, status);
   return el;
 }
 
-/** The text node a reply's deltas are appended to. */
-export const textNodeOf = (el) => el.querySelector('.content').firstChild;
-export const textOf = (el) => el.querySelector('.content').textContent;
+export const textOf = (el) => el.dataset.source;
 
+export function setText(el, text) {
+  el.dataset.source = text;
+  showText(el);
+}
+
+/** Appends a streamed piece of an answer; it is shown within RENDER_EVERY_MS. */
+export function appendText(el, text) {
+  el.dataset.source += text;
+  if (!pendingRenders.has(el)) pendingRenders.set(el, setTimeout(() => showText(el), RENDER_EVERY_MS));
+}
+
+function showText(el) {
+  clearTimeout(pendingRenders.get(el));
+  pendingRenders.delete(el);
+  const body = el.querySelector('.content');
+  const render = () => {
+    if (el.dataset.role === 'assistant') renderMarkdown(body, el.dataset.source, el.dataset.status !== 'running');
+    else body.textContent = el.dataset.source;
+  };
+  const list = el.closest('.messages');
+  if (list) keepingBottom(list, render);
+  else render();
+}
+
+/** Sets the status line; the text is rendered anew (an ended answer's code is highlighted in full). */
 export function setStatus(el, status, note = '') {
+  const isChange = el.dataset.status !== status;
   el.dataset.status = status;
   el.querySelector('.status').textContent = note || (el.dataset.role === 'assistant' ? STATUS_TEXT[status] || '' : '');
+  if (isChange || pendingRenders.has(el)) showText(el);
 }
 
 export function setError(el, message) {
