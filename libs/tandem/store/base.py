@@ -91,6 +91,12 @@ class ConversationStore(Protocol):
         summary_upto_seq: int | None = None,
     ) -> Conversation | None: ...
 
+    async def delete_conversation(self, user_id: str, conversation_id: str) -> bool:
+        """Deletes the conversation and all its messages; True when it was the user's and is now
+        gone, False when it does not exist or belongs to another user. Afterwards its messages
+        are not found by id, a late finish_message finds nothing and an append raises KeyError.
+        Stop its running reply first: a reply appended while the delete runs may outlive it."""
+
     async def append_message(self, user_id: str, message: NewMessage) -> Message:
         """Appends with the next seq, bumps the conversation's updated_at_ms and total_tokens.
         The same message id again returns the stored message. Raises KeyError when the

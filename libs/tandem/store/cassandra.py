@@ -98,6 +98,10 @@ _QUERIES = {
     "finish": "UPDATE messages SET content = ?, status = ?, tokens = ? WHERE conversation_id = ? AND bucket = ? AND seq = ? IF status = 'running'",
     "get_message": f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq = ?",
     "messages_after": f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq > ?",
+    "message_ids": "SELECT id FROM messages WHERE conversation_id = ? AND bucket = ?",
+    "delete_bucket": "DELETE FROM messages WHERE conversation_id = ? AND bucket = ?",
+    "delete_id": "DELETE FROM messages_by_id WHERE id = ?",
+    "delete_conversation": "DELETE FROM conversations WHERE id = ?",
 }
 _GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE component = 'conversations'"
 _SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
@@ -378,6 +382,22 @@ class CassandraStore:
             row["summary_upto_seq"] = row["summary_upto_seq"] if summary_upto_seq is None else summary_upto_seq
             await self._run("set_summary", row["summary"], row["summary_upto_seq"], conversation_id)
         return _conversation(row)
+
+    @_bounded
+    async def delete_conversation(self, user_id: str, conversation_id: str) -> bool:
+        row = await self._conversation_row(conversation_id)
+        if row is None or row["user_id"] != user_id:
+            return False
+        # Messages first, the conversation last: a delete cut short leaves the conversation to
+        # delete again, never messages that nothing points at.
+        bucket = 0
+        while ids := [r["id"] async for r in self._pages("message_ids", (conversation_id, bucket), page_size=500)]:
+            await asyncio.gather(*(self._run("delete_id", message_id) for message_id in ids))
+            await self._run("delete_bucket", conversation_id, bucket)
+            bucket += 1  # seqs are contiguous: the first empty bucket is the last
+        await self._run("index_delete", user_id, row["updated_at_ms"], conversation_id)
+        await self._run("delete_conversation", conversation_id)
+        return True
 
     # --- messages
 

@@ -179,6 +179,17 @@ class SqliteStore:
             ).fetchone()
         return None if row is None else _conversation(row)
 
+    async def delete_conversation(self, user_id: str, conversation_id: str) -> bool:
+        async with self._write() as db:
+            owned = await (
+                await db.execute("SELECT 1 FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id))
+            ).fetchone()
+            if owned is None:
+                return False
+            await db.execute("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
+            await db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        return True
+
     async def append_message(self, user_id: str, message: NewMessage) -> Message:
         async with self._write() as db:
             owner = await (

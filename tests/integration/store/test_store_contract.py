@@ -221,3 +221,30 @@ async def test_open_store_builds_the_store_the_settings_name(store_kind: str, re
         await store.close()
     if store_kind == "sqlite":
         assert settings.sqlite_path.is_file()
+
+
+async def test_a_deleted_conversation_is_gone_with_every_message_and_only_its_owner_can_delete_it(
+    store: ConversationStore, bucket_size: int
+) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    turns = [await store.append_message("alice", user_turn(conversation, f"turn {i}")) for i in range(2 * bucket_size)]
+    reply = await store.append_message("alice", running_reply(conversation, parent_seq=turns[-1].seq))  # spans buckets
+    kept = await store.create_conversation(new_conversation())
+    kept_turn = await store.append_message("alice", user_turn(kept))
+
+    assert await store.delete_conversation("mallory", conversation.id) is False
+    assert len(await store.list_messages(conversation.id)) == len(turns) + 1, "another user's delete removed something"
+    assert await store.delete_conversation("alice", conversation.id) is True
+
+    assert await store.get_conversation("alice", conversation.id) is None
+    assert [c.id for c in await store.list_conversations("alice")].count(conversation.id) == 0
+    assert await store.list_messages(conversation.id) == []
+    assert [await store.get_message(m.id) for m in [*turns, reply]] == [None] * (len(turns) + 1)
+    late = await store.finish_message(conversation.id, reply.id, content="too late", status=ReplyStatus.COMPLETE, tokens=2)
+    assert late is None, "a reply finished after its conversation was deleted brought it back"
+    with pytest.raises(KeyError):
+        await store.append_message("alice", user_turn(conversation))
+    assert await store.get_conversation("alice", conversation.id) is None
+    assert await store.delete_conversation("alice", conversation.id) is False
+    assert await store.list_messages(kept.id) == [kept_turn]
+    assert await store.get_conversation("alice", kept.id) is not None
