@@ -1,18 +1,19 @@
-"""The `tandem` command: `tandem up` (the whole local stack), `tandem serve <role>`, and
-`tandem generate` (one answer from the in-process engine)."""
+"""The `tandem` command: `tandem up` (the whole local stack), `tandem serve <role>` (one service,
+every setting also a flag), and `tandem generate` (one answer from the in-process engine)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import runpy
+import importlib
 import sys
+from importlib import metadata
 
 from tandem.config import ROLES, load_settings
 from tandem.devstack import cassandra_node
 from tandem.errors import StartupError
 from tandem.models.files import open_model
-from tandem.runtime import bind_port
+from tandem.runtime import bind_port, run_service
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -144,12 +145,15 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    runpy.run_module(f"services.{args.role}", run_name="__main__", alter_sys=True)
-    return 0
+    """Runs one service with its settings from flags, then the environment, then the toml file."""
+    settings = load_settings(args.settings, prog=f"tandem serve {args.role}")  # first: --help needs no service
+    service = importlib.import_module(f"services.{args.role}.app")
+    run_service(args.role, service.build_app, settings)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"tandem {metadata.version('tandem-serve')}")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start nats, redis and all five services locally (Ctrl-C stops all)")
     up.add_argument("--host", help="address to serve on (default TANDEM_HOST or 127.0.0.1)")
@@ -173,8 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--via-bus", action="store_true", help="ask the running stack over NATS (TANDEM_NATS_URL)")
     generate.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
     generate.set_defaults(run=_generate)
-    serve = commands.add_parser("serve", help="run one service in this process")
+    serve = commands.add_parser(
+        "serve",
+        help="run one service in this process",
+        description="Runs one service. Every setting is also a flag, over its TANDEM_ variable and tandem.toml: "
+        "tandem serve decode --kv-cache-mib 2048 --host 0.0.0.0. tandem serve <role> --help lists them with their defaults.",
+    )
     serve.add_argument("role", choices=ROLES)
+    serve.add_argument("settings", nargs=argparse.REMAINDER, help="settings flags (tandem serve <role> --help lists them)")
     serve.set_defaults(run=_serve)
     cassandra_node.add_cli(commands)
     args = parser.parse_args(argv)

