@@ -66,6 +66,7 @@ class GenerationBody(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # vLLM: -1 or 0 = off
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's: 0 = off
     stop: str | list[str] | None = Field(default=None)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
@@ -101,6 +102,7 @@ class GenerationBody(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(0, self.top_k or 0),
+            min_p=self.min_p or 0.0,
             max_tokens=max(1, min(wanted, room_tokens)),
             stop=self.stop_strings(),
             stop_token_ids=self.stop_token_ids or [],

@@ -145,7 +145,7 @@ async def test_the_openai_sdk_streams_the_same_text_with_usage(product_stack):
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 0
 
 
-async def test_top_k_one_is_greedy_and_a_stop_token_id_ends_the_reply(product_stack):
+async def test_top_k_or_min_p_of_one_is_greedy_and_a_stop_token_id_ends_the_reply(product_stack):
     client = sdk(product_stack)
     model = (await client.models.list()).data[0].id
     greedy = await client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8)
@@ -153,6 +153,12 @@ async def test_top_k_one_is_greedy_and_a_stop_token_id_ends_the_reply(product_st
         model=model, messages=QUESTION, temperature=1.5, seed=5, max_tokens=8, extra_body={"top_k": 1}
     )
     assert top_one.choices[0].message.content == greedy.choices[0].message.content
+    min_p_one = await client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=1.5, seed=5, max_tokens=8, extra_body={"min_p": 1.0}
+    )
+    assert min_p_one.choices[0].message.content == greedy.choices[0].message.content
+    hot = await client.chat.completions.create(model=model, messages=QUESTION, temperature=1.5, seed=5, max_tokens=8)
+    assert hot.choices[0].message.content != greedy.choices[0].message.content  # the two above are not greedy by chance
     # The greedy reply's first token, as a stop token: the reply ends at once, with "stop".
     first_token = load_tokenizer(None).encode(greedy.choices[0].message.content or "")[0]
     cut = await client.chat.completions.create(

@@ -1,8 +1,9 @@
 """Next-token choice for a batch of sequences, each with its own options and random stream.
 
-Greedy rows take the argmax. The others divide by their temperature, keep their top-k tokens
-and then their nucleus (the smallest set of most likely tokens whose probability reaches top_p,
-never empty), and draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i
+Greedy rows take the argmax. The others divide by their temperature, keep their top-k tokens,
+their nucleus (the smallest set of most likely tokens whose probability reaches top_p, never
+empty) and the tokens at least min_p times as likely as the likeliest (a token must pass all
+three; the likeliest always does), and draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i
 with probability p_i. The race needs only elementwise noise, so each row draws its noise from
 its sequence's own seeded generator (same seed, same tokens) while the arithmetic stays batched
 and nothing waits on the host until the caller reads the result.
@@ -50,8 +51,8 @@ class Sampler:
 
 
 def _filtered_probs(scaled: torch.Tensor, options: list[SamplingOptions]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities after top-k and top-p (unnormalised), and, when sorted, each column's token."""
-    if all(o.top_k == 0 and o.top_p >= 1.0 for o in options):
+    """Probabilities after top-k, top-p and min-p (unnormalised), and, when sorted, each column's token."""
+    if all(o.top_k == 0 and o.top_p >= 1.0 and o.min_p == 0.0 for o in options):
         return torch.softmax(scaled, dim=-1), None
     vocab_size = scaled.shape[1]
     device = scaled.device
@@ -64,5 +65,6 @@ def _filtered_probs(scaled: torch.Tensor, options: list[SamplingOptions]) -> tup
     # always is. Rows with top_p = 1 get a threshold no sum reaches, so rounding drops nothing.
     top_p = torch.tensor([o.top_p if o.top_p < 1.0 else 2.0 for o in options], dtype=torch.float32, device=device)
     mass_above = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_above >= top_p.unsqueeze(1), 0.0)
+    below_min_p = probs < probs[:, :1] * torch.tensor([o.min_p for o in options], dtype=torch.float32, device=device).unsqueeze(1)
+    probs = probs.masked_fill((mass_above >= top_p.unsqueeze(1)) | below_min_p, 0.0)
     return probs, token_of_column

@@ -27,6 +27,7 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         temperature=p.temperature,
         top_p=p.top_p or 1.0,
         top_k=p.top_k,
+        min_p=p.min_p,
         seed=p.seed if p.HasField("seed") else None,
         max_tokens=p.max_tokens,
         stop=tuple(p.stop),

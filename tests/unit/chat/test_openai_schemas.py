@@ -40,9 +40,11 @@ def test_neutral_values_nulls_and_user_are_accepted():
 
 
 def test_sampling_carries_top_k_stop_token_ids_seed_and_stops():
-    params = chat(temperature=0.5, top_p=0.9, top_k=40, stop_token_ids=[7, 9], seed=3, stop=["x", ""], max_tokens=10).sampling(48, 100)
+    params = chat(temperature=0.5, top_p=0.9, top_k=40, min_p=0.1, stop_token_ids=[7, 9], seed=3, stop=["x", ""], max_tokens=10).sampling(
+        48, 100
+    )
     assert (params.top_k, list(params.stop_token_ids), params.seed, list(params.stop), params.max_tokens) == (40, [7, 9], 3, ["x"], 10)
-    assert params.temperature == pytest.approx(0.5) and params.top_p == pytest.approx(0.9)
+    assert params.temperature == pytest.approx(0.5) and params.top_p == pytest.approx(0.9) and params.min_p == pytest.approx(0.1)
 
 
 def test_defaults_are_openais_and_max_tokens_fits_the_window():

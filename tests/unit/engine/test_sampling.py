@@ -104,6 +104,7 @@ def test_greedy_rows_are_untouched_by_sampled_rows_beside_them():
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be >= 0"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ],
 )
@@ -115,3 +116,21 @@ def test_invalid_sampling_options_are_refused_with_the_rule_they_break(fields, m
 def test_options_and_generators_must_match_the_rows():
     with pytest.raises(ValueError, match="one options and one generator per row"):
         Sampler().sample(random_logits(2), [SamplingOptions()], [None])
+
+
+def test_min_p_keeps_only_tokens_at_least_that_fraction_of_the_likeliest():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(8000, 4)
+    torch.manual_seed(2)
+    tokens = sample(logits, SamplingOptions(temperature=1.0, min_p=0.5), [None] * 8000)
+    counts = torch.bincount(tokens, minlength=4)
+    assert counts[2:].sum() == 0  # 0.15 < 0.5 x 0.5; 0.3 >= 0.25 stays
+    assert abs(counts[0].item() / 8000 - 5 / 8) < 0.03
+
+
+def test_min_p_of_one_is_greedy_and_zero_changes_nothing():
+    logits = random_logits(8)
+    assert torch.equal(sample(logits, SamplingOptions(temperature=5.0, min_p=1.0), [seeded(i) for i in range(8)]), logits.argmax(dim=-1))
+    off = sample(logits, SamplingOptions(temperature=1.0, min_p=0.0), [seeded(i) for i in range(8)])
+    plain = sample(logits, SamplingOptions(temperature=1.0), [seeded(i) for i in range(8)])
+    assert torch.equal(off, plain)
