@@ -16,7 +16,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 # The project itself; its dependencies are already in place. The user has a fixed numeric id,
 # so Kubernetes runAsNonRoot can verify it, a home for torch/triton caches, and /models, where
 # compose mounts its models volume (a new volume takes the folder's owner).
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY libs/ libs/
 COPY services/ services/
 RUN pip install --no-cache-dir --no-deps . \
