@@ -1,4 +1,4 @@
-"""/v1/conversations: create, list (newest first), read, and send a message (an SSE stream)."""
+"""/v1/conversations: create, list (newest first), read, rename, delete, and send a message (an SSE stream)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import hashlib
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Response
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
 from services.chat.auth import CurrentUser
 from services.chat.context import active_branch
 from services.chat.errors import Conflict, NotFound
-from services.chat.replies import new_reply_id, reply_response
-from services.chat.schemas import MessageBody, NewConversationBody, conversation_summary, message_view
+from services.chat.replies import cancel_reply, new_reply_id, reply_response
+from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
 from services.chat.streams import as_logged, finished_message_response
-from services.chat.turns import send_message
+from services.chat.turns import inflight_key, send_message
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.config import ApiKey
 from tandem.store import Conversation
@@ -59,6 +59,29 @@ async def get_conversation(state: State, user: CurrentUser, conversation_id: str
     shown = active_branch(messages)  # each user turn with its latest answer, whatever its status
     views = [message_view(await as_logged(state, m) if m.status == ReplyStatus.RUNNING else m) for m in shown]
     return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": views}
+
+
+@router.patch("/{conversation_id}")
+async def change_conversation(state: State, user: CurrentUser, conversation_id: str, body: ConversationChangeBody) -> dict[str, object]:
+    changed = await state.store.update_conversation(user.user_id, conversation_id, title=body.title)
+    if changed is None:
+        raise NotFound(f"conversation {conversation_id} not found", code="conversation_not_found")
+    return conversation_summary(changed)
+
+
+@router.delete("/{conversation_id}", status_code=204)
+async def delete_conversation(state: State, user: CurrentUser, conversation_id: str) -> Response:
+    """Stops its running reply (the relay's final write then finds nothing), then deletes it."""
+    await owned_conversation(state, user, conversation_id)
+    running = [m.id for m in await state.store.list_messages(conversation_id) if m.status == ReplyStatus.RUNNING]
+    for reply_id in running:
+        meta = await load_reply(state.redis, reply_id)
+        if meta is not None and meta.is_running:
+            await cancel_reply(state, reply_id, "deleted")
+    await state.redis.delete(inflight_key(conversation_id))
+    if not await state.store.delete_conversation(user.user_id, conversation_id):
+        raise NotFound(f"conversation {conversation_id} not found", code="conversation_not_found")
+    return Response(status_code=204)
 
 
 def idempotency_key(user: ApiKey, conversation_id: str, key: str) -> str:

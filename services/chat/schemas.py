@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
 
 from services.chat.turns import SamplingChoice
 from tandem.store import Conversation, Message
@@ -62,3 +63,9 @@ def message_view(message: Message) -> dict[str, object]:
         "tokens": message.tokens,
         "created_at": iso(message.created_at_ms),
     }
+
+
+class ConversationChangeBody(BaseModel):
+    """PATCH /v1/conversations/{id}: what may change (only its title, for now)."""
+
+    title: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]

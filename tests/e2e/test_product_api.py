@@ -234,3 +234,53 @@ async def test_a_new_message_cancels_the_reply_still_running_in_its_conversation
         assert second[-1].event == "done" and second[-1].data["finish"] in ("stop", "length")
         first = await finished(client, conversation_id, head[0].data["message_id"])
         assert first["status"] == "stopped"
+
+
+async def test_a_conversation_is_renamed_by_its_owner_only(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
+        conversation_id = await new_conversation(client)
+        path = f"/v1/conversations/{conversation_id}"
+        assert (await client.patch(path, headers=BOB, json={"title": "Bob's now"})).status_code == 404
+        renamed = await client.patch(path, headers=ALICE, json={"title": "  Trip to Lisbon  "})
+        assert renamed.status_code == 200, renamed.text
+        assert (renamed.json()["id"], renamed.json()["title"]) == (conversation_id, "Trip to Lisbon")
+        assert (await stored(client, conversation_id))["title"] == "Trip to Lisbon"
+        listed = (await client.get("/v1/conversations", headers=ALICE)).json()["conversations"]
+        assert {c["id"]: c["title"] for c in listed}[conversation_id] == "Trip to Lisbon"
+        for bad in ({"title": "   "}, {"title": "x" * 201}, {}):
+            refused = await client.patch(path, headers=ALICE, json=bad)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "title", (bad, refused.text)
+        assert (await stored(client, conversation_id))["title"] == "Trip to Lisbon"
+        assert (await client.patch("/v1/conversations/nope", headers=ALICE, json={"title": "t"})).status_code == 404
+
+
+async def test_deleting_a_conversation_mid_reply_cancels_the_reply_and_removes_everything(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        path = f"/v1/conversations/{conversation_id}"
+        async with long_reply(client, conversation_id, "Write a long story about a lighthouse keeper.") as response:
+            reader = SseReader(response)
+            head = await reader.read(stop_after=3)
+            message_id = head[0].data["message_id"]
+            assert (await client.delete(path, headers=BOB)).status_code == 404
+            assert (await client.get(path, headers=ALICE)).status_code == 200, "another user's delete removed it"
+            deleted = await client.delete(path, headers=ALICE)
+            assert deleted.status_code == 204, deleted.text
+            rest = await reader.read()
+        assert rest[-1].event == "done" and rest[-1].data["finish"] == "cancelled"
+        assert rest[-1].data["usage"]["output"] < 400
+    decode_id = product_stack.ids["decode"][0]
+    nc = await nats.connect(product_stack.nats_url)
+    await next_heartbeat(nc, "decode", decode_id, timeout_s=30)  # one that may predate the cancel
+    heartbeat = await next_heartbeat(nc, "decode", decode_id, timeout_s=30)
+    await nc.close()
+    assert heartbeat.kv_blocks_free == heartbeat.kv_blocks_total, "the deleted conversation's reply still holds KV"
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
+        # Gone after the reply ended too (that a late final write finds nothing is the store contract's case).
+        assert (await client.get(path, headers=ALICE)).status_code == 404
+        assert (await client.get(f"/v1/messages/{message_id}/stream", headers=ALICE)).status_code == 404
+        listed = (await client.get("/v1/conversations", headers=ALICE)).json()["conversations"]
+        assert conversation_id not in [c["id"] for c in listed]
+        assert (await client.delete(path, headers=ALICE)).status_code == 404
+        refused = await client.post(f"{path}/messages", headers=ALICE, json={"content": "hello?"})
+        assert refused.status_code == 404
