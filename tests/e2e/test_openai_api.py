@@ -7,12 +7,15 @@ import json
 import time
 
 import httpx
+import nats
 import openai
 import pytest
 from product_stack import ALICE
 
 import tandem
+from tandem.bus import encode, subjects
 from tandem.models.loader import load_tokenizer
+from tandem.v1.tokens_pb2 import Cancel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -231,3 +234,23 @@ async def test_the_sdk_completes_a_text_prompt_whole_and_streamed_alike(product_
     with pytest.raises(openai.BadRequestError) as refused:
         await client.completions.create(model=model, prompt="x", echo=True)
     assert refused.value.body["param"] == "echo"
+
+
+async def test_a_cancelled_stream_finishes_with_abort_not_stop(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    long_answer = [{"role": "user", "content": "Write a long story about a dragon."}]
+    stream = await client.chat.completions.create(model=model, messages=long_answer, max_tokens=200, stream=True)
+    finishes, num_content_chunks = [], 0
+    nc = await nats.connect(product_stack.nats_url)
+    try:
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                num_content_chunks += 1
+                if num_content_chunks == 2:  # the reply is running: stop it as the product's stop does
+                    await nc.publish(subjects.cancel(chunk.id), encode(Cancel(reply_id=chunk.id, reason="test")))
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finishes.append(chunk.choices[0].finish_reason)
+    finally:
+        await nc.close()
+    assert finishes == ["abort"] and num_content_chunks < 200
