@@ -460,3 +460,57 @@ async def test_answers_render_markdown_with_highlighted_code_and_never_run_scrip
     )
     assert dangerous == [], f"script-capable markup appeared at prefix lengths {dangerous[:10]}"
     assert await page.evaluate("window.__pwned") is None, "model output ran script in the page"
+
+
+async def test_a_conversation_is_renamed_and_deleted_from_the_sidebar(product_stack, context):
+    async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
+        conversation_id = (await client.post("/v1/conversations", json={"title": "to rename"})).json()["id"]
+    page = await signed_in_page(context, product_stack.url)
+    item = page.locator(f'#conversations li[data-id="{conversation_id}"]')
+    await item.locator("a").click()
+    await expect(page.locator("#chat-title")).to_have_text("to rename")
+
+    await item.hover()
+    await item.locator(".rename").click()
+    await page.locator(".rename-input").fill("never saved")
+    await page.press(".rename-input", "Escape")
+    await expect(item.locator("a")).to_have_text("to rename")
+    await item.locator(".rename").click()
+    await page.locator(".rename-input").fill("Renamed chat")
+    await page.press(".rename-input", "Enter")
+    await expect(item.locator("a")).to_have_text("Renamed chat")
+    await expect(page.locator("#chat-title")).to_have_text("Renamed chat")
+
+    async def title_stored():
+        async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
+            response = await client.get(f"/v1/conversations/{conversation_id}")
+        return response.json()["title"] == "Renamed chat" or None
+
+    await wait_until(title_stored, timeout_s=10)
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    await item.locator(".delete").click()
+    await expect(item).to_have_count(0)
+    await expect(page.locator("#chat-title")).to_have_text("New chat")
+    assert not page.url.partition("#")[2], "the page still points at the deleted conversation"
+
+    async def gone():
+        async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
+            response = await client.get(f"/v1/conversations/{conversation_id}")
+        return response.status_code == 404 or None
+
+    await wait_until(gone, timeout_s=10)
+
+
+async def test_the_conversation_list_loads_more_a_page_at_a_time(product_stack, context):
+    async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
+        created = [(await client.post("/v1/conversations", json={"title": f"paged {i}"})).json()["id"] for i in range(51)]
+    page = await signed_in_page(context, product_stack.url)
+    links = page.locator("#conversations li a")
+    await expect(links).to_have_count(50)  # one page
+    await expect(page.locator("#load-more")).to_be_visible()
+    await page.click("#load-more")
+    await expect(links.nth(50)).to_be_attached()
+    shown = await links.evaluate_all("links => links.map((a) => a.dataset.id)")
+    assert len(shown) == len(set(shown)), "a conversation is listed twice"
+    assert set(created) <= set(shown), "a conversation of the first two pages is missing"

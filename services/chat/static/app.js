@@ -3,6 +3,7 @@
 
 import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
 import { appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, textOf } from '/static/messages.js';
+import { ConversationList } from '/static/conversations.js';
 import { apiError, followReply } from '/static/stream.js';
 
 const KEY_STORAGE = 'tandem.apiKey';
@@ -10,6 +11,7 @@ const MODEL_STORAGE = 'tandem.model';
 const $ = (id) => document.getElementById(id);
 const ui = {
   sidebar: $('sidebar'), toggleSidebar: $('toggle-sidebar'), list: $('conversations'), listNote: $('conversations-note'),
+  loadMore: $('load-more'),
   newChat: $('new-chat'), changeKey: $('change-key'), title: $('chat-title'), model: $('model'),
   messages: $('messages'), empty: $('empty'), banner: $('banner'),
   composer: $('composer'), input: $('input'), send: $('send'), stop: $('stop'),
@@ -82,38 +84,25 @@ function holdSending(retryAfterS) {
 
 // ---- conversations -------------------------------------------------------------------------------
 
-async function refreshConversations() {
-  try {
-    const { conversations } = await apiJson('/v1/conversations?limit=50');
-    ui.list.replaceChildren(...conversations.map(conversationItem));
-    const current = conversations.find((c) => c.id === state.conversationId);
+const conversations = new ConversationList({
+  list: ui.list,
+  note: ui.listNote,
+  more: ui.loadMore,
+  currentId: () => state.conversationId,
+  onListed(listed) {
+    const current = listed.find((c) => c.id === state.conversationId);
     if (current && current.title) ui.title.textContent = current.title;
-    ui.listNote.hidden = conversations.length > 0;
-    ui.listNote.textContent = 'No conversations yet.';
-  } catch (err) {
-    ui.listNote.hidden = false;
-    ui.listNote.textContent = `Could not load conversations: ${err.message}`;
-  }
-}
-
-function conversationItem(conversation) {
-  const link = document.createElement('a');
-  link.href = `#${conversation.id}`;
-  link.dataset.id = conversation.id;
-  link.textContent = conversation.title || 'Untitled';
-  link.title = new Date(conversation.updated_at).toLocaleString();
-  if (conversation.id === state.conversationId) link.setAttribute('aria-current', 'page');
-  const item = document.createElement('li');
-  item.append(link);
-  return item;
-}
-
-function markCurrent() {
-  for (const link of ui.list.querySelectorAll('a')) {
-    if (link.dataset.id === state.conversationId) link.setAttribute('aria-current', 'page');
-    else link.removeAttribute('aria-current');
-  }
-}
+  },
+  onRenamed(id, title) {
+    if (id === state.conversationId) ui.title.textContent = title;
+  },
+  onDeleted(id) {
+    if (id === state.conversationId) showNewChat();
+  },
+  onError: showBanner,
+});
+const refreshConversations = () => conversations.refresh();
+const markCurrent = () => conversations.markCurrent();
 
 function leaveConversation() {
   if (state.active) state.active.controller.abort(); // the reply goes on server-side; we reattach on return
