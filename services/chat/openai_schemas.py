@@ -73,6 +73,8 @@ class GenerationBody(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Raises InvalidRequest naming the first parameter Tandem cannot honour."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("`stream_options` is only allowed when `stream` is true", param="stream_options")
         for name, value in (self.model_extra or {}).items():
             if value is None or name in IGNORED or (name in NEUTRAL and value == NEUTRAL[name]):
                 continue

@@ -33,6 +33,13 @@ def test_an_unsupported_parameter_is_refused_by_name(field, value):
     assert f"`{field}`" in refused.value.message
 
 
+def test_stream_options_without_stream_are_refused_as_openai_does():
+    with pytest.raises(InvalidRequest) as refused:
+        chat(stream_options={"include_usage": True}).refuse_unsupported()
+    assert refused.value.param == "stream_options"
+    chat(stream=True, stream_options={"include_usage": True}).refuse_unsupported()
+
+
 def test_neutral_values_nulls_and_user_are_accepted():
     chat(
         n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, tools=None, response_format={"type": "text"}, user="u1"
