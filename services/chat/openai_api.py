@@ -1,4 +1,5 @@
-"""OpenAI-compatible `POST /v1/chat/completions` (stream and not) and `GET /v1/models`. They use
+"""OpenAI-compatible `POST /v1/chat/completions` (stream and not), `GET /v1/models` and
+`GET /v1/models/{model}`. They use
 the same router and token log as the product API but are not stored as conversations."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
+from services.chat.errors import NotFound
+from services.chat.models_view import ServedModel
 from services.chat.openai_replies import CHAT, answer, served_model
 from services.chat.openai_schemas import ChatCompletionBody
 from services.chat.state import State
@@ -19,14 +22,15 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 @router.get("/models")
 async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
-    models = state.models.models()
-    return {
-        "object": "list",
-        "data": [
-            {"id": m.name, "object": "model", "created": m.created_unix_s, "owned_by": "tandem", "max_model_len": m.window_tokens}
-            for m in models.values()
-        ],
-    }
+    return {"object": "list", "data": [_model_object(m) for m in state.models.models().values()]}
+
+
+@router.get("/models/{model}")
+async def retrieve_model(state: State, user: CurrentUser, model: str) -> dict[str, object]:
+    served = state.models.models().get(model)
+    if served is None:
+        raise NotFound(f"The model `{model}` does not exist or is not served.", code="model_not_found", param="model")
+    return _model_object(served)
 
 
 @router.post("/chat/completions", response_model=None)
@@ -36,3 +40,13 @@ async def chat_completions(state: State, user: CurrentUser, body: ChatCompletion
     messages = [m.as_template_message() for m in body.messages]
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
     return await answer(state, user, body, model, prompt_ids, CHAT, "messages")
+
+
+def _model_object(model: ServedModel) -> dict[str, object]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": model.created_unix_s,
+        "owned_by": "tandem",
+        "max_model_len": model.window_tokens,
+    }

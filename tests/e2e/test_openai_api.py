@@ -120,6 +120,15 @@ def sdk(product_stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{product_stack.url}/v1", api_key="key-alice", max_retries=0, timeout=120)
 
 
+async def test_the_openai_sdk_lists_and_retrieves_the_served_model(product_stack):
+    client = sdk(product_stack)
+    listed = (await client.models.list()).data[0]
+    retrieved = await client.models.retrieve(listed.id)
+    assert (retrieved.id, retrieved.created, retrieved.object) == (listed.id, listed.created, "model")
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-9")
+
+
 async def test_the_openai_sdk_completes_with_developer_role_fingerprint_and_cached_tokens(product_stack):
     client = sdk(product_stack)
     model = (await client.models.list()).data[0].id
