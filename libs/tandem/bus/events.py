@@ -52,17 +52,11 @@ def is_final(event: TokenEvent) -> bool:
 
 
 def finish_name(finish: int) -> str:
-    """ "stop", "length", "cancelled" or "error"; raises ValueError for an event that ends nothing."""
+    """The client-facing name: "stop", "length", "cancelled" or "error"; raises ValueError for an event that ends nothing."""
     try:
         return FINISH_NAMES[finish]
     except KeyError:
         raise ValueError(f"finish reason {finish} does not end a reply") from None
-
-
-def openai_finish_reason(finish: int) -> str:
-    """OpenAI's `finish_reason`: "length" for a reply cut at its limit, else "stop" (OpenAI has
-    no "cancelled": a reply stopped early simply stopped)."""
-    return "length" if finish_name(finish) == "length" else "stop"
 
 
 def status_of_finish(finish: int) -> ReplyStatus:
