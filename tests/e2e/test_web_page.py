@@ -224,6 +224,8 @@ async def test_key_prompt_send_stream_and_reload(product_stack, context):
     assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
     assert conversation["messages"][0]["content"] == question
     assert source == conversation["messages"][1]["content"] and shown.strip()
+    tokens = conversation["messages"][1]["tokens"]
+    await expect(answer.locator(".usage")).to_have_text(f"{tokens} tokens")
 
     await page.reload()
     await expect(page.locator("#key-dialog")).to_be_hidden()
@@ -236,6 +238,7 @@ async def test_key_prompt_send_stream_and_reload(product_stack, context):
     await expect(answers(page).last).to_have_attribute("data-source", source)
     await expect(answers(page).last.locator(".content")).to_have_text(shown)
     await expect(answers(page).last).to_have_attribute("data-status", "complete")
+    await expect(answers(page).last.locator(".usage")).to_have_text(f"{tokens} tokens")
 
 
 async def test_stop_mid_reply_keeps_the_partial_text_as_stopped(product_stack, context):
@@ -514,3 +517,40 @@ async def test_the_conversation_list_loads_more_a_page_at_a_time(product_stack, 
     shown = await links.evaluate_all("links => links.map((a) => a.dataset.id)")
     assert len(shown) == len(set(shown)), "a conversation is listed twice"
     assert set(created) <= set(shown), "a conversation of the first two pages is missing"
+
+
+async def test_esc_stops_the_reply_and_a_shortcut_starts_a_new_chat(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await send(page, LONG_PROMPT)
+    answer = answers(page).last
+    await wait_for_first_words(page, answer)
+    await page.press("#input", "Escape")
+    await expect(answer).to_have_attribute("data-status", "stopped", timeout=REPLY_TIMEOUT_MS)
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    assert conversation["messages"][-1]["status"] == "stopped"
+
+    await page.keyboard.press("Control+Shift+O")
+    await expect(page.locator(".message")).to_have_count(0)
+    await expect(page.locator("#chat-title")).to_have_text("New chat")
+    assert not page.url.partition("#")[2], "the new chat still points at the old conversation"
+
+
+async def test_the_theme_toggle_switches_light_and_dark_and_is_remembered(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    html = page.locator("html")
+    background = "() => getComputedStyle(document.body).backgroundColor"
+    await expect(page.locator("#theme")).to_have_text("Theme: auto")
+    await page.click("#theme")
+    await expect(html).to_have_attribute("data-theme", "light")
+    assert await page.evaluate(background) == "rgb(255, 255, 255)"
+    await page.click("#theme")
+    await expect(html).to_have_attribute("data-theme", "dark")
+    assert await page.evaluate(background) == "rgb(23, 24, 27)"
+    assert await page.eval_on_selector("#code-theme-dark", "link => link.media") == "all"
+
+    await page.reload()
+    await expect(page.locator("#theme")).to_have_text("Theme: dark")
+    await expect(html).to_have_attribute("data-theme", "dark")
+    await page.click("#theme")
+    await expect(html).not_to_have_attribute("data-theme", "dark")
+    await expect(page.locator("#theme")).to_have_text("Theme: auto")

@@ -2,9 +2,10 @@
 // Model output reaches the page only through messages.js: sanitised Markdown, never raw HTML.
 
 import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
-import { appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, textOf } from '/static/messages.js';
+import { appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, setUsage, textOf } from '/static/messages.js';
 import { ConversationList } from '/static/conversations.js';
 import { apiError, followReply } from '/static/stream.js';
+import { setUpThemeToggle } from '/static/theme.js';
 
 const KEY_STORAGE = 'tandem.apiKey';
 const MODEL_STORAGE = 'tandem.model';
@@ -12,7 +13,7 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   sidebar: $('sidebar'), toggleSidebar: $('toggle-sidebar'), list: $('conversations'), listNote: $('conversations-note'),
   loadMore: $('load-more'),
-  newChat: $('new-chat'), changeKey: $('change-key'), title: $('chat-title'), model: $('model'),
+  newChat: $('new-chat'), changeKey: $('change-key'), theme: $('theme'), title: $('chat-title'), model: $('model'),
   messages: $('messages'), empty: $('empty'), banner: $('banner'),
   composer: $('composer'), input: $('input'), send: $('send'), stop: $('stop'),
   keyDialog: $('key-dialog'), keyForm: $('key-form'), keyInput: $('api-key'), keyError: $('key-error'),
@@ -191,6 +192,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
     },
     done(data) {
       const stopped = data.finish === 'cancelled';
+      setUsage(el, data.usage);
       setStatus(el, stopped ? 'stopped' : 'complete', data.finish === 'length' ? 'Cut short at the length limit' : '');
     },
     error(data) {
@@ -298,6 +300,7 @@ function regenerate(el) {
   if (!messageId || state.active) return;
   hideBanner();
   setText(el, '');
+  setUsage(el);
   delete el.dataset.id;
   followStream(el, {
     start: (_, signal) => api(`/v1/messages/${encodeURIComponent(messageId)}/regenerate`, {
@@ -361,6 +364,17 @@ ui.input.addEventListener('keydown', (event) => {
   }
 });
 ui.input.addEventListener('input', autosize);
+// Esc stops the reply being written (unless a dialog or a rename is taking the key);
+// Ctrl+Shift+O (Cmd+Shift+O on a Mac) starts a new chat.
+document.addEventListener('keydown', (event) => {
+  if (event.key === 'Escape' && state.active && !ui.keyDialog.open && !event.target.closest('.rename-input')) {
+    event.preventDefault();
+    stop();
+  } else if ((event.ctrlKey || event.metaKey) && event.shiftKey && event.key.toLowerCase() === 'o') {
+    event.preventDefault();
+    showNewChat();
+  }
+});
 ui.stop.addEventListener('click', stop);
 ui.newChat.addEventListener('click', () => {
   showNewChat();
@@ -399,6 +413,8 @@ async function loadModels() {
     // "auto" stays the only choice
   }
 }
+
+setUpThemeToggle(ui.theme);
 
 function start() {
   if (!state.key) {

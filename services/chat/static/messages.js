@@ -16,7 +16,7 @@ const STATUS_TEXT = {
 };
 
 /** A message as the API gives it (`{id, role, content, status}`); `onRegenerate(el)` for answers. */
-export function messageElement({ id = '', role, content = '', status = 'complete' }, onRegenerate) {
+export function messageElement({ id = '', role, content = '', status = 'complete', tokens = 0 }, onRegenerate) {
   const el = document.createElement('article');
   el.className = 'message';
   el.dataset.role = role;
@@ -30,7 +30,9 @@ export function messageElement({ id = '', role, content = '', status = 'complete
   const errorLine = document.createElement('span');
   errorLine.className = 'error-line';
   errorLine.setAttribute('role', 'alert');
-  foot.append(statusLine, errorLine);
+  const usage = document.createElement('span');
+  usage.className = 'usage';
+  foot.append(statusLine, errorLine, usage);
   if (role === 'assistant') {
     const again = document.createElement('button');
     again.type = 'button';
@@ -43,7 +45,15 @@ export function messageElement({ id = '', role, content = '', status = 'complete
   el.append(body, foot);
   el.dataset.source = content;
   setStatus(el, status);
+  if (role === 'assistant' && status !== 'running' && tokens > 0) setUsage(el, { output: tokens });
   return el;
+}
+
+/** The answer's token usage, discreetly: `{output}` as stored, or the done event's `{input, cached, output}`. */
+export function setUsage(el, { input, cached = 0, output = 0 } = {}) {
+  const line = el.querySelector('.usage');
+  line.textContent = output ? `${output} token${output === 1 ? '' : 's'}` : '';
+  line.title = input === undefined ? '' : `prompt ${input} tokens (${cached} cached), answer ${output} tokens`;
 }
 
 export const textOf = (el) => el.dataset.source;
