@@ -14,9 +14,18 @@ _ASSETS = {path.relative_to(STATIC).as_posix(): path for path in STATIC.rglob("*
 router = APIRouter(tags=["web"])
 
 
+# Defence in depth behind the Markdown sanitiser: only the page's own files may run or style it
+# (no inline script or event handler, no other origin), and images only from the page itself.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+
+
 @router.get("/", include_in_schema=False)
 async def index() -> FileResponse:
-    return FileResponse(STATIC / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})
+    headers = {"Cache-Control": "no-cache", "Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-Type-Options": "nosniff"}
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers=headers)
 
 
 @router.get("/static/{name:path}", include_in_schema=False)

@@ -64,6 +64,13 @@ new MutationObserver(() => {
 }).observe(document, {subtree: true, childList: true, characterData: true});
 """
 
+# Anything the page's Content-Security-Policy blocks is a page bug (or an attack): report it.
+REPORT_CSP_VIOLATIONS = """
+document.addEventListener('securitypolicyviolation', (e) => {
+  console.error(`tandem: the Content-Security-Policy blocked ${e.violatedDirective} ${e.blockedURI}`);
+});
+"""
+
 
 class CuttableProxy:
     """A TCP proxy in front of a chat instance whose connections the test can cut, as a dropped
@@ -132,6 +139,7 @@ async def context(browser):
     and on the page's own error reports (console lines starting "tandem:")."""
     context = await browser.new_context()
     await context.add_init_script(RECORD_GROWTH)
+    await context.add_init_script(REPORT_CSP_VIOLATIONS)
     page_errors = []
     context.on("weberror", lambda error: page_errors.append(str(error.error)))
     context.on("console", lambda message: page_errors.append(message.text) if message.text.startswith("tandem:") else None)
@@ -424,6 +432,8 @@ async def test_answers_render_markdown_with_highlighted_code_and_never_run_scrip
     await page.goto(f"{product_stack.url}/#{conversation_id}")
     answer = answers(page).last
     await expect(answer).to_have_attribute("data-source", HOSTILE_MARKDOWN)
+    response = await page.request.get(f"{product_stack.url}/")
+    assert "script-src 'self'" in response.headers["content-security-policy"]
     content = answer.locator(".content")
 
     await expect(content.locator("h1")).to_have_text("Plan")
