@@ -475,8 +475,9 @@ async def test_answers_render_markdown_with_highlighted_code_and_never_run_scrip
     assert await page.evaluate("window.__pwned") is None, "model output ran script in the page"
 
 
-async def test_a_conversation_is_renamed_and_deleted_from_the_sidebar(product_stack, context):
+async def test_a_conversation_is_renamed_found_by_search_and_deleted_from_the_sidebar(product_stack, context):
     async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE) as client:
+        other_id = (await client.post("/v1/conversations", json={"title": "another chat"})).json()["id"]
         conversation_id = (await client.post("/v1/conversations", json={"title": "to rename"})).json()["id"]
     page = await signed_in_page(context, product_stack.url)
     item = page.locator(f'#conversations li[data-id="{conversation_id}"]')
@@ -500,6 +501,16 @@ async def test_a_conversation_is_renamed_and_deleted_from_the_sidebar(product_st
         return response.json()["title"] == "Renamed chat" or None
 
     await wait_until(title_stored, timeout_s=10)
+
+    other = page.locator(f'#conversations li[data-id="{other_id}"]')
+    await page.fill("#search", "RENAMED c")
+    await expect(item).to_be_visible()
+    await expect(other).to_be_hidden()
+    await page.fill("#search", "no title has this")
+    await expect(item).to_be_hidden()
+    await expect(page.locator("#conversations-note")).to_contain_text("matches")
+    await page.fill("#search", "")
+    await expect(other).to_be_visible()
 
     page.once("dialog", lambda dialog: dialog.accept())
     await item.locator(".delete").click()

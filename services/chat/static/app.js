@@ -12,7 +12,7 @@ const MODEL_STORAGE = 'tandem.model';
 const $ = (id) => document.getElementById(id);
 const ui = {
   sidebar: $('sidebar'), toggleSidebar: $('toggle-sidebar'), list: $('conversations'), listNote: $('conversations-note'),
-  loadMore: $('load-more'),
+  loadMore: $('load-more'), search: $('search'),
   newChat: $('new-chat'), changeKey: $('change-key'), theme: $('theme'), title: $('chat-title'), model: $('model'),
   messages: $('messages'), empty: $('empty'), banner: $('banner'),
   composer: $('composer'), input: $('input'), send: $('send'), stop: $('stop'),
@@ -89,6 +89,7 @@ const conversations = new ConversationList({
   list: ui.list,
   note: ui.listNote,
   more: ui.loadMore,
+  search: ui.search,
   currentId: () => state.conversationId,
   onListed(listed) {
     const current = listed.find((c) => c.id === state.conversationId);

@@ -1,5 +1,5 @@
-// The sidebar's conversation list: newest first, a page at a time ("Load more"), and each
-// conversation's Rename and Delete.
+// The sidebar's conversation list: newest first, a page at a time ("Load more"), a search box
+// over the titles listed, and each conversation's Rename and Delete.
 
 import { api, apiJson } from '/static/api.js';
 import { apiError } from '/static/stream.js';
@@ -12,8 +12,9 @@ export class ConversationList {
    * `currentId()`: the conversation shown. `onListed(conversations)`: after each load.
    * `onRenamed(id, title)`, `onDeleted(id)`: after a change succeeded. `onError(message, retryAfterS)`.
    */
-  constructor({ list, note, more, currentId, onListed, onRenamed, onDeleted, onError }) {
-    Object.assign(this, { list, note, more, currentId, onListed, onRenamed, onDeleted, onError });
+  constructor({ list, note, more, search, currentId, onListed, onRenamed, onDeleted, onError }) {
+    Object.assign(this, { list, note, more, search, currentId, onListed, onRenamed, onDeleted, onError });
+    search.addEventListener('input', () => this.filter());
     this.oldestMs = 0; // updated_at_ms of the last conversation listed
     more.addEventListener('click', () => this.loadMore());
     list.addEventListener('click', (event) => {
@@ -55,8 +56,22 @@ export class ConversationList {
   listed(conversations, limit) {
     if (conversations.length) this.oldestMs = conversations.at(-1).updated_at_ms;
     this.more.hidden = conversations.length < limit;
-    this.showNote(this.list.children.length ? '' : 'No conversations yet.');
+    this.filter();
     this.onListed(conversations);
+  }
+
+  /** Shows only the conversations whose title has the search text (any case). */
+  filter() {
+    const wanted = this.search.value.trim().toLowerCase();
+    let numShown = 0;
+    for (const item of this.list.children) {
+      const title = (item.querySelector('a') || item.querySelector('input')).textContent || '';
+      item.hidden = Boolean(wanted) && !title.toLowerCase().includes(wanted) && !item.querySelector('input');
+      numShown += item.hidden ? 0 : 1;
+    }
+    if (!this.list.children.length) this.showNote('No conversations yet.');
+    else if (!numShown) this.showNote(this.more.hidden ? 'No title matches.' : 'No title listed so far matches; load more to search further.');
+    else this.showNote('');
   }
 
   showNote(text) {
@@ -118,6 +133,7 @@ export class ConversationList {
     try {
       const changed = await apiJson(`/v1/conversations/${encodeURIComponent(id)}`, { method: 'PATCH', body: { title } });
       link.textContent = changed.title;
+      this.filter();
       this.onRenamed(id, changed.title);
     } catch (err) {
       link.textContent = before;
@@ -136,7 +152,7 @@ export class ConversationList {
       return;
     }
     item.remove();
-    this.showNote(this.list.children.length ? '' : 'No conversations yet.');
+    this.filter();
     this.onDeleted(id);
   }
 }
