@@ -388,6 +388,7 @@ async def test_on_a_phone_the_sidebar_slides_in_and_the_reply_stays_in_view(prod
 HOSTILE_MARKDOWN = """# Plan
 
 Some **bold**, `inline code`, a [safe link](https://example.com/docs) and a [bad one](javascript:window.__pwned='link').
+A second line of the same paragraph.
 
 | step | cost |
 |------|------|
@@ -438,6 +439,7 @@ async def test_answers_render_markdown_with_highlighted_code_and_never_run_scrip
 
     await expect(content.locator("h1")).to_have_text("Plan")
     await expect(content.locator("strong")).to_have_text("bold")
+    await expect(content.locator("p", has=page.locator("strong")).locator("br")).to_have_count(1)  # line breaks kept
     await expect(content.locator("p > code")).to_have_text("inline code")
     await expect(content.locator("li")).to_have_count(2)
     await expect(content.locator("td")).to_have_text(["one", "1"])

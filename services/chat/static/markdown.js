@@ -12,6 +12,7 @@ const escapeHtml = (text) => text.replace(/[&<>"']/g, (c) => ESCAPES[c]);
 
 const marked = new Marked({
   gfm: true,
+  breaks: true, // a model's single line breaks (a poem, an address) are kept as it wrote them
   renderer: {
     html: ({ text }) => escapeHtml(text),
     image: ({ href, text }) => `<a href="${escapeHtml(href)}">${escapeHtml(text || href)}</a>`,
