@@ -80,7 +80,7 @@ async def answer(
     await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
     head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
     if body.stream:
-        return sse_response(state, _chunks(state, reply_id, head, shape, body.wants_usage_chunk))
+        return sse_response(state, reply_chunks(state, reply_id, head, shape, body.wants_usage_chunk))
     return await _whole(state, reply_id, head, shape)
 
 
@@ -101,7 +101,7 @@ async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape
     return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
 
 
-async def _chunks(
+async def reply_chunks(
     state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool
 ) -> AsyncIterator[dict[str, str]]:
     """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
