@@ -16,6 +16,7 @@ import torch
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.events import now_ms
 from tandem.devstack.proc import ChildProcess
 from tandem.engine.block_hash import prefix_block_hashes
 from tandem.engine.engine import Engine, EngineConfig, Request
@@ -142,7 +143,7 @@ async def test_an_assignment_past_its_accept_by_deadline_is_refused_and_never_ru
     _, instance_id = decode_worker
     await _ready(nc, instance_id)
     done, subscription, first = await _collect(nc, "reply-late")
-    late = Assignment(reply_id="reply-late", request=_request([1, 2, 3, 4], 4), first_seq=1, accept_by_unix_ms=int(time.time() * 1000) - 1)
+    late = Assignment(reply_id="reply-late", request=_request([1, 2, 3, 4], 4), first_seq=1, accept_by_unix_ms=now_ms() - 1)
     reply = decode((await nc.request(subjects.assign(instance_id), encode(late), timeout=30)).data, AssignmentReply)
     assert reply.refused.reason == "expired"
     # A later reply's whole stream is a barrier: the late one would have streamed by then.

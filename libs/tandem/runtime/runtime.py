@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from google.protobuf.message import Message
 
 from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
+from tandem.bus.events import now_ms
 from tandem.config import Settings
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
@@ -53,7 +53,7 @@ class Runtime:
         self.is_draining = False
         self._checks: dict[str, ReadinessCheck] = {}
         self._build_heartbeat = heartbeat or (lambda base: base)
-        self._started_unix_ms = int(time.time() * 1000)
+        self._started_unix_ms = now_ms()
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     def add_check(self, name: str, check: ReadinessCheck) -> None:
@@ -102,7 +102,7 @@ class Runtime:
             is_ready=is_ready,
             is_draining=self.is_draining,
             started_unix_ms=self._started_unix_ms,
-            sent_unix_ms=int(time.time() * 1000),
+            sent_unix_ms=now_ms(),
             interval_s=self.config.heartbeat_interval_s,
         )
 
