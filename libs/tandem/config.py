@@ -144,6 +144,23 @@ class Settings(BaseSettings):
     """chat: prompt tokens the plus and pro tiers may send"""
     max_message_chars: int = 32000
     """chat: longer messages are refused with 413 before tokenizing"""
+    # failure handling (issue 11)
+    stall_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    """relay: a running reply with no new token for this long, that no live worker claims, is continued elsewhere"""
+    dispatch_grace_s: Annotated[float, Field(gt=0)] = 10.0
+    """relay: how long a new reply or continuation may wait for its first worker before it counts as stalled"""
+    max_continuations: Annotated[int, Field(ge=0)] = 3
+    """relay: continuations of one reply before it ends with an error event and is stored as failed"""
+    running_reply_ttl_s: Annotated[int, Field(ge=60)] = 3600
+    """token log: the expiry of a running reply's keys, pushed back by every event"""
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 20.0
+    """workers: on SIGTERM, how long running replies may go on before the rest are left to continue elsewhere"""
+    token_stream_max_age_s: Annotated[int, Field(ge=10)] = 600
+    """NATS JetStream: how long an unacknowledged token event is kept for redelivery"""
+    decode_workers: Annotated[int, Field(ge=1, le=16)] = 1
+    """tandem up: decode worker processes"""
+    prefill_workers: Annotated[int, Field(ge=0, le=16)] = 1
+    """tandem up: prefill worker processes"""
 
     @field_validator("api_keys", mode="before")
     @classmethod

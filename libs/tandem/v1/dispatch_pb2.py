@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/dispatch.proto\x12\ttandem.v1\x1a\x18tandem/v1/generate.proto\"\xb0\x01\n\nAssignment\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x1b\n\x13\x64\x65\x63ode_grpc_address\x18\x05 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65pt_by_unix_ms\x18\x06 \x01(\x04\"x\n\x0f\x41ssignmentReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x12\x1f\n\x17\x66\x61iled_decode_worker_id\x18\x03 \x01(\tB\t\n\x07outcome\"\xa4\x02\n\x0eHandoffOutcome\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x30\n\x06result\x18\x02 \x01(\x0e\x32 .tandem.v1.HandoffOutcome.Result\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x1b\n\x13published_token_ids\x18\x07 \x03(\r\"[\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10RESULT_COMMITTED\x10\x01\x12\x10\n\x0cRESULT_ENDED\x10\x02\x12\x11\n\rRESULT_FAILED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/dispatch.proto\x12\ttandem.v1\x1a\x18tandem/v1/generate.proto\"\xbf\x01\n\nAssignment\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x1b\n\x13\x64\x65\x63ode_grpc_address\x18\x05 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65pt_by_unix_ms\x18\x06 \x01(\x04\x12\r\n\x05\x65poch\x18\x07 \x01(\r\"x\n\x0f\x41ssignmentReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x12\x1f\n\x17\x66\x61iled_decode_worker_id\x18\x03 \x01(\tB\t\n\x07outcome\"\xa4\x02\n\x0eHandoffOutcome\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x30\n\x06result\x18\x02 \x01(\x0e\x32 .tandem.v1.HandoffOutcome.Result\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x1b\n\x13published_token_ids\x18\x07 \x03(\r\"[\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10RESULT_COMMITTED\x10\x01\x12\x10\n\x0cRESULT_ENDED\x10\x02\x12\x11\n\rRESULT_FAILED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.dispatch_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ASSIGNMENT']._serialized_start=66
-  _globals['_ASSIGNMENT']._serialized_end=242
-  _globals['_ASSIGNMENTREPLY']._serialized_start=244
-  _globals['_ASSIGNMENTREPLY']._serialized_end=364
-  _globals['_HANDOFFOUTCOME']._serialized_start=367
-  _globals['_HANDOFFOUTCOME']._serialized_end=659
-  _globals['_HANDOFFOUTCOME_RESULT']._serialized_start=568
-  _globals['_HANDOFFOUTCOME_RESULT']._serialized_end=659
+  _globals['_ASSIGNMENT']._serialized_end=257
+  _globals['_ASSIGNMENTREPLY']._serialized_start=259
+  _globals['_ASSIGNMENTREPLY']._serialized_end=379
+  _globals['_HANDOFFOUTCOME']._serialized_start=382
+  _globals['_HANDOFFOUTCOME']._serialized_end=674
+  _globals['_HANDOFFOUTCOME_RESULT']._serialized_start=583
+  _globals['_HANDOFFOUTCOME_RESULT']._serialized_end=674
 # @@protoc_insertion_point(module_scope)

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Assignment(_message.Message):
-    __slots__ = ("reply_id", "request", "first_seq", "decode_worker_id", "decode_grpc_address", "accept_by_unix_ms")
+    __slots__ = ("reply_id", "request", "first_seq", "decode_worker_id", "decode_grpc_address", "accept_by_unix_ms", "epoch")
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_BY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     reply_id: str
     request: _generate_pb2.GenerateRequest
     first_seq: int
     decode_worker_id: str
     decode_grpc_address: str
     accept_by_unix_ms: int
-    def __init__(self, reply_id: _Optional[str] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., first_seq: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_grpc_address: _Optional[str] = ..., accept_by_unix_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, reply_id: _Optional[str] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., first_seq: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_grpc_address: _Optional[str] = ..., accept_by_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class AssignmentReply(_message.Message):
     __slots__ = ("accepted", "refused", "failed_decode_worker_id")

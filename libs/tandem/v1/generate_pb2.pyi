@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "user_id", "tenant", "conversation_id", "lane", "prompt_token_ids", "public_prefix_tokens", "sampling", "resume_reply_id", "generated_token_ids", "deadline_unix_ms", "reply_id")
+    __slots__ = ("request_id", "model", "user_id", "tenant", "conversation_id", "lane", "prompt_token_ids", "public_prefix_tokens", "sampling", "resume_reply_id", "generated_token_ids", "deadline_unix_ms", "reply_id", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     USER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class GenerateRequest(_message.Message):
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     user_id: str
@@ -35,7 +36,8 @@ class GenerateRequest(_message.Message):
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     deadline_unix_ms: int
     reply_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., user_id: _Optional[str] = ..., tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ..., lane: _Optional[_Union[_common_pb2.Lane, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., public_prefix_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_reply_id: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix_ms: _Optional[int] = ..., reply_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., user_id: _Optional[str] = ..., tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ..., lane: _Optional[_Union[_common_pb2.Lane, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., public_prefix_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_reply_id: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix_ms: _Optional[int] = ..., reply_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")

@@ -1,7 +1,8 @@
 from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -29,7 +30,7 @@ class ServiceHeartbeat(_message.Message):
     def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., http_url: _Optional[str] = ..., is_ready: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., started_unix_ms: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., interval_s: _Optional[float] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("service", "model", "grpc_address", "ucx_address", "kv_blocks_free", "kv_blocks_total", "kv_block_size", "running", "waiting", "queued_prefill_tokens", "step_time_ms", "kv_event_id", "max_model_len", "is_engine_ready")
+    __slots__ = ("service", "model", "grpc_address", "ucx_address", "kv_blocks_free", "kv_blocks_total", "kv_block_size", "running", "waiting", "queued_prefill_tokens", "step_time_ms", "kv_event_id", "max_model_len", "is_engine_ready", "reply_ids")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +45,7 @@ class WorkerHeartbeat(_message.Message):
     KV_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     IS_ENGINE_READY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_IDS_FIELD_NUMBER: _ClassVar[int]
     service: ServiceHeartbeat
     model: str
     grpc_address: str
@@ -58,4 +60,5 @@ class WorkerHeartbeat(_message.Message):
     kv_event_id: int
     max_model_len: int
     is_engine_ready: bool
-    def __init__(self, service: _Optional[_Union[ServiceHeartbeat, _Mapping]] = ..., model: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., waiting: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., kv_event_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., is_engine_ready: _Optional[bool] = ...) -> None: ...
+    reply_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, service: _Optional[_Union[ServiceHeartbeat, _Mapping]] = ..., model: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., waiting: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., kv_event_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., is_engine_ready: _Optional[bool] = ..., reply_ids: _Optional[_Iterable[str]] = ...) -> None: ...
