@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.sampling import Sampler
+from tandem.engine.sampling import Sampler, token_generator
 from tandem.engine.scheduler import StepPlan
 from tandem.engine.sequence import Sequence
 from tandem.kernels.metadata import AttentionMetadata
@@ -77,7 +77,6 @@ class Runner:
         self._kv_cache = kv_cache
         self._block_size = block_size
         self._sampler = sampler
-        self._generators: dict[str, torch.Generator] = {}
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -85,10 +84,7 @@ class Runner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Forgets the sequences the plan says are gone, runs the plan's forward, and returns the
-        sampled token of each sequence that samples."""
-        for seq_id in plan.finished_seq_ids:
-            self._generators.pop(seq_id, None)
+        """Runs the plan's forward and returns the sampled token of each sequence that samples."""
         if not plan.scheduled:
             return {}
         inputs = build_inputs(plan, self._block_size, self._kv_cache.device)
@@ -102,10 +98,9 @@ class Runner:
         return {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, tokens)}
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded sequence's random stream for the token it samples now, derived from its seed and
+        that token's position alone: a continuation on another worker (prefill handoff, a worker
+        that died) draws the very tokens this one would have."""
         if seq.sampling.seed is None or seq.sampling.temperature == 0:
             return None
-        generator = self._generators.get(seq.seq_id)
-        if generator is None:
-            generator = torch.Generator(device=self._kv_cache.device).manual_seed(seq.sampling.seed)
-            self._generators[seq.seq_id] = generator
-        return generator
+        return token_generator(seq.sampling.seed, seq.num_tokens, self._kv_cache.device)

@@ -5,7 +5,7 @@ their nucleus (the smallest set of most likely tokens whose probability reaches 
 empty) and the tokens at least min_p times as likely as the likeliest (a token must pass all
 three; the likeliest always does), and draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i
 with probability p_i. The race needs only elementwise noise, so each row draws its noise from
-its sequence's own seeded generator (same seed, same tokens) while the arithmetic stays batched
+its token's own seeded generator (same seed and position, same token) while the arithmetic stays batched
 and nothing waits on the host until the caller reads the result.
 """
 
@@ -16,6 +16,22 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from tandem.engine.sequence import SamplingOptions
+
+_MASK_64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
+
+
+def token_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The random stream of the token a seeded sequence samples at `position` (its token count
+    then): a function of (seed, position) only, so any worker draws the same token there, and
+    nearby seeds or positions give unrelated streams."""
+    return torch.Generator(device=device).manual_seed(_splitmix64(_splitmix64(seed & _MASK_64) ^ position))
 
 
 class Sampler:

@@ -4,6 +4,7 @@ equals a naive one-sequence forward token for token; handoffs between engines ar
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from reference_model import random_model, reference_greedy, tiny_config
@@ -251,3 +252,44 @@ def test_a_stop_string_ends_the_reply_and_is_not_shown(tiny):
     assert "".join(o.text for o in stream) == full_text[: full_text.index(stop)]
     assert len(tokens_of(stream)) < NUM_NEW_TOKENS
     assert engine.kv.num_used_blocks == 0, "a stop string frees the sequence's blocks"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(temperature=1.0, top_p=0.95, seed=1234), dict(temperature=0.8, top_k=50, min_p=0.01, seed=-3)],
+    ids=["greedy", "seeded", "seeded-filtered"],
+)
+def test_a_reply_continued_on_another_engine_equals_one_generated_in_one_go(tiny, options):
+    """The sampler's random state comes from (seed, position), so a continuation (the first
+    part's tokens given as generated tokens, on a fresh engine) draws exactly the tokens an
+    uninterrupted run does, and their text continues where the first part's ended."""
+    prompt = seeded_prompts(10)[6]
+    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, **options)
+    whole = Engine(tiny, EngineConfig(num_kv_blocks=64)).generate([Request("w", tuple(prompt), sampling)])["w"]
+    whole_tokens = tokens_of(whole)
+    assert len(whole_tokens) == NUM_NEW_TOKENS
+    num_first = 5
+    first = Engine(tiny, EngineConfig(num_kv_blocks=64)).generate([Request("p", tuple(prompt), replace(sampling, max_tokens=num_first))])[
+        "p"
+    ]
+    first_tokens = tokens_of(first)
+    assert first_tokens == whole_tokens[:num_first]
+    continued = Engine(tiny, EngineConfig(num_kv_blocks=64)).generate(
+        [Request("c", tuple(prompt), sampling, generated_token_ids=tuple(first_tokens))]
+    )["c"]
+    assert first_tokens + tokens_of(continued) == whole_tokens
+    assert continued[-1].num_output_tokens == NUM_NEW_TOKENS and continued[-1].finish_reason is FinishReason.LENGTH
+    whole_text = "".join(o.text for o in whole)
+    assert "".join(o.text for o in continued) == whole_text[len(tiny.tokenizer.decode(first_tokens)) :]
+
+
+def test_seeded_replies_differ_by_seed_and_batched_neighbours_do_not_change_a_seeded_one(tiny):
+    prompt = seeded_prompts(10)[6]
+
+    def seeded(request_id: str, seed: int) -> Request:
+        return Request(request_id, tuple(prompt), SamplingOptions(max_tokens=8, ignore_eos=True, temperature=1.0, seed=seed))
+
+    alone = tokens_of(Engine(tiny, EngineConfig(num_kv_blocks=64)).generate([seeded("a", 1)])["a"])
+    batched = Engine(tiny, EngineConfig(num_kv_blocks=64)).generate([seeded("a", 1), seeded("b", 2)])
+    assert tokens_of(batched["a"]) == alone
+    assert tokens_of(batched["b"]) != alone

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tandem.engine.sampling import Sampler
+from tandem.engine.sampling import Sampler, token_generator
 from tandem.engine.sequence import SamplingOptions
 
 VOCAB = 64
@@ -134,3 +134,16 @@ def test_min_p_of_one_is_greedy_and_zero_changes_nothing():
     off = sample(logits, SamplingOptions(temperature=1.0, min_p=0.0), [seeded(i) for i in range(8)])
     plain = sample(logits, SamplingOptions(temperature=1.0), [seeded(i) for i in range(8)])
     assert torch.equal(off, plain)
+
+
+def test_a_tokens_generator_depends_only_on_its_seed_and_position():
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw is up to the generator
+    option = SamplingOptions(temperature=1.0, seed=3)
+
+    def draws(seed: int, positions: range) -> list[int]:
+        return [sample(logits, option, [token_generator(seed, p)]).item() for p in positions]
+
+    assert draws(3, range(10, 40)) == draws(3, range(10, 40))
+    assert draws(3, range(10, 40)) != draws(3, range(11, 41)), "each position draws afresh"
+    assert draws(3, range(10, 40)) != draws(4, range(10, 40))
+    assert draws(-1, range(5)) == draws(2**64 - 1, range(5)), "a seed is taken modulo 2**64"
