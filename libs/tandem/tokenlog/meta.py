@@ -1,16 +1,17 @@
 """What the log keeps about a reply beside its tokens: owner, conversation, model, status,
-the original GenerateRequest (so a reply can be resubmitted as a continuation), and times."""
+the original GenerateRequest (so a reply can be resubmitted as a continuation), its owner epoch,
+and times."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
 from tandem.bus.events import ReplyStatus, now_ms
-from tandem.tokenlog.keys import RUNNING, ReplyKeys
+from tandem.tokenlog.keys import REPLY_SET_TTL_S, RUNNING, RUNNING_REPLY_TTL_S, ReplyKeys
 from tandem.tokenlog.values import as_bytes, as_text
 
 
@@ -26,10 +27,22 @@ class ReplyMeta:
     finished_ms: int = 0
     last_seq: int = 0  # the last seq appended to the log
     request: bytes = b""  # the GenerateRequest as sent
+    is_tracking_readers: bool = False  # cancelled once nobody reads it
+    epoch: int = 0  # the owner epoch whose events the log accepts
+    num_continuations: int = 0  # times the relay resubmitted it
+    continued_ms: int = 0  # when it was last resubmitted; 0: never
+    last_event_ms: int = 0  # when an event was last appended; 0: none yet
+    cancel_sent_ms: int = 0  # when the relay cancelled it for want of readers; 0: never
+    gap_since_ms: int = 0  # since when an event waits for a missing one before it; 0: no gap
 
     @property
     def is_running(self) -> bool:
         return self.status == ReplyStatus.RUNNING
+
+    @property
+    def dispatched_ms(self) -> int:
+        """When its current owner was asked for: at creation or at its last continuation."""
+        return max(self.created_ms, self.continued_ms)
 
     @classmethod
     def from_hash(cls, reply_id: str, fields: Mapping[bytes | str, bytes | str]) -> ReplyMeta:
@@ -38,6 +51,9 @@ class ReplyMeta:
         def field(name: str) -> str:
             return as_text(values[name]) if name in values else ""
 
+        def number(name: str) -> int:
+            return int(field(name) or 0)
+
         return cls(
             reply_id=reply_id,
             user_id=field("user_id"),
@@ -45,16 +61,25 @@ class ReplyMeta:
             message_id=field("message_id"),
             model=field("model"),
             status=ReplyStatus(field("status") or ReplyStatus.RUNNING.value),
-            created_ms=int(field("created_ms") or 0),
-            finished_ms=int(field("finished_ms") or 0),
-            last_seq=int(field("last_seq") or 0),
+            created_ms=number("created_ms"),
+            finished_ms=number("finished_ms"),
+            last_seq=number("last_seq"),
             request=as_bytes(values.get("request", b"")),
+            is_tracking_readers=field("track_readers") == "1",
+            epoch=number("epoch"),
+            num_continuations=number("continuations"),
+            continued_ms=number("continued_ms"),
+            last_event_ms=number("last_event_ms"),
+            cancel_sent_ms=number("cancel_sent_ms"),
+            gap_since_ms=number("gap_since_ms"),
         )
 
 
-async def create_reply(redis: Redis, meta: ReplyMeta, *, track_readers: bool) -> None:
-    """Records a reply before its request is sent, so its first token always finds it.
-    With `track_readers`, the relay cancels it once nobody has read it for a while."""
+async def create_reply(redis: Redis, meta: ReplyMeta, *, track_readers: bool, ttl_s: int = RUNNING_REPLY_TTL_S) -> None:
+    """Records a reply before its request is sent, so its first token always finds it, and lists
+    it as running, so the relay watches it (and continues it if its worker is lost). With
+    `track_readers`, the relay also cancels it once nobody has read it for a while. `ttl_s`:
+    settings.running_reply_ttl_s; every event pushes it back."""
     keys = ReplyKeys(meta.reply_id)
     fields: dict[FieldT, EncodableT] = {
         "user_id": meta.user_id,
@@ -65,14 +90,47 @@ async def create_reply(redis: Redis, meta: ReplyMeta, *, track_readers: bool) ->
         "created_ms": meta.created_ms or now_ms(),
         "last_reader_ms": meta.created_ms or now_ms(),
         "request": meta.request,
+        "track_readers": "1" if track_readers else "0",
     }
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.meta, mapping=fields)
-        if track_readers:
-            pipe.sadd(RUNNING, meta.reply_id)
+        pipe.expire(keys.meta, ttl_s)
+        pipe.sadd(RUNNING, meta.reply_id)
+        pipe.expire(RUNNING, REPLY_SET_TTL_S)
         await pipe.execute()
 
 
 async def load_reply(redis: Redis, reply_id: str) -> ReplyMeta | None:
     fields = await redis.hgetall(ReplyKeys(reply_id).meta)
     return ReplyMeta.from_hash(reply_id, fields) if fields else None
+
+
+# Everything of a reply's meta but the request (which can be large), for what looks at many replies often.
+_STATE_FIELDS = (
+    "status",
+    "created_ms",
+    "finished_ms",
+    "last_seq",
+    "track_readers",
+    "epoch",
+    "continuations",
+    "continued_ms",
+    "last_event_ms",
+    "cancel_sent_ms",
+    "gap_since_ms",
+    "conversation_id",
+    "message_id",
+)
+
+
+async def load_reply_states(redis: Redis, reply_ids: Sequence[str]) -> dict[str, ReplyMeta | None]:
+    """The meta of many replies in one round trip, without their requests; None for one that is gone."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for reply_id in reply_ids:
+            pipe.hmget(ReplyKeys(reply_id).meta, _STATE_FIELDS)
+        rows = await pipe.execute()
+    states: dict[str, ReplyMeta | None] = {}
+    for reply_id, values in zip(reply_ids, rows, strict=True):
+        fields: dict[bytes | str, bytes | str] = {name: value for name, value in zip(_STATE_FIELDS, values, strict=True) if value is not None}
+        states[reply_id] = ReplyMeta.from_hash(reply_id, fields) if "status" in fields else None
+    return states

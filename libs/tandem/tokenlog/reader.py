@@ -57,7 +57,7 @@ async def read(redis: Redis, reply_id: str, *, after: int = 0, block_ms: int = 5
                 last_id = item_id
 
 
-async def logged_events(redis: Redis, reply_id: str) -> list[TokenEvent]:
-    """The events logged so far, at once (one range read, no waiting)."""
-    entries = await redis.xrange(ReplyKeys(reply_id).log) or []
+async def logged_events(redis: Redis, reply_id: str, *, until: str = "+") -> list[TokenEvent]:
+    """The events logged so far (up to the entry id `until`), at once (one range read, no waiting)."""
+    entries = await redis.xrange(ReplyKeys(reply_id).log, max=until) or []
     return [_event_of(fields) for _, fields in entries]

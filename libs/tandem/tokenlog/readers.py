@@ -7,12 +7,16 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from tandem.bus.events import now_ms
-from tandem.tokenlog.keys import ReplyKeys
+from tandem.tokenlog.keys import READERS_TTL_S, ReplyKeys
 
 
 async def attach(redis: Redis, reply_id: str, reader_id: str, lease_s: float) -> None:
     """Takes or renews a reader's lease."""
-    await redis.zadd(ReplyKeys(reply_id).readers, {reader_id: now_ms() + int(lease_s * 1000)})
+    readers = ReplyKeys(reply_id).readers
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.zadd(readers, {reader_id: now_ms() + int(lease_s * 1000)})
+        pipe.expire(readers, max(READERS_TTL_S, int(lease_s) + 1))
+        await pipe.execute()
 
 
 # Only touches a reply still recorded: a detach after the log expired must not leave a key behind.

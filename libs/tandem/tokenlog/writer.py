@@ -1,9 +1,13 @@
 """The relay's side of the token log: one atomic append per TokenEvent.
 
-Appends are idempotent and ordered by sequence number, whatever NATS delivers and whichever
-relay of the queue group gets the event: a seq already logged is dropped, a seq that comes
-before the one preceding it is held in the reply's pending hash until the gap fills, and the
-final event closes the log (later seqs are dropped) and starts its expiry.
+Appends are idempotent and ordered by sequence number, whatever delivers them and whichever
+relay gets the event: a seq already logged is dropped, a seq that comes before the one preceding
+it is held in the reply's pending hash until the gap fills, and the final event closes the log
+(later seqs are dropped), starts its expiry and moves the reply from the running set to the
+unpersisted one in the same step, so a relay that dies right after it still leaves the reply for
+a sweep to store. An event from an owner epoch older than the reply's current one (a worker the
+reply was taken from) is dropped and counted as stale. Every other event pushes the running
+reply's expiry back.
 """
 
 from __future__ import annotations
@@ -13,25 +17,38 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from tandem.bus.events import ReplyStatus, is_final, now_ms, status_of_finish
-from tandem.tokenlog.keys import ReplyKeys
+from tandem.tokenlog.keys import REPLY_SET_TTL_S, RUNNING, RUNNING_REPLY_TTL_S, UNPERSISTED, ReplyKeys
 from tandem.tokenlog.values import as_text
 from tandem.v1.tokens_pb2 import TokenEvent
 
-# KEYS: log, pending, meta, readers. ARGV: seq, event, final status ('' if not last), ttl_s, now_ms.
-# Returns {events appended, last seq logged, final status or '', events held}.
+# KEYS: log, pending, meta, readers, running set, unpersisted set.
+# ARGV: seq, event, final status ('' if not last), final ttl_s, now_ms, epoch, running ttl_s, set ttl_s, reply id.
+# Returns {events appended, last seq logged, final status or '', events held, 1 if stale else 0}.
 _APPEND = """
 local last = tonumber(redis.call('HGET', KEYS[3], 'last_seq') or '0')
-local final_seq = tonumber(redis.call('HGET', KEYS[3], 'final_seq') or '0')
-local seq = tonumber(ARGV[1])
-redis.call('HSETNX', KEYS[3], 'created_ms', ARGV[5])
-redis.call('HSETNX', KEYS[3], 'status', 'running')
-if seq <= last or (final_seq > 0) then
-  return {0, last, '', redis.call('HLEN', KEYS[2]) / 2}
+if tonumber(redis.call('HGET', KEYS[3], 'final_seq') or '0') > 0 then
+  return {0, last, '', 0, 0}
+end
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('HSET', KEYS[3], 'created_ms', ARGV[5], 'status', 'running')
+end
+local function keep_running()
+  for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+end
+local seq, epoch = tonumber(ARGV[1]), tonumber(ARGV[6])
+if epoch < tonumber(redis.call('HGET', KEYS[3], 'epoch') or '0') then
+  redis.call('HINCRBY', KEYS[3], 'stale', 1)
+  return {0, last, '', redis.call('HLEN', KEYS[2]) / 2, 1}
+end
+if seq <= last then
+  keep_running()
+  return {0, last, '', redis.call('HLEN', KEYS[2]) / 2, 0}
 end
 if seq > last + 1 then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2], 's:' .. ARGV[1], ARGV[3])
   redis.call('HSETNX', KEYS[3], 'gap_since_ms', ARGV[5])
-  return {0, last, '', redis.call('HLEN', KEYS[2]) / 2}
+  keep_running()
+  return {0, last, '', redis.call('HLEN', KEYS[2]) / 2, 0}
 end
 local event, status = ARGV[2], ARGV[3]
 local appended = 0
@@ -47,32 +64,41 @@ while true do
   redis.call('HDEL', KEYS[2], following, 's:' .. following)
   seq = seq + 1
 end
-redis.call('HSET', KEYS[3], 'last_seq', last)
+redis.call('HSET', KEYS[3], 'last_seq', last, 'last_event_ms', ARGV[5])
 if redis.call('HLEN', KEYS[2]) == 0 then redis.call('HDEL', KEYS[3], 'gap_since_ms') end
 if status ~= '' then
   redis.call('HSET', KEYS[3], 'status', status, 'finished_ms', ARGV[5], 'final_seq', last)
   redis.call('HDEL', KEYS[3], 'gap_since_ms')
   redis.call('DEL', KEYS[2])
   for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+  redis.call('SREM', KEYS[5], ARGV[9])
+  redis.call('SADD', KEYS[6], ARGV[9])
+  redis.call('EXPIRE', KEYS[6], ARGV[8])
+else
+  keep_running()
 end
-return {appended, last, status, redis.call('HLEN', KEYS[2]) / 2}
+return {appended, last, status, redis.call('HLEN', KEYS[2]) / 2, 0}
 """
 
 
 @dataclass(frozen=True)
 class Appended:
-    num_appended: int  # 0: a duplicate, or held behind a gap
+    num_appended: int  # 0: a duplicate, stale, or held behind a gap
     last_seq: int  # the last seq now in the log
     final_status: ReplyStatus | None  # set when this append closed the log
     num_held: int  # events waiting for a gap to fill
+    is_stale: bool = False  # dropped: its owner epoch is older than the reply's
 
 
 class TokenLogWriter:
-    def __init__(self, redis: Redis, ttl_s: int) -> None:
-        if ttl_s < 1:
-            raise ValueError(f"the token log's expiry must be at least 1 s; got {ttl_s}")
+    def __init__(self, redis: Redis, ttl_s: int, *, running_ttl_s: int = RUNNING_REPLY_TTL_S) -> None:
+        """`ttl_s`: how long a closed log stays readable; `running_ttl_s`: the expiry every event
+        of a running reply pushes back (settings.running_reply_ttl_s)."""
+        if ttl_s < 1 or running_ttl_s < 1:
+            raise ValueError(f"the token log's expiries must be at least 1 s; got {ttl_s} and {running_ttl_s}")
         self._redis = redis
         self._ttl_s = ttl_s
+        self._running_ttl_s = running_ttl_s
         self._append = redis.register_script(_APPEND)
 
     async def append(self, event: TokenEvent) -> Appended:
@@ -80,8 +106,19 @@ class TokenLogWriter:
             raise ValueError(f"a logged event needs a reply id and a seq from 1; got {event.reply_id!r} seq {event.seq}")
         status = status_of_finish(event.finish).value if is_final(event) else ""
         keys = ReplyKeys(event.reply_id)
-        num_appended, last_seq, final, num_held = await self._append(
-            keys=list(keys.all()), args=[event.seq, event.SerializeToString(), status, self._ttl_s, now_ms()]
-        )
+        args = [
+            event.seq,
+            event.SerializeToString(),
+            status,
+            self._ttl_s,
+            now_ms(),
+            event.epoch,
+            self._running_ttl_s,
+            REPLY_SET_TTL_S,
+            event.reply_id,
+        ]
+        num_appended, last_seq, final, num_held, is_stale = await self._append(keys=[*keys.all(), RUNNING, UNPERSISTED], args=args)
         final_text = as_text(final)
-        return Appended(int(num_appended), int(last_seq), ReplyStatus(final_text) if final_text else None, int(num_held))
+        return Appended(
+            int(num_appended), int(last_seq), ReplyStatus(final_text) if final_text else None, int(num_held), is_stale=bool(is_stale)
+        )

@@ -10,15 +10,20 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from tandem.bus.events import ReplyStatus, now_ms
+from tandem.bus.events import ReplyStatus, error_event, now_ms
 from tandem.tokenlog import (
+    REPLY_SET_TTL_S,
+    RUNNING,
+    UNPERSISTED,
     ReplyGone,
     ReplyKeys,
     ReplyMeta,
     TokenLogWriter,
     attach,
+    begin_continuation,
     create_reply,
     detach,
+    fence_reply,
     idle_for_ms,
     load_reply,
     read,
@@ -139,12 +144,116 @@ async def test_the_final_event_closes_the_log_and_starts_its_expiry(redis):
     assert 0 < await redis.ttl(keys.meta) <= TTL_S
 
 
-async def test_a_running_reply_never_expires(redis):
+async def test_a_running_reply_expires_only_after_its_running_ttl_which_every_event_pushes_back(redis):
     reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id), track_readers=False, ttl_s=500)
+    keys = ReplyKeys(reply_id)
+    assert 0 < await redis.ttl(keys.meta) <= 500
+    writer = TokenLogWriter(redis, TTL_S, running_ttl_s=3000)
+    first, _, third = events(reply_id, 3)
+    await writer.append(first)
+    await writer.append(third)  # held: the pending hash gets the running expiry too
+    for key in (keys.log, keys.meta, keys.pending):
+        assert 500 < await redis.ttl(key) <= 3000
+
+
+async def test_a_record_the_first_event_creates_expires_too(redis):
+    reply_id = new_id()  # a bus client's reply: nobody called create_reply
+    await TokenLogWriter(redis, TTL_S, running_ttl_s=900).append(events(reply_id, 3)[0])
+    for key in (ReplyKeys(reply_id).log, ReplyKeys(reply_id).meta):
+        assert 0 < await redis.ttl(key) <= 900
+
+
+async def test_every_reply_created_is_running_and_only_tracked_ones_say_so(redis):
+    tracked, untracked = new_id(), new_id()
+    await create_reply(redis, ReplyMeta(reply_id=tracked), track_readers=True)
+    await create_reply(redis, ReplyMeta(reply_id=untracked), track_readers=False)
+    assert await redis.smismember(RUNNING, [tracked, untracked]) == [1, 1]
+    assert (await load_reply(redis, tracked)).is_tracking_readers
+    assert not (await load_reply(redis, untracked)).is_tracking_readers
+    assert 0 < await redis.ttl(RUNNING) <= REPLY_SET_TTL_S
+
+
+async def test_the_final_append_moves_the_reply_from_running_to_unpersisted_in_one_step(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, conversation_id="c1", message_id=reply_id), track_readers=False)
     writer = TokenLogWriter(redis, TTL_S)
-    await writer.append(events(reply_id, 3)[0])
-    assert await redis.ttl(ReplyKeys(reply_id).log) == -1
-    assert await redis.ttl(ReplyKeys(reply_id).meta) == -1
+    first, last = events(reply_id, 2)
+    await writer.append(first)
+    assert (await redis.sismember(RUNNING, reply_id), await redis.sismember(UNPERSISTED, reply_id)) == (1, 0)
+    assert (await writer.append(last)).final_status == ReplyStatus.COMPLETE
+    assert (await redis.sismember(RUNNING, reply_id), await redis.sismember(UNPERSISTED, reply_id)) == (0, 1)
+    assert 0 < await redis.ttl(UNPERSISTED) <= REPLY_SET_TTL_S
+    repeated = await writer.append(last)  # a redelivery after the relay died: nothing changes
+    assert (repeated.num_appended, repeated.final_status) == (0, None)
+    assert await redis.sismember(UNPERSISTED, reply_id) == 1
+
+
+async def test_a_continuation_bumps_the_epoch_and_the_old_owners_events_are_dropped(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id), track_readers=False)
+    writer = TokenLogWriter(redis, TTL_S)
+    old = events(reply_id, 6)
+    for event in old[:3]:
+        await writer.append(event)
+    await writer.append(old[4])  # held behind the gap at seq 4: the old owner's, forgotten on take-over
+    continuation = await begin_continuation(redis, reply_id, expected_epoch=0, expected_last_seq=3)
+    assert continuation == (1, [101, 102, 103])
+    meta = await load_reply(redis, reply_id)
+    assert (meta.epoch, meta.num_continuations, meta.gap_since_ms) == (1, 1, 0)
+    assert meta.continued_ms >= meta.created_ms
+    assert await redis.exists(ReplyKeys(reply_id).pending) == 0
+    stale = await writer.append(old[3])  # the old owner's seq 4 arrives late
+    assert (stale.num_appended, stale.is_stale) == (0, True)
+    new = [TokenEvent(reply_id=reply_id, seq=i, token_id=200 + i, text=f"n{i} ", epoch=1) for i in (4, 5)]
+    new[-1].finish = FINISH_REASON_STOP
+    for event in new:
+        assert (await writer.append(event)).num_appended == 1
+    logged = await read_all(redis, reply_id)
+    assert [(e.seq, e.epoch) for e in logged] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1)]
+
+
+async def test_only_one_of_two_relays_continues_a_reply(redis):
+    reply_id = new_id()
+    await create_reply(redis, ReplyMeta(reply_id=reply_id), track_readers=False)
+    outcomes = await asyncio.gather(*(begin_continuation(redis, reply_id, expected_epoch=0) for _ in range(2)))
+    assert sorted(outcomes, key=lambda c: c is None) == [(1, []), None]
+    assert await begin_continuation(redis, reply_id, expected_epoch=1, expected_last_seq=2) is None  # it made progress meanwhile
+
+
+async def test_a_finished_reply_is_never_continued_and_a_fenced_one_takes_only_the_fencers_event(redis):
+    done, fenced = new_id(), new_id()
+    writer = TokenLogWriter(redis, TTL_S)
+    for event in events(done, 2):
+        await writer.append(event)
+    assert await begin_continuation(redis, done) is None
+    await create_reply(redis, ReplyMeta(reply_id=fenced), track_readers=False)
+    await writer.append(events(fenced, 3)[0])
+    taken = await fence_reply(redis, fenced, expected_epoch=0)
+    assert taken == (1, 1)
+    assert (await load_reply(redis, fenced)).num_continuations == 0
+    assert (await writer.append(events(fenced, 3)[1])).is_stale
+    failed = error_event(fenced, taken.last_seq + 1, "worker_lost", "retry")
+    failed.epoch = taken.epoch
+    assert (await writer.append(failed)).final_status == ReplyStatus.FAILED
+
+
+async def test_every_key_a_run_of_replies_leaves_has_an_expiry(redis):
+    writer = TokenLogWriter(redis, TTL_S)
+    reply_ids = [new_id() for _ in range(6)]
+    for i, reply_id in enumerate(reply_ids):
+        await create_reply(redis, ReplyMeta(reply_id=reply_id, conversation_id="c"), track_readers=i % 2 == 0)
+        await attach(redis, reply_id, "reader", lease_s=5)
+        stream = events(reply_id, 4)
+        for event in stream[: 4 if i < 3 else 1] + ([stream[2]] if i == 5 else []):
+            await writer.append(event)
+        if i:
+            await detach(redis, reply_id, "reader")  # the first keeps its reader
+    await begin_continuation(redis, reply_ids[4])
+    keys = [key for reply_id in reply_ids async for key in redis.scan_iter(match=f"*{{{reply_id}}}*")]
+    assert len(keys) == 6 * 2 + 2  # meta and log each, one pending hash, one readers set (the others emptied on detach)
+    for key in [*keys, RUNNING, UNPERSISTED]:
+        assert await redis.ttl(key) > 0, key
 
 
 async def test_reading_an_unknown_reply_raises_reply_gone(redis):
