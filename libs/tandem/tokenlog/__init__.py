@@ -5,7 +5,7 @@ clock it is stamped with are tandem.bus.events'."""
 from tandem.tokenlog.continuation import Continuation, TakenOver, begin_continuation, fence_reply
 from tandem.tokenlog.keys import REPLY_SET_TTL_S, RUNNING, RUNNING_REPLY_TTL_S, UNPERSISTED, ReplyKeys
 from tandem.tokenlog.meta import ReplyMeta, create_reply, load_reply, load_reply_states
-from tandem.tokenlog.reader import ReplyGone, logged_events, read
+from tandem.tokenlog.reader import LogUnavailable, ReplyGone, logged_events, read
 from tandem.tokenlog.readers import attach, detach, idle_for_ms
 from tandem.tokenlog.values import as_bytes, as_text
 from tandem.tokenlog.writer import Appended, TokenLogWriter
@@ -17,6 +17,7 @@ __all__ = [
     "UNPERSISTED",
     "Appended",
     "Continuation",
+    "LogUnavailable",
     "ReplyGone",
     "ReplyKeys",
     "ReplyMeta",

@@ -9,12 +9,15 @@ import uuid
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from durable_redis import DurableRedis
 
 from tandem.bus.events import ReplyStatus, error_event, now_ms
+from tandem.devstack.proc import free_port
 from tandem.tokenlog import (
     REPLY_SET_TTL_S,
     RUNNING,
     UNPERSISTED,
+    LogUnavailable,
     ReplyGone,
     ReplyKeys,
     ReplyMeta,
@@ -309,3 +312,56 @@ async def test_logged_events_is_what_the_log_holds_now_without_waiting(redis):
     await writer.append(second)
     assert [e.text for e in await logged_events(redis, reply_id)] == ["w1 ", "w2 ", "w3 "]
     assert await logged_events(redis, new_id()) == []
+
+
+async def test_a_reader_waits_through_a_redis_restart_and_loses_no_event(tmp_path):
+    server = DurableRedis(tmp_path, free_port())
+    server.start()
+    client = aioredis.from_url(server.url, socket_timeout=10)
+    try:
+        reply_id = new_id()
+        await create_reply(client, ReplyMeta(reply_id=reply_id), track_readers=False)
+        stream = events(reply_id, 8)
+        writer = TokenLogWriter(client, TTL_S)
+        for event in stream[:4]:
+            await writer.append(event)
+        first_four = asyncio.Event()
+
+        async def read_noting_progress() -> list[TokenEvent]:
+            out = []
+            async for event in read(client, reply_id, block_ms=300):
+                out.append(event)
+                if len(out) == 4:
+                    first_four.set()
+            return out
+
+        reader = asyncio.create_task(read_noting_progress())
+        await asyncio.wait_for(first_four.wait(), 10)
+        server.stop()
+        server.start()
+        for event in stream[4:]:
+            await writer.append(event)
+        logged = await asyncio.wait_for(reader, 30)
+        assert [e.seq for e in logged] == list(range(1, 9))
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_a_reader_whose_redis_stays_gone_ends_with_log_unavailable(tmp_path):
+    server = DurableRedis(tmp_path, free_port())
+    server.start()
+    client = aioredis.from_url(server.url, socket_timeout=2)
+    try:
+        reply_id = new_id()
+        await create_reply(client, ReplyMeta(reply_id=reply_id), track_readers=False)
+        server.stop()
+        with pytest.raises(LogUnavailable):
+            await asyncio.wait_for(read_all_within(client, reply_id, deadline_s=1.5), 20)
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def read_all_within(redis, reply_id: str, deadline_s: float) -> list[TokenEvent]:
+    return [event async for event in read(redis, reply_id, block_ms=200, unavailable_deadline_s=deadline_s)]
