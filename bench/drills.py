@@ -1,0 +1,479 @@
+"""Failure drills: a real local stack (`tandem up`'s launcher: nats-server, redis-server, router,
+relay, 2 decode workers, 1 prefill worker, chat, plus a second chat instance) is started here,
+a load of streaming replies is driven through the chat API, and a fault is caused mid-stream.
+Each drill reports how many replies completed, ended with an error, or hung (no final event
+within `--hang-s`), the longest pause any client saw between two events, whether greedy texts
+match an undisturbed run of the same prompts, whether every client saw contiguous event ids,
+and what the store holds afterwards.
+
+    .venv/bin/python bench/drills.py --out drills.json                 # every drill
+    .venv/bin/python bench/drills.py --drills kill_decode,kill_relay   # some of them
+
+Drills (names for --drills):
+  kill_decode    kill -9 one decode worker with N replies streaming
+  kill_prefill   kill -9 the prefill worker with long prompts (remote prefill) in flight
+  kill_relay     kill -9 the relay during N streams
+  restart_redis  stop redis-server (SIGTERM) and start it again during N streams
+  pause_nats     SIGSTOP nats-server for 10 s during N streams, then SIGCONT
+  rolling        SIGTERM every service in turn (each restarted by the launcher) under load
+  resume         random client disconnects and resumes (Last-Event-ID), alternating chat instances
+
+Targets are printed beside the numbers as information (PASS/MISS), never as an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from drill_stack import DrillStack
+
+HANG_S = 60.0
+TOPICS = (
+    "how a bicycle stays upright",
+    "why the sky is blue",
+    "how vaccines train the immune system",
+    "the water cycle",
+    "how jet engines work",
+    "photosynthesis in desert plants",
+    "how GPS satellites keep time",
+    "the rules of cricket",
+    "composting in a small apartment",
+    "learning a second language as an adult",
+    "the history of the printing press",
+    "sourdough baking at high altitude",
+    "caring for a young cat",
+    "writing a good cover letter",
+    "the causes of the 2008 financial crisis",
+    "how tides work",
+)
+
+
+def prompt_of(index: int, long: bool = False) -> str:
+    topic = TOPICS[index % len(TOPICS)]
+    text = f"Explain {topic} in a few short paragraphs. (request {index})"
+    if long:  # long enough to be prefilled remotely (> TANDEM_REMOTE_PREFILL_MIN_TOKENS)
+        background = " ".join(f"Note {k}: {TOPICS[(index + k) % len(TOPICS)]} is a topic people ask about." for k in range(40))
+        text = f"{background}\n\n{text}"
+    return text
+
+
+# -- one client stream ---------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    index: int
+    outcome: str = "hung"  # complete | error | hung | refused
+    text: str = ""
+    error: str = ""
+    num_events: int = 0
+    longest_pause_s: float = 0.0
+    ids_contiguous: bool = True
+    num_resumes: int = 0
+    message_id: str = ""
+    conversation_id: str = ""
+
+
+@dataclass
+class Client:
+    urls: list[str]  # chat instances; resumes alternate between them
+    key: str
+    max_tokens: int
+    hang_s: float = HANG_S
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    async def run(
+        self,
+        http: httpx.AsyncClient,
+        index: int,
+        prompt: str,
+        started: asyncio.Event | None = None,
+        disconnects: int = 0,
+        rng: random.Random | None = None,
+    ) -> StreamResult:
+        """Sends `prompt` in a new conversation (greedy) and reads the reply to its end; with
+        `disconnects`, drops the connection that many times at random points and resumes with
+        Last-Event-ID on the next chat instance."""
+        result = StreamResult(index)
+        deadline = time.monotonic() + self.hang_s
+        try:
+            created = await http.post(f"{self.urls[0]}/v1/conversations", json={}, headers=self.headers)
+            created.raise_for_status()
+            result.conversation_id = created.json()["id"]
+            body = {"content": prompt, "temperature": 0, "max_tokens": self.max_tokens}
+            url = f"{self.urls[0]}/v1/conversations/{result.conversation_id}/messages"
+            request = http.build_request("POST", url, json=body, headers=self.headers)
+            last_id = 0
+            last_event_s = time.monotonic()
+            instance = 0
+            drops_left = disconnects
+            while True:
+                response = await http.send(request, stream=True)
+                try:
+                    if response.status_code != 200:
+                        result.outcome = "refused"
+                        result.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
+                        return result
+                    drop_after = rng.randint(1, 6) if drops_left > 0 and rng is not None else None
+                    seen_here = 0
+                    async for sse in _events(response, deadline):
+                        now_s = time.monotonic()
+                        if result.num_events:
+                            result.longest_pause_s = max(result.longest_pause_s, now_s - last_event_s)
+                        last_event_s = now_s
+                        result.num_events += 1
+                        if sse.id:
+                            if last_id and sse.id != last_id + 1:
+                                result.ids_contiguous = False
+                            last_id = sse.id
+                        if sse.event == "meta":
+                            result.message_id = sse.data.get("message_id", result.message_id)
+                        elif sse.event == "delta":
+                            result.text += sse.data.get("text", "")
+                        elif sse.event == "done":
+                            result.outcome = "complete"
+                            return result
+                        elif sse.event == "error":
+                            result.outcome = "error"
+                            result.error = str(sse.data.get("message", sse.data))[:300]
+                            return result
+                        if started is not None and sse.event == "delta":
+                            started.set()
+                        seen_here += 1
+                        if drop_after is not None and seen_here >= drop_after:
+                            break
+                finally:
+                    await response.aclose()
+                if time.monotonic() >= deadline:
+                    return result  # hung
+                # The connection ended before the final event (dropped here, or broken): resume.
+                if not result.message_id:
+                    result.error = "the stream ended before its meta event"
+                    return result
+                drops_left -= 1
+                result.num_resumes += 1
+                instance = (instance + 1) % len(self.urls)
+                stream_url = f"{self.urls[instance]}/v1/messages/{result.message_id}/stream"
+                request = http.build_request("GET", stream_url, headers={**self.headers, "Last-Event-ID": str(last_id)})
+        except (httpx.HTTPError, OSError) as exc:
+            result.outcome = "hung" if time.monotonic() >= deadline else "error"
+            result.error = f"{type(exc).__name__}: {exc}"[:300]
+            return result
+
+
+@dataclass
+class _Sse:
+    id: int
+    event: str
+    data: dict[str, Any]
+
+
+async def _events(response: httpx.Response, deadline: float):  # type: ignore[no-untyped-def]
+    fields: dict[str, str] = {}
+    lines = response.aiter_lines()
+    while True:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            return
+        try:
+            line = await asyncio.wait_for(anext(lines), timeout=left_s)
+        except (StopAsyncIteration, TimeoutError):
+            return
+        if line == "":
+            if "data" in fields:
+                try:
+                    data = json.loads(fields["data"])
+                except json.JSONDecodeError:
+                    data = {"raw": fields["data"]}
+                yield _Sse(int(fields.get("id", "0") or 0), fields.get("event", "message"), data)
+            fields = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            fields[name] = fields.get(name, "") + value.removeprefix(" ")
+
+
+# -- drills -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrillReport:
+    name: str
+    fault: str
+    num_replies: int
+    completed: int = 0
+    errors: int = 0
+    hung: int = 0
+    refused: int = 0
+    longest_pause_s: float = 0.0
+    texts_identical: int | None = None  # of the completed greedy replies, how many match the undisturbed run
+    ids_contiguous: bool = True
+    stored: dict[str, int] = field(default_factory=dict)  # stored assistant turn statuses
+    target: str = ""
+    met: bool = False
+    seconds: float = 0.0
+    error_samples: list[str] = field(default_factory=list)
+
+
+Fault = Callable[[DrillStack], Awaitable[str]]
+
+
+async def run_load(
+    stack: DrillStack,
+    client: Client,
+    prompts: list[str],
+    fault: Fault | None,
+    fault_after: int,
+    baseline: dict[int, str] | None,
+    name: str,
+    target: str,
+    disconnects: int = 0,
+    seed: int = 0,
+) -> tuple[DrillReport, list[StreamResult]]:
+    """Starts every prompt at once; causes `fault` once `fault_after` of them are streaming."""
+    started_s = time.monotonic()
+    streaming = [asyncio.Event() for _ in prompts]
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(prompts) * 2 + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(client.hang_s, connect=10.0), limits=limits) as http:
+        tasks = [
+            asyncio.create_task(client.run(http, i, p, streaming[i], disconnects, random.Random(rng.random())))
+            for i, p in enumerate(prompts)
+        ]
+        fault_text = "none"
+        if fault is not None:
+            await _wait_started(streaming, fault_after, tasks, timeout_s=client.hang_s)
+            fault_text = await fault(stack)
+        results = list(await asyncio.gather(*tasks))
+        stored = await _stored_statuses(http, client, results)
+    report = DrillReport(name=name, fault=fault_text, num_replies=len(prompts), target=target)
+    report.completed = sum(r.outcome == "complete" for r in results)
+    report.errors = sum(r.outcome == "error" for r in results)
+    report.hung = sum(r.outcome == "hung" for r in results)
+    report.refused = sum(r.outcome == "refused" for r in results)
+    report.longest_pause_s = round(max((r.longest_pause_s for r in results), default=0.0), 2)
+    report.ids_contiguous = all(r.ids_contiguous for r in results)
+    report.stored = stored
+    report.error_samples = sorted({r.error for r in results if r.error})[:5]
+    if baseline is not None:
+        report.texts_identical = sum(r.outcome == "complete" and r.text == baseline.get(r.index) for r in results)
+    report.seconds = round(time.monotonic() - started_s, 1)
+    return report, results
+
+
+async def _wait_started(streaming: list[asyncio.Event], count: int, tasks: list[asyncio.Task[StreamResult]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(e.is_set() for e in streaming) < min(count, len(streaming)):
+        if time.monotonic() > deadline or all(t.done() for t in tasks):
+            return
+        waiters = [asyncio.ensure_future(e.wait()) for e in streaming if not e.is_set()]
+        await asyncio.wait(waiters, timeout=min(1.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
+
+
+async def _stored_statuses(http: httpx.AsyncClient, client: Client, results: list[StreamResult]) -> dict[str, int]:
+    """The stored assistant turns' statuses, once the relay has had a moment to store the last."""
+    counts: dict[str, int] = {}
+    deadline = time.monotonic() + 15.0
+    while True:
+        counts = {}
+        for result in results:
+            if not result.conversation_id:
+                continue
+            try:
+                answer = await http.get(f"{client.urls[0]}/v1/conversations/{result.conversation_id}", headers=client.headers)
+                turns = answer.json().get("messages", []) if answer.status_code == 200 else []
+            except (httpx.HTTPError, ValueError):
+                turns = []
+            statuses = [t["status"] for t in turns if t.get("role") == "assistant"]
+            status = statuses[-1] if statuses else "missing"
+            counts[status] = counts.get(status, 0) + 1
+        if "running" not in counts or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.5)
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+async def kill_decode(stack: DrillStack) -> str:
+    name = stack.busiest("decode")
+    pid = stack.signal(name, signal.SIGKILL)
+    return f"kill -9 {name} (pid {pid})"
+
+
+async def kill_prefill(stack: DrillStack) -> str:
+    name = stack.members("prefill")[0]
+    pid = stack.signal(name, signal.SIGKILL)
+    return f"kill -9 {name} (pid {pid})"
+
+
+async def kill_relay(stack: DrillStack) -> str:
+    name = stack.members("relay")[0]
+    pid = stack.signal(name, signal.SIGKILL)
+    return f"kill -9 {name} (pid {pid})"
+
+
+async def restart_redis(stack: DrillStack) -> str:
+    pid = stack.signal("redis", signal.SIGTERM)
+    return f"SIGTERM redis-server (pid {pid}); the launcher starts it again on the same port"
+
+
+async def pause_nats(stack: DrillStack) -> str:
+    pid = stack.signal("nats", signal.SIGSTOP)
+    await asyncio.sleep(10.0)  # the fault itself lasts 10 s
+    stack.signal("nats", signal.SIGCONT)
+    return f"SIGSTOP nats-server (pid {pid}) for 10 s"
+
+
+async def rolling(stack: DrillStack) -> str:
+    done = []
+    for name in stack.service_members():
+        stack.signal(name, signal.SIGTERM)
+        await stack.wait_restarted(name, timeout_s=180.0)
+        done.append(name)
+    return "SIGTERM in turn: " + ", ".join(done)
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrillPlan:
+    name: str
+    fault: Fault | None
+    num_streams: int
+    target: str
+    long_prompts: bool = False
+    disconnects: int = 0
+    check_texts: bool = True
+
+
+def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
+    n = args.streams
+    return {
+        "kill_decode": DrillPlan("kill_decode", kill_decode, n, f"{n}/{n} complete, texts identical, longest pause <= 3 s"),
+        "kill_prefill": DrillPlan(
+            "kill_prefill", kill_prefill, max(1, n // 2), f"{max(1, n // 2)}/{max(1, n // 2)} complete", long_prompts=True
+        ),
+        "kill_relay": DrillPlan("kill_relay", kill_relay, n, f"{n}/{n} complete, every stored turn complete"),
+        "restart_redis": DrillPlan("restart_redis", restart_redis, n, f"{n}/{n} complete, every stored turn complete"),
+        "pause_nats": DrillPlan("pause_nats", pause_nats, n, "every reply completes or errors clearly; 0 hung", check_texts=False),
+        "rolling": DrillPlan("rolling", rolling, max(1, n // 2), "0 replies lost (0 hung, 0 errors)"),
+        "resume": DrillPlan(
+            "resume", None, args.resume_streams, "every text identical, event ids contiguous", disconnects=args.resume_drops
+        ),
+    }
+
+
+def met(report: DrillReport, plan: DrillPlan) -> bool:
+    n = report.num_replies
+    identical = report.texts_identical == n if report.texts_identical is not None else True
+    if plan.name == "kill_decode":
+        return report.completed == n and identical and report.longest_pause_s <= 3.0
+    if plan.name in ("kill_relay", "restart_redis"):
+        return report.completed == n and report.stored.get("complete", 0) == n
+    if plan.name == "pause_nats":
+        return report.hung == 0
+    if plan.name == "resume":
+        return report.completed == n and identical and report.ids_contiguous
+    return report.completed == n
+
+
+async def main(args: argparse.Namespace) -> int:
+    chosen = [d for d in args.drills.split(",") if d]
+    every = plans(args)
+    unknown = [d for d in chosen if d not in every]
+    if unknown:
+        print(f"unknown drill(s) {', '.join(unknown)}; choose from {', '.join(every)}", file=sys.stderr)
+        return 2
+    stack = DrillStack(decode_workers=2, prefill_workers=1, chat_instances=2, extra_env=_stack_env(args))
+    reports: list[DrillReport] = []
+    async with stack:
+        client = Client(urls=stack.chat_urls, key=stack.api_key, max_tokens=args.max_tokens, hang_s=args.hang_s)
+        baselines: dict[bool, dict[int, str]] = {}
+        for name in chosen:
+            plan = every[name]
+            await stack.wait_all_ready(timeout_s=300.0)
+            prompts = [prompt_of(i, plan.long_prompts) for i in range(plan.num_streams)]
+            if plan.check_texts and plan.long_prompts not in baselines:
+                count = max(p.num_streams for p in every.values() if p.long_prompts == plan.long_prompts and p.name in chosen)
+                all_prompts = [prompt_of(i, plan.long_prompts) for i in range(count)]
+                undisturbed, results = await run_load(stack, client, all_prompts, None, 0, None, "undisturbed", "")
+                baselines[plan.long_prompts] = {r.index: r.text for r in results if r.outcome == "complete"}
+                print(f"undisturbed run: {undisturbed.completed}/{undisturbed.num_replies} complete in {undisturbed.seconds} s", flush=True)
+            baseline = baselines.get(plan.long_prompts) if plan.check_texts else None
+            fault_after = max(1, plan.num_streams // 2)
+            report, _ = await run_load(
+                stack, client, prompts, plan.fault, fault_after, baseline, name, plan.target, plan.disconnects, seed=args.seed
+            )
+            report.met = met(report, plan)
+            reports.append(report)
+            _print_row(report)
+    _print_table(reports)
+    if args.out:
+        Path(args.out).write_text(json.dumps([asdict(r) for r in reports], indent=2) + "\n")
+    return 0
+
+
+def _stack_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {"TANDEM_KV_CACHE_MIB": "256", "TANDEM_LOG_LEVEL": "warning"}
+    env.update(dict(item.split("=", 1) for item in args.env))
+    return env
+
+
+def _print_row(report: DrillReport) -> None:
+    print(
+        f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, "
+        f"pause {report.longest_pause_s} s, identical {report.texts_identical}, stored {report.stored} "
+        f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
+        flush=True,
+    )
+
+
+def _print_table(reports: list[DrillReport]) -> None:
+    header = f"{'drill':<14}{'replies':>8}{'done':>6}{'error':>6}{'hung':>6}{'pause s':>9}{'same':>6}  stored / target"
+    print("\n" + header)
+    for r in reports:
+        same = "-" if r.texts_identical is None else str(r.texts_identical)
+        stored = ",".join(f"{k}:{v}" for k, v in sorted(r.stored.items()))
+        print(
+            f"{r.name:<14}{r.num_replies:>8}{r.completed:>6}{r.errors:>6}{r.hung:>6}{r.longest_pause_s:>9}{same:>6}  "
+            f"{stored} / {'PASS' if r.met else 'MISS'} {r.target}"
+        )
+        print(f"{'':<14}fault: {r.fault}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drills", default="kill_decode,kill_prefill,kill_relay,restart_redis,pause_nats,rolling,resume")
+    parser.add_argument("--streams", type=int, default=16, help="replies streaming during a drill (prefill and rolling use half)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="each greedy answer's length")
+    parser.add_argument("--resume-streams", type=int, default=40, help="replies of the resume drill")
+    parser.add_argument("--resume-drops", type=int, default=5, help="disconnects per reply in the resume drill")
+    parser.add_argument("--hang-s", type=float, default=HANG_S, help="a reply with no final event by then is hung")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
+    parser.add_argument("--out", default="", help="write the reports as JSON here")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(asyncio.run(main(parse_args())))
