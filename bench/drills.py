@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from drill_stack import DrillStack
 
 HANG_S = 60.0
