@@ -35,7 +35,12 @@ __all__ = [
     "ImportReservation",  # defined with the KV cache manager, which makes and frees it
     "Request",
     "RequestOutput",
+    "TokenIdOutOfRange",
 ]
+
+
+class TokenIdOutOfRange(ValueError):
+    """A request names a token id the model's vocabulary lacks (its embedding lookup would fail)."""
 
 
 @dataclass(frozen=True)
@@ -139,13 +144,14 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add(self, request: Request, prefill_only: bool = False) -> None:
-        """Queues a request; raises PromptTooLong / EmptyPrompt (ValueErrors) for one that can never run."""
+        """Queues a request; raises PromptTooLong / EmptyPrompt / TokenIdOutOfRange (ValueErrors) for
+        one that can never run."""
         self.scheduler.add(self._sequence(request, is_prefill_only=prefill_only))
         self._replies[request.request_id] = self._reply_text(request)
 
     def check(self, request: Request) -> None:
-        """Raises PromptTooLong / EmptyPrompt (ValueErrors) for a request that could never run.
-        Safe from another thread: it reads only the configuration, so a worker can answer an
+        """Raises PromptTooLong / EmptyPrompt / TokenIdOutOfRange (ValueErrors) for a request that
+        could never run. Safe from another thread: it reads only the configuration, so a worker can answer an
         assignment without waiting for the step in progress."""
         self.scheduler.check(self._sequence(request))
 
@@ -222,6 +228,8 @@ class Engine:
         the new ones filled by the transfer) hold the KV of all its tokens, and its next token was
         sampled (and streamed) by the prefill side."""
         seq = self._sequence(request)
+        if not 0 <= first_token_id < self.loaded.config.vocab_size:
+            raise TokenIdOutOfRange(f"{request.request_id}: first token id {first_token_id} is outside the vocabulary")
         seq.attach_computed_blocks(reservation.block_ids, reservation.cached_block_hashes, seq.num_tokens)
         seq.append_token(first_token_id)
         reply = self._reply_text(request)
@@ -232,6 +240,13 @@ class Engine:
     # -- internals ------------------------------------------------------------------------------
 
     def _sequence(self, request: Request, is_prefill_only: bool = False) -> Sequence:
+        """The request's sequence; raises TokenIdOutOfRange for a token the model lacks, so every
+        door into the engine (add, check, reserve, import) refuses it before a step could fail."""
+        vocab_size = self.loaded.config.vocab_size
+        for name, token_ids in (("prompt", request.prompt_token_ids), ("generated", request.generated_token_ids)):
+            bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise TokenIdOutOfRange(f"{request.request_id}: {name} token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
         seq = Sequence(
             request.request_id,
             request.prompt_token_ids,

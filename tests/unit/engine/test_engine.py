@@ -11,7 +11,7 @@ from reference_model import random_model, reference_greedy, tiny_config
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.engine import Engine, EngineConfig, Request, TokenIdOutOfRange
 from tandem.engine.scheduler import PromptTooLong
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
 from tandem.kernels.attention_reference import paged_attention_reference
@@ -293,3 +293,20 @@ def test_seeded_replies_differ_by_seed_and_batched_neighbours_do_not_change_a_se
     batched = Engine(tiny, EngineConfig(num_kv_blocks=64)).generate([seeded("a", 1), seeded("b", 2)])
     assert tokens_of(batched["a"]) == alone
     assert tokens_of(batched["b"]) != alone
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_at_every_door_and_the_engine_goes_on(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    vocab_size = tiny.config.vocab_size
+    bad_prompt = Request("bad", (5, vocab_size, 6), SamplingOptions(max_tokens=2))
+    bad_generated = Request("bad-gen", (5, 6), SamplingOptions(max_tokens=4), generated_token_ids=(7, vocab_size + 10))
+    for request in (bad_prompt, bad_generated):
+        with pytest.raises(TokenIdOutOfRange, match=str(request.prompt_token_ids[1] if request is bad_prompt else vocab_size + 10)):
+            engine.check(request)
+        with pytest.raises(TokenIdOutOfRange):
+            engine.add(request)
+        with pytest.raises(TokenIdOutOfRange):
+            engine.reserve_import(request, 1)
+    assert not engine.has_work()
+    prompt = seeded_prompts(10)[4]
+    assert tokens_of(engine.generate([greedy("good", prompt)])["good"]) == reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
