@@ -3,7 +3,11 @@ NATS, gRPC and UCX while the engine steps. Every touch of the engine (add, abort
 import, release) runs on its thread between two steps, through `call`; each step's outputs come
 back to the loop through a callback. After every change (a batch of calls, a step) the thread
 refreshes `latest_stats` and runs `after_change` on itself: the place to drain what the engine
-recorded, such as its KV events, while nothing else touches it."""
+recorded, such as its KV events, while nothing else touches it.
+
+An exception that escapes the engine (at load or in a step) ends the thread: `on_death` tells the
+loop, every call waiting or made later raises EngineDead, and the worker must stop serving (its
+engine's state is unknown)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class EngineDead(RuntimeError):
+    """The engine thread ended on an exception; nothing more runs on it."""
+
+
 @dataclass(frozen=True)
 class _Call:
     fn: Callable[[Engine], Any]
@@ -36,11 +44,14 @@ class EngineThread:
         on_outputs: Callable[[list[RequestOutput]], None],
         loop: asyncio.AbstractEventLoop,
         after_change: Callable[[Engine], None] = lambda engine: None,
+        on_death: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self._build_engine = build_engine
         self._on_outputs = on_outputs
         self._loop = loop
         self._after_change = after_change
+        self._on_death = on_death
+        self._death: BaseException | None = None
         self._commands: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._is_ready = threading.Event()
@@ -50,6 +61,11 @@ class EngineThread:
     @property
     def is_ready(self) -> bool:
         return self._is_ready.is_set() and self._thread.is_alive()
+
+    @property
+    def death(self) -> BaseException | None:
+        """What ended the thread, or None while it lives (or stopped cleanly)."""
+        return self._death
 
     @property
     def engine(self) -> Engine:
@@ -64,8 +80,12 @@ class EngineThread:
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Runs fn(engine) on the engine thread before its next step; returns or raises what fn does."""
+        if self._death is not None:
+            raise EngineDead("the engine thread has died") from self._death
         done = self._loop.create_future()
         self._commands.put(_Call(fn, done))
+        if self._death is not None:  # it died while we queued: nobody will take the call
+            self._fail_pending()
         return await done
 
     def post(self, fn: Callable[[Engine], object]) -> None:
@@ -80,11 +100,36 @@ class EngineThread:
     def _run(self) -> None:
         try:
             engine = self._engine = self._build_engine()
-        except BaseException:
+        except BaseException as exc:
             log.exception("the engine failed to start")
+            self._die(exc)
             return
         self.latest_stats = engine.stats()
         self._is_ready.set()
+        try:
+            self._loop_until_stopped(engine)
+        except BaseException as exc:
+            log.exception("the engine thread died")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self._death = exc
+        self._fail_pending()
+        self._loop.call_soon_threadsafe(self._on_death, exc)
+
+    def _fail_pending(self) -> None:
+        """Every queued call raises EngineDead (thread-safe: from the dead thread or the loop)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None and command.done is not None:
+                dead = EngineDead("the engine thread has died")
+                dead.__cause__ = self._death
+                self._loop.call_soon_threadsafe(_settle, command.done, None, dead)
+
+    def _loop_until_stopped(self, engine: Engine) -> None:
         while True:
             # Block for a command only when there is nothing to step.
             commands = [self._commands.get()] if not engine.has_work() else []
