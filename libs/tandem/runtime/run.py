@@ -1,5 +1,5 @@
-"""The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0; and the
-port checks that make a bad setting fail at start in one line."""
+"""The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0 (1 for a
+runtime that failed); and the port checks that make a bad setting fail at start in one line."""
 
 from __future__ import annotations
 
@@ -80,4 +80,6 @@ def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: S
     )
     log.info("%s listening on http://%s:%d", role, settings.host, sock.getsockname()[1])
     server.run(sockets=[sock])
-    raise SystemExit(0 if server.started else 1)
+    runtime = getattr(app.state, "runtime", None)  # a worker's: 1 when it stopped because it failed
+    exit_code = runtime.exit_code if runtime is not None else 0
+    raise SystemExit(exit_code if server.started else 1)

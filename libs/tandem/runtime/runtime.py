@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
+from nats.aio.client import Client
 
 from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
@@ -51,6 +53,7 @@ class Runtime:
         self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id))
         self.redis = aioredis.from_url(config.redis_url, socket_timeout=1.0) if config.redis_url else None
         self.is_draining = False
+        self.exit_code = 0  # what the process exits with once stopped; fail() makes it 1
         self._checks: dict[str, ReadinessCheck] = {}
         self._build_heartbeat = heartbeat or (lambda base: base)
         self._started_unix_ms = now_ms()
@@ -64,10 +67,22 @@ class Runtime:
         self.bus.start()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 
+    def fail(self, reason: str) -> None:
+        """This process cannot serve any more: it stops (as on SIGTERM) and exits 1, so that its
+        supervisor starts a fresh one."""
+        log.error("%s %s failed, stopping: %s", self.config.role, self.config.instance_id, reason)
+        self.exit_code = 1
+        signal.raise_signal(signal.SIGTERM)  # the server's own handler starts the shutdown
+
     async def stop(self) -> None:
         self.is_draining = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
+        if self.bus.is_connected:  # a last word: draining, not ready, and (a worker) holding no reply any more
+            try:
+                await self._send_heartbeat(self.bus.client)
+            except Exception:
+                log.exception("the last heartbeat was not sent")
         await self.bus.close()
         if self.redis is not None:
             await self.redis.aclose()
@@ -111,7 +126,11 @@ class Runtime:
         subject = subjects.heartbeat(self.config.role, self.config.instance_id)
         while True:
             if client.is_connected:
-                is_ready = all((await self.readiness()).values())
-                await client.publish(subject, encode(self._build_heartbeat(self.service_heartbeat(is_ready))))
-                metrics.HEARTBEATS_SENT.inc()
+                await self._send_heartbeat(client, subject)
             await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def _send_heartbeat(self, client: Client, subject: str | None = None) -> None:
+        is_ready = all((await self.readiness()).values())
+        heartbeat = self._build_heartbeat(self.service_heartbeat(is_ready))
+        await client.publish(subject or subjects.heartbeat(self.config.role, self.config.instance_id), encode(heartbeat))
+        metrics.HEARTBEATS_SENT.inc()
