@@ -132,7 +132,7 @@ async def load_reply_states(redis: Redis, reply_ids: Sequence[str]) -> dict[str,
     states: dict[str, ReplyMeta | None] = {}
     for reply_id, values in zip(reply_ids, rows, strict=True):
         fields: dict[bytes | str, bytes | str] = {
-            name: value for name, value in zip(_STATE_FIELDS, values, strict=True) if value is not None
+            name.encode(): value for name, value in zip(_STATE_FIELDS, values, strict=True) if value is not None
         }
-        states[reply_id] = ReplyMeta.from_hash(reply_id, fields) if "status" in fields else None
+        states[reply_id] = ReplyMeta.from_hash(reply_id, fields) if b"status" in fields else None
     return states

@@ -29,6 +29,7 @@ from tandem.tokenlog import (
     fence_reply,
     idle_for_ms,
     load_reply,
+    load_reply_states,
     read,
 )
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage
@@ -365,3 +366,18 @@ async def test_a_reader_whose_redis_stays_gone_ends_with_log_unavailable(tmp_pat
 
 async def read_all_within(redis, reply_id: str, deadline_s: float) -> list[TokenEvent]:
     return [event async for event in read(redis, reply_id, block_ms=200, unavailable_deadline_s=deadline_s)]
+
+
+async def test_the_states_of_many_replies_come_in_one_read_without_their_requests(redis):
+    running, done, unknown = new_id(), new_id(), new_id()
+    await create_reply(redis, ReplyMeta(reply_id=running, request=b"x" * 1000), track_readers=True)
+    writer = TokenLogWriter(redis, TTL_S)
+    await writer.append(events(running, 2)[0])
+    for event in events(done, 2):
+        await writer.append(event)
+    states = await load_reply_states(redis, [running, done, unknown])
+    assert states[unknown] is None
+    assert (states[running].status, states[running].last_seq, states[running].is_tracking_readers) == (ReplyStatus.RUNNING, 1, True)
+    assert states[running].last_event_ms >= states[running].created_ms > 0
+    assert states[running].request == b""
+    assert (states[done].status, states[done].last_seq) == (ReplyStatus.COMPLETE, 2)
