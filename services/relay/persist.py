@@ -1,28 +1,41 @@
 """Saves a finished reply as its conversation's assistant turn: the logged text, the status and
 the output token count, whether or not any client is connected when it ends.
 
-When the store is down, the reply joins the unpersisted set and its log stops expiring until a
-later sweep stores it, so nothing acknowledged to the user is lost."""
+The append that closes a reply's log also lists it as unpersisted, in the same step; it leaves
+that set only here, once its turn is stored (or it has none). While the store is down the reply
+stays listed, its log's expiry is pushed back on every try, and each sweep tries again, so nothing
+acknowledged to the user is lost."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
 from tandem.store import ConversationStore, StoreUnavailable
-from tandem.tokenlog import UNPERSISTED, ReplyKeys, load_reply, logged_events
+from tandem.tokenlog import REPLY_SET_TTL_S, UNPERSISTED, ReplyKeys, load_reply, logged_events
 
 log = logging.getLogger(__name__)
 
 
-async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, ttl_s: int) -> bool:
-    """True when the reply is stored (or has no conversation to be stored in)."""
+@dataclass(frozen=True)
+class PersistConfig:
+    ttl_s: int  # a stored reply's log stays readable this long (settings.token_log_ttl_s)
+    keep_s: int  # an unstored one's log is kept at least this long from each try (settings.running_reply_ttl_s)
+
+
+async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig) -> bool:
+    """True when the reply is stored, has no conversation to be stored in, or is gone."""
     meta = await load_reply(redis, reply_id)
     if meta is None or meta.is_running:
-        return True  # expired (nothing left to save) or not finished yet
+        if meta is None:
+            log.warning("reply %s: its log expired before it was stored", reply_id)
+        await redis.srem(UNPERSISTED, reply_id)  # gone, or not closed (its final append lists it again)
+        return True
     if not meta.conversation_id or not meta.message_id:
-        return True  # a reply of the OpenAI endpoint or a bus client: not a conversation turn
+        await redis.srem(UNPERSISTED, reply_id)  # the OpenAI endpoint's or a bus client's: no turn to store
+        return True
     events = await logged_events(redis, reply_id)  # complete: its final event is logged
     text = "".join(event.text for event in events)
     num_output_tokens = events[-1].usage.output_tokens if events else 0
@@ -33,13 +46,14 @@ async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, t
         log.warning("reply %s is not stored yet (%s); the log is kept until it is", reply_id, exc)
         async with redis.pipeline(transaction=True) as pipe:
             pipe.sadd(UNPERSISTED, reply_id)
+            pipe.expire(UNPERSISTED, REPLY_SET_TTL_S)
             for key in (keys.log, keys.meta):
-                pipe.persist(key)
+                pipe.expire(key, config.keep_s)
             await pipe.execute()
         return False
     async with redis.pipeline(transaction=True) as pipe:
         pipe.srem(UNPERSISTED, reply_id)
         for key in (keys.log, keys.meta):
-            pipe.expire(key, ttl_s)
+            pipe.expire(key, config.ttl_s)
         await pipe.execute()
     return True

@@ -1,0 +1,176 @@
+"""Stall detection and continuation: a running reply whose worker is lost is resubmitted to the
+router with the tokens already logged, under a new owner epoch, so the client sees a pause and
+then the rest of the answer.
+
+Workers list in every heartbeat the replies they hold. A running reply is stalled when no live
+worker has claimed it within the stall timeout and its current owner makes no progress: no event
+logged for the stall timeout since it produced one, or, while it has produced nothing yet, for
+the dispatch grace since it was created or last continued (the router may still be placing it).
+Every relay watches every reply; the epoch bump, guarded by the epoch and last seq the relay saw,
+lets exactly one of them act. After `max_continuations` the reply ends with an error event
+instead, and its turn is stored as failed with its partial text."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from redis.asyncio import Redis
+
+from services.relay import metrics
+from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus.events import error_event, now_ms
+from tandem.tokenlog import ReplyMeta, begin_continuation, fence_reply, load_reply
+from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
+from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.worker_pb2 import WorkerHeartbeat
+
+log = logging.getLogger(__name__)
+
+PublishFinal = Callable[[TokenEvent], Awaitable[None]]
+WORKER_ROLES = ("prefill", "decode")
+LOST_CODE = "worker_lost"
+LOST_MESSAGE = (
+    "The worker writing this reply was lost and it could not be continued elsewhere; regenerate the reply or send the message again."
+)
+
+
+@dataclass(frozen=True)
+class StallConfig:
+    stall_timeout_s: float
+    dispatch_grace_s: float
+    max_continuations: int
+    running_ttl_s: int
+    request_timeout_s: float = 5.0  # for the router's answer to a continuation
+
+
+class Claims:
+    """Which replies live workers claimed lately, from their heartbeats (the time each was heard)."""
+
+    def __init__(self) -> None:
+        self._claimed_ms: dict[str, int] = {}
+        self._listening_since_ms = 0
+
+    async def listen(self, client: Client) -> None:
+        for role in WORKER_ROLES:
+            await client.subscribe(subjects.heartbeats_of(role), cb=self._on_heartbeat)
+        self._listening_since_ms = now_ms()
+
+    def has_listened_for_ms(self, duration_ms: int) -> bool:
+        """A relay that just started has not heard every worker yet: it must not call a reply unclaimed."""
+        return self._listening_since_ms > 0 and now_ms() - self._listening_since_ms >= duration_ms
+
+    def note(self, heartbeat: WorkerHeartbeat) -> None:
+        heard_ms = now_ms()
+        for reply_id in heartbeat.reply_ids:
+            self._claimed_ms[reply_id] = heard_ms
+
+    def is_claimed(self, reply_id: str, within_ms: int) -> bool:
+        return now_ms() - self._claimed_ms.get(reply_id, 0) <= within_ms
+
+    def forget_older_than(self, age_ms: int) -> None:
+        cutoff_ms = now_ms() - age_ms
+        for reply_id in [r for r, heard_ms in self._claimed_ms.items() if heard_ms < cutoff_ms]:
+            del self._claimed_ms[reply_id]
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.note(decode(msg.data, WorkerHeartbeat))
+        except BadMessage as exc:
+            log.warning("ignored a worker heartbeat on %s: %s", msg.subject, exc)
+
+
+class StallWatcher:
+    def __init__(self, redis: Redis, client: Client, claims: Claims, publish_final: PublishFinal, config: StallConfig) -> None:
+        self._redis = redis
+        self._client = client
+        self._claims = claims
+        self._publish_final = publish_final
+        self._config = config
+        self._acting: dict[str, asyncio.Task[None]] = {}  # reply id -> its continuation or failure in flight
+
+    def is_stalled(self, meta: ReplyMeta) -> bool:
+        stall_ms = int(self._config.stall_timeout_s * 1000)
+        if not meta.is_running or meta.cancel_sent_ms:
+            return False  # ended, or cancelled for want of readers: the sweep closes it
+        if not self._claims.has_listened_for_ms(stall_ms) or self._claims.is_claimed(meta.reply_id, stall_ms):
+            return False
+        now = now_ms()
+        if meta.last_event_ms > meta.dispatched_ms:  # its current owner has produced: it must keep producing
+            return now - meta.last_event_ms > stall_ms
+        return now - meta.dispatched_ms > self._config.dispatch_grace_s * 1000
+
+    def check(self, metas: Iterable[ReplyMeta]) -> None:
+        """Acts on every stalled reply, each in a task of its own (a router's answer can take seconds)."""
+        self._claims.forget_older_than(int(self._config.stall_timeout_s * 1000) * 4)
+        for meta in metas:
+            if meta.reply_id in self._acting or not self.is_stalled(meta):
+                continue
+            metrics.STALLS.inc()
+            act = self._end if meta.num_continuations >= self._config.max_continuations else self._continue
+            task = asyncio.create_task(act(meta), name=f"stall:{meta.reply_id}")
+            self._acting[meta.reply_id] = task
+            task.add_done_callback(partial(self._done, meta.reply_id))
+
+    async def stop(self) -> None:
+        for task in list(self._acting.values()):
+            task.cancel()
+        await asyncio.gather(*self._acting.values(), return_exceptions=True)
+
+    def _done(self, reply_id: str, task: asyncio.Task[None]) -> None:
+        self._acting.pop(reply_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("reply %s: acting on its stall failed", reply_id, exc_info=task.exception())
+
+    async def _continue(self, seen: ReplyMeta) -> None:
+        meta = await load_reply(self._redis, seen.reply_id)
+        if meta is None or not meta.request:
+            await self._end(seen)  # nothing to resubmit: a reply recorded without its request
+            return
+        continuation = await begin_continuation(
+            self._redis, seen.reply_id, expected_epoch=seen.epoch, expected_last_seq=seen.last_seq, ttl_s=self._config.running_ttl_s
+        )
+        if continuation is None:
+            return  # another relay took it, or it moved on meanwhile
+        request = GenerateRequest.FromString(meta.request)
+        request.reply_id = request.resume_reply_id = seen.reply_id
+        del request.generated_token_ids[:]
+        request.generated_token_ids.extend(continuation.token_ids)
+        request.epoch = continuation.epoch
+        log.warning(
+            "reply %s stalled after %d tokens; continuing it (epoch %d, continuation %d of %d)",
+            seen.reply_id,
+            len(continuation.token_ids),
+            continuation.epoch,
+            seen.num_continuations + 1,
+            self._config.max_continuations,
+        )
+        try:
+            answer = await self._client.request(subjects.GENERATE, encode(request), timeout=self._config.request_timeout_s)
+            outcome = decode(answer.data, GenerateReply)
+        except (nats.errors.Error, BadMessage) as exc:
+            metrics.CONTINUATIONS.labels(outcome="unanswered").inc()
+            log.warning("reply %s: no router took its continuation (%s); it is tried again", seen.reply_id, exc or type(exc).__name__)
+            return
+        if outcome.WhichOneof("outcome") == "refused":
+            metrics.CONTINUATIONS.labels(outcome="refused").inc()
+            log.warning("reply %s: the router refused its continuation: %s", seen.reply_id, outcome.refused.reason)
+            return
+        metrics.CONTINUATIONS.labels(outcome="accepted").inc()
+
+    async def _end(self, seen: ReplyMeta) -> None:
+        """Ends the reply with an error event of the relay's own, under an epoch no worker has."""
+        taken = await fence_reply(self._redis, seen.reply_id, expected_epoch=seen.epoch, ttl_s=self._config.running_ttl_s)
+        if taken is None:
+            return
+        log.error("reply %s: its worker was lost %d times; ending it with an error", seen.reply_id, seen.num_continuations + 1)
+        event = error_event(seen.reply_id, taken.last_seq + 1, LOST_CODE, LOST_MESSAGE, worker_id="relay")
+        event.epoch = taken.epoch
+        await self._publish_final(event)
+        metrics.REPLIES_LOST.inc()
