@@ -15,7 +15,7 @@ from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
 from tandem.v1.dispatch_pb2 import AssignmentReply
-from tandem.worker.assignments import screen_assignment, unrunnable
+from tandem.worker.assignments import refusal, screen_assignment, unrunnable
 from tandem.worker.parts import build_worker_parts
 
 ROLE = "decode"
@@ -55,13 +55,19 @@ class DecodeWorker:
         if isinstance(screened, AssignmentReply):
             return screened
         assignment, request = screened
-        if self._host.is_streaming(assignment.reply_id):
-            return AssignmentReply(accepted=True)  # a retried assignment: it is already running here
+        running_epoch = self._host.streaming_epoch(assignment.reply_id)
+        if running_epoch is not None:
+            if running_epoch >= assignment.epoch:
+                return AssignmentReply(accepted=True)  # a retried assignment: it is already running here
+            # Continued elsewhere meanwhile (this worker seemed stalled): the old run's events are
+            # dropped by the log now, so stop it; the router places the new owner on another try.
+            self._host.abort(assignment.reply_id)
+            return refusal("superseded", f"an older run of {assignment.reply_id} is still stopping here", retry_after_s=0.5)
         refused = unrunnable(self._host, request)
         if refused is not None:
             return refused
         # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).
-        self._host.add(request, assignment.first_seq or 1)
+        self._host.add(request, assignment.first_seq or 1, assignment.epoch)
         return AssignmentReply(accepted=True)
 
 

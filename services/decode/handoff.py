@@ -19,6 +19,7 @@ from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.generate_pb2 import Refusal
 from tandem.worker.host import EngineHost
+from tandem.worker.thread import EngineDead
 from tandem.worker.wire import engine_request
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> pb.ReserveReply:
             return pb.ReserveReply(refused=Refusal(reason=reason, message=message, retry_after_s=retry_after_s))
 
+        if self._host.failure is not None:
+            return refuse("unavailable", f"this decode worker failed and is restarting: {self._host.failure}", 1.0)
         if self._runtime.is_draining:
             return refuse("draining", "this decode worker is draining", 1.0)
         if not await self._host.is_ready():
@@ -64,6 +67,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             log.info("a new reserve for %s replaced its uncommitted reservation", request.reply_id)
         try:
             engine_req = engine_request(request.reply_id, request.request)
+            self._host.check(engine_req)  # token ids in the vocabulary, a prompt that fits
         except ValueError as exc:
             return refuse("bad_request", str(exc))
         try:
@@ -94,6 +98,8 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return pb.CommitReply(refused=Refusal(reason=reason, message=message))
 
         reservation = self._reservations.get(request.reply_id)
+        if self._host.failure is not None:
+            return refuse("unavailable", f"this decode worker failed and is restarting: {self._host.failure}")
         if self._host.is_cancelled(request.reply_id):
             self._free(request.reply_id)
             return refuse("cancelled", f"{request.reply_id} was cancelled during its handoff")
@@ -112,11 +118,18 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         self.receiver.forget(request.reply_id)
         try:
             await self._host.import_sequence(
-                engine_req, reservation.blocks, request.first_token_id, request.num_cached_tokens, request.assignment.first_seq
+                engine_req,
+                reservation.blocks,
+                request.first_token_id,
+                request.num_cached_tokens,
+                request.assignment.first_seq,
+                request.assignment.epoch,
             )
         except ValueError as exc:
             self._host.cancel_import(reservation.blocks)
             return refuse("bad_request", str(exc))
+        except EngineDead as exc:
+            return refuse("unavailable", f"this decode worker's engine died: {exc}")
         return pb.CommitReply(accepted=True)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:

@@ -8,7 +8,8 @@ An assignment is answered at once; the reserve runs in the handoff. Any failure 
 full or gone, a timeout, the transfer broken) releases the reservation on both sides and returns
 the reply to the router: a failed HandoffOutcome on tandem.v1.handoff.<reply_id> naming the tokens
 already published, so the router's retry continues the numbering. Every handoff this worker
-accepts ends with exactly one HandoffOutcome."""
+accepts ends with exactly one HandoffOutcome, and this worker's heartbeat claims the reply until
+then (its first token is stamped with the assignment's owner epoch, which the commit carries on)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ class PrefillWorker:
         if refused is not None:
             return refused
         state = _Handoff(assignment, request, self._stub(assignment.decode_grpc_address))
+        self._host.hold(assignment.reply_id)  # claimed until its handoff (or its end) is settled
         task = asyncio.create_task(self._hand_over(state))
         self._in_flight[assignment.reply_id] = task
         task.add_done_callback(lambda done: self._on_done(state, done))
@@ -155,7 +157,7 @@ class PrefillWorker:
         try:
             h.reservation = await self._reserve(h)
             renewing = asyncio.create_task(_renew_lease(h.stub, h.reply_id, h.reservation.lease_s), name=f"renew:{h.reply_id}")
-            h.output = await self._host.prefill_only(h.request, h.first_seq)
+            h.output = await self._host.prefill_only(h.request, h.first_seq, h.assignment.epoch)
             if h.output.handoff is None:  # finished at its first token: nothing to hand over
                 await _release(h.stub, h.reply_id)
                 await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED)
@@ -201,6 +203,9 @@ class PrefillWorker:
             cleanup = asyncio.create_task(self._after_cancel(h))
             self._cleanups.add(cleanup)
             cleanup.add_done_callback(self._cleanups.discard)
+            cleanup.add_done_callback(lambda _: self._host.let_go(h.reply_id))
+        else:
+            self._host.let_go(h.reply_id)
 
     async def _after_cancel(self, h: _Handoff) -> None:
         """tandem.v1.cancel.<reply_id> or shutdown, during the prefill or the handoff."""
@@ -216,7 +221,8 @@ class PrefillWorker:
             return
         seq = h.first_seq + (h.output is not None)  # after the first token, when it went out
         cancelled = cancelled_event(h.reply_id, seq, worker_id=self._runtime.config.instance_id)
-        await self._runtime.bus.client.publish(subjects.tokens(h.reply_id), encode(cancelled))
+        cancelled.epoch = h.assignment.epoch
+        await self._host.publish(cancelled)
         await self._publish_outcome(h, HandoffOutcome.RESULT_ENDED, "cancelled")
 
     async def _publish_outcome(

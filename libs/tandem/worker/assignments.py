@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tandem.bus import BadMessage, decode, subjects
 from tandem.bus.events import now_ms
-from tandem.engine.engine import Request
+from tandem.engine.engine import Request, TokenIdOutOfRange
 from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import Refusal
@@ -31,6 +31,8 @@ async def screen_assignment(data: bytes, host: EngineHost, *, is_draining: bool)
         request = engine_request(assignment.reply_id, assignment.request)
     except (BadMessage, ValueError) as exc:
         return refusal("bad_request", str(exc))
+    if host.failure is not None:
+        return refusal("unavailable", f"this worker failed and is restarting: {host.failure}", retry_after_s=1.0)
     if is_draining:
         return refusal("draining", "this worker is draining", retry_after_s=1.0)
     if not await host.is_ready():
@@ -48,6 +50,6 @@ def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | None:
         host.check(request)
     except PromptTooLong as exc:
         return refusal("prompt_too_long", str(exc))
-    except EmptyPrompt as exc:
+    except (EmptyPrompt, TokenIdOutOfRange) as exc:
         return refusal("bad_request", str(exc))
     return None

@@ -1,9 +1,10 @@
-"""A worker's heartbeat: the runtime's base heartbeat plus the worker's model, its gRPC address
-and, once the engine runs, the engine's load (what the router places replies by)."""
+"""A worker's heartbeat: the runtime's base heartbeat plus the worker's model, its gRPC address,
+the replies it holds (the relay continues elsewhere a stalled reply nobody claims) and, once the
+engine runs, the engine's load (what the router places replies by)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.engine.engine import EngineStats
@@ -25,15 +26,24 @@ class EngineLoad:
 
 
 class WorkerHeartbeats:
-    """Builds each heartbeat of one worker; `engine_load` is None until the engine is ready."""
+    """Builds each heartbeat of one worker; `engine_load` is None until the engine is ready;
+    `claimed_reply_ids` every reply the worker will finish."""
 
-    def __init__(self, model_name: str, grpc_address: str, engine_load: Callable[[], EngineLoad | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        grpc_address: str,
+        engine_load: Callable[[], EngineLoad | None],
+        claimed_reply_ids: Callable[[], Iterable[str]],
+    ) -> None:
         self._model_name = model_name
         self._grpc_address = grpc_address
         self._engine_load = engine_load
+        self._claimed_reply_ids = claimed_reply_ids
 
     def build(self, base: ServiceHeartbeat) -> WorkerHeartbeat:
         heartbeat = WorkerHeartbeat(service=base, model=self._model_name, grpc_address=self._grpc_address, kv_block_size=BLOCK_SIZE)
+        heartbeat.reply_ids.extend(self._claimed_reply_ids())
         load = self._engine_load()
         if load is not None:
             s = load.stats.scheduler

@@ -1,8 +1,14 @@
 """A worker's engine behind a named async API. The engine steps on a thread of its own (thread.py)
 so the loop stays free for NATS, gRPC and UCX; the host is the only door to it, and its callers
-never see that thread. The host also publishes each reply's outputs as TokenEvents (contiguous
-sequence numbers per reply), its prefix cache's changes as KV events (and its full state on
-request), applies cancels and reports the engine's load. Decode and prefill workers both build one.
+never see that thread. The host also publishes each reply's outputs as TokenEvents on JetStream
+(contiguous sequence numbers per reply, the assignment's owner epoch), its prefix cache's changes
+as KV events (and its full state on request), applies cancels, keeps the replies this worker
+holds (its heartbeat claims them) and reports the engine's load. Decode and prefill workers both
+build one.
+
+A host that cannot go on (its engine thread died, its token events cannot be published) is
+failed: `failure` says why, it is not ready, it claims no reply, and `wait_failed` wakes the
+worker, which exits so that its supervisor restarts it.
 
 Changes that nobody needs to wait for (an add, an abort, a release) are queued and return at once:
 the engine takes them between two steps, and a step can take seconds on a CPU."""
@@ -17,18 +23,23 @@ from dataclasses import dataclass
 import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
-from tandem.bus import Bus, encode, subjects
+from tandem.bus import Bus, subjects
 from tandem.bus.cancels import RecentCancels
+from tandem.bus.token_stream import DEFAULT_MAX_AGE_S
 from tandem.config import Settings
 from tandem.engine.engine import Engine, EngineConfig, ImportReservation, Request, RequestOutput
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
 from tandem.models.loader import load_model, resolve_device, resolve_dtype
 from tandem.v1.kv_handoff_pb2 import KvLayout
+from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
-from tandem.worker.thread import EngineThread
+from tandem.worker.replies import HeldReplies, ReplyStream
+from tandem.worker.thread import EngineDead, EngineThread
+from tandem.worker.token_publisher import CannotPublish, open_token_stream, publish_event
 from tandem.worker.wire import kv_layout, token_event
 
 log = logging.getLogger(__name__)
@@ -55,13 +66,21 @@ class EngineSpec:
         return cls(model, device, resolve_dtype(settings.dtype, device), engine)
 
 
+class WorkerFailed(Exception):
+    """This worker failed (see EngineHost.failure) while the caller waited on its engine."""
+
+
 class EngineHost:
-    def __init__(self, spec: EngineSpec, worker_id: str) -> None:
+    def __init__(self, spec: EngineSpec, worker_id: str, token_stream_max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
         self._spec = spec
         self._worker_id = worker_id
+        self._token_stream_max_age_s = token_stream_max_age_s
         self._thread: EngineThread | None = None  # from start()
         self._kv_events: KvEventPublisher | None = None  # from start()
-        self._next_seq: dict[str, int] = {}  # the replies whose tokens this host publishes
+        self._js: JetStreamContext | None = None  # once the token stream is there
+        self._replies = HeldReplies()
+        self._failure: str | None = None
+        self._failed = asyncio.Event()
         self._cancels = RecentCancels()  # a cancel may overtake the reply's assignment
         self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
         self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
@@ -73,14 +92,24 @@ class EngineHost:
         """Starts loading the engine (is_ready tells when it is loaded) and publishing on `bus`."""
         loop = asyncio.get_running_loop()
         self._kv_events = KvEventPublisher(self._worker_id, loop)
-        self._thread = EngineThread(self._build_engine, self._outbox.put_nowait, loop, after_change=self._kv_events.collect)
+        self._thread = EngineThread(
+            self._build_engine, self._outbox.put_nowait, loop, after_change=self._kv_events.collect, on_death=self._on_engine_death
+        )
         self._thread.start()
+        publishing = asyncio.create_task(self._publish_outputs(bus), name="publish-tokens")
+        publishing.add_done_callback(self._on_publisher_done)
         self._tasks = [
-            asyncio.create_task(self._publish_outputs(bus), name="publish-tokens"),
+            publishing,
             asyncio.create_task(self._publish_kv_events(bus, self._kv_events, self._thread), name="publish-kv-events"),
         ]
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until every reply this worker holds has ended (True), or `timeout_s` (False)."""
+        return await self._replies.wait_none_held(timeout_s)
+
     async def stop(self) -> None:
+        """Gives up the replies still held (no more claims, no more events), then stops the engine."""
+        self._replies.release_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
         for task in self._tasks:
@@ -99,12 +128,46 @@ class EngineHost:
         return self._thread
 
     async def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_ready
+        """The engine is loaded and alive, token events can be published, and nothing failed."""
+        return self._failure is None and self._js is not None and self._thread is not None and self._thread.is_ready
+
+    # -- failure --------------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        """Why this host cannot go on, or None while it can."""
+        return self._failure
+
+    async def wait_failed(self) -> str:
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is not None:
+            return
+        log.error("this worker cannot go on: %s; it gives up its replies (another worker continues them)", reason)
+        self._failure = reason
+        self._replies.release_all()
+        for prefilled in self._handoffs.values():  # no output will come for them
+            if not prefilled.done():
+                prefilled.set_exception(WorkerFailed(reason))
+        self._handoffs.clear()
+        self._failed.set()
+
+    def _on_engine_death(self, exc: BaseException) -> None:
+        self._fail(f"the engine thread died: {type(exc).__name__}: {exc}")
+
+    def _on_publisher_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        self._fail(f"the token publisher stopped: {type(exc).__name__}: {exc}" if exc else "the token publisher stopped")
 
     def load(self) -> EngineLoad | None:
-        """The engine's load for the heartbeat; None until the engine is loaded."""
+        """The engine's load for the heartbeat; None until the engine is loaded, and once failed."""
         thread = self._thread
-        if thread is None or not thread.is_ready or thread.latest_stats is None:
+        if self._failure is not None or thread is None or not thread.is_ready or thread.latest_stats is None:
             return None
         stats = thread.latest_stats
         mean_step_ms = 1000 * (stats.prefill_time_s + stats.decode_time_s) / max(1, stats.num_steps)
@@ -119,8 +182,8 @@ class EngineHost:
     # -- what the loop may ask at once (the engine's configuration, blocks no step touches) -----
 
     def check(self, request: Request) -> None:
-        """Raises PromptTooLong or EmptyPrompt for a request this engine could never run; answers
-        without waiting for the step in progress."""
+        """Raises PromptTooLong, EmptyPrompt or TokenIdOutOfRange for a request this engine could
+        never run; answers without waiting for the step in progress."""
         self._engine_thread.engine.check(request)
 
     def kv_layout(self) -> KvLayout:
@@ -135,16 +198,17 @@ class EngineHost:
 
     # -- replies --------------------------------------------------------------------------------
 
-    def add(self, request: Request, first_seq: int) -> None:
-        """Queues `request` and publishes its tokens from sequence number `first_seq` on."""
-        self._next_seq[request.request_id] = first_seq
+    def add(self, request: Request, first_seq: int, epoch: int) -> None:
+        """Queues `request` and publishes its tokens from sequence number `first_seq` on, stamped
+        with the owner `epoch`."""
+        self._replies.stream(request.request_id, first_seq, epoch)
         self._engine_thread.post(lambda engine: engine.add(request))
 
-    async def prefill_only(self, request: Request, first_seq: int) -> RequestOutput:
+    async def prefill_only(self, request: Request, first_seq: int, epoch: int) -> RequestOutput:
         """Prefills `request` here and publishes its first token as `first_seq`; returns the output
         that carries its handoff (None when the reply ended at its first token). Its blocks stay
         held until `release` or `discard`."""
-        self._next_seq[request.request_id] = first_seq
+        self._replies.stream(request.request_id, first_seq, epoch)
         prefilled = asyncio.get_running_loop().create_future()
         self._handoffs[request.request_id] = prefilled
         self._engine_thread.post(lambda engine: engine.add(request, prefill_only=True))
@@ -152,11 +216,27 @@ class EngineHost:
 
     def is_streaming(self, reply_id: str) -> bool:
         """This host publishes the reply's tokens (it runs here, or is about to)."""
-        return reply_id in self._next_seq
+        return self._replies.is_streaming(reply_id)
+
+    def streaming_epoch(self, reply_id: str) -> int | None:
+        """The owner epoch of the reply's stream here, or None when it does not stream here."""
+        stream = self._replies.stream_of(reply_id)
+        return None if stream is None else stream.epoch
 
     def stop_streaming(self, reply_id: str) -> None:
         """Publishes nothing more of the reply (the caller ends its stream)."""
-        self._next_seq.pop(reply_id, None)
+        self._replies.end_stream(reply_id)
+
+    def hold(self, reply_id: str) -> None:
+        """Claims a reply this worker works on outside the engine's stream (a handoff in flight)."""
+        self._replies.hold(reply_id)
+
+    def let_go(self, reply_id: str) -> None:
+        self._replies.let_go(reply_id)
+
+    def claimed_reply_ids(self) -> list[str]:
+        """Every reply this worker will finish, for its heartbeat; none once it failed or stopped."""
+        return self._replies.claimed()
 
     def abort(self, reply_id: str) -> None:
         """Cancels a running reply; its last output says so."""
@@ -181,15 +261,21 @@ class EngineHost:
         self._engine_thread.post(lambda engine: engine.cancel_import(reservation))
 
     async def import_sequence(
-        self, request: Request, reservation: ImportReservation, first_token_id: int, num_cached_tokens: int, first_seq: int
+        self,
+        request: Request,
+        reservation: ImportReservation,
+        first_token_id: int,
+        num_cached_tokens: int,
+        first_seq: int,
+        epoch: int,
     ) -> None:
         """Continues a reply prefilled elsewhere from the reservation's blocks, publishing its tokens
-        from `first_seq` on; raises ValueError when the engine cannot take it (the reservation
-        stays the caller's to cancel)."""
-        self._next_seq[request.request_id] = first_seq
+        from `first_seq` on with the owner `epoch`; raises ValueError when the engine cannot take
+        it (the reservation stays the caller's to cancel)."""
+        self._replies.stream(request.request_id, first_seq, epoch)
         try:
             await self._engine_thread.call(lambda engine: engine.import_sequence(request, reservation, first_token_id, num_cached_tokens))
-        except ValueError:
+        except (ValueError, EngineDead):
             self.stop_streaming(request.request_id)
             raise
 
@@ -218,17 +304,45 @@ class EngineHost:
         client = await bus.wait_connected()
         await kv_events.run(client, thread)
 
+    async def publish(self, event: TokenEvent) -> bool:
+        """Publishes an event the worker makes itself (a cancelled reply's final event); False, and
+        the host failed, when it cannot."""
+        if self._js is None or self._failure is not None:
+            return False
+        try:
+            await publish_event(self._js, event)
+        except CannotPublish as exc:
+            self._fail(f"cannot publish token events: {exc}")
+            return False
+        return True
+
     async def _publish_outputs(self, bus: Bus) -> None:
+        """Each step's events go out together, replies side by side but each reply's in order (and
+        the next step's after them); a reply stops being held once its final event (or its
+        handoff's first token) is stored."""
         client = await bus.wait_connected()
+        js = self._js = await open_token_stream(client, self._token_stream_max_age_s)
         while True:
-            for output in await self._outbox.get():
-                ends_here = output.is_finished or output.handoff is not None
-                handoff = self._handoffs.pop(output.request_id, None) if ends_here else None
-                seq = self._next_seq.get(output.request_id)
-                if seq is not None:
-                    await client.publish(subjects.tokens(output.request_id), encode(token_event(output, seq, self._worker_id)))
-                    self._next_seq[output.request_id] = seq + 1
-                    if ends_here:
-                        del self._next_seq[output.request_id]
+            outputs = await self._outbox.get()
+            by_reply: dict[str, list[TokenEvent]] = {}
+            ended: list[tuple[str, ReplyStream]] = []
+            for output in outputs:
+                stream = self._replies.stream_of(output.request_id)
+                if stream is None:
+                    continue
+                by_reply.setdefault(output.request_id, []).append(token_event(output, stream.next_seq, self._worker_id, stream.epoch))
+                stream.next_seq += 1
+                if output.is_finished or output.handoff is not None:
+                    ended.append((output.request_id, stream))
+            await asyncio.gather(*(_publish_in_order(js, events) for events in by_reply.values()))
+            for reply_id, stream in ended:
+                self._replies.end_stream(reply_id, stream)
+            for output in outputs:
+                handoff = self._handoffs.pop(output.request_id, None) if output.is_finished or output.handoff is not None else None
                 if handoff is not None and not handoff.done():
                     handoff.set_result(output)
+
+
+async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent]) -> None:
+    for event in events:
+        await publish_event(js, event)

@@ -1,9 +1,17 @@
 """What every worker is made of, built in dependency order: the engine host first, then the
-heartbeat that reports its load, the runtime that sends that heartbeat, and the gRPC control
-server that answers Stats with it. Prefill and decode workers add their own parts around these."""
+heartbeat that reports its load and its replies, the runtime that sends that heartbeat, and the
+gRPC control server that answers Stats with it. Prefill and decode workers add their own parts
+around these.
+
+Also what every worker does at the end of its life: on SIGTERM it drains (takes no new work, lets
+the replies it holds finish for up to drain_timeout_s, then gives up the rest, which the relay
+continues elsewhere) and exits 0; when its host fails (engine thread dead, token events that
+cannot be published) it stops at once and exits 1, so that its supervisor restarts it."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -16,25 +24,51 @@ from tandem.worker.control import ControlServer, WorkerControl
 from tandem.worker.heartbeat import WorkerHeartbeats
 from tandem.worker.host import EngineHost, EngineSpec
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class WorkerParts:
     runtime: Runtime
     host: EngineHost
     control: ControlServer
+    drain_timeout_s: float
 
     def app(self, on_start: Callable[[], Awaitable[None]], on_stop: Callable[[], Awaitable[None]]) -> FastAPI:
-        """The worker's app: the control server runs around the worker's own start and stop."""
+        """The worker's app: the control server runs around the worker's own start and stop; a
+        failed host stops the process (exit 1), a stop drains first."""
+        watching: list[asyncio.Task[None]] = []
 
         async def start() -> None:
             await self.control.start()
             await on_start()
+            watching.append(asyncio.create_task(self._stop_when_failed(), name="watch-host"))
 
         async def stop() -> None:
+            for task in watching:
+                task.cancel()
+            await self._drain()
             await on_stop()
             await self.control.stop()
 
-        return create_app(self.runtime, on_start=start, on_stop=stop)
+        app = create_app(self.runtime, on_start=start, on_stop=stop)
+        app.state.runtime = self.runtime  # run_service exits with its exit code
+        return app
+
+    async def _stop_when_failed(self) -> None:
+        self.runtime.fail(await self.host.wait_failed())
+
+    async def _drain(self) -> None:
+        """The runtime is draining already (no new work is taken): the replies held finish, up to
+        drain_timeout_s; a failed host has nothing to wait for."""
+        if self.host.failure is not None:
+            return
+        num_held = len(self.host.claimed_reply_ids())
+        if num_held:
+            log.info("draining: waiting up to %.0f s for %d replies to finish", self.drain_timeout_s, num_held)
+        if not await self.host.wait_idle(self.drain_timeout_s):
+            left = self.host.claimed_reply_ids()
+            log.warning("drain timed out; giving up %d replies to be continued elsewhere: %s", len(left), ", ".join(left))
 
 
 def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
@@ -44,9 +78,9 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     grpc_port = settings.grpc_port_for(role)
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")
     runtime_config = RuntimeConfig.from_settings(role, settings, uses_redis=False)
-    host = EngineHost(spec, runtime_config.instance_id)
-    heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load)
+    host = EngineHost(spec, runtime_config.instance_id, settings.token_stream_max_age_s)
+    heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load, host.claimed_reply_ids)
     runtime = Runtime(runtime_config, heartbeat=heartbeats.build)
     runtime.add_check("engine", host.is_ready)
     control = ControlServer(WorkerControl(runtime, heartbeats), f"{settings.host}:{grpc_port}")
-    return WorkerParts(runtime, host, control)
+    return WorkerParts(runtime, host, control, settings.drain_timeout_s)

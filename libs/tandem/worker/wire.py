@@ -44,16 +44,19 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
     )
 
 
-def token_event(output: RequestOutput, seq: int, worker_id: str) -> TokenEvent:
-    """The reply's event `seq`: this output's token and text, and the finish and usage of its last."""
+def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int) -> TokenEvent:
+    """The reply's event `seq` from its owner `epoch`: this output's token and text, and the finish
+    and usage of its last."""
     token_id = output.new_token_ids[0] if output.new_token_ids else None
     if output.finish_reason is not None:
         usage = common_pb2.Usage(
             input_tokens=output.num_prompt_tokens, cached_tokens=output.num_cached_tokens, output_tokens=output.num_output_tokens
         )
         finish = FINISH[output.finish_reason]
-        return final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
-    event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms())
+        final = final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
+        final.epoch = epoch
+        return final
+    event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms(), epoch=epoch)
     if token_id is not None:
         event.token_id = token_id
     return event
