@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.bus.events import ReplyStatus
-from tandem.store import Message, Role
+from tandem.store import BRANCH_ROOT, Message, Role
 
 
 @dataclass(frozen=True)
@@ -48,24 +48,57 @@ class PromptTooLong(ValueError):
         )
 
 
-def active_branch(messages: Sequence[Message]) -> list[Message]:
-    """Each user turn followed by its latest answer (a regenerated answer replaces the earlier ones)."""
-    latest_answer = {m.parent_seq: m for m in messages if m.role == Role.ASSISTANT}
-    branch = []
-    for message in messages:
-        if message.role == Role.USER:
-            branch.append(message)
-            if message.seq in latest_answer:
-                branch.append(latest_answer[message.seq])
+# A conversation is a tree: each message follows its parent (an answer follows the user turn it
+# answers; a user turn follows the answer it replies to). Regenerating an answer adds a sibling
+# to it; editing a sent message adds a sibling to that message. The branch the model sees runs
+# from the root to one message, its tip: by default the newest message (the branch last written).
+
+
+def parent_seqs(messages: Sequence[Message]) -> dict[int, int]:
+    """Each message's parent seq, 0 for the root. A stored parent_seq of 0 was not recorded
+    (messages written before branches, or by a writer that does not say): the message before it."""
+    parents: dict[int, int] = {}
+    previous = 0
+    for message in sorted(messages, key=lambda m: m.seq):
+        if message.parent_seq == BRANCH_ROOT:
+            parents[message.seq] = 0
+        elif message.parent_seq > 0:
+            parents[message.seq] = message.parent_seq
+        else:
+            parents[message.seq] = previous
+        previous = message.seq
+    return parents
+
+
+def stored_parent_seq(tip_seq: int) -> int:
+    """What a new message that follows `tip_seq` (0: the root) stores as its parent_seq."""
+    return tip_seq if tip_seq > 0 else BRANCH_ROOT
+
+
+def default_tip(messages: Sequence[Message]) -> int:
+    """The seq the active branch ends at when no one chose: the newest message (0 when none)."""
+    return max((m.seq for m in messages), default=0)
+
+
+def active_branch(messages: Sequence[Message], tip_seq: int | None = None) -> list[Message]:
+    """The messages from the root to `tip_seq` (default: the newest message), in order."""
+    by_seq = {m.seq: m for m in messages}
+    parents = parent_seqs(messages)
+    branch: list[Message] = []
+    seq = default_tip(messages) if tip_seq is None else tip_seq
+    while seq in by_seq and len(branch) < len(by_seq):  # the length bound: a corrupt cycle ends too
+        branch.append(by_seq[seq])
+        seq = parents[seq]
+    branch.reverse()
     return branch
 
 
-def active_history(messages: Sequence[Message], summary_upto_seq: int = 0) -> list[Message]:
-    """The turns the model should see: the active branch without what the summary covers and
-    without answers that failed or are still being written."""
+def active_history(messages: Sequence[Message], summary_upto_seq: int = 0, tip_seq: int | None = None) -> list[Message]:
+    """The turns the model should see: the branch to `tip_seq` (default: the newest message)
+    without what the summary covers and without answers that failed or are still being written."""
     return [
         m
-        for m in active_branch(messages)
+        for m in active_branch(messages, tip_seq)
         if m.seq > summary_upto_seq and (m.role == Role.USER or (m.status in (ReplyStatus.COMPLETE, ReplyStatus.STOPPED) and m.content))
     ]
 

@@ -11,8 +11,8 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
 from services.chat.auth import CurrentUser
-from services.chat.context import active_branch
-from services.chat.errors import Conflict, NotFound
+from services.chat.context import active_branch, parent_seqs
+from services.chat.errors import Conflict, InvalidRequest, NotFound
 from services.chat.replies import cancel_reply, new_reply_id, reply_response
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
@@ -20,7 +20,7 @@ from services.chat.streams import as_logged, finished_message_response
 from services.chat.turns import inflight_key, send_message
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.config import ApiKey
-from tandem.store import Conversation
+from tandem.store import Conversation, Role
 from tandem.tokenlog import as_text, load_reply
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
@@ -54,11 +54,20 @@ async def list_conversations(
 
 @router.get("/{conversation_id}")
 async def get_conversation(state: State, user: CurrentUser, conversation_id: str) -> dict[str, object]:
+    """`messages`: the active branch (root to the newest message), each with its parent_id;
+    `tree`: every message (every regenerated answer and edited message), in seq order, for
+    switching between branches."""
     conversation = await owned_conversation(state, user, conversation_id)
     messages = await state.store.list_messages(conversation_id)
-    shown = active_branch(messages)  # each user turn with its latest answer, whatever its status
-    views = [message_view(await as_logged(state, m) if m.status == ReplyStatus.RUNNING else m) for m in shown]
-    return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": views}
+    parents = parent_seqs(messages)
+    id_of_seq = {m.seq: m.id for m in messages}
+    views = {}
+    for m in messages:
+        shown = await as_logged(state, m) if m.status == ReplyStatus.RUNNING else m
+        views[m.seq] = message_view(shown, id_of_seq.get(parents[m.seq]))
+    branch = [views[m.seq] for m in active_branch(messages)]
+    tree = [views[m.seq] for m in messages]
+    return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": branch, "tree": tree}
 
 
 @router.patch("/{conversation_id}")
@@ -99,6 +108,7 @@ async def post_message(
     last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0,
 ) -> EventSourceResponse:
     conversation = await owned_conversation(state, user, conversation_id)
+    after_seq = await branch_point(state, conversation_id, body)
     reply_id = new_reply_id()
     if idempotency:
         key = idempotency_key(user, conversation_id, idempotency)
@@ -110,13 +120,33 @@ async def post_message(
         try:
             # The user turn's id comes from the key: a retry after a refusal never stores it twice.
             user_message_id = key.rsplit(":", 1)[-1]
-            started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling(), user_message_id)
+            started = await send_message(
+                state, user, conversation, body.content, body.model, reply_id, body.sampling(), user_message_id, after_seq
+            )
         except BaseException:
             await state.redis.delete(key)  # nothing started: a retry may try again
             raise
     else:
-        started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling())
+        started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling(), after_seq=after_seq)
     return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns)
+
+
+async def branch_point(state: State, conversation_id: str, body: MessageBody) -> int | None:
+    """The seq the new user turn follows: the answer `parent_id`, or the parent of the user
+    message `edit_of` (0: the root); None when the body names neither (after the newest message)."""
+    if body.parent_id is None and body.edit_of is None:
+        return None
+    messages = await state.store.list_messages(conversation_id)
+    by_id = {m.id: m for m in messages}
+    if body.edit_of is not None:
+        edited = by_id.get(body.edit_of)
+        if edited is None or edited.role != Role.USER:
+            raise InvalidRequest("edit_of must be a user message of this conversation", code="bad_edit_of", param="edit_of")
+        return parent_seqs(messages)[edited.seq]
+    parent = by_id.get(body.parent_id or "")
+    if parent is None or parent.role != Role.ASSISTANT:
+        raise InvalidRequest("parent_id must be an answer in this conversation", code="bad_parent", param="parent_id")
+    return parent.seq
 
 
 async def attach_stream(state: State, reply_id: str, last_event_id: int) -> EventSourceResponse:

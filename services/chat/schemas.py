@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, Field, StringConstraints, model_validator
 
 from services.chat.turns import SamplingChoice
 from tandem.store import Conversation, Message
@@ -29,8 +29,19 @@ class SamplingBody(BaseModel):
 
 
 class MessageBody(SamplingBody):
+    """A new user turn: after the newest message, after the answer `parent_id` (continuing a branch
+    the reader chose), or in place of the user message `edit_of` (a sibling of it: an edit)."""
+
     content: str
     model: str = "auto"
+    parent_id: str | None = Field(default=None, min_length=1, max_length=100)
+    edit_of: str | None = Field(default=None, min_length=1, max_length=100)
+
+    @model_validator(mode="after")
+    def one_place(self) -> MessageBody:
+        if self.parent_id is not None and self.edit_of is not None:
+            raise ValueError("give parent_id or edit_of, not both")
+        return self
 
 
 class RegenerateBody(SamplingBody):
@@ -52,10 +63,12 @@ def conversation_summary(conversation: Conversation) -> dict[str, object]:
     }
 
 
-def message_view(message: Message) -> dict[str, object]:
+def message_view(message: Message, parent_id: str | None = None) -> dict[str, object]:
+    """`parent_id`: the message it follows (None: the conversation's root)."""
     return {
         "id": message.id,
         "seq": message.seq,
+        "parent_id": parent_id,
         "role": message.role.value,
         "content": message.content,
         "status": message.status.value,

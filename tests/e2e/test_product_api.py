@@ -11,7 +11,7 @@ import httpx
 import nats
 import pytest
 import redis.asyncio as aioredis
-from helpers import next_heartbeat, wait_until
+from helpers import next_heartbeat, service_env, service_process, wait_until
 from product_stack import ALICE, BOB, SseReader, read_stream, text_of
 
 from tandem.models.loader import load_tokenizer
@@ -284,3 +284,106 @@ async def test_deleting_a_conversation_mid_reply_cancels_the_reply_and_removes_e
         assert (await client.delete(path, headers=ALICE)).status_code == 404
         refused = await client.post(f"{path}/messages", headers=ALICE, json={"content": "hello?"})
         assert refused.status_code == 404
+
+
+async def prompt_of(redis, reply_id: str) -> str:
+    """The prompt the model was given for a reply, as text."""
+    meta = await load_reply(redis, reply_id)
+    assert meta is not None, f"reply {reply_id} has no log"
+    return load_tokenizer(None).decode(GenerateRequest.FromString(meta.request).prompt_token_ids)
+
+
+async def test_an_edited_message_branches_and_the_model_sees_only_the_branch_it_follows(product_stack):
+    redis = aioredis.from_url(product_stack.redis_url)
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        conversation_id = await new_conversation(client)
+        first = await send(client, conversation_id, "My name is Ada. Say hi.")
+        second = await send(client, conversation_id, "Which river flows through Paris?")
+        await finished(client, conversation_id, second[0].data["message_id"])
+        before = (await stored(client, conversation_id))["messages"]
+        ada, hi, paris, paris_answer = before
+        assert (hi["id"], paris_answer["id"]) == (first[0].data["message_id"], second[0].data["message_id"])
+        assert (ada["parent_id"], hi["parent_id"], paris["parent_id"], paris_answer["parent_id"]) == (
+            None,
+            ada["id"],
+            hi["id"],
+            paris["id"],
+        )
+
+        edited = await send(client, conversation_id, "Which river flows through Rome?", edit_of=paris["id"])
+        rome_answer_id = edited[0].data["message_id"]
+        prompt = await prompt_of(redis, rome_answer_id)
+        assert "Ada" in prompt and hi["content"].strip() in prompt and "Rome" in prompt
+        assert "Paris" not in prompt and paris_answer["content"].strip() not in prompt, prompt
+        await finished(client, conversation_id, rome_answer_id)
+        conversation = await stored(client, conversation_id)
+        branch = conversation["messages"]
+        assert [m["id"] for m in branch[:2]] == [ada["id"], hi["id"]] and branch[3]["id"] == rome_answer_id
+        assert branch[2]["content"] == "Which river flows through Rome?" and branch[2]["parent_id"] == hi["id"]
+        assert [m["id"] for m in conversation["tree"]] == [m["id"] for m in before] + [branch[2]["id"], rome_answer_id]
+
+        # Regenerating the answer on the edited branch keeps to that branch.
+        async with client.stream(
+            "POST", f"/v1/messages/{rome_answer_id}/regenerate", headers={**ALICE, "Accept": "text/event-stream"}, json=GREEDY
+        ) as response:
+            again = await read_stream(response)
+        prompt = await prompt_of(redis, again[0].data["message_id"])
+        assert "Rome" in prompt and "Paris" not in prompt, prompt
+
+        # Continuing the old branch (the reader switched back to it): the model sees that one.
+        later = await send(client, conversation_id, "How long is it?", parent_id=paris_answer["id"])
+        prompt = await prompt_of(redis, later[0].data["message_id"])
+        assert "Paris" in prompt and paris_answer["content"].strip() in prompt and "Rome" not in prompt, prompt
+        await finished(client, conversation_id, later[0].data["message_id"])
+        branch = (await stored(client, conversation_id))["messages"]
+        assert [m["id"] for m in branch[:4]] == [m["id"] for m in before] and branch[5]["id"] == later[0].data["message_id"]
+
+        # Editing the first message starts afresh: nothing before it.
+        fresh = await send(client, conversation_id, "Say hello to Bob.", edit_of=ada["id"])
+        prompt = await prompt_of(redis, fresh[0].data["message_id"])
+        assert "Bob" in prompt and "Ada" not in prompt and "Paris" not in prompt, prompt
+
+        url = f"/v1/conversations/{conversation_id}/messages"
+        for body, code in (
+            ({"parent_id": ada["id"]}, "bad_parent"),
+            ({"edit_of": hi["id"]}, "bad_edit_of"),
+            ({"parent_id": "nope"}, "bad_parent"),
+        ):
+            refused = await client.post(url, headers=ALICE, json={"content": "hi", **body})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == code, refused.text
+        both = await client.post(url, headers=ALICE, json={"content": "hi", "parent_id": hi["id"], "edit_of": ada["id"]})
+        assert both.status_code == 400, both.text
+    await redis.aclose()
+
+
+async def test_a_served_model_name_is_the_id_clients_list_and_ask_for(product_stack):
+    """A second decode worker on the stack's bus serves the same file as "house-model"."""
+    env = service_env(
+        "decode", product_stack.nats_url, product_stack.redis_url, TANDEM_KV_CACHE_MIB="128", TANDEM_SERVED_MODEL_NAME="house-model"
+    )
+    worker = service_process("decode", env)
+    worker.start()
+    nc = await nats.connect(product_stack.nats_url)
+    try:
+        await next_heartbeat(nc, "decode", env["TANDEM_INSTANCE_ID"], accept=lambda hb: hb.is_ready, timeout_s=180)
+        async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE, timeout=120) as client:
+
+            async def listed() -> list[str] | None:
+                ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+                return ids if "house-model" in ids else None
+
+            assert "SmolLM2-135M-Instruct" in await wait_until(listed, timeout_s=10)
+            assert (await client.get("/v1/models/house-model")).json()["id"] == "house-model"
+            body = {"model": "house-model", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "temperature": 0}
+            completion = await client.post("/v1/chat/completions", json=body)
+            assert completion.status_code == 200, completion.text
+            assert completion.json()["model"] == "house-model" and completion.json()["choices"][0]["message"]["content"]
+    finally:
+        worker.stop(timeout_s=10)
+        await nc.close()
+    async with httpx.AsyncClient(base_url=product_stack.url, headers=ALICE, timeout=30) as client:
+
+        async def forgotten() -> bool:
+            return "house-model" not in [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+
+        await wait_until(forgotten, timeout_s=15)  # the stack serves only its own model again for the tests after

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tandem.store.base import (
+    BRANCH_ROOT,
     Conversation,
     ConversationStore,
     Message,
@@ -36,6 +37,7 @@ def open_store(settings: Settings) -> ConversationStore:
 
 
 __all__ = [
+    "BRANCH_ROOT",
     "Conversation",
     "ConversationStore",
     "Message",

@@ -19,6 +19,12 @@ class StoreUnavailable(Exception):
     """The store cannot be reached or did not answer in time; the API answers 503 with this message."""
 
 
+# A message's parent_seq when it starts the conversation afresh: a first message edited (a
+# sibling of message 1). 0 means not recorded (rows from before branches): the message before it.
+# A named value, not a new column, so the stores' schemas stay as they are.
+BRANCH_ROOT = -1
+
+
 class Role(str, Enum):
     USER = "user"
     ASSISTANT = "assistant"
@@ -48,7 +54,9 @@ class NewMessage:
     tokens: int  # its token count, counted once when saved so prompts never re-tokenize history
     model: str = ""
     status: ReplyStatus = ReplyStatus.COMPLETE
-    parent_seq: int = 0  # an assistant turn: the seq of the user turn it answers; 0 for none
+    # The message it follows: an answer's user turn, a user turn's answer (BRANCH_ROOT: none);
+    # 0: not recorded, the message before it.
+    parent_seq: int = 0
     created_at_ms: int = 0  # 0: the store's clock
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tandem.bus.events import ReplyStatus
 from tandem.config import load_settings
-from tandem.store import Conversation, ConversationStore, NewMessage, Role, open_store
+from tandem.store import BRANCH_ROOT, Conversation, ConversationStore, NewMessage, Role, open_store
 
 StoreFactory = Callable[[], Awaitable[ConversationStore]]
 
@@ -248,3 +249,16 @@ async def test_a_deleted_conversation_is_gone_with_every_message_and_only_its_ow
     assert await store.delete_conversation("alice", conversation.id) is False
     assert await store.list_messages(kept.id) == [kept_turn]
     assert await store.get_conversation("alice", kept.id) is not None
+
+
+async def test_each_message_keeps_the_parent_it_follows_the_branch_root_included(store: ConversationStore) -> None:
+    """Branches (regenerated answers, edited messages) live in parent_seq alone: no column of their own."""
+    conversation = await store.create_conversation(new_conversation())
+    question = await store.append_message("alice", replace(user_turn(conversation), parent_seq=BRANCH_ROOT))
+    answer = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
+    edited = await store.append_message("alice", replace(user_turn(conversation, "hello again"), parent_seq=BRANCH_ROOT))
+    follow_up = await store.append_message("alice", replace(user_turn(conversation, "and then?"), parent_seq=answer.seq))
+    stored = await store.list_messages(conversation.id)
+    assert [(m.seq, m.parent_seq) for m in stored] == [(1, BRANCH_ROOT), (2, 1), (3, BRANCH_ROOT), (4, 2)]
+    assert (edited.parent_seq, follow_up.parent_seq) == (BRANCH_ROOT, answer.seq)
+    assert (await store.get_message(edited.id)).parent_seq == BRANCH_ROOT
