@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.errors import StartupError
@@ -23,7 +23,7 @@ GGUF_MAGIC = b"GGUF"
 @dataclass(frozen=True)
 class ModelFile:
     path: Path
-    name: str  # the served model id: the file's name without its extension, or the folder's name
+    name: str  # the served model id: served_model_name, else the file's name without its extension, or the folder's name
     format: str  # "gguf" | "safetensors"
 
 
@@ -37,8 +37,14 @@ def embedded_model_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def open_model(path: Path | None) -> ModelFile:
-    """Checks the configured model, or the embedded default when `path` is None."""
+def open_model(path: Path | None, served_name: str = "") -> ModelFile:
+    """Checks the configured model, or the embedded default when `path` is None. `served_name`
+    (the served_model_name setting): the id clients use for it; empty: one derived from the path."""
+    model = _checked_model(path)
+    return replace(model, name=served_name) if served_name else model
+
+
+def _checked_model(path: Path | None) -> ModelFile:
     if path is None:
         embedded = embedded_model_path()
         if embedded is None:

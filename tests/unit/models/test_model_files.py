@@ -49,3 +49,13 @@ def test_a_gguf_is_served_as_its_file_name_without_the_extension(tmp_path: Path,
     model = tmp_path / file_name
     model.write_bytes(b"GGUF" + b"\0" * 8)
     assert open_model(model).name == model_id
+
+
+def test_served_model_name_is_the_id_whatever_the_file_is_called(tmp_path: Path):
+    gguf = tmp_path / "llama-3.1-8b.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 8)
+    assert open_model(gguf, served_name="team-llama").name == "team-llama"
+    assert open_model(gguf, served_name="").name == "llama-3.1-8b.Q4_K_M"
+    assert open_model(None, served_name="assistant").name == "assistant"
+    with pytest.raises(StartupError):  # a name does not make a missing file servable
+        open_model(tmp_path / "absent.gguf", served_name="team-llama")
