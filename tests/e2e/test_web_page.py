@@ -7,18 +7,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import nats
 import pytest
 import pytest_asyncio
-from helpers import wait_until
-from product_stack import ALICE
+from helpers import next_heartbeat, service_env, service_process, wait_until
+from product_stack import ALICE, API_KEYS
 
 from tandem.bus.events import now_ms
+from tandem.devstack.servers import start_nats
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 
@@ -358,10 +361,44 @@ async def test_a_refused_send_shows_why_and_gives_the_text_back(product_stack, c
     too_long = "x" * 32_001
     await send(page, too_long)
 
-    await expect(page.locator("#banner")).to_be_visible()
-    await expect(page.locator("#banner")).to_contain_text("at most 32000 are accepted")
+    banner = page.locator("#banner")
+    await expect(banner).to_be_visible()
+    await expect(banner).to_contain_text("Too long to send: the message has 32001 characters; at most 32000 are accepted.")
+    await expect(banner).to_contain_text("Shorten it and send it again.")
     assert await page.eval_on_selector("#input", "el => el.value.length") == len(too_long)
     await expect(page.locator(".message")).to_have_count(0)
+
+
+@pytest_asyncio.fixture
+async def chat_without_workers(product_stack, tmp_path):
+    """A chat instance on a bus of its own where no worker runs: every send is refused with 503."""
+    bus = start_nats(tmp_path)
+    env = service_env(
+        "chat", bus.url, product_stack.redis_url, TANDEM_STORE="sqlite", TANDEM_SQLITE_PATH=str(tmp_path / "c.db"), TANDEM_API_KEYS=API_KEYS
+    )
+    chat = service_process("chat", env)
+    chat.start()
+    nc = await nats.connect(bus.url)
+    try:
+        await next_heartbeat(nc, "chat", env["TANDEM_INSTANCE_ID"], accept=lambda hb: hb.is_ready, timeout_s=120)
+        yield f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}"
+    finally:
+        await nc.close()
+        chat.stop(timeout_s=10)
+        bus.stop()
+
+
+async def test_a_send_refused_as_unavailable_says_so_with_the_time_to_retry(chat_without_workers, context):
+    page = await signed_in_page(context, chat_without_workers)
+    await send(page, "Is anyone there?")
+
+    banner = page.locator("#banner")
+    await expect(banner).to_contain_text("Unavailable right now: no model is being served yet.", timeout=30_000)
+    await expect(banner).to_contain_text(re.compile(r"Try again in \d+ seconds?\."))
+    await expect(page.locator("#send")).to_have_text(re.compile(r"Wait \d+ s"))
+    await expect(banner).to_contain_text("You can try again now.", timeout=15_000)  # the countdown ends
+    await expect(page.locator("#send")).to_have_text("Send")
+    await expect(page.locator("#input")).to_have_value("Is anyone there?")  # given back: nothing was stored
 
 
 async def test_on_a_phone_the_sidebar_slides_in_and_the_reply_stays_in_view(product_stack, context):
@@ -577,3 +614,53 @@ async def test_the_theme_toggle_switches_light_and_dark_and_is_remembered(produc
     await page.click("#theme")
     await expect(html).not_to_have_attribute("data-theme", "dark")
     await expect(page.locator("#theme")).to_have_text("Theme: auto")
+
+
+async def test_versions_switch_between_regenerated_answers_and_an_edit_branches(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await send(page, "Name a colour.")
+    first = answers(page).last
+    await expect(first).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    await send(page, "Name a fruit.")
+    await expect(answers(page)).to_have_count(2)
+    await expect(answers(page).last).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    fruit_answer = await source_of(answers(page).last)
+    first_id = await answers(page).first.get_attribute("data-id")
+    users = page.locator('.message[data-role="user"]')
+    await expect(users.last.locator(".edit")).to_be_visible()  # the sent message got its id
+
+    # Regenerate the last answer: it shows 2/2, and the previous-version button goes back to the first one.
+    last = answers(page).last
+    await last.locator(".regenerate").click()
+    await expect(last).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    await expect(last.locator(".version-count")).to_have_text("2/2")
+    regenerated = await source_of(last)
+    await last.locator(".version-prev").click()
+    await expect(answers(page).last.locator(".version-count")).to_have_text("1/2")
+    await expect(answers(page).last).to_have_attribute("data-source", fruit_answer)
+    await answers(page).last.locator(".version-next").click()
+    await expect(answers(page).last).to_have_attribute("data-source", regenerated)
+
+    # Edit the second question: it and its answers make way for the new version.
+    await users.last.locator(".edit").click()
+    await page.fill(".edit-input", "Name a vegetable.")
+    await page.press(".edit-input", "Enter")
+    await expect(users.last.locator(".content")).to_have_text("Name a vegetable.")
+    await expect(answers(page).last).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    await expect(page.locator(".message")).to_have_count(4)
+    await expect(users.last.locator(".version-count")).to_have_text("2/2")
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    assert [m["content"] for m in conversation["messages"] if m["role"] == "user"] == ["Name a colour.", "Name a vegetable."]
+    assert len(conversation["tree"]) == 7  # two questions, the edit, and four answers
+
+    # The older version of the question brings back its own answers, the regenerated one last shown.
+    await users.last.locator(".version-prev").click()
+    await expect(users.last.locator(".content")).to_have_text("Name a fruit.")
+    await expect(answers(page).last).to_have_attribute("data-source", regenerated)
+    await expect(answers(page).last.locator(".version-count")).to_have_text("2/2")
+    await expect(answers(page).first).to_have_attribute("data-id", first_id)
+
+    # A reload shows the branch written last: the edited one.
+    await page.reload()
+    await expect(users.last.locator(".content")).to_have_text("Name a vegetable.")
+    await expect(users.last.locator(".version-count")).to_have_text("2/2")

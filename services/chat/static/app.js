@@ -2,8 +2,12 @@
 // Model output reaches the page only through messages.js: sanitised Markdown, never raw HTML.
 
 import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
-import { appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, setUsage, textOf } from '/static/messages.js';
+import { branchThrough, buildTree, pathTo, versionsOf } from '/static/branches.js';
+import {
+  appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, setUsage, setVersions, startEditing, textOf,
+} from '/static/messages.js';
 import { ConversationList } from '/static/conversations.js';
+import { refusalText, retryText, waitText } from '/static/refusals.js';
 import { apiError, followReply } from '/static/stream.js';
 import { setUpThemeToggle } from '/static/theme.js';
 
@@ -25,6 +29,7 @@ const state = {
   active: null, // the reply being followed: {el, controller, messageId, stopping}
   isStarting: false, // a new conversation is being created for the first send
   sendHeldUntilMs: 0,
+  tree: buildTree([]), // every message of the open conversation, for switching between versions
 };
 
 // ---- the API key ---------------------------------------------------------------------------------
@@ -51,17 +56,23 @@ ui.changeKey.addEventListener('click', () => askForKey());
 
 let bannerTimer = 0;
 
-function showBanner(message, retryAfterS = 0) {
+/** `message`, then (for a refusal's `status`) when to try again, counting down from Retry-After. */
+function showBanner(message, retryAfterS = 0, status = 0) {
   clearInterval(bannerTimer);
   const until = Date.now() + retryAfterS * 1000;
   const render = () => {
     const left = Math.ceil((until - Date.now()) / 1000);
-    ui.banner.textContent = left > 0 ? `${message} (try again in ${left} s)` : message;
+    ui.banner.textContent = [message, retryText(status, left)].filter(Boolean).join(' ');
     if (left <= 0) clearInterval(bannerTimer);
   };
   render();
   if (retryAfterS > 0) bannerTimer = setInterval(render, 1000);
   ui.banner.hidden = false;
+}
+
+/** A refused request (429, 413, 503 ...): what happened, and when to try again. */
+function showRefusal(error) {
+  showBanner(refusalText(error.status, error.message), error.retryAfterS, error.status);
 }
 
 function hideBanner() {
@@ -109,6 +120,7 @@ const markCurrent = () => conversations.markCurrent();
 function leaveConversation() {
   if (state.active) state.active.controller.abort(); // the reply goes on server-side; we reattach on return
   state.active = null;
+  state.tree = buildTree([]);
   hideBanner();
   ui.messages.replaceChildren(ui.empty);
   ui.empty.hidden = false;
@@ -132,7 +144,7 @@ async function openConversation(id) {
   try {
     conversation = await apiJson(`/v1/conversations/${encodeURIComponent(id)}`);
   } catch (err) {
-    if (state.conversationId === id) showBanner(`Could not open the conversation: ${err.message}`, err.retryAfterS);
+    if (state.conversationId === id) showBanner(`Could not open the conversation: ${err.message}`, err.retryAfterS, err.status);
     return;
   }
   if (state.conversationId !== id) return; // another one was opened meanwhile
@@ -141,18 +153,69 @@ async function openConversation(id) {
 
 function renderConversation(conversation) {
   ui.title.textContent = conversation.title || 'New chat';
+  state.tree = buildTree(conversation.tree || conversation.messages);
+  renderBranch(conversation.messages);
+}
+
+/** Shows one branch of the conversation; `focusId`: a message to keep in view (else the end). */
+function renderBranch(views, focusId = '') {
   ui.messages.replaceChildren(ui.empty);
-  ui.empty.hidden = conversation.messages.length > 0;
-  for (const message of conversation.messages) ui.messages.append(messageElement(message, regenerate));
+  ui.empty.hidden = views.length > 0;
+  for (const view of views) ui.messages.append(messageElement(view, messageActions));
   markLastAnswer();
-  scrollToBottom(ui.messages);
-  const last = conversation.messages.at(-1);
+  const focus = focusId && ui.messages.querySelector(`.message[data-id="${CSS.escape(focusId)}"]`);
+  if (focus) focus.scrollIntoView({ block: 'nearest' });
+  else scrollToBottom(ui.messages);
+  const last = views.at(-1);
   if (last && last.role === 'assistant' && last.status === 'running') {
     // Attach from the start (Last-Event-ID 0): its text replaces the partial text shown.
     followStream(lastMessageEl(), { messageId: last.id, replaceText: true });
   }
   updateControls();
 }
+
+// ---- versions: regenerated answers and edited messages --------------------------------------------
+
+/** ‹ i/n › on a message: shows the branch through its sibling `step` away. */
+function switchVersion(el, step) {
+  if (state.active || !el.dataset.id) return;
+  const { sibling } = versionsOf(state.tree, el.dataset.id, step);
+  if (!sibling) return;
+  hideBanner();
+  renderBranch(branchThrough(state.tree, sibling.id), sibling.id);
+}
+
+/**
+ * After a reply ends: reads the conversation's tree again, so the messages just written get their
+ * ids (a user's message has none until then) and their versions show.
+ */
+async function syncTree(conversationId, answerId) {
+  let conversation;
+  try {
+    conversation = await apiJson(`/v1/conversations/${encodeURIComponent(conversationId)}`);
+  } catch {
+    return; // the versions show on the next open
+  }
+  if (state.conversationId !== conversationId || state.active) return;
+  state.tree = buildTree(conversation.tree || conversation.messages);
+  const path = pathTo(state.tree, answerId);
+  const shown = [...ui.messages.querySelectorAll('.message')];
+  if (path.length && path.length === shown.length) {
+    shown.forEach((el, i) => {
+      el.dataset.id = path[i].id;
+    });
+    keepingBottom(ui.messages, updateControls); // Edit and ‹ i/n › may appear below the reader's last line
+  } else if (path.length) {
+    renderBranch(path);
+  }
+}
+
+function editMessage(el) {
+  if (state.active || !el.dataset.id) return;
+  startEditing(el, (content) => sendEdit(el, content));
+}
+
+const messageActions = { regenerate, edit: editMessage, switchVersion };
 
 // ---- messages ------------------------------------------------------------------------------------
 
@@ -172,6 +235,7 @@ function markLastAnswer() {
  * stream. `replaceText`: the text shown is the partial text, replaced by the stream from event 1.
  */
 function followStream(el, { start = null, messageId = '', replaceText = false, onRefused = () => {} }) {
+  const conversationId = state.conversationId;
   const controller = new AbortController();
   const active = { el, controller, messageId, stopping: false };
   state.active = active;
@@ -198,7 +262,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
     },
     error(data) {
       setStatus(el, data.code === 'moderated' ? 'moderated' : 'failed');
-      const wait = data.retry_after ? ` (try again in ${Math.ceil(data.retry_after)} s)` : '';
+      const wait = data.retry_after ? ` Try again in ${waitText(data.retry_after)}.` : '';
       setError(el, `${data.message || 'The reply failed.'}${wait}`);
       holdRegenerate(el, data.retry_after || 0);
     },
@@ -210,7 +274,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
       // The reply can no longer be streamed (its log expired, or it is gone): show what is stored.
       if (!isMine()) return;
       openConversation(state.conversationId).then(() => {
-        if (error.status !== 410) showBanner(error.message, error.retryAfterS);
+        if (error.status !== 410) showRefusal(error);
       });
     },
     reconnecting(delayMs) {
@@ -234,6 +298,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
     if (ending === 'abandoned' && el.dataset.status === 'running') setStatus(el, 'running', 'Not following this reply');
     markLastAnswer();
     refreshConversations();
+    if ((ending === 'done' || ending === 'error') && active.messageId) syncTree(conversationId, active.messageId);
   });
 }
 
@@ -253,7 +318,7 @@ async function send(content) {
     try {
       ({ id: conversationId } = await apiJson('/v1/conversations', { method: 'POST', body: {} }));
     } catch (err) {
-      showBanner(`Could not start a conversation: ${err.message}`, err.retryAfterS);
+      showBanner(`Could not start a conversation: ${err.message}`, err.retryAfterS, err.status);
       return;
     } finally {
       state.isStarting = false;
@@ -265,12 +330,36 @@ async function send(content) {
   ui.input.value = '';
   autosize();
   ui.empty.hidden = true;
-  const answer = messageElement({ role: 'assistant', content: '', status: 'running' }, regenerate);
-  keepingBottom(ui.messages, () => ui.messages.append(messageElement({ role: 'user', content }), answer));
+  // The new turn follows the answer shown last (the reader may have switched to another version).
+  const last = lastMessageEl();
+  const parentId = last && last.dataset.role === 'assistant' ? last.dataset.id || '' : '';
+  const answer = messageElement({ role: 'assistant', content: '', status: 'running' }, messageActions);
+  keepingBottom(ui.messages, () => ui.messages.append(messageElement({ role: 'user', content }, messageActions), answer));
   scrollToBottom(ui.messages);
+  const body = { content, model: ui.model.value || 'auto' };
+  if (parentId) body.parent_id = parentId;
+  startTurn(conversationId, answer, body);
+}
+
+/** A sent message's new version: it and what follows make way, and the new one is answered. */
+function sendEdit(el, content) {
+  if (state.active || Date.now() < state.sendHeldUntilMs || !el.dataset.id) return;
+  hideBanner();
+  const editOf = el.dataset.id;
+  while (el.nextElementSibling) el.nextElementSibling.remove();
+  const user = messageElement({ role: 'user', content }, messageActions);
+  el.replaceWith(user);
+  const answer = messageElement({ role: 'assistant', content: '', status: 'running' }, messageActions);
+  ui.messages.append(answer);
+  scrollToBottom(ui.messages);
+  startTurn(state.conversationId, answer, { content, model: ui.model.value || 'auto', edit_of: editOf });
+}
+
+/** Posts a user turn and streams its answer into `answer`. */
+function startTurn(conversationId, answer, body) {
+  const { content } = body;
   // One key per send, reused when the same send is retried after a network failure.
   const idempotencyKey = uuid();
-  const body = { content, model: ui.model.value || 'auto' };
   followStream(answer, {
     start: (lastEventId, signal) => api(`/v1/conversations/${encodeURIComponent(conversationId)}/messages`, {
       method: 'POST', body, signal, headers: streamHeaders(lastEventId, { 'Idempotency-Key': idempotencyKey }),
@@ -283,7 +372,7 @@ async function send(content) {
 async function refused(error, conversationId, content) {
   state.active = null;
   await openConversation(conversationId);
-  showBanner(error.message, error.retryAfterS);
+  showRefusal(error);
   holdSending(error.retryAfterS);
   const last = lastMessageEl();
   if (last && last.dataset.status === 'failed') holdRegenerate(last, error.retryAfterS); // its Regenerate is the retry
@@ -309,7 +398,7 @@ function regenerate(el) {
     }),
     onRefused: (error) => {
       state.active = null;
-      openConversation(state.conversationId).then(() => showBanner(error.message, error.retryAfterS));
+      openConversation(state.conversationId).then(() => showRefusal(error));
     },
   });
 }
@@ -325,7 +414,7 @@ async function stop() {
     // The stream ends with done (finish "cancelled"), which marks the message stopped.
   } catch (err) {
     active.stopping = false;
-    showBanner(`Could not stop the reply: ${err.message}`, err.retryAfterS);
+    showBanner(`Could not stop the reply: ${err.message}`, err.retryAfterS, err.status);
     updateControls();
   }
 }
@@ -346,6 +435,14 @@ function updateControls() {
     const held = Number(el.dataset.heldUntil || 0) > Date.now();
     button.hidden = active !== null || !('lastAnswer' in el.dataset) || !el.dataset.id;
     button.disabled = held;
+  }
+  for (const button of ui.messages.querySelectorAll('.edit')) {
+    button.hidden = active !== null || !button.closest('.message').dataset.id;
+  }
+  for (const el of ui.messages.querySelectorAll('.message')) {
+    const { index, count } = el.dataset.id ? versionsOf(state.tree, el.dataset.id) : { index: 1, count: 1 };
+    setVersions(el, index, count);
+    if (active) for (const button of el.querySelectorAll('.versions button')) button.disabled = true;
   }
 }
 

@@ -1,5 +1,6 @@
 // One message on the page: an <article> that keeps its text in data-source, with a foot line for
-// its status, its error and (for answers) Regenerate. A user's text is shown as a text node; an
+// its status, its error, its versions (‹ 1/2 › between regenerated answers or edited messages),
+// Edit (a user's message) and Regenerate (an answer). A user's text is shown as a text node; an
 // answer is rendered as sanitised Markdown (markdown.js), at most every RENDER_EVERY_MS while it
 // streams and at once when it ends.
 
@@ -15,8 +16,37 @@ const STATUS_TEXT = {
   moderated: 'Withheld by the safety check',
 };
 
-/** A message as the API gives it (`{id, role, content, status}`); `onRegenerate(el)` for answers. */
-export function messageElement({ id = '', role, content = '', status = 'complete', tokens = 0 }, onRegenerate) {
+function linkButton(className, text, label, onClick) {
+  const button = document.createElement('button');
+  button.type = 'button';
+  button.className = `link ${className}`;
+  button.textContent = text;
+  if (label) button.setAttribute('aria-label', label);
+  button.addEventListener('click', onClick);
+  return button;
+}
+
+/** The ‹ i/n › switcher between a message's versions; hidden while there is only one. */
+function versionsElement(el, onSwitch) {
+  const nav = document.createElement('span');
+  nav.className = 'versions';
+  nav.hidden = true;
+  const count = document.createElement('span');
+  count.className = 'version-count';
+  nav.append(
+    linkButton('version-prev', '‹', 'Previous version', () => onSwitch(el, -1)),
+    count,
+    linkButton('version-next', '›', 'Next version', () => onSwitch(el, 1)),
+  );
+  return nav;
+}
+
+/**
+ * A message as the API gives it (`{id, role, content, status}`). `actions`: regenerate(el) for
+ * answers, edit(el) for a user's messages, switchVersion(el, step) for both.
+ */
+export function messageElement({ id = '', role, content = '', status = 'complete', tokens = 0 }, actions = {}) {
+  const { regenerate = () => {}, edit = () => {}, switchVersion = () => {} } = actions;
   const el = document.createElement('article');
   el.className = 'message';
   el.dataset.role = role;
@@ -32,15 +62,15 @@ export function messageElement({ id = '', role, content = '', status = 'complete
   errorLine.setAttribute('role', 'alert');
   const usage = document.createElement('span');
   usage.className = 'usage';
-  foot.append(statusLine, errorLine, usage);
+  foot.append(versionsElement(el, switchVersion), statusLine, errorLine, usage);
   if (role === 'assistant') {
-    const again = document.createElement('button');
-    again.type = 'button';
-    again.className = 'link regenerate';
-    again.textContent = 'Regenerate';
+    const again = linkButton('regenerate', 'Regenerate', '', () => regenerate(el));
     again.hidden = true;
-    again.addEventListener('click', () => onRegenerate(el));
     foot.append(again);
+  } else {
+    const change = linkButton('edit', 'Edit', 'Edit this message', () => edit(el));
+    change.hidden = true;
+    foot.append(change);
   }
   el.append(body, foot);
   el.dataset.source = content;
@@ -54,6 +84,64 @@ export function setUsage(el, { input, cached = 0, output = 0 } = {}) {
   const line = el.querySelector('.usage');
   line.textContent = output ? `${output} token${output === 1 ? '' : 's'}` : '';
   line.title = input === undefined ? '' : `prompt ${input} tokens (${cached} cached), answer ${output} tokens`;
+}
+
+/** Shows "‹ index/count ›" (index from 1); nothing while count is 1. */
+export function setVersions(el, index, count) {
+  const nav = el.querySelector('.versions');
+  nav.hidden = count < 2;
+  nav.querySelector('.version-count').textContent = `${index}/${count}`;
+  nav.querySelector('.version-prev').disabled = index <= 1;
+  nav.querySelector('.version-next').disabled = index >= count;
+}
+
+/**
+ * Turns a user's message into a box to edit it: `onSave(text)` when saved (Enter or Save) with a
+ * change, back as it was on Cancel or Esc.
+ */
+export function startEditing(el, onSave) {
+  if (el.querySelector('.edit-box')) return;
+  const body = el.querySelector('.content');
+  const box = document.createElement('form');
+  box.className = 'edit-box';
+  const input = document.createElement('textarea');
+  input.className = 'edit-input';
+  input.setAttribute('aria-label', 'Edit the message');
+  input.value = el.dataset.source;
+  input.rows = Math.min(12, input.value.split('\n').length + 1);
+  const save = document.createElement('button');
+  save.type = 'submit';
+  save.className = 'button primary edit-save';
+  save.textContent = 'Save and send';
+  const cancel = linkButton('edit-cancel', 'Cancel', '', () => finish());
+  const actions = document.createElement('div');
+  actions.className = 'edit-actions';
+  actions.append(cancel, save);
+  box.append(input, actions);
+  const finish = () => {
+    box.remove();
+    body.hidden = false;
+  };
+  box.addEventListener('submit', (event) => {
+    event.preventDefault();
+    const text = input.value;
+    if (!text.trim()) return;
+    finish();
+    if (text !== el.dataset.source) onSave(text);
+  });
+  input.addEventListener('keydown', (event) => {
+    if (event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      box.requestSubmit();
+    } else if (event.key === 'Escape') {
+      event.preventDefault();
+      event.stopPropagation();
+      finish();
+    }
+  });
+  body.hidden = true;
+  body.after(box);
+  input.focus();
 }
 
 export const textOf = (el) => el.dataset.source;
