@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from fastapi import FastAPI
 from nats.aio.client import Client
@@ -55,6 +57,14 @@ def build_app(settings: Settings) -> FastAPI:
             metrics.REPLIES_UNPERSISTED.inc()
         return stored
 
+    async def persist_soon(reply_id: str) -> None:
+        """Stores a finished reply without holding up the events behind it; the append listed it
+        as unpersisted, so a sweep retries whatever fails here."""
+        try:
+            await persist(reply_id)
+        except (StoreUnavailable, RedisError, OSError) as exc:
+            log.warning("reply %s: not stored yet (%s); a sweep retries", reply_id, exc)
+
     async def log_event(event: TokenEvent) -> None:
         """Raises when the log cannot take it, so the event is redelivered."""
         appended = await writer.append(event)
@@ -63,13 +73,14 @@ def build_app(settings: Settings) -> FastAPI:
         elif appended.num_appended == 0:
             metrics.EVENTS_DROPPED.labels(why="duplicate_or_held").inc()
         metrics.EVENTS_LOGGED.inc(appended.num_appended)
-        if appended.final_status is None:
-            return
-        metrics.REPLIES_FINISHED.labels(status=appended.final_status.value).inc()
-        try:  # the append listed it as unpersisted: a sweep retries whatever fails here
-            await persist(event.reply_id)
-        except (StoreUnavailable, RedisError, OSError) as exc:
-            log.warning("reply %s: not stored yet (%s); a sweep retries", event.reply_id, exc)
+        if appended.final_status is not None:
+            metrics.REPLIES_FINISHED.labels(status=appended.final_status.value).inc()
+            spawn(persist_soon(event.reply_id), f"persist:{event.reply_id}")
+
+    def spawn(work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def publish(subject: str, data: bytes) -> None:
         await runtime.bus.client.publish(subject, data)
@@ -77,17 +88,17 @@ def build_app(settings: Settings) -> FastAPI:
     async def publish_final(event: TokenEvent) -> None:
         await publish_token(runtime.bus.client.jetstream(), event)
 
-    async def sweep_forever(sweeper: Sweeper) -> None:
+    async def every(interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:
             try:
-                await sweeper.sweep()
+                await work()
             except StoreUnavailable as exc:
                 log.warning("sweep: store unavailable: %s", exc)
             except (RedisError, OSError) as exc:
                 log.warning("sweep: redis unavailable: %s", exc)
             except Exception:  # a sweep must never stop for good
                 log.exception("sweep failed")
-            await asyncio.sleep(sweep_config.interval_s)
+            await asyncio.sleep(interval_s)
 
     async def start_watching(client: Client) -> None:
         nonlocal consumer, stalls
@@ -95,8 +106,9 @@ def build_app(settings: Settings) -> FastAPI:
         stalls = StallWatcher(redis, client, claims, publish_final, stall_config)
         await claims.listen(client)
         sweeper = Sweeper(redis, publish, publish_final, persist, stalls, sweep_config)
-        tasks.add(asyncio.create_task(consumer.run(), name="token-consumer"))
-        tasks.add(asyncio.create_task(sweep_forever(sweeper), name="sweep"))
+        spawn(consumer.run(), "token-consumer")
+        spawn(every(sweep_config.stall_check_interval_s, sweeper.check_stalls), "stalls")
+        spawn(every(sweep_config.sweep_interval_s, sweeper.sweep), "sweep")
 
     async def is_consuming() -> bool:
         return consumer is not None and consumer.is_running
@@ -108,7 +120,7 @@ def build_app(settings: Settings) -> FastAPI:
         await store.start()
 
     async def on_stop() -> None:
-        for task in tasks:
+        for task in list(tasks):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -8,6 +8,7 @@ relay, or to itself once restarted, after the ack wait."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,23 +49,33 @@ class TokenConsumer:
         self.is_running = False
 
     async def run(self) -> None:
-        """Consumes until cancelled."""
-        subscription = await self._subscribe()
-        self.is_running = True
-        try:
-            while True:
-                try:
-                    messages = await subscription.fetch(self._config.batch, timeout=self._config.fetch_timeout_s)
-                except nats.errors.TimeoutError:
-                    continue  # nothing to do for a while
-                except nats.errors.Error as exc:  # disconnected, or the server is restarting
-                    log.warning("token stream: fetch failed (%s); retrying in %.1f s", exc, self._config.retry_s)
-                    await asyncio.sleep(self._config.retry_s)
-                    continue
-                # Each event on its own: the log orders them, whatever order they finish in.
-                await asyncio.gather(*(self._take(message) for message in messages))
-        finally:
-            self.is_running = False
+        """Consumes until cancelled. A fetch that fails for another reason than having nothing to
+        fetch (NATS gone, the consumer or stream lost with a server's store) subscribes again."""
+        while True:
+            subscription = await self._subscribe()
+            self.is_running = True
+            try:
+                await self._consume(subscription)
+            except Exception:  # never stop consuming for good
+                log.exception("token stream: consuming failed; subscribing again")
+            finally:
+                self.is_running = False
+                with contextlib.suppress(nats.errors.Error):
+                    await subscription.unsubscribe()
+            await asyncio.sleep(self._config.retry_s)
+
+    async def _consume(self, subscription: nats.js.JetStreamContext.PullSubscription) -> None:
+        """Returns when fetching fails."""
+        while True:
+            try:
+                messages = await subscription.fetch(self._config.batch, timeout=self._config.fetch_timeout_s)
+            except TimeoutError:  # nats' own, or asyncio's from inside fetch
+                continue  # nothing to do for a while
+            except nats.errors.Error as exc:
+                log.warning("token stream: fetch failed (%s); subscribing again in %.1f s", exc, self._config.retry_s)
+                return
+            # Each event on its own: the log orders them, whatever order they finish in.
+            await asyncio.gather(*(self._take(message) for message in messages))
 
     async def _subscribe(self) -> nats.js.JetStreamContext.PullSubscription:
         config = ConsumerConfig(
@@ -79,7 +90,7 @@ class TokenConsumer:
             try:
                 js = await ensure_token_stream(self._client, self._config.max_age_s)
                 return await js.pull_subscribe(subjects.TOKENS_ALL, durable=self._config.durable, stream=STREAM, config=config)
-            except nats.errors.Error as exc:
+            except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("token stream: cannot consume yet (%s); retrying in %.1f s", exc, self._config.retry_s)
                 await asyncio.sleep(self._config.retry_s)
 
@@ -94,6 +105,10 @@ class TokenConsumer:
         except (RedisError, OSError) as exc:
             metrics.EVENTS_RETRIED.inc()
             log.warning("could not log an event of reply %s (%s); it will be redelivered", subjects.reply_id_of(message.subject), exc)
+            await self._settle(message.nak(delay=self._config.nak_delay_s))
+        except Exception:  # a bug must not lose the event either
+            metrics.EVENTS_RETRIED.inc()
+            log.exception("could not log an event of reply %s; it will be redelivered", subjects.reply_id_of(message.subject))
             await self._settle(message.nak(delay=self._config.nak_delay_s))
         else:
             await self._settle(message.ack())

@@ -62,8 +62,17 @@ class Claims:
             await client.subscribe(subjects.heartbeats_of(role), cb=self._on_heartbeat)
         self._listening_since_ms = now_ms()
 
+    def observe_connection(self, is_connected: bool) -> None:
+        """While NATS is down this relay hears no heartbeat: once it is back, the claims count
+        again only after a fresh round of them."""
+        if not is_connected:
+            self._listening_since_ms = 0
+        elif self._listening_since_ms == 0:
+            self._listening_since_ms = now_ms()
+
     def has_listened_for_ms(self, duration_ms: int) -> bool:
-        """A relay that just started has not heard every worker yet: it must not call a reply unclaimed."""
+        """A relay that just started, or just got NATS back, has not heard every worker yet: it
+        must not call a reply unclaimed."""
         return self._listening_since_ms > 0 and now_ms() - self._listening_since_ms >= duration_ms
 
     def note(self, heartbeat: WorkerHeartbeat) -> None:
@@ -108,6 +117,7 @@ class StallWatcher:
 
     def check(self, metas: Iterable[ReplyMeta]) -> None:
         """Acts on every stalled reply, each in a task of its own (a router's answer can take seconds)."""
+        self._claims.observe_connection(self._client.is_connected)
         self._claims.forget_older_than(int(self._config.stall_timeout_s * 1000) * 4)
         for meta in metas:
             if meta.reply_id in self._acting or not self.is_stalled(meta):
@@ -169,7 +179,7 @@ class StallWatcher:
         taken = await fence_reply(self._redis, seen.reply_id, expected_epoch=seen.epoch, ttl_s=self._config.running_ttl_s)
         if taken is None:
             return
-        log.error("reply %s: its worker was lost %d times; ending it with an error", seen.reply_id, seen.num_continuations + 1)
+        log.error("reply %s: still lost after %d continuations; ending it with an error", seen.reply_id, seen.num_continuations)
         event = error_event(seen.reply_id, taken.last_seq + 1, LOST_CODE, LOST_MESSAGE, worker_id="relay")
         event.epoch = taken.epoch
         await self._publish_final(event)

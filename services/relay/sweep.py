@@ -1,5 +1,5 @@
 """What the relay checks about running replies, several times a second: stalled replies (their
-worker lost: continued, see stalls.py); and about once a second: replies nobody reads (cancelled,
+worker lost: continued, see stalls.py); and once a second: replies nobody reads (cancelled,
 only those created to track their readers), cancelled replies whose worker never answered (closed
 by the relay itself), replies not yet stored (retried), gaps in a log that do not fill (reported),
 and members of the reply sets whose reply is gone (dropped)."""
@@ -31,11 +31,14 @@ class SweepConfig:
     reader_idle_timeout_s: float = 30.0
     cancel_grace_s: float = 10.0  # a cancelled reply still running after this is closed by the relay
     gap_report_s: float = 5.0
-    interval_s: float = 0.25  # how often stalls are looked for
-    slow_every: int = 4  # the rest is looked at every this many sweeps
+    stall_check_interval_s: float = 0.25
+    sweep_interval_s: float = 1.0
 
 
 class Sweeper:
+    """Two loops' work: `check_stalls` (cheap, frequent) and `sweep` (the rest, which may wait on
+    the store), so a store outage never delays finding a lost worker."""
+
     def __init__(
         self, redis: Redis, publish: Publish, publish_final: PublishFinal, persist: Persist, stalls: StallWatcher, config: SweepConfig
     ) -> None:
@@ -45,25 +48,28 @@ class Sweeper:
         self._persist = persist
         self._stalls = stalls
         self._config = config
-        self._num_sweeps = 0
+
+    async def _running(self) -> dict[str, ReplyMeta | None]:
+        reply_ids = sorted(as_text(raw) for raw in await self._redis.smembers(RUNNING))
+        return await load_reply_states(self._redis, reply_ids) if reply_ids else {}
+
+    async def check_stalls(self) -> None:
+        states = await self._running()
+        self._stalls.check(meta for meta in states.values() if meta is not None and meta.is_running)
 
     async def sweep(self) -> None:
-        self._num_sweeps += 1
-        reply_ids = sorted(as_text(raw) for raw in await self._redis.smembers(RUNNING))
-        states = await load_reply_states(self._redis, reply_ids) if reply_ids else {}
-        running = [meta for meta in states.values() if meta is not None and meta.is_running]
-        self._stalls.check(running)
-        if self._num_sweeps % self._config.slow_every:
-            return
+        states = await self._running()
         gone = [reply_id for reply_id, meta in states.items() if meta is None or not meta.is_running]
         if gone:
             await self._redis.srem(RUNNING, *gone)
-        if reply_ids:
+        if states:
             await self._redis.expire(RUNNING, REPLY_SET_TTL_S)
-        for meta in running:
-            await self._check_running(meta)
+        for meta in states.values():
+            if meta is not None and meta.is_running:
+                await self._check_running(meta)
         for raw in await self._redis.smembers(UNPERSISTED):
-            await self._persist(as_text(raw))
+            if not await self._persist(as_text(raw)):
+                break  # the store is down: the next sweep tries again
 
     async def _check_running(self, meta: ReplyMeta) -> None:
         reply_id = meta.reply_id
