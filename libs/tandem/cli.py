@@ -9,7 +9,7 @@ import importlib
 import sys
 from importlib import metadata
 
-from tandem.config import ROLES, load_settings
+from tandem.config import ROLES, load_settings, settings_flags
 from tandem.devstack import cassandra_node
 from tandem.errors import StartupError
 from tandem.models.files import open_model
@@ -17,10 +17,13 @@ from tandem.runtime import bind_port, run_service
 
 
 def _up(args: argparse.Namespace) -> int:
+    """The whole local stack; any setting is also a flag (`--decode-workers 2`), for the stack
+    (how many workers) and, as its TANDEM_ variable, for every service it starts."""
     from tandem.devstack.stack import Stack, stack_config_from
 
-    settings = load_settings(**({"host": args.host} if args.host else {}))
-    config = stack_config_from(settings, chat_port=args.port)
+    settings = load_settings(args.settings, prog="tandem up", **({"host": args.host} if args.host else {}))
+    flags = settings_flags(args.settings, prog="tandem up")() if args.settings else {}
+    config = stack_config_from(settings, chat_port=args.port, flags={name: str(value) for name, value in flags.items()})
     # Fail before anything starts when the stack could not come up anyway.
     open_model(settings.model_path)
     bind_port(config.host, config.chat_port, "TANDEM_HTTP_PORT or --port").close()
@@ -155,10 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"tandem {metadata.version('tandem-serve')}")
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="start nats, redis and all five services locally (Ctrl-C stops all)")
+    up = commands.add_parser(
+        "up",
+        help="start nats, redis and all five services locally (Ctrl-C stops all)",
+        description="Starts the local stack. Every setting is also a flag here, as for tandem serve: "
+        "--decode-workers N and --prefill-workers M (or TANDEM_DECODE_WORKERS, TANDEM_PREFILL_WORKERS) set how many "
+        "worker processes run; any other (--stall-timeout-s 1, ...) reaches every service. "
+        "tandem serve <role> --help lists them.",
+    )
     up.add_argument("--host", help="address to serve on (default TANDEM_HOST or 127.0.0.1)")
     up.add_argument("--port", type=int, help="chat service port (default TANDEM_HTTP_PORT or 8080)")
-    up.set_defaults(run=_up)
+    up.set_defaults(run=_up, settings=[])
     generate = commands.add_parser("generate", help="stream one chat answer from the in-process engine")
     generate.add_argument("prompt")
     generate.add_argument("--system", help="a system message before the prompt")
@@ -187,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("settings", nargs=argparse.REMAINDER, help="settings flags (tandem serve <role> --help lists them)")
     serve.set_defaults(run=_serve)
     cassandra_node.add_cli(commands)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "up":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "up":
+        args.settings = unknown  # settings flags, read by load_settings as `tandem serve` reads them
     try:
         return args.run(args)
     except StartupError as exc:

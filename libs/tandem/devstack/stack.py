@@ -1,77 +1,59 @@
-"""`tandem up`: the whole local stack as real processes — nats-server, redis-server and the five
-services — with prefixed logs, readiness, restarts with backoff, and an orderly stop on Ctrl-C."""
+"""`tandem up`: the whole local stack as real processes — nats-server, redis-server and the
+services (N decode and M prefill workers, one router, one relay, one or more chat instances) —
+with prefixed logs, readiness, restarts with backoff, and an orderly stop on Ctrl-C.
+
+The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
+
+    config = StackConfig(host="127.0.0.1", chat_port=proc.free_port(), api_keys=keys, extra_env={...},
+                         num_decode_workers=2, num_prefill_workers=1, num_chat_instances=2)
+    async with Stack(config, Console(open("stack.log", "w"))) as stack:   # every member /readyz green
+        stack.member("decode-0").pid          # its process now (None while it is down)
+        stack.members_of("decode")            # [Member decode-0, Member decode-1], with ports and urls
+        stack.chat_urls, stack.nats_url, stack.redis_url
+        stack.send_signal("decode-1", signal.SIGKILL)   # the supervisor restarts it (backoff 1 s, 2 s, ...)
+        stack.send_signal("decode-0", signal.SIGSTOP)   # frozen (its pid stays); SIGCONT thaws it
+        await stack.restart("redis")          # stopped (SIGTERM) and started again on the same port
+        await stack.hold("nats"); ...; await stack.release("nats")   # down until released
+        await stack.wait_ready("decode-1", timeout_s=120)
+
+A member's name is its role when the stack runs one of that role ("router", "relay", "nats",
+"redis", and "decode", "prefill", "chat" when there is one), else its instance id ("decode-0",
+"decode-1"). Each service instance has its own instance id, HTTP port and (workers) gRPC port,
+kept across its restarts; decode workers' UCX listeners take a free port each. Servers restart on
+the same port with the same data directory: JetStream's store and Redis's append-only file
+survive a restart.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import secrets
 import shutil
 import signal
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import httpx
 
-from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Settings, Tier
-from tandem.devstack.proc import ChildProcess, describe_exit, free_port
+from tandem.config import Settings
+from tandem.devstack.members import Console, Member, StackConfig, dev_api_keys, service_member
+from tandem.devstack.proc import ChildProcess, describe_exit
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.errors import StartupError
 
-SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
+__all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
+
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    host: str
-    chat_port: int
-    api_keys: dict[str, ApiKey]
-    extra_env: dict[str, str]  # passed to every service (model path, log level, ...)
-    ready_timeout_s: float = 300.0
-    stop_timeout_s: float = 10.0
-    stable_after_s: float = 30.0  # a member that ran this long restarts from the first backoff step
-
-
-class Console:
-    """Prefixed, line-atomic output: `name | text`."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def line(self, name: str, text: str) -> None:
-        with self._lock:
-            sys.stdout.write(f"{name:<7}| {text}\n")
-            sys.stdout.flush()
-
-    def say(self, text: str) -> None:
-        self.line("up", text)
-
-
-@dataclass
-class Member:
-    """One supervised process. `launch` starts it and returns once it may be polled for readiness."""
-
-    name: str
-    launch: Callable[[], ChildProcess]
-    readyz_url: str | None  # None: ready as soon as launch returns
-    child: ChildProcess | None = None
-    is_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    num_quick_restarts: int = 0
-
-
-def api_keys_spec(keys: dict[str, ApiKey]) -> str:
-    return ",".join(f"{key}={api_key.user_id}:{api_key.tier.value}" for key, api_key in keys.items())
-
-
-def dev_api_keys() -> dict[str, ApiKey]:
-    return {f"tdm-dev-{secrets.token_urlsafe(12)}": ApiKey(user_id="dev", tier=Tier.PLUS)}
+# Settings the stack sets for each service itself; any other setting given to `tandem up` as a
+# flag reaches every service as its variable.
+_STACK_OWNED_SETTINGS = frozenset(
+    {"host", "http_port", "grpc_port", "ucx_port", "instance_id", "nats_url", "redis_url", "api_keys", "decode_workers", "prefill_workers"}
+)
 
 
 class Stack:
@@ -83,83 +65,162 @@ class Stack:
         self._supervisors: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._num_signals = 0
+        self._is_stopped = False
+        self.nats_url = ""
+        self.redis_url = ""
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Runs until SIGINT/SIGTERM; returns the exit status."""
+        """`tandem up`: runs until SIGINT/SIGTERM; returns the exit status."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal)
-        self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
         try:
-            return await self._run()
+            await self.start()
+        except StartupError as exc:
+            self._console.say(str(exc))
+            await self.stop()
+            return 1
+        try:
+            self._announce()
+            await self._stopping.wait()
+            return 0
         finally:
-            self._stopping.set()
-            await self._stop_all()
-            await asyncio.gather(*self._supervisors, return_exceptions=True)
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._console.say("stopped; nothing left running")
+            await self.stop()
 
-    def _on_signal(self) -> None:
-        self._num_signals += 1
-        if self._num_signals == 1:
-            self._console.say("stopping (Ctrl-C again to kill at once)")
-            self._stopping.set()
-        else:
-            for member in self._members:
-                if member.child is not None and member.child.poll() is None:
-                    member.child.process.kill()
-
-    async def _run(self) -> int:
+    async def start(self) -> None:
+        """Starts every member and returns once each is ready; raises StartupError (after
+        stopping what started) when one is not ready in time or a stop was asked meanwhile."""
+        self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
         nats = await self._start_server("nats", lambda port: start_nats(self._workdir, self._console.line, port=port))
         redis = await self._start_server("redis", lambda port: start_redis(self._workdir, self._console.line, port=port))
-        for role in SERVICE_ROLES:
-            self._members.append(self._service(role, nats.url, redis.url))
+        self.nats_url, self.redis_url = nats.url, redis.url
+        for role in self._config.roles:
+            for index in range(self._config.num_instances(role)):
+                self._members.append(service_member(self._config, role, index, nats.url, redis.url, self._console.line))
         self._supervisors = [asyncio.create_task(self._supervise(m), name=f"supervise:{m.name}") for m in self._members]
-        if not await self._wait_all_ready():
-            return 1
-        self._announce(nats.url)
-        await self._stopping.wait()
-        return 0
+        problem = await self._wait_all_ready()
+        if problem:
+            await self.stop()
+            raise StartupError(problem)
 
-    async def _start_server(self, name: str, start: Callable[[int | None], EmbeddedServer]) -> EmbeddedServer:
+    async def stop(self) -> None:
+        """Services first (they drain), then redis and nats; SIGKILL whatever outlives the timeout."""
+        if self._is_stopped:
+            return
+        self._is_stopped = True
+        self._stopping.set()
+        services = [m for m in self._members if not m.is_server]
+        servers = [m for m in self._members if m.is_server]
+        for group in (services, servers):
+            running = [m.child for m in group if m.child is not None and m.child.poll() is None]
+            for child in running:
+                _send(child.pid, signal.SIGCONT)  # a SIGSTOPped member hears its SIGTERM too
+                _send(child.pid, signal.SIGTERM)
+            await asyncio.gather(*(self._reap(child) for child in running))
+        await asyncio.gather(*self._supervisors, return_exceptions=True)
+        self._supervisors, self._members = [], []
+        shutil.rmtree(self._workdir, ignore_errors=True)
+        self._console.say("stopped; nothing left running")
+
+    async def __aenter__(self) -> Stack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    # -- what drills use ---------------------------------------------------------------------
+
+    @property
+    def members(self) -> list[Member]:
+        return list(self._members)
+
+    def member(self, name: str) -> Member:
+        for member in self._members:
+            if member.name == name:
+                return member
+        raise KeyError(f"no member named {name!r}; members: {', '.join(m.name for m in self._members)}")
+
+    def members_of(self, role: str) -> list[Member]:
+        return [m for m in self._members if m.role == role]
+
+    @property
+    def chat_urls(self) -> list[str]:
+        return [m.url for m in self.members_of("chat")]
+
+    def send_signal(self, name: str, signum: int) -> int:
+        """Sends `signum` to the member's process now; returns its pid. A process that exits is
+        restarted by its supervisor (with backoff); to keep one down, use hold."""
+        member = self.member(name)
+        pid = member.pid
+        if pid is None:
+            raise ProcessLookupError(f"{name} has no running process")
+        os.kill(pid, signum)
+        return pid
+
+    async def hold(self, name: str, signum: int = signal.SIGTERM) -> None:
+        """Stops the member with `signum` (SIGKILL after the stop timeout) and keeps it down until
+        `release`; returns once no process of it runs."""
+        member = self.member(name)
+        member.is_held = True
+        member.wake.set()
+        if member.pid is not None:
+            _send(member.pid, signal.SIGCONT)  # a SIGSTOPped process would never act on the signal
+            _send(member.pid, signum)
+        try:
+            await asyncio.wait_for(member.is_parked.wait(), self._config.stop_timeout_s)
+        except TimeoutError:
+            self._console.say(f"{name} did not stop in {self._config.stop_timeout_s:.0f} s; killing it")
+            if member.pid is not None:
+                _send(member.pid, signal.SIGKILL)
+            await asyncio.wait_for(member.is_parked.wait(), self._config.stop_timeout_s)
+
+    async def release(self, name: str, timeout_s: float | None = None) -> None:
+        """Starts a held member at once (no backoff) and waits until it is ready."""
+        member = self.member(name)
+        member.is_held = False
+        member.wake.set()
+        await self.wait_ready(name, timeout_s)
+
+    async def restart(self, name: str, signum: int = signal.SIGTERM, timeout_s: float | None = None) -> None:
+        """hold, then release: the member's process is replaced and ready again when this returns."""
+        await self.hold(name, signum)
+        await self.release(name, timeout_s)
+
+    async def wait_ready(self, name: str, timeout_s: float | None = None) -> None:
+        """Waits until the member is up and ready (its /readyz answers 200); TimeoutError after
+        `timeout_s` (default: the stack's ready timeout)."""
+        member = self.member(name)
+        await asyncio.wait_for(member.is_ready.wait(), timeout_s or self._config.ready_timeout_s)
+
+    # -- members -----------------------------------------------------------------------------
+
+    async def _start_server(self, role: str, start: Callable[[int | None], EmbeddedServer]) -> EmbeddedServer:
         server = await asyncio.to_thread(start, None)
         port = int(server.url.rsplit(":", 1)[1].split("/")[0])
 
         def relaunch() -> ChildProcess:  # the same port, so every client reconnects by itself
             return start(port).child
 
-        member = Member(name=name, launch=relaunch, readyz_url=None, child=server.child)
+        member = Member(name=role, role=role, launch=relaunch, readyz_url=None, url=server.url, child=server.child)
         member.is_ready.set()
         self._members.append(member)
-        self._console.say(f"{name} started (pid {server.pid}) at {server.url}")
+        self._console.say(f"{role} started (pid {server.pid}) at {server.url}")
         return server
 
-    def _service(self, role: str, nats_url: str, redis_url: str) -> Member:
-        http_port = self._config.chat_port if role == "chat" else free_port(self._config.host)
-        env = {
-            **os.environ,
-            **self._config.extra_env,
-            "PYTHONUNBUFFERED": "1",
-            "TANDEM_HOST": self._config.host,
-            "TANDEM_HTTP_PORT": str(http_port),
-            "TANDEM_NATS_URL": nats_url,
-            "TANDEM_REDIS_URL": redis_url,
-            "TANDEM_API_KEYS": api_keys_spec(self._config.api_keys),
-            "TANDEM_INSTANCE_ID": f"{role}-0",  # kept across restarts: the router sees the same worker come back
-        }
-        if role in DEFAULT_GRPC_PORTS:
-            env["TANDEM_GRPC_PORT"] = str(free_port(self._config.host))
-        child = ChildProcess(role, [sys.executable, "-m", f"services.{role}"], env=env, on_line=self._console.line)
-
-        def launch() -> ChildProcess:
-            child.start()
-            return child
-
-        return Member(name=role, launch=launch, readyz_url=f"http://{self._config.host}:{http_port}/readyz")
+    # -- supervision -------------------------------------------------------------------------
 
     async def _supervise(self, member: Member) -> None:
-        """Keeps `member` running: a member already started (a server) is watched first."""
+        """Keeps `member` running (a member already started, a server, is watched first), except
+        while it is held."""
         while not self._stopping.is_set():
+            if member.is_held:
+                member.is_parked.set()
+                await self._sleep_unless_woken(member, None)
+                continue
+            member.is_parked.clear()
             started_s = time.monotonic()
             try:
                 if member.child is None or member.child.poll() is not None:
@@ -168,23 +229,40 @@ class Stack:
             except StartupError as exc:
                 outcome = f"failed to start: {exc}"
             else:
+                if member.is_held:  # held while it started
+                    member.child.process.terminate()
                 outcome = await self._watch(member)
             if self._stopping.is_set():
                 return
+            if member.is_held:
+                self._console.say(f"{member.name} {outcome}; held down until released")
+                continue
             if time.monotonic() - started_s >= self._config.stable_after_s:
                 member.num_quick_restarts = 0
             delay_s = BACKOFF_S[min(member.num_quick_restarts, len(BACKOFF_S) - 1)]
             member.num_quick_restarts += 1
             self._console.say(f"{member.name} {outcome}; restarting in {delay_s:.0f} s")
-            try:
-                await asyncio.wait_for(self._stopping.wait(), timeout=delay_s)
-            except TimeoutError:
-                pass
+            await self._sleep_unless_woken(member, delay_s)
+
+    async def _sleep_unless_woken(self, member: Member, delay_s: float | None) -> None:
+        """Waits `delay_s` (None: for ever), cut short by a stop or by hold/release."""
+        woken = asyncio.ensure_future(member.wake.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({woken, stopping}, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            stopping.cancel()
+            member.wake.clear()
 
     async def _watch(self, member: Member) -> str:
         """Waits for the member's exit, announcing readiness meanwhile; says how it ended."""
         assert member.child is not None
-        readiness = asyncio.create_task(self._await_ready(member)) if member.readyz_url else None
+        readiness = None
+        if member.readyz_url is None:
+            member.is_ready.set()
+        else:
+            readiness = asyncio.create_task(self._await_ready(member))
         try:
             returncode = await member.child.wait_async()
         finally:
@@ -206,38 +284,41 @@ class Stack:
         member.is_ready.set()
         self._console.say(f"{member.name} ready")
 
-    async def _wait_all_ready(self) -> bool:
+    async def _wait_all_ready(self) -> str:
+        """ "" once every member is ready; else what went wrong."""
         everyone = asyncio.gather(*(m.is_ready.wait() for m in self._members))
         stopping = asyncio.ensure_future(self._stopping.wait())
         either: set[asyncio.Future[Any]] = {everyone, stopping}
         done, _ = await asyncio.wait(either, timeout=self._config.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if everyone in done:
-            return True
+            return ""
         everyone.cancel()
-        if not self._stopping.is_set():
-            waiting = [m for m in self._members if not m.is_ready.is_set()]
-            self._console.say(f"not ready after {self._config.ready_timeout_s:.0f} s: {', '.join(m.name for m in waiting)}; stopping")
-        return False
+        if self._stopping.is_set():
+            return "stopped while starting"
+        waiting = [m for m in self._members if not m.is_ready.is_set()]
+        return f"not ready after {self._config.ready_timeout_s:.0f} s: {', '.join(m.name for m in waiting)}; stopping"
 
-    def _announce(self, nats_url: str) -> None:
+    def _on_signal(self) -> None:
+        self._num_signals += 1
+        if self._num_signals == 1:
+            self._console.say("stopping (Ctrl-C again to kill at once)")
+            self._stopping.set()
+        else:
+            for member in self._members:
+                if member.pid is not None:
+                    _send(member.pid, signal.SIGKILL)
+
+    def _announce(self) -> None:
         host, port = self._config.host, self._config.chat_port
         self._console.say(f"Tandem is up at http://{host}:{port}")
+        for url in self.chat_urls[1:]:
+            self._console.say(f"another chat instance at {url}")
         for key, api_key in self._config.api_keys.items():
             self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
-        self._console.say(f'internal clients: TANDEM_NATS_URL={nats_url} tandem generate --via-bus "Hello"')
+        self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} tandem generate --via-bus "Hello"')
         self._console.say("Ctrl-C stops everything")
-
-    async def _stop_all(self) -> None:
-        """Services first (they drain), then redis and nats; SIGKILL whatever outlives the timeout."""
-        services = [m for m in self._members if m.readyz_url is not None]
-        servers = [m for m in self._members if m.readyz_url is None]
-        for group in (services, servers):
-            running = [m.child for m in group if m.child is not None and m.child.poll() is None]
-            for child in running:
-                child.process.terminate()
-            await asyncio.gather(*(self._reap(child) for child in running))
 
     async def _reap(self, child: ChildProcess) -> None:
         try:
@@ -248,13 +329,26 @@ class Stack:
             await child.wait_async()
 
 
-def stack_config_from(settings: Settings, chat_port: int | None) -> StackConfig:
+def _send(pid: int, signum: int) -> None:
+    """A signal to a child that may have exited a moment ago (its pid is not reaped, so not reused)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
+def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str, str] | None = None) -> StackConfig:
+    """`flags`: the settings given to `tandem up` as flags (name -> value as typed); each reaches
+    every service as its TANDEM_ variable, except those the stack sets per member."""
     extra_env: dict[str, str] = {"TANDEM_LOG_LEVEL": settings.log_level}
     if settings.model_path is not None:
         extra_env["TANDEM_MODEL_PATH"] = str(settings.model_path)
+    for name, value in (flags or {}).items():
+        if name not in _STACK_OWNED_SETTINGS:
+            extra_env[f"TANDEM_{name.upper()}"] = str(value)
     return StackConfig(
         host=settings.host,
         chat_port=settings.http_port_for("chat") if chat_port is None else chat_port,
         api_keys=settings.api_keys or dev_api_keys(),
         extra_env=extra_env,
+        num_decode_workers=settings.decode_workers,
+        num_prefill_workers=settings.prefill_workers,
     )

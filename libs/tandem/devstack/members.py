@@ -1,0 +1,146 @@
+"""What `tandem up` runs: its configuration, the console every child's output goes to, and one
+`Member` per supervised process (a server or a service instance) with what a drill needs to
+reach it: name, role, instance id, ports, pid."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Tier
+from tandem.devstack.proc import ChildProcess, free_port
+
+SERVER_ROLES = ("nats", "redis")
+SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
+NAME_WIDTH = 9  # "prefill-0"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    host: str
+    chat_port: int  # the first chat instance's; the others take free ports
+    api_keys: dict[str, ApiKey]
+    extra_env: dict[str, str]  # passed to every service (model path, log level, settings given as flags, ...)
+    num_decode_workers: int = 1
+    num_prefill_workers: int = 1
+    num_chat_instances: int = 1
+    roles: tuple[str, ...] = SERVICE_ROLES  # the services to run; () runs the servers alone
+    ready_timeout_s: float = 300.0
+    stop_timeout_s: float = 10.0
+    stable_after_s: float = 30.0  # a member that ran this long restarts from the first backoff step
+
+    def num_instances(self, role: str) -> int:
+        counts = {"decode": self.num_decode_workers, "prefill": self.num_prefill_workers, "chat": self.num_chat_instances}
+        return counts.get(role, 1)
+
+
+class Console:
+    """Prefixed, line-atomic output: `name | text`, to stdout or the stream given (a drill's log file)."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    def line(self, name: str, text: str) -> None:
+        out = self._out or sys.stdout
+        with self._lock:
+            out.write(f"{name:<{NAME_WIDTH}}| {text}\n")
+            out.flush()
+
+    def say(self, text: str) -> None:
+        self.line("up", text)
+
+
+@dataclass
+class Member:
+    """One supervised process. `launch` starts it and returns once it may be polled for readiness
+    (a server: once it accepts connections)."""
+
+    name: str  # the role when the stack runs one of it, else the instance id ("decode-1")
+    role: str  # "nats", "redis", or a service role
+    launch: Callable[[], ChildProcess]
+    readyz_url: str | None  # None: ready as soon as launch returns
+    instance_id: str = ""  # services: TANDEM_INSTANCE_ID, kept across restarts
+    url: str = ""  # servers: nats://... or redis://...; services: http://host:port
+    http_port: int | None = None
+    grpc_port: int | None = None  # workers' control server
+    child: ChildProcess | None = None
+    is_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    num_quick_restarts: int = 0
+    # Held down by Stack.hold until Stack.release: the supervisor leaves it stopped.
+    is_held: bool = False
+    is_parked: asyncio.Event = field(default_factory=asyncio.Event)  # held, and no process of it runs
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts a backoff or a parked wait short
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of its process while one runs (a SIGSTOPped one included), else None."""
+        if self.child is None or self.child.poll() is not None:
+            return None
+        return self.child.pid
+
+    @property
+    def is_server(self) -> bool:
+        return self.role in SERVER_ROLES
+
+
+def member_name(role: str, index: int, num_instances: int) -> str:
+    return role if num_instances == 1 else f"{role}-{index}"
+
+
+def api_keys_spec(keys: dict[str, ApiKey]) -> str:
+    return ",".join(f"{key}={api_key.user_id}:{api_key.tier.value}" for key, api_key in keys.items())
+
+
+def dev_api_keys() -> dict[str, ApiKey]:
+    return {f"tdm-dev-{secrets.token_urlsafe(12)}": ApiKey(user_id="dev", tier=Tier.PLUS)}
+
+
+def service_member(
+    config: StackConfig, role: str, index: int, nats_url: str, redis_url: str, on_line: Callable[[str, str], None]
+) -> Member:
+    """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
+    kept across its restarts; decode workers' UCX listeners take a free port each."""
+    host = config.host
+    http_port = config.chat_port if role == "chat" and index == 0 else free_port(host)
+    instance_id = f"{role}-{index}"  # kept across restarts: the router sees the same worker come back
+    env = {
+        **os.environ,
+        **config.extra_env,
+        "PYTHONUNBUFFERED": "1",
+        "TANDEM_HOST": host,
+        "TANDEM_HTTP_PORT": str(http_port),
+        "TANDEM_NATS_URL": nats_url,
+        "TANDEM_REDIS_URL": redis_url,
+        "TANDEM_API_KEYS": api_keys_spec(config.api_keys),
+        "TANDEM_INSTANCE_ID": instance_id,
+        "TANDEM_UCX_PORT": "0",
+    }
+    grpc_port = None
+    if role in DEFAULT_GRPC_PORTS:
+        grpc_port = free_port(host)
+        env["TANDEM_GRPC_PORT"] = str(grpc_port)
+    name = member_name(role, index, config.num_instances(role))
+    child = ChildProcess(name, [sys.executable, "-m", f"services.{role}"], env=env, on_line=on_line)
+
+    def launch() -> ChildProcess:
+        child.start()
+        return child
+
+    url = f"http://{host}:{http_port}"
+    return Member(
+        name=name,
+        role=role,
+        launch=launch,
+        readyz_url=f"{url}/readyz",
+        instance_id=instance_id,
+        url=url,
+        http_port=http_port,
+        grpc_port=grpc_port,
+    )

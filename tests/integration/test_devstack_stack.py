@@ -1,0 +1,90 @@
+"""The stack's control API that the failure drills use, on the real servers (a stack that runs
+no services): a killed server comes back on its port, a restarted Redis keeps what was written
+(its append-only file), and a held server stays down until released."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+import socket
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from tandem.config import ApiKey, Tier
+from tandem.devstack.members import StackConfig
+from tandem.devstack.stack import Console, Stack
+
+DEADLINE_S = 30.0
+
+
+@pytest_asyncio.fixture
+async def stack() -> AsyncIterator[Stack]:
+    config = StackConfig(
+        host="127.0.0.1", chat_port=0, api_keys={"k": ApiKey("u", Tier.PLUS)}, extra_env={}, roles=(), stop_timeout_s=5.0
+    )
+    async with Stack(config, Console(io.StringIO())) as running:
+        yield running
+
+
+def address_of(url: str) -> tuple[str, int]:
+    host, port = url.split("://", 1)[1].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
+async def new_pid(stack: Stack, name: str, old_pid: int) -> int:
+    """The member's next process, once its supervisor has started it."""
+    async with asyncio.timeout(DEADLINE_S):
+        while (pid := stack.member(name).pid) in (None, old_pid):
+            await asyncio.sleep(0.05)
+    assert pid is not None
+    return pid
+
+
+async def test_a_restarted_redis_keeps_what_was_written_before(stack):
+    client = aioredis.from_url(stack.redis_url)
+    await client.set("tandem:test:kept", "yes", ex=600)
+    old_pid = stack.member("redis").pid
+    await stack.restart("redis", timeout_s=DEADLINE_S)
+    assert stack.member("redis").pid not in (None, old_pid)
+    await client.aclose()
+    client = aioredis.from_url(stack.redis_url)  # the old connection died with the old process
+    assert await client.get("tandem:test:kept") == b"yes", "the append-only file brought the key back"
+    await client.aclose()
+
+
+async def test_a_killed_server_is_restarted_on_its_port(stack):
+    old_pid = stack.send_signal("nats", signal.SIGKILL)
+    await new_pid(stack, "nats", old_pid)
+    await stack.wait_ready("nats", DEADLINE_S)
+    client = await nats.connect(stack.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    assert client.is_connected
+    await client.close()
+
+
+async def test_a_held_server_stays_down_until_released(stack):
+    await stack.hold("nats")
+    assert stack.member("nats").pid is None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(address_of(stack.nats_url), timeout=2).close()
+    assert stack.member("nats").pid is None, "the supervisor left it down"
+    await stack.release("nats", DEADLINE_S)
+    client = await nats.connect(stack.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    await client.close()
+
+
+async def test_a_stopped_process_keeps_its_pid_and_continues(stack):
+    pid = stack.send_signal("redis", signal.SIGSTOP)
+    client = aioredis.from_url(stack.redis_url, socket_timeout=0.5)
+    with pytest.raises(aioredis.TimeoutError):
+        await client.ping()
+    stack.send_signal("redis", signal.SIGCONT)
+    assert stack.member("redis").pid == pid
+    fresh = aioredis.from_url(stack.redis_url, socket_timeout=5)
+    assert await fresh.ping()
+    await client.aclose()
+    await fresh.aclose()
