@@ -87,7 +87,9 @@ def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None,
 
 
 def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
-    """redis-server without persistence (the token log is kept for minutes, not across restarts)."""
+    """redis-server with its append-only file in `workdir`/redis, fsynced every second, so a
+    restart (on the same workdir) keeps the token logs: a restart after SIGTERM loses nothing, one
+    after SIGKILL at most the last second, which the token stream redelivers."""
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
@@ -102,7 +104,9 @@ def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None
         "--save",
         "",
         "--appendonly",
-        "no",
+        "yes",
+        "--appendfsync",
+        "everysec",
     ]
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()
