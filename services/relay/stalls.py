@@ -53,14 +53,15 @@ class StallConfig:
 class Claims:
     """Which replies live workers claimed lately, from their heartbeats (the time each was heard)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = now_ms) -> None:
+        self._clock = clock  # unix ms
         self._claimed_ms: dict[str, int] = {}
         self._listening_since_ms = 0
 
     async def listen(self, client: Client) -> None:
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=self._on_heartbeat)
-        self._listening_since_ms = now_ms()
+        self._listening_since_ms = self._clock()
 
     def observe_connection(self, is_connected: bool) -> None:
         """While NATS is down this relay hears no heartbeat: once it is back, the claims count
@@ -68,23 +69,23 @@ class Claims:
         if not is_connected:
             self._listening_since_ms = 0
         elif self._listening_since_ms == 0:
-            self._listening_since_ms = now_ms()
+            self._listening_since_ms = self._clock()
 
     def has_listened_for_ms(self, duration_ms: int) -> bool:
         """A relay that just started, or just got NATS back, has not heard every worker yet: it
         must not call a reply unclaimed."""
-        return self._listening_since_ms > 0 and now_ms() - self._listening_since_ms >= duration_ms
+        return self._listening_since_ms > 0 and self._clock() - self._listening_since_ms >= duration_ms
 
     def note(self, heartbeat: WorkerHeartbeat) -> None:
-        heard_ms = now_ms()
+        heard_ms = self._clock()
         for reply_id in heartbeat.reply_ids:
             self._claimed_ms[reply_id] = heard_ms
 
     def is_claimed(self, reply_id: str, within_ms: int) -> bool:
-        return now_ms() - self._claimed_ms.get(reply_id, 0) <= within_ms
+        return self._clock() - self._claimed_ms.get(reply_id, 0) <= within_ms
 
     def forget_older_than(self, age_ms: int) -> None:
-        cutoff_ms = now_ms() - age_ms
+        cutoff_ms = self._clock() - age_ms
         for reply_id in [r for r, heard_ms in self._claimed_ms.items() if heard_ms < cutoff_ms]:
             del self._claimed_ms[reply_id]
 
@@ -93,6 +94,18 @@ class Claims:
             self.note(decode(msg.data, WorkerHeartbeat))
         except BadMessage as exc:
             log.warning("ignored a worker heartbeat on %s: %s", msg.subject, exc)
+
+
+def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -> bool:
+    """The reply's worker is lost: nobody claims it, and its current owner makes no progress (`now`: unix ms)."""
+    stall_ms = int(config.stall_timeout_s * 1000)
+    if not meta.is_running or meta.cancel_sent_ms:
+        return False  # ended, or cancelled for want of readers: the sweep closes it
+    if not claims.has_listened_for_ms(stall_ms) or claims.is_claimed(meta.reply_id, stall_ms):
+        return False
+    if meta.last_event_ms > meta.dispatched_ms:  # its current owner has produced: it must keep producing
+        return now - meta.last_event_ms > stall_ms
+    return now - meta.dispatched_ms > config.dispatch_grace_s * 1000
 
 
 class StallWatcher:
@@ -104,23 +117,12 @@ class StallWatcher:
         self._config = config
         self._acting: dict[str, asyncio.Task[None]] = {}  # reply id -> its continuation or failure in flight
 
-    def is_stalled(self, meta: ReplyMeta) -> bool:
-        stall_ms = int(self._config.stall_timeout_s * 1000)
-        if not meta.is_running or meta.cancel_sent_ms:
-            return False  # ended, or cancelled for want of readers: the sweep closes it
-        if not self._claims.has_listened_for_ms(stall_ms) or self._claims.is_claimed(meta.reply_id, stall_ms):
-            return False
-        now = now_ms()
-        if meta.last_event_ms > meta.dispatched_ms:  # its current owner has produced: it must keep producing
-            return now - meta.last_event_ms > stall_ms
-        return now - meta.dispatched_ms > self._config.dispatch_grace_s * 1000
-
     def check(self, metas: Iterable[ReplyMeta]) -> None:
         """Acts on every stalled reply, each in a task of its own (a router's answer can take seconds)."""
         self._claims.observe_connection(self._client.is_connected)
         self._claims.forget_older_than(int(self._config.stall_timeout_s * 1000) * 4)
         for meta in metas:
-            if meta.reply_id in self._acting or not self.is_stalled(meta):
+            if meta.reply_id in self._acting or not is_stalled(meta, self._claims, self._config, now_ms()):
                 continue
             metrics.STALLS.inc()
             act = self._end if meta.num_continuations >= self._config.max_continuations else self._continue

@@ -1,0 +1,101 @@
+"""The stall rule: a running reply is lost when no live worker claims it and its current owner
+makes no progress (no event for the stall timeout once it produced, or none within the dispatch
+grace while it has not). A settable clock stands in for the wall clock."""
+
+from __future__ import annotations
+
+from services.relay.stalls import Claims, StallConfig, is_stalled
+from tandem.bus.events import ReplyStatus
+from tandem.tokenlog import ReplyMeta
+from tandem.v1.worker_pb2 import WorkerHeartbeat
+
+CONFIG = StallConfig(stall_timeout_s=2.0, dispatch_grace_s=10.0, max_continuations=3, running_ttl_s=3600)
+START_MS = 1_000_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ms = START_MS
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+def listening(clock: Clock, listened_ms: int = 60_000) -> Claims:
+    """Claims that started listening `listened_ms` before the clock's now."""
+    claims = Claims(clock)
+    clock.now_ms -= listened_ms
+    claims.observe_connection(True)
+    clock.now_ms += listened_ms
+    return claims
+
+
+def reply(clock: Clock, *, created_ago_ms: int, last_event_ago_ms: int | None = None, **fields) -> ReplyMeta:
+    last_event_ms = 0 if last_event_ago_ms is None else clock.now_ms - last_event_ago_ms
+    return ReplyMeta(reply_id="r1", created_ms=clock.now_ms - created_ago_ms, last_event_ms=last_event_ms, **fields)
+
+
+def test_a_reply_that_produced_and_then_went_silent_unclaimed_is_stalled():
+    clock = Clock()
+    assert is_stalled(reply(clock, created_ago_ms=30_000, last_event_ago_ms=2_500), listening(clock), CONFIG, clock())
+
+
+def test_a_reply_still_producing_is_not_stalled():
+    clock = Clock()
+    assert not is_stalled(reply(clock, created_ago_ms=30_000, last_event_ago_ms=500), listening(clock), CONFIG, clock())
+
+
+def test_a_silent_reply_is_not_stalled_while_a_worker_claims_it_and_is_once_the_claims_lapse():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(reply_ids=["r1"]))
+    silent = reply(clock, created_ago_ms=30_000, last_event_ago_ms=25_000)
+    assert not is_stalled(silent, claims, CONFIG, clock())
+    clock.now_ms += 2_500  # the worker's heartbeats stopped
+    assert is_stalled(silent, claims, CONFIG, clock())
+
+
+def test_a_reply_that_has_produced_nothing_gets_the_dispatch_grace():
+    clock = Clock()
+    claims = listening(clock)
+    assert not is_stalled(reply(clock, created_ago_ms=5_000), claims, CONFIG, clock())
+    assert is_stalled(reply(clock, created_ago_ms=11_000), claims, CONFIG, clock())
+
+
+def test_a_continued_reply_gets_the_dispatch_grace_again_until_its_new_owner_produces():
+    clock = Clock()
+    continued_ms = clock.now_ms - 5_000
+    waiting = reply(clock, created_ago_ms=60_000, last_event_ago_ms=20_000, continued_ms=continued_ms)
+    assert not is_stalled(waiting, listening(clock), CONFIG, clock())
+    produced_then_silent = reply(clock, created_ago_ms=60_000, last_event_ago_ms=3_000, continued_ms=continued_ms)
+    assert is_stalled(produced_then_silent, listening(clock), CONFIG, clock())
+
+
+def test_a_relay_that_has_not_heard_a_round_of_heartbeats_calls_nothing_stalled():
+    clock = Clock()
+    silent = reply(clock, created_ago_ms=30_000, last_event_ago_ms=25_000)
+    assert not is_stalled(silent, listening(clock, listened_ms=1_000), CONFIG, clock())
+    claims = listening(clock)
+    claims.observe_connection(False)  # NATS went away: the claims it holds are no longer news
+    claims.observe_connection(True)
+    assert not is_stalled(silent, claims, CONFIG, clock())
+    clock.now_ms += 2_000
+    assert is_stalled(silent, claims, CONFIG, clock())
+
+
+def test_finished_or_idle_cancelled_replies_are_never_stalled():
+    clock = Clock()
+    claims = listening(clock)
+    assert not is_stalled(reply(clock, created_ago_ms=30_000, status=ReplyStatus.COMPLETE), claims, CONFIG, clock())
+    assert not is_stalled(reply(clock, created_ago_ms=30_000, cancel_sent_ms=clock.now_ms - 20_000), claims, CONFIG, clock())
+
+
+def test_a_claim_counts_for_the_time_asked_from_its_last_heartbeat():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(reply_ids=["r1", "r2"]))
+    clock.now_ms += 5_000
+    claims.note(WorkerHeartbeat(reply_ids=["r1"]))
+    claims.forget_older_than(4_000)
+    assert claims.is_claimed("r1", within_ms=2_000)
+    assert not claims.is_claimed("r2", within_ms=2_000)
