@@ -1,7 +1,9 @@
-"""Two relay processes on real NATS and Redis: events delivered shuffled and twice are logged
-once and in order, a finished reply is stored as its assistant turn with nobody connected,
-and a reply nobody reads is cancelled. The module has its own nats-server and redis-server:
-the relays consume every reply's tokens, so they must not share a bus with other tests."""
+"""Two relay processes on real NATS (their shared JetStream consumer) and Redis: events delivered
+shuffled and twice are logged once and in order, a finished reply is stored as its assistant turn
+with nobody connected, and a reply nobody reads is cancelled if it was created to track its
+readers. The module has its own nats-server and redis-server: the relays consume every reply's
+tokens, so they must not share a bus with other tests. The events here are published on core
+NATS, which the token stream captures as well."""
 
 from __future__ import annotations
 
@@ -49,7 +51,14 @@ def relays(servers, store_path) -> Iterator[list[ChildProcess]]:
     nats_url, redis_url = servers
     children: list[ChildProcess] = []
     for _ in range(2):
-        env = service_env("relay", nats_url, redis_url, TANDEM_SQLITE_PATH=store_path, TANDEM_READER_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S))
+        env = service_env(
+            "relay",
+            nats_url,
+            redis_url,
+            TANDEM_SQLITE_PATH=store_path,
+            TANDEM_READER_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S),
+            TANDEM_STALL_TIMEOUT_S="60",  # no worker heartbeats here: replies must not be taken for lost
+        )
         child = service_process("relay", env)
         child.name = env["TANDEM_INSTANCE_ID"]
         child.start()
@@ -168,3 +177,23 @@ async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, n
     message = await wait_until(stored)
     assert (message.status, message.content) == (ReplyStatus.STOPPED, "t1 t2 t3 ")
     assert (await load_reply(redis, reply_id)).status.value == "stopped"
+
+
+async def test_only_a_reply_created_to_track_readers_is_cancelled_for_want_of_them(ready, nc, redis):
+    # Ids in sweep order: the untracked reply is looked at first in every sweep, and was idle longer.
+    untracked, tracked = "0" + uuid.uuid4().hex, "f" + uuid.uuid4().hex
+    cancelled: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_cancel(msg):
+        if not cancelled.done():
+            cancelled.set_result(decode(msg.data, Cancel).reply_id)
+
+    subscription = await nc.subscribe(subjects.CANCEL_ALL, cb=on_cancel)
+    await create_reply(redis, ReplyMeta(reply_id=untracked), track_readers=False)
+    await create_reply(redis, ReplyMeta(reply_id=tracked), track_readers=True)
+    for reply_id in (untracked, tracked):
+        await nc.publish(subjects.tokens(reply_id), encode(reply_events(reply_id, 3)[0]))
+    assert await asyncio.wait_for(cancelled, 15) == tracked
+    await subscription.unsubscribe()
+    assert (await load_reply(redis, untracked)).cancel_sent_ms == 0
+    assert (await load_reply(redis, tracked)).cancel_sent_ms > 0
