@@ -30,7 +30,17 @@ from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.servers import start_nats
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
-from tandem.tokenlog import RUNNING, ReplyMeta, begin_continuation, create_reply, load_reply, logged_events, read
+from tandem.tokenlog import (
+    RUNNING,
+    UNPERSISTED,
+    ReplyMeta,
+    TokenLogWriter,
+    begin_continuation,
+    create_reply,
+    load_reply,
+    logged_events,
+    read,
+)
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_STOP, SamplingParams, Usage
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -374,6 +384,17 @@ async def test_a_redis_restart_mid_stream_loses_no_event(ready, nc, js, redis, r
     expected = "".join(f"t{seq} " for seq in range(1, num_tokens + 1))
     assert [(m.status, m.content) for m in messages] == [(ReplyStatus.COMPLETE, expected)] * len(reply_ids)
     assert [[e.seq for e in events] for events in streamed] == [list(range(1, num_tokens + 1))] * len(reply_ids)
+
+
+async def test_a_reply_closed_by_a_relay_that_died_before_storing_it_is_stored_by_a_sweep(ready, redis, store):
+    reply_id = await new_turn(store, redis)
+    writer = TokenLogWriter(redis, 600)  # the dead relay's appends: no relay here sees these events
+    for seq in (1, 2, 3):
+        await writer.append(token(reply_id, seq, final=seq == 3))
+    assert await redis.sismember(UNPERSISTED, reply_id)
+    message = await stored(store, reply_id)
+    assert (message.status, message.content) == (ReplyStatus.COMPLETE, "t1 t2 t3 ")
+    await wait_until(lambda: _equals(redis.sismember(UNPERSISTED, reply_id), 0))
 
 
 async def test_every_key_the_replies_left_in_redis_expires(ready, redis):
