@@ -133,7 +133,13 @@ async def _offer(assign: Assign, worker_id: str, assignment: Assignment) -> Atte
 
 
 def failure_event(assignment: Assignment, result: DispatchResult, config: DispatchConfig) -> TokenEvent:
-    """The one event that ends a reply no worker took."""
+    """The one event that ends a reply no worker took, in the assignment's owner epoch."""
+    event = _failure_event(assignment, result, config)
+    event.epoch = assignment.epoch
+    return event
+
+
+def _failure_event(assignment: Assignment, result: DispatchResult, config: DispatchConfig) -> TokenEvent:
     attempts = result.attempts
     if not attempts:
         message = "no decode worker was left to take the reply"

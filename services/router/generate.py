@@ -2,7 +2,11 @@
 over in the background: to a prefill worker naming the chosen decode worker when the uncached
 prompt is long (disaggregated), else to the decode worker itself (local prefill). If no prefill
 worker takes it, the decode workers are offered it with local prefill. A handoff that fails comes
-back (HandoffOutcome) and the reply is placed again without that decode worker."""
+back (HandoffOutcome) and the reply is placed again without that decode worker.
+
+Every assignment of a reply carries the request's owner epoch (0 for a new reply, one more for each
+continuation the relay makes), and so does any final event the router ends a reply with; those go
+on the token stream (JetStream), like the workers' events."""
 
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ DECODE_ROLE = "decode"
 PREFILL_ROLE = "prefill"
 log = logging.getLogger(__name__)
 
-Publish = Callable[[str, bytes], Awaitable[None]]
+# Puts one TokenEvent on the token stream (tandem.bus.token_stream.publish_token in production).
+PublishEvent = Callable[[TokenEvent], Awaitable[None]]
+PUBLISH_ATTEMPTS = 3  # a final event lost here leaves the reply to the relay's stall detection
 
 
 def new_reply_id() -> str:
@@ -72,13 +78,13 @@ class GenerateService:
         workers: WorkerRegistry,
         placement: Placement,
         assign: Assign,
-        publish: Publish,
+        publish_event: PublishEvent,
         config: DispatchConfig = DispatchConfig(),
     ) -> None:
         self._workers = workers
         self._placement = placement
         self._assign = assign
-        self._publish = publish
+        self._publish_event_once = publish_event
         self._config = config
         self._dispatching: set[asyncio.Task[None]] = set()
         self._cancels = RecentCancels()
@@ -108,9 +114,10 @@ class GenerateService:
         admitted = admit(request, self._workers.workers(DECODE_ROLE))
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
-        # A continuation keeps its reply id and numbering: the logged tokens come first.
+        # A continuation keeps its reply id and numbering: the logged tokens come first. Its epoch
+        # (the relay's count of owners) goes with every assignment of it, re-placements included.
         reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
-        assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1)
+        assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1, epoch=request.epoch)
         metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
         job = self._plan(assignment, admitted.model, frozenset(), time.monotonic())
         return GenerateReply(reply_id=reply_id, model=admitted.model), job
@@ -230,18 +237,25 @@ class GenerateService:
         event = error_event(
             assignment.reply_id, assignment.first_seq or 1, "handoff_failed", message, retry_after_s=self._config.retry_after_s
         )
+        event.epoch = assignment.epoch
         log.warning("reply %s failed: %s", assignment.reply_id, message)
         await self._publish_event(event)
 
     async def _publish_event(self, event: TokenEvent) -> None:
-        try:
-            await self._publish(subjects.tokens(event.reply_id), encode(event))
-        except Exception:  # a task's exception would otherwise go unseen
-            log.exception("could not publish the final event of reply %s", event.reply_id)
+        """A final event of the router's own, retried a few times (JetStream stores it once: its
+        message id is reply, epoch and seq)."""
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                await self._publish_event_once(event)
+                return
+            except Exception:  # a task's exception would otherwise go unseen
+                log.exception("could not publish the final event of reply %s (attempt %d of %d)", event.reply_id, attempt, PUBLISH_ATTEMPTS)
 
     async def _end_cancelled(self, assignment: Assignment) -> None:
         """A reply cancelled before any worker ran it ends here, with its one (cancelled) event."""
-        await self._publish(subjects.tokens(assignment.reply_id), encode(cancelled_event(assignment.reply_id, assignment.first_seq or 1)))
+        event = cancelled_event(assignment.reply_id, assignment.first_seq or 1)
+        event.epoch = assignment.epoch
+        await self._publish_event(event)
 
     async def wait_idle(self, timeout_s: float) -> None:
         """For shutdown: lets dispatches in flight finish, then cancels what is left."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
+import nats.js.errors
 import pytest_asyncio
 from helpers import next_heartbeat, service_env, service_process
 from nats.aio.client import Client
@@ -23,6 +24,7 @@ from nats.aio.msg import Msg
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import now_ms
+from tandem.bus.token_stream import STREAM
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import EmbeddedServer
 from tandem.engine.block_hash import prefix_block_hashes
@@ -250,6 +252,30 @@ async def test_when_every_worker_refuses_the_reply_ends_with_an_error_event(rout
     assert f"{second.instance_id} refused" in event.error.message
     assert event.error.retry_after_s == 1.5
     assert (await first.next_assignment()).reply_id == (await second.next_assignment()).reply_id == reply.reply_id
+
+
+async def test_a_continuation_is_assigned_in_its_epoch_and_the_routers_error_goes_through_the_token_stream(router, stand_in, nc):
+    """The relay's continuation: the logged tokens as generated tokens, a new owner epoch. Every
+    worker refuses, so the router ends the reply itself, in that epoch, on JetStream."""
+    refusing = await stand_in(REFUSE)
+    await wait_until_router_lists(router, refusing)
+    reply_id = uuid.uuid4().hex
+    request = generate_request(reply_id=reply_id, resume_reply_id=reply_id, generated_token_ids=[7, 8, 9], epoch=2)
+    await ask_accepted(nc, request)
+    assignment = await refusing.next_assignment()
+    assert (assignment.reply_id, assignment.first_seq, assignment.epoch) == (reply_id, 4, 2)
+    js = nc.jetstream()
+    deadline = time.monotonic() + WAIT_S
+    while True:  # bounded: the router publishes once the last worker has refused
+        try:
+            stored = await js.get_last_msg(STREAM, subjects.tokens(reply_id))
+            break
+        except nats.js.errors.NotFoundError:
+            assert time.monotonic() < deadline, "no final event on the token stream"
+            await asyncio.sleep(0.05)
+    event = decode(stored.data, TokenEvent)
+    assert (event.seq, event.finish, event.epoch, event.error.code) == (4, FINISH_REASON_ERROR, 2, "overloaded")
+    assert stored.headers is not None and stored.headers.get("Nats-Msg-Id") == f"{reply_id}:2:4"
 
 
 async def test_each_invalid_request_is_refused_with_its_reason(router, stand_in, nc):

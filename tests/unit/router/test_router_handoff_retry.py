@@ -14,7 +14,7 @@ from services.router.dispatch import DispatchConfig
 from services.router.generate import GenerateService
 from services.router.placement import Placement, PlacementConfig
 from services.router.workers import WorkerRegistry
-from tandem.bus import decode, encode, subjects
+from tandem.bus import encode, subjects
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import Refusal
@@ -68,8 +68,8 @@ class Fleet:
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.generate.outcomes.on_message(message)))
         return AssignmentReply(accepted=True)
 
-    async def publish(self, subject: str, data: bytes) -> None:
-        self.events.append(decode(data, TokenEvent))
+    async def publish(self, event: TokenEvent) -> None:
+        self.events.append(event)
 
 
 def service(fleet: Fleet, num_decode_workers: int = 3) -> GenerateService:
