@@ -4,7 +4,8 @@ on; one test deletes the token stream):
 - a continuation (tokens already generated, numbering going on, a new owner epoch) streams the
   uninterrupted run's tokens with the new epoch, through a decode worker's local prefill and
   through a prefill -> decode handoff alike; its events are stored on JetStream; the worker's
-  heartbeat claims the reply until its final event;
+  heartbeat claims the reply until its final event; a newer epoch of a reply still running here
+  stops the old run first;
 - an out-of-vocabulary token id is refused and the worker goes on serving;
 - an engine that dies, or token events that cannot be published, make the worker say it is not
   ready, claim nothing and exit 1;
@@ -261,6 +262,35 @@ async def test_an_out_of_vocabulary_token_id_is_refused_and_the_worker_serves_on
     assert [e.seq for e in stream.events] == list(range(1, len(stream.events) + 1))
     assert stream.events[-1].finish in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     assert (await heartbeats.wait_for(lambda hb: True)).service.is_ready
+
+
+async def test_a_newer_epoch_of_a_reply_running_here_stops_the_old_run_and_a_retry_of_the_same_epoch_is_not_run_twice(
+    decode_worker, bus, smollm2_fp32
+):
+    """The relay continued a reply it thought stalled, and the router picked this worker again:
+    the old run (whose events the log now drops) stops, and the new owner starts once it has."""
+    heartbeats = await _heartbeats(bus, "decode", decode_worker)
+    await heartbeats.wait_for(lambda hb: hb.service.is_ready)
+    request = _request(smollm2_fp32.tokenizer.encode_chat(STORY), 2000)
+    stream = await _stream(bus, "reply-moved")
+    assert (await _assign(bus, decode_worker, Assignment(reply_id="reply-moved", request=request, first_seq=1))).accepted
+    await asyncio.wait_for(stream.first.wait(), 60)
+    retried = await _assign(bus, decode_worker, Assignment(reply_id="reply-moved", request=request, first_seq=1))
+    assert retried.accepted, "a retried assignment of the running epoch is the same run"
+    newer = await _assign(bus, decode_worker, Assignment(reply_id="reply-moved", request=request, first_seq=1, epoch=1))
+    assert newer.refused.reason == "superseded", newer
+    await asyncio.wait_for(stream.done.wait(), 60)
+    old_run = list(stream.events)
+    assert {e.epoch for e in old_run} == {0} and old_run[-1].finish == common_pb2.FINISH_REASON_CANCELLED
+    assert [e.seq for e in old_run] == list(range(1, len(old_run) + 1)), "one run, not two"
+    await heartbeats.wait_for(lambda hb: "reply-moved" not in hb.reply_ids)
+
+    stream.done.clear()
+    request.sampling.max_tokens = 3
+    assert (await _assign(bus, decode_worker, Assignment(reply_id="reply-moved", request=request, first_seq=1, epoch=1))).accepted
+    await asyncio.wait_for(stream.done.wait(), 60)
+    new_run = stream.events[len(old_run) :]
+    assert {e.epoch for e in new_run} == {1} and [e.seq for e in new_run] == list(range(1, len(new_run) + 1))
 
 
 async def test_an_engine_that_dies_makes_the_worker_say_so_and_exit_1(own_nats, redis_server, bus):
