@@ -11,13 +11,15 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import nats.errors
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.sse import SseEvent, log_seq_to_resume_after, meta_event, sse_events, sse_response
 from services.chat.state import ChatState
-from tandem.bus import decode, encode, subjects
+from services.chat.streams import settle_lost_reply
+from tandem.bus import BadMessage, decode, encode, subjects
 from tandem.config import ApiKey, Tier
 from tandem.tokenlog import RUNNING, ReplyGone, ReplyKeys, ReplyMeta, attach, create_reply, detach, read
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
@@ -36,6 +38,7 @@ REFUSALS: dict[str, type[ChatError]] = {
     "bad_max_tokens": InvalidRequest,
     "unknown_model": NotFound,
 }
+ROUTER_RETRY_AFTER_S = 2.0
 REPLY_EXPIRED = "this reply's token log expired (or was lost) before it was read to the end; GET its conversation for the stored text"
 
 
@@ -79,14 +82,7 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
         request=request.SerializeToString(),
     )
     await create_reply(state.redis, meta, track_readers=True)
-    try:
-        client = state.bus.client
-        answer = await client.request(subjects.GENERATE, encode(request), timeout=state.config.generate_timeout_s)
-        outcome = decode(answer.data, GenerateReply)
-    except Exception as exc:
-        await forget_reply(state, reply.reply_id)
-        metrics.REPLIES_REFUSED.labels(code="unavailable").inc()
-        raise Unavailable(f"no router answered ({exc or type(exc).__name__}); try again shortly") from None
+    outcome = await _ask_router(state, request)
     if outcome.WhichOneof("outcome") == "refused":
         await forget_reply(state, reply.reply_id)
         refusal = outcome.refused
@@ -94,6 +90,39 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
         kind = REFUSALS.get(refusal.reason, Unavailable)
         raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
     metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
+
+
+async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateReply:
+    """The router's answer; raises Unavailable (503 with Retry-After) when none came. A request
+    that may have reached a router (it timed out, or the connection failed meanwhile) is
+    cancelled too, so no generation runs that nobody tracks."""
+    timeout_s = state.config.generate_timeout_s
+    if not state.bus.is_connected:  # reconnecting: nothing is sent, so nothing to cancel
+        await forget_reply(state, request.reply_id)
+        raise Unavailable("the message bus is reconnecting; try again shortly", code="bus_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S)
+    try:
+        answer = await state.bus.client.request(subjects.GENERATE, encode(request), timeout=timeout_s)
+        return decode(answer.data, GenerateReply)
+    except nats.errors.NoRespondersError:
+        error = Unavailable("no router is running; try again shortly", code="no_router", retry_after_s=ROUTER_RETRY_AFTER_S)
+    except nats.errors.TimeoutError:
+        message = f"no router answered within {timeout_s:g} s; try again shortly"
+        error = Unavailable(message, code="router_timeout", retry_after_s=ROUTER_RETRY_AFTER_S)
+        await _cancel_untracked(state, request.reply_id)
+    except (nats.errors.Error, BadMessage) as exc:
+        message = f"the router could not be asked ({exc or type(exc).__name__}); try again shortly"
+        error = Unavailable(message, code="router_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S)
+        await _cancel_untracked(state, request.reply_id)
+    await forget_reply(state, request.reply_id)
+    metrics.REPLIES_REFUSED.labels(code=error.code).inc()
+    raise error
+
+
+async def _cancel_untracked(state: ChatState, reply_id: str) -> None:
+    try:
+        await cancel_reply(state, reply_id, "generate_timeout")
+    except nats.errors.Error as exc:  # NATS is down: nothing reaches a router either
+        log.warning("could not cancel reply %s after its generate request failed: %s", reply_id, exc or type(exc).__name__)
 
 
 async def forget_reply(state: ChatState, reply_id: str) -> None:
@@ -142,23 +171,35 @@ async def sse_stream(
     state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0
 ) -> AsyncIterator[dict[str, str]]:
     """The product's SSE events of a reply, after `last_event_id`. A log that vanishes before its
-    final event ends the stream with an `error` event, code "reply_expired"."""
+    final event ends the stream with an `error` event, code "reply_expired", and its stored turn,
+    if it has one still running, is settled as failed with the text it had."""
     if last_event_id >= 1:
         metrics.STREAM_RESUMES.inc()
     metrics.STREAMS_OPEN.inc()
     last_id = last_event_id
+    after_seq = log_seq_to_resume_after(last_event_id)
+    text: list[str] = []  # the whole text so far when read from the log's start
     try:
         if last_event_id < 1:
             last_id = 1
             yield meta_event(reply_id, model, num_dropped_turns).as_dict()
         try:
-            async for event in log_events(state, reply_id, log_seq_to_resume_after(last_event_id)):
+            async for event in log_events(state, reply_id, after_seq):
+                text.append(event.text)
                 for sse in sse_events(event):
                     if sse.id > last_event_id:
                         last_id = sse.id
                         yield sse.as_dict()
         except ReplyGone:
             log.info("reply %s: its log vanished while a client read it", reply_id)
+            await _settle_stored_turn(state, reply_id, "".join(text) if after_seq == 0 else None)
             yield SseEvent(last_id + 1, "error", {"code": "reply_expired", "message": REPLY_EXPIRED}).as_dict()
     finally:
         metrics.STREAMS_OPEN.dec()
+
+
+async def _settle_stored_turn(state: ChatState, reply_id: str, text: str | None) -> None:
+    """The stored turn of a reply whose log vanished (none for an OpenAI reply): failed, with `text`."""
+    message = await state.store.get_message(reply_id)
+    if message is not None:
+        await settle_lost_reply(state, message, text)

@@ -27,6 +27,9 @@ class ChatConfig:
     generate_timeout_s: float = 5.0
     reader_lease_s: float = 15.0  # a streaming client's lease, renewed every third of it
     keepalive_s: float = 15.0
+    # A running turn whose reply log is missing for longer than this after it was stored is lost
+    # (chat stores the turn, then records the reply in Redis a moment later).
+    lost_reply_grace_s: float = 30.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ChatConfig:

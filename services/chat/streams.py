@@ -1,8 +1,11 @@
-"""Replies read back outside the live stream: the text so far of a running reply, and a whole
-stored message as SSE once its log has expired."""
+"""Replies read back outside the live stream: the text so far of a running reply, a whole stored
+message as SSE once its log has expired, and a stored turn left running whose log is gone
+(expired, or lost with Redis's data): it can never hear its final event, so the first read that
+finds it settles it as failed with the text it has, and answers with that final state."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -11,17 +14,21 @@ from sse_starlette.sse import EventSourceResponse
 from services.chat.errors import Gone, Unavailable
 from services.chat.sse import SseEvent, meta_event, sse_response
 from services.chat.state import ChatState
-from tandem.bus.events import ReplyStatus, finish_name, finish_of_status
+from tandem.bus.events import ReplyStatus, finish_name, finish_of_status, now_ms
 from tandem.store import Message
 from tandem.tokenlog import load_reply, logged_events
+
+log = logging.getLogger(__name__)
+REPLY_FAILED = "the reply failed before it finished; the text it had is kept; regenerate it to try again"
 
 
 async def as_logged(state: ChatState, message: Message) -> Message:
     """A message the store still has as running, as its token log has it now: the text so far,
-    or its final text, status and tokens when the reply ended before the relay stored it."""
+    or its final text, status and tokens when the reply ended before the relay stored it; failed
+    (settled in the store) when its log is gone."""
     meta = await load_reply(state.redis, message.id)
     if meta is None:
-        return message
+        return await settle_lost_reply(state, message)
     events = await logged_events(state.redis, message.id)
     text = "".join(event.text for event in events)
     if meta.is_running:
@@ -30,20 +37,60 @@ async def as_logged(state: ChatState, message: Message) -> Message:
     return replace(message, content=text, status=meta.status, tokens=tokens)
 
 
+def is_starting(state: ChatState, message: Message) -> bool:
+    """A running turn stored moments ago may not have its log yet (chat stores the turn, then
+    records the reply in Redis): within the grace it is not lost."""
+    return now_ms() - message.created_at_ms < 1000 * state.config.lost_reply_grace_s
+
+
+async def settle_lost_reply(state: ChatState, message: Message, text: str | None = None) -> Message:
+    """Stores a running turn whose log is gone as failed, with `text` (default: what the store
+    has); the store keeps the first final write, so a turn the relay stored meanwhile stays as it
+    was. Returns the turn as stored; a turn still starting comes back unchanged."""
+    if message.status != ReplyStatus.RUNNING or is_starting(state, message):
+        return message
+    content = message.content if text is None else text
+    settled = await state.store.finish_message(
+        message.conversation_id, message.id, content=content, status=ReplyStatus.FAILED, tokens=message.tokens
+    )
+    log.warning("reply %s: its log is gone while its turn was running; stored as failed", message.id)
+    return settled or replace(message, content=content, status=ReplyStatus.FAILED)
+
+
 async def _stored_events(message: Message) -> AsyncIterator[dict[str, str]]:
     yield meta_event(message.id, message.model).as_dict()
     yield SseEvent(2, "delta", {"text": message.content}).as_dict()
+    yield _final_event(message, 3)
+
+
+def _final_event(message: Message, event_id: int) -> dict[str, str]:
     finish = finish_of_status(message.status)
     if finish is not None:
         usage = {"input": 0, "cached": 0, "output": message.tokens}
-        yield SseEvent(3, "done", {"finish": finish_name(finish), "usage": usage}).as_dict()
-    else:
-        yield SseEvent(3, "error", {"code": message.status.value, "message": f"the reply ended as {message.status.value}"}).as_dict()
+        return SseEvent(event_id, "done", {"finish": finish_name(finish), "usage": usage}).as_dict()
+    if message.status == ReplyStatus.FAILED:
+        return SseEvent(event_id, "error", {"code": message.status.value, "message": REPLY_FAILED}).as_dict()
+    return SseEvent(event_id, "error", {"code": message.status.value, "message": f"the reply ended as {message.status.value}"}).as_dict()
+
+
+async def _lost_reply_events(state: ChatState, message: Message, last_event_id: int) -> AsyncIterator[dict[str, str]]:
+    """A running turn whose log is gone: settled, then its final state (the whole of it, or only
+    the final event after the events a resuming client has)."""
+    settled = await settle_lost_reply(state, message)
+    if last_event_id > 0:
+        yield _final_event(settled, last_event_id + 1)
+        return
+    async for event in _stored_events(settled):
+        yield event
 
 
 def finished_message_response(state: ChatState, message: Message, last_event_id: int) -> EventSourceResponse:
+    """A message whose token log is gone: a finished one as stored; a running one (lost) settled
+    as failed; one still starting is worth a retry in a moment."""
     if message.status == ReplyStatus.RUNNING:
-        raise Unavailable("the reply is running but its log is not readable; retry shortly", code="reply_unreadable")
+        if is_starting(state, message):
+            raise Unavailable("the reply is starting; retry shortly", code="reply_unreadable", retry_after_s=1.0)
+        return sse_response(state, _lost_reply_events(state, message, last_event_id), message.id)
     if last_event_id > 0:
         raise Gone("the reply's event log has expired: GET its conversation for the stored text", code="reply_expired")
     return sse_response(state, _stored_events(message), message.id)

@@ -1,26 +1,36 @@
 """A reply's token log that vanishes (expired, or lost with Redis's data) while a client streams
 it, on a real redis-server and nats-server: the product stream and the OpenAI stream each end
-with a clear error instead of breaking off, and nothing of the reply is left in Redis."""
+with a clear error instead of breaking off, and nothing of the reply is left in Redis. A stored
+turn left running whose log is gone is settled as failed when read, with the text it had. A
+generate request no router answers in time is cancelled (no generation runs untracked) and
+answered with a 503 and a Retry-After."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
+from services.chat.errors import Unavailable, answer
 from services.chat.models_view import ModelsView
 from services.chat.openai_replies import CHAT, reply_chunks
-from services.chat.replies import sse_stream
+from services.chat.replies import ReplyRequest, begin_reply, sse_stream
 from services.chat.state import ChatConfig, ChatState
-from tandem.bus import Bus, BusConfig, subjects
-from tandem.bus.events import final_event
+from services.chat.streams import as_logged, finished_message_response
+from tandem.bus import Bus, BusConfig, decode, subjects
+from tandem.bus.events import ReplyStatus, final_event, now_ms
+from tandem.config import ApiKey, Tier
+from tandem.store import Conversation, Message, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, TokenLogWriter, create_reply
-from tandem.v1.common_pb2 import FINISH_REASON_STOP
-from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.common_pb2 import FINISH_REASON_STOP, SamplingParams
+from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 
 CONFIG = ChatConfig(
     system_prompt="",
@@ -115,3 +125,132 @@ async def test_a_log_read_to_its_final_event_ends_with_done_not_an_error(state):
     events = [event async for event in sse_stream(state, reply_id, "m")]
     assert [e["event"] for e in events] == ["meta", "delta", "delta", "done"]
     await vanish(state, reply_id)
+
+
+USER = ApiKey(user_id="u1", tier=Tier.PLUS)
+LONG_AGO_MS = 120_000  # well past the grace a turn has to get its log
+
+
+async def running_turn(state: ChatState, *, content: str = "", age_ms: int = LONG_AGO_MS) -> Message:
+    """An assistant turn stored as running `age_ms` ago, as chat stores it before the reply starts."""
+    conversation = Conversation(
+        id=uuid.uuid4().hex, user_id=USER.user_id, title="t", model="m", created_at_ms=now_ms(), updated_at_ms=now_ms()
+    )
+    await state.store.create_conversation(conversation)
+    question = await state.store.append_message(USER.user_id, NewMessage(uuid.uuid4().hex, conversation.id, Role.USER, "hi", 1))
+    turn = NewMessage(
+        id=uuid.uuid4().hex,
+        conversation_id=conversation.id,
+        role=Role.ASSISTANT,
+        content=content,
+        tokens=0,
+        model="m",
+        status=ReplyStatus.RUNNING,
+        parent_seq=question.seq,
+        created_at_ms=now_ms() - age_ms,
+    )
+    return await state.store.append_message(USER.user_id, turn)
+
+
+async def stored(state: ChatState, message: Message) -> Message:
+    found = await state.store.get_message(message.id)
+    assert found is not None
+    return found
+
+
+async def body_of(response) -> list[dict[str, str]]:
+    return [event async for event in response.body_iterator]
+
+
+async def test_a_running_turn_whose_log_is_gone_is_read_as_failed_and_stored_so(state):
+    turn = await running_turn(state, content="partial")
+    shown = await as_logged(state, turn)
+    assert (shown.status, shown.content) == (ReplyStatus.FAILED, "partial")
+    assert (await stored(state, turn)).status == ReplyStatus.FAILED, "settled in the store, not only in the view"
+
+
+async def test_streaming_a_lost_running_turn_gives_its_text_and_a_final_error_not_a_503(state):
+    turn = await running_turn(state, content="partial")
+    events = await body_of(finished_message_response(state, turn, last_event_id=0))
+    assert [(e["id"], e["event"]) for e in events] == [("1", "meta"), ("2", "delta"), ("3", "error")]
+    assert json.loads(events[1]["data"]) == {"text": "partial"}
+    assert json.loads(events[2]["data"])["code"] == "failed"
+    assert (await stored(state, turn)).status == ReplyStatus.FAILED
+
+
+async def test_a_client_resuming_a_lost_running_turn_gets_the_final_error_as_its_next_event(state):
+    turn = await running_turn(state)
+    events = await body_of(finished_message_response(state, turn, last_event_id=5))
+    assert [(e["id"], e["event"]) for e in events] == [("6", "error")]
+    assert (await stored(state, turn)).status == ReplyStatus.FAILED
+
+
+async def test_a_turn_stored_a_moment_ago_without_its_log_yet_is_not_settled(state):
+    turn = await running_turn(state, age_ms=0)
+    with pytest.raises(Unavailable) as refused:
+        finished_message_response(state, turn, last_event_id=0)
+    assert refused.value.code == "reply_unreadable" and refused.value.retry_after_s > 0
+    assert (await as_logged(state, turn)).status == ReplyStatus.RUNNING
+    assert (await stored(state, turn)).status == ReplyStatus.RUNNING
+
+
+async def test_a_log_that_vanishes_mid_stream_settles_its_stored_turn_as_failed_with_the_text_streamed(state):
+    turn = await running_turn(state)
+    await create_reply(state.redis, ReplyMeta(reply_id=turn.id, message_id=turn.id, model="m"), track_readers=True)
+    writer = TokenLogWriter(state.redis, ttl_s=60)
+    for seq in (1, 2):
+        await writer.append(TokenEvent(reply_id=turn.id, seq=seq, text=f"t{seq} "))
+    stream = sse_stream(state, turn.id, "m")
+    head = [await anext(stream) for _ in range(3)]
+    await vanish(state, turn.id)
+    rest = [event async for event in stream]
+    assert [e["event"] for e in head + rest] == ["meta", "delta", "delta", "error"]
+    settled = await stored(state, turn)
+    assert (settled.status, settled.content) == (ReplyStatus.FAILED, "t1 t2 ")
+
+
+def reply_request() -> ReplyRequest:
+    return ReplyRequest(
+        reply_id=uuid.uuid4().hex,
+        user=USER,
+        model="m",
+        prompt_ids=[1, 2, 3],
+        public_prefix_tokens=0,
+        sampling=SamplingParams(max_tokens=4),
+    )
+
+
+async def test_a_generate_no_router_answers_in_time_is_cancelled_and_answered_503_with_retry_after(state):
+    state.config = dataclasses.replace(CONFIG, generate_timeout_s=0.5)
+    client = state.bus.client
+    heard: asyncio.Queue[str] = asyncio.Queue()
+
+    async def slow_router(msg) -> None:  # takes the request and never answers
+        await heard.put(msg.subject)
+
+    silent = await client.subscribe(subjects.GENERATE, queue="router", cb=slow_router)
+    reply = reply_request()
+    cancels = await client.subscribe(subjects.cancel(reply.reply_id))
+    await client.flush()
+    try:
+        with pytest.raises(Unavailable) as refused:
+            await begin_reply(state, reply)
+        assert await asyncio.wait_for(heard.get(), 5) == subjects.GENERATE, "the request did reach a router"
+        cancel = decode((await cancels.next_msg(timeout=5)).data, Cancel)
+        assert cancel.reply_id == reply.reply_id, "the reply a slow router may still start is cancelled"
+    finally:
+        await silent.unsubscribe()
+        await cancels.unsubscribe()
+    assert refused.value.code == "router_timeout"
+    response = await answer(None, refused.value)  # type: ignore[arg-type]
+    assert response.status_code == 503 and response.headers["Retry-After"] == "2"
+    assert await nothing_left_of(state, reply.reply_id)
+    assert not await state.redis.sismember(RUNNING, reply.reply_id)
+
+
+async def test_a_generate_with_no_router_running_is_503_at_once(state):
+    reply = reply_request()
+    with pytest.raises(Unavailable) as refused:
+        await begin_reply(state, reply)
+    assert refused.value.code == "no_router" and refused.value.retry_after_s > 0
+    assert await nothing_left_of(state, reply.reply_id)
