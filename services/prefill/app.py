@@ -31,6 +31,7 @@ from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.worker.assignments import refusal, screen_assignment, unrunnable
+from tandem.worker.host import WorkerFailed
 from tandem.worker.parts import build_worker_parts
 
 ROLE = "prefill"
@@ -169,6 +170,8 @@ class PrefillWorker:
             log.warning("handoff of %s to %s failed, returning it to the router: %s", h.reply_id, h.assignment.decode_worker_id, exc)
             await _release(h.stub, h.reply_id)
             await self._publish_outcome(h, HandoffOutcome.RESULT_FAILED, code, str(exc))
+        except WorkerFailed:  # this worker gave its replies up: the relay continues this one elsewhere
+            await _release(h.stub, h.reply_id)
         finally:
             if renewing is not None:
                 renewing.cancel()
