@@ -439,7 +439,7 @@ def _stack_env(args: argparse.Namespace) -> dict[str, str]:
 
 def _print_row(report: DrillReport) -> None:
     print(
-        f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, "
+        f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, {report.refused} refused, "
         f"pause {report.longest_pause_s} s, identical {report.texts_identical}, stored {report.stored} "
         f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
         flush=True,
@@ -457,6 +457,8 @@ def _print_table(reports: list[DrillReport]) -> None:
             f"{stored} / {'PASS' if r.met else 'MISS'} {r.target}"
         )
         print(f"{'':<14}fault: {r.fault}")
+        if r.error_samples:
+            print(f"{'':<14}errors: {'; '.join(r.error_samples)}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
