@@ -334,7 +334,7 @@ class EngineHost:
                 stream.next_seq += 1
                 if output.is_finished or output.handoff is not None:
                     ended.append((output.request_id, stream))
-            await asyncio.gather(*(_publish_in_order(js, events) for events in by_reply.values()))
+            await asyncio.gather(*(_publish_in_order(js, events, client) for events in by_reply.values()))
             for reply_id, stream in ended:
                 self._replies.end_stream(reply_id, stream)
             for output in outputs:
@@ -343,6 +343,6 @@ class EngineHost:
                     handoff.set_result(output)
 
 
-async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent]) -> None:
+async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], client: Client) -> None:
     for event in events:
-        await publish_event(js, event)
+        await publish_event(js, event, is_connected=lambda: client.is_connected)

@@ -1,6 +1,8 @@
 """Token events onto JetStream, retried for a bounded time. A publish that still fails after
-PUBLISH_RETRY_S means this worker cannot deliver its replies: it raises CannotPublish, and the
-worker gives up its replies (another worker continues them) and exits."""
+PUBLISH_RETRY_S of a connected bus means this worker cannot deliver its replies: it raises
+CannotPublish, and the worker gives up its replies (another worker continues them) and exits.
+Time the bus spends disconnected (NATS restarting) does not count against that bound, so an
+outage of the whole bus does not make every worker exit; it counts against NATS_OUTAGE_S."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PUBLISH_RETRY_S = 5.0
+NATS_OUTAGE_S = 120.0  # a bus away longer than this: the worker gives up as when it cannot publish
 OPEN_STREAM_RETRY_S = 30.0
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
@@ -29,15 +32,26 @@ class CannotPublish(Exception):
     """Token events cannot reach JetStream (no stream, no server) within the retry bound."""
 
 
-async def _with_retries(what: str, attempt: Callable[[], Awaitable[T]], within_s: float) -> T:
+def _always_connected() -> bool:
+    return True
+
+
+async def _with_retries(
+    what: str, attempt: Callable[[], Awaitable[T]], within_s: float, is_connected: Callable[[], bool] = _always_connected
+) -> T:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
+    started = loop.time()
+    deadline = started + within_s
     backoff_s = _FIRST_BACKOFF_S
     while True:
+        was_connected = is_connected()
         try:
             return await attempt()
         except nats.errors.Error as exc:
-            if loop.time() + backoff_s > deadline:
+            now = loop.time()
+            if not (was_connected and is_connected()):
+                deadline = max(deadline, now + within_s)  # the bus is away: its outage is not this worker's failure
+            if now + backoff_s > min(deadline, started + NATS_OUTAGE_S):
                 raise CannotPublish(f"{what}: {type(exc).__name__} {exc}") from exc
             log.warning("%s failed (%s); retrying in %.2f s", what, type(exc).__name__, backoff_s)
             await asyncio.sleep(backoff_s)
@@ -48,7 +62,10 @@ async def open_token_stream(client: Client, max_age_s: float, within_s: float = 
     return await _with_retries("creating the token stream", lambda: ensure_token_stream(client, max_age_s), within_s)
 
 
-async def publish_event(js: JetStreamContext, event: TokenEvent, within_s: float = PUBLISH_RETRY_S) -> None:
+async def publish_event(
+    js: JetStreamContext, event: TokenEvent, within_s: float = PUBLISH_RETRY_S, is_connected: Callable[[], bool] = _always_connected
+) -> None:
     """Publishes `event` and waits for JetStream to store it, retrying with backoff; CannotPublish
-    after `within_s`. JetStream stores a retried event once (its message id)."""
-    await _with_retries(f"publishing event {event.seq} of {event.reply_id}", lambda: publish_token(js, event), within_s)
+    after `within_s` of a connected bus (`is_connected`). JetStream stores a retried event once
+    (its message id)."""
+    await _with_retries(f"publishing event {event.seq} of {event.reply_id}", lambda: publish_token(js, event), within_s, is_connected)
