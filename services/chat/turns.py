@@ -8,7 +8,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context
+from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context, parent_seqs, stored_parent_seq
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.models_view import ServedModel
 from services.chat.prompt import PromptCounter, encode_prompt
@@ -76,14 +76,17 @@ async def send_message(
     reply_id: str,
     sampling: SamplingChoice,
     user_message_id: str = "",
+    after_seq: int | None = None,
 ) -> StartedReply:
     """`user_message_id`: the user turn's id; a retry that passes the same one (an idempotency
-    key's) finds the turn already stored instead of storing it twice."""
+    key's) finds the turn already stored instead of storing it twice. `after_seq`: the message the
+    new turn follows (0: it starts a new branch at the root, an edited first message); None: the
+    newest message."""
     check_content(state, content)
     model = await resolve_model(state, requested_model)
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
-    history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq)
+    history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq, after_seq)
     # Tokenizing a long prompt takes milliseconds: off the event loop that serves every stream.
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, history, new_turn, model, counter)
     user_message = await state.store.append_message(
@@ -95,6 +98,7 @@ async def send_message(
             content=content,
             tokens=new_turn.tokens,
             model=model.name,
+            parent_seq=0 if after_seq is None else stored_parent_seq(after_seq),
         ),
     )
     if not conversation.title:
@@ -111,7 +115,7 @@ async def regenerate(
     user_turn = next((m for m in messages if m.seq == answer.parent_seq and m.role == Role.USER), None)
     if user_turn is None:
         raise InvalidRequest("only an answer to a user message can be regenerated", code="not_an_answer")
-    earlier = active_history([m for m in messages if m.seq < user_turn.seq], conversation.summary_upto_seq)
+    earlier = active_history(messages, conversation.summary_upto_seq, parent_seqs(messages)[user_turn.seq])  # its own branch
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", user_turn.content, user_turn.tokens)
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, earlier, new_turn, model, counter)
