@@ -166,7 +166,7 @@ class StallWatcher:
         try:
             answer = await self._client.request(subjects.GENERATE, encode(request), timeout=self._config.request_timeout_s)
             outcome = decode(answer.data, GenerateReply)
-        except (nats.errors.Error, BadMessage) as exc:
+        except (nats.errors.Error, TimeoutError, BadMessage) as exc:  # no router, none answered in time, or a garbled answer
             metrics.CONTINUATIONS.labels(outcome="unanswered").inc()
             log.warning("reply %s: no router took its continuation (%s); it is tried again", seen.reply_id, exc or type(exc).__name__)
             return
