@@ -38,13 +38,13 @@ NEUTRAL: dict[str, object] = {
 }
 # The engine's finish reasons as OpenAI's `finish_reason`. A cancelled reply (its client went
 # away, or it was stopped) is "abort", as vLLM's server says; OpenAI itself has no name for it.
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "content_filter": "content_filter"}
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 64
 
 
 def openai_finish_reason(finish: int) -> str:
-    """ "stop", "length" or "abort" for a final event's finish reason."""
+    """ "stop", "length", "abort" or "content_filter" for a final event's finish reason."""
     return FINISH_REASONS[finish_name(finish)]
 
 

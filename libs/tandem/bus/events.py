@@ -9,6 +9,7 @@ from enum import Enum
 
 from tandem.v1.common_pb2 import (
     FINISH_REASON_CANCELLED,
+    FINISH_REASON_CONTENT_FILTER,
     FINISH_REASON_ERROR,
     FINISH_REASON_LENGTH,
     FINISH_REASON_STOP,
@@ -26,6 +27,7 @@ FINISH_NAMES: dict[int, str] = {
     FINISH_REASON_LENGTH: "length",
     FINISH_REASON_CANCELLED: "cancelled",
     FINISH_REASON_ERROR: "error",
+    FINISH_REASON_CONTENT_FILTER: "content_filter",
 }
 
 
@@ -52,7 +54,7 @@ def is_final(event: TokenEvent) -> bool:
 
 
 def finish_name(finish: int) -> str:
-    """The client-facing name: "stop", "length", "cancelled" or "error"; raises ValueError for an event that ends nothing."""
+    """The client-facing name: "stop", "length", "cancelled", "content_filter" or "error"; raises ValueError for an event that ends nothing."""
     try:
         return FINISH_NAMES[finish]
     except KeyError:
@@ -67,13 +69,17 @@ def status_of_finish(finish: int) -> ReplyStatus:
         return ReplyStatus.STOPPED
     if finish == FINISH_REASON_ERROR:
         return ReplyStatus.FAILED
+    if finish == FINISH_REASON_CONTENT_FILTER:
+        return ReplyStatus.MODERATED
     raise ValueError(f"finish reason {finish} does not end a reply")
 
 
 def finish_of_status(status: ReplyStatus) -> FinishReason | None:
     """The finish a reply that ended with `status` reports, for one read back from the store
     (which does not keep whether a complete reply stopped or hit its length); None for a status
-    that ends in an error (failed, moderated) or does not end (running)."""
+    that ends in an error (failed) or does not end (running)."""
+    if status == ReplyStatus.MODERATED:
+        return FINISH_REASON_CONTENT_FILTER
     if status == ReplyStatus.COMPLETE:
         return FINISH_REASON_STOP
     if status == ReplyStatus.STOPPED:
@@ -91,9 +97,9 @@ def final_event(
     token_id: int | None = None,
     usage: Usage | None = None,
 ) -> TokenEvent:
-    """The event that ends a reply at `seq` (STOP, LENGTH or CANCELLED); `usage` for a reply that ran."""
-    if finish not in (FINISH_REASON_STOP, FINISH_REASON_LENGTH, FINISH_REASON_CANCELLED):
-        raise ValueError(f"a final event ends with stop, length or cancelled, not {finish}; use error_event for a failure")
+    """The event that ends a reply at `seq` (STOP, LENGTH, CANCELLED or CONTENT_FILTER); `usage` for a reply that ran."""
+    if finish not in (FINISH_REASON_STOP, FINISH_REASON_LENGTH, FINISH_REASON_CANCELLED, FINISH_REASON_CONTENT_FILTER):
+        raise ValueError(f"a final event ends with stop, length, cancelled or content_filter, not {finish}; use error_event for a failure")
     event = TokenEvent(reply_id=reply_id, seq=seq, finish=finish, text=text, worker_id=worker_id, produced_unix_ms=now_ms())
     if token_id is not None:
         event.token_id = token_id

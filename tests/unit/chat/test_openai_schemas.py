@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from services.chat.errors import InvalidRequest
 from services.chat.openai_schemas import ChatCompletionBody, openai_finish_reason
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_LENGTH, FINISH_REASON_STOP
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_CONTENT_FILTER, FINISH_REASON_LENGTH, FINISH_REASON_STOP
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -88,3 +88,7 @@ def test_a_cancelled_reply_finishes_with_abort_not_stop():
         "length",
         "abort",
     ]
+
+
+def test_a_reply_a_safety_check_ended_finishes_with_content_filter():
+    assert openai_finish_reason(FINISH_REASON_CONTENT_FILTER) == "content_filter"
