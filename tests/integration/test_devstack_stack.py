@@ -24,9 +24,7 @@ DEADLINE_S = 30.0
 
 @pytest_asyncio.fixture
 async def stack() -> AsyncIterator[Stack]:
-    config = StackConfig(
-        host="127.0.0.1", chat_port=0, api_keys={"k": ApiKey("u", Tier.PLUS)}, extra_env={}, roles=(), stop_timeout_s=5.0
-    )
+    config = StackConfig(host="127.0.0.1", chat_port=0, api_keys={"k": ApiKey("u", Tier.PLUS)}, extra_env={}, roles=(), stop_timeout_s=5.0)
     async with Stack(config, Console(io.StringIO())) as running:
         yield running
 

@@ -229,8 +229,8 @@ class Stack:
             except StartupError as exc:
                 outcome = f"failed to start: {exc}"
             else:
-                if member.is_held:  # held while it started
-                    member.child.process.terminate()
+                if member.is_held or self._stopping.is_set():  # held, or the stack stopping, while it started
+                    _send(member.child.pid, signal.SIGTERM)
                 outcome = await self._watch(member)
             if self._stopping.is_set():
                 return
