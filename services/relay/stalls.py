@@ -4,8 +4,10 @@ then the rest of the answer.
 
 Workers list in every heartbeat the replies they hold. A running reply is stalled when no live
 worker has claimed it within the stall timeout and its current owner makes no progress: no event
-logged for the stall timeout since it produced one, or, while it has produced nothing yet, for
-the dispatch grace since it was created or last continued (the router may still be placing it).
+logged for the stall timeout since it produced one; or, while it has produced nothing yet, a
+worker claimed it since it was dispatched and stopped (lost before its first token), or nobody
+claimed it for the dispatch grace since it was created or last continued (the router may still
+be placing it).
 Every relay watches every reply; the epoch bump, guarded by the epoch and last seq the relay saw,
 lets exactly one of them act. After `max_continuations` the reply ends with an error event
 instead, and its turn is stored as failed with its partial text."""
@@ -84,6 +86,10 @@ class Claims:
     def is_claimed(self, reply_id: str, within_ms: int) -> bool:
         return self._clock() - self._claimed_ms.get(reply_id, 0) <= within_ms
 
+    def last_claimed_ms(self, reply_id: str) -> int:
+        """When a worker last claimed the reply (unix ms); 0 when none did lately."""
+        return self._claimed_ms.get(reply_id, 0)
+
     def forget_older_than(self, age_ms: int) -> None:
         cutoff_ms = self._clock() - age_ms
         for reply_id in [r for r, heard_ms in self._claimed_ms.items() if heard_ms < cutoff_ms]:
@@ -105,6 +111,8 @@ def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -
         return False
     if meta.last_event_ms > meta.dispatched_ms:  # its current owner has produced: it must keep producing
         return now - meta.last_event_ms > stall_ms
+    if claims.last_claimed_ms(meta.reply_id) > meta.dispatched_ms:
+        return True  # a worker took it (claimed it since it was dispatched) and no longer does: lost before its first token
     return now - meta.dispatched_ms > config.dispatch_grace_s * 1000
 
 

@@ -99,3 +99,22 @@ def test_a_claim_counts_for_the_time_asked_from_its_last_heartbeat():
     claims.forget_older_than(4_000)
     assert claims.is_claimed("r1", within_ms=2_000)
     assert not claims.is_claimed("r2", within_ms=2_000)
+
+
+def test_a_reply_lost_before_its_first_token_is_stalled_once_its_claims_lapse_not_after_the_grace():
+    clock = Clock()
+    claims = listening(clock)
+    fresh = reply(clock, created_ago_ms=1_000)  # dispatched 1 s ago, nothing logged yet
+    claims.note(WorkerHeartbeat(reply_ids=["r1"]))  # a worker took it
+    assert not is_stalled(fresh, claims, CONFIG, clock())
+    clock.now_ms += 2_500  # that worker died before its first token: its heartbeats stopped
+    assert is_stalled(fresh, claims, CONFIG, clock())
+
+
+def test_a_claim_heard_before_the_reply_was_continued_does_not_count_as_its_new_owner():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(reply_ids=["r1"]))  # the old owner, before the continuation
+    clock.now_ms += 3_000
+    continued = reply(clock, created_ago_ms=30_000, continued_ms=clock.now_ms - 500)
+    assert not is_stalled(continued, claims, CONFIG, clock())  # the router may still be placing it
