@@ -1,5 +1,5 @@
 """Failure drills: a real local stack (`tandem up`'s launcher: nats-server, redis-server, router,
-relay, 2 decode workers, 1 prefill worker, chat, plus a second chat instance) is started here,
+relay, 2 decode workers, 1 prefill worker, 2 chat instances) is started here,
 a load of streaming replies is driven through the chat API, and a fault is caused mid-stream.
 Each drill reports how many replies completed, ended with an error, or hung (no final event
 within `--hang-s`), the longest pause any client saw between two events, whether greedy texts
@@ -80,6 +80,7 @@ class StreamResult:
     error: str = ""
     num_events: int = 0
     longest_pause_s: float = 0.0
+    longest_pause_ended_unix_s: float = 0.0  # when the longest pause ended (wall clock), to find it in the logs
     ids_contiguous: bool = True
     num_resumes: int = 0
     message_id: str = ""
@@ -133,8 +134,9 @@ class Client:
                     seen_here = 0
                     async for sse in _events(response, deadline):
                         now_s = time.monotonic()
-                        if result.num_events:
-                            result.longest_pause_s = max(result.longest_pause_s, now_s - last_event_s)
+                        if result.num_events and now_s - last_event_s > result.longest_pause_s:
+                            result.longest_pause_s = now_s - last_event_s
+                            result.longest_pause_ended_unix_s = round(time.time(), 3)
                         last_event_s = now_s
                         result.num_events += 1
                         if sse.id:
@@ -215,6 +217,8 @@ class DrillReport:
     name: str
     fault: str
     num_replies: int
+    fault_unix_s: float = 0.0  # when the fault was caused (wall clock)
+    longest_pause_ended_unix_s: float = 0.0
     completed: int = 0
     errors: int = 0
     hung: int = 0
@@ -255,8 +259,10 @@ async def run_load(
             for i, p in enumerate(prompts)
         ]
         fault_text = "none"
+        fault_unix_s = 0.0
         if fault is not None:
             await _wait_started(streaming, fault_after, tasks, timeout_s=client.hang_s)
+            fault_unix_s = round(time.time(), 3)
             fault_text = await fault(stack)
         results = list(await asyncio.gather(*tasks))
         stored = await _stored_statuses(http, client, results)
@@ -265,7 +271,10 @@ async def run_load(
     report.errors = sum(r.outcome == "error" for r in results)
     report.hung = sum(r.outcome == "hung" for r in results)
     report.refused = sum(r.outcome == "refused" for r in results)
-    report.longest_pause_s = round(max((r.longest_pause_s for r in results), default=0.0), 2)
+    longest = max(results, key=lambda r: r.longest_pause_s, default=None)
+    report.longest_pause_s = round(longest.longest_pause_s, 2) if longest is not None else 0.0
+    report.longest_pause_ended_unix_s = longest.longest_pause_ended_unix_s if longest is not None else 0.0
+    report.fault_unix_s = fault_unix_s
     report.ids_contiguous = all(r.ids_contiguous for r in results)
     report.stored = stored
     report.error_samples = sorted({r.error for r in results if r.error})[:5]
@@ -330,8 +339,9 @@ async def kill_relay(stack: DrillStack) -> str:
 
 
 async def restart_redis(stack: DrillStack) -> str:
-    pid = stack.signal("redis", signal.SIGTERM)
-    return f"SIGTERM redis-server (pid {pid}); the launcher starts it again on the same port"
+    old_pid = stack.stack.member("redis").pid
+    await stack.stack.restart("redis", signal.SIGTERM, timeout_s=60.0)
+    return f"SIGTERM redis-server (pid {old_pid}), started again on the same port (pid {stack.stack.member('redis').pid})"
 
 
 async def pause_nats(stack: DrillStack) -> str:
@@ -344,8 +354,8 @@ async def pause_nats(stack: DrillStack) -> str:
 async def rolling(stack: DrillStack) -> str:
     done = []
     for name in stack.service_members():
-        stack.signal(name, signal.SIGTERM)
-        await stack.wait_restarted(name, timeout_s=180.0)
+        pid = stack.signal(name, signal.SIGTERM)
+        await stack.wait_restarted(name, pid, timeout_s=180.0)
         done.append(name)
     return "SIGTERM in turn: " + ", ".join(done)
 
@@ -425,6 +435,8 @@ async def main(args: argparse.Namespace) -> int:
             report.met = met(report, plan)
             reports.append(report)
             _print_row(report)
+        if args.log:
+            Path(args.log).write_text(stack.logs(num_lines=1_000_000) + "\n")
     _print_table(reports)
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(r) for r in reports], indent=2) + "\n")
@@ -472,6 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the reports as JSON here")
+    parser.add_argument("--log", default="", help="copy the stack's log (every process's output) here")
     return parser.parse_args(argv)
 
 

@@ -44,5 +44,5 @@ def test_every_reply_completes_with_the_undisturbed_text(drill_reports, name):
 def test_the_faults_happened(drill_reports):
     reports, _ = drill_reports
     assert reports["kill_decode"]["fault"].startswith("kill -9 decode-")
-    assert reports["kill_relay"]["fault"].startswith("kill -9 relay-")
+    assert reports["kill_relay"]["fault"].startswith("kill -9 relay ")
     assert reports["resume"]["fault"] == "none"
