@@ -1,8 +1,21 @@
 """Executes a StepPlan: one batched forward over the ragged batch (prefill chunks and decode
-tokens together, no padding), then sampling for every sequence whose context is now complete."""
+tokens together, no padding), then sampling for every sequence whose context is now complete.
+
+Replayed tokens: a prefill chunk may hold tokens the model generated earlier (a continuation of a
+reply whose worker died, a preempted sequence's recompute). Those are computed the way they were
+first computed, by decode steps: after the step's forward (which takes every other row), one more
+forward per generated token, each a decode-only batch of the replaying sequences' next such
+token. In bf16 on CPU a row's rounding depends on the shape it is computed in (flash prefill
+attention versus a decode's; and a matmul's row depends on how many rows it has), so a row
+computed inside a long chunk differs in its last bits from the same token decoded alone, and
+greedy output drifts a few dozen tokens after a continuation. Replayed this way, a lone
+sequence's continuation is bit for bit its uninterrupted run; a step without generated tokens in
+a prefill chunk is one forward, as before.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +36,40 @@ class StepInputs:
     sampling_seqs: list[Sequence]
 
 
-def build_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepInputs:
-    """Lays the plan's chunks end to end and describes them for attention."""
+@dataclass(frozen=True)
+class Rows:
+    """Tokens start..end-1 of `seq`, computed in one forward; `is_sampled`: its last row is sampled."""
+
+    seq: Sequence
+    start: int
+    end: int
+    is_sampled: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.end]
+
+
+def forward_passes(plan: StepPlan) -> list[list[Rows]]:
+    """The step's forwards: the first has every row a chunk computes as given (decodes, prompt
+    tokens); then one per replayed token (see the module docstring), the k-th holding the k-th
+    generated token of each chunk that recomputes more than k of them."""
+    first: list[Rows] = []
+    replays: list[list[Rows]] = []
+    for chunk in plan.scheduled:
+        seq, start, end = chunk.seq, chunk.num_computed_tokens, chunk.num_context_tokens
+        replay_from = end if end - start == 1 else max(start, seq.num_prompt_tokens)
+        if replay_from > start:
+            first.append(Rows(seq, start, replay_from, chunk.is_sampled and replay_from == end))
+        for k, position in enumerate(range(replay_from, end)):
+            if k == len(replays):
+                replays.append([])
+            replays[k].append(Rows(seq, position, position + 1, chunk.is_sampled and position + 1 == end))
+    return [first, *replays] if first else replays
+
+
+def build_inputs(rows: SequenceOf[Rows], block_size: int, device: torch.device) -> StepInputs:
+    """Lays the rows end to end and describes them for attention."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -33,17 +78,16 @@ def build_inputs(plan: StepPlan, block_size: int, device: torch.device) -> StepI
     tables: list[list[int]] = []
     sample_rows: list[int] = []
     sampling_seqs: list[Sequence] = []
-    for chunk in plan.scheduled:
-        seq = chunk.seq
-        start, end = chunk.num_computed_tokens, chunk.num_context_tokens
-        input_ids.extend(chunk.new_token_ids)
+    for piece in rows:
+        seq, start, end = piece.seq, piece.start, piece.end
+        input_ids.extend(piece.token_ids)
         positions.extend(range(start, end))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start_loc.append(len(input_ids))
         seq_lens.append(end)
         tables.append(table)
-        if chunk.is_sampled:  # the whole known sequence is computed: sample its next token
+        if piece.is_sampled:  # the whole known sequence is computed: sample its next token
             sample_rows.append(len(input_ids) - 1)
             sampling_seqs.append(seq)
     max_blocks = max(len(t) for t in tables)
@@ -87,15 +131,26 @@ class Runner:
         """Runs the plan's forward and returns the sampled token of each sequence that samples."""
         if not plan.scheduled:
             return {}
-        inputs = build_inputs(plan, self._block_size, self._kv_cache.device)
-        hidden = self._model(inputs.input_ids, inputs.positions, self._kv_cache, inputs.meta)
-        if not inputs.sampling_seqs:
+        parts: list[torch.Tensor] = []
+        sampling_seqs: list[Sequence] = []
+        for rows in forward_passes(plan):
+            inputs = build_inputs(rows, self._block_size, self._kv_cache.device)
+            hidden = self._model(inputs.input_ids, inputs.positions, self._kv_cache, inputs.meta)
+            parts.append(hidden[inputs.sample_rows])
+            sampling_seqs.extend(inputs.sampling_seqs)
+        if not sampling_seqs:
             return {}
-        logits = self._model.compute_logits(hidden[inputs.sample_rows])
-        options = [seq.sampling for seq in inputs.sampling_seqs]
-        generators = [self._generator(seq) for seq in inputs.sampling_seqs]
+        sampled = parts[0]
+        if len(parts) > 1:  # replayed tokens: back to the plan's order, as one forward leaves them
+            row_of = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}
+            sampling_seqs = plan.sampled_seqs
+            order = torch.tensor([row_of[seq.seq_id] for seq in sampling_seqs], device=sampled.device)
+            sampled = torch.cat(parts).index_select(0, order)
+        logits = self._model.compute_logits(sampled)
+        options = [seq.sampling for seq in sampling_seqs]
+        generators = [self._generator(seq) for seq in sampling_seqs]
         tokens = self._sampler.sample(logits, options, generators).tolist()
-        return {seq.seq_id: token for seq, token in zip(inputs.sampling_seqs, tokens)}
+        return {seq.seq_id: token for seq, token in zip(sampling_seqs, tokens)}
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """A seeded sequence's random stream for the token it samples now, derived from its seed and
