@@ -58,7 +58,7 @@ def forward_passes(plan: StepPlan) -> list[list[Rows]]:
     replays: list[list[Rows]] = []
     for chunk in plan.scheduled:
         seq, start, end = chunk.seq, chunk.num_computed_tokens, chunk.num_context_tokens
-        replay_from = end if end - start == 1 else max(start, seq.num_prompt_tokens)
+        replay_from = end if end - start == 1 else min(end, max(start, seq.num_prompt_tokens))
         if replay_from > start:
             first.append(Rows(seq, start, replay_from, chunk.is_sampled and replay_from == end))
         for k, position in enumerate(range(replay_from, end)):

@@ -38,8 +38,14 @@ def sequence(seq_id: str, num_prompt: int, num_generated: int, num_computed: int
 def test_a_step_without_generated_tokens_in_a_prefill_chunk_is_one_forward_of_its_chunks():
     decode = sequence("decode", 20, 5, 24)
     prompt = sequence("prompt", 40, 0, 0, first_block=10)
-    plan = StepPlan(scheduled=[ScheduledChunk(decode, 1), ScheduledChunk(prompt, 40)])
-    assert forward_passes(plan) == [[Rows(decode, 24, 25, True), Rows(prompt, 0, 40, True)]]
+    partial = sequence("partial", 40, 0, 0, first_block=20)  # the first chunk of a long prompt
+    generated_later = sequence("generated-later", 30, 5, 0, first_block=30)  # a continuation's first chunk, all prompt
+    plan = StepPlan(
+        scheduled=[ScheduledChunk(decode, 1), ScheduledChunk(prompt, 40), ScheduledChunk(partial, 16), ScheduledChunk(generated_later, 20)]
+    )
+    assert forward_passes(plan) == [
+        [Rows(decode, 24, 25, True), Rows(prompt, 0, 40, True), Rows(partial, 0, 16, False), Rows(generated_later, 0, 20, False)]
+    ]
 
 
 def test_generated_tokens_in_a_prefill_chunk_are_replayed_one_forward_per_token():
