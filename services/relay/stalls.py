@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PublishFinal = Callable[[TokenEvent], Awaitable[None]]
 WORKER_ROLES = ("prefill", "decode")
+HARD_SILENCE_S = 60.0  # a reply silent and unclaimed this long is stalled even while no worker is heard
 LOST_CODE = "worker_lost"
 LOST_MESSAGE = (
     "The worker writing this reply was lost and it could not be continued elsewhere; regenerate the reply or send the message again."
@@ -55,10 +56,14 @@ class StallConfig:
 class Claims:
     """Which replies live workers claimed lately, from their heartbeats (the time each was heard)."""
 
-    def __init__(self, clock: Callable[[], int] = now_ms) -> None:
+    def __init__(self, clock: Callable[[], int] = now_ms, deaf_gap_ms: int = 2000) -> None:
         self._clock = clock  # unix ms
         self._claimed_ms: dict[str, int] = {}
         self._listening_since_ms = 0
+        # No heartbeat from any worker for this long: the bus (or this relay) is cut off, not every
+        # worker lost at once; the claims count again only after a fresh round of heartbeats.
+        self._deaf_gap_ms = deaf_gap_ms
+        self._last_heard_ms = 0
 
     async def listen(self, client: Client) -> None:
         for role in WORKER_ROLES:
@@ -78,8 +83,15 @@ class Claims:
         must not call a reply unclaimed."""
         return self._listening_since_ms > 0 and self._clock() - self._listening_since_ms >= duration_ms
 
+    def is_hearing(self, within_ms: int) -> bool:
+        """Some worker's heartbeat arrived within `within_ms`: silence about a reply means something."""
+        return self._clock() - self._last_heard_ms <= within_ms
+
     def note(self, heartbeat: WorkerHeartbeat) -> None:
         heard_ms = self._clock()
+        if self._listening_since_ms and heard_ms - self._last_heard_ms > self._deaf_gap_ms:
+            self._listening_since_ms = heard_ms  # back from a silence (NATS paused): a fresh round first
+        self._last_heard_ms = heard_ms
         for reply_id in heartbeat.reply_ids:
             self._claimed_ms[reply_id] = heard_ms
 
@@ -103,11 +115,18 @@ class Claims:
 
 
 def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -> bool:
-    """The reply's worker is lost: nobody claims it, and its current owner makes no progress (`now`: unix ms)."""
+    """The reply's worker is lost: nobody claims it, and its current owner makes no progress (`now`: unix ms).
+    While this relay hears no worker at all (the bus is cut off, or no worker runs), only a reply
+    silent for `HARD_SILENCE_S` counts as stalled, so a bus outage does not spend every reply's
+    continuations while no worker can be reached, and no reply waits forever."""
     stall_ms = int(config.stall_timeout_s * 1000)
     if not meta.is_running or meta.cancel_sent_ms:
         return False  # ended, or cancelled for want of readers: the sweep closes it
-    if not claims.has_listened_for_ms(stall_ms) or claims.is_claimed(meta.reply_id, stall_ms):
+    if claims.is_claimed(meta.reply_id, stall_ms):
+        return False
+    if now - max(meta.last_event_ms, meta.dispatched_ms) > HARD_SILENCE_S * 1000:
+        return True
+    if not claims.has_listened_for_ms(stall_ms) or not claims.is_hearing(stall_ms):
         return False
     if meta.last_event_ms > meta.dispatched_ms:  # its current owner has produced: it must keep producing
         return now - meta.last_event_ms > stall_ms

@@ -322,12 +322,14 @@ async def _at_least(value: int, minimum: int) -> bool:
 async def test_a_reply_lost_after_its_last_continuation_ends_with_an_error_and_is_stored_failed(ready, nc, js, redis, store):
     reply_id = await new_turn(store, redis)
     reader = asyncio.create_task(_read_all(redis, reply_id))
-    async with Router(nc, refuse=True) as router:
-        for seq in (1, 2):
-            await publish_token(js, token(reply_id, seq))  # no worker claims it: it stalls once these are logged
-        requests = [await router.next_request() for _ in range(MAX_CONTINUATIONS)]
-        message = await stored(store, reply_id)
-        assert router.requests.empty()
+    # A live worker that claims something else: the relay hears the fleet, and nobody claims this reply.
+    with Worker(nc, []):
+        async with Router(nc, refuse=True) as router:
+            for seq in (1, 2):
+                await publish_token(js, token(reply_id, seq))  # no worker claims it: it stalls once these are logged
+            requests = [await router.next_request() for _ in range(MAX_CONTINUATIONS)]
+            message = await stored(store, reply_id)
+            assert router.requests.empty()
     assert [(r.epoch, list(r.generated_token_ids)) for r in requests] == [(1, [101, 102]), (2, [101, 102])]
     assert (message.status, message.content) == (ReplyStatus.FAILED, "t1 t2 ")
     events = await asyncio.wait_for(reader, 10)  # what a client streaming it sees

@@ -22,12 +22,21 @@ class Clock:
 
 
 def listening(clock: Clock, listened_ms: int = 60_000) -> Claims:
-    """Claims that started listening `listened_ms` before the clock's now."""
+    """Claims that started listening `listened_ms` before the clock's now, hearing another live
+    worker's heartbeat every half second since."""
     claims = Claims(clock)
     clock.now_ms -= listened_ms
     claims.observe_connection(True)
-    clock.now_ms += listened_ms
+    advance(clock, claims, listened_ms)
     return claims
+
+
+def advance(clock: Clock, claims: Claims, duration_ms: int) -> None:
+    """Time passes while another worker (claiming nothing of interest) heartbeats every 500 ms."""
+    end_ms = clock.now_ms + duration_ms
+    while clock.now_ms < end_ms:
+        clock.now_ms = min(end_ms, clock.now_ms + 500)
+        claims.note(WorkerHeartbeat(reply_ids=["another-reply"]))
 
 
 def reply(clock: Clock, *, created_ago_ms: int, last_event_ago_ms: int | None = None, **fields) -> ReplyMeta:
@@ -51,7 +60,7 @@ def test_a_silent_reply_is_not_stalled_while_a_worker_claims_it_and_is_once_the_
     claims.note(WorkerHeartbeat(reply_ids=["r1"]))
     silent = reply(clock, created_ago_ms=30_000, last_event_ago_ms=25_000)
     assert not is_stalled(silent, claims, CONFIG, clock())
-    clock.now_ms += 2_500  # the worker's heartbeats stopped
+    advance(clock, claims, 2_500)  # the worker's heartbeats stopped
     assert is_stalled(silent, claims, CONFIG, clock())
 
 
@@ -79,7 +88,7 @@ def test_a_relay_that_has_not_heard_a_round_of_heartbeats_calls_nothing_stalled(
     claims.observe_connection(False)  # NATS went away: the claims it holds are no longer news
     claims.observe_connection(True)
     assert not is_stalled(silent, claims, CONFIG, clock())
-    clock.now_ms += 2_000
+    advance(clock, claims, 2_000)
     assert is_stalled(silent, claims, CONFIG, clock())
 
 
@@ -107,7 +116,7 @@ def test_a_reply_lost_before_its_first_token_is_stalled_once_its_claims_lapse_no
     fresh = reply(clock, created_ago_ms=1_000)  # dispatched 1 s ago, nothing logged yet
     claims.note(WorkerHeartbeat(reply_ids=["r1"]))  # a worker took it
     assert not is_stalled(fresh, claims, CONFIG, clock())
-    clock.now_ms += 2_500  # that worker died before its first token: its heartbeats stopped
+    advance(clock, claims, 2_500)  # that worker died before its first token: its heartbeats stopped
     assert is_stalled(fresh, claims, CONFIG, clock())
 
 
@@ -115,6 +124,25 @@ def test_a_claim_heard_before_the_reply_was_continued_does_not_count_as_its_new_
     clock = Clock()
     claims = listening(clock)
     claims.note(WorkerHeartbeat(reply_ids=["r1"]))  # the old owner, before the continuation
-    clock.now_ms += 3_000
+    advance(clock, claims, 3_000)
     continued = reply(clock, created_ago_ms=30_000, continued_ms=clock.now_ms - 500)
     assert not is_stalled(continued, claims, CONFIG, clock())  # the router may still be placing it
+
+
+def test_while_no_worker_is_heard_at_all_silence_is_not_a_stall_until_the_hard_limit():
+    clock = Clock()
+    claims = listening(clock)
+    silent = reply(clock, created_ago_ms=30_000, last_event_ago_ms=500)
+    clock.now_ms += 10_000  # NATS paused: no heartbeat from anyone, no event
+    assert not is_stalled(silent, claims, CONFIG, clock())
+    advance(clock, claims, 1_000)  # the bus is back: a fresh round of heartbeats first
+    assert not is_stalled(silent, claims, CONFIG, clock())
+    advance(clock, claims, 1_500)
+    assert is_stalled(silent, claims, CONFIG, clock())
+
+
+def test_a_reply_silent_past_the_hard_limit_is_stalled_even_when_no_worker_is_heard():
+    clock = Clock()
+    claims = listening(clock)
+    silent = reply(clock, created_ago_ms=120_000, last_event_ago_ms=61_000)
+    assert is_stalled(silent, claims, CONFIG, clock())
