@@ -55,9 +55,18 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at once
     num_reserved_blocks: int = 4  # admissions leave this many blocks free for running sequences to grow
     max_model_len: int | None = None  # context window in tokens; None = only the KV pool limits it
+    # Generated tokens a prefill chunk recomputes (a continuation's, a preempted sequence's) cost
+    # the runner one forward each (tandem.engine.runner replays them as decodes); at most this
+    # many per sequence per step, so a long replay does not stall the step's other sequences.
+    max_replayed_tokens_per_step: int = 32
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.num_reserved_blocks < 0:
+        if (
+            self.max_num_batched_tokens < 1
+            or self.max_num_seqs < 1
+            or self.num_reserved_blocks < 0
+            or self.max_replayed_tokens_per_step < 1
+        ):
             raise ValueError(f"invalid scheduler config: {self}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -169,7 +178,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new_tokens = self._make_room(seq, min(seq.num_uncomputed_tokens, budget), scheduled_ids, plan)
+            num_new_tokens = self._make_room(seq, min(self._max_chunk(seq), budget), scheduled_ids, plan)
             if num_new_tokens:
                 budget -= self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
                 scheduled_ids.add(seq.seq_id)
@@ -249,7 +258,7 @@ class Scheduler:
                 seq = queue[0]
                 num_hit_tokens = self.kv.find_cached_prefix(seq)
                 num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
-                num_new_tokens = min(seq.num_uncomputed_tokens, budget, num_fitting)
+                num_new_tokens = min(self._max_chunk(seq), budget, num_fitting)
                 if num_new_tokens < 1:
                     self.kv.free(seq)  # give the prefix back; it stays cached
                     return  # out of blocks: lower lanes must not overtake this one
@@ -259,6 +268,11 @@ class Scheduler:
                 bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
                 self._num_prefix_hit_tokens += num_hit_tokens
                 budget -= self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
+
+    def _max_chunk(self, seq: Sequence) -> int:
+        """The sequence's uncomputed tokens, of them at most max_replayed_tokens_per_step generated ones."""
+        num_prompt_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+        return min(seq.num_uncomputed_tokens, num_prompt_left + self.config.max_replayed_tokens_per_step)
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> int:
         plan.scheduled.append(ScheduledChunk(seq, num_new_tokens))

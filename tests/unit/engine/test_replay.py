@@ -137,3 +137,24 @@ def test_a_bf16_reply_continued_on_a_fresh_engine_equals_the_uninterrupted_one(s
         request = Request(f"c{cut}", prompt, replace(sampling), generated_token_ids=tuple(whole[:cut]))
         continued = tokens_of(Engine(smollm2_bf16, EngineConfig(num_kv_blocks=64)), request)
         assert whole[:cut] + continued == whole, f"continued after {cut} tokens"
+
+
+def test_a_long_replay_is_spread_over_steps_at_most_max_replayed_tokens_per_step_each(make_engine):
+    engine = make_engine(num_blocks=64, max_num_batched_tokens=512, max_replayed_tokens_per_step=32)
+    continued = Sequence("continued", range(3, 13), SamplingOptions(max_tokens=72, ignore_eos=True))
+    for i in range(70):
+        continued.append_token(100 + i)
+    prompt = Sequence("prompt", range(3, 203), SamplingOptions(max_tokens=3, ignore_eos=True))
+    engine.scheduler.add(continued)
+    engine.scheduler.add(prompt)
+    plans = engine.run_until_idle()
+    chunks = [[(c.seq.seq_id, c.num_new_tokens) for c in plan.scheduled] for plan in plans]
+    # 10 prompt tokens and 32 generated ones, 32 more, the last 6 (sampled); the other prompt is
+    # not capped and decodes alongside.
+    assert chunks[:4] == [
+        [("continued", 42), ("prompt", 200)],
+        [("prompt", 1), ("continued", 32)],
+        [("prompt", 1), ("continued", 6)],
+        [("continued", 1)],
+    ]
+    assert continued.num_output_tokens == 72
