@@ -9,6 +9,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as FrameworkHttpError
 
 from tandem.models.chat_template import ChatTemplateError
@@ -100,6 +101,9 @@ def as_chat_error(exc: Exception) -> ChatError:
         log.warning("store unavailable: %s", exc)
         message = f"the conversation store is unavailable ({exc}); try again shortly"
         return Unavailable(message, code="store_unavailable", retry_after_s=2.0)
+    if isinstance(exc, RedisError):  # a token log or quota read while Redis restarts
+        log.warning("redis unavailable: %s: %s", type(exc).__name__, exc)
+        return Unavailable("the token log is unavailable; try again shortly", code="token_log_unavailable", retry_after_s=2.0)
     if isinstance(exc, ChatTemplateError):
         return InvalidRequest(f"the model's chat template rejects these messages: {exc}", code="bad_messages", param="messages")
     if isinstance(exc, RequestValidationError):
@@ -125,6 +129,6 @@ async def answer_framework(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    for kind in (ChatError, StoreUnavailable, ChatTemplateError, RequestValidationError):
+    for kind in (ChatError, StoreUnavailable, RedisError, ChatTemplateError, RequestValidationError):
         app.add_exception_handler(kind, answer)
     app.add_exception_handler(FrameworkHttpError, answer_framework)
