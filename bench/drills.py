@@ -2,7 +2,7 @@
 relay, 2 decode workers, 1 prefill worker, 2 chat instances) is started here,
 a load of streaming replies is driven through the chat API, and a fault is caused mid-stream.
 Each drill reports how many replies completed, ended with an error, or hung (no final event
-within `--hang-s`), the longest pause any client saw between two events, whether greedy texts
+within `--hang-s`), the longest pause any client saw between two events once its answer began, whether greedy texts
 match an undisturbed run of the same prompts, whether every client saw contiguous event ids,
 and what the store holds afterwards.
 
@@ -134,7 +134,8 @@ class Client:
                     seen_here = 0
                     async for sse in _events(response, deadline):
                         now_s = time.monotonic()
-                        if result.num_events and now_s - last_event_s > result.longest_pause_s:
+                        # A pause is a gap after the answer began (the wait for the first token is TTFT, not a pause).
+                        if result.text and now_s - last_event_s > result.longest_pause_s:
                             result.longest_pause_s = now_s - last_event_s
                             result.longest_pause_ended_unix_s = round(time.time(), 3)
                         last_event_s = now_s
