@@ -81,6 +81,7 @@ class StreamResult:
     num_events: int = 0
     longest_pause_s: float = 0.0
     longest_pause_ended_unix_s: float = 0.0  # when the longest pause ended (wall clock), to find it in the logs
+    ttft_s: float = 0.0  # from sending the message to its first token
     ids_contiguous: bool = True
     num_resumes: int = 0
     message_id: str = ""
@@ -119,6 +120,7 @@ class Client:
             body = {"content": prompt, "temperature": 0, "max_tokens": self.max_tokens}
             url = f"{self.urls[0]}/v1/conversations/{result.conversation_id}/messages"
             request = http.build_request("POST", url, json=body, headers=self.headers)
+            sent_s = time.monotonic()
             last_id = 0
             last_event_s = time.monotonic()
             instance = 0
@@ -147,6 +149,8 @@ class Client:
                         if sse.event == "meta":
                             result.message_id = sse.data.get("message_id", result.message_id)
                         elif sse.event == "delta":
+                            if not result.text:
+                                result.ttft_s = round(now_s - sent_s, 3)
                             result.text += sse.data.get("text", "")
                         elif sse.event == "done":
                             result.outcome = "complete"
@@ -220,6 +224,7 @@ class DrillReport:
     num_replies: int
     fault_unix_s: float = 0.0  # when the fault was caused (wall clock)
     longest_pause_ended_unix_s: float = 0.0
+    longest_ttft_s: float = 0.0  # a reply lost before its first token waits here, not in a pause
     completed: int = 0
     errors: int = 0
     hung: int = 0
@@ -276,6 +281,7 @@ async def run_load(
     report.longest_pause_s = round(longest.longest_pause_s, 2) if longest is not None else 0.0
     report.longest_pause_ended_unix_s = longest.longest_pause_ended_unix_s if longest is not None else 0.0
     report.fault_unix_s = fault_unix_s
+    report.longest_ttft_s = round(max((r.ttft_s for r in results), default=0.0), 2)
     report.ids_contiguous = all(r.ids_contiguous for r in results)
     report.stored = stored
     report.error_samples = sorted({r.error for r in results if r.error})[:5]
@@ -453,7 +459,7 @@ def _stack_env(args: argparse.Namespace) -> dict[str, str]:
 def _print_row(report: DrillReport) -> None:
     print(
         f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, {report.refused} refused, "
-        f"pause {report.longest_pause_s} s, identical {report.texts_identical}, stored {report.stored} "
+        f"pause {report.longest_pause_s} s, TTFT max {report.longest_ttft_s} s, identical {report.texts_identical}, stored {report.stored} "
         f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
         flush=True,
     )
