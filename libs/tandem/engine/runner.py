@@ -9,8 +9,10 @@ token. In bf16 on CPU a row's rounding depends on the shape it is computed in (f
 attention versus a decode's; and a matmul's row depends on how many rows it has), so a row
 computed inside a long chunk differs in its last bits from the same token decoded alone, and
 greedy output drifts a few dozen tokens after a continuation. Replayed this way, a lone
-sequence's continuation is bit for bit its uninterrupted run; a step without generated tokens in
-a prefill chunk is one forward, as before.
+sequence's continuation is bit for bit its uninterrupted run (in a batch, as far as the replay's
+batches match the original decode steps'); a step without generated tokens in a prefill chunk is
+one forward, as before. The scheduler puts at most max_replayed_tokens_per_step generated tokens
+of a sequence in a step, so a long replay takes that many extra forwards per step at most.
 """
 
 from __future__ import annotations
