@@ -39,7 +39,7 @@ from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
 from tandem.worker.replies import HeldReplies, ReplyStream
 from tandem.worker.thread import EngineDead, EngineThread
-from tandem.worker.token_publisher import CannotPublish, open_token_stream, publish_event
+from tandem.worker.token_publisher import BusProbe, CannotPublish, open_token_stream, publish_event, server_answers
 from tandem.worker.wire import kv_layout, token_event
 
 log = logging.getLogger(__name__)
@@ -334,7 +334,8 @@ class EngineHost:
                 stream.next_seq += 1
                 if output.is_finished or output.handoff is not None:
                     ended.append((output.request_id, stream))
-            await asyncio.gather(*(_publish_in_order(js, events, client) for events in by_reply.values()))
+            bus_is_up = server_answers(client)
+            await asyncio.gather(*(_publish_in_order(js, events, bus_is_up) for events in by_reply.values()))
             for reply_id, stream in ended:
                 self._replies.end_stream(reply_id, stream)
             for output in outputs:
@@ -343,6 +344,6 @@ class EngineHost:
                     handoff.set_result(output)
 
 
-async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], client: Client) -> None:
+async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], bus_is_up: BusProbe) -> None:
     for event in events:
-        await publish_event(js, event, is_connected=lambda: client.is_connected)
+        await publish_event(js, event, bus_is_up=bus_is_up)

@@ -1,8 +1,9 @@
 """Token events onto JetStream, retried for a bounded time. A publish that still fails after
 PUBLISH_RETRY_S of a connected bus means this worker cannot deliver its replies: it raises
 CannotPublish, and the worker gives up its replies (another worker continues them) and exits.
-Time the bus spends disconnected (NATS restarting) does not count against that bound, so an
-outage of the whole bus does not make every worker exit; it counts against NATS_OUTAGE_S."""
+Time during which the NATS server itself does not answer (stopped, frozen, restarting) does not
+count against that bound, so an outage of the whole bus does not make every worker exit; it
+counts against NATS_OUTAGE_S."""
 
 from __future__ import annotations
 
@@ -32,26 +33,45 @@ class CannotPublish(Exception):
     """Token events cannot reach JetStream (no stream, no server) within the retry bound."""
 
 
-def _always_connected() -> bool:
+async def _always_up() -> bool:
     return True
 
 
-async def _with_retries(
-    what: str, attempt: Callable[[], Awaitable[T]], within_s: float, is_connected: Callable[[], bool] = _always_connected
-) -> T:
+def server_answers(client: Client, timeout_s: float = 1.0) -> BusProbe:
+    """A probe of the NATS server itself: False while it does not answer a JetStream API request
+    (stopped, frozen, reconnecting). A request, not `flush`: nats-py's flush that times out leaves
+    a PONG future behind whose late answer kills the client's read loop."""
+    js = client.jetstream(timeout=timeout_s)
+
+    async def probe() -> bool:
+        if not client.is_connected:
+            return False
+        try:
+            await js.account_info()
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return True
+
+    return probe
+
+
+BusProbe = Callable[[], Awaitable[bool]]
+
+
+async def _with_retries(what: str, attempt: Callable[[], Awaitable[T]], within_s: float, bus_is_up: BusProbe = _always_up) -> T:
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline = started + within_s
     backoff_s = _FIRST_BACKOFF_S
     while True:
-        was_connected = is_connected()
         try:
             return await attempt()
         except nats.errors.Error as exc:
-            now = loop.time()
-            if not (was_connected and is_connected()):
-                deadline = max(deadline, now + within_s)  # the bus is away: its outage is not this worker's failure
-            if now + backoff_s > min(deadline, started + NATS_OUTAGE_S):
+            if not await bus_is_up():
+                # The server itself does not answer (NATS stopped, frozen or reconnecting): a bus
+                # outage is not this worker's failure, so it does not count against `within_s`.
+                deadline = max(deadline, loop.time() + within_s)
+            if loop.time() >= min(deadline, started + NATS_OUTAGE_S):
                 raise CannotPublish(f"{what}: {type(exc).__name__} {exc}") from exc
             log.warning("%s failed (%s); retrying in %.2f s", what, type(exc).__name__, backoff_s)
             await asyncio.sleep(backoff_s)
@@ -63,9 +83,9 @@ async def open_token_stream(client: Client, max_age_s: float, within_s: float = 
 
 
 async def publish_event(
-    js: JetStreamContext, event: TokenEvent, within_s: float = PUBLISH_RETRY_S, is_connected: Callable[[], bool] = _always_connected
+    js: JetStreamContext, event: TokenEvent, within_s: float = PUBLISH_RETRY_S, bus_is_up: BusProbe = _always_up
 ) -> None:
     """Publishes `event` and waits for JetStream to store it, retrying with backoff; CannotPublish
-    after `within_s` of a connected bus (`is_connected`). JetStream stores a retried event once
-    (its message id)."""
-    await _with_retries(f"publishing event {event.seq} of {event.reply_id}", lambda: publish_token(js, event), within_s, is_connected)
+    after `within_s` during which the server answered (`bus_is_up`, e.g. server_answers) and
+    JetStream still did not store it. JetStream stores a retried event once (its message id)."""
+    await _with_retries(f"publishing event {event.seq} of {event.reply_id}", lambda: publish_token(js, event), within_s, bus_is_up)

@@ -1,0 +1,55 @@
+"""A worker's token publisher on a nats-server of its own: a frozen server (SIGSTOP) is a bus
+outage the publisher waits out, not a reason for the worker to give up; a server that answers
+while JetStream does not store the event (no stream) is."""
+
+import asyncio
+import os
+import signal
+
+import nats
+import pytest
+import pytest_asyncio
+
+from tandem.bus.token_stream import STREAM, ensure_token_stream
+from tandem.devstack.servers import start_nats
+from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.worker.token_publisher import CannotPublish, publish_event, server_answers
+
+RETRY_S = 1.0
+
+
+@pytest.fixture
+def own_nats(tmp_path):
+    server = start_nats(tmp_path)
+    yield server
+    os.kill(server.pid, signal.SIGCONT)  # never leave it frozen
+    server.stop()
+
+
+@pytest_asyncio.fixture
+async def client(own_nats):
+    nc = await nats.connect(own_nats.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    yield nc
+    await nc.close()
+
+
+async def test_an_event_published_while_the_server_is_frozen_is_stored_once_it_thaws(own_nats, client):
+    js = await ensure_token_stream(client)
+    os.kill(own_nats.pid, signal.SIGSTOP)
+    publishing = asyncio.create_task(
+        publish_event(js, TokenEvent(reply_id="r1", seq=1, text="a"), within_s=RETRY_S, bus_is_up=server_answers(client))
+    )
+    done, _ = await asyncio.wait({publishing}, timeout=4 * RETRY_S)  # frozen far longer than the retry bound
+    assert not done, f"the publisher gave up during a bus outage: {publishing.exception() if done else ''}"
+    os.kill(own_nats.pid, signal.SIGCONT)
+    await asyncio.wait_for(publishing, timeout=30)
+    assert (await js.stream_info(STREAM)).state.messages == 1
+
+
+async def test_an_event_jetstream_does_not_store_while_the_server_answers_makes_the_publisher_give_up(client):
+    js = await ensure_token_stream(client)
+    await js.delete_stream(STREAM)
+    with pytest.raises(CannotPublish):
+        await asyncio.wait_for(
+            publish_event(js, TokenEvent(reply_id="r1", seq=1, text="a"), within_s=RETRY_S, bus_is_up=server_answers(client)), timeout=30
+        )
