@@ -64,7 +64,7 @@ def prompt_of(index: int, long: bool = False) -> str:
     topic = TOPICS[index % len(TOPICS)]
     text = f"Explain {topic} in a few short paragraphs. (request {index})"
     if long:  # long enough to be prefilled remotely (> TANDEM_REMOTE_PREFILL_MIN_TOKENS)
-        background = " ".join(f"Note {k}: {TOPICS[(index + k) % len(TOPICS)]} is a topic people ask about." for k in range(40))
+        background = " ".join(f"Note {k}: {TOPICS[(index + k) % len(TOPICS)]} is a topic people ask about." for k in range(18))
         text = f"{background}\n\n{text}"
     return text
 
