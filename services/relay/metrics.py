@@ -14,3 +14,4 @@ GAPS_REPORTED = Counter("tandem_relay_gaps_reported_total", "Sweeps that found a
 STALLS = Counter("tandem_relay_stalls_total", "Running replies found stalled: no progress and no live worker claiming them")
 CONTINUATIONS = Counter("tandem_relay_continuations_total", "Stalled replies resubmitted to the router", ["outcome"])
 REPLIES_LOST = Counter("tandem_relay_replies_lost_total", "Stalled replies ended with an error after their last continuation")
+WORKERS_GONE = Counter("tandem_relay_workers_gone_total", "Workers a ping found gone (no responders): their replies continue at once")

@@ -2,7 +2,10 @@
 router with the tokens already logged, under a new owner epoch, so the client sees a pause and
 then the rest of the answer.
 
-Workers list in every heartbeat the replies they hold. A running reply is stalled when no live
+Workers list in every heartbeat the replies they hold, and every service answers a ping. A
+claimed reply silent for half a second gets its worker pinged: "no responders" means the
+process is gone (NATS dropped its subscriptions with its connection), and its replies are
+continued at once. Otherwise a running reply is stalled when no live
 worker has claimed it within the stall timeout and its current owner makes no progress: no event
 logged for the stall timeout since it produced one; or, while it has produced nothing yet, a
 worker claimed it since it was dispatched and stopped (lost before its first token), or nobody
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 PublishFinal = Callable[[TokenEvent], Awaitable[None]]
 WORKER_ROLES = ("prefill", "decode")
+PING_AFTER_SILENT_S = 0.5  # a claimed reply silent this long gets its worker pinged
+PING_TIMEOUT_S = 1.0
 HARD_SILENCE_S = 60.0  # a reply silent and unclaimed this long is stalled even while no worker is heard
 LOST_CODE = "worker_lost"
 LOST_MESSAGE = (
@@ -64,6 +69,8 @@ class Claims:
         # worker lost at once; the claims count again only after a fresh round of heartbeats.
         self._deaf_gap_ms = deaf_gap_ms
         self._last_heard_ms = 0
+        self._claimer: dict[str, str] = {}  # reply id -> the worker that claimed it last
+        self._gone_ms: dict[str, int] = {}  # worker id -> when a ping found its process gone
 
     async def listen(self, client: Client) -> None:
         for role in WORKER_ROLES:
@@ -92,8 +99,27 @@ class Claims:
         if self._listening_since_ms and heard_ms - self._last_heard_ms > self._deaf_gap_ms:
             self._listening_since_ms = heard_ms  # back from a silence (NATS paused): a fresh round first
         self._last_heard_ms = heard_ms
+        worker_id = heartbeat.service.instance_id
+        self._gone_ms.pop(worker_id, None)  # it runs (again: a restarted worker keeps its id, not its replies)
         for reply_id in heartbeat.reply_ids:
             self._claimed_ms[reply_id] = heard_ms
+            self._claimer[reply_id] = worker_id
+
+    def claimer(self, reply_id: str) -> str:
+        """The worker that claimed the reply last ("" when none did lately)."""
+        return self._claimer.get(reply_id, "")
+
+    def note_gone(self, worker_id: str) -> None:
+        """A ping found the worker's process gone: its claims stop counting at once."""
+        gone_ms = self._clock()
+        self._gone_ms[worker_id] = gone_ms
+        for reply_id, claimer in self._claimer.items():
+            if claimer == worker_id and self._claimed_ms.get(reply_id, 0) <= gone_ms:
+                self._claimed_ms[reply_id] = 0
+
+    def lost_ms(self, reply_id: str) -> int:
+        """When the worker that claimed the reply last was found gone (unix ms); 0 when it was not."""
+        return self._gone_ms.get(self._claimer.get(reply_id, ""), 0)
 
     def is_claimed(self, reply_id: str, within_ms: int) -> bool:
         return self._clock() - self._claimed_ms.get(reply_id, 0) <= within_ms
@@ -106,6 +132,9 @@ class Claims:
         cutoff_ms = self._clock() - age_ms
         for reply_id in [r for r, heard_ms in self._claimed_ms.items() if heard_ms < cutoff_ms]:
             del self._claimed_ms[reply_id]
+            self._claimer.pop(reply_id, None)
+        for worker_id in [w for w, gone_ms in self._gone_ms.items() if gone_ms < cutoff_ms]:
+            del self._gone_ms[worker_id]
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -124,6 +153,8 @@ def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -
         return False  # ended, or cancelled for want of readers: the sweep closes it
     if claims.is_claimed(meta.reply_id, stall_ms):
         return False
+    if claims.lost_ms(meta.reply_id) > max(meta.dispatched_ms, meta.last_event_ms):
+        return True  # its worker's process is gone (a ping found nobody answering): no need to wait out the silence
     if now - max(meta.last_event_ms, meta.dispatched_ms) > HARD_SILENCE_S * 1000:
         return True
     if not claims.has_listened_for_ms(stall_ms) or not claims.is_hearing(stall_ms):
@@ -143,13 +174,19 @@ class StallWatcher:
         self._publish_final = publish_final
         self._config = config
         self._acting: dict[str, asyncio.Task[None]] = {}  # reply id -> its continuation or failure in flight
+        self._pinging: dict[str, asyncio.Task[None]] = {}  # worker id -> its ping in flight
 
     def check(self, metas: Iterable[ReplyMeta]) -> None:
-        """Acts on every stalled reply, each in a task of its own (a router's answer can take seconds)."""
+        """Acts on every stalled reply, each in a task of its own (a router's answer can take seconds);
+        pings the worker of each reply that has been silent a moment, so a dead worker is known
+        at once instead of after the stall timeout."""
         self._claims.observe_connection(self._client.is_connected)
         self._claims.forget_older_than(int(self._config.stall_timeout_s * 1000) * 4)
+        now = now_ms()
         for meta in metas:
-            if meta.reply_id in self._acting or not is_stalled(meta, self._claims, self._config, now_ms()):
+            if meta.is_running and now - max(meta.last_event_ms, meta.dispatched_ms) > PING_AFTER_SILENT_S * 1000:
+                self._ping(self._claims.claimer(meta.reply_id))
+            if meta.reply_id in self._acting or not is_stalled(meta, self._claims, self._config, now):
                 continue
             metrics.STALLS.inc()
             act = self._end if meta.num_continuations >= self._config.max_continuations else self._continue
@@ -158,9 +195,29 @@ class StallWatcher:
             task.add_done_callback(partial(self._done, meta.reply_id))
 
     async def stop(self) -> None:
-        for task in list(self._acting.values()):
+        tasks = [*self._acting.values(), *self._pinging.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._acting.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _ping(self, worker_id: str) -> None:
+        if not worker_id or worker_id in self._pinging:
+            return
+        task = asyncio.create_task(self._ping_once(worker_id), name=f"ping:{worker_id}")
+        self._pinging[worker_id] = task
+        task.add_done_callback(lambda _: self._pinging.pop(worker_id, None))
+
+    async def _ping_once(self, worker_id: str) -> None:
+        """ "No responders" means NATS holds no subscription of the worker: its process is gone. A
+        worker that answers, or does not answer in time (frozen, busy), is left to the stall rule."""
+        try:
+            await self._client.request(subjects.ping(worker_id), b"", timeout=PING_TIMEOUT_S)
+        except nats.errors.NoRespondersError:
+            log.warning("worker %s is gone (nothing answers its ping); its replies are continued now", worker_id)
+            metrics.WORKERS_GONE.inc()
+            self._claims.note_gone(worker_id)
+        except (nats.errors.Error, TimeoutError):
+            pass
 
     def _done(self, reply_id: str, task: asyncio.Task[None]) -> None:
         self._acting.pop(reply_id, None)

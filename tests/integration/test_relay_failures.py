@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 import pytest_asyncio
@@ -168,6 +169,18 @@ class Worker:
 
     async def _beat(self) -> None:
         subject = subjects.heartbeat("decode", self.instance_id)
+
+        async def pong(msg) -> None:
+            await msg.respond(b"")
+
+        # Answers pings while alive, as every service does; a dead one leaves "no responders".
+        pings = await self._nc.subscribe(subjects.ping(self.instance_id), cb=pong)
+        try:
+            await self._beat_forever(subject)
+        finally:
+            await pings.unsubscribe()
+
+    async def _beat_forever(self, subject: str) -> None:
         while True:
             service = ServiceHeartbeat(
                 role="decode", instance_id=self.instance_id, is_ready=True, sent_unix_ms=now_ms(), interval_s=HEARTBEAT_S
@@ -313,6 +326,16 @@ async def test_a_reply_whose_worker_is_lost_is_continued_through_the_router(read
             await publish_token(js, token(reply_id, seq, epoch=1, text=f"n{seq} ", final=seq == 5))
         message = await stored(store, reply_id)
     assert (message.status, message.content) == (ReplyStatus.COMPLETE, "t1 t2 t3 n4 n5 ")
+    # Found by its ping ("no responders" once it stopped answering), not only by its silence.
+    assert await _relay_metric(ready, "tandem_relay_workers_gone_total") >= 1
+
+
+async def _relay_metric(relay: Relay, name: str) -> float:
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(f"http://127.0.0.1:{relay.env['TANDEM_HTTP_PORT']}/metrics")).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert values, f"{name} is not exported"
+    return values[0]
 
 
 async def _at_least(value: int, minimum: int) -> bool:

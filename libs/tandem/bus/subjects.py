@@ -43,6 +43,12 @@ def heartbeats_of(role: str) -> str:
     return f"{PREFIX}.heartbeat.{_token(role, 'role')}.*"
 
 
+def ping(instance_id: str) -> str:
+    """Request/reply, empty both ways: every service answers while it runs. A request that gets
+    "no responders" means the process is gone (NATS drops a dead connection's subscriptions)."""
+    return f"{PREFIX}.ping.{_token(instance_id, 'instance id')}"
+
+
 def assign(worker_id: str) -> str:
     """Request/reply: Assignment -> AssignmentReply, the router handing a reply to a worker."""
     return f"{PREFIX}.worker.{_token(worker_id, 'worker id')}.assign"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
@@ -58,6 +59,14 @@ class Runtime:
         self._build_heartbeat = heartbeat or (lambda base: base)
         self._started_unix_ms = now_ms()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self.bus.on_connect(self._answer_pings)
+
+    async def _answer_pings(self, client: Client) -> None:
+        async def pong(msg: Msg) -> None:
+            if msg.reply:
+                await msg.respond(b"")
+
+        await client.subscribe(subjects.ping(self.config.instance_id), cb=pong)
 
     def add_check(self, name: str, check: ReadinessCheck) -> None:
         self._checks[name] = check

@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.relay.stalls import Claims, StallConfig, is_stalled
 from tandem.bus.events import ReplyStatus
 from tandem.tokenlog import ReplyMeta
-from tandem.v1.worker_pb2 import WorkerHeartbeat
+from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 CONFIG = StallConfig(stall_timeout_s=2.0, dispatch_grace_s=10.0, max_continuations=3, running_ttl_s=3600)
 START_MS = 1_000_000
@@ -146,3 +146,28 @@ def test_a_reply_silent_past_the_hard_limit_is_stalled_even_when_no_worker_is_he
     claims = listening(clock)
     silent = reply(clock, created_ago_ms=120_000, last_event_ago_ms=61_000)
     assert is_stalled(silent, claims, CONFIG, clock())
+
+
+def test_a_reply_whose_worker_a_ping_found_gone_is_stalled_at_once():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=["r1"]))
+    producing = reply(clock, created_ago_ms=30_000, last_event_ago_ms=600)
+    assert claims.claimer("r1") == "decode-0"
+    assert not is_stalled(producing, claims, CONFIG, clock())
+    claims.note_gone("decode-0")
+    assert is_stalled(producing, claims, CONFIG, clock())  # not 2 s later: its process is gone
+
+
+def test_a_restarted_worker_under_the_same_id_is_not_gone_but_its_lost_replies_stay_lost():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=["r1"]))
+    producing = reply(clock, created_ago_ms=30_000, last_event_ago_ms=600)
+    claims.note_gone("decode-0")
+    advance(clock, claims, 500)
+    claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=[]))  # back, holding nothing
+    assert claims.lost_ms("r1") == 0
+    assert not claims.is_claimed("r1", within_ms=2_000)
+    advance(clock, claims, 2_000)
+    assert is_stalled(producing, claims, CONFIG, clock())  # the silence rule still catches it
