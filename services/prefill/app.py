@@ -212,7 +212,7 @@ class PrefillWorker:
 
     async def _after_cancel(self, h: _Handoff) -> None:
         """tandem.v1.cancel.<reply_id> or shutdown, during the prefill or the handoff."""
-        self._host.stop_streaming(h.reply_id)  # first: the aborted request's last output is not published
+        next_seq = self._host.stop_streaming(h.reply_id)  # first: the aborted request's last output is not published
         if h.output is None:
             self._host.discard(h.reply_id)
         await _release(h.stub, h.reply_id)
@@ -222,7 +222,9 @@ class PrefillWorker:
                 h, HandoffOutcome.RESULT_FAILED, "prefill_stopping", "the prefill worker is shutting down", blame_decode=False
             )
             return
-        seq = h.first_seq + (h.output is not None)  # after the first token, when it went out
+        # After the first token when it went out: the stream numbered it even if the prefill's
+        # result had not reached this task yet when the cancel came.
+        seq = next_seq if next_seq is not None else h.first_seq + (h.output is not None)
         cancelled = cancelled_event(h.reply_id, seq, worker_id=self._runtime.config.instance_id)
         cancelled.epoch = h.assignment.epoch
         await self._host.publish(cancelled)

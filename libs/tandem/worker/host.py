@@ -223,9 +223,11 @@ class EngineHost:
         stream = self._replies.stream_of(reply_id)
         return None if stream is None else stream.epoch
 
-    def stop_streaming(self, reply_id: str) -> None:
-        """Publishes nothing more of the reply (the caller ends its stream)."""
+    def stop_streaming(self, reply_id: str) -> int | None:
+        """Publishes nothing more of the reply (the caller ends its stream); returns the seq its
+        next event would have taken (None when it never streamed here), for the caller's final event."""
         self._replies.end_stream(reply_id)
+        return self._replies.next_seq(reply_id)
 
     def hold(self, reply_id: str) -> None:
         """Claims a reply this worker works on outside the engine's stream (a handoff in flight)."""

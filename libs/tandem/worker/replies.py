@@ -9,7 +9,10 @@ event and the owner epoch its events carry (the assignment's)."""
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass
+
+_ENDED_REMEMBERED = 4096  # ended streams whose next seq is kept, for a cancel racing their end
 
 
 @dataclass
@@ -22,6 +25,7 @@ class HeldReplies:
     def __init__(self) -> None:
         self._streams: dict[str, ReplyStream] = {}  # replies whose tokens this worker publishes
         self._held: set[str] = set()  # replies held outside the stream (a handoff after its prefill)
+        self._ended: OrderedDict[str, int] = OrderedDict()  # reply id -> the next seq of its ended stream
         self._is_released = False  # the worker gave up on all of them (it broke, or stopped)
         self._none_held = asyncio.Event()
         self._none_held.set()
@@ -40,8 +44,19 @@ class HeldReplies:
     def end_stream(self, reply_id: str, stream: ReplyStream | None = None) -> None:
         """Ends the reply's stream (only `stream` itself, when given: a later one replaced it)."""
         if stream is None or self._streams.get(reply_id) is stream:
-            self._streams.pop(reply_id, None)
+            ended = self._streams.pop(reply_id, None)
+            if ended is not None:
+                self._ended[reply_id] = ended.next_seq
+                self._ended.move_to_end(reply_id)
+                while len(self._ended) > _ENDED_REMEMBERED:
+                    self._ended.popitem(last=False)
             self._changed()
+
+    def next_seq(self, reply_id: str) -> int | None:
+        """The seq the reply's next event takes: after every event its stream numbered (published,
+        or being published), also shortly after the stream ended; None when it never streamed here."""
+        stream = self._streams.get(reply_id)
+        return stream.next_seq if stream is not None else self._ended.get(reply_id)
 
     def is_streaming(self, reply_id: str) -> bool:
         return reply_id in self._streams

@@ -40,3 +40,13 @@ async def test_waiting_for_none_held_times_out_or_returns_when_the_last_one_ends
     assert not await replies.wait_none_held(0.01)
     replies.end_stream("a")
     assert await replies.wait_none_held(0.01)
+
+
+def test_the_next_seq_outlives_the_stream_so_a_cancel_racing_its_end_numbers_after_it():
+    replies = HeldReplies()
+    assert replies.next_seq("r1") is None  # never streamed here
+    stream = replies.stream("r1", first_seq=5, epoch=1)
+    assert replies.next_seq("r1") == 5
+    stream.next_seq += 1  # the publisher numbered the first token
+    replies.end_stream("r1", stream)  # the handoff took it after that token
+    assert replies.next_seq("r1") == 6
