@@ -153,8 +153,11 @@ def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -
         return False  # ended, or cancelled for want of readers: the sweep closes it
     if claims.is_claimed(meta.reply_id, stall_ms):
         return False
-    if claims.lost_ms(meta.reply_id) > max(meta.dispatched_ms, meta.last_event_ms):
-        return True  # its worker's process is gone (a ping found nobody answering): no need to wait out the silence
+    if claims.lost_ms(meta.reply_id) > meta.dispatched_ms:
+        # Its worker's process is gone (a ping found nobody answering): no need to wait out the
+        # silence. Events logged after that were its backlog (the relay may lag behind the bus);
+        # any still on the way are of the old epoch once the continuation begins, and dropped.
+        return True
     if now - max(meta.last_event_ms, meta.dispatched_ms) > HARD_SILENCE_S * 1000:
         return True
     if not claims.has_listened_for_ms(stall_ms) or not claims.is_hearing(stall_ms):

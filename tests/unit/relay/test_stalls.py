@@ -171,3 +171,14 @@ def test_a_restarted_worker_under_the_same_id_is_not_gone_but_its_lost_replies_s
     assert not claims.is_claimed("r1", within_ms=2_000)
     advance(clock, claims, 2_000)
     assert is_stalled(producing, claims, CONFIG, clock())  # the silence rule still catches it
+
+
+def test_events_logged_after_the_worker_was_found_gone_are_its_backlog_not_a_sign_of_life():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=["r1"]))
+    advance(clock, claims, 200)
+    claims.note_gone("decode-0")
+    advance(clock, claims, 300)
+    lagging = reply(clock, created_ago_ms=30_000, last_event_ago_ms=100)  # the relay logged its backlog late
+    assert is_stalled(lagging, claims, CONFIG, clock())
