@@ -70,7 +70,9 @@ class Claims:
         self._deaf_gap_ms = deaf_gap_ms
         self._last_heard_ms = 0
         self._claimer: dict[str, str] = {}  # reply id -> the worker that claimed it last
-        self._gone_ms: dict[str, int] = {}  # worker id -> when a ping found its process gone
+        # reply id -> when a ping found the process of the worker that last claimed it gone; kept
+        # when that worker restarts under the same id (it comes back without its replies)
+        self._lost_ms: dict[str, int] = {}
 
     async def listen(self, client: Client) -> None:
         for role in WORKER_ROLES:
@@ -100,7 +102,6 @@ class Claims:
             self._listening_since_ms = heard_ms  # back from a silence (NATS paused): a fresh round first
         self._last_heard_ms = heard_ms
         worker_id = heartbeat.service.instance_id
-        self._gone_ms.pop(worker_id, None)  # it runs (again: a restarted worker keeps its id, not its replies)
         for reply_id in heartbeat.reply_ids:
             self._claimed_ms[reply_id] = heard_ms
             self._claimer[reply_id] = worker_id
@@ -110,19 +111,22 @@ class Claims:
         return self._claimer.get(reply_id, "")
 
     def note_gone(self, worker_id: str) -> None:
-        """A ping found the worker's process gone: its claims stop counting at once."""
+        """A ping found the worker's process gone: the replies it claimed are lost, and its claims
+        of them stop counting at once (a later claim, by whoever takes them on, counts again)."""
         gone_ms = self._clock()
-        self._gone_ms[worker_id] = gone_ms
         for reply_id, claimer in self._claimer.items():
-            if claimer == worker_id and self._claimed_ms.get(reply_id, 0) <= gone_ms:
-                self._claimed_ms[reply_id] = 0
+            if claimer == worker_id:
+                self._lost_ms[reply_id] = gone_ms
 
     def lost_ms(self, reply_id: str) -> int:
         """When the worker that claimed the reply last was found gone (unix ms); 0 when it was not."""
-        return self._gone_ms.get(self._claimer.get(reply_id, ""), 0)
+        return self._lost_ms.get(reply_id, 0)
 
     def is_claimed(self, reply_id: str, within_ms: int) -> bool:
-        return self._clock() - self._claimed_ms.get(reply_id, 0) <= within_ms
+        claimed_ms = self._claimed_ms.get(reply_id, 0)
+        if self._lost_ms.get(reply_id, 0) >= claimed_ms:
+            return False  # its claimer was found gone after it last claimed it
+        return self._clock() - claimed_ms <= within_ms
 
     def last_claimed_ms(self, reply_id: str) -> int:
         """When a worker last claimed the reply (unix ms); 0 when none did lately."""
@@ -133,8 +137,8 @@ class Claims:
         for reply_id in [r for r, heard_ms in self._claimed_ms.items() if heard_ms < cutoff_ms]:
             del self._claimed_ms[reply_id]
             self._claimer.pop(reply_id, None)
-        for worker_id in [w for w, gone_ms in self._gone_ms.items() if gone_ms < cutoff_ms]:
-            del self._gone_ms[worker_id]
+        for reply_id in [r for r, lost_ms in self._lost_ms.items() if lost_ms < cutoff_ms]:
+            del self._lost_ms[reply_id]
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -159,18 +159,19 @@ def test_a_reply_whose_worker_a_ping_found_gone_is_stalled_at_once():
     assert is_stalled(producing, claims, CONFIG, clock())  # not 2 s later: its process is gone
 
 
-def test_a_restarted_worker_under_the_same_id_is_not_gone_but_its_lost_replies_stay_lost():
+def test_a_worker_restarted_under_the_same_id_does_not_bring_its_lost_replies_back():
     clock = Clock()
     claims = listening(clock)
     claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=["r1"]))
-    producing = reply(clock, created_ago_ms=30_000, last_event_ago_ms=600)
+    fresh = reply(clock, created_ago_ms=1_000)  # lost before its first token
+    advance(clock, claims, 200)
     claims.note_gone("decode-0")
-    advance(clock, claims, 500)
+    advance(clock, claims, 300)
     claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=[]))  # back, holding nothing
-    assert claims.lost_ms("r1") == 0
-    assert not claims.is_claimed("r1", within_ms=2_000)
-    advance(clock, claims, 2_000)
-    assert is_stalled(producing, claims, CONFIG, clock())  # the silence rule still catches it
+    assert claims.lost_ms("r1") > 0 and not claims.is_claimed("r1", within_ms=2_000)
+    assert is_stalled(fresh, claims, CONFIG, clock())
+    claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-1"), reply_ids=["r1"]))  # its new owner
+    assert claims.is_claimed("r1", within_ms=2_000)
 
 
 def test_events_logged_after_the_worker_was_found_gone_are_its_backlog_not_a_sign_of_life():
