@@ -157,9 +157,9 @@ def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -
         return False  # ended, or cancelled for want of readers: the sweep closes it
     if claims.is_claimed(meta.reply_id, stall_ms):
         return False
-    if claims.lost_ms(meta.reply_id) > meta.dispatched_ms:
-        # Its worker's process is gone (a ping found nobody answering): no need to wait out the
-        # silence. Events logged after that were its backlog (the relay may lag behind the bus);
+    if claims.lost_ms(meta.reply_id) > meta.dispatched_ms and claims.last_claimed_ms(meta.reply_id) > meta.dispatched_ms:
+        # The worker that took it in its current epoch is gone (a ping found nobody answering): no
+        # need to wait out the silence. Events logged after that were its backlog (the relay may lag behind the bus);
         # any still on the way are of the old epoch once the continuation begins, and dropped.
         return True
     if now - max(meta.last_event_ms, meta.dispatched_ms) > HARD_SILENCE_S * 1000:
@@ -191,7 +191,11 @@ class StallWatcher:
         self._claims.forget_older_than(int(self._config.stall_timeout_s * 1000) * 4)
         now = now_ms()
         for meta in metas:
-            if meta.is_running and now - max(meta.last_event_ms, meta.dispatched_ms) > PING_AFTER_SILENT_S * 1000:
+            # Only a worker that claimed the reply in its current epoch (since it was dispatched) is
+            # pinged: the previous owner of a continued reply is gone already, and finding it gone
+            # again must not make the continuation look lost.
+            silent = meta.is_running and now - max(meta.last_event_ms, meta.dispatched_ms) > PING_AFTER_SILENT_S * 1000
+            if silent and self._claims.last_claimed_ms(meta.reply_id) > meta.dispatched_ms:
                 self._ping(self._claims.claimer(meta.reply_id))
             if meta.reply_id in self._acting or not is_stalled(meta, self._claims, self._config, now):
                 continue

@@ -60,7 +60,7 @@ class EngineThread:
 
     @property
     def is_ready(self) -> bool:
-        return self._is_ready.is_set() and self._thread.is_alive()
+        return self._is_ready.is_set() and self._death is None and self._thread.is_alive()
 
     @property
     def death(self) -> BaseException | None:

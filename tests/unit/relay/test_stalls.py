@@ -183,3 +183,16 @@ def test_events_logged_after_the_worker_was_found_gone_are_its_backlog_not_a_sig
     advance(clock, claims, 300)
     lagging = reply(clock, created_ago_ms=30_000, last_event_ago_ms=100)  # the relay logged its backlog late
     assert is_stalled(lagging, claims, CONFIG, clock())
+
+
+def test_finding_the_previous_owner_gone_again_does_not_make_a_continuation_look_lost():
+    clock = Clock()
+    claims = listening(clock)
+    claims.note(WorkerHeartbeat(service=ServiceHeartbeat(instance_id="decode-0"), reply_ids=["r1"]))
+    advance(clock, claims, 200)
+    claims.note_gone("decode-0")
+    advance(clock, claims, 300)
+    continued = reply(clock, created_ago_ms=30_000, last_event_ago_ms=1_000, continued_ms=clock.now_ms)  # sent to another worker
+    advance(clock, claims, 600)
+    claims.note_gone("decode-0")  # pinged again before the new owner's first heartbeat claims it
+    assert not is_stalled(continued, claims, CONFIG, clock())
