@@ -123,4 +123,3 @@ class DrillStack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no ready heartbeat from every worker within {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
-        self.heartbeats_seen_at = time.monotonic()
