@@ -163,6 +163,48 @@ class Settings(BaseSettings):
     """tandem up: decode worker processes"""
     prefill_workers: Annotated[int, Field(ge=0, le=16)] = 1
     """tandem up: prefill worker processes"""
+    chat_instances: Annotated[int, Field(ge=1, le=16)] = 1
+    """tandem up: chat instances, on consecutive ports from the chat port"""
+    # streaming at scale (issue 12)
+    max_streams: Annotated[int, Field(ge=1)] = 10000
+    """chat: open SSE streams one instance holds; a new one past it gets 503 with Retry-After"""
+    stream_limit_free: Annotated[int, Field(ge=1)] = 8
+    """chat: streams one free user may hold open at once on one instance; past it 429"""
+    stream_limit_plus: Annotated[int, Field(ge=1)] = 32
+    """chat: streams one plus user may hold open at once on one instance"""
+    stream_limit_pro: Annotated[int, Field(ge=1)] = 20000
+    """chat: streams one pro user may hold open at once on one instance"""
+    stream_buffer_events: Annotated[int, Field(ge=1)] = 512
+    """chat: events buffered for one slow client; past it the client is dropped (it resumes with Last-Event-ID)"""
+    stream_readers: Annotated[int, Field(ge=1, le=64)] = 4
+    """chat: Redis connections reading token logs, each one blocking XREAD over many replies"""
+    redis_max_connections: Annotated[int, Field(ge=2)] = 64
+    """chat and relay: Redis connections for short commands; a command waits for a free one"""
+    # admission (issue 16)
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1048576
+    """chat: larger request bodies are refused with 413 before they are read"""
+    quota_free: Annotated[int, Field(ge=0)] = 25000
+    """chat: the free tier's token bucket in cost units (uncached in x1 + cached in x0.1 + out x4)"""
+    quota_plus: Annotated[int, Field(ge=0)] = 250000
+    """chat: the plus tier's token bucket"""
+    quota_pro: Annotated[int, Field(ge=0)] = 2500000
+    """chat: the pro tier's token bucket"""
+    quota_refill_s: Annotated[float, Field(gt=0)] = 10800.0
+    """chat: seconds in which an empty bucket refills completely"""
+    quota_reservation_ttl_s: Annotated[int, Field(ge=60)] = 3600
+    """chat and relay: a reservation nobody settles expires after this (its units stay spent)"""
+    ttft_target_paid_s: Annotated[float, Field(gt=0)] = 1.0
+    """workers: a paid request whose expected wait to start is longer is refused (on a GPU; times cpu_ttft_scale on a CPU)"""
+    ttft_target_free_s: Annotated[float, Field(gt=0)] = 2.0
+    """workers: the same for free requests"""
+    cpu_ttft_scale: Annotated[float, Field(gt=0)] = 10.0
+    """workers on a CPU multiply the TTFT targets by this"""
+    ladder_interval_s: Annotated[float, Field(gt=0)] = 10.0
+    """router: seconds between observations of the fleet's busyness; the ladder moves at most one rung each"""
+    ladder_free_max_tokens: Annotated[int, Field(ge=1)] = 300
+    """router: free answers' cap from rung 2 of the overload ladder"""
+    ladder_start_deadline_s: Annotated[float, Field(gt=0)] = 2.0
+    """router: at rung 3, a free message that cannot start within this is refused with 503"""
 
     @field_validator("api_keys", mode="before")
     @classmethod

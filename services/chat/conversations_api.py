@@ -13,9 +13,10 @@ from services.chat import metrics
 from services.chat.auth import CurrentUser
 from services.chat.context import active_branch, parent_seqs
 from services.chat.errors import Conflict, InvalidRequest, NotFound
-from services.chat.replies import cancel_reply, new_reply_id, reply_response
+from services.chat.replies import cancel_reply, new_reply_id
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
+from services.chat.streaming import reply_response
 from services.chat.streams import as_logged, finished_message_response
 from services.chat.turns import inflight_key, send_message
 from tandem.bus.events import ReplyStatus, now_ms

@@ -9,9 +9,10 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest, NotFound
-from services.chat.replies import cancel_reply, reply_response
+from services.chat.replies import cancel_reply
 from services.chat.schemas import RegenerateBody
 from services.chat.state import State
+from services.chat.streaming import reply_response
 from services.chat.streams import finished_message_response
 from services.chat.turns import regenerate
 from tandem.config import ApiKey

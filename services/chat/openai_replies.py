@@ -17,9 +17,10 @@ from sse_starlette.sse import EventSourceResponse
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.models_view import ServedModel
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
-from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, log_events, new_reply_id
+from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
 from services.chat.sse import sse_response
 from services.chat.state import ChatState
+from services.chat.streaming import log_events
 from services.chat.turns import MODEL_WAIT_S
 from tandem import __version__
 from tandem.bus.events import is_final

@@ -10,6 +10,7 @@ TOKENS_ALL = f"{PREFIX}.tokens.>"
 CANCEL_ALL = f"{PREFIX}.cancel.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 HANDOFFS_ALL = f"{PREFIX}.handoff.*"
+LADDER = f"{PREFIX}.ladder"  # LadderStatus, from every router at each busyness observation
 
 # A token of a subject: no dots, spaces or wildcards, so an id can never widen a subscription.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
