@@ -59,6 +59,14 @@ class TooLarge(ChatError):
     default_code = "too_large"
 
 
+class RateLimited(ChatError):
+    """Over a limit of the caller's own (its token quota, its open streams): always answered with
+    a Retry-After saying when the limit lets the request through."""
+
+    default_code = "rate_limit_exceeded"
+    default_retry_after_s = 1.0
+
+
 class Unavailable(ChatError):
     """Worth retrying: always answered with a Retry-After."""
 
@@ -73,9 +81,16 @@ STATUS: dict[type[ChatError], int] = {
     Conflict: 409,
     Gone: 410,
     TooLarge: 413,
+    RateLimited: 429,
     Unavailable: 503,
 }
-TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+}
 
 
 def error_response(status: int, error: ChatError) -> JSONResponse:
