@@ -13,12 +13,13 @@ from tandem.config import ROLES, load_settings, settings_flags
 from tandem.devstack import cassandra_node
 from tandem.errors import StartupError
 from tandem.models.files import open_model
-from tandem.runtime import bind_port, run_service
+from tandem.runtime import run_service
 
 
 def _up(args: argparse.Namespace) -> int:
     """The whole local stack; any setting is also a flag (`--decode-workers 2`), for the stack
-    (how many workers) and, as its TANDEM_ variable, for every service it starts."""
+    (how many workers and chat instances) and, as its TANDEM_ variable, for every service it starts."""
+    from tandem.devstack.members import check_chat_ports_free
     from tandem.devstack.stack import Stack, stack_config_from
 
     settings = load_settings(args.settings, prog="tandem up", **({"host": args.host} if args.host else {}))
@@ -26,7 +27,7 @@ def _up(args: argparse.Namespace) -> int:
     config = stack_config_from(settings, chat_port=args.port, flags={name: str(value) for name, value in flags.items()})
     # Fail before anything starts when the stack could not come up anyway.
     open_model(settings.model_path)
-    bind_port(config.host, config.chat_port, "TANDEM_HTTP_PORT or --port").close()
+    check_chat_ports_free(config)  # every chat instance's: chat_port, chat_port + 1, ...
     return asyncio.run(Stack(config).run())
 
 
@@ -163,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         help="start nats, redis and all five services locally (Ctrl-C stops all)",
         description="Starts the local stack. Every setting is also a flag here, as for tandem serve: "
         "--decode-workers N and --prefill-workers M (or TANDEM_DECODE_WORKERS, TANDEM_PREFILL_WORKERS) set how many "
-        "worker processes run; any other (--stall-timeout-s 1, ...) reaches every service. "
+        "worker processes run, --chat-instances K (TANDEM_CHAT_INSTANCES) how many chat instances, on consecutive ports "
+        "from the chat port; any other (--stall-timeout-s 1, ...) reaches every service. "
         "tandem serve <role> --help lists them.",
     )
     up.add_argument("--host", help="address to serve on (default TANDEM_HOST or 127.0.0.1)")
-    up.add_argument("--port", type=int, help="chat service port (default TANDEM_HTTP_PORT or 8080)")
+    up.add_argument("--port", type=int, help="the first chat instance's port (default TANDEM_HTTP_PORT or 8080)")
     up.set_defaults(run=_up, settings=[])
     generate = commands.add_parser("generate", help="stream one chat answer from the in-process engine")
     generate.add_argument("prompt")

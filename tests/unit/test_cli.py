@@ -5,6 +5,7 @@ own CLI), over its TANDEM_ variable, over tandem.toml; `--help` lists them with 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from importlib import metadata
@@ -15,6 +16,7 @@ import pytest
 from services.router.app import build_app as build_router_app
 from tandem import cli
 from tandem.config import Settings, load_settings
+from tandem.devstack.proc import free_ports
 from tandem.errors import StartupError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,3 +138,13 @@ def test_a_service_module_reads_its_own_flags():
     )
     assert result.returncode == 2
     assert result.stderr.strip().endswith("tandem router: error: --heartbeat-interval-s: 60.0 s is outside 0.05-10 s")
+
+
+def test_up_refuses_a_taken_chat_instance_port_naming_it_before_anything_starts(capsys):
+    first = free_ports(2)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", first + 1))
+        held.listen()
+        assert cli.main(["up", "--port", str(first), "--chat-instances", "2"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"tandem up: error: chat-1: port {first + 1} on 127.0.0.1 is in use"), error

@@ -15,6 +15,8 @@ from typing import TextIO
 
 from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Tier
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.errors import StartupError
+from tandem.runtime.run import bind_port
 
 SERVER_ROLES = ("nats", "redis")
 SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
@@ -24,7 +26,7 @@ NAME_WIDTH = 9  # "prefill-0"
 @dataclass(frozen=True)
 class StackConfig:
     host: str
-    chat_port: int  # the first chat instance's; the others take free ports
+    chat_port: int  # the first chat instance's; instance i listens on chat_port + i
     api_keys: dict[str, ApiKey]
     extra_env: dict[str, str]  # passed to every service (model path, log level, settings given as flags, ...)
     num_decode_workers: int = 1
@@ -38,6 +40,13 @@ class StackConfig:
     def num_instances(self, role: str) -> int:
         counts = {"decode": self.num_decode_workers, "prefill": self.num_prefill_workers, "chat": self.num_chat_instances}
         return counts.get(role, 1)
+
+    @property
+    def chat_ports(self) -> list[int]:
+        """Consecutive ports from chat_port, one per chat instance (none when chat is not run)."""
+        if "chat" not in self.roles:
+            return []
+        return [self.chat_port + index for index in range(self.num_chat_instances)]
 
 
 class Console:
@@ -94,6 +103,19 @@ def member_name(role: str, index: int, num_instances: int) -> str:
     return role if num_instances == 1 else f"{role}-{index}"
 
 
+def check_chat_ports_free(config: StackConfig) -> None:
+    """Fails, naming the port and the instance, when a chat instance's port is taken or invalid."""
+    for index, port in enumerate(config.chat_ports):
+        name = member_name("chat", index, config.num_chat_instances)
+        setting = "TANDEM_HTTP_PORT or --port" if index == 0 else f"TANDEM_HTTP_PORT or --port ({name} takes that port + {index})"
+        if port > 65535:
+            raise StartupError(f"{name} would take port {port}, past 65535: set {setting} lower")
+        try:
+            bind_port(config.host, port, setting).close()
+        except StartupError as exc:
+            raise StartupError(f"{name}: {exc}") from None
+
+
 def api_keys_spec(keys: dict[str, ApiKey]) -> str:
     return ",".join(f"{key}={api_key.user_id}:{api_key.tier.value}" for key, api_key in keys.items())
 
@@ -106,9 +128,10 @@ def service_member(
     config: StackConfig, role: str, index: int, nats_url: str, redis_url: str, on_line: Callable[[str, str], None]
 ) -> Member:
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
-    kept across its restarts; decode workers' UCX listeners take a free port each."""
+    kept across its restarts; chat instance i listens on chat_port + i, the other services and
+    decode workers' UCX listeners take a free port each."""
     host = config.host
-    http_port = config.chat_port if role == "chat" and index == 0 else free_port(host)
+    http_port = config.chat_port + index if role == "chat" else free_port(host)
     instance_id = f"{role}-{index}"  # kept across restarts: the router sees the same worker come back
     env = {
         **os.environ,

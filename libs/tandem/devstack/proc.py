@@ -37,6 +37,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(num_ports: int, host: str = "127.0.0.1", num_tries: int = 100) -> int:
+    """The first of `num_ports` consecutive TCP ports that were all free a moment ago (a stack's
+    chat instances take consecutive ports)."""
+    for _ in range(num_tries):
+        first = free_port(host)
+        if first + num_ports - 1 <= 65535 and all(_can_bind(host, port) for port in range(first + 1, first + num_ports)):
+            return first
+    raise OSError(f"no {num_ports} consecutive free ports on {host} in {num_tries} tries")
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:

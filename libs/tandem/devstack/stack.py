@@ -4,7 +4,7 @@ with prefixed logs, readiness, restarts with backoff, and an orderly stop on Ctr
 
 The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
 
-    config = StackConfig(host="127.0.0.1", chat_port=proc.free_port(), api_keys=keys, extra_env={...},
+    config = StackConfig(host="127.0.0.1", chat_port=proc.free_ports(2), api_keys=keys, extra_env={...},
                          num_decode_workers=2, num_prefill_workers=1, num_chat_instances=2)
     async with Stack(config, Console(open("stack.log", "w"))) as stack:   # every member /readyz green
         stack.member("decode-0").pid          # its process now (None while it is down)
@@ -19,7 +19,8 @@ The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
 A member's name is its role when the stack runs one of that role ("router", "relay", "nats",
 "redis", and "decode", "prefill", "chat" when there is one), else its instance id ("decode-0",
 "decode-1"). Each service instance has its own instance id, HTTP port and (workers) gRPC port,
-kept across its restarts; decode workers' UCX listeners take a free port each. Servers restart on
+kept across its restarts: chat instance i listens on chat_port + i (each checked free at start),
+the others take free ports, and decode workers' UCX listeners a free port each. Servers restart on
 the same port with the same data directory: JetStream's store and Redis's append-only file
 survive a restart.
 """
@@ -41,7 +42,7 @@ from typing import Any
 import httpx
 
 from tandem.config import Settings
-from tandem.devstack.members import Console, Member, StackConfig, dev_api_keys, service_member
+from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, dev_api_keys, service_member
 from tandem.devstack.proc import ChildProcess, describe_exit
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.errors import StartupError
@@ -52,7 +53,19 @@ BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 # Settings the stack sets for each service itself; any other setting given to `tandem up` as a
 # flag reaches every service as its variable.
 _STACK_OWNED_SETTINGS = frozenset(
-    {"host", "http_port", "grpc_port", "ucx_port", "instance_id", "nats_url", "redis_url", "api_keys", "decode_workers", "prefill_workers"}
+    {
+        "host",
+        "http_port",
+        "grpc_port",
+        "ucx_port",
+        "instance_id",
+        "nats_url",
+        "redis_url",
+        "api_keys",
+        "decode_workers",
+        "prefill_workers",
+        "chat_instances",
+    }
 )
 
 
@@ -91,7 +104,9 @@ class Stack:
 
     async def start(self) -> None:
         """Starts every member and returns once each is ready; raises StartupError (after
-        stopping what started) when one is not ready in time or a stop was asked meanwhile."""
+        stopping what started) when a chat port is taken, when one is not ready in time or a stop
+        was asked meanwhile."""
+        check_chat_ports_free(self._config)
         self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
         nats = await self._start_server("nats", lambda port: start_nats(self._workdir, self._console.line, port=port))
         redis = await self._start_server("redis", lambda port: start_redis(self._workdir, self._console.line, port=port))
@@ -312,8 +327,10 @@ class Stack:
     def _announce(self) -> None:
         host, port = self._config.host, self._config.chat_port
         self._console.say(f"Tandem is up at http://{host}:{port}")
-        for url in self.chat_urls[1:]:
-            self._console.say(f"another chat instance at {url}")
+        chats = self.members_of("chat")
+        if len(chats) > 1:
+            for chat in chats:
+                self._console.say(f"{chat.name} at {chat.url}")
         for key, api_key in self._config.api_keys.items():
             self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
@@ -351,4 +368,5 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
         extra_env=extra_env,
         num_decode_workers=settings.decode_workers,
         num_prefill_workers=settings.prefill_workers,
+        num_chat_instances=settings.chat_instances,
     )

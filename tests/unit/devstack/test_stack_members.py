@@ -1,12 +1,20 @@
-"""`tandem up --decode-workers N --prefill-workers M`: each service instance the stack plans has
-its own name, instance id and ports, and settings given to `tandem up` as flags reach the
+"""`tandem up --decode-workers N --prefill-workers M --chat-instances K`: each service instance the
+stack plans has its own name, instance id and ports (chat instances on consecutive ports, each
+checked free before anything starts), and settings given to `tandem up` as flags reach the
 services (except those the stack sets per member)."""
 
 from __future__ import annotations
 
+import io
+import socket
+
+import pytest
+
 from tandem.config import ApiKey, Tier, load_settings, settings_flags
-from tandem.devstack.members import StackConfig, service_member
-from tandem.devstack.stack import stack_config_from
+from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member
+from tandem.devstack.proc import free_ports
+from tandem.devstack.stack import Stack, stack_config_from
+from tandem.errors import StartupError
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
 
@@ -36,11 +44,15 @@ def test_each_worker_instance_has_its_own_name_instance_id_and_ports():
     assert (chat.http_port, chat.url, chat.readyz_url) == (18080, "http://127.0.0.1:18080", "http://127.0.0.1:18080/readyz")
 
 
-def test_several_chat_instances_take_the_chat_port_first_then_free_ones():
-    config = StackConfig(host="127.0.0.1", chat_port=18080, api_keys=KEYS, extra_env={}, num_chat_instances=2, roles=("chat",))
-    first, second = members(config)
-    assert (first.name, first.instance_id, first.http_port) == ("chat-0", "chat-0", 18080)
-    assert second.name == "chat-1" and second.http_port not in (None, 18080)
+def test_chat_instances_take_consecutive_ports_from_the_chat_port():
+    config = StackConfig(host="127.0.0.1", chat_port=18080, api_keys=KEYS, extra_env={}, num_chat_instances=3, roles=("chat",))
+    planned = members(config)
+    assert [(m.name, m.instance_id, m.http_port) for m in planned] == [
+        ("chat-0", "chat-0", 18080),
+        ("chat-1", "chat-1", 18081),
+        ("chat-2", "chat-2", 18082),
+    ]
+    assert [m.url for m in planned] == [f"http://127.0.0.1:{port}" for port in config.chat_ports]
 
 
 def test_up_flags_set_the_worker_counts_and_reach_every_service_as_variables():
@@ -51,3 +63,52 @@ def test_up_flags_set_the_worker_counts_and_reach_every_service_as_variables():
     assert config.extra_env["TANDEM_STALL_TIMEOUT_S"] == "1.5"
     assert "TANDEM_DECODE_WORKERS" not in config.extra_env and "TANDEM_INSTANCE_ID" not in config.extra_env
     assert [m.name for m in members(config)] == ["router", "relay", "decode-0", "decode-1", "chat"]
+
+
+def test_up_flag_and_variable_set_the_number_of_chat_instances(monkeypatch):
+    args = ["--chat-instances", "3"]
+    settings = load_settings(args, prog="tandem up")
+    config = stack_config_from(settings, chat_port=18080, flags={k: str(v) for k, v in settings_flags(args, "tandem up")().items()})
+    assert config.num_chat_instances == 3 and config.chat_ports == [18080, 18081, 18082]
+    assert "TANDEM_CHAT_INSTANCES" not in config.extra_env, "the stack sets it, services do not read it"
+    monkeypatch.setenv("TANDEM_CHAT_INSTANCES", "2")
+    assert stack_config_from(load_settings([], prog="tandem up"), chat_port=18080).chat_ports == [18080, 18081]
+
+
+def listening(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_taken_chat_port_is_named_with_its_instance():
+    first = free_ports(3)
+    config = StackConfig(host="127.0.0.1", chat_port=first, api_keys=KEYS, extra_env={}, num_chat_instances=3)
+    check_chat_ports_free(config)
+    with listening(first + 2), pytest.raises(StartupError) as caught:
+        check_chat_ports_free(config)
+    assert str(caught.value).startswith(f"chat-2: port {first + 2} on 127.0.0.1 is in use")
+    assert "chat-2 takes that port + 2" in str(caught.value)
+
+
+def test_chat_ports_past_65535_are_refused_before_binding():
+    config = StackConfig(host="127.0.0.1", chat_port=65535, api_keys=KEYS, extra_env={}, num_chat_instances=2)
+    with pytest.raises(StartupError, match="chat-1 would take port 65536, past 65535"):
+        check_chat_ports_free(config)
+
+
+def test_free_ports_are_consecutive_and_bindable():
+    first = free_ports(4)
+    sockets = [listening(port) for port in range(first, first + 4)]
+    for sock in sockets:
+        sock.close()
+
+
+async def test_a_stack_whose_chat_port_is_taken_starts_nothing():
+    first = free_ports(2)
+    config = StackConfig(host="127.0.0.1", chat_port=first, api_keys=KEYS, extra_env={}, num_chat_instances=2)
+    out = io.StringIO()
+    with listening(first + 1), pytest.raises(StartupError, match=f"chat-1: port {first + 1} "):
+        await Stack(config, Console(out)).start()
+    assert "started" not in out.getvalue(), out.getvalue()
