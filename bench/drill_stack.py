@@ -28,7 +28,12 @@ ROLLING_ORDER = ("router", "relay", "prefill", "decode", "chat")
 
 class DrillStack:
     def __init__(
-        self, decode_workers: int = 2, prefill_workers: int = 1, chat_instances: int = 2, extra_env: dict[str, str] | None = None
+        self,
+        decode_workers: int = 2,
+        prefill_workers: int = 1,
+        chat_instances: int = 2,
+        extra_env: dict[str, str] | None = None,
+        api_keys: dict[str, ApiKey] | None = None,
     ) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-drills-"))
         self.log_path = self._workdir / "stack.log"
@@ -36,7 +41,7 @@ class DrillStack:
         self._config = StackConfig(
             host="127.0.0.1",
             chat_port=free_port(),
-            api_keys={API_KEY: ApiKey(user_id="driller", tier=Tier.PLUS)},
+            api_keys={API_KEY: ApiKey(user_id="driller", tier=Tier.PLUS), **(api_keys or {})},
             extra_env=env,
             num_decode_workers=decode_workers,
             num_prefill_workers=prefill_workers,

@@ -134,7 +134,7 @@ class Client:
                         return result
                     drop_after = rng.randint(1, 6) if drops_left > 0 and rng is not None else None
                     seen_here = 0
-                    async for sse in _events(response, deadline):
+                    async for sse in sse_events(response, deadline):
                         now_s = time.monotonic()
                         # A pause is a gap after the answer began (the wait for the first token is TTFT, not a pause).
                         if result.text and now_s - last_event_s > result.longest_pause_s:
@@ -190,7 +190,7 @@ class _Sse:
     data: dict[str, Any]
 
 
-async def _events(response: httpx.Response, deadline: float):  # type: ignore[no-untyped-def]
+async def sse_events(response: httpx.Response, deadline: float):  # type: ignore[no-untyped-def]
     fields: dict[str, str] = {}
     lines = response.aiter_lines()
     while True:

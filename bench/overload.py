@@ -1,0 +1,314 @@
+"""Overload: a real local stack (`tandem up`'s launcher: nats-server, redis-server, router, relay,
+one decode worker, one chat instance) is driven past what it can serve, and each tier's experience
+is reported.
+
+1. unloaded: paid messages one at a time give the paid TTFT the loaded run is held to;
+2. capacity: `--probe-clients` clients send back to back for `--probe-s`, giving the replies per
+   second the stack completes;
+3. overload: messages arrive open-loop (Poisson) at `--factor` times that rate for `--seconds`, a
+   `--paid-share` of them from paid users and the rest from free users, each user in turn.
+
+Per tier it reports: sent, admitted, refused (429 / 503, and whether each refusal carried a
+Retry-After), completed, failed, timed out (no final event within `--hang-s` of sending), TTFT
+p50/p95 of the admitted, and the overload ladder's rungs (LadderStatus on the bus). Targets are
+printed beside the numbers (PASS/MISS), never as an exit code:
+0 timeouts and 0 hung replies; paid TTFT p95 at most 2x its unloaded value; every refusal carries
+Retry-After.
+
+    .venv/bin/python bench/overload.py --out overload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+from drill_stack import DrillStack
+from drills import TOPICS, sse_events
+
+from tandem.bus import BadMessage, decode, subjects
+from tandem.config import ApiKey, Tier
+from tandem.v1.worker_pb2 import LadderStatus
+
+TIERS = ("paid", "free")
+
+
+@dataclass
+class Outcome:
+    tier: str
+    sent_s: float
+    status: int = 0  # HTTP status of the message POST (0: no answer)
+    retry_after: str | None = None
+    result: str = "timed_out"  # complete | failed | refused | timed_out | http_error
+    finish: str = ""
+    ttft_s: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class TierReport:
+    tier: str
+    sent: int = 0
+    admitted: int = 0
+    refused_429: int = 0
+    refused_503: int = 0
+    refused_other: int = 0
+    refused_without_retry_after: int = 0
+    completed: int = 0
+    capped: int = 0  # completed with finish "length" below the requested max_tokens
+    failed: int = 0
+    timed_out: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    samples: list[str] = field(default_factory=list)
+
+
+def prompt(index: int) -> str:
+    return f"Explain {TOPICS[index % len(TOPICS)]} in a few short paragraphs. (message {index})"
+
+
+async def send_message(http: httpx.AsyncClient, url: str, key: str, tier: str, index: int, max_tokens: int, hang_s: float) -> Outcome:
+    """One message in a new conversation, read to its final event (or to `hang_s` after sending)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    outcome = Outcome(tier=tier, sent_s=time.monotonic())
+    deadline = outcome.sent_s + hang_s
+    try:
+        created = await http.post(f"{url}/v1/conversations", json={}, headers=headers)
+        if created.status_code != 201:
+            return _refused(outcome, created.status_code, created.headers.get("Retry-After"), created.text)
+        conversation_id = created.json()["id"]
+        body = {"content": prompt(index), "temperature": 0, "max_tokens": max_tokens}
+        request = http.build_request("POST", f"{url}/v1/conversations/{conversation_id}/messages", json=body, headers=headers)
+        response = await http.send(request, stream=True)
+        try:
+            outcome.status = response.status_code
+            if response.status_code != 200:
+                return _refused(outcome, response.status_code, response.headers.get("Retry-After"), (await response.aread()).decode()[:200])
+            async for sse in sse_events(response, deadline):
+                if sse.event == "delta" and outcome.ttft_s is None:
+                    outcome.ttft_s = time.monotonic() - outcome.sent_s
+                elif sse.event == "done":
+                    outcome.result = "complete"
+                    outcome.finish = str(sse.data.get("finish", ""))
+                    outcome.detail = json.dumps(sse.data.get("usage", {}))
+                    return outcome
+                elif sse.event == "error":
+                    outcome.result = "failed"
+                    outcome.detail = str(sse.data)[:200]
+                    return outcome
+        finally:
+            await response.aclose()
+    except (httpx.HTTPError, OSError) as exc:
+        outcome.result = "http_error" if time.monotonic() < deadline else "timed_out"
+        outcome.detail = f"{type(exc).__name__}: {exc}"[:200]
+    return outcome
+
+
+def _refused(outcome: Outcome, status: int, retry_after: str | None, text: str) -> Outcome:
+    outcome.status = status
+    outcome.retry_after = retry_after
+    outcome.result = "refused"
+    outcome.detail = f"{status}: {text[:160]}"
+    return outcome
+
+
+def summarize(outcomes: list[Outcome], max_tokens: int) -> dict[str, TierReport]:
+    reports = {tier: TierReport(tier) for tier in TIERS}
+    for o in outcomes:
+        r = reports[o.tier]
+        r.sent += 1
+        if o.result == "refused":
+            if o.status == 429:
+                r.refused_429 += 1
+            elif o.status == 503:
+                r.refused_503 += 1
+            else:
+                r.refused_other += 1
+                r.samples.append(o.detail)
+            if not o.retry_after and o.status in (429, 503):
+                r.refused_without_retry_after += 1
+            continue
+        if o.status == 200:
+            r.admitted += 1
+        if o.result == "complete":
+            r.completed += 1
+            usage = json.loads(o.detail or "{}")
+            if o.finish == "length" and usage.get("output", max_tokens) < max_tokens:
+                r.capped += 1
+        elif o.result == "failed":
+            r.failed += 1
+            r.samples.append(o.detail)
+        elif o.result == "timed_out":
+            r.timed_out += 1
+        else:
+            r.failed += 1
+            r.samples.append(o.detail)
+    for tier, r in reports.items():
+        ttfts = sorted(o.ttft_s for o in outcomes if o.tier == tier and o.ttft_s is not None)
+        if ttfts:
+            r.ttft_p50_s = round(_percentile(ttfts, 50), 3)
+            r.ttft_p95_s = round(_percentile(ttfts, 95), 3)
+        r.samples = r.samples[:3]
+    return reports
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+class LadderWatch:
+    """Every LadderStatus a router publishes during the run."""
+
+    def __init__(self) -> None:
+        self.statuses: list[tuple[float, int, float]] = []  # (seconds since start, rung, busyness)
+        self._start_s = time.monotonic()
+
+    async def on_status(self, msg: Any) -> None:
+        try:
+            status = decode(msg.data, LadderStatus)
+        except BadMessage:
+            return
+        self.statuses.append((round(time.monotonic() - self._start_s, 1), status.rung, round(status.busyness, 3)))
+
+    @property
+    def max_rung(self) -> int:
+        return max((rung for _, rung, _ in self.statuses), default=0)
+
+
+async def main(args: argparse.Namespace) -> int:
+    users = {tier: [f"{tier}-user-{i}" for i in range(args.users)] for tier in TIERS}
+    keys = {f"key-{user}": ApiKey(user_id=user, tier=Tier.PLUS if tier == "paid" else Tier.FREE) for tier in TIERS for user in users[tier]}
+    env = {"TANDEM_KV_CACHE_MIB": "128", "TANDEM_LOG_LEVEL": "warning", "TANDEM_LADDER_INTERVAL_S": str(args.ladder_interval_s)}
+    env.update(dict(item.split("=", 1) for item in args.env))
+    stack = DrillStack(decode_workers=1, prefill_workers=0, chat_instances=1, extra_env=env, api_keys=keys)
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with stack, httpx.AsyncClient(timeout=httpx.Timeout(args.hang_s, connect=30.0), limits=limits) as http:
+        await stack.wait_all_ready(timeout_s=300.0)
+        url = stack.chat_urls[0]
+        nc = await nats.connect(stack.stack.nats_url)
+        ladder = LadderWatch()
+        await nc.subscribe(subjects.LADDER, cb=ladder.on_status)
+        try:
+            turn = dict.fromkeys(TIERS, 0)
+
+            def next_key(tier: str) -> str:
+                turn[tier] += 1
+                return f"key-{users[tier][turn[tier] % len(users[tier])]}"
+
+            # 1. unloaded paid TTFT
+            unloaded = [
+                await send_message(http, url, next_key("paid"), "paid", i, args.max_tokens, args.hang_s) for i in range(args.baseline)
+            ]
+            unloaded_ttfts = sorted(o.ttft_s for o in unloaded if o.ttft_s is not None)
+            if not unloaded_ttfts:
+                print(f"no unloaded reply completed: {[o.detail for o in unloaded]}", file=sys.stderr)
+                return 1
+            unloaded_p95 = _percentile(unloaded_ttfts, 95)
+            print(f"unloaded paid TTFT p50 {_percentile(unloaded_ttfts, 50):.3f} s, p95 {unloaded_p95:.3f} s", flush=True)
+
+            # 2. capacity: closed loop
+            completed = 0
+            probe_end = time.monotonic() + args.probe_s
+
+            async def probe_client(c: int) -> None:
+                nonlocal completed
+                i = 0
+                while time.monotonic() < probe_end:
+                    o = await send_message(http, url, next_key("paid"), "paid", 1000 + 100 * c + i, args.max_tokens, args.hang_s)
+                    completed += o.result == "complete"
+                    i += 1
+
+            probe_start = time.monotonic()
+            await asyncio.gather(*(probe_client(c) for c in range(args.probe_clients)))
+            capacity_rps = completed / (time.monotonic() - probe_start)
+            rate = args.factor * max(capacity_rps, 0.05)
+            print(
+                f"capacity {capacity_rps:.2f} replies/s with {args.probe_clients} clients; offering {rate:.2f}/s for {args.seconds:.0f} s",
+                flush=True,
+            )
+
+            # 3. overload: open loop
+            tasks: list[asyncio.Task[Outcome]] = []
+            load_end = time.monotonic() + args.seconds
+            index = 10_000
+            while time.monotonic() < load_end:
+                tier = "paid" if rng.random() < args.paid_share else "free"
+                tasks.append(asyncio.create_task(send_message(http, url, next_key(tier), tier, index, args.max_tokens, args.hang_s)))
+                index += 1
+                await asyncio.sleep(rng.expovariate(rate))
+            outcomes = list(await asyncio.gather(*tasks))
+        finally:
+            await nc.close()
+    reports = summarize(outcomes, args.max_tokens)
+    paid = reports["paid"]
+    hung = sum(r.timed_out for r in reports.values())
+    refusals_without = sum(r.refused_without_retry_after for r in reports.values())
+    paid_ok = paid.ttft_p95_s is not None and paid.ttft_p95_s <= 2 * unloaded_p95
+    print(
+        f"\n{'tier':<6}{'sent':>6}{'admit':>7}{'429':>6}{'503':>6}{'other':>7}{'noRA':>6}{'done':>6}{'capped':>8}{'failed':>8}{'t/out':>7}{'TTFT p50':>10}{'p95':>8}"
+    )
+    for r in reports.values():
+        p50 = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}"
+        p95 = "-" if r.ttft_p95_s is None else f"{r.ttft_p95_s:.2f}"
+        print(
+            f"{r.tier:<6}{r.sent:>6}{r.admitted:>7}{r.refused_429:>6}{r.refused_503:>6}{r.refused_other:>7}{r.refused_without_retry_after:>6}"
+            f"{r.completed:>6}{r.capped:>8}{r.failed:>8}{r.timed_out:>7}{p50:>10}{p95:>8}"
+        )
+        for sample in r.samples:
+            print(f"{'':<6}sample: {sample}")
+    print(f"\nladder: max rung {ladder.max_rung}; (s, rung, busyness): {ladder.statuses[-12:]}")
+    print(f"{'PASS' if hung == 0 else 'MISS'} 0 timed out / hung: {hung}")
+    print(f"{'PASS' if paid_ok else 'MISS'} paid TTFT p95 {paid.ttft_p95_s} s <= 2 x unloaded {unloaded_p95:.3f} s")
+    print(f"{'PASS' if refusals_without == 0 else 'MISS'} every refusal carries Retry-After ({refusals_without} without)")
+    if args.out:
+        data = {
+            "unloaded_paid_ttft_p95_s": round(unloaded_p95, 3),
+            "capacity_replies_per_s": round(capacity_rps, 3),
+            "offered_per_s": round(rate, 3),
+            "seconds": args.seconds,
+            "tiers": {tier: asdict(r) for tier, r in reports.items()},
+            "ladder": {"max_rung": ladder.max_rung, "statuses": ladder.statuses},
+            "targets": {
+                "no_timeouts": hung == 0,
+                "paid_ttft_p95_within_2x": paid_ok,
+                "every_refusal_has_retry_after": refusals_without == 0,
+            },
+        }
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=90.0, help="how long the overload lasts")
+    parser.add_argument("--factor", type=float, default=5.0, help="offered load as a multiple of the measured capacity")
+    parser.add_argument("--paid-share", type=float, default=0.25, help="share of messages from paid users")
+    parser.add_argument("--users", type=int, default=8, help="users per tier, each sending in turn")
+    parser.add_argument("--max-tokens", type=int, default=48, help="each answer's max_tokens")
+    parser.add_argument("--baseline", type=int, default=6, help="unloaded paid messages, one at a time")
+    parser.add_argument("--probe-clients", type=int, default=32, help="closed-loop clients measuring capacity")
+    parser.add_argument("--probe-s", type=float, default=30.0, help="how long capacity is measured")
+    parser.add_argument("--hang-s", type=float, default=120.0, help="a message with no final event by then timed out")
+    parser.add_argument("--ladder-interval-s", type=float, default=5.0, help="TANDEM_LADDER_INTERVAL_S for the stack")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
+    parser.add_argument("--out", default="", help="write the report as JSON here")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(asyncio.run(main(parse_args())))
