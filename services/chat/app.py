@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, tokenize_api, web
+from services.chat.body_limit import BodyLimit
 from services.chat.models_view import ModelsView
 from services.chat.state import ChatConfig, ChatState
 from tandem.bus import subjects
@@ -68,4 +69,5 @@ def build_app(settings: Settings) -> FastAPI:
     )
     app.state.chat = state
     errors.install(app)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)  # added last: the outermost
     return app
