@@ -44,7 +44,7 @@ def admit(request: GenerateRequest, workers: Sequence[LiveWorker]) -> Admitted |
     models_served = sorted({w.model for w in workers if w.model})
     if not models_served:
         return refusal("no_workers", "no decode worker has announced its model yet", NO_WORKERS_RETRY_AFTER_S)
-    model = _choose_model(workers) if request.model in AUTO_MODELS else request.model
+    model = choose_model(workers) if request.model in AUTO_MODELS else request.model
     if model not in models_served:
         served = ", ".join(models_served)
         return refusal("unknown_model", f"model {request.model!r} is not served here; models served: {served} (or 'auto')")
@@ -98,8 +98,9 @@ def _check_fits(request: GenerateRequest, model: str, window: int) -> Refusal | 
     return None
 
 
-def _choose_model(workers: Sequence[LiveWorker]) -> str:
-    """For "auto": the model most workers take work for now (then by name, so every router agrees)."""
+def choose_model(workers: Sequence[LiveWorker]) -> str:
+    """For "auto": the model most workers take work for now (then by name, so every router agrees).
+    It is also the large model, whose pool the overload ladder watches."""
     serving = [w for w in workers if w.is_serving and w.model] or [w for w in workers if w.model]
     if not serving:
         return ""

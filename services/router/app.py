@@ -1,5 +1,6 @@
 """Wiring of the router process: the live worker view from heartbeats, the prefix index from KV
-events, and `tandem.v1.generate` (admission, placement, dispatch to decode workers)."""
+events, `tandem.v1.generate` (admission, placement, dispatch to decode workers) and the overload
+ladder's observations."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from nats.js import JetStreamContext
 from services.router.cached_tokens import IndexedCachedTokens
 from services.router.dispatch import DispatchConfig, nats_assign
 from services.router.generate import GenerateService
+from services.router.ladder import Ladder
+from services.router.ladder_watch import LadderWatch
+from services.router.lanes import LaneRefusals, WaitTargets
+from services.router.overload import Overload, OverloadConfig
 from services.router.placement import Placement, PlacementConfig
 from services.router.prefix_index import PrefixIndex, nats_fetch_state
 from services.router.workers import WORKER_ROLES, WorkerRegistry
@@ -39,7 +44,20 @@ log = logging.getLogger(__name__)
 def build_app(settings: Settings) -> FastAPI:
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=False))
     index = PrefixIndex(nats_fetch_state(runtime.bus, KV_STATE_TIMEOUT_S))
-    workers = WorkerRegistry(expiry_s=3.0, on_forget=index.forget)
+    refusals = LaneRefusals()
+
+    def forget_worker(instance_id: str) -> None:
+        index.forget(instance_id)
+        refusals.forget(instance_id)
+
+    workers = WorkerRegistry(expiry_s=3.0, on_forget=forget_worker)
+    targets = WaitTargets.from_settings(settings)
+    ladder = Ladder(settings.ladder_interval_s)
+    overload = Overload(
+        ladder,
+        OverloadConfig(free_max_tokens=settings.ladder_free_max_tokens, start_deadline_s=settings.ladder_start_deadline_s * targets.scale),
+    )
+    ladder_task: asyncio.Task[None] | None = None
     placement = Placement(
         PlacementConfig(remote_prefill_min_tokens=settings.remote_prefill_min_tokens), cached_tokens=IndexedCachedTokens(index)
     )
@@ -68,7 +86,7 @@ def build_app(settings: Settings) -> FastAPI:
         index.apply(event)
 
     async def subscribe(client: Client) -> None:
-        nonlocal generate, generate_subscription, is_subscribed
+        nonlocal generate, generate_subscription, is_subscribed, ladder_task
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
         await client.subscribe(subjects.KV_EVENTS_ALL, cb=on_kv_event)
@@ -83,17 +101,24 @@ def build_app(settings: Settings) -> FastAPI:
             nats_assign(client, dispatch_config.assign_timeout_s, dispatch_config.accept_margin_s),
             publish_event,
             dispatch_config,
+            overload,
+            targets,
+            refusals,
         )
         await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
         await client.subscribe(subjects.HANDOFFS_ALL, cb=generate.outcomes.on_message)
         generate_subscription = await client.subscribe(subjects.GENERATE, queue=QUEUE_GROUP, cb=generate.on_request)
         await client.flush()  # the server has the subscriptions before we call ourselves ready
+        watch = LadderWatch(runtime.config.instance_id, ladder, workers, targets.free_s, client.publish)
+        ladder_task = asyncio.create_task(watch.run(), name="overload-ladder")
         is_subscribed = True
 
     async def has_subscribed() -> bool:
         return is_subscribed
 
     async def on_stop() -> None:
+        if ladder_task is not None:
+            ladder_task.cancel()
         # No new requests reach this router; those already taken are answered and dispatched.
         if generate_subscription is not None and runtime.bus.is_connected:
             await generate_subscription.drain()

@@ -19,6 +19,7 @@ from tandem.v1.tokens_pb2 import TokenEvent
 
 ACCEPTED = "accepted"
 REFUSED = "refused"
+QUEUE_FULL = "queue_full"  # a worker's refusal: its queue is too long for the request's lane
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,16 @@ def _failure_event(assignment: Assignment, result: DispatchResult, config: Dispa
         message = "no decode worker was left to take the reply"
         return error_event(assignment.reply_id, assignment.first_seq, "no_workers", message, retry_after_s=config.retry_after_s)
     reasons = {a.refusal.reason if a.refusal is not None else a.outcome for a in attempts}
+    tried = "; ".join(a.describe() for a in attempts)
+    if reasons == {QUEUE_FULL}:
+        # Every worker's queue is too long for the request's lane: the soonest any expects room.
+        soonest_s = min(a.refusal.retry_after_s for a in attempts if a.refusal is not None)
+        message = f"every decode worker tried is too busy to start the reply in time ({tried})"
+        return error_event(
+            assignment.reply_id, assignment.first_seq, "overloaded", message, retry_after_s=soonest_s or config.retry_after_s
+        )
     # Every worker refusing for the same reason says more than a generic code.
     code = reasons.pop() if len(reasons) == 1 and attempts[0].refusal is not None else "no_worker_accepted"
     retry_after_s = max((a.refusal.retry_after_s if a.refusal is not None else config.retry_after_s) for a in attempts)
-    tried = "; ".join(a.describe() for a in attempts)
     message = f"no decode worker took the reply after {len(attempts)} tries: {tried}"
     return error_event(assignment.reply_id, assignment.first_seq, code, message, retry_after_s=retry_after_s if retry_after_s > 0 else None)

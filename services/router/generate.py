@@ -20,16 +20,19 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from services.router import metrics
-from services.router.admission import admit, parse_request
-from services.router.dispatch import Assign, DispatchConfig, dispatch, failure_event
+from services.router.admission import Admitted, admit, choose_model, parse_request
+from services.router.dispatch import QUEUE_FULL, Assign, DispatchConfig, DispatchResult, dispatch, failure_event
 from services.router.handoffs import HandoffOutcomes, continuation
-from services.router.placement import Placement, affinity_key, num_context_tokens
+from services.router.ladder import Ladder
+from services.router.lanes import LANE_NAMES, LaneRefusals, WaitTargets, door_refusal, lane_of, order_for_lane
+from services.router.overload import Overload
+from services.router.placement import Placement, affinity_key, can_serve, num_context_tokens
 from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, subjects
 from tandem.bus.cancels import RecentCancels
 from tandem.bus.events import cancelled_event, error_event
 from tandem.v1.dispatch_pb2 import Assignment, HandoffOutcome
-from tandem.v1.generate_pb2 import GenerateReply, Refusal
+from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.tokens_pb2 import TokenEvent
 
 DECODE_ROLE = "decode"
@@ -80,8 +83,14 @@ class GenerateService:
         assign: Assign,
         publish_event: PublishEvent,
         config: DispatchConfig = DispatchConfig(),
+        overload: Overload | None = None,
+        targets: WaitTargets = WaitTargets(),
+        refusals: LaneRefusals | None = None,
     ) -> None:
         self._workers = workers
+        self._overload = overload or Overload(Ladder(interval_s=10.0))  # rung 0 unless a ladder moves it
+        self._targets = targets
+        self.refusals = refusals or LaneRefusals()  # registry's on_forget should reach its forget
         self._placement = placement
         self._assign = assign
         self._publish_event_once = publish_event
@@ -114,6 +123,10 @@ class GenerateService:
         admitted = admit(request, self._workers.workers(DECODE_ROLE))
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
+        if not request.resume_reply_id:  # a continuation was admitted once: it is not refused again
+            admitted = self._admit_at_rung(request, admitted)
+            if isinstance(admitted, Refusal):
+                return self._refuse(admitted), None
         # A continuation keeps its reply id and numbering: the logged tokens come first. Its epoch
         # (the relay's count of owners) goes with every assignment of it, re-placements included.
         reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
@@ -122,12 +135,31 @@ class GenerateService:
         job = self._plan(assignment, admitted.model, frozenset(), time.monotonic())
         return GenerateReply(reply_id=reply_id, model=admitted.model), job
 
+    def _admit_at_rung(self, request: GenerateRequest, admitted: Admitted) -> Admitted | Refusal:
+        """The overload ladder's verdict (it may cap the request in place, or name the small
+        model), then the door: refused when every worker of the model refused the lane lately."""
+        lane = lane_of(request)
+        workers = self._workers.workers(DECODE_ROLE)
+        verdict = self._overload.apply(request, lane, admitted.model, choose_model(workers), workers)
+        if isinstance(verdict, Refusal):
+            return verdict
+        if verdict.model != admitted.model:
+            small = GenerateRequest()
+            small.CopyFrom(request)
+            small.model = verdict.model
+            readmitted = admit(small, workers)  # the small model's window must hold it too
+            if isinstance(readmitted, Admitted):
+                request.model, admitted = verdict.model, readmitted
+        serving = [w for w in workers if can_serve(w, admitted.model)]
+        return door_refusal(lane, admitted.model, serving, self.refusals) or admitted
+
     def _plan(self, assignment: Assignment, model: str, excluded: frozenset[str], admitted_at_s: float) -> Job:
         """Where the reply goes: decode workers best first (none of `excluded`), and prefill
         workers first when its uncached part is long."""
         request = assignment.request
         decode_workers = [w for w in self._workers.workers(DECODE_ROLE) if w.instance_id not in excluded]
         ranked = self._placement.rank(decode_workers, model, request, affinity_key(request, assignment.reply_id))
+        ranked = order_for_lane(ranked, lane_of(request), self._targets, self.refusals)
         if ranked:
             # Counted from the moment it is chosen, so a burst spreads before any worker answers.
             self._workers.note_assigned(ranked[0].instance_id, num_context_tokens(request))
@@ -188,6 +220,7 @@ class GenerateService:
         reply_id = remote_assignment.reply_id
         self.outcomes.expect(reply_id)
         result = await dispatch(self._assign, remote_assignment, prefill_ids, self._config)
+        self._note_refusals(remote_assignment, result)
         if result.accepted_by is None:
             self.outcomes.forget(reply_id)
             last = result.attempts[-1] if result.attempts else None
@@ -217,6 +250,7 @@ class GenerateService:
             self._config,
             on_retry=lambda worker_id: self._workers.note_assigned(worker_id, num_tokens),
         )
+        self._note_refusals(assignment, result)
         was_cancelled = any(a.refusal is not None and a.refusal.reason == "cancelled" for a in result.attempts)
         if result.accepted_by is None and (was_cancelled or assignment.reply_id in self._cancels):
             await self._end_cancelled(assignment)
@@ -229,6 +263,15 @@ class GenerateService:
         event = failure_event(assignment, result, self._config)
         log.warning("reply %s failed: %s", assignment.reply_id, event.error.message)
         await self._publish_event(event)
+
+    def _note_refusals(self, assignment: Assignment, result: DispatchResult) -> None:
+        """Workers that said their queue is too long for the lane are offered its requests last
+        until their retry time, and refused at the door while all of them say so."""
+        lane = lane_of(assignment.request)
+        for attempt in result.attempts:
+            if attempt.refusal is not None and attempt.refusal.reason == QUEUE_FULL:
+                metrics.LANE_REFUSALS.labels(lane=LANE_NAMES[lane]).inc()
+                self.refusals.note(attempt.worker_id, lane, attempt.refusal.retry_after_s)
 
     async def _end_failed(self, assignment: Assignment, failures: list[str]) -> None:
         """A reply whose handoffs all failed ends with one error event, after what was published."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS_ACCEPTED = Counter("tandem_router_requests_accepted", "Generate requests admitted", ["model"])
 REQUESTS_REFUSED = Counter("tandem_router_requests_refused", "Generate requests refused", ["reason"])
@@ -16,3 +16,10 @@ DISPATCH_SECONDS = Histogram(
 KV_STATE_REQUESTS = Counter(
     "tandem_router_kv_state_requests", "Full KV state asked of a worker: after a gap in its events, or behind its heartbeat", ["reason"]
 )
+LADDER_RUNG = Gauge("tandem_router_ladder_rung", "The overload ladder's rung: 0 normal; 1, 2, 3 degrade free traffic")
+LADDER_BUSYNESS = Gauge("tandem_router_ladder_busyness", "The large model's pool busyness at the last observation (0-1)")
+LADDER_FREE_CAPPED = Counter("tandem_router_ladder_free_capped", "Free requests whose max_tokens the ladder capped (rung 2+)")
+LADDER_SMALL_MODEL = Counter(
+    "tandem_router_ladder_small_model", "Free requests the ladder sent to the small model (rung 1+), or found none served", ["outcome"]
+)
+LANE_REFUSALS = Counter("tandem_router_lane_refusals", "Workers' queue_full refusals the router heard, by lane", ["lane"])

@@ -1,0 +1,115 @@
+"""Lanes at the router: paid, free and background requests placed by what each lane may wait.
+
+The router holds no queue of its own (each request is placed as it arrives); the queue a request
+waits in is its worker's, which serves paid first. What the router adds is where a request goes
+and whether it is taken at all:
+
+- A worker's heartbeat says how long a FREE request offered now would wait to start
+  (`estimated_wait_s`). It is a hint: free and background requests try workers within the free
+  lane's target first. Paid requests skip it (they go ahead of that queue).
+- A worker's refusal ("queue_full", with `retry_after_s`) is the truth. The router remembers it
+  until then, offers that worker the lane's requests last, and when every worker of the model
+  refused the lane lately, refuses the request at the door ("overloaded") with the soonest time
+  any of them gave.
+
+The router cannot see the workers' device; it takes TANDEM_DEVICE as the fleet's ("cpu" scales
+the targets by cpu_ttft_scale, as the workers do; anything else counts as a GPU fleet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.router.workers import LiveWorker
+from tandem.config import Settings
+from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_FREE, LANE_PAID
+from tandem.v1.generate_pb2 import GenerateRequest, Refusal
+
+LANE_NAMES: dict[int, str] = {LANE_PAID: "paid", LANE_FREE: "free", LANE_BACKGROUND: "background"}
+OVERLOADED = "overloaded"  # the router's refusal: no worker can start the request in time
+# How long a refusal is remembered when the worker gave no time, and at most.
+MIN_HOLD_S = 0.5
+MAX_HOLD_S = 30.0
+
+
+def lane_of(request: GenerateRequest) -> int:
+    """The request's lane; an unset one is free (as the workers take it)."""
+    return request.lane if request.lane in LANE_NAMES else LANE_FREE
+
+
+@dataclass(frozen=True)
+class WaitTargets:
+    """The longest expected wait to start, per lane (background waits like free)."""
+
+    paid_s: float = 1.0
+    free_s: float = 2.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WaitTargets:
+        scale = settings.cpu_ttft_scale if settings.device == "cpu" else 1.0
+        return cls(paid_s=settings.ttft_target_paid_s * scale, free_s=settings.ttft_target_free_s * scale)
+
+    @property
+    def scale(self) -> float:
+        """How much longer than a GPU fleet's defaults these targets are (for other deadlines)."""
+        return self.free_s / WaitTargets().free_s
+
+    def for_lane(self, lane: int) -> float:
+        return self.paid_s if lane == LANE_PAID else self.free_s
+
+
+class LaneRefusals:
+    """Workers' "queue_full" refusals, remembered per worker and lane until their retry time.
+    A lane refused also refuses every lane behind it (a worker with no room for paid has none
+    for free)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._until_s: dict[str, dict[int, float]] = {}  # worker id -> lane -> refused until
+
+    def note(self, worker_id: str, lane: int, retry_after_s: float) -> None:
+        hold_s = min(MAX_HOLD_S, max(MIN_HOLD_S, retry_after_s))
+        lanes = self._until_s.setdefault(worker_id, {})
+        lanes[lane] = max(lanes.get(lane, 0.0), self._clock() + hold_s)
+
+    def eta_s(self, worker_id: str, lane: int) -> float:
+        """Seconds until the worker said it would take the lane's requests again; 0: it takes them."""
+        now_s = self._clock()
+        lanes = self._until_s.get(worker_id, {})
+        return max([0.0] + [until_s - now_s for refused, until_s in lanes.items() if refused <= lane])
+
+    def is_full(self, worker_id: str, lane: int) -> bool:
+        return self.eta_s(worker_id, lane) > 0
+
+    def forget(self, worker_id: str) -> None:
+        self._until_s.pop(worker_id, None)
+
+
+def order_for_lane(ranked: Sequence[LiveWorker], lane: int, targets: WaitTargets, refusals: LaneRefusals) -> list[LiveWorker]:
+    """`ranked` (best first) reordered for the lane, stably: workers that refused the lane lately
+    go last; for free and background, workers whose heartbeat expects a wait over the free
+    target go after those within it."""
+
+    def key(worker: LiveWorker) -> tuple[bool, bool]:
+        is_over_hint = lane != LANE_PAID and worker.heartbeat.estimated_wait_s > targets.free_s
+        return refusals.is_full(worker.instance_id, lane), is_over_hint
+
+    return sorted(ranked, key=key)
+
+
+def door_refusal(lane: int, model: str, serving: Sequence[LiveWorker], refusals: LaneRefusals) -> Refusal | None:
+    """ "overloaded" when every worker serving the model refused the lane lately, with the soonest
+    time any of them gave; None when one may take it."""
+    if not serving:
+        return None
+    etas_s = [refusals.eta_s(w.instance_id, lane) for w in serving]
+    if min(etas_s) <= 0:
+        return None
+    soonest_s = min(etas_s)
+    message = (
+        f"every worker serving {model} is full for {LANE_NAMES[lane]} requests: none can start one within "
+        f"its target; the soonest expects room in {soonest_s:.1f} s"
+    )
+    return Refusal(reason=OVERLOADED, message=message, retry_after_s=soonest_s)
