@@ -21,6 +21,9 @@ def decode_worker(
     is_engine_ready: bool = True,
     max_model_len: int = 8192,
     num_assigned: int = 0,
+    estimated_wait_s: float = 0.0,
+    kv_blocks_free: int = 0,
+    kv_blocks_total: int = 0,
 ) -> LiveWorker:
     heartbeat = WorkerHeartbeat(
         service=ServiceHeartbeat(role="decode", instance_id=instance_id, is_ready=is_ready),
@@ -30,6 +33,9 @@ def decode_worker(
         queued_prefill_tokens=queued_prefill_tokens,
         max_model_len=max_model_len,
         is_engine_ready=is_engine_ready,
+        estimated_wait_s=estimated_wait_s,
+        kv_blocks_free=kv_blocks_free,
+        kv_blocks_total=kv_blocks_total,
     )
     return LiveWorker(heartbeat, num_assigned=num_assigned)
 

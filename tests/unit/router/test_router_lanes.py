@@ -1,0 +1,88 @@
+"""Lanes at the router: the order workers are offered a request, refusals remembered, the door."""
+
+import pytest
+from router_fakes import MODEL, decode_worker, request
+
+from services.router.dispatch import REFUSED, Attempt, DispatchConfig, DispatchResult, failure_event
+from services.router.lanes import LaneRefusals, WaitTargets, door_refusal, lane_of, order_for_lane
+from tandem.config import Settings
+from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_FREE, LANE_PAID, LANE_UNSPECIFIED
+from tandem.v1.dispatch_pb2 import Assignment
+from tandem.v1.generate_pb2 import Refusal
+
+TARGETS = WaitTargets(paid_s=1.0, free_s=2.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 50.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def ids(workers) -> list[str]:
+    return [w.instance_id for w in workers]
+
+
+def test_an_unset_lane_is_free():
+    assert lane_of(request(lane=LANE_UNSPECIFIED)) == LANE_FREE
+    assert lane_of(request(lane=LANE_PAID)) == LANE_PAID
+
+
+def test_targets_are_scaled_for_a_cpu_fleet_only():
+    assert WaitTargets.from_settings(Settings(device="cpu", cpu_ttft_scale=10)) == WaitTargets(paid_s=10.0, free_s=20.0)
+    assert WaitTargets.from_settings(Settings(device="auto")) == WaitTargets(paid_s=1.0, free_s=2.0)
+
+
+def test_free_requests_try_workers_within_the_free_target_first_and_paid_keep_the_ranking():
+    ranked = [decode_worker("slow", estimated_wait_s=5.0), decode_worker("fast", estimated_wait_s=1.0)]
+    refusals = LaneRefusals(Clock())
+    assert ids(order_for_lane(ranked, LANE_FREE, TARGETS, refusals)) == ["fast", "slow"]
+    assert ids(order_for_lane(ranked, LANE_BACKGROUND, TARGETS, refusals)) == ["fast", "slow"]
+    assert ids(order_for_lane(ranked, LANE_PAID, TARGETS, refusals)) == ["slow", "fast"]
+
+
+def test_a_worker_that_refused_a_lane_is_offered_it_last_until_its_retry_time():
+    clock = Clock()
+    refusals = LaneRefusals(clock)
+    ranked = [decode_worker("full"), decode_worker("other")]
+    refusals.note("full", LANE_FREE, retry_after_s=3.0)
+    assert ids(order_for_lane(ranked, LANE_FREE, TARGETS, refusals)) == ["other", "full"]
+    assert ids(order_for_lane(ranked, LANE_PAID, TARGETS, refusals)) == ["full", "other"]  # paid was not refused
+    assert refusals.eta_s("full", LANE_BACKGROUND) == pytest.approx(3.0)  # behind free: refused too
+    clock.now_s += 3.0
+    assert ids(order_for_lane(ranked, LANE_FREE, TARGETS, refusals)) == ["full", "other"]
+
+
+def test_the_door_refuses_a_lane_only_when_every_serving_worker_refused_it_with_the_soonest_eta():
+    clock = Clock()
+    refusals = LaneRefusals(clock)
+    serving = [decode_worker("a"), decode_worker("b")]
+    refusals.note("a", LANE_FREE, retry_after_s=4.0)
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals) is None
+    refusals.note("b", LANE_FREE, retry_after_s=2.5)
+    refused = door_refusal(LANE_FREE, MODEL, serving, refusals)
+    assert refused is not None
+    assert (refused.reason, refused.retry_after_s) == ("overloaded", pytest.approx(2.5))
+    assert "free" in refused.message and MODEL in refused.message
+    assert door_refusal(LANE_PAID, MODEL, serving, refusals) is None
+    clock.now_s += 2.5
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals) is None
+    refusals.note("a", LANE_FREE, 1.0)
+    refusals.forget("b")
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals) is None
+
+
+def test_when_every_worker_says_queue_full_the_reply_ends_overloaded_with_the_soonest_eta():
+    assignment = Assignment(reply_id="r1", request=request(), first_seq=1)
+    result = DispatchResult(
+        (
+            Attempt("a", REFUSED, refusal=Refusal(reason="queue_full", message="wait 9 s", retry_after_s=7.0)),
+            Attempt("b", REFUSED, refusal=Refusal(reason="queue_full", message="wait 5 s", retry_after_s=3.0)),
+        )
+    )
+    event = failure_event(assignment, result, DispatchConfig())
+    assert event.error.code == "overloaded"
+    assert event.error.retry_after_s == pytest.approx(3.0)
+    assert "a refused (queue_full: wait 9 s)" in event.error.message
