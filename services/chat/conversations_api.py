@@ -13,6 +13,7 @@ from services.chat import metrics
 from services.chat.auth import CurrentUser
 from services.chat.context import active_branch, parent_seqs
 from services.chat.errors import Conflict, InvalidRequest, NotFound
+from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply, new_reply_id
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
@@ -25,6 +26,7 @@ from tandem.store import Conversation, Role
 from tandem.tokenlog import as_text, load_reply
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
+MAX_PAGE_CONVERSATIONS = 200
 
 
 async def owned_conversation(state: State, user: ApiKey, conversation_id: str) -> Conversation:
@@ -47,7 +49,10 @@ async def create_conversation(state: State, user: CurrentUser, body: NewConversa
 
 @router.get("")
 async def list_conversations(
-    state: State, user: CurrentUser, limit: Annotated[int, Query(ge=1, le=200)] = 50, before_ms: int | None = None
+    state: State,
+    user: CurrentUser,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_CONVERSATIONS)] = 50,
+    before_ms: Annotated[int | None, Query(ge=0, lt=INT64_LIMIT)] = None,
 ) -> dict[str, object]:
     conversations = await state.store.list_conversations(user.user_id, limit=limit, before_ms=before_ms)
     return {"conversations": [conversation_summary(c) for c in conversations]}
@@ -106,7 +111,7 @@ async def post_message(
     conversation_id: str,
     body: MessageBody,
     idempotency: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
-    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0,
+    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, lt=INT64_LIMIT)] = 0,
 ) -> EventSourceResponse:
     conversation = await owned_conversation(state, user, conversation_id)
     after_seq = await branch_point(state, conversation_id, body)

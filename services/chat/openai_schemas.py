@@ -8,11 +8,23 @@ that names it. A parameter sent as `null` counts as not sent. Nothing is silentl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.chat.errors import InvalidRequest
+from services.chat.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_TOKEN_IDS,
+    MaxTokens,
+    ModelName,
+    Seed,
+    Temperature,
+    TokenId,
+    TopP,
+    check_stop_strings,
+)
 from tandem.bus.events import finish_name
 from tandem.v1.common_pb2 import SamplingParams
 
@@ -35,17 +47,25 @@ NEUTRAL: dict[str, object] = {
     "tool_choice": "none",
     "include_stop_str_in_output": False,
     "ignore_eos": False,
+    "top_logprobs": 0,
+    "function_call": "none",
+    "store": False,
+    "min_tokens": 0,
 }
 # The engine's finish reasons as OpenAI's `finish_reason`. A cancelled reply (its client went
 # away, or it was stopped) is "abort", as vLLM's server says; OpenAI itself has no name for it.
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "content_filter": "content_filter"}
-MAX_STOP_STRINGS = 4  # OpenAI's limit
-MAX_STOP_TOKEN_IDS = 64
 
 
 def openai_finish_reason(finish: int) -> str:
     """ "stop", "length", "abort" or "content_filter" for a final event's finish reason."""
     return FINISH_REASONS[finish_name(finish)]
+
+
+def _is_neutral(value: object, neutral: object) -> bool:
+    """`value` is the neutral value itself: a number is not a flag (`logprobs: 0` on a text
+    completion asks for the chosen tokens' logprobs; only `false` is off)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
 class StreamOptions(BaseModel):
@@ -55,28 +75,36 @@ class StreamOptions(BaseModel):
 
 
 class GenerationBody(BaseModel):
-    """What a chat completion and a text completion share: the model, sampling and streaming."""
+    """What a chat completion and a text completion share: the model, sampling and streaming.
+    Every value is bounded here (services.chat.limits), so none reaches SamplingParams out of
+    its field's range."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: ModelName
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # vLLM: -1 or 0 = off
     min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's: 0 = off
-    stop: str | list[str] | None = Field(default=None)
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: Seed | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        check_stop_strings([stop] if isinstance(stop, str) else stop or [])
+        return stop
 
     def refuse_unsupported(self) -> None:
         """Raises InvalidRequest naming the first parameter Tandem cannot honour."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("`stream_options` is only allowed when `stream` is true", param="stream_options")
         for name, value in (self.model_extra or {}).items():
-            if value is None or name in IGNORED or (name in NEUTRAL and value == NEUTRAL[name]):
+            if value is None or name in IGNORED or (name in NEUTRAL and _is_neutral(value, NEUTRAL[name])):
                 continue
             if name in NEUTRAL:
                 message = f"`{name}` is not supported by Tandem (only {NEUTRAL[name]!r}, its default, is accepted)"
@@ -93,8 +121,6 @@ class GenerationBody(BaseModel):
 
     def stop_strings(self) -> list[str]:
         stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"`stop` has {len(stops)} strings; at most {MAX_STOP_STRINGS} are accepted", param="stop")
         return [s for s in stops if s]
 
     def sampling(self, default_max_tokens: int, room_tokens: int) -> SamplingParams:
@@ -124,7 +150,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")  # tool_calls, audio, ...: refused, never dropped
     # "developer" is OpenAI's newer name for the system role; the chat template sees "system".
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
     name: str | None = None  # accepted; chat templates have no place for it
 
     def as_template_message(self) -> dict[str, str]:
@@ -133,8 +159,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionBody(GenerationBody):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: MaxTokens | None = None
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` is OpenAI's newer name for `max_tokens`; both may be given only

@@ -7,22 +7,24 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, StringConstraints, model_validator
 
+from services.chat.limits import MaxTokens, ModelName, Seed, Temperature, TopP
 from services.chat.turns import SamplingChoice
 from tandem.store import Conversation, Message
 
 
 class NewConversationBody(BaseModel):
     title: str = Field(default="", max_length=200)
-    model: str = "auto"
+    model: ModelName = "auto"
 
 
 class SamplingBody(BaseModel):
-    """The sampling options a message or a regenerate may set."""
+    """The sampling options a message or a regenerate may set, bounded here (services.chat.limits)
+    so that a value the engine's SamplingParams cannot hold is refused before a turn is stored."""
 
-    temperature: float = Field(default=0.7, ge=0, le=2)
-    top_p: float = Field(default=0.9, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: Temperature = 0.7
+    top_p: TopP = 0.9
+    seed: Seed | None = None
+    max_tokens: MaxTokens | None = None
 
     def sampling(self) -> SamplingChoice:
         return SamplingChoice(temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=self.max_tokens)
@@ -33,7 +35,7 @@ class MessageBody(SamplingBody):
     the reader chose), or in place of the user message `edit_of` (a sibling of it: an edit)."""
 
     content: str
-    model: str = "auto"
+    model: ModelName = "auto"
     parent_id: str | None = Field(default=None, min_length=1, max_length=100)
     edit_of: str | None = Field(default=None, min_length=1, max_length=100)
 
@@ -45,7 +47,7 @@ class MessageBody(SamplingBody):
 
 
 class RegenerateBody(SamplingBody):
-    model: str = ""  # empty: the model of the answer being regenerated
+    model: ModelName = ""  # empty: the model of the answer being regenerated
 
 
 def iso(unix_ms: int) -> str:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
+from services.chat.limits import MAX_MESSAGES, ModelName
 from services.chat.openai_schemas import ChatMessage
 from services.chat.state import ChatState, State
 from tandem import __version__
@@ -23,16 +24,16 @@ class TokenizeBody(BaseModel):
     """A `prompt`, or `messages` rendered by the chat template (as a chat completion would be)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None  # default: True for a prompt (BOS); chat templates write their own
     add_generation_prompt: bool = True
 
 
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
 
 

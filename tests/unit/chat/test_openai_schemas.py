@@ -67,9 +67,51 @@ def test_max_completion_tokens_is_max_tokens_and_they_must_agree():
     assert refused.value.param == "max_completion_tokens"
 
 
-def test_more_than_four_stop_strings_are_refused():
-    with pytest.raises(InvalidRequest):
-        chat(stop=["a", "b", "c", "d", "e"]).sampling(48, 100)
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": "x" * 201}, "stop"),
+        ({"stop": ["ok", "x" * 201]}, "stop"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2**32}, "max_tokens"),
+        ({"max_completion_tokens": 2**40}, "max_completion_tokens"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 2**32}, "top_k"),
+        ({"min_p": float("inf")}, "min_p"),
+        ({"stop_token_ids": [2**32]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"messages": MESSAGES * 1001}, "messages"),
+        ({"model": "m" * 201}, "model"),
+    ],
+)
+def test_a_value_outside_its_bounds_is_refused_by_validation_naming_it(fields, param):
+    with pytest.raises(ValidationError) as refused:
+        chat(**fields)
+    assert refused.value.errors()[0]["loc"][0] == param
+
+
+def test_values_at_their_bounds_fit_the_engines_sampling_params():
+    """The largest accepted values go into the protobuf without a range error."""
+    body = chat(
+        seed=2**64 - 1, max_tokens=1 << 20, temperature=2, top_p=1, top_k=2**31 - 1, stop_token_ids=[2**32 - 1], stop=["x" * 200] * 4
+    )
+    params = body.sampling(48, 100)
+    assert (params.seed, params.max_tokens, params.top_k, list(params.stop_token_ids)) == (2**64 - 1, 100, 2**31 - 1, [2**32 - 1])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("logprobs", 0), ("n", True), ("top_logprobs", 2), ("tool_choice", "auto"), ("logit_bias", {"5": 1})]
+)
+def test_a_number_is_not_a_neutral_flag_and_other_values_are_not_neutral(field, value):
+    """`logprobs: 0` asks a text completion for the chosen tokens' logprobs: not `false`."""
+    with pytest.raises(InvalidRequest) as refused:
+        chat(**{field: value}).refuse_unsupported()
+    assert refused.value.param == field
 
 
 def test_the_developer_role_reaches_the_template_as_system():
