@@ -19,6 +19,7 @@ import torch
 
 from tandem.engine.block_pool import CachedBlock, KvEvent
 from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
+from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
@@ -60,6 +61,7 @@ class Request:
     sampling: SamplingOptions = SamplingOptions()
     lane: Lane = Lane.FREE
     tenant: str = ""
+    user_id: str = ""  # within a lane, users are admitted round-robin
     num_public_prefix_tokens: int = 0
     # A continuation: tokens of this reply generated (and streamed) before, by a worker that died
     # or a handoff that failed. They follow the prompt, count as output, and are not streamed again.
@@ -99,6 +101,7 @@ class EngineStats:
     num_decode_tokens: int
     prefill_time_s: float  # step time, split by each step's share of prefill and decode tokens
     decode_time_s: float
+    prefill_tokens_per_s: float = 0.0  # recent prefill tokens per second of step time; 0 until measured
 
 
 @dataclass
@@ -135,6 +138,7 @@ class Engine:
         self._replies: dict[str, ReplyText] = {}  # the text of every request still scheduled
         self._exports: dict[str, Sequence] = {}  # handed off, blocks held until release()
         self._counters = _Counters()
+        self._prefill_rate = PrefillRate()
 
     def _blocks_for(self, kv_cache_mib: int, dtype: torch.dtype) -> int:
         c = self.loaded.config
@@ -193,7 +197,13 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self._counters
         return EngineStats(
-            self.scheduler.stats(), c.num_steps, c.num_prefill_tokens, c.num_decode_tokens, c.prefill_time_s, c.decode_time_s
+            self.scheduler.stats(),
+            c.num_steps,
+            c.num_prefill_tokens,
+            c.num_decode_tokens,
+            c.prefill_time_s,
+            c.decode_time_s,
+            self._prefill_rate.tokens_per_s,
         )
 
     # -- disaggregation hooks -------------------------------------------------------------------
@@ -253,6 +263,7 @@ class Engine:
             request.sampling,
             lane=request.lane,
             tenant=request.tenant,
+            user_id=request.user_id,
             num_public_prefix_tokens=request.num_public_prefix_tokens,
             eos_token_ids=() if request.sampling.ignore_eos else self.loaded.eos_token_ids,
             is_prefill_only=is_prefill_only,
@@ -299,6 +310,7 @@ class Engine:
         c.num_steps += 1
         c.num_prefill_tokens += num_prefill_tokens
         c.num_decode_tokens += num_decode_tokens
+        self._prefill_rate.add_step(num_prefill_tokens, elapsed_s)
         num_tokens = num_prefill_tokens + num_decode_tokens
         if num_tokens:
             c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens

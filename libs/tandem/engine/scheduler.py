@@ -13,19 +13,25 @@ itself), so the runner drops their state before it runs the plan.
 There is no prefill phase or decode phase: every sequence's computed-token count catches up to
 its token count, one chunk per step, which covers chunked prefill, prefix hits and decoding in
 one rule. A step takes, in order: every running decode (one token each), the next chunk of
-running prefills, then admissions from the waiting queues by lane (paid, free, background; FIFO
-within a lane) while KV blocks last above the reserve. When a running sequence cannot get a
-block, the newest running sequence is preempted by recompute.
+running prefills, then admissions from the waiting queues by lane (paid, free, background;
+round-robin by user within a lane, lane_queue.py) while KV blocks last above the reserve.
+
+Lanes decide who gives way. When a running sequence cannot get a block, the lowest-lane newest
+running sequence is preempted by recompute (background first, then free, newest first within a
+lane), so a paid sequence is never preempted while a lower lane runs, and one without room takes
+it from them; a paid or free sequence waiting for a block or a seat preempts lower-lane running
+ones the same way. Background work is admitted only on idle capacity: nothing paid or free
+waits and at least `background_min_free_fraction` of the usable KV blocks are free.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from tandem.engine.kv_cache_manager import KvCacheManager
+from tandem.engine.lane_queue import LaneQueue
 from tandem.engine.sequence import FinishReason, Lane, Sequence, SequenceStatus
 from tandem.engine.step_plan import ScheduledChunk, StepPlan, UpdateResult
 
@@ -59,6 +65,8 @@ class SchedulerConfig:
     # the runner one forward each (tandem.engine.runner replays them as decodes); at most this
     # many per sequence per step, so a long replay does not stall the step's other sequences.
     max_replayed_tokens_per_step: int = 32
+    # Background work is admitted only while this share of the usable blocks (above the reserve) is free.
+    background_min_free_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if (
@@ -66,6 +74,7 @@ class SchedulerConfig:
             or self.max_num_seqs < 1
             or self.num_reserved_blocks < 0
             or self.max_replayed_tokens_per_step < 1
+            or not 0.0 <= self.background_min_free_fraction <= 1.0
         ):
             raise ValueError(f"invalid scheduler config: {self}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -82,6 +91,9 @@ class SchedulerStats:
     num_prefix_hit_tokens: int  # total since start, recomputes included
     num_preemptions: int  # total since start
     num_queued_prefill_tokens: int  # tokens still to prefill: waiting sequences' and running prefills'
+    num_waiting_prefill_tokens: dict[Lane, int]  # waiting sequences' tokens to compute, by lane
+    num_running_prefill_tokens: int  # running prefills' tokens still to compute (they go before any admission)
+    has_idle_capacity: bool  # background work would be admitted now
 
 
 class Scheduler:
@@ -94,7 +106,8 @@ class Scheduler:
         self._max_blocks_per_seq = num_usable_blocks
         max_tokens = num_usable_blocks * kv.block_size
         self._max_seq_tokens = min(max_tokens, config.max_model_len) if config.max_model_len else max_tokens
-        self._waiting: dict[Lane, deque[Sequence]] = {lane: deque() for lane in Lane}
+        self._num_usable_blocks = num_usable_blocks
+        self._waiting: dict[Lane, LaneQueue] = {lane: LaneQueue() for lane in Lane}
         self._running: list[Sequence] = []  # oldest arrival first
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._abort_ids: dict[str, None] = {}
@@ -168,22 +181,20 @@ class Scheduler:
         aborted = self._apply_aborts()
         plan = StepPlan(aborted=aborted, finished_seq_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
         running = list(self._running)
         decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
         prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
+            budget = self._budget_left(plan)
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new_tokens = self._make_room(seq, min(self._max_chunk(seq), budget), scheduled_ids, plan)
+            num_new_tokens = self._make_room(seq, min(self._max_chunk(seq), budget), plan)
             if num_new_tokens:
-                budget -= self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
-                scheduled_ids.add(seq.seq_id)
+                self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
         if not plan.preempted:  # blocks ran out this step: nobody new gets in
-            self._admit(plan, budget)
+            self._admit(plan)
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], stopped_ids: Collection[str] = ()) -> UpdateResult:
@@ -217,6 +228,8 @@ class Scheduler:
         running = dict.fromkeys(Lane, 0)
         for seq in self._running:
             running[seq.lane] += 1
+        waiting_tokens = {lane: sum(seq.num_uncomputed_tokens for seq in queue) for lane, queue in self._waiting.items()}
+        prefilling_tokens = sum(seq.num_uncomputed_tokens for seq in self._running if seq.num_uncomputed_tokens > 1)
         return SchedulerStats(
             num_running=running,
             num_waiting={lane: len(queue) for lane, queue in self._waiting.items()},
@@ -225,69 +238,111 @@ class Scheduler:
             num_used_blocks=self.kv.num_used_blocks,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
-            num_queued_prefill_tokens=self._num_queued_prefill_tokens(),
+            num_queued_prefill_tokens=sum(waiting_tokens.values()) + prefilling_tokens,
+            num_waiting_prefill_tokens=waiting_tokens,
+            num_running_prefill_tokens=prefilling_tokens,
+            has_idle_capacity=self._has_idle_capacity(),
         )
-
-    def _num_queued_prefill_tokens(self) -> int:
-        waiting = sum(seq.num_uncomputed_tokens for queue in self._waiting.values() for seq in queue)
-        prefilling = sum(seq.num_uncomputed_tokens for seq in self._running if seq.num_uncomputed_tokens > 1)
-        return waiting + prefilling
 
     # -- inside a step --------------------------------------------------------------------------
 
-    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str], plan: StepPlan) -> int:
-        """Allocate blocks for up to `num_tokens` of a running sequence, preempting newest first.
+    def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> int:
+        """Allocate blocks for up to `num_tokens` of a running sequence, preempting the lowest-lane
+        newest running sequence while none is free (`seq` itself when it is that one).
 
         Returns how many tokens got room: fewer than asked when only part fits, 0 when `seq`
-        itself was the newest and got preempted.
+        itself got preempted.
         """
         while (num_fitting := self.kv.max_new_tokens(seq)) < 1:
-            victim = next(s for s in reversed(self._running) if s.seq_id not in scheduled_ids)
-            self._preempt(victim)
-            plan.preempted.append(victim)
+            victim = max(self._running, key=_give_way_order)  # `seq` runs: never a higher lane than it
+            self._preempt(victim, plan)
             if victim is seq:
                 return 0
         num_tokens = min(num_tokens, num_fitting)
         self.kv.allocate_slots(seq, num_tokens)
         return num_tokens
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
+    def _admit(self, plan: StepPlan) -> None:
+        """Admissions by lane, round-robin by user within one, while blocks, seats and budget last.
+        A waiting sequence without a seat or blocks takes them from lower-lane running ones; once
+        it did, no lower lane is admitted this step (the preempted would come straight back)."""
         for lane in Lane:
+            if lane is Lane.BACKGROUND and not self._has_idle_capacity():
+                return
             queue = self._waiting[lane]
-            while queue and budget > 0 and len(self._running) < self.config.max_num_seqs:
-                seq = queue[0]
+            while (seq := queue.peek()) is not None and self._budget_left(plan) > 0:
+                if not self._find_seat(seq, plan):
+                    return
                 num_hit_tokens = self.kv.find_cached_prefix(seq)
                 num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
-                num_new_tokens = min(self._max_chunk(seq), budget, num_fitting)
+                while num_fitting < 1 and self._preempt_below(seq.lane, plan):
+                    num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
+                num_new_tokens = min(self._max_chunk(seq), self._budget_left(plan), num_fitting)
                 if num_new_tokens < 1:
                     self.kv.free(seq)  # give the prefix back; it stays cached
                     return  # out of blocks: lower lanes must not overtake this one
                 self.kv.allocate_slots(seq, num_new_tokens)
-                queue.popleft()
+                queue.pop()
                 seq.admit()
                 bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
                 self._num_prefix_hit_tokens += num_hit_tokens
-                budget -= self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
+                self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
+            if any(victim.lane > lane for victim in plan.preempted):
+                return
+
+    def _find_seat(self, seq: Sequence, plan: StepPlan) -> bool:
+        """A free seat (max_num_seqs) for `seq`, made by preempting a lower lane if need be."""
+        while len(self._running) >= self.config.max_num_seqs:
+            if not self._preempt_below(seq.lane, plan):
+                return False
+        return True
+
+    def _preempt_below(self, lane: Lane, plan: StepPlan) -> bool:
+        """Preempts the lowest-lane newest running sequence of a lane below `lane`; False if none runs."""
+        victim = max(self._running, key=_give_way_order, default=None)
+        if victim is None or victim.lane <= lane:
+            return False
+        self._preempt(victim, plan)
+        return True
+
+    def _has_idle_capacity(self) -> bool:
+        """Background work may start: nothing paid or free waits, and blocks are plentiful."""
+        if len(self._waiting[Lane.PAID]) or len(self._waiting[Lane.FREE]):
+            return False
+        num_free_usable = self.kv.num_free_blocks - self.config.num_reserved_blocks
+        return num_free_usable >= self.config.background_min_free_fraction * self._num_usable_blocks
+
+    def _budget_left(self, plan: StepPlan) -> int:
+        return self.config.max_num_batched_tokens - plan.num_prefill_tokens - plan.num_decode_tokens
 
     def _max_chunk(self, seq: Sequence) -> int:
         """The sequence's uncomputed tokens, of them at most max_replayed_tokens_per_step generated ones."""
         num_prompt_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
         return min(seq.num_uncomputed_tokens, num_prompt_left + self.config.max_replayed_tokens_per_step)
 
-    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> int:
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> None:
         plan.scheduled.append(ScheduledChunk(seq, num_new_tokens))
         if is_decode:
             plan.num_decode_tokens += num_new_tokens
         else:
             plan.num_prefill_tokens += num_new_tokens
-        return num_new_tokens
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Back to the front of its lane, to be recomputed; a chunk it got this step is withdrawn."""
+        for i, chunk in enumerate(plan.scheduled):
+            if chunk.seq is seq:
+                del plan.scheduled[i]
+                if seq.num_uncomputed_tokens == 1:  # as _add_chunk counted it: a decode
+                    plan.num_decode_tokens -= chunk.num_new_tokens
+                else:
+                    plan.num_prefill_tokens -= chunk.num_new_tokens
+                break
         self.kv.free(seq)
         seq.preempt()
         self._running.remove(seq)
-        self._waiting[seq.lane].appendleft(seq)
+        self._waiting[seq.lane].push_front(seq)
         self._num_preemptions += 1
+        plan.preempted.append(seq)
 
     def _apply_aborts(self) -> list[Sequence]:
         aborted = []
@@ -325,3 +380,8 @@ class Scheduler:
         self._running.remove(seq)
         del self._seqs[seq.seq_id]
         self._finished_ids.append(seq.seq_id)
+
+
+def _give_way_order(seq: Sequence) -> tuple[Lane, int]:
+    """The running sequence with the largest key gives way first: the lowest lane, then the newest."""
+    return seq.lane, seq.arrival_order

@@ -80,6 +80,7 @@ class Sequence:
         *,
         lane: Lane = Lane.FREE,
         tenant: str = "",
+        user_id: str = "",
         num_public_prefix_tokens: int = 0,
         eos_token_ids: Iterable[int] = (),
         is_prefill_only: bool = False,
@@ -94,6 +95,7 @@ class Sequence:
         self.sampling = sampling
         self.lane = lane
         self.tenant = tenant
+        self.user_id = user_id  # within a lane, users are admitted round-robin
         self.num_public_prefix_tokens = num_public_prefix_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         # Prefill side of a handoff: once its first token is sampled the scheduler hands it off,

@@ -39,6 +39,7 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         sampling,
         lane=LANES.get(request.lane, Lane.FREE),
         tenant=request.tenant or request.user_id,
+        user_id=request.user_id,
         num_public_prefix_tokens=min(request.public_prefix_tokens, len(request.prompt_token_ids)),
         generated_token_ids=tuple(request.generated_token_ids),
     )

@@ -1,0 +1,28 @@
+import pytest
+
+from tandem.engine.prefill_rate import PrefillRate
+
+
+def test_the_rate_is_zero_until_a_step_with_prefill_work_is_measured():
+    rate = PrefillRate()
+    rate.add_step(0, 0.5)  # a decode-only step
+    rate.add_step(100, 0.0)  # no measurable time
+    assert rate.tokens_per_s == 0.0
+    rate.add_step(100, 0.5)
+    assert rate.tokens_per_s == pytest.approx(200.0)
+
+
+def test_the_rate_is_token_weighted_so_tiny_chunks_barely_move_it():
+    rate = PrefillRate(decay=0.5)
+    rate.add_step(1000, 1.0)
+    rate.add_step(2, 0.1)  # 20 tokens/s on its own
+    assert rate.tokens_per_s == pytest.approx((0.5 * 1000 + 2) / (0.5 * 1.0 + 0.1))
+    assert rate.tokens_per_s > 800
+
+
+def test_a_slow_first_step_is_forgotten_as_steps_go_by():
+    rate = PrefillRate(decay=0.8)
+    rate.add_step(512, 10.0)  # warm-up
+    for _ in range(40):
+        rate.add_step(512, 0.1)
+    assert rate.tokens_per_s == pytest.approx(5120, rel=0.01)
