@@ -28,20 +28,23 @@ from tandem.bus.token_stream import STREAM
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import EmbeddedServer
 from tandem.engine.block_hash import prefix_block_hashes
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR, LaneCounts
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR, LANE_FREE, LANE_PAID, LaneCounts
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import BlocksStored, KvEvent, KvState, KvStateRequest, StoredBlock
 from tandem.v1.tokens_pb2 import TokenEvent
-from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
+from tandem.v1.worker_pb2 import LadderStatus, ServiceHeartbeat, WorkerHeartbeat
 
 MODEL = "SmolLM2-135M-Instruct"
 WINDOW = 8192
 HEARTBEAT_INTERVAL_S = 0.2
 WAIT_S = 10.0
+LADDER_INTERVAL_S = 0.2  # the ladder observes this often here (10 s in production)
+LADDER_START_DEADLINE_S = 1.0
 
 ACCEPT = "accept"
 REFUSE = "refuse"
+QUEUE_FULL = "queue_full"  # refuses as a worker whose queue is too long for the lane
 SILENT = "silent"  # subscribed, never answers: the router times out
 DEAF = "deaf"  # not subscribed at all: the router gets "no responders"
 
@@ -54,7 +57,13 @@ class Router:
 
 
 async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer, nc: Client) -> Router:
-    env = service_env("router", nats_server.url, redis_server.url)
+    env = service_env(
+        "router",
+        nats_server.url,
+        redis_server.url,
+        TANDEM_LADDER_INTERVAL_S=str(LADDER_INTERVAL_S),
+        TANDEM_LADDER_START_DEADLINE_S=str(LADDER_START_DEADLINE_S),
+    )
     child = service_process("router", env)
     child.start()
     router = Router(child, f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}", env["TANDEM_INSTANCE_ID"])
@@ -74,16 +83,28 @@ class StandInWorker:
     """A decode worker as the router sees it: heartbeats with a fixed load, and Assignments
     answered by `answer`."""
 
-    def __init__(self, nc: Client, answer: str = ACCEPT, *, num_running: int = 0, is_engine_ready: bool = True) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        answer: str = ACCEPT,
+        *,
+        num_running: int = 0,
+        is_engine_ready: bool = True,
+        kv_blocks_free: int = 1024,
+        estimated_wait_s: float = 0.0,
+        retry_after_s: float = 1.5,
+    ) -> None:
         self.nc = nc
         self.instance_id = f"decode-standin-{uuid.uuid4().hex[:8]}"
         self.answer = answer
+        self.retry_after_s = retry_after_s
         self.heartbeat = WorkerHeartbeat(
             service=ServiceHeartbeat(role="decode", instance_id=self.instance_id, is_ready=True, interval_s=HEARTBEAT_INTERVAL_S),
             model=MODEL,
             kv_block_size=16,
             kv_blocks_total=1024,
-            kv_blocks_free=1024,
+            kv_blocks_free=kv_blocks_free,
+            estimated_wait_s=estimated_wait_s,
             running=LaneCounts(paid=num_running),
             waiting=LaneCounts(),
             max_model_len=WINDOW if is_engine_ready else 0,
@@ -115,7 +136,10 @@ class StandInWorker:
         if self.answer == ACCEPT:
             await msg.respond(encode(AssignmentReply(accepted=True)))
         elif self.answer == REFUSE:
-            refusal = Refusal(reason="overloaded", message=f"{self.instance_id} is full", retry_after_s=1.5)
+            refusal = Refusal(reason="overloaded", message=f"{self.instance_id} is full", retry_after_s=self.retry_after_s)
+            await msg.respond(encode(AssignmentReply(refused=refusal)))
+        elif self.answer == QUEUE_FULL:
+            refusal = Refusal(reason="queue_full", message="the wait is over the lane's target", retry_after_s=self.retry_after_s)
             await msg.respond(encode(AssignmentReply(refused=refusal)))
 
     async def next_assignment(self) -> Assignment:
@@ -373,3 +397,73 @@ async def test_a_gap_in_kv_events_fetches_the_state_and_the_prefix_holder_gets_t
     reply = await ask_accepted(nc, request)
     assert (await holder.next_assignment()).reply_id == reply.reply_id
     assert other.assignments.empty()
+
+
+async def final_event_of(events: asyncio.Queue[TokenEvent], reply_id: str) -> TokenEvent:
+    event = await asyncio.wait_for(events.get(), WAIT_S)
+    while event.reply_id != reply_id:  # another test's leftovers never match a fresh id
+        event = await asyncio.wait_for(events.get(), WAIT_S)
+    return event
+
+
+async def test_workers_whose_queues_are_full_end_the_reply_overloaded_and_then_the_door_refuses_the_lane(router, stand_in, nc):
+    first, second = await stand_in(QUEUE_FULL, retry_after_s=30.0), await stand_in(QUEUE_FULL, retry_after_s=20.0)
+    await wait_until_router_lists(router, first, second)
+    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    async def on_event(msg: Msg) -> None:
+        await events.put(decode(msg.data, TokenEvent))
+
+    subscription = await nc.subscribe(subjects.TOKENS_ALL, cb=on_event)
+    await nc.flush()
+    try:
+        reply = await ask_accepted(nc, generate_request(lane=LANE_FREE))  # the heartbeats expect no wait
+        event = await final_event_of(events, reply.reply_id)
+    finally:
+        await subscription.unsubscribe()
+    assert (event.finish, event.error.code) == (FINISH_REASON_ERROR, "overloaded")
+    assert event.error.retry_after_s == 20.0  # the soonest either worker gave
+    # Both refused free work: the next free request is refused at the door, with the soonest ETA.
+    refusal = await ask_refused(nc, generate_request(lane=LANE_FREE))
+    assert refusal.reason == "overloaded"
+    assert 10.0 < refusal.retry_after_s <= 20.0
+    assert "free" in refusal.message
+    paid = await ask_accepted(nc, generate_request(lane=LANE_PAID))  # paid was not refused
+    assert (await first.next_assignment()).reply_id == reply.reply_id
+    assert paid.reply_id in {(await first.next_assignment()).reply_id, (await second.next_assignment()).reply_id}
+
+
+async def test_a_fleet_98_percent_busy_climbs_to_rung_3_where_free_is_refused_and_paid_admitted(router, stand_in, nc):
+    statuses: asyncio.Queue[LadderStatus] = asyncio.Queue()
+
+    async def on_status(msg: Msg) -> None:
+        status = decode(msg.data, LadderStatus)
+        if status.router_id == router.instance_id:
+            await statuses.put(status)
+
+    subscription = await nc.subscribe(subjects.LADDER, cb=on_status)
+    await nc.flush()
+    # 98 % of the KV blocks in use, and a free request would wait 1.96 s (98 % of the free target,
+    # over this router's start deadline of 1 s).
+    worker = await stand_in(kv_blocks_free=20, estimated_wait_s=1.96)
+    await wait_until_router_lists(router, worker)
+    rungs: list[int] = []
+    try:
+        while not rungs or rungs[-1] < 3:  # bounded by WAIT_S for each status
+            status = await asyncio.wait_for(statuses.get(), WAIT_S)
+            rungs.append(status.rung)
+    finally:
+        await subscription.unsubscribe()
+    climbed = [rung for rung in rungs if rung > 0]
+    assert climbed == [1, 2, 3]  # one rung per observation
+    assert status.busyness > 0.97 and status.kv_occupancy > 0.97
+    assert status.interval_s == LADDER_INTERVAL_S
+    refusal = await ask_refused(nc, generate_request(lane=LANE_FREE))
+    assert refusal.reason == "overloaded"
+    assert refusal.retry_after_s >= LADDER_INTERVAL_S
+    assert "cannot start within 1 s" in refusal.message
+    paid = await ask_accepted(nc, generate_request(lane=LANE_PAID))
+    assert (await worker.next_assignment()).reply_id == paid.reply_id
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        body = (await http.get("/metrics")).text
+    assert "tandem_router_ladder_rung 3.0" in body
