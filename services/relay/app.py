@@ -1,8 +1,8 @@
 """Wiring of the relay process: every TokenEvent in the token stream (one durable JetStream
 consumer that all relays share) is appended to its reply's Redis token log and then
-acknowledged; a reply's final event gets its assistant turn stored; a sweep several times a
-second continues replies whose worker was lost and, about once a second, cancels replies nobody
-reads and retries turns the store did not take."""
+acknowledged; a reply's final event gets its assistant turn stored and its quota settled; a
+sweep several times a second continues replies whose worker was lost and, about once a second,
+cancels replies nobody reads and retries turns the store did not take."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from redis.exceptions import RedisError
 from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from services.relay.persist import PersistConfig, persist_reply
+from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
 from tandem.bus.token_stream import publish_token
 from tandem.config import Settings
+from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.store import StoreUnavailable, open_store, store_is_available
 from tandem.tokenlog import TokenLogWriter
@@ -47,6 +49,7 @@ def build_app(settings: Settings) -> FastAPI:
         running_ttl_s=settings.running_reply_ttl_s,
     )
     claims = Claims()
+    quotas = QuotaSettler(redis, TokenBuckets(redis, QuotaConfig.from_settings(settings)))
     tasks: set[asyncio.Task[None]] = set()
     consumer: TokenConsumer | None = None
     stalls: StallWatcher | None = None
@@ -76,6 +79,7 @@ def build_app(settings: Settings) -> FastAPI:
         if appended.final_status is not None:
             metrics.REPLIES_FINISHED.labels(status=appended.final_status.value).inc()
             spawn(persist_soon(event.reply_id), f"persist:{event.reply_id}")
+            spawn(quotas.settle(event), f"quota:{event.reply_id}")
 
     def spawn(work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)

@@ -21,8 +21,10 @@ from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import ReplyStatus, now_ms
+from tandem.config import Tier
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import start_nats, start_redis
+from tandem.quota import QuotaConfig, TokenBuckets, reservation_key, worst_case_units
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
@@ -30,6 +32,7 @@ from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Us
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 
 IDLE_TIMEOUT_S = 1.0
+QUOTA = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000, refill_s=1e9, reservation_ttl_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +200,19 @@ async def test_only_a_reply_created_to_track_readers_is_cancelled_for_want_of_th
     await subscription.unsubscribe()
     assert (await load_reply(redis, untracked)).cancel_sent_ms == 0
     assert (await load_reply(redis, tracked)).cancel_sent_ms > 0
+
+
+async def test_a_finished_reply_is_settled_with_the_usage_of_its_logged_final_event(ready, nc, redis):
+    buckets = TokenBuckets(redis, QUOTA)  # a refill too slow to matter here
+    user, reply_id = uuid.uuid4().hex, uuid.uuid4().hex
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id=user), track_readers=False)
+    assert (await buckets.reserve(user, Tier.FREE, worst_case_units(9, 100), reply_id, num_prompt_tokens=9)).is_admitted
+    events = reply_events(reply_id, 6)  # 9 in, 6 out: 33 units
+    for event in [events[-1], *events[:-1]]:  # the final event first: held until the gap before it fills
+        await nc.publish(subjects.tokens(reply_id), encode(event))
+    await wait_until(lambda: _is_gone(redis, reservation_key(reply_id)))
+    assert (await buckets.peek(user, Tier.FREE)).remaining_units == pytest.approx(6000 - 33, abs=0.5)
+
+
+async def _is_gone(redis, key: str) -> bool:
+    return await redis.exists(key) == 0

@@ -27,8 +27,10 @@ from tokenlog.durable_redis import DurableRedis
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.bus.token_stream import ensure_token_stream, publish_token
+from tandem.config import Tier
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.servers import start_nats
+from tandem.quota import QuotaConfig, TokenBuckets, reservation_key, worst_case_units
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import (
@@ -344,6 +346,9 @@ async def _at_least(value: int, minimum: int) -> bool:
 
 async def test_a_reply_lost_after_its_last_continuation_ends_with_an_error_and_is_stored_failed(ready, nc, js, redis, store):
     reply_id = await new_turn(store, redis)
+    buckets = TokenBuckets(redis, QuotaConfig(6000, 60000, 600000, refill_s=1e9, reservation_ttl_s=600))
+    quota_user = uuid.uuid4().hex
+    await buckets.reserve(quota_user, Tier.FREE, worst_case_units(3, 48), reply_id, num_prompt_tokens=3)
     reader = asyncio.create_task(_read_all(redis, reply_id))
     # A live worker that claims something else: the relay hears the fleet, and nobody claims this reply.
     with Worker(nc, []):
@@ -360,6 +365,9 @@ async def test_a_reply_lost_after_its_last_continuation_ends_with_an_error_and_i
     assert (last.seq, last.finish, last.error.code, last.epoch) == (3, FINISH_REASON_ERROR, "worker_lost", MAX_CONTINUATIONS + 1)
     assert "regenerate" in last.error.message
     assert not await redis.sismember(RUNNING, reply_id)
+    # The relay ended it: it settles it too, charging the prompt and the 2 tokens delivered (3 + 2 x4).
+    await wait_until(lambda: _equals(redis.exists(reservation_key(reply_id)), 0))
+    assert (await buckets.peek(quota_user, Tier.FREE)).remaining_units == pytest.approx(6000 - 11, abs=0.5)
 
 
 async def _read_all(redis, reply_id: str) -> list[TokenEvent]:
