@@ -1,0 +1,334 @@
+"""The stream bench's client processes: thousands of SSE streams per process, each a raw-socket
+HTTP/1.1 connection (an asyncio Protocol with its own small chunked and SSE parser), so one
+process holds many streams cheaply and the client is not the bottleneck.
+
+A process gets a job over a pipe, opens its streams, reads them to `done` (a stream that ends
+early resumes with Last-Event-ID, as a browser does), and answers with one small summary per
+stream; then, given when the relay wrote each event, the delays of the events it received live.
+The capacity job only opens its streams, counts the answers, and closes them all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import time
+import zlib
+from array import array
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+MAX_RESUMES = 20
+DELAY_BIN_MS = 1
+MAX_DELAY_MS = 120_000
+
+
+@dataclass
+class Job:
+    host: str
+    port: int
+    api_key: str
+    reply_ids: list[str]  # one stream per entry
+    mode: str = "read"  # "read": read to done; "capacity": open, count answers, close
+    max_connecting: int = 128  # connections opened but not yet answered, at once
+    timeout_s: float = 600.0
+
+
+@dataclass
+class StreamResult:
+    reply_id: str
+    status: int = 0  # of the first request; 0: no HTTP answer (refused, reset)
+    error_code: str = ""
+    has_retry_after: bool = False
+    num_events: int = 0
+    is_done: bool = False  # saw `done` or `error`
+    is_contiguous: bool = True  # ids 1, 2, 3, ... across resumes
+    chain: int = 0  # crc32 over the log-derived events (id >= 2): "id\nevent\ndata\n"
+    num_resumes: int = 0
+    attached_s: float = 0.0  # when its first answer's head arrived (unix time)
+    arrivals_s: array = field(default_factory=lambda: array("d"))  # arrival of event id k at index k - 1
+
+
+class SseStream(asyncio.Protocol):
+    """One request on one connection: the response head, then a chunked SSE body (or a small
+    JSON error body with Content-Length)."""
+
+    def __init__(
+        self, job: Job, result: StreamResult, last_event_id: int, on_answer: Callable[[], None], on_end: Callable[[SseStream], None]
+    ) -> None:
+        self._job, self.result, self._last_event_id = job, result, last_event_id
+        self._on_answer, self._on_end = on_answer, on_end
+        self._head = bytearray()
+        self._is_body = False
+        self._raw = bytearray()
+        self._chunk_left = 0
+        self._need_crlf = False
+        self._content_length: int | None = None
+        self._line = bytearray()
+        self._fields: dict[str, str] = {}
+        self.transport: asyncio.Transport | None = None
+        self.status = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        resume = f"Last-Event-ID: {self._last_event_id}\r\n" if self._last_event_id else ""
+        request = (
+            f"GET /v1/messages/{self.result.reply_id}/stream HTTP/1.1\r\nHost: {self._job.host}:{self._job.port}\r\n"
+            f"Authorization: Bearer {self._job.api_key}\r\nAccept: text/event-stream\r\nConnection: close\r\n{resume}\r\n"
+        )
+        transport.write(request.encode())
+
+    def data_received(self, data: bytes) -> None:
+        now_s = time.time()
+        if not self._is_body:
+            self._head += data
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            rest = bytes(self._head[end + 4 :])
+            self._read_head(bytes(self._head[:end]).decode("latin-1"), now_s)
+            self._is_body = True
+            data = rest
+        if self._content_length is not None:
+            self._raw += data
+            if len(self._raw) >= self._content_length:
+                self._read_error_body()
+                self.close()
+            return
+        self._feed_chunked(data, now_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_end(self)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _read_head(self, head: str, now_s: float) -> None:
+        status_line, *header_lines = head.split("\r\n")
+        self.status = int(status_line.split(" ", 2)[1])
+        headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in header_lines)}
+        if self.result.status == 0:
+            self.result.status = self.status
+            self.result.has_retry_after = "retry-after" in headers
+            self.result.attached_s = now_s
+        if "content-length" in headers and headers.get("transfer-encoding") != "chunked":
+            self._content_length = int(headers["content-length"])
+        self._on_answer()
+
+    def _read_error_body(self) -> None:
+        try:
+            body: Any = json.loads(bytes(self._raw[: self._content_length]))
+            self.result.error_code = str(body["error"]["code"])
+        except (ValueError, KeyError, TypeError):
+            self.result.error_code = "unreadable"
+
+    def _feed_chunked(self, data: bytes, now_s: float) -> None:
+        raw = self._raw
+        raw += data
+        while raw:
+            if self._need_crlf:
+                if len(raw) < 2:
+                    return
+                del raw[:2]
+                self._need_crlf = False
+            elif self._chunk_left == 0:
+                end = raw.find(b"\r\n")
+                if end < 0:
+                    return
+                size = int(bytes(raw[:end]).split(b";")[0], 16)
+                del raw[: end + 2]
+                if size == 0:
+                    self.close()
+                    return
+                self._chunk_left = size
+            else:
+                piece = bytes(raw[: self._chunk_left])
+                del raw[: len(piece)]
+                self._chunk_left -= len(piece)
+                self._need_crlf = self._chunk_left == 0
+                self._feed_sse(piece, now_s)
+
+    def _feed_sse(self, piece: bytes, now_s: float) -> None:
+        self._line += piece
+        *lines, rest = self._line.split(b"\n")
+        self._line = bytearray(rest)
+        for raw_line in lines:
+            line = raw_line.rstrip(b"\r").decode()
+            if line == "":
+                if "data" in self._fields:
+                    self._on_event(int(self._fields.get("id", "0")), self._fields.get("event", "message"), self._fields["data"], now_s)
+                self._fields = {}
+            elif not line.startswith(":"):
+                name, _, value = line.partition(":")
+                self._fields[name] = value.removeprefix(" ")
+
+    def _on_event(self, event_id: int, event: str, data: str, now_s: float) -> None:
+        result = self.result
+        if event_id != result.num_events + 1:
+            result.is_contiguous = False
+        result.num_events = max(result.num_events, event_id)
+        result.arrivals_s.append(now_s)
+        self._last_event_id = event_id
+        if event_id >= 2:
+            result.chain = zlib.crc32(f"{event_id}\n{event}\n{data}\n".encode(), result.chain)
+        if event in ("done", "error"):
+            result.is_done = True
+            self.close()
+
+
+def expected_chain(events: list[tuple[int, str, str]]) -> int:
+    """The chain a client computes over a reply's log-derived events (id, event, data)."""
+    chain = 0
+    for event_id, event, data in events:
+        chain = zlib.crc32(f"{event_id}\n{event}\n{data}\n".encode(), chain)
+    return chain
+
+
+class Streams:
+    """Every stream of one job: opened with at most `max_connecting` awaiting their answer."""
+
+    def __init__(self, job: Job, num_held: Synchronized) -> None:  # type: ignore[type-arg]
+        self._job = job
+        self._num_held = num_held
+        self._connecting = asyncio.Semaphore(job.max_connecting)
+        self.results = [StreamResult(reply_id) for reply_id in job.reply_ids]
+        self._open: set[SseStream] = set()
+        self._num_unanswered = len(self.results)
+        self._all_answered = asyncio.Event()
+        self._num_running = len(self.results)
+        self._all_ended = asyncio.Event()
+        self._is_closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> list[StreamResult]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._job.timeout_s
+        for result in self.results:
+            await self._connecting.acquire()
+            self._spawn(self._open_stream(result, last_event_id=0))
+        if self._job.mode == "capacity":
+            await asyncio.wait_for(self._all_answered.wait(), max(1.0, deadline - loop.time()))
+            self._is_closing = True
+            for stream in list(self._open):
+                stream.close()
+        try:
+            await asyncio.wait_for(self._all_ended.wait(), max(1.0, deadline - loop.time()))
+        except TimeoutError:
+            self._is_closing = True
+            for stream in list(self._open):
+                stream.close()
+        return self.results
+
+    async def _open_stream(self, result: StreamResult, last_event_id: int) -> None:
+        loop = asyncio.get_running_loop()
+        answered = False
+
+        def on_answer() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                self._connecting.release()
+                if last_event_id == 0:
+                    self._answered()
+                if stream.status == 200:
+                    with self._num_held.get_lock():
+                        self._num_held.value += 1
+
+        def on_end(ended: SseStream) -> None:
+            self._open.discard(ended)
+            if not answered:
+                on_unanswered()
+            elif ended.status == 200:
+                with self._num_held.get_lock():
+                    self._num_held.value -= 1
+            if self._can_resume(ended, result):
+                result.num_resumes += 1  # dropped before its end: resume after the last event it got
+                self._spawn(self._resume(result))
+                return
+            self._ended()
+
+        def on_unanswered() -> None:
+            nonlocal answered
+            answered = True
+            self._connecting.release()
+            if last_event_id == 0:
+                self._answered()
+
+        stream = SseStream(self._job, result, last_event_id, on_answer, on_end)
+        try:
+            await loop.create_connection(lambda: stream, self._job.host, self._job.port)
+        except OSError:
+            on_unanswered()
+            self._ended()
+            return
+        self._open.add(stream)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _can_resume(self, ended: SseStream, result: StreamResult) -> bool:
+        """A reading stream that ended before `done` (dropped by the server) resumes."""
+        is_reading = self._job.mode == "read" and not self._is_closing
+        return is_reading and ended.status == 200 and not result.is_done and result.num_resumes < MAX_RESUMES
+
+    async def _resume(self, result: StreamResult) -> None:
+        await self._connecting.acquire()
+        await self._open_stream(result, last_event_id=result.num_events)
+
+    def _answered(self) -> None:
+        self._num_unanswered -= 1
+        if self._num_unanswered == 0:
+            self._all_answered.set()
+
+    def _ended(self) -> None:
+        self._num_running -= 1
+        if self._num_running == 0:
+            self._all_ended.set()
+
+
+def live_delays_ms(results: list[StreamResult], written_s: dict[str, list[float]]) -> list[int]:
+    """A histogram (1 ms bins) of write-to-delivery delays of the events each stream received
+    live: written after the stream was attached. `written_s[reply][k - 1]`: when event id k's
+    log entry appeared (0 for the meta event, which is not in the log)."""
+    counts = [0] * (MAX_DELAY_MS // DELAY_BIN_MS + 1)
+    for result in results:
+        written = written_s.get(result.reply_id, [])
+        for index, arrival_s in enumerate(result.arrivals_s[: len(written)]):
+            written_at = written[index]
+            if written_at > 0 and written_at >= result.attached_s:
+                delay_ms = max(0, int(1000 * (arrival_s - written_at)))
+                counts[min(delay_ms // DELAY_BIN_MS, len(counts) - 1)] += 1
+    return counts
+
+
+def summary(result: StreamResult) -> dict[str, Any]:
+    return {
+        "reply_id": result.reply_id, "status": result.status, "error_code": result.error_code,
+        "has_retry_after": result.has_retry_after, "num_events": result.num_events, "is_done": result.is_done,
+        "is_contiguous": result.is_contiguous, "chain": result.chain, "num_resumes": result.num_resumes,
+        "first_arrival_s": result.arrivals_s[0] if result.arrivals_s else 0.0,
+        "last_arrival_s": result.arrivals_s[-1] if result.arrivals_s else 0.0,
+    }  # fmt: skip
+
+
+def client_main(conn: Connection, num_held: Synchronized) -> None:  # type: ignore[type-arg]
+    """A client process: jobs from the pipe until it closes."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    while True:
+        try:
+            job: Job = conn.recv()
+        except EOFError:
+            return
+        results = asyncio.run(Streams(job, num_held).run())
+        conn.send([summary(result) for result in results])
+        if job.mode == "read":
+            written_s: dict[str, list[float]] = conn.recv()
+            conn.send(live_delays_ms(results, written_s))

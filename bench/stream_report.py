@@ -1,0 +1,99 @@
+"""The stream bench's numbers from its clients' per-stream summaries, and its table."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+HELD_TARGET = 10_000
+
+
+def stream_counts(
+    summaries: list[dict[str, Any]], wanted: dict[str, tuple[int, int]], delays: list[int], bin_ms: int, started_s: float
+) -> dict[str, Any]:
+    """`wanted[reply]`: (chain, number of events) of its full log; `delays`: a histogram of the
+    live events' write-to-delivery delays."""
+    answered = [s for s in summaries if s["status"] == 200]
+    complete = [
+        s for s in answered
+        if s["is_done"] and s["is_contiguous"] and (s["chain"], s["num_events"]) == wanted[s["reply_id"]]
+    ]  # fmt: skip
+    arrivals = [s for s in answered if s["num_events"]]
+    first_s = min((s["first_arrival_s"] for s in arrivals), default=started_s)
+    last_s = max((s["last_arrival_s"] for s in arrivals), default=started_s)
+    num_events = sum(s["num_events"] for s in answered)
+    return {
+        "statuses": dict(Counter(str(s["status"]) for s in summaries)),
+        "streams_answered_200": len(answered),
+        "streams_complete": len(complete),
+        "streams_resumed": sum(1 for s in summaries if s["num_resumes"]),
+        "num_resumes": sum(s["num_resumes"] for s in summaries),
+        "events_delivered": num_events,
+        "events_per_s": num_events / (last_s - first_s) if last_s > first_s else 0.0,
+        "all_first_events_s": max((s["first_arrival_s"] for s in arrivals), default=started_s) - started_s,
+        "live_events_timed": sum(delays),
+        "delay_p50_ms": percentile_of(delays, bin_ms, 50),
+        "delay_p99_ms": percentile_of(delays, bin_ms, 99),
+        "delay_max_ms": percentile_of(delays, bin_ms, 100),
+    }
+
+
+def percentile_of(histogram: list[int], bin_ms: int, q: float) -> float | None:
+    """The upper edge of the bin holding the q-th percentile; None for an empty histogram."""
+    total = sum(histogram)
+    if total == 0:
+        return None
+    rank = q / 100 * total
+    seen = 0
+    for index, count in enumerate(histogram):
+        seen += count
+        if count and seen >= rank:
+            return float((index + 1) * bin_ms)
+    return float(len(histogram) * bin_ms)
+
+
+def capacity_counts(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    classes = Counter(str(s["status"]) if s["status"] in (200, 429, 500, 503) else "other" for s in summaries)
+    return {
+        "requested": len(summaries),
+        "answers": {name: classes.get(name, 0) for name in ("200", "503", "429", "500", "other")},
+        "with_retry_after": {code: sum(1 for s in summaries if s["status"] == code and s["has_retry_after"]) for code in (503, 429)},
+        "error_codes": dict(Counter(s["error_code"] for s in summaries if s["error_code"])),
+    }
+
+
+def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[bool], str]) -> None:
+    peak, base, after = result["chat_peak"], result["chat_baseline"], result["chat_after"]
+    requested = result["streams_requested"]
+    p99 = result["delay_p99_ms"]
+
+    def row(name: str, value: str, target: str = "", is_met: bool | None = None) -> None:
+        print(f"  {name:<44}{value:>16}   {target:<26}{'' if is_met is None else mark(is_met)}")
+
+    print(f"\ntandem streams, {requested} on one chat instance over {result['replies']} replies, {result['clients']} client processes")
+    row("streams held at once (peak)", f"{peak['held']}", f">= {HELD_TARGET:,}", peak["held"] >= HELD_TARGET)
+    row("streams answered 200", f"{result['streams_answered_200']}/{requested}", "all", result["streams_answered_200"] == requested)
+    row("streams with every event of the log", f"{result['streams_complete']}/{requested}", "all", result["streams_complete"] == requested)
+    row("streams dropped and resumed (Last-Event-ID)", f"{result['streams_resumed']}")
+    row("write-to-delivery delay p50 (ms)", _ms(result["delay_p50_ms"]))
+    row("write-to-delivery delay p99 (ms)", _ms(p99), f"<= {delay_target_ms:.0f}", p99 is not None and p99 <= delay_target_ms)
+    row("  live events timed", f"{result['live_events_timed']}")
+    row("events/s delivered", f"{result['events_per_s']:.0f}")
+    row("s until every stream had its first event", f"{result['all_first_events_s']:.1f}")
+    row("chat RSS per held stream (KiB)", f"{result['rss_bytes_per_stream'] / 1024:.1f}")
+    row("chat RSS MiB: idle / peak / after", f"{base['rss_bytes'] >> 20} / {peak['rss_bytes'] >> 20} / {after['rss_bytes'] >> 20}")
+    row("chat fds: idle / peak / after", f"{base['fds']} / {peak['fds']} / {after['fds']}", "after = idle", after["fds"] <= base["fds"] + 8)
+    capacity = result.get("capacity_phase")
+    if capacity:
+        answers = capacity["answers"]
+        shown = " ".join(f"{name}:{count}" for name, count in answers.items())
+        row(f"2x capacity ({capacity['requested']} at {capacity['capacity']})", shown)
+        with_retry = capacity["with_retry_after"][503]
+        is_clean = answers["500"] == 0 and answers["503"] > 0 and with_retry == answers["503"]
+        row("  503s with Retry-After; 500s", f"{with_retry}; {answers['500']}", "all 503s; no 500", is_clean)
+        row("  200s vs capacity", f"{answers['200']}", f"<= {capacity['capacity']}", answers["200"] <= capacity["capacity"])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
