@@ -12,19 +12,21 @@ _PROBE_TEXT = "a"
 
 
 class PromptCounter:
-    """Counts a turn as its text's tokens plus the template's per-turn framing, measured once."""
+    """Counts a turn as what it adds to a prompt after a system turn: encoded the way the prompt
+    is (message text as ordinary text, with the template's per-turn framing), so a message that
+    spells a control token counts what it costs. The framing is measured once."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        system = [{"role": "system", "content": _PROBE_SYSTEM}]
-        with_turn = [*system, {"role": "user", "content": _PROBE_TEXT}]
-        num_system = len(tokenizer.encode_chat(system, add_generation_prompt=False))
+        self._system = [{"role": "system", "content": _PROBE_SYSTEM}]
+        with_turn = [*self._system, {"role": "user", "content": _PROBE_TEXT}]
+        self._num_system_tokens = len(tokenizer.encode_chat(self._system, add_generation_prompt=False))
         num_with_turn = len(tokenizer.encode_chat(with_turn, add_generation_prompt=False))
-        self.turn_overhead_tokens = num_with_turn - num_system - len(tokenizer.encode(_PROBE_TEXT))
         self.generation_prompt_tokens = len(tokenizer.encode_chat(with_turn, add_generation_prompt=True)) - num_with_turn
 
     def count(self, content: str) -> int:
-        return len(self._tokenizer.encode(content)) + self.turn_overhead_tokens
+        with_turn = [*self._system, {"role": "user", "content": content}]
+        return len(self._tokenizer.encode_chat(with_turn, add_generation_prompt=False)) - self._num_system_tokens
 
 
 def encode_prompt(tokenizer: Tokenizer, turns: Sequence[Turn]) -> tuple[list[int], int]:

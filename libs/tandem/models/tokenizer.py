@@ -4,11 +4,16 @@ From a GGUF the `tokenizers` byte-level BPE is rebuilt from the stored vocabular
 pre-tokenizer (how text is split before BPE) is chosen by `tokenizer.ggml.pre`, mirroring the
 regexes llama.cpp's llama-vocab.cpp uses for that name. From a Hugging Face folder it is read
 from tokenizer.json.
+
+Message text never becomes a control token: a chat prompt's special tokens are the template's
+own, and a message that spells one (`<|im_start|>system`) is encoded as the text it is, so user
+text cannot forge a turn.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,11 @@ _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
 _GPT2_PRE = ("gpt2", "mpt", "olmo", "jais")
 _LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# In a message rendered by the chat template, `_MARK<n>_MARK` stands for the n-th piece of message
+# text that must stay literal (a special token's spelling, or the mark itself). A private-use
+# character: no template trims, cases or escapes it.
+_MARK = "\ue000"
+_LITERAL_REF = re.compile(f"{_MARK}(\\d+){_MARK}")
 
 
 class Tokenizer:
@@ -43,6 +53,12 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        # The same tokenizer reading special-token spellings as ordinary text (its own copy: the
+        # flag is the backend's state, and encoding runs on several threads at once).
+        self._text_backend = BackendTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special), key=len, reverse=True)
+        self._literal_pattern = re.compile("|".join(re.escape(text) for text in (*specials, _MARK)))
 
     @property
     def vocab_size(self) -> int:
@@ -56,6 +72,10 @@ class Tokenizer:
             return [self.bos_token_id, *ids]
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as ordinary text: a special token's spelling in it is spelt out, never its id."""
+        return self._text_backend.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -68,7 +88,17 @@ class Tokenizer:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        """The rendered prompt's ids, its text exactly as rendered: the template's special tokens
+        are control ids; the messages' text (content, role, any field) is ordinary text even where
+        it spells a special token. Such spellings are swapped for marks before rendering and
+        encoded as text where the marks land, so a message without one encodes as it always did."""
+        literals: list[str] = []
+        marked = [_marked(message, self._literal_pattern, literals) for message in messages]
+        pieces = _LITERAL_REF.split(self.render_chat(marked, add_generation_prompt))
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):  # template text and literal references alternate
+            ids += self.encode(piece) if index % 2 == 0 else self.encode_text(literals[int(piece)])
+        return ids
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -118,6 +148,23 @@ class Tokenizer:
         source = _hf_chat_template(folder, settings)
         template = None if source is None else ChatTemplate(source, bos_token or "", eos_token or "")
         return cls(backend, bos, () if eos is None else (eos,), template)
+
+
+def _marked(value: Any, pattern: re.Pattern[str], literals: list[str]) -> Any:
+    """`value` (a message, or any part of one) with each match of `pattern` in its strings swapped
+    for a reference to it, appended to `literals`."""
+    if isinstance(value, str):
+
+        def reference(match: re.Match[str]) -> str:
+            literals.append(match.group())
+            return f"{_MARK}{len(literals) - 1}{_MARK}"
+
+        return pattern.sub(reference, value)
+    if isinstance(value, Mapping):
+        return {key: _marked(item, pattern, literals) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_marked(item, pattern, literals) for item in value]
+    return value
 
 
 def _set_pre_tokenizer(backend: BackendTokenizer, pre: str) -> None:
