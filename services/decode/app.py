@@ -15,7 +15,7 @@ from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
 from tandem.v1.dispatch_pb2 import AssignmentReply
-from tandem.worker.assignments import refusal, screen_assignment, unrunnable
+from tandem.worker.assignments import counted, refusal, screen_assignment, too_busy, unrunnable
 from tandem.worker.parts import build_worker_parts
 
 ROLE = "decode"
@@ -48,7 +48,7 @@ class DecodeWorker:
         await self._host.subscribe_cancels(client)
 
     async def _on_assign(self, msg: Msg) -> None:
-        await msg.respond(encode(await self._accept(msg.data)))
+        await msg.respond(encode(counted(await self._accept(msg.data))))
 
     async def _accept(self, data: bytes) -> AssignmentReply:
         screened = await screen_assignment(data, self._host, is_draining=self._runtime.is_draining)
@@ -63,9 +63,9 @@ class DecodeWorker:
             # dropped by the log now, so stop it; the router places the new owner on another try.
             self._host.abort(assignment.reply_id)
             return refusal("superseded", f"an older run of {assignment.reply_id} is still stopping here", retry_after_s=0.5)
-        refused = unrunnable(self._host, request)
+        refused = unrunnable(self._host, request) or too_busy(self._host, request)
         if refused is not None:
-            return refused
+            return refused  # nothing kept: the router tries another worker
         # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).
         self._host.add(request, assignment.first_seq or 1, assignment.epoch)
         return AssignmentReply(accepted=True)

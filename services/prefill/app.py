@@ -30,7 +30,7 @@ from tandem.kvtransfer import KvSender, KvTransferError
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
-from tandem.worker.assignments import refusal, screen_assignment, unrunnable
+from tandem.worker.assignments import counted, refusal, screen_assignment, too_busy, unrunnable
 from tandem.worker.host import WorkerFailed
 from tandem.worker.parts import build_worker_parts
 
@@ -108,7 +108,7 @@ class PrefillWorker:
             task.cancel()
 
     async def _on_assign(self, msg: Msg) -> None:
-        await msg.respond(encode(await self._accept(msg.data)))
+        await msg.respond(encode(counted(await self._accept(msg.data))))
 
     def _stub(self, address: str) -> KvHandoffStub:
         if address not in self._stubs:
@@ -127,9 +127,9 @@ class PrefillWorker:
             return refusal("bad_request", "an assignment to a prefill worker must name its decode worker")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
-        refused = unrunnable(self._host, request)
+        refused = unrunnable(self._host, request) or too_busy(self._host, request)
         if refused is not None:
-            return refused
+            return refused  # nothing kept: the router tries another worker
         state = _Handoff(assignment, request, self._stub(assignment.decode_grpc_address))
         self._host.hold(assignment.reply_id)  # claimed until its handoff (or its end) is settled
         task = asyncio.create_task(self._hand_over(state))

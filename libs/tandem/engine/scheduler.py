@@ -93,6 +93,7 @@ class SchedulerStats:
     num_queued_prefill_tokens: int  # tokens still to prefill: waiting sequences' and running prefills'
     num_waiting_prefill_tokens: dict[Lane, int]  # waiting sequences' tokens to compute, by lane
     num_running_prefill_tokens: int  # running prefills' tokens still to compute (they go before any admission)
+    num_running_blocks: dict[Lane, int]  # KV blocks in running sequences' tables, by lane
     has_idle_capacity: bool  # background work would be admitted now
 
 
@@ -225,9 +226,10 @@ class Scheduler:
         return UpdateResult(finished, handed_off)
 
     def stats(self) -> SchedulerStats:
-        running = dict.fromkeys(Lane, 0)
+        running, running_blocks = dict.fromkeys(Lane, 0), dict.fromkeys(Lane, 0)
         for seq in self._running:
             running[seq.lane] += 1
+            running_blocks[seq.lane] += len(seq.block_table)
         waiting_tokens = {lane: sum(seq.num_uncomputed_tokens for seq in queue) for lane, queue in self._waiting.items()}
         prefilling_tokens = sum(seq.num_uncomputed_tokens for seq in self._running if seq.num_uncomputed_tokens > 1)
         return SchedulerStats(
@@ -241,6 +243,7 @@ class Scheduler:
             num_queued_prefill_tokens=sum(waiting_tokens.values()) + prefilling_tokens,
             num_waiting_prefill_tokens=waiting_tokens,
             num_running_prefill_tokens=prefilling_tokens,
+            num_running_blocks=running_blocks,
             has_idle_capacity=self._has_idle_capacity(),
         )
 

@@ -1,5 +1,6 @@
 """The checks every worker makes of an Assignment before it takes one, and the refusals it answers
-with (the router tries another worker, or tells the user, by the refusal's reason)."""
+with (the router tries another worker, or tells the user, by the refusal's reason). Every
+refusal is counted by reason."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from tandem.engine.engine import Request, TokenIdOutOfRange
 from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import Refusal
+from tandem.worker import metrics
+from tandem.worker.admission import QUEUE_FULL
 from tandem.worker.host import EngineHost
 from tandem.worker.wire import engine_request
 
@@ -53,3 +56,20 @@ def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | None:
     except (EmptyPrompt, TokenIdOutOfRange) as exc:
         return refusal("bad_request", str(exc))
     return None
+
+
+def too_busy(host: EngineHost, request: Request) -> AssignmentReply | None:
+    """The "queue_full" refusal for a request this worker would not start within its lane's TTFT
+    target (or, for background work, on idle capacity), with the seconds after which it expects
+    to take one; None when it takes it."""
+    overloaded = host.overloaded(request)
+    if overloaded is None:
+        return None
+    return refusal(QUEUE_FULL, overloaded.message, retry_after_s=overloaded.retry_after_s)
+
+
+def counted(reply: AssignmentReply) -> AssignmentReply:
+    """The reply, its refusal (if it is one) counted by reason."""
+    if reply.WhichOneof("outcome") == "refused":
+        metrics.ASSIGNMENTS_REFUSED.labels(reason=reply.refused.reason).inc()
+    return reply

@@ -23,6 +23,8 @@ class EngineLoad:
     max_model_len: int
     mean_step_time_ms: float
     last_kv_event_id: int = 0  # the last KV event published
+    prefill_tokens_per_s: float = 0.0  # measured recently; 0 until measured
+    estimated_wait_s: float = 0.0  # before a free request offered now starts computing; 0 until a rate is measured
 
 
 class WorkerHeartbeats:
@@ -56,6 +58,8 @@ class WorkerHeartbeats:
             heartbeat.queued_prefill_tokens = s.num_queued_prefill_tokens
             heartbeat.step_time_ms = load.mean_step_time_ms
             heartbeat.kv_event_id = load.last_kv_event_id
+            heartbeat.prefill_tokens_per_s = load.prefill_tokens_per_s
+            heartbeat.estimated_wait_s = load.estimated_wait_s
         return heartbeat
 
 

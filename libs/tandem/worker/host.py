@@ -3,7 +3,8 @@ so the loop stays free for NATS, gRPC and UCX; the host is the only door to it, 
 never see that thread. The host also publishes each reply's outputs as TokenEvents on JetStream
 (contiguous sequence numbers per reply, the assignment's owner epoch), its prefix cache's changes
 as KV events (and its full state on request), applies cancels, keeps the replies this worker
-holds (its heartbeat claims them) and reports the engine's load. Decode and prefill workers both
+holds (its heartbeat claims them), reports the engine's load and judges whether a request offered
+now would start within its lane's TTFT target (admission.py). Decode and prefill workers both
 build one.
 
 A host that cannot go on (its engine thread died, its token events cannot be published) is
@@ -30,11 +31,14 @@ from tandem.bus.cancels import RecentCancels
 from tandem.bus.token_stream import DEFAULT_MAX_AGE_S
 from tandem.config import Settings
 from tandem.engine.engine import Engine, EngineConfig, ImportReservation, Request, RequestOutput
+from tandem.engine.sequence import Lane
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
 from tandem.models.loader import load_model, resolve_device, resolve_dtype
 from tandem.v1.kv_handoff_pb2 import KvLayout
 from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.worker import metrics
+from tandem.worker.admission import Overloaded, QueueState, TtftTargets, queue_verdict
 from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
 from tandem.worker.replies import HeldReplies, ReplyStream
@@ -71,9 +75,13 @@ class WorkerFailed(Exception):
 
 
 class EngineHost:
-    def __init__(self, spec: EngineSpec, worker_id: str, token_stream_max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
+    def __init__(self, spec: EngineSpec, worker_id: str, targets: TtftTargets, token_stream_max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
         self._spec = spec
         self._worker_id = worker_id
+        self._targets = targets
+        # Requests posted to the engine thread that its latest stats may not include yet, by
+        # ticket: (lane, tokens to compute); forgotten once the stats include them.
+        self._posted: dict[int, tuple[Lane, int]] = {}
         self._token_stream_max_age_s = token_stream_max_age_s
         self._thread: EngineThread | None = None  # from start()
         self._kv_events: KvEventPublisher | None = None  # from start()
@@ -167,17 +175,58 @@ class EngineHost:
     def load(self) -> EngineLoad | None:
         """The engine's load for the heartbeat; None until the engine is loaded, and once failed."""
         thread = self._thread
-        if self._failure is not None or thread is None or not thread.is_ready or thread.latest_stats is None:
+        state = self.queue_state()
+        if thread is None or state is None or thread.latest_stats is None:
             return None
         stats = thread.latest_stats
         mean_step_ms = 1000 * (stats.prefill_time_s + stats.decode_time_s) / max(1, stats.num_steps)
+        waits = {lane: state.estimated_wait_s(lane) or 0.0 for lane in Lane}
+        for lane, wait_s in waits.items():
+            metrics.ESTIMATED_WAIT.labels(lane=lane.name.lower()).set(wait_s)
+        metrics.PREFILL_RATE.set(state.prefill_tokens_per_s)
         return EngineLoad(
             stats,
             thread.engine.kv_shape.num_blocks,
             thread.engine.loaded.config.max_position_embeddings,
             mean_step_ms,
             last_kv_event_id=self._kv_events.last_published_event_id if self._kv_events else 0,
+            prefill_tokens_per_s=state.prefill_tokens_per_s,
+            estimated_wait_s=waits[Lane.FREE],
         )
+
+    # -- admission by expected wait -------------------------------------------------------------
+
+    def queue_state(self) -> QueueState | None:
+        """What goes before a request offered now: the engine's latest stats plus the requests
+        posted since; None until the engine is loaded, and once failed."""
+        thread = self._thread
+        snapshot = thread.snapshot if thread is not None else None
+        if self._failure is not None or thread is None or not thread.is_ready or snapshot is None:
+            return None
+        stats, num_applied = snapshot
+        for ticket in [t for t in self._posted if t <= num_applied]:
+            del self._posted[ticket]
+        s = stats.scheduler
+        waiting = dict(s.num_waiting_prefill_tokens)
+        for lane, num_tokens in self._posted.values():
+            waiting[lane] += num_tokens
+        return QueueState(
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            waiting_prefill_tokens=waiting,
+            running_prefill_tokens=s.num_running_prefill_tokens,
+            num_free_blocks=max(0, s.num_free_blocks - self._spec.engine.num_reserved_blocks),
+            running_blocks=s.num_running_blocks,
+            block_size=self._spec.engine.block_size,
+            has_idle_capacity=s.has_idle_capacity and not any(lane < Lane.BACKGROUND for lane, _ in self._posted.values()),
+        )
+
+    def overloaded(self, request: Request) -> Overloaded | None:
+        """Why this worker would not start `request` in time if it took it now, or None (also
+        while the engine is not loaded: the caller refuses that as loading)."""
+        state = self.queue_state()
+        if state is None:
+            return None
+        return queue_verdict(state, request.lane, _num_tokens(request), self._targets)
 
     # -- what the loop may ask at once (the engine's configuration, blocks no step touches) -----
 
@@ -202,7 +251,8 @@ class EngineHost:
         """Queues `request` and publishes its tokens from sequence number `first_seq` on, stamped
         with the owner `epoch`."""
         self._replies.stream(request.request_id, first_seq, epoch)
-        self._engine_thread.post(lambda engine: engine.add(request))
+        ticket = self._engine_thread.post(lambda engine: engine.add(request))
+        self._posted[ticket] = (request.lane, _num_tokens(request))
 
     async def prefill_only(self, request: Request, first_seq: int, epoch: int) -> RequestOutput:
         """Prefills `request` here and publishes its first token as `first_seq`; returns the output
@@ -211,7 +261,8 @@ class EngineHost:
         self._replies.stream(request.request_id, first_seq, epoch)
         prefilled = asyncio.get_running_loop().create_future()
         self._handoffs[request.request_id] = prefilled
-        self._engine_thread.post(lambda engine: engine.add(request, prefill_only=True))
+        ticket = self._engine_thread.post(lambda engine: engine.add(request, prefill_only=True))
+        self._posted[ticket] = (request.lane, _num_tokens(request))
         return await prefilled
 
     def is_streaming(self, reply_id: str) -> bool:
@@ -349,3 +400,8 @@ class EngineHost:
 async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], bus_is_up: BusProbe) -> None:
     for event in events:
         await publish_event(js, event, bus_is_up=bus_is_up)
+
+
+def _num_tokens(request: Request) -> int:
+    """The tokens a request's prefill computes (a continuation's generated ones too)."""
+    return len(request.prompt_token_ids) + len(request.generated_token_ids)

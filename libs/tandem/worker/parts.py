@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from tandem.config import Settings
 from tandem.models.files import open_model
 from tandem.runtime import Runtime, RuntimeConfig, check_port_free, create_app
+from tandem.worker.admission import TtftTargets
 from tandem.worker.control import ControlServer, WorkerControl
 from tandem.worker.heartbeat import WorkerHeartbeats
 from tandem.worker.host import EngineHost, EngineSpec
@@ -78,7 +79,8 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     grpc_port = settings.grpc_port_for(role)
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")
     runtime_config = RuntimeConfig.from_settings(role, settings, uses_redis=False)
-    host = EngineHost(spec, runtime_config.instance_id, settings.token_stream_max_age_s)
+    targets = TtftTargets.from_settings(settings, spec.device)
+    host = EngineHost(spec, runtime_config.instance_id, targets, settings.token_stream_max_age_s)
     heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load, host.claimed_reply_ids)
     runtime = Runtime(runtime_config, heartbeat=heartbeats.build)
     runtime.add_check("engine", host.is_ready)

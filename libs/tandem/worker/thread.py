@@ -3,7 +3,9 @@ NATS, gRPC and UCX while the engine steps. Every touch of the engine (add, abort
 import, release) runs on its thread between two steps, through `call`; each step's outputs come
 back to the loop through a callback. After every change (a batch of calls, a step) the thread
 refreshes `latest_stats` and runs `after_change` on itself: the place to drain what the engine
-recorded, such as its KV events, while nothing else touches it.
+recorded, such as its KV events, while nothing else touches it. Every call and post gets a
+ticket (1, 2, ...; they run in that order) and `num_applied` says how many had run when
+`latest_stats` was taken, so the loop knows which of its changes those stats include.
 
 An exception that escapes the engine (at load or in a step) ends the thread: `on_death` tells the
 loop, every call waiting or made later raises EngineDead, and the worker must stop serving (its
@@ -56,7 +58,19 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._is_ready = threading.Event()
         self._engine: Engine | None = None
-        self.latest_stats: EngineStats | None = None
+        self._num_posted = 0  # tickets handed out, on the loop
+        self._num_applied = 0  # calls run, on the engine thread
+        self._snapshot: tuple[EngineStats, int] | None = None  # latest stats, and how many calls had run then
+
+    @property
+    def latest_stats(self) -> EngineStats | None:
+        snapshot = self._snapshot
+        return None if snapshot is None else snapshot[0]
+
+    @property
+    def snapshot(self) -> tuple[EngineStats, int] | None:
+        """The latest stats and the number of calls and posts (tickets) they include; None until loaded."""
+        return self._snapshot
 
     @property
     def is_ready(self) -> bool:
@@ -83,14 +97,17 @@ class EngineThread:
         if self._death is not None:
             raise EngineDead("the engine thread has died") from self._death
         done = self._loop.create_future()
+        self._num_posted += 1
         self._commands.put(_Call(fn, done))
         if self._death is not None:  # it died while we queued: nobody will take the call
             self._fail_pending()
         return await done
 
-    def post(self, fn: Callable[[Engine], object]) -> None:
-        """Like `call`, without waiting (an abort, a release)."""
+    def post(self, fn: Callable[[Engine], object]) -> int:
+        """Like `call`, without waiting (an abort, a release); returns its ticket."""
+        self._num_posted += 1
         self._commands.put(_Call(fn, None))
+        return self._num_posted
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._commands.put(None)
@@ -104,7 +121,7 @@ class EngineThread:
             log.exception("the engine failed to start")
             self._die(exc)
             return
-        self.latest_stats = engine.stats()
+        self._snapshot = (engine.stats(), self._num_applied)
         self._is_ready.set()
         try:
             self._loop_until_stopped(engine)
@@ -151,7 +168,7 @@ class EngineThread:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
 
     def _changed(self, engine: Engine) -> None:
-        self.latest_stats = engine.stats()
+        self._snapshot = (engine.stats(), self._num_applied)
         try:
             self._after_change(engine)
         except Exception:
@@ -159,6 +176,7 @@ class EngineThread:
 
     def _apply(self, engine: Engine, command: _Call | None) -> None:
         assert command is not None  # the stop command ends the loop before it is applied
+        self._num_applied += 1
         try:
             result = command.fn(engine)
         except Exception as exc:

@@ -69,3 +69,34 @@ async def test_an_engine_that_fails_to_load_is_a_death_too():
     assert not thread.is_ready
     with pytest.raises(EngineDead):
         await thread.call(lambda e: None)
+
+
+class CountsAdds:
+    """An engine (to the thread) whose stats are the number of adds it has taken."""
+
+    def __init__(self) -> None:
+        self.num_added = 0
+
+    def has_work(self) -> bool:
+        return False
+
+    def stats(self) -> int:
+        return self.num_added
+
+
+async def test_the_latest_stats_name_how_many_posted_changes_they_include():
+    engine = CountsAdds()
+    thread = EngineThread(lambda: engine, lambda outputs: None, asyncio.get_running_loop())  # type: ignore[arg-type, return-value]
+    thread.start()
+    try:
+        tickets = [thread.post(lambda e: setattr(e, "num_added", e.num_added + 1)) for _ in range(3)]
+        assert tickets == [1, 2, 3]
+        deadline = asyncio.get_running_loop().time() + 10
+        while (snapshot := thread.snapshot) is None or snapshot[1] < tickets[-1]:
+            assert asyncio.get_running_loop().time() < deadline, "the posted changes were never applied"
+            await asyncio.sleep(0.01)
+        stats, num_applied = snapshot
+        assert (stats, num_applied) == (3, 3)  # type: ignore[comparison-overlap]
+        assert await thread.call(lambda e: e.num_added) == 3
+    finally:
+        await asyncio.to_thread(thread.stop)

@@ -1,0 +1,123 @@
+"""Queues bounded by time: a worker refuses a request it could not start within its lane's TTFT
+target, so the router tries another worker (or tells the user at the door, with a time to retry)
+instead of letting it wait behind everyone.
+
+The wait of a request offered now is the prefill work that goes before it, at the rate this
+worker measured: every running prefill's remaining tokens (they take the step's budget before any
+admission), plus the waiting tokens of its own lane and of every lane served before it (paid
+work counts for everyone, free work for free and background requests). It must also fit the KV
+blocks free above the reserve, after what waits before it, counting the blocks of running
+lower-lane sequences (they give way to it). Background work is taken only on idle capacity.
+
+Until the worker has measured a prefill rate it does not refuse on wait: it has nothing to
+estimate from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import Settings
+from tandem.engine.sequence import Lane
+
+QUEUE_FULL = "queue_full"  # the refusal's reason: the router tries another worker
+MIN_RETRY_AFTER_S = 0.5  # a refusal never asks for a retry sooner than this
+
+
+@dataclass(frozen=True)
+class TtftTargets:
+    """How long a request of each lane may wait before it starts computing."""
+
+    paid_s: float
+    free_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings, device: str) -> TtftTargets:
+        """The settings' targets, times cpu_ttft_scale when the engine runs on a CPU."""
+        scale = settings.cpu_ttft_scale if torch.device(device).type == "cpu" else 1.0
+        return cls(settings.ttft_target_paid_s * scale, settings.ttft_target_free_s * scale)
+
+    def for_lane(self, lane: Lane) -> float | None:
+        """None for background work, which has no target: it runs only on idle capacity."""
+        return {Lane.PAID: self.paid_s, Lane.FREE: self.free_s}.get(lane)
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What an engine must do before a request offered now starts computing."""
+
+    prefill_tokens_per_s: float  # measured recently; 0 = not yet
+    waiting_prefill_tokens: Mapping[Lane, int]  # queued (in the engine or on their way to it), by lane
+    running_prefill_tokens: int  # running prefills' tokens still to compute
+    num_free_blocks: int  # free KV blocks above the reserve (cached ones included: they can be evicted)
+    running_blocks: Mapping[Lane, int]  # KV blocks held by running sequences, by lane
+    block_size: int
+    has_idle_capacity: bool  # nothing paid or free waits and KV blocks are plentiful
+
+    def prefill_tokens_ahead(self, lane: Lane) -> int:
+        """Prefill tokens computed before a request of `lane` offered now."""
+        return self.running_prefill_tokens + sum(n for queued_lane, n in self.waiting_prefill_tokens.items() if queued_lane <= lane)
+
+    def estimated_wait_s(self, lane: Lane) -> float | None:
+        """Seconds before a request of `lane` offered now starts computing; None until a rate is measured."""
+        if self.prefill_tokens_per_s <= 0.0:
+            return None
+        return self.prefill_tokens_ahead(lane) / self.prefill_tokens_per_s
+
+    def can_hold(self, lane: Lane, num_tokens: int) -> bool:
+        """The KV can take the request's tokens after the waiting work ahead of it, counting the
+        blocks of running lower-lane sequences, which give way to it."""
+        num_blocks_ahead = sum(-(-n // self.block_size) for queued_lane, n in self.waiting_prefill_tokens.items() if queued_lane <= lane)
+        num_yielding = sum(n for running_lane, n in self.running_blocks.items() if running_lane > lane)
+        return num_blocks_ahead + -(-num_tokens // self.block_size) <= self.num_free_blocks + num_yielding
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing runs or waits: any request the engine can run at all starts at once."""
+        return not (self.running_prefill_tokens or any(self.waiting_prefill_tokens.values()) or any(self.running_blocks.values()))
+
+
+@dataclass(frozen=True)
+class Overloaded:
+    """Why this worker refuses a request now, and in how many seconds it expects to take one."""
+
+    message: str
+    retry_after_s: float
+
+
+def queue_verdict(state: QueueState, lane: Lane, num_tokens: int, targets: TtftTargets) -> Overloaded | None:
+    """Overloaded when a request of `lane` with `num_tokens` tokens to compute, offered now, would
+    wait longer than its lane's target, would not fit the KV, or is background work on a busy
+    worker; None when this worker takes it.
+
+    retry_after_s: on wait, the seconds until the work ahead has shrunk to the target at the
+    measured rate (the estimate minus the target); otherwise the larger of the estimated wait and
+    the lane's target (blocks come back as running replies end, at a pace nobody measured); never
+    less than MIN_RETRY_AFTER_S.
+    """
+    wait_s = state.estimated_wait_s(lane)
+    target_s = targets.for_lane(lane)
+    if target_s is None:
+        if state.has_idle_capacity:
+            return None
+        return Overloaded("this worker is busy; background work runs only on idle capacity", _retry_after(wait_s or 0.0))
+    if wait_s is not None and wait_s > target_s:
+        return Overloaded(
+            f"a {lane.name.lower()} request would wait about {wait_s:.1f} s to start here "
+            f"({state.prefill_tokens_ahead(lane)} prefill tokens ahead at {state.prefill_tokens_per_s:.0f} tokens/s); "
+            f"the target is {target_s:.1f} s",
+            _retry_after(wait_s - target_s),
+        )
+    if not state.is_empty and not state.can_hold(lane, num_tokens):
+        return Overloaded(
+            f"the KV cache cannot take {num_tokens} more tokens after the work ahead of this {lane.name.lower()} request",
+            _retry_after(max(wait_s or 0.0, target_s)),
+        )
+    return None
+
+
+def _retry_after(seconds: float) -> float:
+    return max(MIN_RETRY_AFTER_S, seconds)

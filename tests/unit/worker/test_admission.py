@@ -1,0 +1,96 @@
+"""Admission by expected wait, with injected numbers: what counts as ahead of a request by lane,
+when a worker refuses ("queue_full") and what retry_after_s it names."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.config import Settings
+from tandem.engine.sequence import Lane
+from tandem.worker.admission import MIN_RETRY_AFTER_S, QueueState, TtftTargets, queue_verdict
+
+TARGETS = TtftTargets(paid_s=1.0, free_s=2.0)
+
+
+def state(
+    rate: float = 1000.0,
+    paid: int = 0,
+    free: int = 0,
+    background: int = 0,
+    running_prefill: int = 0,
+    free_blocks: int = 1000,
+    running_blocks: dict[Lane, int] | None = None,
+    idle: bool = False,
+) -> QueueState:
+    return QueueState(
+        prefill_tokens_per_s=rate,
+        waiting_prefill_tokens={Lane.PAID: paid, Lane.FREE: free, Lane.BACKGROUND: background},
+        running_prefill_tokens=running_prefill,
+        num_free_blocks=free_blocks,
+        running_blocks=running_blocks or {Lane.PAID: 0, Lane.FREE: 0, Lane.BACKGROUND: 0},
+        block_size=16,
+        has_idle_capacity=idle,
+    )
+
+
+def test_paid_work_is_ahead_of_everyone_free_work_only_of_free_and_background():
+    s = state(rate=1000, paid=500, free=3000, background=7000, running_prefill=200)
+    assert s.estimated_wait_s(Lane.PAID) == pytest.approx(0.7)
+    assert s.estimated_wait_s(Lane.FREE) == pytest.approx(3.7)
+    assert s.estimated_wait_s(Lane.BACKGROUND) == pytest.approx(10.7)
+
+
+def test_no_wait_is_estimated_before_a_prefill_rate_is_measured():
+    assert state(rate=0.0, free=10**6).estimated_wait_s(Lane.FREE) is None
+
+
+def test_a_free_request_that_would_wait_past_its_target_is_refused_with_the_time_until_it_would_fit():
+    verdict = queue_verdict(state(rate=1000, free=5000), Lane.FREE, 100, TARGETS)
+    assert verdict is not None
+    assert verdict.retry_after_s == pytest.approx(3.0)  # 5 s of work ahead, 2 s allowed
+    assert "5.0 s" in verdict.message
+
+
+def test_the_same_queue_refuses_free_but_takes_paid_which_only_waits_for_paid_work():
+    s = state(rate=1000, paid=300, free=5000)
+    assert queue_verdict(s, Lane.FREE, 100, TARGETS) is not None
+    assert queue_verdict(s, Lane.PAID, 100, TARGETS) is None
+
+
+def test_a_wait_within_the_target_is_taken():
+    assert queue_verdict(state(rate=1000, free=1900), Lane.FREE, 100, TARGETS) is None
+
+
+def test_a_retry_is_never_asked_sooner_than_the_minimum():
+    verdict = queue_verdict(state(rate=1000, free=2001), Lane.FREE, 100, TARGETS)
+    assert verdict is not None and verdict.retry_after_s == MIN_RETRY_AFTER_S
+
+
+def test_without_a_measured_rate_a_long_queue_is_no_reason_to_refuse():
+    assert queue_verdict(state(rate=0.0, paid=10**6, free=10**6, free_blocks=10**6), Lane.FREE, 100, TARGETS) is None
+
+
+def test_a_request_the_free_blocks_cannot_take_after_the_work_ahead_is_refused():
+    s = state(rate=0.0, free=16 * 8, free_blocks=10, running_blocks={Lane.PAID: 0, Lane.FREE: 40, Lane.BACKGROUND: 0})
+    assert queue_verdict(s, Lane.FREE, 16 * 2, TARGETS) is None  # 8 ahead + 2 = 10 blocks
+    verdict = queue_verdict(s, Lane.FREE, 16 * 2 + 1, TARGETS)
+    assert verdict is not None and verdict.retry_after_s == pytest.approx(TARGETS.free_s)
+
+
+def test_a_paid_request_counts_the_blocks_of_running_lower_lanes_which_give_way_to_it():
+    s = state(free_blocks=2, running_blocks={Lane.PAID: 0, Lane.FREE: 30, Lane.BACKGROUND: 10})
+    assert queue_verdict(s, Lane.PAID, 16 * 40, TARGETS) is None
+    assert queue_verdict(s, Lane.FREE, 16 * 40, TARGETS) is not None
+
+
+def test_background_work_is_taken_only_on_idle_capacity():
+    assert queue_verdict(state(idle=True), Lane.BACKGROUND, 100, TARGETS) is None
+    verdict = queue_verdict(state(idle=False, paid=3000), Lane.BACKGROUND, 100, TARGETS)
+    assert verdict is not None and verdict.retry_after_s == pytest.approx(3.0)
+
+
+def test_targets_are_scaled_on_a_cpu_only():
+    settings = Settings(ttft_target_paid_s=1.0, ttft_target_free_s=2.0, cpu_ttft_scale=10.0)
+    assert TtftTargets.from_settings(settings, "cpu") == TtftTargets(10.0, 20.0)
+    assert TtftTargets.from_settings(settings, "cuda") == TtftTargets(1.0, 2.0)
+    assert TtftTargets(1.0, 2.0).for_lane(Lane.BACKGROUND) is None
