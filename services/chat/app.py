@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, tokenize_api, web
+from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, quotas, tokenize_api, web
 from services.chat.body_limit import BodyLimit
+from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView
 from services.chat.state import ChatConfig, ChatState
+from services.chat.status_api import LadderView, status_router
+from services.chat.stream_slots import StreamSlots
 from tandem.bus import subjects
 from tandem.config import Settings
 from tandem.models.loader import load_tokenizer
@@ -21,7 +23,6 @@ from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.store import open_store, store_is_available
 
 ROLE = "chat"
-STREAM_SOCKET_TIMEOUT_S = 30.0  # longer than the token log reader's blocking read
 log = logging.getLogger(__name__)
 
 
@@ -30,19 +31,24 @@ def build_app(settings: Settings) -> FastAPI:
         log.warning("TANDEM_API_KEYS is empty: every API request will be refused with 401")
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=True))
     assert runtime.redis is not None
+    config = ChatConfig.from_settings(settings)
     state = ChatState(
-        config=ChatConfig.from_settings(settings),
+        config=config,
         instance_id=runtime.config.instance_id,
         api_keys=settings.api_keys,
         store=open_store(settings),
         redis=runtime.redis,
-        stream_redis=aioredis.from_url(settings.redis_url, socket_timeout=STREAM_SOCKET_TIMEOUT_S),
+        fanout=open_fanout(config, settings.redis_url, runtime.redis, runtime.config.instance_id),
+        stream_slots=StreamSlots(config.max_streams, config.stream_limits()),
         bus=runtime.bus,
         models=ModelsView(),
     )
 
+    ladder = LadderView()  # the routers' overload ladder, for GET /v1/status
+
     async def subscribe(client) -> None:
         await client.subscribe(subjects.heartbeats_of("decode"), cb=state.models.on_heartbeat)
+        await client.subscribe(subjects.LADDER, cb=ladder.on_status)
 
     async def on_start() -> None:
         state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
@@ -50,7 +56,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     async def on_stop() -> None:
         await state.store.close()
-        await state.stream_redis.aclose()
+        await state.fanout.close()
 
     async def tokenizer_loaded() -> bool:
         return state.tokenizer is not None
@@ -63,11 +69,20 @@ def build_app(settings: Settings) -> FastAPI:
     runtime.add_check("store", store_answers)
     app = create_app(
         runtime,
-        routers=[conversations_api.router, messages_api.router, openai_api.router, completions_api.router, tokenize_api.router, web.router],
+        routers=[
+            conversations_api.router,
+            messages_api.router,
+            openai_api.router,
+            completions_api.router,
+            tokenize_api.router,
+            web.router,
+            status_router(ladder, state.models),
+        ],
         on_start=on_start,
         on_stop=on_stop,
     )
     app.state.chat = state
     errors.install(app)
+    quotas.install(app, state, settings)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)  # added last: the outermost
     return app

@@ -17,6 +17,7 @@ from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply, new_reply_id
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
 from services.chat.state import State
+from services.chat.stream_slots import StreamAdmission
 from services.chat.streaming import reply_response
 from services.chat.streams import as_logged, finished_message_response
 from services.chat.turns import inflight_key, send_message
@@ -108,6 +109,7 @@ def idempotency_key(user: ApiKey, conversation_id: str, key: str) -> str:
 async def post_message(
     state: State,
     user: CurrentUser,
+    slot: StreamAdmission,  # an open stream's slot, taken before the reply starts (503/429 past a limit)
     conversation_id: str,
     body: MessageBody,
     idempotency: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,

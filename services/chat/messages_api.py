@@ -12,6 +12,7 @@ from services.chat.errors import InvalidRequest, NotFound
 from services.chat.replies import cancel_reply
 from services.chat.schemas import RegenerateBody
 from services.chat.state import State
+from services.chat.stream_slots import StreamAdmission
 from services.chat.streaming import reply_response
 from services.chat.streams import finished_message_response
 from services.chat.turns import regenerate
@@ -32,7 +33,11 @@ async def owned_message(state: State, user: ApiKey, message_id: str) -> tuple[Me
 
 @router.get("/{message_id}/stream")
 async def stream(
-    state: State, user: CurrentUser, message_id: str, last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0
+    state: State,
+    user: CurrentUser,
+    slot: StreamAdmission,
+    message_id: str,
+    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0,
 ) -> EventSourceResponse:
     message, _ = await owned_message(state, user, message_id)
     meta = await load_reply(state.redis, message_id)
@@ -52,7 +57,9 @@ async def stop(state: State, user: CurrentUser, message_id: str) -> dict[str, st
 
 
 @router.post("/{message_id}/regenerate")
-async def regenerate_message(state: State, user: CurrentUser, message_id: str, body: RegenerateBody | None = None) -> EventSourceResponse:
+async def regenerate_message(
+    state: State, user: CurrentUser, slot: StreamAdmission, message_id: str, body: RegenerateBody | None = None
+) -> EventSourceResponse:
     body = body or RegenerateBody()
     message, conversation = await owned_message(state, user, message_id)
     if message.role != Role.ASSISTANT:

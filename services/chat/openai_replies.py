@@ -12,13 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
 
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.models_view import ServedModel
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
-from services.chat.sse import sse_response
+from services.chat.sse import StreamResponse, sse_response
 from services.chat.state import ChatState
 from services.chat.streaming import log_events
 from services.chat.turns import MODEL_WAIT_S
@@ -67,8 +66,9 @@ async def served_model(state: ChatState, requested: str) -> ServedModel:
 
 async def answer(
     state: ChatState, user: ApiKey, body: GenerationBody, model: ServedModel, prompt_ids: list[int], shape: ReplyShape, prompt_param: str
-) -> JSONResponse | EventSourceResponse:
-    """Starts the reply to `prompt_ids` and answers it as `body.stream` asks."""
+) -> JSONResponse | StreamResponse:
+    """Starts the reply to `prompt_ids` and answers it as `body.stream` asks; a stream takes one of
+    the instance's and the user's stream slots (services.chat.stream_slots) until it ends."""
     room = model.window_tokens - len(prompt_ids)
     if room < 1:
         raise InvalidRequest(
@@ -78,11 +78,19 @@ async def answer(
         )
     sampling = body.sampling(state.config.max_answer_tokens, room)
     reply_id = f"{shape.id_prefix}{new_reply_id()}"
-    await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
     head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
-    if body.stream:
-        return sse_response(state, reply_chunks(state, reply_id, head, shape, body.wants_usage_chunk))
-    return await _whole(state, reply_id, head, shape)
+    if not body.stream:
+        await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+        return await _whole(state, reply_id, head, shape)
+    slot = state.stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
+    try:
+        await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+    except BaseException:
+        slot.release()
+        raise
+    response = sse_response(state, reply_chunks(state, reply_id, head, shape, body.wants_usage_chunk))
+    response.on_close(slot.release)
+    return response
 
 
 async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape) -> JSONResponse:

@@ -2,20 +2,29 @@
 `meta` is 1; the event of log seq s is a `delta` with id s+1; the final log event gives its
 text as a delta (when it has any) and then `done` (or `error`), so ids stay contiguous and a
 client resuming with Last-Event-ID N receives exactly the events after N. One helper builds
-every such response."""
+every such response. A live reply's events are encoded to bytes once (services.chat.fanout) and
+written as they are: sse-starlette passes `bytes` through unchanged."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+from starlette.types import Receive, Scope, Send
 
 from services.chat.state import ChatState
 from tandem.bus.events import finish_name, is_final
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
+
+log = logging.getLogger(__name__)
+SEPARATOR = EventSourceResponse.DEFAULT_SEPARATOR
+# A client that takes no bytes for this many keep-alives is gone: its stream ends and frees its slot.
+SEND_TIMEOUT_KEEPALIVES = 2
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,28 @@ class SseEvent:
     def as_dict(self) -> dict[str, str]:
         """For sse-starlette's EventSourceResponse."""
         return {"id": str(self.id), "event": self.event, "data": json.dumps(self.data, ensure_ascii=False)}
+
+    def encode(self) -> bytes:
+        """As the response writes it."""
+        data = json.dumps(self.data, ensure_ascii=False)
+        return ServerSentEvent(data=data, event=self.event, id=str(self.id), sep=SEPARATOR).encode()
+
+
+@dataclass(frozen=True)
+class Frames:
+    """The SSE events of one TokenEvent, encoded: each (id, bytes), and all of them in one `blob`."""
+
+    each: tuple[tuple[int, bytes], ...]
+    blob: bytes
+
+    @property
+    def first_id(self) -> int:
+        return self.each[0][0]
+
+
+def encode_frames(event: TokenEvent) -> Frames:
+    each = tuple((sse.id, sse.encode()) for sse in sse_events(event))
+    return Frames(each, b"".join(data for _, data in each))
 
 
 def meta_event(message_id: str, model: str, num_dropped_turns: int = 0) -> SseEvent:
@@ -60,8 +91,30 @@ def log_seq_to_resume_after(last_event_id: int) -> int:
     return max(last_event_id - 2, 0)
 
 
-def sse_response(state: ChatState, events: AsyncIterator[dict[str, str]], message_id: str = "") -> EventSourceResponse:
+class StreamResponse(EventSourceResponse):
+    """An EventSourceResponse that runs its `on_close` callbacks however it ends (its body may
+    never have started), and ends quietly for a client that stopped taking bytes."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._on_close.append(callback)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            log.info("an SSE client took nothing for %.0f s: its stream ends", self.send_timeout or 0)
+        finally:
+            for callback in self._on_close:
+                callback()
+
+
+def sse_response(state: ChatState, events: AsyncIterator[dict[str, str]] | AsyncIterator[bytes], message_id: str = "") -> StreamResponse:
     """An SSE response with the configured keep-alive; `message_id` as X-Message-Id, so a client
     that loses the stream before the `meta` event still knows what to resume."""
     headers = {"X-Message-Id": message_id} if message_id else {}
-    return EventSourceResponse(events, ping=int(state.config.keepalive_s), headers=headers)
+    keepalive_s = state.config.keepalive_s
+    return StreamResponse(events, ping=int(keepalive_s), headers=headers, send_timeout=SEND_TIMEOUT_KEEPALIVES * keepalive_s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from redis.asyncio import Redis
@@ -14,6 +14,10 @@ from tandem.bus import Bus
 from tandem.config import ApiKey, Settings, Tier
 from tandem.models.tokenizer import Tokenizer
 from tandem.store import ConversationStore
+
+if TYPE_CHECKING:  # both hand out ChatState's parts to routes, so import it themselves
+    from services.chat.fanout import FanoutHub
+    from services.chat.stream_slots import StreamSlots
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,12 @@ class ChatConfig:
     # A running turn whose reply log is missing for longer than this after it was stored is lost
     # (chat stores the turn, then records the reply in Redis a moment later).
     lost_reply_grace_s: float = 30.0
+    max_streams: int = 10000  # open SSE streams on this instance
+    stream_limit_free: int = 8  # open SSE streams of one user on this instance, by tier
+    stream_limit_plus: int = 32
+    stream_limit_pro: int = 20000
+    stream_buffer_events: int = 512  # live events queued for one client before it is dropped
+    stream_readers: int = 4  # Redis connections reading token logs
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ChatConfig:
@@ -40,10 +50,19 @@ class ChatConfig:
             prompt_budget_plus=settings.prompt_budget_plus,
             max_message_chars=settings.max_message_chars,
             idempotency_ttl_s=settings.idempotency_ttl_s,
+            max_streams=settings.max_streams,
+            stream_limit_free=settings.stream_limit_free,
+            stream_limit_plus=settings.stream_limit_plus,
+            stream_limit_pro=settings.stream_limit_pro,
+            stream_buffer_events=settings.stream_buffer_events,
+            stream_readers=settings.stream_readers,
         )
 
     def prompt_budget_for(self, tier: Tier) -> int:
         return self.prompt_budget_free if tier == Tier.FREE else self.prompt_budget_plus
+
+    def stream_limits(self) -> dict[Tier, int]:
+        return {Tier.FREE: self.stream_limit_free, Tier.PLUS: self.stream_limit_plus, Tier.PRO: self.stream_limit_pro}
 
 
 @dataclass
@@ -52,8 +71,9 @@ class ChatState:
     instance_id: str
     api_keys: dict[str, ApiKey]
     store: ConversationStore
-    redis: Redis  # short commands
-    stream_redis: Redis  # blocking log reads: a socket timeout longer than the block
+    redis: Redis  # short commands, from a bounded pool
+    fanout: FanoutHub  # live token log reads, one per reply, shared by its streams
+    stream_slots: StreamSlots  # open streams, against the instance's and each user's limits
     bus: Bus
     models: ModelsView
     tokenizer: Tokenizer | None = None  # loaded at start

@@ -1,87 +1,65 @@
-"""Streaming a reply to a client: its token log read live, as the product's SSE events."""
+"""Streaming a reply to a client: its token log read live through this instance's feed of the
+reply (services.chat.fanout), as the product's SSE events, written as pre-encoded bytes with
+everything queued for the client in one write."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator
 
-from sse_starlette.sse import EventSourceResponse
-
 from services.chat import metrics
-from services.chat.sse import SseEvent, log_seq_to_resume_after, meta_event, sse_events, sse_response
+from services.chat.sse import SseEvent, StreamResponse, log_seq_to_resume_after, meta_event, sse_response
 from services.chat.state import ChatState
 from services.chat.streams import settle_lost_reply
-from tandem.tokenlog import ReplyGone, attach, detach, read
+from tandem.tokenlog import ReplyGone
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
 REPLY_EXPIRED = "this reply's token log expired (or was lost) before it was read to the end; GET its conversation for the stored text"
 
 
-async def _renew_lease(state: ChatState, reply_id: str, reader_id: str) -> None:
-    while True:
-        await attach(state.redis, reply_id, reader_id, state.config.reader_lease_s)
-        await asyncio.sleep(state.config.reader_lease_s / 3)
-
-
-@contextlib.asynccontextmanager
-async def reading(state: ChatState, reply_id: str) -> AsyncIterator[None]:
-    """Holds a reader lease on the reply while the block runs, so the relay knows someone reads."""
-    reader_id = f"{state.instance_id}:{uuid.uuid4().hex[:8]}"
-    await attach(state.redis, reply_id, reader_id, state.config.reader_lease_s)
-    renewer = asyncio.create_task(_renew_lease(state, reply_id, reader_id), name=f"lease:{reply_id}")
-    try:
-        yield
-    finally:
-        renewer.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.shield(detach(state.redis, reply_id, reader_id))
-
-
-async def log_events(state: ChatState, reply_id: str, after_seq: int = 0) -> AsyncIterator[TokenEvent]:
-    """The reply's TokenEvents after `after_seq`, live, while holding a reader lease."""
-    async with reading(state, reply_id):
-        async for event in read(state.stream_redis, reply_id, after=after_seq):
+async def log_events(state: ChatState, reply_id: str) -> AsyncIterator[TokenEvent]:
+    """The reply's TokenEvents from its first, live, ending after the final one. Raises ReplyGone
+    when its log vanishes, LogUnavailable when Redis stays away. Never dropped: for a client that
+    cannot resume (the OpenAI endpoints), whose reply's events the feed keeps anyway."""
+    async with state.fanout.subscribe(reply_id) as subscription:
+        async for event in subscription.events():
             yield event
 
 
-def reply_response(state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0) -> EventSourceResponse:
+def reply_response(state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0) -> StreamResponse:
     """The SSE response of a reply read from its log, after `last_event_id`."""
     return sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns), reply_id)
 
 
 async def sse_stream(
     state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0
-) -> AsyncIterator[dict[str, str]]:
-    """The product's SSE events of a reply, after `last_event_id`. A log that vanishes before its
-    final event ends the stream with an `error` event, code "reply_expired", and its stored turn,
-    if it has one still running, is settled as failed with the text it had."""
+) -> AsyncIterator[bytes]:
+    """The product's SSE events of a reply after `last_event_id`, as bytes. A client that falls
+    `stream_buffer_events` live events behind is dropped: its stream ends and it resumes with
+    Last-Event-ID. A log that vanishes before its final event ends the stream with an `error`
+    event, code "reply_expired", and its stored turn, if it has one still running, is settled as
+    failed with the text the feed read."""
     if last_event_id >= 1:
         metrics.STREAM_RESUMES.inc()
-    metrics.STREAMS_OPEN.inc()
     last_id = last_event_id
+    if last_event_id < 1:
+        last_id = 1
+        yield meta_event(reply_id, model, num_dropped_turns).encode()
     after_seq = log_seq_to_resume_after(last_event_id)
-    text: list[str] = []  # the whole text so far when read from the log's start
-    try:
-        if last_event_id < 1:
-            last_id = 1
-            yield meta_event(reply_id, model, num_dropped_turns).as_dict()
+    async with state.fanout.subscribe(reply_id, after_seq=after_seq, max_lag=state.config.stream_buffer_events) as subscription:
+        feed = subscription.feed
         try:
-            async for event in log_events(state, reply_id, after_seq):
-                text.append(event.text)
-                for sse in sse_events(event):
-                    if sse.id > last_event_id:
-                        last_id = sse.id
-                        yield sse.as_dict()
+            async for start, stop in subscription.ranges():
+                data = feed.sse_bytes(start, stop, last_id)
+                last_id = max(last_id, feed.frames[stop - 1].each[-1][0])
+                if data:
+                    yield data
         except ReplyGone:
             log.info("reply %s: its log vanished while a client read it", reply_id)
-            await _settle_stored_turn(state, reply_id, "".join(text) if after_seq == 0 else None)
-            yield SseEvent(last_id + 1, "error", {"code": "reply_expired", "message": REPLY_EXPIRED}).as_dict()
-    finally:
-        metrics.STREAMS_OPEN.dec()
+            text = feed.text if feed.events else None
+            await feed.once(lambda: _settle_stored_turn(state, reply_id, text))
+            yield SseEvent(last_id + 1, "error", {"code": "reply_expired", "message": REPLY_EXPIRED}).encode()
 
 
 async def _settle_stored_turn(state: ChatState, reply_id: str, text: str | None) -> None:

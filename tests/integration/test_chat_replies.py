@@ -18,11 +18,13 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from services.chat.errors import Unavailable, answer
+from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView
 from services.chat.openai_replies import CHAT, reply_chunks
 from services.chat.replies import ReplyRequest, begin_reply
 from services.chat.state import ChatConfig, ChatState
 from services.chat.streaming import sse_stream
+from services.chat.stream_slots import StreamSlots
 from services.chat.streams import as_logged, finished_message_response
 from tandem.bus import Bus, BusConfig, decode, subjects
 from tandem.bus.events import ReplyStatus, final_event, now_ms
@@ -50,21 +52,43 @@ async def state(redis_server, nats_server, tmp_path) -> AsyncIterator[ChatState]
     await bus.wait_connected()
     store = SqliteStore(tmp_path / "conversations.db")
     await store.start()
+    redis = aioredis.from_url(redis_server.url, socket_timeout=10)
     state = ChatState(
         config=CONFIG,
         instance_id="test-chat",
         api_keys={},
         store=store,
-        redis=aioredis.from_url(redis_server.url, socket_timeout=10),
-        stream_redis=aioredis.from_url(redis_server.url, socket_timeout=30),  # outlasts the reader's 5 s block
+        redis=redis,
+        fanout=open_fanout(CONFIG, redis_server.url, redis, "test-chat"),
+        stream_slots=StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         bus=bus,
         models=ModelsView(),
     )
     yield state
+    await state.fanout.close()
     await state.redis.aclose()
-    await state.stream_redis.aclose()
     await store.close()
     await bus.close()
+
+
+def parsed(chunk: bytes) -> list[dict[str, str]]:
+    """The SSE events in one written chunk (a stream writes several at once when it has them)."""
+    events = []
+    for block in chunk.decode().split("\r\n\r\n"):
+        if block.strip():
+            events.append(dict(line.split(": ", 1) for line in block.split("\r\n") if not line.startswith(":")))
+    return events
+
+
+async def take(stream: AsyncIterator[bytes], num_events: int) -> list[dict[str, str]]:
+    events: list[dict[str, str]] = []
+    while len(events) < num_events:
+        events.extend(parsed(await anext(stream)))
+    return events
+
+
+async def rest_of(stream: AsyncIterator[bytes]) -> list[dict[str, str]]:
+    return [event async for chunk in stream for event in parsed(chunk)]
 
 
 async def started_reply(state: ChatState, num_tokens: int) -> str:
@@ -89,9 +113,9 @@ async def nothing_left_of(state: ChatState, reply_id: str) -> bool:
 async def test_a_log_that_vanishes_mid_stream_ends_the_product_stream_with_a_reply_expired_error(state):
     reply_id = await started_reply(state, 2)
     stream = sse_stream(state, reply_id, "m")
-    head = [await anext(stream) for _ in range(3)]
+    head = await take(stream, 3)
     await vanish(state, reply_id)  # the reader now waits on a log that no longer exists
-    rest = [event async for event in stream]
+    rest = await rest_of(stream)
     assert [(e["id"], e["event"]) for e in head] == [("1", "meta"), ("2", "delta"), ("3", "delta")]
     assert [(e["id"], e["event"]) for e in rest] == [("4", "error")]
     assert json.loads(rest[0]["data"])["code"] == "reply_expired"
@@ -100,7 +124,7 @@ async def test_a_log_that_vanishes_mid_stream_ends_the_product_stream_with_a_rep
 
 async def test_a_resumed_stream_whose_log_is_gone_gives_the_error_as_the_next_event(state):
     reply_id = uuid.uuid4().hex  # its log expired between the route's check and the first read
-    events = [event async for event in sse_stream(state, reply_id, "m", last_event_id=7)]
+    events = await rest_of(sse_stream(state, reply_id, "m", last_event_id=7))
     assert [(e["id"], e["event"]) for e in events] == [("8", "error")]
     assert json.loads(events[0]["data"])["code"] == "reply_expired"
     assert await nothing_left_of(state, reply_id)
@@ -123,7 +147,7 @@ async def test_a_log_that_vanishes_mid_stream_ends_the_openai_stream_with_an_err
 async def test_a_log_read_to_its_final_event_ends_with_done_not_an_error(state):
     reply_id = await started_reply(state, 2)
     await TokenLogWriter(state.redis, ttl_s=60).append(final_event(reply_id, 3, FINISH_REASON_STOP))
-    events = [event async for event in sse_stream(state, reply_id, "m")]
+    events = await rest_of(sse_stream(state, reply_id, "m"))
     assert [e["event"] for e in events] == ["meta", "delta", "delta", "done"]
     await vanish(state, reply_id)
 
@@ -202,9 +226,9 @@ async def test_a_log_that_vanishes_mid_stream_settles_its_stored_turn_as_failed_
     for seq in (1, 2):
         await writer.append(TokenEvent(reply_id=turn.id, seq=seq, text=f"t{seq} "))
     stream = sse_stream(state, turn.id, "m")
-    head = [await anext(stream) for _ in range(3)]
+    head = await take(stream, 3)
     await vanish(state, turn.id)
-    rest = [event async for event in stream]
+    rest = await rest_of(stream)
     assert [e["event"] for e in head + rest] == ["meta", "delta", "delta", "error"]
     settled = await stored(state, turn)
     assert (settled.status, settled.content) == (ReplyStatus.FAILED, "t1 t2 ")

@@ -20,6 +20,8 @@ from tandem.config import Settings
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
 log = logging.getLogger(__name__)
+REDIS_COMMAND_TIMEOUT_S = 1.0
+REDIS_POOL_WAIT_S = 2.0  # a command waits this long for a free connection, then fails (a RedisError)
 
 ReadinessCheck = Callable[[], Awaitable[bool]]
 HeartbeatBuilder = Callable[[ServiceHeartbeat], Message]
@@ -33,6 +35,7 @@ class RuntimeConfig:
     nats_url: str
     redis_url: str | None  # None: this service does not use Redis
     heartbeat_interval_s: float
+    redis_max_connections: int = 64
 
     @classmethod
     def from_settings(cls, role: str, settings: Settings, *, uses_redis: bool) -> RuntimeConfig:
@@ -43,7 +46,17 @@ class RuntimeConfig:
             nats_url=settings.nats_url,
             redis_url=settings.redis_url if uses_redis else None,
             heartbeat_interval_s=settings.heartbeat_interval_s,
+            redis_max_connections=settings.redis_max_connections,
         )
+
+
+def _short_command_client(url: str, max_connections: int) -> aioredis.Redis:
+    """A client for short commands over at most `max_connections` connections: a command waits
+    for a free one rather than opening more (a blocking read needs a client of its own)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=REDIS_POOL_WAIT_S, socket_timeout=REDIS_COMMAND_TIMEOUT_S
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 class Runtime:
@@ -52,7 +65,7 @@ class Runtime:
     def __init__(self, config: RuntimeConfig, heartbeat: HeartbeatBuilder | None = None) -> None:
         self.config = config
         self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id))
-        self.redis = aioredis.from_url(config.redis_url, socket_timeout=1.0) if config.redis_url else None
+        self.redis = _short_command_client(config.redis_url, config.redis_max_connections) if config.redis_url else None
         self.is_draining = False
         self.exit_code = 0  # what the process exits with once stopped; fail() makes it 1
         self._checks: dict[str, ReadinessCheck] = {}

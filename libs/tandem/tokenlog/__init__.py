@@ -1,5 +1,5 @@
 """The Redis-stream token log: every reply's TokenEvents in order, resumable from any seq.
-The relay writes it (writer.py); any edge reads it (reader.py). A reply's status and the
+The relay writes it (writer.py); any edge reads it (reader.py; tail.py reads many logs over a few connections). A reply's status and the
 clock it is stamped with are tandem.bus.events'."""
 
 from tandem.tokenlog.continuation import Continuation, TakenOver, begin_continuation, fence_reply
@@ -7,6 +7,7 @@ from tandem.tokenlog.keys import REPLY_SET_TTL_S, RUNNING, RUNNING_REPLY_TTL_S, 
 from tandem.tokenlog.meta import ReplyMeta, create_reply, load_reply, load_reply_states
 from tandem.tokenlog.reader import LogUnavailable, ReplyGone, logged_events, read
 from tandem.tokenlog.readers import attach, detach, idle_for_ms
+from tandem.tokenlog.tail import LogTail, TailConfig, TailSink
 from tandem.tokenlog.values import as_bytes, as_text
 from tandem.tokenlog.writer import Appended, TokenLogWriter
 
@@ -17,10 +18,13 @@ __all__ = [
     "UNPERSISTED",
     "Appended",
     "Continuation",
+    "LogTail",
     "LogUnavailable",
     "ReplyGone",
     "ReplyKeys",
     "ReplyMeta",
+    "TailConfig",
+    "TailSink",
     "TakenOver",
     "TokenLogWriter",
     "as_bytes",
