@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import nats.errors
 
-from services.chat import metrics
+from services.chat import metrics, quotas
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.state import ChatState
 from tandem.bus import BadMessage, decode, encode, subjects
@@ -51,9 +52,22 @@ class ReplyRequest:
     message_id: str = ""  # the assistant message, stored as running, that the reply fills
 
 
+def reserve_quota(state: ChatState, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
+    """The reply's worst case reserved in its user's quota for a block, given back if the block
+    raises (see quotas.reserved): a caller that stores something first reserves around it."""
+    return quotas.reserved(state, reply.user, reply.reply_id, len(reply.prompt_ids), reply.sampling.max_tokens)
+
+
 async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
-    """Records the reply and asks a router for it; raises a ChatError (its code the router's reason)
-    when the router refuses it or none answers, and then nothing of it is kept."""
+    """Reserves the reply's worst case in the user's quota, records the reply and asks a router for
+    it; raises a ChatError (RateLimited when the quota cannot afford it yet; the router's reason as
+    its code when the router refuses it or none answers), and then nothing of it is kept and its
+    reservation is given back."""
+    async with reserve_quota(state, reply):
+        await _begin(state, reply)
+
+
+async def _begin(state: ChatState, reply: ReplyRequest) -> None:
     request = GenerateRequest(
         request_id=reply.reply_id,
         reply_id=reply.reply_id,

@@ -1,5 +1,6 @@
-"""A chat turn: check the message, build the prompt from the conversation, store the user turn
-and a running assistant turn, and start the reply. Regenerate reuses all but the first store."""
+"""A chat turn: check the message, build the prompt from the conversation, reserve the reply's
+quota (a refusal stores nothing), store the user turn and a running assistant turn, and start the
+reply. Regenerate reuses all but the first store."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from services.chat.context import Budget, PromptTooLong, Turn, active_history, b
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.models_view import ServedModel
 from services.chat.prompt import PromptCounter, encode_prompt
-from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
+from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id, reserve_quota
 from services.chat.state import ChatState
 from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey
@@ -89,21 +90,23 @@ async def send_message(
     history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq, after_seq)
     # Tokenizing a long prompt takes milliseconds: off the event loop that serves every stream.
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, history, new_turn, model, counter)
-    user_message = await state.store.append_message(
-        user.user_id,
-        NewMessage(
-            id=user_message_id or uuid.uuid4().hex,
-            conversation_id=conversation.id,
-            role=Role.USER,
-            content=content,
-            tokens=new_turn.tokens,
-            model=model.name,
-            parent_seq=0 if after_seq is None else stored_parent_seq(after_seq),
-        ),
-    )
-    if not conversation.title:
-        await state.store.update_conversation(user.user_id, conversation.id, title=_title_of(content))
-    return await _start(state, user, conversation, user_message.seq, model, prompt, reply_id, sampling)
+    reply = _reply_request(state, user, conversation, model, prompt, reply_id, sampling)
+    async with reserve_quota(state, reply):  # a turn the quota refuses stores nothing
+        user_message = await state.store.append_message(
+            user.user_id,
+            NewMessage(
+                id=user_message_id or uuid.uuid4().hex,
+                conversation_id=conversation.id,
+                role=Role.USER,
+                content=content,
+                tokens=new_turn.tokens,
+                model=model.name,
+                parent_seq=0 if after_seq is None else stored_parent_seq(after_seq),
+            ),
+        )
+        if not conversation.title:
+            await state.store.update_conversation(user.user_id, conversation.id, title=_title_of(content))
+        return await _start(state, conversation, user_message.seq, reply, prompt.num_dropped)
 
 
 async def regenerate(
@@ -119,7 +122,9 @@ async def regenerate(
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", user_turn.content, user_turn.tokens)
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, earlier, new_turn, model, counter)
-    return await _start(state, user, conversation, user_turn.seq, model, prompt, new_reply_id(), sampling)
+    reply = _reply_request(state, user, conversation, model, prompt, new_reply_id(), sampling)
+    async with reserve_quota(state, reply):
+        return await _start(state, conversation, user_turn.seq, reply, prompt.num_dropped)
 
 
 @dataclass(frozen=True)
@@ -156,33 +161,12 @@ def _prompt(
     return _Prompt(ids, num_public, context.num_dropped)
 
 
-async def _start(
-    state: ChatState,
-    user: ApiKey,
-    conversation: Conversation,
-    parent_seq: int,
-    model: ServedModel,
-    prompt: _Prompt,
-    reply_id: str,
-    sampling: SamplingChoice,
-) -> StartedReply:
-    await state.store.append_message(
-        user.user_id,
-        NewMessage(
-            id=reply_id,
-            conversation_id=conversation.id,
-            role=Role.ASSISTANT,
-            content="",
-            tokens=0,
-            model=model.name,
-            status=ReplyStatus.RUNNING,
-            parent_seq=parent_seq,
-        ),
-    )
-    await _supersede(state, conversation.id, reply_id)
+def _reply_request(
+    state: ChatState, user: ApiKey, conversation: Conversation, model: ServedModel, prompt: _Prompt, reply_id: str, sampling: SamplingChoice
+) -> ReplyRequest:
     wanted = sampling.max_tokens or state.config.max_answer_tokens
     max_tokens = max(1, min(wanted, model.window_tokens - len(prompt.ids)))
-    reply = ReplyRequest(
+    return ReplyRequest(
         reply_id=reply_id,
         user=user,
         model=model.name,
@@ -192,14 +176,32 @@ async def _start(
         conversation_id=conversation.id,
         message_id=reply_id,
     )
+
+
+async def _start(state: ChatState, conversation: Conversation, parent_seq: int, reply: ReplyRequest, num_dropped: int) -> StartedReply:
+    """Stores the running assistant turn and starts its reply (its quota is reserved already)."""
+    await state.store.append_message(
+        reply.user.user_id,
+        NewMessage(
+            id=reply.reply_id,
+            conversation_id=conversation.id,
+            role=Role.ASSISTANT,
+            content="",
+            tokens=0,
+            model=reply.model,
+            status=ReplyStatus.RUNNING,
+            parent_seq=parent_seq,
+        ),
+    )
+    await _supersede(state, conversation.id, reply.reply_id)
     try:
         await begin_reply(state, reply)
     except ChatError as exc:  # refused, or no router answered: it never runs
-        await state.store.finish_message(conversation.id, reply_id, content="", status=ReplyStatus.FAILED, tokens=0)
+        await state.store.finish_message(conversation.id, reply.reply_id, content="", status=ReplyStatus.FAILED, tokens=0)
         await state.redis.delete(inflight_key(conversation.id))
-        log.info("reply %s refused: %s: %s", reply_id, exc.code, exc.message)
+        log.info("reply %s refused: %s: %s", reply.reply_id, exc.code, exc.message)
         raise
-    return StartedReply(reply_id, model.name, prompt.num_dropped)
+    return StartedReply(reply.reply_id, reply.model, num_dropped)
 
 
 async def _supersede(state: ChatState, conversation_id: str, reply_id: str) -> None:

@@ -1,0 +1,142 @@
+"""Token quotas in the chat service (the buckets themselves: tandem.quota). A reply reserves its
+worst case before anything of it is stored or sent, and gets it back whole if it never starts;
+the relay settles it when it ends. A request the bucket cannot afford yet is refused with 429
+`quota_exceeded` and a Retry-After saying when it could; every authenticated answer says how
+much is left (`x-ratelimit-*-tokens`, OpenAI's names)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.chat import metrics
+from services.chat.auth import current_user
+from services.chat.errors import InvalidRequest, RateLimited, Unauthenticated
+from services.chat.state import ChatState
+from tandem.config import ApiKey, Settings
+from tandem.quota import ExceedsCapacity, QuotaConfig, TokenBuckets, worst_case_units
+
+log = logging.getLogger(__name__)
+_FIELD = "quotas"  # the ChatState attribute install sets (see buckets_of)
+
+
+def install(app: FastAPI, state: ChatState, settings: Settings) -> None:
+    """Gives the chat its buckets and adds the rate-limit headers to every authenticated answer."""
+    setattr(state, _FIELD, TokenBuckets(state.redis, QuotaConfig.from_settings(settings)))
+    app.add_middleware(QuotaHeaders)
+
+
+def buckets_of(state: ChatState) -> TokenBuckets | None:
+    """The chat's buckets; None for a state built without them (no quotas apply)."""
+    buckets = getattr(state, _FIELD, None)
+    return buckets if isinstance(buckets, TokenBuckets) else None
+
+
+@contextlib.asynccontextmanager
+async def reserved(state: ChatState, user: ApiKey, reply_id: str, num_prompt_tokens: int, max_tokens: int) -> AsyncIterator[None]:
+    """Reserves the reply's worst case for the block, and gives it all back if the block raises
+    (the reply never started). Reserving a reply id again takes nothing more, so nested blocks
+    (a turn reserves before storing anything; begin_reply reserves every reply) cost it once."""
+    buckets = buckets_of(state)
+    if buckets is None:
+        yield
+        return
+    worst_case = worst_case_units(num_prompt_tokens, max_tokens)
+    try:
+        admission = await buckets.reserve(user.user_id, user.tier, worst_case, reply_id, num_prompt_tokens)
+    except ExceedsCapacity as exc:
+        message = (
+            f"this request could cost up to {worst_case:.0f} units ({num_prompt_tokens} prompt tokens + max_tokens {max_tokens} x4), "
+            f"more than the {user.tier.value} tier's whole quota of {exc.capacity_units}; lower max_tokens or shorten the prompt"
+        )
+        metrics.REPLIES_REFUSED.labels(code="exceeds_quota").inc()
+        raise InvalidRequest(message, code="exceeds_quota", param="max_tokens") from None
+    if not admission.is_admitted:
+        metrics.REPLIES_REFUSED.labels(code="quota_exceeded").inc()
+        wait_s = math.ceil(admission.retry_after_s)
+        message = (
+            f"you have used your {user.tier.value} tier's token quota for now ({admission.remaining_units:.0f} units left, "
+            f"this request needs up to {worst_case:.0f}); try again in {wait_phrase(wait_s)}"
+        )
+        raise RateLimited(message, code="quota_exceeded", retry_after_s=wait_s)
+    try:
+        yield
+    except BaseException:
+        await refund(buckets, reply_id)
+        raise
+
+
+async def refund(buckets: TokenBuckets, reply_id: str) -> None:
+    """A failed refund leaves the reservation to expire (its units spent); the caller's own
+    error is the one to report."""
+    try:
+        await buckets.refund(reply_id)
+    except (RedisError, OSError) as exc:
+        log.warning("reply %s: its quota reservation could not be refunded (%s); it expires", reply_id, exc)
+
+
+def wait_phrase(seconds: float) -> str:
+    """ "45 seconds", "1 minute", "12 minutes": how a person says a wait."""
+    if seconds < 90:
+        count, unit = max(1, math.ceil(seconds)), "second"
+    else:
+        count, unit = math.ceil(seconds / 60), "minute"
+    return f"{count} {unit}{'' if count == 1 else 's'}"
+
+
+def reset_duration(seconds: float) -> str:
+    """OpenAI's form of a reset time: "0s", "45s", "6m0s", "2h5m0s"."""
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+class QuotaHeaders:
+    """ASGI middleware: an answer to a caller with a valid key carries the level of its bucket
+    after the request (`x-ratelimit-limit-tokens`, `-remaining-tokens`, `-reset-tokens`: until
+    full). When Redis does not answer, the answer goes without them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        buckets = buckets_of(request.app.state.chat)
+        try:
+            user = current_user(request)
+        except Unauthenticated:
+            user = None
+        if buckets is None or user is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_level(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await _add_level(MutableHeaders(scope=message), buckets, user)
+            await send(message)
+
+        await self.app(scope, receive, send_with_level)
+
+
+async def _add_level(headers: MutableHeaders, buckets: TokenBuckets, user: ApiKey) -> None:
+    try:
+        level = await buckets.peek(user.user_id, user.tier)
+    except (RedisError, OSError) as exc:
+        log.debug("no rate-limit headers: %s", exc)
+        return
+    headers["x-ratelimit-limit-tokens"] = str(buckets.config.capacity_of(user.tier))
+    headers["x-ratelimit-remaining-tokens"] = str(math.floor(level.remaining_units))
+    headers["x-ratelimit-reset-tokens"] = reset_duration(level.full_in_s)

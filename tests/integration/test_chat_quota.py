@@ -1,0 +1,106 @@
+"""The chat's side of token quotas, on a real redis-server and nats-server: a reply the bucket
+cannot afford is refused with 429 quota_exceeded and a Retry-After before anything of it is
+recorded; one larger than the whole bucket is a 400 naming max_tokens; and a reply the router
+refuses, or that no router answers, gets its whole reservation back."""
+
+from __future__ import annotations
+
+import types
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from services.chat.errors import InvalidRequest, RateLimited, Unavailable, answer
+from services.chat.replies import ReplyRequest, begin_reply
+from tandem.bus import Bus, BusConfig, encode, subjects
+from tandem.config import ApiKey, Tier
+from tandem.quota import QuotaConfig, TokenBuckets, reservation_key
+from tandem.tokenlog import ReplyKeys
+from tandem.v1.common_pb2 import SamplingParams
+from tandem.v1.generate_pb2 import GenerateReply, Refusal
+
+QUOTA = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000, refill_s=600.0, reservation_ttl_s=120)
+
+
+@pytest_asyncio.fixture
+async def state(redis_server, nats_server) -> AsyncIterator[types.SimpleNamespace]:
+    """What begin_reply reads of the chat's state: Redis, the bus, the generate timeout, the buckets."""
+    bus = Bus(BusConfig(url=nats_server.url, name="test-chat-quota"))
+    bus.start()
+    await bus.wait_connected()
+    redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    yield types.SimpleNamespace(
+        redis=redis, bus=bus, config=types.SimpleNamespace(generate_timeout_s=2.0), quotas=TokenBuckets(redis, QUOTA)
+    )
+    await redis.aclose()
+    await bus.close()
+
+
+def reply_request(user: ApiKey, num_prompt_tokens: int, max_tokens: int) -> ReplyRequest:
+    return ReplyRequest(uuid.uuid4().hex, user, "m", list(range(num_prompt_tokens)), 0, SamplingParams(max_tokens=max_tokens))
+
+
+def free_user() -> ApiKey:
+    return ApiKey(user_id=uuid.uuid4().hex, tier=Tier.FREE)
+
+
+async def test_a_reply_the_bucket_cannot_afford_is_429_with_retry_after_and_nothing_recorded(state):
+    user = free_user()
+    await state.quotas.reserve(user.user_id, Tier.FREE, 5500, uuid.uuid4().hex)  # 500 left, 10 units a second
+    reply = reply_request(user, 900, 48)  # up to 1092
+    with pytest.raises(RateLimited) as refused:
+        await begin_reply(state, reply)
+    assert refused.value.code == "quota_exceeded"
+    wait_s = refused.value.retry_after_s
+    assert 55 <= wait_s <= 60  # (1092 - 500) / 10, rounded up, less what refilled meanwhile
+    assert f"try again in {wait_s:.0f} seconds" in refused.value.message
+    response = await answer(None, refused.value)  # type: ignore[arg-type]
+    assert (response.status_code, response.headers["Retry-After"]) == (429, f"{wait_s:.0f}")
+    assert b'"type":"rate_limit_exceeded"' in response.body
+    assert await state.redis.exists(*ReplyKeys(reply.reply_id).all(), reservation_key(reply.reply_id)) == 0
+
+
+async def test_a_reply_larger_than_the_whole_bucket_is_a_400_naming_max_tokens(state):
+    with pytest.raises(InvalidRequest) as refused:
+        await begin_reply(state, reply_request(free_user(), 900, 1300))  # 6100 > 6000
+    assert (refused.value.code, refused.value.param) == ("exceeds_quota", "max_tokens")
+
+
+async def test_a_reply_the_router_refuses_gets_its_reservation_back(state):
+    async def refusing_router(msg) -> None:
+        await msg.respond(encode(GenerateReply(refused=Refusal(reason="overloaded", message="full", retry_after_s=1.0))))
+
+    router = await state.bus.client.subscribe(subjects.GENERATE, queue="router", cb=refusing_router)
+    user = free_user()
+    try:
+        with pytest.raises(Unavailable):
+            await begin_reply(state, reply_request(user, 900, 48))
+    finally:
+        await router.unsubscribe()
+    assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == 6000
+
+
+async def test_a_reply_no_router_answers_gets_its_reservation_back(state):
+    user = free_user()
+    with pytest.raises(Unavailable) as refused:
+        await begin_reply(state, reply_request(user, 900, 48))
+    assert refused.value.code == "no_router"
+    assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == 6000
+
+
+async def test_an_accepted_reply_keeps_its_reservation_for_the_relay_to_settle(state):
+    async def accepting_router(msg) -> None:
+        await msg.respond(encode(GenerateReply(reply_id="accepted")))
+
+    router = await state.bus.client.subscribe(subjects.GENERATE, queue="router", cb=accepting_router)
+    user = free_user()
+    reply = reply_request(user, 900, 48)
+    try:
+        await begin_reply(state, reply)
+    finally:
+        await router.unsubscribe()
+    assert (await state.quotas.reservation(reply.reply_id)).units == 1092
+    assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == pytest.approx(6000 - 1092, abs=1)
