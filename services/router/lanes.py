@@ -12,8 +12,10 @@ and whether it is taken at all:
   refused the lane lately, refuses the request at the door ("overloaded") with the soonest time
   any of them gave.
 
-The router cannot see the workers' device; it takes TANDEM_DEVICE as the fleet's ("cpu" scales
-the targets by cpu_ttft_scale, as the workers do; anything else counts as a GPU fleet).
+The router cannot see the workers' device; it takes its own TANDEM_DEVICE as the fleet's. Only
+"cuda" gives the GPU targets; "cpu" and "auto" scale them by cpu_ttft_scale, as CPU workers do.
+Erring long is the safe side: a router that expects longer waits than the workers allow degrades
+and refuses less on its own, and the workers' refusals still hold the line.
 """
 
 from __future__ import annotations
@@ -45,16 +47,12 @@ class WaitTargets:
 
     paid_s: float = 1.0
     free_s: float = 2.0
+    scale: float = 1.0  # the CPU factor already applied (other deadlines are scaled alike)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WaitTargets:
-        scale = settings.cpu_ttft_scale if settings.device == "cpu" else 1.0
-        return cls(paid_s=settings.ttft_target_paid_s * scale, free_s=settings.ttft_target_free_s * scale)
-
-    @property
-    def scale(self) -> float:
-        """How much longer than a GPU fleet's defaults these targets are (for other deadlines)."""
-        return self.free_s / WaitTargets().free_s
+        scale = 1.0 if settings.device == "cuda" else settings.cpu_ttft_scale
+        return cls(paid_s=settings.ttft_target_paid_s * scale, free_s=settings.ttft_target_free_s * scale, scale=scale)
 
     def for_lane(self, lane: int) -> float:
         return self.paid_s if lane == LANE_PAID else self.free_s

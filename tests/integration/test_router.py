@@ -63,6 +63,7 @@ async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer
         redis_server.url,
         TANDEM_LADDER_INTERVAL_S=str(LADDER_INTERVAL_S),
         TANDEM_LADDER_START_DEADLINE_S=str(LADDER_START_DEADLINE_S),
+        TANDEM_CPU_TTFT_SCALE="1",  # the GPU targets, whatever the router takes the fleet to be
     )
     child = service_process("router", env)
     child.start()

@@ -30,9 +30,10 @@ def test_an_unset_lane_is_free():
     assert lane_of(request(lane=LANE_PAID)) == LANE_PAID
 
 
-def test_targets_are_scaled_for_a_cpu_fleet_only():
-    assert WaitTargets.from_settings(Settings(device="cpu", cpu_ttft_scale=10)) == WaitTargets(paid_s=10.0, free_s=20.0)
-    assert WaitTargets.from_settings(Settings(device="auto")) == WaitTargets(paid_s=1.0, free_s=2.0)
+def test_targets_are_the_gpu_ones_only_for_a_fleet_said_to_be_cuda():
+    assert WaitTargets.from_settings(Settings(device="cuda")) == WaitTargets(paid_s=1.0, free_s=2.0)
+    for device in ("cpu", "auto"):  # the router cannot tell: it errs on the long side
+        assert WaitTargets.from_settings(Settings(device=device, cpu_ttft_scale=10)) == WaitTargets(paid_s=10.0, free_s=20.0, scale=10)
 
 
 def test_free_requests_try_workers_within_the_free_target_first_and_paid_keep_the_ranking():
