@@ -1,0 +1,239 @@
+"""Streams of one chat instance on a real redis-server: one feed (one log read, one reader lease)
+per reply however many clients read it; identical complete sequences for all; a client that
+stops reading is dropped and resumes losslessly while the others get everything; a late client
+gets the backlog then live; nothing is left (feed, lease, reader connection) once the last client
+leaves; a vanished log ends every client with reply_expired; and a reply added to a reader loop
+blocked in its XREAD is read without waiting for that read to time out."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+import redis.asyncio as aioredis
+from helpers import wait_until
+
+from services.chat.fanout import open_fanout
+from services.chat.models_view import ModelsView
+from services.chat.state import ChatConfig, ChatState
+from services.chat.stream_slots import StreamSlots
+from services.chat.streaming import sse_stream
+from tandem.bus import Bus, BusConfig
+from tandem.bus.events import final_event
+from tandem.store.sqlite import SqliteStore
+from tandem.tokenlog import LogTail, ReplyKeys, ReplyMeta, TailConfig, TokenLogWriter, create_reply
+from tandem.v1.common_pb2 import FINISH_REASON_STOP
+from tandem.v1.tokens_pb2 import TokenEvent
+
+CONFIG = ChatConfig(
+    system_prompt="",
+    max_answer_tokens=64,
+    prompt_budget_free=512,
+    prompt_budget_plus=512,
+    max_message_chars=1000,
+    idempotency_ttl_s=60,
+    stream_buffer_events=3,
+    stream_readers=2,
+)
+
+
+@pytest_asyncio.fixture
+async def state(redis_server, tmp_path) -> AsyncIterator[ChatState]:
+    store = SqliteStore(tmp_path / "conversations.db")
+    await store.start()
+    redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    state = ChatState(
+        config=CONFIG,
+        instance_id="test-fanout",
+        api_keys={},
+        store=store,
+        redis=redis,
+        fanout=open_fanout(CONFIG, redis_server.url, redis, "test-fanout"),
+        stream_slots=StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
+        bus=Bus(BusConfig(url="nats://127.0.0.1:1", name="unused")),
+        models=ModelsView(),
+    )
+    yield state
+    await state.fanout.close()
+    await redis.aclose()
+    await store.close()
+
+
+class Client:
+    """One SSE client: the events it has received, parsed from the bytes written to it."""
+
+    def __init__(self, state: ChatState, reply_id: str, last_event_id: int = 0) -> None:
+        self.events: list[tuple[int, str, str]] = []
+        self.stream = sse_stream(state, reply_id, "m", last_event_id)
+
+    async def read_one_write(self) -> None:
+        self._parse(await anext(self.stream))
+
+    async def read_to_end(self) -> list[tuple[int, str, str]]:
+        async for chunk in self.stream:
+            self._parse(chunk)
+        return self.events
+
+    def _parse(self, chunk: bytes) -> None:
+        for block in chunk.decode().split("\r\n\r\n"):
+            if block.strip():
+                fields = dict(line.split(": ", 1) for line in block.split("\r\n"))
+                self.events.append((int(fields["id"]), fields["event"], fields["data"]))
+
+    @property
+    def last_id(self) -> int:
+        return self.events[-1][0] if self.events else 0
+
+
+async def running_reply(redis: aioredis.Redis) -> tuple[str, TokenLogWriter]:
+    reply_id = uuid.uuid4().hex
+    await create_reply(redis, ReplyMeta(reply_id=reply_id, model="m"), track_readers=True)
+    return reply_id, TokenLogWriter(redis, ttl_s=60)
+
+
+async def write(writer: TokenLogWriter, reply_id: str, first: int, last: int) -> None:
+    for seq in range(first, last + 1):
+        await writer.append(TokenEvent(reply_id=reply_id, seq=seq, text=f"t{seq} "))
+
+
+async def num_leases(state: ChatState, reply_id: str) -> int:
+    return int(await state.redis.zcard(ReplyKeys(reply_id).readers))
+
+
+async def test_many_clients_of_one_reply_get_identical_complete_sequences_from_one_feed_and_one_lease(state):
+    reply_id, writer = await running_reply(state.redis)
+    await write(writer, reply_id, 1, 2)
+    clients = [Client(state, reply_id) for _ in range(200)]
+    for client in clients:
+        await client.read_one_write()  # meta
+    tasks = [asyncio.create_task(client.read_to_end()) for client in clients]
+    await wait_until(lambda: now(all(len(c.events) >= 3 for c in clients)))
+    assert state.fanout.num_feeds == 1 and await num_leases(state, reply_id) == 1
+    assert state.fanout.num_reader_connections <= CONFIG.stream_readers
+    for seq in range(3, 21):
+        await write(writer, reply_id, seq, seq)
+        await wait_until(lambda seq=seq: now(all(c.last_id >= seq + 1 for c in clients)))  # no client falls behind
+    await writer.append(final_event(reply_id, 21, FINISH_REASON_STOP))
+    results = await asyncio.gather(*tasks)
+    assert all(result == results[0] for result in results)
+    assert [event_id for event_id, _, _ in results[0]] == list(range(1, 23))
+    assert results[0][-1][1] == "done"
+    await wait_until(lambda: now(state.fanout.num_feeds == 0))
+    await wait_until(lambda: now(state.fanout.num_reader_connections == 0))
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_resumes_losslessly_while_the_other_gets_everything(state):
+    reply_id, writer = await running_reply(state.redis)
+    await write(writer, reply_id, 1, 1)
+    stalled, reading = Client(state, reply_id), Client(state, reply_id)
+    for client in (stalled, reading):
+        await client.read_one_write()
+        await client.read_one_write()  # meta, then seq 1: both attached
+    reader = asyncio.create_task(reading.read_to_end())
+    for seq in range(2, 11):  # far past the stalled client's buffer of 3
+        await write(writer, reply_id, seq, seq)
+        await wait_until(lambda seq=seq: now(reading.last_id >= seq + 1))
+    await writer.append(final_event(reply_id, 11, FINISH_REASON_STOP))
+    everything = await reader
+    assert [e[0] for e in everything] == list(range(1, 13)) and everything[-1][1] == "done"
+    dropped = await stalled.read_to_end()
+    assert dropped[-1][1] == "delta", "its stream just ended, without a done or an error"
+    resumed = await Client(state, reply_id, last_event_id=stalled.last_id).read_to_end()
+    assert dropped + resumed == everything
+
+
+async def test_a_late_client_gets_the_backlog_after_its_last_event_id_then_live(state):
+    reply_id, writer = await running_reply(state.redis)
+    first = Client(state, reply_id)
+    await write(writer, reply_id, 1, 5)
+    first_reader = asyncio.create_task(first.read_to_end())
+    await wait_until(lambda: now(first.last_id >= 6))
+    late = Client(state, reply_id, last_event_id=3)
+    late_reader = asyncio.create_task(late.read_to_end())
+    await wait_until(lambda: now(late.last_id >= 6))
+    assert state.fanout.num_feeds == 1, "the late client joined the feed, from memory"
+    await writer.append(final_event(reply_id, 6, FINISH_REASON_STOP))
+    everything, after_three = await asyncio.gather(first_reader, late_reader)
+    assert after_three == everything[3:]
+
+
+async def test_the_feed_its_lease_and_its_reader_connection_are_gone_once_the_last_client_leaves(state):
+    reply_id, writer = await running_reply(state.redis)
+    await write(writer, reply_id, 1, 1)
+    clients = [Client(state, reply_id) for _ in range(3)]
+    tasks = [asyncio.create_task(c.read_to_end()) for c in clients]
+    await wait_until(lambda: now(all(c.last_id >= 2 for c in clients)))
+    assert await num_leases(state, reply_id) == 1
+    tasks[0].cancel()
+    await asyncio.gather(tasks[0], return_exceptions=True)
+    await write(writer, reply_id, 2, 2)
+    await wait_until(lambda: now(all(c.last_id >= 3 for c in clients[1:])))
+    assert state.fanout.num_feeds == 1, "the others still read"
+    for task in tasks[1:]:  # the clients go away
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert state.fanout.num_feeds == 0
+    await wait_until(lambda: num_leases_is_zero(state, reply_id))
+    await wait_until(lambda: now(state.fanout.num_reader_connections == 0))
+
+
+async def test_a_log_that_vanishes_ends_every_client_with_reply_expired(state):
+    reply_id, writer = await running_reply(state.redis)
+    await write(writer, reply_id, 1, 2)
+    clients = [Client(state, reply_id) for _ in range(3)]
+    tasks = [asyncio.create_task(c.read_to_end()) for c in clients]
+    await wait_until(lambda: now(all(c.last_id >= 3 for c in clients)))
+    await state.redis.delete(*ReplyKeys(reply_id).all())
+    for events in await asyncio.gather(*tasks):
+        assert [(e[0], e[1]) for e in events] == [(1, "meta"), (2, "delta"), (3, "delta"), (4, "error")]
+        assert '"reply_expired"' in events[-1][2]
+    assert await state.redis.exists(*ReplyKeys(reply_id).all()) == 0, "no lease outlives the reply"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.ended: list[Exception | None] = []
+
+    def deliver(self, events, is_caught_up: bool) -> None:
+        for event in events:
+            self.events.put_nowait(event)
+
+    def end(self, error: Exception | None) -> None:
+        self.ended.append(error)
+
+
+async def is_blocked_in_xread(redis: aioredis.Redis) -> bool:
+    clients = await redis.client_list()
+    return any("b" in c["flags"] and c["cmd"] == "xread" for c in clients)
+
+
+async def test_a_reply_added_to_a_loop_blocked_in_its_read_is_read_without_waiting_for_the_block_to_end(redis_server):
+    redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    tail = LogTail(TailConfig(redis_server.url, num_readers=1, block_ms=120_000), redis)
+    first_id, first_writer = await running_reply(redis)
+    second_id, second_writer = await running_reply(redis)
+    first, second = Recorder(), Recorder()
+    try:
+        await tail.follow(first_id, first)
+        await wait_until(lambda: is_blocked_in_xread(redis))
+        await write(second_writer, second_id, 1, 1)
+        await tail.follow(second_id, second)
+        event = await asyncio.wait_for(second.events.get(), timeout=30)  # far less than the 120 s block
+        assert (event.reply_id, event.seq) == (second_id, 1)
+        await write(first_writer, first_id, 1, 1)
+        assert (await asyncio.wait_for(first.events.get(), timeout=30)).seq == 1, "the first reply is still read"
+        assert first.ended == second.ended == []
+    finally:
+        await tail.close()
+        await redis.aclose()
+
+
+async def num_leases_is_zero(state: ChatState, reply_id: str) -> bool:
+    return await num_leases(state, reply_id) == 0
+
+
+async def now(value: bool) -> bool:
+    return value

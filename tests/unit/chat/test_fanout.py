@@ -1,0 +1,146 @@
+"""A feed's fan-out without Redis: every subscriber takes the same events, a late one starts from
+its Last-Event-ID, a slow one is dropped (only for live events it let pile up, never for a
+backlog), a failure reaches each subscriber; and the stream slots' limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.chat.errors import RateLimited, Unavailable
+from services.chat.fanout import Feed, Subscription
+from services.chat.sse import encode_frames, meta_event
+from services.chat.stream_slots import StreamSlots
+from tandem.bus.events import final_event
+from tandem.config import ApiKey, Tier
+from tandem.tokenlog import ReplyGone
+from tandem.v1.common_pb2 import FINISH_REASON_STOP
+from tandem.v1.tokens_pb2 import TokenEvent
+
+
+def tokens(first: int, last: int) -> list[TokenEvent]:
+    return [TokenEvent(reply_id="r", seq=seq, text=f"t{seq} ") for seq in range(first, last + 1)]
+
+
+def new_feed() -> Feed:
+    return Feed("r", "reader", lambda feed, error: feed.finish(error))
+
+
+async def taken(subscription: Subscription, after_id: int = 1) -> bytes:
+    """Everything the subscription gets until its feed finishes, as one client would write it."""
+    parts = [subscription.feed.sse_bytes(start, stop, after_id) async for start, stop in subscription.ranges()]
+    return b"".join(parts)
+
+
+def expected(events: list[TokenEvent], after_id: int = 1) -> bytes:
+    return b"".join(data for event in events for sse_id, data in encode_frames(event).each if sse_id > after_id)
+
+
+async def test_every_subscriber_takes_the_identical_complete_sequence():
+    feed = new_feed()
+    subscriptions = [feed.subscribe(0, max_lag=8) for _ in range(20)]
+    readers = [asyncio.create_task(taken(s)) for s in subscriptions]
+    events = [*tokens(1, 5), final_event("r", 6, FINISH_REASON_STOP)]
+    for event in events:
+        feed.deliver([event], is_caught_up=True)
+        await asyncio.sleep(0)  # let the clients take what is there, as the loop does between reads
+    feed.end(None)
+    results = await asyncio.gather(*readers)
+    assert set(results) == {expected(events)}
+    assert b"event: done" in results[0]
+
+
+async def test_a_late_subscriber_gets_the_backlog_after_its_last_event_id_then_live():
+    feed = new_feed()
+    feed.deliver(tokens(1, 6), is_caught_up=True)
+    late = feed.subscribe(after_seq=3, max_lag=2)  # Last-Event-ID 5: seq 4 is id 5
+    reader = asyncio.create_task(taken(late, after_id=5))
+    await asyncio.sleep(0)
+    final = final_event("r", 7, FINISH_REASON_STOP)
+    final.text = "end"  # a final event with text is two SSE events: delta 8, done 9
+    feed.deliver([final], is_caught_up=True)
+    feed.end(None)
+    data = await reader
+    assert data == expected([*tokens(5, 6), final], after_id=5)
+    assert not late.is_dropped, "a backlog served from memory is nobody's queue"
+
+
+async def test_a_resume_between_a_final_events_delta_and_done_gets_only_done():
+    feed = new_feed()
+    final = final_event("r", 3, FINISH_REASON_STOP)
+    final.text = "end"
+    feed.deliver([*tokens(1, 2), final], is_caught_up=True)
+    feed.end(None)
+    data = await taken(feed.subscribe(after_seq=2, max_lag=None), after_id=4)
+    assert data.startswith(b"id: 5\r\nevent: done")
+    assert data.count(b"event:") == 1
+
+
+async def test_a_subscriber_that_stops_taking_is_dropped_and_the_others_get_everything():
+    feed = new_feed()
+    slow = feed.subscribe(0, max_lag=3)
+    fast = feed.subscribe(0, max_lag=3)
+    fast_reader = asyncio.create_task(taken(fast))
+    for seq in range(1, 9):
+        feed.deliver(tokens(seq, seq), is_caught_up=True)
+        await asyncio.sleep(0)
+    feed.deliver([final_event("r", 9, FINISH_REASON_STOP)], is_caught_up=True)
+    feed.end(None)
+    assert slow.is_dropped and not fast.is_dropped
+    assert await taken(slow) == b"", "a dropped client's stream just ends; it resumes with Last-Event-ID"
+    assert (await fast_reader).count(b"event: delta") == 8
+
+
+async def test_a_catch_up_that_delivers_more_than_the_buffer_at_once_drops_nobody():
+    feed = new_feed()
+    first = feed.subscribe(0, max_lag=2)
+    for start in (1, 11, 21):  # a long log read in batches before anyone could take any
+        feed.deliver(tokens(start, start + 9), is_caught_up=start == 21)
+    assert not first.is_dropped
+    feed.deliver(tokens(31, 33), is_caught_up=True)  # then live, untaken: past the buffer
+    assert first.is_dropped
+
+
+async def test_a_feed_that_fails_raises_its_error_in_every_subscriber():
+    feed = new_feed()
+    subscriptions = [feed.subscribe(0, max_lag=None) for _ in range(3)]
+    readers = [asyncio.create_task(taken(s)) for s in subscriptions]
+    await asyncio.sleep(0)
+    feed.end(ReplyGone("gone"))
+    for reader in readers:
+        with pytest.raises(ReplyGone):
+            await reader
+
+
+async def test_meta_is_encoded_as_the_response_would_write_it():
+    assert meta_event("r", "m").encode() == b'id: 1\r\nevent: meta\r\ndata: {"message_id": "r", "model": "m", "dropped_turns": 0}\r\n\r\n'
+
+
+FREE = ApiKey("u-free", Tier.FREE)
+PRO = ApiKey("u-pro", Tier.PRO)
+
+
+def test_a_user_past_their_tiers_limit_is_refused_with_too_many_streams():
+    slots = StreamSlots(100, {Tier.FREE: 2, Tier.PLUS: 4, Tier.PRO: 50})
+    held = [slots.admit(FREE) for _ in range(2)]
+    with pytest.raises(RateLimited) as refused:
+        slots.admit(FREE)
+    assert refused.value.code == "too_many_streams" and refused.value.retry_after_s > 0
+    slots.admit(PRO)  # another user is not limited by it
+    held[0].release()
+    held[0].release()  # a second release frees nothing more
+    slots.admit(FREE)
+    assert slots.num_open_of(FREE.user_id) == 2 and slots.num_open == 3
+
+
+def test_a_stream_past_the_instances_capacity_is_refused_with_streams_full():
+    slots = StreamSlots(3, {Tier.FREE: 2, Tier.PLUS: 4, Tier.PRO: 50})
+    held = [slots.admit(PRO) for _ in range(3)]
+    with pytest.raises(Unavailable) as refused:
+        slots.admit(FREE)
+    assert refused.value.code == "streams_full" and refused.value.retry_after_s > 0
+    for slot in held:
+        slot.release()
+    assert slots.num_open == 0 and slots.num_open_of(PRO.user_id) == 0
+    slots.admit(FREE)
