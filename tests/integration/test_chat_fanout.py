@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import wait_until
+from tokenlog.durable_redis import DurableRedis
 
 from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView
@@ -22,8 +23,9 @@ from services.chat.stream_slots import StreamSlots
 from services.chat.streaming import sse_stream
 from tandem.bus import Bus, BusConfig
 from tandem.bus.events import final_event
+from tandem.devstack.proc import free_port
 from tandem.store.sqlite import SqliteStore
-from tandem.tokenlog import LogTail, ReplyKeys, ReplyMeta, TailConfig, TokenLogWriter, create_reply
+from tandem.tokenlog import LogTail, LogUnavailable, ReplyKeys, ReplyMeta, TailConfig, TokenLogWriter, create_reply
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -229,6 +231,51 @@ async def test_a_reply_added_to_a_loop_blocked_in_its_read_is_read_without_waiti
     finally:
         await tail.close()
         await redis.aclose()
+
+
+async def test_a_tail_waits_through_a_redis_restart_and_loses_no_event(tmp_path):
+    server = DurableRedis(tmp_path, free_port())
+    server.start()
+    redis = aioredis.from_url(server.url, socket_timeout=10)
+    tail = LogTail(TailConfig(server.url, num_readers=1, block_ms=300), redis)
+    recorder = Recorder()
+    try:
+        reply_id, writer = await running_reply(redis)
+        await write(writer, reply_id, 1, 4)
+        await tail.follow(reply_id, recorder)
+        first_four = [await asyncio.wait_for(recorder.events.get(), 10) for _ in range(4)]
+        server.stop()
+        server.start()
+        async with aioredis.from_url(server.url, socket_timeout=10) as fresh:  # the writer's own reconnect
+            writer = TokenLogWriter(fresh, ttl_s=60)
+            await write(writer, reply_id, 5, 7)
+            await writer.append(final_event(reply_id, 8, FINISH_REASON_STOP))
+        rest = [await asyncio.wait_for(recorder.events.get(), 30) for _ in range(4)]
+        assert [e.seq for e in first_four + rest] == list(range(1, 9))
+        await wait_until(lambda: now(recorder.ended == [None]))
+    finally:
+        await tail.close()
+        await redis.aclose()
+        server.stop()
+
+
+async def test_a_tail_whose_redis_stays_gone_ends_its_logs_with_log_unavailable(tmp_path):
+    server = DurableRedis(tmp_path, free_port())
+    server.start()
+    redis = aioredis.from_url(server.url, socket_timeout=2)
+    tail = LogTail(TailConfig(server.url, num_readers=1, block_ms=200, unavailable_deadline_s=1.5), redis)
+    recorder = Recorder()
+    try:
+        reply_id, _ = await running_reply(redis)
+        await tail.follow(reply_id, recorder)
+        await wait_until(lambda: is_blocked_in_xread(redis))
+        server.stop()
+        await wait_until(lambda: now(bool(recorder.ended)), timeout_s=20)
+        assert len(recorder.ended) == 1 and isinstance(recorder.ended[0], LogUnavailable)
+    finally:
+        await tail.close()
+        await redis.aclose()
+        server.stop()
 
 
 async def num_leases_is_zero(state: ChatState, reply_id: str) -> bool:
