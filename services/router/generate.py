@@ -137,7 +137,8 @@ class GenerateService:
 
     def _admit_at_rung(self, request: GenerateRequest, admitted: Admitted) -> Admitted | Refusal:
         """The overload ladder's verdict (it may cap the request in place, or name the small
-        model), then the door: refused when every worker of the model refused the lane lately."""
+        model), then the door: refused when no worker of the model can start it within its lane's
+        target (by their refusals, and for free work their heartbeats' expected waits)."""
         lane = lane_of(request)
         workers = self._workers.workers(DECODE_ROLE)
         verdict = self._overload.apply(request, lane, admitted.model, choose_model(workers), workers)
@@ -151,7 +152,7 @@ class GenerateService:
             if isinstance(readmitted, Admitted):
                 request.model, admitted = verdict.model, readmitted
         serving = [w for w in workers if can_serve(w, admitted.model)]
-        return door_refusal(lane, admitted.model, serving, self.refusals) or admitted
+        return door_refusal(lane, admitted.model, serving, self.refusals, self._targets) or admitted
 
     def _plan(self, assignment: Assignment, model: str, excluded: frozenset[str], admitted_at_s: float) -> Job:
         """Where the reply goes: decode workers best first (none of `excluded`), and prefill

@@ -97,17 +97,23 @@ def order_for_lane(ranked: Sequence[LiveWorker], lane: int, targets: WaitTargets
     return sorted(ranked, key=key)
 
 
-def door_refusal(lane: int, model: str, serving: Sequence[LiveWorker], refusals: LaneRefusals) -> Refusal | None:
-    """ "overloaded" when every worker serving the model refused the lane lately, with the soonest
-    time any of them gave; None when one may take it."""
-    if not serving:
-        return None
-    etas_s = [refusals.eta_s(w.instance_id, lane) for w in serving]
-    if min(etas_s) <= 0:
+def door_refusal(lane: int, model: str, serving: Sequence[LiveWorker], refusals: LaneRefusals, targets: WaitTargets) -> Refusal | None:
+    """ "overloaded" when no worker serving the model can start the request within its lane's
+    target: each refused the lane lately, or (free and background) its heartbeat expects a longer
+    wait. The retry time is the soonest any of them expects room; None when one may take it."""
+    etas_s = [_eta_s(w, lane, refusals, targets) for w in serving]
+    if not etas_s or min(etas_s) <= 0:
         return None
     soonest_s = min(etas_s)
     message = (
-        f"every worker serving {model} is full for {LANE_NAMES[lane]} requests: none can start one within "
-        f"its target; the soonest expects room in {soonest_s:.1f} s"
+        f"every worker serving {model} is too busy to start a {LANE_NAMES[lane]} request within its target; "
+        f"the soonest expects room in {soonest_s:.1f} s"
     )
     return Refusal(reason=OVERLOADED, message=message, retry_after_s=soonest_s)
+
+
+def _eta_s(worker: LiveWorker, lane: int, refusals: LaneRefusals, targets: WaitTargets) -> float:
+    """Seconds until the worker could start a request of the lane in time (0: now)."""
+    # The heartbeat's wait is a free request's; a paid one goes ahead of that queue.
+    over_target_s = 0.0 if lane == LANE_PAID else worker.heartbeat.estimated_wait_s - targets.free_s
+    return max(refusals.eta_s(worker.instance_id, lane), over_target_s)

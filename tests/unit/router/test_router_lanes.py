@@ -61,18 +61,18 @@ def test_the_door_refuses_a_lane_only_when_every_serving_worker_refused_it_with_
     refusals = LaneRefusals(clock)
     serving = [decode_worker("a"), decode_worker("b")]
     refusals.note("a", LANE_FREE, retry_after_s=4.0)
-    assert door_refusal(LANE_FREE, MODEL, serving, refusals) is None
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals, TARGETS) is None
     refusals.note("b", LANE_FREE, retry_after_s=2.5)
-    refused = door_refusal(LANE_FREE, MODEL, serving, refusals)
+    refused = door_refusal(LANE_FREE, MODEL, serving, refusals, TARGETS)
     assert refused is not None
     assert (refused.reason, refused.retry_after_s) == ("overloaded", pytest.approx(2.5))
     assert "free" in refused.message and MODEL in refused.message
-    assert door_refusal(LANE_PAID, MODEL, serving, refusals) is None
+    assert door_refusal(LANE_PAID, MODEL, serving, refusals, TARGETS) is None
     clock.now_s += 2.5
-    assert door_refusal(LANE_FREE, MODEL, serving, refusals) is None
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals, TARGETS) is None
     refusals.note("a", LANE_FREE, 1.0)
     refusals.forget("b")
-    assert door_refusal(LANE_FREE, MODEL, serving, refusals) is None
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals, TARGETS) is None
 
 
 def test_when_every_worker_says_queue_full_the_reply_ends_overloaded_with_the_soonest_eta():
@@ -87,3 +87,16 @@ def test_when_every_worker_says_queue_full_the_reply_ends_overloaded_with_the_so
     assert event.error.code == "overloaded"
     assert event.error.retry_after_s == pytest.approx(3.0)
     assert "a refused (queue_full: wait 9 s)" in event.error.message
+
+
+def test_the_door_refuses_free_work_when_every_heartbeat_expects_a_wait_over_the_free_target():
+    refusals = LaneRefusals(Clock())
+    serving = [decode_worker("a", estimated_wait_s=7.0), decode_worker("b", estimated_wait_s=5.5)]
+    refused = door_refusal(LANE_FREE, MODEL, serving, refusals, TARGETS)
+    assert refused is not None
+    assert refused.reason == "overloaded"
+    assert refused.retry_after_s == pytest.approx(3.5)  # b's 5.5 s wait is down to the 2 s target then
+    assert door_refusal(LANE_BACKGROUND, MODEL, serving, refusals, TARGETS) is not None
+    assert door_refusal(LANE_PAID, MODEL, serving, refusals, TARGETS) is None  # paid goes ahead of that queue
+    serving.append(decode_worker("c", estimated_wait_s=1.5))
+    assert door_refusal(LANE_FREE, MODEL, serving, refusals, TARGETS) is None
