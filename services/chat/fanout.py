@@ -174,9 +174,6 @@ class FanoutHub:
     def num_reader_connections(self) -> int:
         return self._tail.num_connections
 
-    def feed_of(self, reply_id: str) -> Feed | None:
-        return self._feeds.get(reply_id)
-
     @contextlib.asynccontextmanager
     async def subscribe(self, reply_id: str, *, after_seq: int = 0, max_lag: int | None = None) -> AsyncIterator[Subscription]:
         """A place in the reply's feed (started if this instance has none) from seq > `after_seq`."""
