@@ -313,7 +313,7 @@ def summary(result: StreamResult) -> dict[str, Any]:
         "reply_id": result.reply_id, "status": result.status, "error_code": result.error_code,
         "has_retry_after": result.has_retry_after, "num_events": result.num_events, "is_done": result.is_done,
         "is_contiguous": result.is_contiguous, "chain": result.chain, "num_resumes": result.num_resumes,
-        "first_arrival_s": result.arrivals_s[0] if result.arrivals_s else 0.0,
+        "attached_s": result.attached_s, "first_arrival_s": result.arrivals_s[0] if result.arrivals_s else 0.0,
         "last_arrival_s": result.arrivals_s[-1] if result.arrivals_s else 0.0,
     }  # fmt: skip
 

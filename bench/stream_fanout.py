@@ -141,7 +141,6 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
         ]
         started_s = time.time()
         summaries = [s for part in await ask(conns, jobs) for s in part]
-        replies_running_at_end = sum(1 for r in replies if not r.done())
         await asyncio.gather(*replies)
         stop.set()
         await asyncio.gather(*watchers, watcher)
@@ -155,7 +154,9 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
     delays = [sum(column) for column in zip(*histograms)]
     return stream_counts(summaries, wanted, delays, DELAY_BIN_MS, started_s) | {
         "replies": len(reply_ids), "events_per_reply": {r: n for r, (_, n) in wanted.items()},
-        "replies_running_when_streams_ended": replies_running_at_end,
+        "streams_attached_while_running": sum(
+            1 for s in summaries if s["status"] == 200 and s["attached_s"] < max(written[s["reply_id"]].values(), default=0.0)
+        ),
         "chat_baseline": probe.baseline, "chat_peak": probe.peak, "chat_after": after,
         "rss_bytes_per_stream": (probe.peak["rss_bytes"] - probe.baseline["rss_bytes"]) / max(1, probe.peak["held"]),
     }  # fmt: skip

@@ -76,6 +76,7 @@ def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[
     row("streams answered 200", f"{result['streams_answered_200']}/{requested}", "all", result["streams_answered_200"] == requested)
     row("streams with every event of the log", f"{result['streams_complete']}/{requested}", "all", result["streams_complete"] == requested)
     row("streams dropped and resumed (Last-Event-ID)", f"{result['streams_resumed']}")
+    row("  attached before their reply's last event", f"{result['streams_attached_while_running']}/{requested}")
     row("write-to-delivery delay p50 (ms)", _ms(result["delay_p50_ms"]))
     row("write-to-delivery delay p99 (ms)", _ms(p99), f"<= {delay_target_ms:.0f}", p99 is not None and p99 <= delay_target_ms)
     row("  live events timed", f"{result['live_events_timed']}")
