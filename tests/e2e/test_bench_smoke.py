@@ -72,3 +72,21 @@ def test_kv_transfer_bench_reports_the_handoff_against_raw_ucxx_and_remote_minus
     assert result["is_verified"]
     assert result["remote_minus_local_ttft_ms"] == pytest.approx(result["remote_ttft_ms"] - result["local_ttft_ms"])
     assert result["remote_minus_local_second_token_ms"] == pytest.approx(result["remote_second_token_ms"] - result["local_second_token_ms"])
+
+
+def test_stream_fanout_bench_holds_its_streams_delivers_every_event_and_answers_503_past_capacity(tmp_path):
+    out = tmp_path / "streams.json"
+    command = [sys.executable, str(REPO / "bench" / "stream_fanout.py"), "--quick", "--out", str(out), "--env", "TANDEM_KV_CACHE_MIB=128"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "PASS" in result.stdout or "MISS" in result.stdout
+    report = json.loads(out.read_text())
+    requested = report["streams_requested"]
+    assert report["streams_answered_200"] == report["streams_complete"] == requested, result.stdout
+    assert 0 < report["chat_peak"]["held"] <= requested and report["events_delivered"] >= requested * 3
+    assert _is_positive(report["delay_p99_ms"]) and report["delay_p99_ms"] >= report["delay_p50_ms"]
+    assert report["chat_peak"]["fds"] > report["chat_baseline"]["fds"] and report["rss_bytes_per_stream"] >= 0
+    capacity = report["capacity_phase"]
+    answers = capacity["answers"]
+    assert answers["500"] == answers["other"] == 0 and answers["200"] <= capacity["capacity"], capacity
+    assert answers["503"] == capacity["with_retry_after"]["503"] > 0, capacity
