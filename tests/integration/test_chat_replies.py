@@ -23,8 +23,8 @@ from services.chat.models_view import ModelsView
 from services.chat.openai_replies import CHAT, reply_chunks
 from services.chat.replies import ReplyRequest, begin_reply
 from services.chat.state import ChatConfig, ChatState
-from services.chat.streaming import sse_stream
 from services.chat.stream_slots import StreamSlots
+from services.chat.streaming import sse_stream
 from services.chat.streams import as_logged, finished_message_response
 from tandem.bus import Bus, BusConfig, decode, subjects
 from tandem.bus.events import ReplyStatus, final_event, now_ms
