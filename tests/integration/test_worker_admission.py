@@ -1,5 +1,5 @@
 """Queues bounded by time, on a real decode worker process and real NATS: once the worker has
-measured its prefill rate, a free assignment that would wait behind queued work longer than its
+measured its prefill rate (after a warm-up request), a free assignment that would wait behind queued work longer than its
 (tiny) TTFT target is refused "queue_full" with a time to retry and nothing kept, while a paid one
 offered at the same moment is taken (free work is not ahead of it); the heartbeat says what a free
 request would wait.
@@ -91,17 +91,22 @@ async def test_a_free_assignment_that_would_wait_past_its_target_is_refused_queu
     instance_id = busy_worker
     _tokenizer()  # loaded before the clock matters: the queue must still be there when the offers come
     await next_heartbeat(nc, "decode", instance_id, accept=lambda hb: hb.is_ready, timeout_s=120)
-    first_token = asyncio.Event()
+    first_token = {"reply-warm-up": asyncio.Event(), "reply-seat": asyncio.Event()}
 
     async def on_token(msg) -> None:
-        first_token.set()
+        if (event := first_token.get(subjects.reply_id_of(msg.subject))) is not None:
+            event.set()
 
-    tokens = await nc.subscribe(subjects.tokens("reply-seat"), cb=on_token)
+    tokens = await nc.subscribe(subjects.TOKENS_ALL, cb=on_token)
     try:
+        # The engine's first prefill step pays its warm-up and is not measured.
+        warm_up = _request(_prompt("Hi"), common_pb2.LANE_PAID, 1, "holder")
+        assert (await _assign(nc, instance_id, "reply-warm-up", warm_up)).WhichOneof("outcome") == "accepted"
+        await asyncio.wait_for(first_token["reply-warm-up"].wait(), 120)
         # A long paid reply takes the only seat; its prefill step measures the prefill rate.
         seat = _request(_prompt("Tell me a very long story about a dragon."), common_pb2.LANE_PAID, 2000, "holder")
         assert (await _assign(nc, instance_id, "reply-seat", seat)).WhichOneof("outcome") == "accepted"
-        await asyncio.wait_for(first_token.wait(), 120)
+        await asyncio.wait_for(first_token["reply-seat"].wait(), 120)
 
         # Nothing waits yet: a free request would start at once, and is queued behind the seat.
         queued = _request(_prompt("What is the capital of France?"), common_pb2.LANE_FREE, 8, "alice")

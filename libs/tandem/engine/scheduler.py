@@ -270,10 +270,10 @@ class Scheduler:
         A waiting sequence without a seat or blocks takes them from lower-lane running ones; once
         it did, no lower lane is admitted this step (the preempted would come straight back)."""
         for lane in Lane:
-            if lane is Lane.BACKGROUND and not self._has_idle_capacity():
-                return
             queue = self._waiting[lane]
             while (seq := queue.peek()) is not None and self._budget_left(plan) > 0:
+                if lane is Lane.BACKGROUND and not self._has_idle_capacity():
+                    return  # checked before each: the previous admission took blocks
                 if not self._find_seat(seq, plan):
                     return
                 num_hit_tokens = self.kv.find_cached_prefix(seq)

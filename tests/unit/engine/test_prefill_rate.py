@@ -4,7 +4,7 @@ from tandem.engine.prefill_rate import PrefillRate
 
 
 def test_the_rate_is_zero_until_a_step_with_prefill_work_is_measured():
-    rate = PrefillRate()
+    rate = PrefillRate(num_warmup_steps=0)
     rate.add_step(0, 0.5)  # a decode-only step
     rate.add_step(100, 0.0)  # no measurable time
     assert rate.tokens_per_s == 0.0
@@ -13,16 +13,25 @@ def test_the_rate_is_zero_until_a_step_with_prefill_work_is_measured():
 
 
 def test_the_rate_is_token_weighted_so_tiny_chunks_barely_move_it():
-    rate = PrefillRate(decay=0.5)
+    rate = PrefillRate(decay=0.5, num_warmup_steps=0)
     rate.add_step(1000, 1.0)
     rate.add_step(2, 0.1)  # 20 tokens/s on its own
     assert rate.tokens_per_s == pytest.approx((0.5 * 1000 + 2) / (0.5 * 1.0 + 0.1))
     assert rate.tokens_per_s > 800
 
 
-def test_a_slow_first_step_is_forgotten_as_steps_go_by():
-    rate = PrefillRate(decay=0.8)
-    rate.add_step(512, 10.0)  # warm-up
+def test_the_warm_up_steps_are_not_measured():
+    rate = PrefillRate(num_warmup_steps=1)
+    rate.add_step(0, 3.0)  # a decode-only step is no warm-up of prefill
+    rate.add_step(40, 3.6)  # the first forward: allocations, kernel selection
+    assert rate.tokens_per_s == 0.0
+    rate.add_step(512, 0.1)
+    assert rate.tokens_per_s == pytest.approx(5120)
+
+
+def test_an_old_slow_step_is_forgotten_as_steps_go_by():
+    rate = PrefillRate(decay=0.8, num_warmup_steps=0)
+    rate.add_step(512, 10.0)
     for _ in range(40):
         rate.add_step(512, 0.1)
     assert rate.tokens_per_s == pytest.approx(5120, rel=0.01)

@@ -116,3 +116,13 @@ def test_stats_split_the_queued_prefill_tokens_by_lane_and_running_prefills(make
     assert stats.num_running_prefill_tokens == 24
     assert stats.num_waiting_prefill_tokens == {Lane.PAID: 7, Lane.FREE: 0, Lane.BACKGROUND: 9}
     assert stats.num_queued_prefill_tokens == 40
+
+
+def test_background_admissions_in_one_step_stop_once_blocks_are_no_longer_plentiful(make_engine):
+    engine = make_engine(num_blocks=20, num_reserved_blocks=0)
+    jobs = [seq(f"bg{i}", 16 * 4, max_tokens=1, lane=Lane.BACKGROUND, first_token=100 * i + 1) for i in range(4)]
+    for job in jobs:
+        engine.scheduler.add(job)
+    plan, _ = engine.step()
+    # 4 blocks each: after three, 8 of 20 are free, fewer than half; the fourth would still fit.
+    assert [chunk.seq.seq_id for chunk in plan.scheduled] == ["bg0", "bg1", "bg2"]
