@@ -35,7 +35,7 @@ class Job:
     reply_ids: list[str]  # one stream per entry
     mode: str = "read"  # "read": read to done; "capacity": open, count answers, close
     max_connecting: int = 128  # connections opened but not yet answered, at once
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # after the last stream was asked for, the streams still open are closed
 
 
 @dataclass
@@ -208,10 +208,10 @@ class Streams:
 
     async def run(self) -> list[StreamResult]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._job.timeout_s
         for result in self.results:
             await self._connecting.acquire()
             self._spawn(self._open_stream(result, last_event_id=0))
+        deadline = loop.time() + self._job.timeout_s  # from the last stream's request: opening may be slow
         if self._job.mode == "capacity":
             with contextlib.suppress(TimeoutError):  # the unanswered count as status 0
                 await asyncio.wait_for(self._all_answered.wait(), max(1.0, deadline - loop.time()))
