@@ -24,19 +24,17 @@ from tandem.config import ApiKey, Settings
 from tandem.quota import ExceedsCapacity, QuotaConfig, TokenBuckets, worst_case_units
 
 log = logging.getLogger(__name__)
-_FIELD = "quotas"  # the ChatState attribute install sets (see buckets_of)
 
 
 def install(app: FastAPI, state: ChatState, settings: Settings) -> None:
     """Gives the chat its buckets and adds the rate-limit headers to every authenticated answer."""
-    setattr(state, _FIELD, TokenBuckets(state.redis, QuotaConfig.from_settings(settings)))
+    state.quotas = TokenBuckets(state.redis, QuotaConfig.from_settings(settings))
     app.add_middleware(QuotaHeaders)
 
 
 def buckets_of(state: ChatState) -> TokenBuckets | None:
     """The chat's buckets; None for a state built without them (no quotas apply)."""
-    buckets = getattr(state, _FIELD, None)
-    return buckets if isinstance(buckets, TokenBuckets) else None
+    return state.quotas
 
 
 @contextlib.asynccontextmanager

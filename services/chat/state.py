@@ -13,6 +13,7 @@ from services.chat.models_view import ModelsView
 from tandem.bus import Bus
 from tandem.config import ApiKey, Settings, Tier
 from tandem.models.tokenizer import Tokenizer
+from tandem.quota import TokenBuckets
 from tandem.store import ConversationStore
 
 if TYPE_CHECKING:  # both hand out ChatState's parts to routes, so import it themselves
@@ -77,6 +78,7 @@ class ChatState:
     bus: Bus
     models: ModelsView
     tokenizer: Tokenizer | None = None  # loaded at start
+    quotas: TokenBuckets | None = None  # the users' token buckets; None: no quotas apply
 
     def require_tokenizer(self) -> Tokenizer:
         """The tokenizer; a request that needs it before it has loaded is told to retry."""

@@ -24,6 +24,6 @@ export function retryText(status, leftS) {
 /** The message's first part: what kind of refusal, then the server's own words. */
 export function refusalText(status, message) {
   const lead = LEADS[status];
-  const said = message.replace(/[;,.]?\s*try again( shortly| later)?\.?$/i, '').replace(/\.$/, '').trim();
+  const said = message.replace(/[;,.]?\s*try again( shortly| later| in \d+ (second|minute|hour)s?)?\.?$/i, '').replace(/\.$/, '').trim();
   return lead ? `${lead}: ${said}.` : `${said}.`;
 }
