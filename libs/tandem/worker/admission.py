@@ -5,9 +5,14 @@ instead of letting it wait behind everyone.
 The wait of a request offered now is the prefill work that goes before it, at the rate this
 worker measured: every running prefill's remaining tokens (they take the step's budget before any
 admission), plus the waiting tokens of its own lane and of every lane served before it (paid
-work counts for everyone, free work for free and background requests). It must also fit the KV
-blocks free above the reserve, after what waits before it, counting the blocks of running
-lower-lane sequences (they give way to it). Background work is taken only on idle capacity.
+work counts for everyone, free work for free and background requests). Background work is taken
+only on idle capacity (nothing paid or free waits, KV blocks plentiful).
+
+Free KV blocks are reported (`can_hold`, the heartbeat's kv_blocks_free) but are no reason to
+refuse a paid or free request: blocks come back within seconds as running replies end, and
+refusing whenever the queued prompts outgrow the free blocks refused short queues that start well
+within their targets (six 900-token prompts on a 2,900-token CPU worker). A queue that cannot
+start in time shows in the wait; sustained KV pressure is the router's ladder's to act on.
 
 Until the worker has measured a prefill rate it does not refuse on wait: it has nothing to
 estimate from.
@@ -90,31 +95,27 @@ class Overloaded:
 
 def queue_verdict(state: QueueState, lane: Lane, num_tokens: int, targets: TtftTargets) -> Overloaded | None:
     """Overloaded when a request of `lane` with `num_tokens` tokens to compute, offered now, would
-    wait longer than its lane's target, would not fit the KV, or is background work on a busy
-    worker; None when this worker takes it.
+    wait longer than its lane's target, or is background work on a worker that is not idle or
+    whose free blocks cannot take it; None when this worker takes it.
 
-    retry_after_s: on wait, the seconds until the work ahead has shrunk to the target at the
-    measured rate (the estimate minus the target); otherwise the larger of the estimated wait and
-    the lane's target (blocks come back as running replies end, at a pace nobody measured); never
-    less than MIN_RETRY_AFTER_S.
+    retry_after_s: the seconds until the work ahead has shrunk to the target at the measured rate
+    (the estimate minus the target); for background work, the estimated wait of the work ahead
+    of it; never less than MIN_RETRY_AFTER_S.
     """
     wait_s = state.estimated_wait_s(lane)
     target_s = targets.for_lane(lane)
     if target_s is None:
-        if state.has_idle_capacity:
-            return None
-        return Overloaded("this worker is busy; background work runs only on idle capacity", _retry_after(wait_s or 0.0))
+        if not state.has_idle_capacity:
+            return Overloaded("this worker is busy; background work runs only on idle capacity", _retry_after(wait_s or 0.0))
+        if not state.is_empty and not state.can_hold(lane, num_tokens):
+            return Overloaded("this worker's free KV blocks cannot take this background request now", _retry_after(wait_s or 0.0))
+        return None
     if wait_s is not None and wait_s > target_s:
         return Overloaded(
             f"a {lane.name.lower()} request would wait about {wait_s:.1f} s to start here "
             f"({state.prefill_tokens_ahead(lane)} prefill tokens ahead at {state.prefill_tokens_per_s:.0f} tokens/s); "
             f"the target is {target_s:.1f} s",
             _retry_after(wait_s - target_s),
-        )
-    if not state.is_empty and not state.can_hold(lane, num_tokens):
-        return Overloaded(
-            f"the KV cache cannot take {num_tokens} more tokens after the work ahead of this {lane.name.lower()} request",
-            _retry_after(max(wait_s or 0.0, target_s)),
         )
     return None
 

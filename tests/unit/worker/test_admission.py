@@ -70,23 +70,26 @@ def test_without_a_measured_rate_a_long_queue_is_no_reason_to_refuse():
     assert queue_verdict(state(rate=0.0, paid=10**6, free=10**6, free_blocks=10**6), Lane.FREE, 100, TARGETS) is None
 
 
-def test_a_request_the_free_blocks_cannot_take_after_the_work_ahead_is_refused():
-    s = state(rate=0.0, free=16 * 8, free_blocks=10, running_blocks={Lane.PAID: 0, Lane.FREE: 40, Lane.BACKGROUND: 0})
-    assert queue_verdict(s, Lane.FREE, 16 * 2, TARGETS) is None  # 8 ahead + 2 = 10 blocks
-    verdict = queue_verdict(s, Lane.FREE, 16 * 2 + 1, TARGETS)
-    assert verdict is not None and verdict.retry_after_s == pytest.approx(TARGETS.free_s)
+def test_free_blocks_short_of_the_queued_prompts_are_no_reason_to_refuse_paid_or_free_work():
+    # Blocks come back as running replies end; only the wait decides.
+    s = state(rate=1000, free=16 * 8, free_blocks=2, running_blocks={Lane.PAID: 0, Lane.FREE: 40, Lane.BACKGROUND: 0})
+    assert queue_verdict(s, Lane.FREE, 16 * 20, TARGETS) is None
+    assert queue_verdict(s, Lane.PAID, 16 * 20, TARGETS) is None
 
 
-def test_a_paid_request_counts_the_blocks_of_running_lower_lanes_which_give_way_to_it():
-    s = state(free_blocks=2, running_blocks={Lane.PAID: 0, Lane.FREE: 30, Lane.BACKGROUND: 10})
-    assert queue_verdict(s, Lane.PAID, 16 * 40, TARGETS) is None
-    assert queue_verdict(s, Lane.FREE, 16 * 40, TARGETS) is not None
+def test_the_kv_can_hold_a_request_after_the_work_ahead_counting_lower_lanes_that_give_way():
+    s = state(free=16 * 8, free_blocks=10, running_blocks={Lane.PAID: 0, Lane.FREE: 30, Lane.BACKGROUND: 10})
+    assert s.can_hold(Lane.FREE, 16 * 12)  # 8 ahead + 12 <= 10 free + 10 background
+    assert not s.can_hold(Lane.FREE, 16 * 12 + 1)
+    assert s.can_hold(Lane.PAID, 16 * 40)  # nothing paid waits; 10 free + 40 lower-lane blocks
 
 
-def test_background_work_is_taken_only_on_idle_capacity():
+def test_background_work_is_taken_only_on_idle_capacity_that_can_hold_it():
     assert queue_verdict(state(idle=True), Lane.BACKGROUND, 100, TARGETS) is None
     verdict = queue_verdict(state(idle=False, paid=3000), Lane.BACKGROUND, 100, TARGETS)
     assert verdict is not None and verdict.retry_after_s == pytest.approx(3.0)
+    running = {Lane.PAID: 0, Lane.FREE: 4, Lane.BACKGROUND: 0}
+    assert queue_verdict(state(idle=True, free_blocks=6, running_blocks=running), Lane.BACKGROUND, 16 * 7, TARGETS) is not None
 
 
 def test_targets_are_scaled_on_a_cpu_only():
