@@ -125,7 +125,7 @@ def as_chat_error(exc: Exception) -> ChatError:
         problems = exc.errors()
         if not problems:
             return InvalidRequest("invalid request", code="bad_request")
-        where = ".".join(str(part) for part in problems[0]["loc"] if part != "body")
+        where = ".".join(str(part) for part in problems[0]["loc"] if part not in ("body", "query", "header", "path"))
         what = str(problems[0]["msg"])
         return InvalidRequest(f"{where}: {what}" if where else what, code="bad_request", param=where or None)
     raise TypeError(f"no chat error stands for {type(exc).__name__}") from exc

@@ -9,6 +9,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest, NotFound
+from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply
 from services.chat.schemas import RegenerateBody
 from services.chat.state import State
@@ -37,7 +38,7 @@ async def stream(
     user: CurrentUser,
     slot: StreamAdmission,
     message_id: str,
-    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0)] = 0,
+    last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, lt=INT64_LIMIT)] = 0,
 ) -> EventSourceResponse:
     message, _ = await owned_message(state, user, message_id)
     meta = await load_reply(state.redis, message_id)
