@@ -31,7 +31,7 @@ import httpx
 from common import mark, write_json
 from redis.asyncio import Redis
 from stream_clients import DELAY_BIN_MS, Job, client_main, expected_chain
-from stream_report import capacity_counts, print_table, stream_counts
+from stream_report import FD_ALLOWANCE, capacity_counts, print_table, stream_counts
 
 from services.chat.sse import sse_events
 from tandem.config import ApiKey, Tier
@@ -163,10 +163,11 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
 
 
 async def settled(probe: ChatProbe, timeout_s: float = 15.0) -> dict[str, int]:
-    """The chat process once its streams' descriptors are closed (fds back near the baseline)."""
+    """The chat process once its streams' descriptors are closed (fds back to the baseline and
+    the Redis connections it keeps)."""
     deadline = time.monotonic() + timeout_s
     now = probe.sample(0)
-    while now["fds"] > probe.baseline["fds"] + 8 and time.monotonic() < deadline:
+    while now["fds"] > probe.baseline["fds"] + FD_ALLOWANCE and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         now = probe.sample(0)
     return now
