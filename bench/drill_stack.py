@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from tandem.bus import BadMessage, decode
 from tandem.config import ApiKey, Tier
-from tandem.devstack.proc import free_port
+from tandem.devstack.proc import free_ports
 from tandem.devstack.stack import Console, Stack, StackConfig
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
@@ -40,7 +40,7 @@ class DrillStack:
         env = {"TANDEM_STORE": "sqlite", "TANDEM_SQLITE_PATH": str(self._workdir / "conversations.db"), **(extra_env or {})}
         self._config = StackConfig(
             host="127.0.0.1",
-            chat_port=free_port(),
+            chat_port=free_ports(chat_instances),
             api_keys={API_KEY: ApiKey(user_id="driller", tier=Tier.PLUS), **(api_keys or {})},
             extra_env=env,
             num_decode_workers=decode_workers,
