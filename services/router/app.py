@@ -55,7 +55,7 @@ def build_app(settings: Settings) -> FastAPI:
     ladder = Ladder(settings.ladder_interval_s)
     overload = Overload(
         ladder,
-        OverloadConfig(free_max_tokens=settings.ladder_free_max_tokens, start_deadline_s=settings.ladder_start_deadline_s * targets.scale),
+        OverloadConfig(free_max_tokens=settings.ladder_free_max_tokens, start_deadline_s=settings.ladder_start_deadline_s, targets=targets),
     )
     ladder_task: asyncio.Task[None] | None = None
     placement = Placement(

@@ -44,7 +44,8 @@ def read_fleet(workers: Sequence[LiveWorker], model: str, free_target_s: float) 
         return FleetReading()
     num_blocks = sum(h.kv_blocks_total for h in pool)
     kv_occupancy = 1.0 - sum(h.kv_blocks_free for h in pool) / num_blocks if num_blocks else 0.0
-    pressures = [min(1.0, max(0.0, h.estimated_wait_s) / free_target_s) for h in pool]
+    # each worker's wait against the target it states (scaled for its device), else `free_target_s`
+    pressures = [min(1.0, max(0.0, h.estimated_wait_s) / (h.free_ttft_target_s or free_target_s)) for h in pool]
     return FleetReading(kv_occupancy=min(1.0, max(0.0, kv_occupancy)), queue_pressure=sum(pressures) / len(pressures))
 
 

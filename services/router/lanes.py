@@ -12,10 +12,11 @@ and whether it is taken at all:
   refused the lane lately, refuses the request at the door ("overloaded") with the soonest time
   any of them gave.
 
-The router cannot see the workers' device; it takes its own TANDEM_DEVICE as the fleet's. Only
-"cuda" gives the GPU targets; "cpu" and "auto" scale them by cpu_ttft_scale, as CPU workers do.
-Erring long is the safe side: a router that expects longer waits than the workers allow degrades
-and refuses less on its own, and the workers' refusals still hold the line.
+Each worker states in its heartbeat the wait it allows a free request (`free_ttft_target_s`: its
+target, scaled for its device), and the router judges that worker's `estimated_wait_s` against
+it. For a worker that does not state one, the router takes its own TANDEM_DEVICE as the fleet's:
+only "cuda" gives the GPU targets; "cpu" and "auto" scale them by cpu_ttft_scale. Erring long is
+the safe side: the workers' refusals still hold the line.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ class WaitTargets:
     def for_lane(self, lane: int) -> float:
         return self.paid_s if lane == LANE_PAID else self.free_s
 
+    def free_s_of(self, worker: LiveWorker) -> float:
+        """The free lane's target on `worker`: the one its heartbeat states, else the fleet's."""
+        return worker.heartbeat.free_ttft_target_s or self.free_s
+
+    def scale_of(self, worker: LiveWorker) -> float:
+        """The factor `worker` applies to the settings' targets (1 on a GPU)."""
+        return self.scale * self.free_s_of(worker) / self.free_s
+
 
 class LaneRefusals:
     """Workers' "queue_full" refusals, remembered per worker and lane until their retry time.
@@ -91,7 +100,7 @@ def order_for_lane(ranked: Sequence[LiveWorker], lane: int, targets: WaitTargets
     target go after those within it."""
 
     def key(worker: LiveWorker) -> tuple[bool, bool]:
-        is_over_hint = lane != LANE_PAID and worker.heartbeat.estimated_wait_s > targets.free_s
+        is_over_hint = lane != LANE_PAID and worker.heartbeat.estimated_wait_s > targets.free_s_of(worker)
         return refusals.is_full(worker.instance_id, lane), is_over_hint
 
     return sorted(ranked, key=key)
@@ -115,5 +124,5 @@ def door_refusal(lane: int, model: str, serving: Sequence[LiveWorker], refusals:
 def _eta_s(worker: LiveWorker, lane: int, refusals: LaneRefusals, targets: WaitTargets) -> float:
     """Seconds until the worker could start a request of the lane in time (0: now)."""
     # The heartbeat's wait is a free request's; a paid one goes ahead of that queue.
-    over_target_s = 0.0 if lane == LANE_PAID else worker.heartbeat.estimated_wait_s - targets.free_s
+    over_target_s = 0.0 if lane == LANE_PAID else worker.heartbeat.estimated_wait_s - targets.free_s_of(worker)
     return max(refusals.eta_s(worker.instance_id, lane), over_target_s)

@@ -4,7 +4,8 @@
   the large model goes to another model when the workers serve one (the small model);
 - rung >= 2: free answers are capped at `free_max_tokens`;
 - rung 3: a free request that no worker expects to start within `start_deadline_s` (by the
-  heartbeats' `estimated_wait_s`) is refused.
+  heartbeats' `estimated_wait_s`; the deadline scaled for each worker's device like its targets)
+  is refused.
 Refusals are "overloaded" with a time to retry: a rung lasts at least one observation."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from services.router import metrics
 from services.router.ladder import Ladder
-from services.router.lanes import OVERLOADED
+from services.router.lanes import OVERLOADED, WaitTargets
 from services.router.placement import can_serve
 from services.router.workers import LiveWorker
 from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_PAID
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class OverloadConfig:
     free_max_tokens: int = 300
-    start_deadline_s: float = 2.0  # already scaled for the fleet's device
+    start_deadline_s: float = 2.0  # on a GPU: each worker's is scaled as its targets are
+    targets: WaitTargets = WaitTargets()
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,19 @@ class Overload:
             request.sampling.max_tokens = self._config.free_max_tokens
             metrics.LADDER_FREE_CAPPED.inc()
         if rung >= 3:
-            waits_s = [w.heartbeat.estimated_wait_s for w in workers if can_serve(w, model)]
-            soonest_s = min(waits_s, default=0.0)
-            if soonest_s > self._config.start_deadline_s:
+            # (expected wait, this worker's deadline) of the worker that would start it soonest past its deadline
+            waits = [
+                (w.heartbeat.estimated_wait_s, self._config.start_deadline_s * self._config.targets.scale_of(w))
+                for w in workers
+                if can_serve(w, model)
+            ]
+            wait_s, deadline_s = min(waits, key=lambda pair: pair[0] - pair[1], default=(0.0, 0.0))
+            if wait_s > deadline_s:
                 message = (
-                    f"the service is at capacity: free messages that cannot start within {self._config.start_deadline_s:g} s "
-                    f"are refused for now (the soonest start is in {soonest_s:.0f} s); paid plans are served first"
+                    f"the service is at capacity: free messages that cannot start within {deadline_s:g} s "
+                    f"are refused for now (the soonest start is in {wait_s:.0f} s); paid plans are served first"
                 )
-                return self._refuse(rung, message, max(retry_after_s, soonest_s - self._config.start_deadline_s))
+                return self._refuse(rung, message, max(retry_after_s, wait_s - deadline_s))
         return Degraded(model)
 
     def _small_model(self, large_model: str, workers: Sequence[LiveWorker]) -> str:

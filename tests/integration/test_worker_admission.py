@@ -126,6 +126,7 @@ async def test_a_free_assignment_that_would_wait_past_its_target_is_refused_queu
         # The engine takes the queued requests between two steps: their heartbeat comes once it has.
         heartbeat = await _worker_heartbeat(nc, instance_id, lambda hb: hb.waiting.free == 1 and hb.waiting.paid == 1)
         assert heartbeat.prefill_tokens_per_s > 0 and heartbeat.estimated_wait_s > 0
+        assert heartbeat.free_ttft_target_s == pytest.approx(0.001)  # its free target, CPU scale 1
         assert "reply-refused" not in heartbeat.reply_ids  # the refused reply was not kept
         assert {"reply-seat", "reply-queued", "reply-paid"} <= set(heartbeat.reply_ids)
     finally:

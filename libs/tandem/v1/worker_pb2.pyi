@@ -30,7 +30,7 @@ class ServiceHeartbeat(_message.Message):
     def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., http_url: _Optional[str] = ..., is_ready: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., started_unix_ms: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., interval_s: _Optional[float] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("service", "model", "grpc_address", "ucx_address", "kv_blocks_free", "kv_blocks_total", "kv_block_size", "running", "waiting", "queued_prefill_tokens", "step_time_ms", "kv_event_id", "max_model_len", "is_engine_ready", "reply_ids", "prefill_tokens_per_s", "estimated_wait_s")
+    __slots__ = ("service", "model", "grpc_address", "ucx_address", "kv_blocks_free", "kv_blocks_total", "kv_block_size", "running", "waiting", "queued_prefill_tokens", "step_time_ms", "kv_event_id", "max_model_len", "is_engine_ready", "reply_ids", "prefill_tokens_per_s", "estimated_wait_s", "free_ttft_target_s")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class WorkerHeartbeat(_message.Message):
     REPLY_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FREE_TTFT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
     service: ServiceHeartbeat
     model: str
     grpc_address: str
@@ -65,7 +66,8 @@ class WorkerHeartbeat(_message.Message):
     reply_ids: _containers.RepeatedScalarFieldContainer[str]
     prefill_tokens_per_s: float
     estimated_wait_s: float
-    def __init__(self, service: _Optional[_Union[ServiceHeartbeat, _Mapping]] = ..., model: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., waiting: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., kv_event_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., is_engine_ready: _Optional[bool] = ..., reply_ids: _Optional[_Iterable[str]] = ..., prefill_tokens_per_s: _Optional[float] = ..., estimated_wait_s: _Optional[float] = ...) -> None: ...
+    free_ttft_target_s: float
+    def __init__(self, service: _Optional[_Union[ServiceHeartbeat, _Mapping]] = ..., model: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., waiting: _Optional[_Union[_common_pb2.LaneCounts, _Mapping]] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., kv_event_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., is_engine_ready: _Optional[bool] = ..., reply_ids: _Optional[_Iterable[str]] = ..., prefill_tokens_per_s: _Optional[float] = ..., estimated_wait_s: _Optional[float] = ..., free_ttft_target_s: _Optional[float] = ...) -> None: ...
 
 class LadderStatus(_message.Message):
     __slots__ = ("router_id", "rung", "busyness", "kv_occupancy", "queue_pressure", "sent_unix_ms", "interval_s")

@@ -25,6 +25,7 @@ class EngineLoad:
     last_kv_event_id: int = 0  # the last KV event published
     prefill_tokens_per_s: float = 0.0  # measured recently; 0 until measured
     estimated_wait_s: float = 0.0  # before a free request offered now starts computing; 0 until a rate is measured
+    free_ttft_target_s: float = 0.0  # the wait it allows a free request (its target, scaled for its device)
 
 
 class WorkerHeartbeats:
@@ -60,6 +61,7 @@ class WorkerHeartbeats:
             heartbeat.kv_event_id = load.last_kv_event_id
             heartbeat.prefill_tokens_per_s = load.prefill_tokens_per_s
             heartbeat.estimated_wait_s = load.estimated_wait_s
+            heartbeat.free_ttft_target_s = load.free_ttft_target_s
         return heartbeat
 
 

@@ -192,6 +192,7 @@ class EngineHost:
             last_kv_event_id=self._kv_events.last_published_event_id if self._kv_events else 0,
             prefill_tokens_per_s=state.prefill_tokens_per_s,
             estimated_wait_s=waits[Lane.FREE],
+            free_ttft_target_s=self._targets.free_s,
         )
 
     # -- admission by expected wait -------------------------------------------------------------

@@ -22,6 +22,7 @@ def decode_worker(
     max_model_len: int = 8192,
     num_assigned: int = 0,
     estimated_wait_s: float = 0.0,
+    free_ttft_target_s: float = 0.0,
     kv_blocks_free: int = 0,
     kv_blocks_total: int = 0,
 ) -> LiveWorker:
@@ -34,6 +35,7 @@ def decode_worker(
         max_model_len=max_model_len,
         is_engine_ready=is_engine_ready,
         estimated_wait_s=estimated_wait_s,
+        free_ttft_target_s=free_ttft_target_s,
         kv_blocks_free=kv_blocks_free,
         kv_blocks_total=kv_blocks_total,
     )

@@ -89,6 +89,14 @@ def test_busyness_is_the_max_of_kv_occupancy_and_the_mean_queue_pressure_of_the_
     assert waiting.busyness == pytest.approx(0.95)
 
 
+def test_queue_pressure_takes_each_workers_stated_target():
+    workers = [
+        decode_worker("cpu", kv_blocks_total=100, kv_blocks_free=100, estimated_wait_s=10.0, free_ttft_target_s=20.0),
+        decode_worker("gpu", kv_blocks_total=100, kv_blocks_free=100, estimated_wait_s=1.0, free_ttft_target_s=2.0),
+    ]
+    assert read_fleet(workers, MODEL, free_target_s=2.0).queue_pressure == pytest.approx(0.5)
+
+
 def test_an_empty_pool_is_not_busy():
     assert read_fleet([], MODEL, 2.0).busyness == 0
     assert read_fleet([decode_worker("a")], MODEL, 2.0).busyness == 0  # no KV reported yet

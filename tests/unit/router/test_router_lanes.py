@@ -36,6 +36,18 @@ def test_targets_are_the_gpu_ones_only_for_a_fleet_said_to_be_cuda():
         assert WaitTargets.from_settings(Settings(device=device, cpu_ttft_scale=10)) == WaitTargets(paid_s=10.0, free_s=20.0, scale=10)
 
 
+def test_a_worker_that_states_its_free_target_is_judged_by_it_not_by_the_routers_guess():
+    # a CPU worker allowing 20 s, behind a router that guessed a GPU fleet (2 s)
+    cpu = decode_worker("cpu", estimated_wait_s=15.0, free_ttft_target_s=20.0)
+    gpu = decode_worker("gpu", estimated_wait_s=3.0, free_ttft_target_s=2.0)
+    refusals = LaneRefusals(Clock())
+    assert ids(order_for_lane([gpu, cpu], LANE_FREE, TARGETS, refusals)) == ["cpu", "gpu"]
+    assert door_refusal(LANE_FREE, MODEL, [cpu, gpu], refusals, TARGETS) is None
+    assert TARGETS.scale_of(cpu) == pytest.approx(10.0) and TARGETS.scale_of(gpu) == pytest.approx(1.0)
+    overdue = door_refusal(LANE_FREE, MODEL, [decode_worker("cpu", estimated_wait_s=26.0, free_ttft_target_s=20.0)], refusals, TARGETS)
+    assert overdue is not None and overdue.retry_after_s == pytest.approx(6.0)
+
+
 def test_free_requests_try_workers_within_the_free_target_first_and_paid_keep_the_ranking():
     ranked = [decode_worker("slow", estimated_wait_s=5.0), decode_worker("fast", estimated_wait_s=1.0)]
     refusals = LaneRefusals(Clock())

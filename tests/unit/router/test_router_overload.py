@@ -91,6 +91,17 @@ def test_at_rung_3_a_free_message_that_cannot_start_in_time_is_refused_and_paid_
     assert paid_reply.WhichOneof("outcome") == "reply_id" and paid_job is not None
 
 
+def test_at_rung_3_the_start_deadline_scales_with_each_workers_stated_target():
+    # a CPU worker allowing 20 s (10x the 2 s free target): its deadline is 20 s, not 2 s
+    generate = service(3, decode_worker("cpu", estimated_wait_s=15.0, free_ttft_target_s=20.0))
+    reply, _ = answer(generate, lane=LANE_FREE)
+    assert reply.WhichOneof("outcome") == "reply_id"
+    generate = service(3, decode_worker("cpu", estimated_wait_s=35.0, free_ttft_target_s=20.0))
+    reply, _ = answer(generate, lane=LANE_FREE)
+    assert reply.refused.reason == "overloaded" and "cannot start within 20 s" in reply.refused.message
+    assert reply.refused.retry_after_s == pytest.approx(15.0)
+
+
 def test_at_rung_3_a_free_message_that_can_start_in_time_is_admitted():
     generate = service(3, decode_worker("d1", estimated_wait_s=9.0), decode_worker("d2", estimated_wait_s=1.0))
     reply, job = answer(generate, lane=LANE_FREE)
