@@ -137,6 +137,6 @@ def test_up_refuses_a_busy_chat_port_before_starting_anything():
     assert result.returncode == 2
     assert (
         result.stderr.strip()
-        == f"tandem up: error: port {port} on 127.0.0.1 is in use: stop what holds it or set TANDEM_HTTP_PORT or --port"
+        == f"tandem up: error: chat: port {port} on 127.0.0.1 is in use: stop what holds it or set TANDEM_HTTP_PORT or --port"
     )
     assert "started" not in result.stdout
