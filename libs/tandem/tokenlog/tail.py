@@ -11,7 +11,6 @@ longer than the deadline ends every log of the loop with LogUnavailable."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ _WAKE_MAXLEN = 16
 _FIRST_RETRY_S = 0.1
 _MAX_RETRY_S = 2.0
 _ENTRIES_PER_READ = 256
+CLOSE_WAIT_S = 5.0  # close() waits this long for a loop's task; with nothing followed it ends after its read anyway
 
 
 class TailSink(Protocol):
@@ -142,12 +142,13 @@ class _ReaderLoop:
         self._joining.pop(reply_id, None)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stops following; the loop's task ends (cancelled, or at the end of its read at the latest)."""
         self._follows.clear()
         self._joining.clear()
+        task = self._task
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task], timeout=CLOSE_WAIT_S)
 
     async def _run(self) -> None:
         redis = Redis.from_url(self._config.redis_url, socket_timeout=self._config.block_ms / 1000 + 10, single_connection_client=True)
@@ -187,6 +188,9 @@ class _ReaderLoop:
         streams: dict[str, bytes] = {key: f.last_id for key, f in by_key.items()}
         streams[self._wake_key] = self._wake_last_id
         self._is_reading, self._is_wake_sent = True, False
+        if self._joining:  # added while this step joined the others: join it before blocking (nothing woke us for it)
+            self._is_reading = False
+            return
         try:
             response = await redis.xread(streams, count=_ENTRIES_PER_READ, block=self._config.block_ms)  # type: ignore[arg-type]
         finally:
