@@ -295,8 +295,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=90.0, help="how long the overload lasts")
     parser.add_argument("--factor", type=float, default=5.0, help="offered load as a multiple of the measured capacity")
-    parser.add_argument("--paid-share", type=float, default=0.25, help="share of messages from paid users")
-    parser.add_argument("--users", type=int, default=8, help="users per tier, each sending in turn")
+    parser.add_argument(
+        "--paid-share", type=float, default=0.1, help="share of messages from paid users (0.1 at 5x: paid alone is half the capacity)"
+    )
+    parser.add_argument("--users", type=int, default=32, help="users per tier, each sending in turn")
     parser.add_argument("--max-tokens", type=int, default=48, help="each answer's max_tokens")
     parser.add_argument("--baseline", type=int, default=6, help="unloaded paid messages, one at a time")
     parser.add_argument("--probe-clients", type=int, default=32, help="closed-loop clients measuring capacity")
