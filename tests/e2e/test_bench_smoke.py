@@ -88,5 +88,7 @@ def test_stream_fanout_bench_holds_its_streams_delivers_every_event_and_answers_
     assert report["chat_peak"]["fds"] > report["chat_baseline"]["fds"] and report["rss_bytes_per_stream"] >= 0
     capacity = report["capacity_phase"]
     answers = capacity["answers"]
-    assert answers["500"] == answers["other"] == 0 and answers["200"] <= capacity["capacity"], capacity
+    # Not 200s <= capacity: a --quick reply can end during the phase and free its streams' slots
+    # (the bound on streams held at once is tests/e2e/test_stream_fanout.py's 503 test).
+    assert answers["500"] == answers["other"] == 0 and answers["200"] + answers["503"] == capacity["requested"], capacity
     assert answers["503"] == capacity["with_retry_after"]["503"] > 0, capacity
