@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -205,6 +205,24 @@ class Settings(BaseSettings):
     """router: free answers' cap from rung 2 of the overload ladder"""
     ladder_start_deadline_s: Annotated[float, Field(gt=0)] = 2.0
     """router: at rung 3, a free message that cannot start within this is refused with 503"""
+    # internal surfaces (issue 18)
+    nats_user: str = ""
+    """the bus user of this process's role (tandem up makes one per role); empty: connect without credentials"""
+    nats_password: SecretStr = SecretStr("")
+    """the bus user's password"""
+    redis_username: str = ""
+    """relay and chat: the Redis ACL user; empty: the URL's, else the default user"""
+    redis_password: SecretStr = SecretStr("")
+    """relay and chat: the Redis password; empty: the URL's, else none"""
+    cassandra_username: str = ""
+    """chat and relay: Cassandra's user; empty: no authentication"""
+    cassandra_password: SecretStr = SecretStr("")
+    """chat and relay: Cassandra's password"""
+    internal_secret: SecretStr = SecretStr("")
+    """workers and router: the shared secret every gRPC control call and KV handoff carries; empty: none (tandem up makes one)"""
+    # operations (issue 14)
+    worker_hour_cost: Annotated[float, Field(ge=0)] = 0.0
+    """workers: what one hour of this worker costs (any currency), for the cost per million output tokens; 0: unknown"""
 
     @field_validator("api_keys", mode="before")
     @classmethod
