@@ -10,9 +10,10 @@ import sys
 from importlib import metadata
 
 from tandem.config import ROLES, load_settings, settings_flags
-from tandem.devstack import cassandra_node
+from tandem.devstack import cassandra_node, secrets
 from tandem.errors import StartupError
 from tandem.models.files import open_model
+from tandem.ops import bench_serve, plan, top
 from tandem.runtime import run_service
 
 
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("settings", nargs=argparse.REMAINDER, help="settings flags (tandem serve <role> --help lists them)")
     serve.set_defaults(run=_serve)
     cassandra_node.add_cli(commands)
+    secrets.add_cli(commands)
+    plan.add_cli(commands)
+    bench_serve.add_cli(commands)
+    top.add_cli(commands)
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
