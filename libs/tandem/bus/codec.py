@@ -21,6 +21,6 @@ def decode(data: bytes, message_type: type[M]) -> M:
     message = message_type()
     try:
         message.ParseFromString(data)
-    except DecodeError as exc:
-        raise BadMessage(f"not a valid {message_type.DESCRIPTOR.full_name}: {exc}") from None
+    except DecodeError:  # the parser's own words say no more than this, and name its internals
+        raise BadMessage(f"not a valid {message_type.DESCRIPTOR.full_name} ({len(data)} bytes)") from None
     return message

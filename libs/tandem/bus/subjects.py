@@ -16,8 +16,13 @@ LADDER = f"{PREFIX}.ladder"  # LadderStatus, from every router at each busyness 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
+def is_token(value: str) -> bool:
+    """Whether `value` can be one token of a subject (an id, a role, a code)."""
+    return _TOKEN.fullmatch(value) is not None  # fullmatch: `$` alone lets a trailing newline through
+
+
 def _token(value: str, what: str) -> str:
-    if not _TOKEN.match(value):
+    if not is_token(value):
         raise ValueError(f"{what} {value!r} may hold only letters, digits, '-' and '_'")
     return value
 
