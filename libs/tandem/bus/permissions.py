@@ -1,0 +1,132 @@
+"""Who may publish and subscribe to what on the bus: one NATS user per service role, each allowed
+only the subjects its role uses, plus an `operator` user for tools (tandem generate --via-bus,
+benches, tests) with every right. `render_config` turns the table into nats-server's
+`authorization` block, with literal passwords (tandem up) or `$VARIABLE` references that the
+server reads from its environment (containers: deploy/nats/nats.conf).
+
+Every service answers pings and requests through `allow_responses` (a reply may go only to the
+inbox of a request it received) rather than a right to publish on every inbox. Token subjects
+carry replies' text: workers publish them, and the router and the relay publish a reply's final
+event when no worker can (nothing to place it on, a worker gone quiet); chat and anonymous
+clients never can."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.bus import subjects
+from tandem.bus.token_stream import STREAM
+
+SERVICE_ROLES = ("prefill", "decode", "router", "relay", "chat")
+OPERATOR = "operator"
+USERS = (*SERVICE_ROLES, OPERATOR)
+
+_P = subjects.PREFIX
+INBOXES = "_INBOX.>"  # request/reply answers, JetStream API answers and pulled messages
+_TOKENS = subjects.TOKENS_ALL
+_CANCELS = subjects.CANCEL_ALL
+_HANDOFFS = subjects.HANDOFFS_ALL
+_ASSIGNS = f"{_P}.worker.*.assign"
+_KV_EVENTS = subjects.KV_EVENTS_ALL
+_KV_STATES = f"{_P}.kv.state.*"
+_PINGS = f"{_P}.ping.*"
+_WORKER_HEARTBEATS = (subjects.heartbeats_of("prefill"), subjects.heartbeats_of("decode"))
+# Creating or updating the token stream, and the account probe a worker uses to tell a bus that
+# is down from one that refuses.
+_TOKEN_STREAM_ADMIN = (
+    "$JS.API.INFO",
+    f"$JS.API.STREAM.CREATE.{STREAM}",
+    f"$JS.API.STREAM.UPDATE.{STREAM}",
+    f"$JS.API.STREAM.INFO.{STREAM}",
+)
+# The relay's durable pull consumer: look it up, create it, pull from it, acknowledge.
+_TOKEN_CONSUMER = (
+    f"$JS.API.CONSUMER.INFO.{STREAM}.*",
+    f"$JS.API.CONSUMER.CREATE.{STREAM}.>",
+    f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.*",
+    f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
+    f"$JS.ACK.{STREAM}.>",
+)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = True  # may answer requests it received (pings, assignments, ...)
+
+
+def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...]) -> Permissions:
+    """Every service sends its heartbeat, answers pings and may make requests."""
+    return Permissions(
+        publish=(subjects.heartbeats_of(role), *publish),
+        subscribe=(_PINGS, INBOXES, *subscribe),
+    )
+
+
+_WORKER_PUBLISHES = (_TOKENS, _KV_EVENTS, *_TOKEN_STREAM_ADMIN)
+_WORKER_SUBSCRIBES = (_ASSIGNS, _CANCELS, _KV_STATES)
+
+PERMISSIONS: dict[str, Permissions] = {
+    "prefill": _service("prefill", (*_WORKER_PUBLISHES, _HANDOFFS), _WORKER_SUBSCRIBES),
+    "decode": _service("decode", _WORKER_PUBLISHES, _WORKER_SUBSCRIBES),
+    "router": _service(
+        "router",
+        (_ASSIGNS, _KV_STATES, subjects.LADDER, _TOKENS, *_TOKEN_STREAM_ADMIN),
+        (*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE),
+    ),
+    "relay": _service(
+        "relay",
+        (subjects.GENERATE, _CANCELS, _PINGS, _TOKENS, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
+        _WORKER_HEARTBEATS,
+    ),
+    "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER)),
+    OPERATOR: Permissions(publish=(">",), subscribe=(">",)),
+}
+
+
+def password_variable(user: str) -> str:
+    """The environment variable that holds `user`'s bus password in containers."""
+    return f"TANDEM_NATS_PASSWORD_{user.upper()}"
+
+
+def literal(password: str) -> str:
+    """A password written into the config as it is (tandem up's own, generated per run)."""
+    return json.dumps(password)
+
+
+def env_reference(user: str) -> str:
+    """A password the server takes from its environment when it reads the config."""
+    return f"${password_variable(user)}"
+
+
+def render_config(password_of: Callable[[str], str], header: str = "") -> str:
+    """nats-server's `authorization` block for every user of USERS; `password_of(user)` gives
+    the password's config text (`literal(...)` or `env_reference(user)`)."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    lines.append("authorization {")
+    lines.append("  users = [")
+    for user in USERS:
+        rights = PERMISSIONS[user]
+        lines.append(f"    {{user: {json.dumps(user)}, password: {password_of(user)}, permissions: {{")
+        lines.append(f"      publish: {{allow: {json.dumps(list(rights.publish))}}}")
+        lines.append(f"      subscribe: {{allow: {json.dumps(list(rights.subscribe))}}}")
+        if rights.allow_responses:
+            lines.append("      allow_responses: true")
+        lines.append("    }}")
+    lines.append("  ]")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+CONTAINER_HEADER = """Tandem's bus users and what each may publish and subscribe to, for containers.
+Generated by libs/tandem/bus/permissions.py (tests/unit/bus/test_nats_conf_fresh.py checks it is
+current); do not edit by hand. Each password comes from the server's environment:
+TANDEM_NATS_PASSWORD_<USER> (`tandem secrets DIR` writes a set). JetStream, ports and the store
+come from the server's command line."""
+
+
+def render_container_config() -> str:
+    return render_config(env_reference, CONTAINER_HEADER)

@@ -1,0 +1,36 @@
+"""The committed deploy/nats/nats.conf must be what the permission table renders now."""
+
+from pathlib import Path
+
+from tandem.bus.permissions import PERMISSIONS, USERS, literal, password_variable, render_config, render_container_config
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_committed_nats_conf_is_the_rendering_of_the_permission_table():
+    committed = (REPO / "deploy" / "nats" / "nats.conf").read_text()
+    assert committed == render_container_config(), "regenerate deploy/nats/nats.conf from tandem.bus.permissions"
+
+
+def test_container_config_takes_every_password_from_the_environment():
+    rendered = render_container_config()
+    for user in USERS:
+        assert f"password: ${password_variable(user)}," in rendered
+
+
+def test_a_literal_password_is_quoted_so_a_dollar_in_it_is_not_read_as_a_variable():
+    rendered = render_config(lambda user: literal(user + "-$x"))
+    assert 'password: "chat-$x",' in rendered
+
+
+def test_only_workers_router_and_relay_may_publish_tokens_and_only_workers_kv_events():
+    tokens = [u for u in USERS if "tandem.v1.tokens.>" in PERMISSIONS[u].publish]
+    kv_events = [u for u in USERS if "tandem.v1.kv.events.>" in PERMISSIONS[u].publish]
+    assert tokens == ["prefill", "decode", "router", "relay"]
+    assert kv_events == ["prefill", "decode"]
+
+
+def test_each_role_publishes_only_its_own_heartbeats():
+    for role in ("prefill", "decode", "router", "relay", "chat"):
+        heartbeats = [s for s in PERMISSIONS[role].publish if s.startswith("tandem.v1.heartbeat.")]
+        assert heartbeats == [f"tandem.v1.heartbeat.{role}.*"]
