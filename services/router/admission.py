@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from services.router.placement import can_serve, num_context_tokens
 from services.router.workers import LiveWorker
-from tandem.bus import BadMessage, decode, subjects
+from tandem.bus import subjects, validate
 from tandem.v1.generate_pb2 import GenerateRequest, Refusal
 
 AUTO_MODELS = ("", "auto")
@@ -27,9 +27,11 @@ def refusal(reason: str, message: str, retry_after_s: float = 0.0) -> Refusal:
 
 
 def parse_request(data: bytes) -> GenerateRequest | Refusal:
+    """The request, checked (tandem.bus.validate), or a bad_request refusal saying which field."""
     try:
-        return decode(data, GenerateRequest)
-    except BadMessage as exc:
+        return validate.generate_request(data)
+    except validate.Invalid as exc:
+        validate.drop("generate_request", subjects.GENERATE, exc)
         return refusal("bad_request", str(exc))
 
 

@@ -26,13 +26,11 @@ from services.router.prefix_index import PrefixIndex, nats_fetch_state
 from services.router.workers import WORKER_ROLES, WorkerRegistry
 from services.router.workers_api import workers_router
 from tandem import metrics
-from tandem.bus import BadMessage, decode, subjects
+from tandem.bus import subjects, validate
 from tandem.bus.token_stream import ensure_token_stream, publish_token
 from tandem.config import Settings
 from tandem.runtime import Runtime, RuntimeConfig, create_app
-from tandem.v1.kv_pb2 import KvEvent
 from tandem.v1.tokens_pb2 import TokenEvent
-from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 ROLE = "router"
 QUEUE_GROUP = "router"  # several routers share the generate requests
@@ -68,9 +66,9 @@ def build_app(settings: Settings) -> FastAPI:
 
     async def on_heartbeat(msg: Msg) -> None:
         try:
-            heartbeat = decode(msg.data, WorkerHeartbeat)
-        except BadMessage as exc:
-            log.warning("dropped a heartbeat on %s: %s", msg.subject, exc)
+            heartbeat = validate.worker_heartbeat(msg.data, msg.subject)
+        except validate.Invalid as exc:
+            validate.drop("heartbeat", msg.subject, exc)
             return
         metrics.HEARTBEATS_SEEN.labels(role=heartbeat.service.role).inc()
         workers.observe(heartbeat)
@@ -78,11 +76,10 @@ def build_app(settings: Settings) -> FastAPI:
 
     async def on_kv_event(msg: Msg) -> None:
         try:
-            event = decode(msg.data, KvEvent)
-        except BadMessage as exc:
-            log.warning("dropped a KV event on %s: %s", msg.subject, exc)
+            event = validate.kv_event(msg.data, msg.subject)  # its worker id is the subject's
+        except validate.Invalid as exc:
+            validate.drop("kv_event", msg.subject, exc)
             return
-        event.worker_id = event.worker_id or msg.subject.rsplit(".", 1)[-1]
         index.apply(event)
 
     async def subscribe(client: Client) -> None:

@@ -11,7 +11,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from services.router import metrics
-from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus import encode, subjects, validate
 from tandem.bus.events import error_event, now_ms
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import Refusal
@@ -68,8 +68,9 @@ def nats_assign(client: Client, timeout_s: float, accept_margin_s: float = 0.25)
         except nats.errors.Error as exc:
             raise AssignFailed("error", f"NATS: {exc or type(exc).__name__}") from None
         try:
-            return decode(msg.data, AssignmentReply)
-        except BadMessage as exc:
+            return validate.assignment_reply(msg.data)
+        except validate.Invalid as exc:
+            validate.drop("assignment_reply", subjects.assign(worker_id), exc)
             raise AssignFailed("bad_reply", str(exc)) from None
 
     return assign
@@ -97,6 +98,10 @@ class DispatchResult:
     def accepted_by(self) -> str | None:
         last = self.attempts[-1] if self.attempts else None
         return last.worker_id if last is not None and last.outcome == ACCEPTED else None
+
+    def describe(self) -> str:
+        """Who was tried and what each said, for the log (never for the client: it names workers)."""
+        return "; ".join(a.describe() for a in self.attempts) or "no worker was tried"
 
 
 async def dispatch(
@@ -141,21 +146,22 @@ def failure_event(assignment: Assignment, result: DispatchResult, config: Dispat
 
 
 def _failure_event(assignment: Assignment, result: DispatchResult, config: DispatchConfig) -> TokenEvent:
+    """Its code and words are the client's: which workers were tried and what they said is
+    `result.describe()`, for the log."""
     attempts = result.attempts
     if not attempts:
-        message = "no decode worker was left to take the reply"
+        message = "no decode worker was left to take the reply; try again shortly"
         return error_event(assignment.reply_id, assignment.first_seq, "no_workers", message, retry_after_s=config.retry_after_s)
     reasons = {a.refusal.reason if a.refusal is not None else a.outcome for a in attempts}
-    tried = "; ".join(a.describe() for a in attempts)
     if reasons == {QUEUE_FULL}:
         # Every worker's queue is too long for the request's lane: the soonest any expects room.
         soonest_s = min(a.refusal.retry_after_s for a in attempts if a.refusal is not None)
-        message = f"every decode worker tried is too busy to start the reply in time ({tried})"
+        message = "every decode worker is too busy to start the reply in time; try again shortly"
         return error_event(
             assignment.reply_id, assignment.first_seq, "overloaded", message, retry_after_s=soonest_s or config.retry_after_s
         )
     # Every worker refusing for the same reason says more than a generic code.
     code = reasons.pop() if len(reasons) == 1 and attempts[0].refusal is not None else "no_worker_accepted"
     retry_after_s = max((a.refusal.retry_after_s if a.refusal is not None else config.retry_after_s) for a in attempts)
-    message = f"no decode worker took the reply after {len(attempts)} tries: {tried}"
+    message = f"no decode worker could take the reply ({len(attempts)} tried)"
     return error_event(assignment.reply_id, assignment.first_seq, code, message, retry_after_s=retry_after_s if retry_after_s > 0 else None)

@@ -28,7 +28,7 @@ from services.router.lanes import LANE_NAMES, LaneRefusals, WaitTargets, door_re
 from services.router.overload import Overload
 from services.router.placement import Placement, affinity_key, can_serve, num_context_tokens
 from services.router.workers import LiveWorker, WorkerRegistry
-from tandem.bus import encode, subjects
+from tandem.bus import encode, validate
 from tandem.bus.cancels import RecentCancels
 from tandem.bus.events import cancelled_event, error_event
 from tandem.v1.dispatch_pb2 import Assignment, HandoffOutcome
@@ -101,7 +101,12 @@ class GenerateService:
 
     async def on_cancel(self, msg: Msg) -> None:
         """A cancel may come before the reply reaches any worker: remember it."""
-        self._cancels.note(subjects.reply_id_of(msg.subject))
+        try:
+            cancelled = validate.cancel(msg.data, msg.subject)
+        except validate.Invalid as exc:
+            validate.drop("cancel", msg.subject, exc)
+            return
+        self._cancels.note(cancelled.reply_id)
 
     async def on_request(self, msg: Msg) -> None:
         """The NATS callback: never raises, whatever the payload."""
@@ -262,7 +267,7 @@ class GenerateService:
             return
         metrics.DISPATCH_FAILURES.inc()
         event = failure_event(assignment, result, self._config)
-        log.warning("reply %s failed: %s", assignment.reply_id, event.error.message)
+        log.warning("reply %s failed (%s): %s", assignment.reply_id, event.error.code, result.describe())
         await self._publish_event(event)
 
     def _note_refusals(self, assignment: Assignment, result: DispatchResult) -> None:
@@ -277,12 +282,12 @@ class GenerateService:
     async def _end_failed(self, assignment: Assignment, failures: list[str]) -> None:
         """A reply whose handoffs all failed ends with one error event, after what was published."""
         metrics.DISPATCH_FAILURES.inc()
-        message = f"the KV handoff failed {len(failures)} times: " + "; ".join(failures)
+        message = "the reply could not be handed between workers; try again shortly"
         event = error_event(
             assignment.reply_id, assignment.first_seq or 1, "handoff_failed", message, retry_after_s=self._config.retry_after_s
         )
         event.epoch = assignment.epoch
-        log.warning("reply %s failed: %s", assignment.reply_id, message)
+        log.warning("reply %s failed: the KV handoff failed %d times: %s", assignment.reply_id, len(failures), "; ".join(failures))
         await self._publish_event(event)
 
     async def _publish_event(self, event: TokenEvent) -> None:

@@ -10,7 +10,7 @@ import logging
 
 from nats.aio.msg import Msg
 
-from tandem.bus import BadMessage, decode
+from tandem.bus import validate
 from tandem.v1.dispatch_pb2 import Assignment, HandoffOutcome
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,9 @@ class HandoffOutcomes:
 
     async def on_message(self, msg: Msg) -> None:
         try:
-            outcome = decode(msg.data, HandoffOutcome)
-        except BadMessage as exc:
-            log.warning("dropped a handoff outcome on %s: %s", msg.subject, exc)
+            outcome = validate.handoff_outcome(msg.data, msg.subject)
+        except validate.Invalid as exc:
+            validate.drop("handoff_outcome", msg.subject, exc)
             return
         future = self._waiting.get(outcome.reply_id)
         if future is not None and not future.done():

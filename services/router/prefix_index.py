@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.router import metrics
-from tandem.bus import Bus, decode, encode, subjects
+from tandem.bus import Bus, encode, subjects, validate
 from tandem.v1.kv_pb2 import KvEvent, KvState, KvStateRequest
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
@@ -33,7 +33,11 @@ def nats_fetch_state(bus: Bus, timeout_s: float) -> FetchState:
 
     async def fetch(worker_id: str) -> KvState:
         msg = await bus.client.request(subjects.kv_state(worker_id), encode(KvStateRequest()), timeout=timeout_s)
-        return decode(msg.data, KvState)
+        try:
+            return validate.kv_state(msg.data, worker_id)
+        except validate.Invalid as exc:
+            validate.drop("kv_state", msg.subject, exc)
+            raise
 
     return fetch
 

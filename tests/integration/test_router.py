@@ -273,8 +273,7 @@ async def test_when_every_worker_refuses_the_reply_ends_with_an_error_event(rout
         await subscription.unsubscribe()
     assert (event.seq, event.finish) == (1, FINISH_REASON_ERROR)
     assert event.error.code == "overloaded"
-    assert f"{first.instance_id} refused (overloaded: {first.instance_id} is full)" in event.error.message
-    assert f"{second.instance_id} refused" in event.error.message
+    assert first.instance_id not in event.error.message and second.instance_id not in event.error.message
     assert event.error.retry_after_s == 1.5
     assert (await first.next_assignment()).reply_id == (await second.next_assignment()).reply_id == reply.reply_id
 
