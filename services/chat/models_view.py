@@ -9,8 +9,7 @@ from dataclasses import dataclass, replace
 
 from nats.aio.msg import Msg
 
-from tandem.bus import BadMessage, decode
-from tandem.v1.worker_pb2 import WorkerHeartbeat
+from tandem.bus import validate
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,9 @@ class ModelsView:
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
-            heartbeat = decode(msg.data, WorkerHeartbeat)
-        except BadMessage:
+            heartbeat = validate.worker_heartbeat(msg.data, msg.subject)
+        except validate.Invalid as exc:
+            validate.drop("heartbeat", msg.subject, exc)
             return
         if heartbeat.is_engine_ready and heartbeat.model and heartbeat.max_model_len:
             started_unix_s = heartbeat.service.started_unix_ms // 1000

@@ -14,7 +14,7 @@ import nats.errors
 from services.chat import metrics, quotas
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.state import ChatState
-from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus import encode, subjects, validate
 from tandem.config import ApiKey, Tier
 from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, create_reply
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
@@ -109,16 +109,20 @@ async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateRep
         raise Unavailable("the message bus is reconnecting; try again shortly", code="bus_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S)
     try:
         answer = await state.bus.client.request(subjects.GENERATE, encode(request), timeout=timeout_s)
-        return decode(answer.data, GenerateReply)
+        return validate.generate_reply(answer.data)
     except nats.errors.NoRespondersError:
         error = Unavailable("no router is running; try again shortly", code="no_router", retry_after_s=ROUTER_RETRY_AFTER_S)
     except nats.errors.TimeoutError:
         message = f"no router answered within {timeout_s:g} s; try again shortly"
         error = Unavailable(message, code="router_timeout", retry_after_s=ROUTER_RETRY_AFTER_S)
         await _cancel_untracked(state, request.reply_id)
-    except (nats.errors.Error, BadMessage) as exc:
-        message = f"the router could not be asked ({exc or type(exc).__name__}); try again shortly"
-        error = Unavailable(message, code="router_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S)
+    except (nats.errors.Error, validate.Invalid) as exc:  # what went wrong is the log's, not the client's
+        log.warning("reply %s: the router could not be asked: %s: %s", request.reply_id, type(exc).__name__, exc)
+        if isinstance(exc, validate.Invalid):
+            validate.drop("generate_reply", subjects.GENERATE, exc)
+        error = Unavailable(
+            "the router could not be asked; try again shortly", code="router_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S
+        )
         await _cancel_untracked(state, request.reply_id)
     await forget_reply(state, request.reply_id)
     metrics.REPLIES_REFUSED.labels(code=error.code).inc()

@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from nats.aio.msg import Msg
 
 from services.chat.models_view import ModelsView
-from tandem.bus import BadMessage, decode
+from tandem.bus import validate
 from tandem.v1.worker_pb2 import LadderStatus
 
 FRESH_INTERVALS = 3  # a status is current for this many of its router's intervals
@@ -44,9 +44,9 @@ class LadderView:
 
     async def on_status(self, msg: Msg) -> None:
         try:
-            self.observe(decode(msg.data, LadderStatus))
-        except BadMessage:
-            return
+            self.observe(validate.ladder_status(msg.data))
+        except validate.Invalid as exc:
+            validate.drop("ladder_status", msg.subject, exc)
 
     def observe(self, status: LadderStatus) -> None:
         self._heard[status.router_id] = _Heard(status, self._clock())

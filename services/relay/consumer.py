@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from redis.exceptions import RedisError
 
 from services.relay import metrics
-from tandem.bus import BadMessage, decode, subjects
+from tandem.bus import subjects, validate
 from tandem.bus.token_stream import STREAM, ensure_token_stream
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -96,9 +96,13 @@ class TokenConsumer:
 
     async def _take(self, message: Msg) -> None:
         try:
-            event = decode(message.data, TokenEvent)
+            event = validate.token_event(message.data, message.subject)
             await self._handle(event)
-        except (BadMessage, ValueError) as exc:
+        except validate.Invalid as exc:
+            metrics.EVENTS_DROPPED.labels(why="bad").inc()
+            validate.drop("token_event", message.subject, exc)
+            await self._settle(message.term())
+        except ValueError as exc:  # the token log refuses it (tandem.tokenlog.writer)
             metrics.EVENTS_DROPPED.labels(why="bad").inc()
             log.warning("dropped a token event on %s: %s", message.subject, exc)
             await self._settle(message.term())

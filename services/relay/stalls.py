@@ -29,10 +29,10 @@ from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
 from services.relay import metrics
-from tandem.bus import BadMessage, decode, encode, subjects
+from tandem.bus import encode, subjects, validate
 from tandem.bus.events import error_event, now_ms
 from tandem.tokenlog import ReplyMeta, begin_continuation, fence_reply, load_reply
-from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
+from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
@@ -142,9 +142,9 @@ class Claims:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            self.note(decode(msg.data, WorkerHeartbeat))
-        except BadMessage as exc:
-            log.warning("ignored a worker heartbeat on %s: %s", msg.subject, exc)
+            self.note(validate.worker_heartbeat(msg.data, msg.subject))
+        except validate.Invalid as exc:
+            validate.drop("heartbeat", msg.subject, exc)
 
 
 def is_stalled(meta: ReplyMeta, claims: Claims, config: StallConfig, now: int) -> bool:
@@ -260,8 +260,8 @@ class StallWatcher:
         )
         try:
             answer = await self._client.request(subjects.GENERATE, encode(request), timeout=self._config.request_timeout_s)
-            outcome = decode(answer.data, GenerateReply)
-        except (nats.errors.Error, TimeoutError, BadMessage) as exc:  # no router, none answered in time, or a garbled answer
+            outcome = validate.generate_reply(answer.data)
+        except (nats.errors.Error, TimeoutError, validate.Invalid) as exc:  # no router, none answered in time, or a garbled answer
             metrics.CONTINUATIONS.labels(outcome="unanswered").inc()
             log.warning("reply %s: no router took its continuation (%s); it is tried again", seen.reply_id, exc or type(exc).__name__)
             return

@@ -224,6 +224,8 @@ def worker_heartbeat(data: bytes, subject: str) -> WorkerHeartbeat:
     heartbeat = decoded(data, WorkerHeartbeat)
     service = heartbeat.service
     check_id_of_subject(service.instance_id, subject, "instance_id")
+    if not service.role:  # unsaid: the subject's
+        service.role = subject.rsplit(".", 2)[-2]
     if service.role not in WORKER_ROLES or subject != subjects.heartbeat(service.role, service.instance_id):
         raise Invalid("id_mismatch", f"role {service.role[:MAX_NAME_CHARS]!r} is not the worker role its subject names")
     check_chars(service.version, "version", MAX_NAME_CHARS)

@@ -4,7 +4,7 @@ refusal is counted by reason."""
 
 from __future__ import annotations
 
-from tandem.bus import BadMessage, decode, subjects
+from tandem.bus import validate
 from tandem.bus.events import now_ms
 from tandem.engine.engine import Request, TokenIdOutOfRange
 from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
@@ -26,13 +26,19 @@ def is_expired(assignment: Assignment) -> bool:
     return 0 < assignment.accept_by_unix_ms < now_ms()
 
 
-async def screen_assignment(data: bytes, host: EngineHost, *, is_draining: bool) -> tuple[Assignment, Request] | AssignmentReply:
-    """The refusal, or the assignment and the engine's request for it."""
+async def screen_assignment(
+    data: bytes, host: EngineHost, *, is_draining: bool, subject: str = "its assign subject"
+) -> tuple[Assignment, Request] | AssignmentReply:
+    """The refusal, or the assignment and the engine's request for it. `subject`: where it came,
+    for the log of a bad one."""
     try:
-        assignment = decode(data, Assignment)
-        subjects.tokens(assignment.reply_id)  # a reply id must be a valid subject token
+        assignment = validate.assignment(data)  # the engine checks token ids against its vocabulary
+    except validate.Invalid as exc:
+        validate.drop("assignment", subject, exc)
+        return refusal("bad_request", str(exc))
+    try:
         request = engine_request(assignment.reply_id, assignment.request)
-    except (BadMessage, ValueError) as exc:
+    except ValueError as exc:  # sampling out of the engine's ranges
         return refusal("bad_request", str(exc))
     if host.failure is not None:
         return refusal("unavailable", f"this worker failed and is restarting: {host.failure}", retry_after_s=1.0)
