@@ -23,6 +23,7 @@ def workers_router(workers: WorkerRegistry, placement: Placement, index: PrefixI
                     "instance_id": w.instance_id,
                     "model": w.model,
                     "grpc": w.heartbeat.grpc_address,
+                    "http_url": w.heartbeat.service.http_url,  # its /metrics, for tandem top
                     "engine_ready": w.heartbeat.is_engine_ready,
                     "max_model_len": w.heartbeat.max_model_len,
                     "load": round(placement.load(w), 3),
