@@ -26,6 +26,11 @@ from tandem.models.files import EMBEDDED_MODEL_WHEEL
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ROLES = ("prefill", "decode")
+# Stand-ins for what `tandem secrets DIR` generates: every variable compose requires from it
+# (tests/unit/deploy/test_compose_stack.py checks the command writes them all).
+GENERATED_SECRETS = {
+    name: f"stand-in-{name.lower()}" for name in re.findall(r"\$\{(\w+):\?run tandem secrets", (ROOT / "docker-compose.yml").read_text())
+}
 
 
 @dataclass
@@ -177,11 +182,14 @@ def test_compose_depends_on_only_defined_services(compose: dict) -> None:
             assert dependency in services, f"{name} depends on unknown service {dependency}"
 
 
-def test_compose_publishes_only_chat_and_only_on_loopback(compose: dict) -> None:
-    published = {name for name, service in compose["services"].items() if service.get("ports")}
-    assert published == {"chat"}
-    port = DEFAULT_HTTP_PORTS["chat"]
-    assert compose["services"]["chat"]["ports"] == [f"127.0.0.1:{port}:{port}"]
+def test_compose_publishes_only_chat_and_the_dashboards_and_only_on_loopback(compose: dict) -> None:
+    published = {name: service["ports"] for name, service in compose["services"].items() if service.get("ports")}
+    chat = DEFAULT_HTTP_PORTS["chat"]
+    assert published == {
+        "chat": [f"127.0.0.1:{chat}:{chat}"],
+        "prometheus": ["127.0.0.1:9090:9090"],
+        "grafana": ["127.0.0.1:3000:3000"],
+    }
 
 
 _VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}")
@@ -226,8 +234,10 @@ def test_compose_refuses_to_start_without_api_keys_and_has_no_default_key(compos
     with pytest.raises(MissingVariable, match=r"TANDEM_API_KEYS: set TANDEM_API_KEYS to key=user:tier") as caught:
         interpolate(compose, {})
     assert "there is no default key" in str(caught.value)
-    # The API key is the only thing a user must set.
-    filled = interpolate(compose, {"TANDEM_API_KEYS": "k=u:plus"})
+    # Nor a default credential: the generated ones must be passed too.
+    with pytest.raises(MissingVariable, match=r"TANDEM_\w*(PASSWORD|SECRET)\w*: run tandem secrets"):
+        interpolate(compose, {"TANDEM_API_KEYS": "k=u:plus"})
+    filled = interpolate(compose, {"TANDEM_API_KEYS": "k=u:plus", **GENERATED_SECRETS})
     assert isinstance(filled, dict)
     assert filled["services"]["chat"]["environment"]["TANDEM_API_KEYS"] == "k=u:plus"
     assert filled["services"]["chat"]["environment"]["TANDEM_MODEL_PATH"] == ""  # the embedded model
@@ -250,8 +260,8 @@ def test_compose_every_service_has_a_healthcheck(compose: dict, stages: dict[str
             assert test and "/readyz" in str(test), f"{name}: no /readyz healthcheck"
         else:
             assert healthcheck.get("test"), f"{name}: no healthcheck"
-    for name in ("nats", "redis"):
-        assert compose["services"][name]["healthcheck"]["test"][0] == "CMD"
+    for name in ("nats", "redis", "prometheus", "grafana"):
+        assert compose["services"][name]["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
 
 
 def test_compose_nats_serves_the_monitoring_port_its_healthcheck_asks(compose: dict) -> None:
@@ -272,6 +282,7 @@ def test_compose_services_wait_for_their_dependencies_to_be_healthy(compose: dic
         assert "nats" in services[role]["depends_on"], f"{role} starts before NATS"
     for role in ("relay", "chat"):
         assert {"redis", "cassandra"} <= set(services[role]["depends_on"]), role
+    assert "prometheus" in services["grafana"]["depends_on"]
 
 
 def test_compose_services_restart(compose: dict) -> None:
@@ -297,14 +308,18 @@ def compose_command() -> list[str] | None:
     return [standalone] if standalone is not None else None
 
 
-def test_docker_compose_accepts_the_file_only_with_an_api_key() -> None:
+def test_docker_compose_accepts_the_file_only_with_an_api_key_and_the_secrets() -> None:
     compose_cli = compose_command()
     if compose_cli is None:
         pytest.skip("neither the docker compose plugin nor docker-compose is installed")
     command = [*compose_cli, "-f", "docker-compose.yml", "config", "--quiet"]
-    env = {name: value for name, value in os.environ.items() if name != "TANDEM_API_KEYS"}
-    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    env = {name: value for name, value in os.environ.items() if name != "TANDEM_API_KEYS" and name not in GENERATED_SECRETS}
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env | GENERATED_SECRETS)
     assert refused.returncode != 0
     assert "set TANDEM_API_KEYS to key=user:tier" in refused.stderr
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env | {"TANDEM_API_KEYS": "k=u:plus"})
+    env["TANDEM_API_KEYS"] = "k=u:plus"
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0
+    assert "run tandem secrets" in refused.stderr
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env | GENERATED_SECRETS)
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,58 @@
+#!/bin/sh
+# Cassandra for the compose stack with password authentication on. The official image has no
+# setting for it, so this script (the container's entrypoint) switches the image's cassandra.yaml
+# to PasswordAuthenticator, runs the image's own entrypoint, and once CQL answers changes the
+# superuser's well-known first password ("cassandra") to TANDEM_CASSANDRA_PASSWORD. After a
+# restart the data volume already holds the new password and the change is skipped.
+set -eu
+
+: "${TANDEM_CASSANDRA_PASSWORD:?the superuser password; tandem secrets DIR writes one}"
+case "$TANDEM_CASSANDRA_PASSWORD" in
+    *"'"*) echo "entrypoint: TANDEM_CASSANDRA_PASSWORD must not contain a single quote" >&2; exit 2 ;;
+esac
+setup_deadline_s=${TANDEM_CASSANDRA_SETUP_DEADLINE_S:-600}
+
+config=/etc/cassandra/cassandra.yaml
+# Both spellings (authenticator: X and authenticator: {class_name: ...X}) name the class.
+sed -i -E '/^[[:space:]]*#/!s/AllowAllAuthenticator/PasswordAuthenticator/' "$config"
+if ! grep -Eq '^[^#]*PasswordAuthenticator' "$config"; then
+    echo "entrypoint: no authenticator setting found in $config" >&2
+    exit 1
+fi
+
+docker-entrypoint.sh cassandra -f &
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT
+
+can_log_in() {
+    cqlsh -u cassandra -p "$1" -e 'SELECT release_version FROM system.local' >/dev/null 2>&1
+}
+
+started=$(date +%s)
+until can_log_in "$TANDEM_CASSANDRA_PASSWORD"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+        echo "entrypoint: cassandra exited before its password was set" >&2
+        wait "$pid" || exit $?
+        exit 1
+    fi
+    if [ $(($(date +%s) - started)) -gt "$setup_deadline_s" ]; then
+        echo "entrypoint: could not set the superuser password within ${setup_deadline_s}s" >&2
+        kill -TERM "$pid"
+        wait "$pid" || true
+        exit 1
+    fi
+    # The default superuser appears some seconds after CQL opens; until then this fails.
+    if can_log_in cassandra; then
+        cqlsh -u cassandra -p cassandra -e "ALTER ROLE cassandra WITH PASSWORD = '$TANDEM_CASSANDRA_PASSWORD'" >/dev/null 2>&1 || true
+    else
+        sleep 5
+    fi
+done
+echo "entrypoint: password authentication is on"
+
+status=0
+wait "$pid" || status=$?
+while kill -0 "$pid" 2>/dev/null; do  # a signal interrupts wait; cassandra is still stopping
+    wait "$pid" || status=$?
+done
+exit "$status"
