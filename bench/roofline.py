@@ -6,39 +6,20 @@ and at least its unavoidable memory traffic at the copy bandwidth, whichever is 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from tandem.models.loader import LoadedModel
+from tandem.ops.measure import measure_copy_bandwidth, measure_peak_flops
 
-
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: first-touch pages, thread pool start
-    best_s = float("inf")
-    for _ in range(repeats):
-        start_s = time.perf_counter()
-        fn()
-        best_s = min(best_s, time.perf_counter() - start_s)
-    return best_s
-
-
-def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """FLOP/s of a large square matmul in `dtype` on all torch threads, best of `repeats`."""
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(dtype)
-    b = torch.randn(size, size, generator=generator).to(dtype)
-    out = torch.empty(size, size, dtype=dtype)
-    return 2 * size**3 / _best_s(lambda: torch.matmul(a, b, out=out), repeats)
-
-
-def measure_copy_bandwidth(num_mib: int, repeats: int) -> float:
-    """Bytes/s of copying a `num_mib` tensor (bytes read + bytes written), best of `repeats`."""
-    src = torch.ones(num_mib * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / _best_s(lambda: dst.copy_(src), repeats)
+__all__ = [
+    "ModelCost",
+    "Roofline",
+    "batch_roofline",
+    "decode_roofline_tokens_per_s",
+    "measure_copy_bandwidth",  # measured in tandem.ops.measure, which `tandem plan` shares
+    "measure_peak_flops",
+]
 
 
 @dataclass(frozen=True)
