@@ -1,6 +1,8 @@
 """The chat service's errors. Domain code raises these (never an HTTP exception); one handler
-answers each, and the errors of the libraries the service uses, in OpenAI's shape
-`{"error": {"message", "type", "code", "param"}}`, with Retry-After where waiting helps."""
+answers each, and the errors of the libraries the service uses, in OpenAI's shape plus the
+request id, `{"error": {"message", "type", "code", "param", "request_id"}}`, with Retry-After
+where waiting helps. A message is for people and never repeats a library's exception text (it
+can name hosts, drivers and internals): that goes to the log under the request id."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as FrameworkHttpError
 
 from tandem.models.chat_template import ChatTemplateError
+from tandem.runtime.request_id import current_request_id, error_body
 from tandem.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -94,14 +97,8 @@ TYPE_OF_STATUS = {
 
 
 def error_response(status: int, error: ChatError) -> JSONResponse:
-    body = {
-        "error": {
-            "message": error.message,
-            "type": TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "code": error.code,
-            "param": error.param,
-        }
-    }
+    type_ = TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = error_body(error.code, error.message, type_=type_, param=error.param)
     headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if error.retry_after_s else {}
     if isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
@@ -113,11 +110,10 @@ def as_chat_error(exc: Exception) -> ChatError:
     if isinstance(exc, ChatError):
         return exc
     if isinstance(exc, StoreUnavailable):
-        log.warning("store unavailable: %s", exc)
-        message = f"the conversation store is unavailable ({exc}); try again shortly"
-        return Unavailable(message, code="store_unavailable", retry_after_s=2.0)
+        log.warning("request %s: store unavailable: %s", current_request_id(), exc)
+        return Unavailable("the conversation store is unavailable; try again shortly", code="store_unavailable", retry_after_s=2.0)
     if isinstance(exc, RedisError):  # a token log or quota read while Redis restarts
-        log.warning("redis unavailable: %s: %s", type(exc).__name__, exc)
+        log.warning("request %s: redis unavailable: %s: %s", current_request_id(), type(exc).__name__, exc)
         return Unavailable("the token log is unavailable; try again shortly", code="token_log_unavailable", retry_after_s=2.0)
     if isinstance(exc, ChatTemplateError):
         return InvalidRequest(f"the model's chat template rejects these messages: {exc}", code="bad_messages", param="messages")

@@ -24,6 +24,7 @@ from services.chat.turns import MODEL_WAIT_S
 from tandem import __version__
 from tandem.bus.events import is_final
 from tandem.config import ApiKey
+from tandem.runtime.request_id import error_body
 from tandem.tokenlog import ReplyGone
 from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -123,7 +124,7 @@ async def reply_chunks(
         return data({**head, "object": shape.chunk_object, "choices": choices, **extra})
 
     def error(message: str, code: str) -> dict[str, str]:
-        return data({"error": {"message": message, "type": "server_error", "code": code}})
+        return data(error_body(code, message))
 
     if shape.is_chat:  # OpenAI's first chat chunk names the role
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])

@@ -11,6 +11,7 @@ from services.chat import metrics
 from services.chat.sse import SseEvent, StreamResponse, log_seq_to_resume_after, meta_event, sse_response
 from services.chat.state import ChatState
 from services.chat.streams import settle_lost_reply
+from tandem.runtime.request_id import current_request_id
 from tandem.tokenlog import ReplyGone
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -59,7 +60,8 @@ async def sse_stream(
             log.info("reply %s: its log vanished while a client read it", reply_id)
             text = feed.text if feed.events else None
             await feed.once(lambda: _settle_stored_turn(state, reply_id, text))
-            yield SseEvent(last_id + 1, "error", {"code": "reply_expired", "message": REPLY_EXPIRED}).encode()
+            expired: dict[str, object] = {"code": "reply_expired", "message": REPLY_EXPIRED, "request_id": current_request_id()}
+            yield SseEvent(last_id + 1, "error", expired).encode()
 
 
 async def _settle_stored_turn(state: ChatState, reply_id: str, text: str | None) -> None:

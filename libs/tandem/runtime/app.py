@@ -1,17 +1,54 @@
-"""A service's FastAPI app: its lifespan owns the runtime, and every app answers /healthz,
-/readyz and /metrics."""
+"""A service's FastAPI app: its lifespan owns the runtime, every app answers /healthz, /readyz
+and /metrics, and every answer carries a request id (tandem.runtime.request_id). An error is
+answered as `{"error": {"message", "type", "code", "request_id"}}` and never carries an
+exception's text: that goes to the log under the request id. A service may install its own
+handlers over these (the chat does)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as FrameworkHttpError
+from starlette.types import ASGIApp
 
 from tandem import __version__
 from tandem.runtime.health import health_router
 from tandem.runtime.metrics import metrics_router
+from tandem.runtime.request_id import RequestIds, error_body, internal_error_response
 from tandem.runtime.runtime import Runtime
+
+
+class TandemApp(FastAPI):
+    """A FastAPI app with request ids around everything, Starlette's own error handling included."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestIds(super().build_middleware_stack())
+
+
+async def _answer_framework(_: Request, exc: Exception) -> JSONResponse:
+    """The framework's refusals (no such route, wrong method): its detail is a fixed phrase."""
+    assert isinstance(exc, FrameworkHttpError)
+    body = error_body(
+        f"http_{exc.status_code}", str(exc.detail), type_="invalid_request_error" if exc.status_code < 500 else "server_error"
+    )
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _answer_invalid(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = exc.errors()
+    where = ".".join(str(part) for part in problems[0]["loc"]) if problems else ""
+    message = f"{where}: {problems[0]['msg']}" if problems else "invalid request"
+    return JSONResponse(error_body("bad_request", message, type_="invalid_request_error"), status_code=400)
+
+
+async def _answer_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    """A bug: the client gets the request id, the log the traceback (tandem.runtime.request_id)."""
+    return internal_error_response()
 
 
 def create_app(
@@ -36,7 +73,10 @@ def create_app(
                 await on_stop()
             await runtime.stop()
 
-    app = FastAPI(title=f"tandem {runtime.config.role}", version=__version__, lifespan=lifespan)
+    app = TandemApp(title=f"tandem {runtime.config.role}", version=__version__, lifespan=lifespan)
+    app.add_exception_handler(FrameworkHttpError, _answer_framework)
+    app.add_exception_handler(RequestValidationError, _answer_invalid)
+    app.add_exception_handler(Exception, _answer_unexpected)
     app.include_router(health_router(runtime))
     app.include_router(metrics_router())
     for router in routers:

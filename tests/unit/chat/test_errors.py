@@ -2,6 +2,7 @@
 time to retry, never a 500."""
 
 import json
+import logging
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,3 +32,13 @@ async def test_an_outage_is_a_503_with_retry_after(exc, code):
 def test_an_error_no_chat_error_stands_for_is_not_swallowed():
     with pytest.raises(TypeError):
         as_chat_error(KeyError("x"))
+
+
+async def test_an_outage_answer_names_no_host_and_repeats_no_driver_text(caplog):
+    driver_text = "('Unable to connect to any servers', {'10.3.4.5:9042': ConnectionRefusedError(111)})"
+    with caplog.at_level(logging.WARNING, logger="services.chat.errors"):
+        response = await answer(None, StoreUnavailable(driver_text))
+    error = json.loads(response.body)["error"]
+    assert set(error) == {"message", "type", "code", "param", "request_id"}
+    assert "10.3.4.5" not in error["message"] and "ConnectionRefused" not in error["message"]
+    assert any("10.3.4.5" in r.getMessage() for r in caplog.records), "the details are the log's"
