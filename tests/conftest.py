@@ -1,6 +1,9 @@
 """Session-wide real servers (nats-server with JetStream, redis-server) and a NATS client.
 
-Nothing here is mocked: the fixtures start the same binaries `tandem up` starts.
+Nothing here is mocked: the fixtures start the same binaries `tandem up` starts, with the same
+logins (one set for the session's servers, in their work folder): a server's `.url` carries the
+operator's login (NATS) or the password (Redis), so `nc` and test code connect as a tool does;
+tests/helpers.py's service_env gives each service process its own role's login.
 """
 
 from __future__ import annotations

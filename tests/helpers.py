@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from tandem.bus import decode, subjects
 from tandem.devstack.cassandra_node import find_java17
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.secrets import StackSecrets, login_of
 from tandem.errors import StartupError
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
@@ -26,13 +27,28 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER_ROLES = ("prefill", "decode")
 
 
+def stack_secrets(nats_url: str) -> StackSecrets | None:
+    """The credentials of the servers started on one work folder, from the operator's login in
+    `nats_url` (the fixtures' `.url`); None for a URL without one."""
+    operator_password = login_of(nats_url)[2]
+    return StackSecrets.derived_from(operator_password) if operator_password else None
+
+
 def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[str, str]:
-    """Environment for one service process on free ports, with fast heartbeats."""
+    """Environment for one service process on free ports, with fast heartbeats. The URLs are the
+    servers' `.url` (with the operator's login and Redis's password): the process logs in as its
+    role's bus user instead, with the Redis password and the internal secret as settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    secrets = stack_secrets(nats_url)
+    if secrets is not None:
+        env.update(secrets.service_env(role))
+    plain_redis_url, redis_username, redis_password = login_of(redis_url)
     env.update(
         PYTHONUNBUFFERED="1",
-        TANDEM_NATS_URL=nats_url,
-        TANDEM_REDIS_URL=redis_url,
+        TANDEM_NATS_URL=login_of(nats_url)[0],
+        TANDEM_REDIS_URL=plain_redis_url,
+        TANDEM_REDIS_USERNAME=redis_username,
+        TANDEM_REDIS_PASSWORD=redis_password,
         TANDEM_HTTP_PORT=str(free_port()),
         TANDEM_INSTANCE_ID=f"{role}-test-{free_port()}",
         TANDEM_HEARTBEAT_INTERVAL_S="0.2",

@@ -97,6 +97,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     from nats.aio.msg import Msg
 
     from tandem.bus import decode, encode, subjects
+    from tandem.bus.connection import without_credentials
     from tandem.models.loader import load_tokenizer
     from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_UNSPECIFIED, SamplingParams
     from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
@@ -108,13 +109,17 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
     if sampling.seed is not None:
         params.seed = sampling.seed
+    # The login: TANDEM_NATS_USER/PASSWORD, else the URL's own (tandem up prints one with its operator's).
+    login = {"user": settings.nats_user, "password": settings.nats_password.get_secret_value()} if settings.nats_user else {}
+    url = without_credentials(settings.nats_url)
     try:
         nc = await asyncio.wait_for(
-            nats.connect(settings.nats_url, connect_timeout=2, max_reconnect_attempts=0, error_cb=_quiet), timeout=5
+            nats.connect(settings.nats_url, **login, connect_timeout=2, max_reconnect_attempts=0, error_cb=_quiet), timeout=5
         )
     except Exception as exc:
         raise StartupError(
-            f"cannot reach NATS at {settings.nats_url} ({exc or type(exc).__name__}): start the stack or set TANDEM_NATS_URL"
+            f"cannot reach NATS at {url} ({exc or type(exc).__name__}): start the stack, set TANDEM_NATS_URL "
+            "(tandem up prints it with a login), or TANDEM_NATS_USER and TANDEM_NATS_PASSWORD"
         ) from None
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 

@@ -7,12 +7,15 @@ import nats
 
 from tandem.bus import Bus, BusConfig
 from tandem.devstack.proc import free_port
+from tandem.devstack.secrets import load_or_create
 from tandem.devstack.servers import EmbeddedServer, start_nats
 
 
 async def test_connects_once_a_late_server_comes_up(tmp_path):
     port = free_port()
-    bus = Bus(BusConfig(url=f"nats://127.0.0.1:{port}", name="late", first_retry_s=0.05, max_retry_s=0.2))
+    operator_password = load_or_create(tmp_path).nats_passwords["operator"]  # the login the server will take
+    url = f"nats://127.0.0.1:{port}"
+    bus = Bus(BusConfig(url=url, name="late", first_retry_s=0.05, max_retry_s=0.2, user="operator", password=operator_password))
     bus.start()
     assert not bus.is_connected
     server = await asyncio.to_thread(start_nats, tmp_path, None, port)

@@ -9,6 +9,7 @@ import io
 import signal
 import socket
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import nats
 import pytest
@@ -30,8 +31,9 @@ async def stack() -> AsyncIterator[Stack]:
 
 
 def address_of(url: str) -> tuple[str, int]:
-    host, port = url.split("://", 1)[1].split("/")[0].rsplit(":", 1)
-    return host, int(port)
+    parts = urlsplit(url)  # the URL carries a login
+    assert parts.hostname is not None and parts.port is not None
+    return parts.hostname, parts.port
 
 
 async def new_pid(stack: Stack, name: str, old_pid: int) -> int:

@@ -1,11 +1,14 @@
-"""The one way Tandem connects to NATS: retry until reachable, reconnect forever, drain on close."""
+"""The one way Tandem connects to NATS: retry until reachable, reconnect forever, drain on close.
+With a user and password it logs in as its role's bus user (tandem.bus.permissions); a publish or
+subscribe the server refuses is logged as an error naming the user, and the process goes on."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client
@@ -22,6 +25,17 @@ class BusConfig:
     first_retry_s: float = 0.2
     max_retry_s: float = 5.0
     drain_timeout_s: float = 3.0
+    user: str = ""  # empty: the URL's credentials, if any
+    password: str = field(default="", repr=False)
+
+
+def without_credentials(url: str) -> str:
+    """The URL as it may be logged: any user and password in it left out."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host))
 
 
 class Bus:
@@ -58,10 +72,13 @@ class Bus:
 
     async def _connect_until_up(self) -> None:
         delay_s = self._config.first_retry_s
+        url = without_credentials(self._config.url)
+        credentials = {"user": self._config.user, "password": self._config.password} if self._config.user else {}
         while True:
             try:
                 self._nc = await nats.connect(
                     self._config.url,
+                    **credentials,
                     name=self._config.name,
                     connect_timeout=self._config.connect_timeout_s,
                     reconnect_time_wait=self._config.reconnect_wait_s,
@@ -74,10 +91,12 @@ class Bus:
                 )
                 break
             except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
-                log.warning("NATS at %s not reachable (%s); retrying in %.1f s", self._config.url, exc, delay_s)
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, self._config.max_retry_s)
-        log.info("connected to NATS at %s", self._config.url)
+                log.warning("NATS at %s not reachable (%s); retrying in %.1f s", url, exc, delay_s)
+            except nats.errors.Error as exc:  # the server answered and refused: wrong or missing credentials
+                log.error("NATS at %s refused the connection as user %r (%s); retrying in %.1f s", url, self._config.user, exc, delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self._config.max_retry_s)
+        log.info("connected to NATS at %s%s", url, f" as {self._config.user}" if self._config.user else "")
         self._connected.set()
         await self._run_on_connect()
 
@@ -92,7 +111,13 @@ class Bus:
         log.warning("disconnected from NATS; reconnecting")
 
     async def _error(self, exc: Exception) -> None:
-        log.warning("NATS: %s", exc)
+        # nats-py reports what the server refuses (a permissions violation: a publish or subscribe
+        # outside this user's rights) as the base error type itself; its subtypes are transport
+        # trouble the client recovers from.
+        if type(exc) is nats.errors.Error:
+            log.error("NATS refused an operation of user %r: %s", self._config.user, exc)
+        else:
+            log.warning("NATS: %s", exc)
 
     async def close(self) -> None:
         """Stops connecting, then drains: pending messages are delivered before the socket closes."""

@@ -15,6 +15,7 @@ from typing import TextIO
 
 from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Tier
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.secrets import StackSecrets
 from tandem.errors import StartupError
 from tandem.runtime.run import bind_port
 
@@ -125,11 +126,18 @@ def dev_api_keys() -> dict[str, ApiKey]:
 
 
 def service_member(
-    config: StackConfig, role: str, index: int, nats_url: str, redis_url: str, on_line: Callable[[str, str], None]
+    config: StackConfig,
+    role: str,
+    index: int,
+    nats_url: str,
+    redis_url: str,
+    secrets: StackSecrets,
+    on_line: Callable[[str, str], None],
 ) -> Member:
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
     kept across its restarts; chat instance i listens on chat_port + i, the other services and
-    decode workers' UCX listeners take a free port each."""
+    decode workers' UCX listeners take a free port each. It logs in to the bus as its role's user
+    (the URLs carry no login), with the Redis password and the internal secret of `secrets`."""
     host = config.host
     http_port = config.chat_port + index if role == "chat" else free_port(host)
     instance_id = f"{role}-{index}"  # kept across restarts: the router sees the same worker come back
@@ -144,6 +152,8 @@ def service_member(
         "TANDEM_API_KEYS": api_keys_spec(config.api_keys),
         "TANDEM_INSTANCE_ID": instance_id,
         "TANDEM_UCX_PORT": "0",
+        "TANDEM_REDIS_USERNAME": "",  # not one from the caller's environment
+        **secrets.service_env(role),
     }
     grpc_port = None
     if role in DEFAULT_GRPC_PORTS:

@@ -1,16 +1,168 @@
-"""`tandem secrets`: being built (issue 18)."""
+"""Credentials for the internal surfaces: a bus password per user of tandem.bus.permissions, the
+Redis password, the shared secret of gRPC control calls and KV handoffs, and (containers) the
+Cassandra password.
+
+`tandem up` and the test servers make a set per work folder with `load_or_create`: every
+password is derived from one random key, which is the `operator` user's own password. The
+operator may already publish and subscribe to everything, so whoever holds its password gains
+nothing from deriving the others; it lets a test that knows only the server's operator URL give
+each service process its own role's login (tests/helpers.py does). `tandem secrets DIR` makes an
+independent random value for each secret, for containers: DIR/tandem.env (an env file) and one
+file per secret under DIR/secrets/, each named like its variable."""
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
 from tandem.errors import StartupError
+
+REDIS_PASSWORD = "TANDEM_REDIS_PASSWORD"
+INTERNAL_SECRET = "TANDEM_INTERNAL_SECRET"
+CASSANDRA_PASSWORD = "TANDEM_CASSANDRA_PASSWORD"
+LOCAL_FILE = "secrets.env"
+_NUM_RANDOM_BYTES = 24
+
+
+@dataclass(frozen=True)
+class StackSecrets:
+    nats_passwords: dict[str, str] = field(repr=False)  # bus user -> password, for every user of USERS
+    redis_password: str = field(repr=False)
+    internal_secret: str = field(repr=False)
+    cassandra_password: str = field(default="", repr=False)  # containers only: tandem up runs no Cassandra
+
+    @classmethod
+    def generate(cls) -> StackSecrets:
+        """Independent random values (containers)."""
+        return cls(
+            nats_passwords={user: _random() for user in USERS},
+            redis_password=_random(),
+            internal_secret=_random(),
+            cassandra_password=_random(),
+        )
+
+    @classmethod
+    def derived_from(cls, operator_password: str) -> StackSecrets:
+        """The local set whose operator password is `operator_password` (see the module's docstring)."""
+        return cls(
+            nats_passwords={user: operator_password if user == OPERATOR else _derive(operator_password, f"nats:{user}") for user in USERS},
+            redis_password=_derive(operator_password, "redis"),
+            internal_secret=_derive(operator_password, "internal"),
+        )
+
+    def variables(self) -> dict[str, str]:
+        """Every secret under its environment variable's name."""
+        found = {password_variable(user): password for user, password in self.nats_passwords.items()}
+        found[REDIS_PASSWORD] = self.redis_password
+        found[INTERNAL_SECRET] = self.internal_secret
+        if self.cassandra_password:
+            found[CASSANDRA_PASSWORD] = self.cassandra_password
+        return found
+
+    def service_env(self, role: str) -> dict[str, str]:
+        """What one service process of `role` needs: its bus login, Redis's password, the internal secret."""
+        return {
+            "TANDEM_NATS_USER": role,
+            "TANDEM_NATS_PASSWORD": self.nats_passwords[role],
+            REDIS_PASSWORD: self.redis_password,
+            INTERNAL_SECRET: self.internal_secret,
+        }
+
+    def nats_config(self) -> str:
+        return render_config(lambda user: literal(self.nats_passwords[user]), "Tandem's bus users (tandem up); generated, do not edit.")
+
+
+def _random() -> str:
+    return secrets.token_urlsafe(_NUM_RANDOM_BYTES)
+
+
+def _derive(key: str, purpose: str) -> str:
+    digest = hmac.new(key.encode(), purpose.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest[:_NUM_RANDOM_BYTES]).decode().rstrip("=")
+
+
+def with_login(url: str, user: str, password: str) -> str:
+    """`url` with a user and password in it (nats://user:pw@host:port, redis://:pw@host:port/0)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def login_of(url: str) -> tuple[str, str, str]:
+    """(the URL without its login, its user, its password); "" for what it lacks."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    plain = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
+    return plain, unquote(parts.username or ""), unquote(parts.password or "")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes `text` readable by this user alone (created 0600, never world-readable meanwhile)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+
+
+def env_file_text(variables: dict[str, str]) -> str:
+    return "".join(f"{name}={value}\n" for name, value in variables.items())
+
+
+def load_or_create(folder: Path) -> StackSecrets:
+    """The local set of `folder` (a stack's or a test server's work folder): the one written
+    there before, so a server restarted on the folder keeps its logins, else a new one."""
+    path = folder / LOCAL_FILE
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition("=")
+            if name == password_variable(OPERATOR):
+                return StackSecrets.derived_from(value)
+        raise StartupError(f"{path} holds no {password_variable(OPERATOR)}: remove it to make a new set")
+    made = StackSecrets.derived_from(_random())
+    write_private(path, env_file_text(made.variables()))
+    return made
+
+
+def write_container_set(folder: Path, made: StackSecrets, is_overwrite: bool) -> list[Path]:
+    """`folder`/tandem.env and `folder`/secrets/<VARIABLE> for each secret; returns the files."""
+    env_file = folder / "tandem.env"
+    if env_file.exists() and not is_overwrite:
+        raise StartupError(f"{env_file} exists: pass --force to replace every secret in {folder} (a rotation)")
+    variables = made.variables()
+    write_private(env_file, env_file_text(variables))
+    written = [env_file]
+    for name, value in variables.items():
+        written.append(folder / "secrets" / name)
+        write_private(written[-1], value)
+    return written
 
 
 def add_cli(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("secrets", help="(being built)")
+    parser = commands.add_parser(
+        "secrets",
+        help="write a new set of internal credentials for containers (compose, Kubernetes)",
+        description="Writes DIR/tandem.env (KEY=value lines for compose's env_file) and DIR/secrets/<VARIABLE>, "
+        "one file per secret (for compose secrets or `kubectl create secret generic tandem --from-file=DIR/secrets`): "
+        "a bus password per user, the Redis and Cassandra passwords and the internal shared secret. "
+        "Files are readable by you alone.",
+    )
+    parser.add_argument("dir", type=Path, help="the folder to write to (created if missing)")
+    parser.add_argument("--force", action="store_true", help="replace an existing set (rotates every secret)")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    raise StartupError("not built yet")
+    written = write_container_set(args.dir, StackSecrets.generate(), args.force)
+    for path in written:
+        print(path)
+    return 0

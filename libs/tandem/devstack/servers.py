@@ -1,5 +1,9 @@
 """The embedded nats-server and redis-server, from PyPI wheels, started as child processes on
-free loopback ports. `tandem up` and the test fixtures use them; nothing here is mocked."""
+free loopback ports. `tandem up` and the test fixtures use them; nothing here is mocked.
+
+Both require a login: nats-server has a user per role with its rights (tandem.bus.permissions),
+redis-server a password. The credentials are the work folder's set (tandem.devstack.secrets),
+written there readable by this user alone; a server started again on the folder keeps them."""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.bus.permissions import OPERATOR
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.secrets import StackSecrets, load_or_create, with_login, write_private
 from tandem.errors import StartupError
 
 READY_TIMEOUT_S = 30.0
@@ -17,8 +23,10 @@ READY_TIMEOUT_S = 30.0
 
 @dataclass
 class EmbeddedServer:
-    url: str
+    url: str  # with the login a tool uses (NATS: the operator's; Redis: the password)
     child: ChildProcess
+    address: str  # the same without a login, for a service given its own
+    secrets: StackSecrets
 
     @property
     def pid(self) -> int:
@@ -63,11 +71,17 @@ def _wait_ready(child: ChildProcess, pattern: str, timeout_s: float) -> None:
 
 
 def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
-    """nats-server with JetStream; without a port the server chooses a free one (no race)."""
+    """nats-server with JetStream and the work folder's bus users; without a port the server
+    chooses a free one (no race)."""
     store = workdir / "nats"
     store.mkdir(parents=True, exist_ok=True)
+    secrets = load_or_create(workdir)
+    config = workdir / "nats-users.conf"
+    write_private(config, secrets.nats_config())
     argv = [
         nats_server_binary(),
+        "-c",
+        str(config),
         "-js",
         "-sd",
         str(store),
@@ -83,18 +97,25 @@ def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None,
     listening = child.wait_for_line(r"Listening for client connections on ([\d.]+):(\d+)", READY_TIMEOUT_S)
     _wait_ready(child, r"Server is ready", READY_TIMEOUT_S)
     assert listening is not None  # "Server is ready" comes after it
-    return EmbeddedServer(url=f"nats://{listening[1]}:{listening[2]}", child=child)
+    address = f"nats://{listening[1]}:{listening[2]}"
+    url = with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR])
+    return EmbeddedServer(url=url, child=child, address=address, secrets=secrets)
 
 
 def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
     """redis-server with its append-only file in `workdir`/redis, fsynced every second, so a
     restart (on the same workdir) keeps the token logs: a restart after SIGTERM loses nothing, one
-    after SIGKILL at most the last second, which the token stream redelivers."""
+    after SIGKILL at most the last second, which the token stream redelivers. The password is in
+    a config file, not on the command line, where any user's `ps` would show it."""
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
+    secrets = load_or_create(workdir)
+    config = workdir / "redis-auth.conf"
+    write_private(config, f"requirepass {secrets.redis_password}\n")
     argv = [
         redis_server_binary(),
+        str(config),
         "--bind",
         "127.0.0.1",
         "--port",
@@ -111,4 +132,5 @@ def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()
     _wait_ready(child, r"Ready to accept connections", READY_TIMEOUT_S)
-    return EmbeddedServer(url=f"redis://127.0.0.1:{port}/0", child=child)
+    address = f"redis://127.0.0.1:{port}/0"
+    return EmbeddedServer(url=with_login(address, "", secrets.redis_password), child=child, address=address, secrets=secrets)

@@ -9,7 +9,7 @@ The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
     async with Stack(config, Console(open("stack.log", "w"))) as stack:   # every member /readyz green
         stack.member("decode-0").pid          # its process now (None while it is down)
         stack.members_of("decode")            # [Member decode-0, Member decode-1], with ports and urls
-        stack.chat_urls, stack.nats_url, stack.redis_url
+        stack.chat_urls, stack.nats_url, stack.redis_url   # the URLs carry the operator's login
         stack.send_signal("decode-1", signal.SIGKILL)   # the supervisor restarts it (backoff 1 s, 2 s, ...)
         stack.send_signal("decode-0", signal.SIGSTOP)   # frozen (its pid stays); SIGCONT thaws it
         await stack.restart("redis")          # stopped (SIGTERM) and started again on the same port
@@ -23,6 +23,11 @@ kept across its restarts: chat instance i listens on chat_port + i (each checked
 the others take free ports, and decode workers' UCX listeners a free port each. Servers restart on
 the same port with the same data directory: JetStream's store and Redis's append-only file
 survive a restart.
+
+Both servers require a login (tandem.devstack.servers): each service gets its role's bus user, the
+Redis password and the internal shared secret in its environment; the stack's own URLs carry the
+operator's login for tools, and <work folder>/operator.env holds it as settings (TANDEM_NATS_USER,
+...). A new `tandem up` makes a new set; nothing outlives the stack's work folder.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ from typing import Any
 
 import httpx
 
+from tandem.bus.permissions import OPERATOR
 from tandem.config import Settings
 from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, dev_api_keys, service_member
 from tandem.devstack.proc import ChildProcess, describe_exit
+from tandem.devstack.secrets import StackSecrets, env_file_text, write_private
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.errors import StartupError
 
@@ -65,8 +72,14 @@ _STACK_OWNED_SETTINGS = frozenset(
         "decode_workers",
         "prefill_workers",
         "chat_instances",
+        "nats_user",
+        "nats_password",
+        "redis_username",
+        "redis_password",
+        "internal_secret",
     }
 )
+OPERATOR_FILE = "operator.env"
 
 
 class Stack:
@@ -79,8 +92,9 @@ class Stack:
         self._stopping = asyncio.Event()
         self._num_signals = 0
         self._is_stopped = False
-        self.nats_url = ""
-        self.redis_url = ""
+        self.nats_url = ""  # with the operator's login
+        self.redis_url = ""  # with the password
+        self.secrets: StackSecrets | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -110,10 +124,12 @@ class Stack:
         self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
         nats = await self._start_server("nats", lambda port: start_nats(self._workdir, self._console.line, port=port))
         redis = await self._start_server("redis", lambda port: start_redis(self._workdir, self._console.line, port=port))
-        self.nats_url, self.redis_url = nats.url, redis.url
+        self.nats_url, self.redis_url, self.secrets = nats.url, redis.url, nats.secrets
+        self._write_operator_file(nats, redis)
         for role in self._config.roles:
             for index in range(self._config.num_instances(role)):
-                self._members.append(service_member(self._config, role, index, nats.url, redis.url, self._console.line))
+                member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line)
+                self._members.append(member)
         self._supervisors = [asyncio.create_task(self._supervise(m), name=f"supervise:{m.name}") for m in self._members]
         problem = await self._wait_all_ready()
         if problem:
@@ -212,17 +228,28 @@ class Stack:
 
     # -- members -----------------------------------------------------------------------------
 
+    def _write_operator_file(self, nats: EmbeddedServer, redis: EmbeddedServer) -> None:
+        """The operator's login as settings, for tools run next to the stack (`set -a; . FILE`)."""
+        operator = {
+            "TANDEM_NATS_URL": nats.address,
+            "TANDEM_NATS_USER": OPERATOR,
+            "TANDEM_NATS_PASSWORD": nats.secrets.nats_passwords[OPERATOR],
+            "TANDEM_REDIS_URL": redis.address,
+            "TANDEM_REDIS_PASSWORD": redis.secrets.redis_password,
+        }
+        write_private(self._workdir / OPERATOR_FILE, env_file_text(operator))
+
     async def _start_server(self, role: str, start: Callable[[int | None], EmbeddedServer]) -> EmbeddedServer:
         server = await asyncio.to_thread(start, None)
-        port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+        port = int(server.address.rsplit(":", 1)[1].split("/")[0])
 
         def relaunch() -> ChildProcess:  # the same port, so every client reconnects by itself
             return start(port).child
 
-        member = Member(name=role, role=role, launch=relaunch, readyz_url=None, url=server.url, child=server.child)
+        member = Member(name=role, role=role, launch=relaunch, readyz_url=None, url=server.address, child=server.child)
         member.is_ready.set()
         self._members.append(member)
-        self._console.say(f"{role} started (pid {server.pid}) at {server.url}")
+        self._console.say(f"{role} started (pid {server.pid}) at {server.address}")
         return server
 
     # -- supervision -------------------------------------------------------------------------
@@ -335,6 +362,7 @@ class Stack:
             self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
         self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} tandem generate --via-bus "Hello"')
+        self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")
         self._console.say("Ctrl-C stops everything")
 
     async def _reap(self, child: ChildProcess) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
@@ -36,6 +36,10 @@ class RuntimeConfig:
     redis_url: str | None  # None: this service does not use Redis
     heartbeat_interval_s: float
     redis_max_connections: int = 64
+    nats_user: str = ""  # this role's bus user; empty: none (or the URL's)
+    nats_password: str = field(default="", repr=False)
+    redis_username: str = ""
+    redis_password: str = field(default="", repr=False)
 
     @classmethod
     def from_settings(cls, role: str, settings: Settings, *, uses_redis: bool) -> RuntimeConfig:
@@ -47,14 +51,26 @@ class RuntimeConfig:
             redis_url=settings.redis_url if uses_redis else None,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             redis_max_connections=settings.redis_max_connections,
+            nats_user=settings.nats_user,
+            nats_password=settings.nats_password.get_secret_value(),
+            redis_username=settings.redis_username,
+            redis_password=settings.redis_password.get_secret_value(),
         )
 
 
-def _short_command_client(url: str, max_connections: int) -> aioredis.Redis:
+def redis_login(username: str, password: str) -> dict[str, str]:
+    """The keyword arguments a redis client logs in with: only those set, so that a URL's own
+    user and password still apply when the settings name none."""
+    login = {"username": username, "password": password}
+    return {name: value for name, value in login.items() if value}
+
+
+def _short_command_client(url: str, max_connections: int, login: dict[str, str]) -> aioredis.Redis:
     """A client for short commands over at most `max_connections` connections: a command waits
-    for a free one rather than opening more (a blocking read needs a client of its own)."""
+    for a free one rather than opening more (a blocking read needs a client of its own, and
+    tandem.tokenlog's tail logs in as this one does)."""
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=REDIS_POOL_WAIT_S, socket_timeout=REDIS_COMMAND_TIMEOUT_S
+        url, max_connections=max_connections, timeout=REDIS_POOL_WAIT_S, socket_timeout=REDIS_COMMAND_TIMEOUT_S, **login
     )
     return aioredis.Redis.from_pool(pool)
 
@@ -64,8 +80,9 @@ class Runtime:
 
     def __init__(self, config: RuntimeConfig, heartbeat: HeartbeatBuilder | None = None) -> None:
         self.config = config
-        self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id))
-        self.redis = _short_command_client(config.redis_url, config.redis_max_connections) if config.redis_url else None
+        self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id, user=config.nats_user, password=config.nats_password))
+        login = redis_login(config.redis_username, config.redis_password)
+        self.redis = _short_command_client(config.redis_url, config.redis_max_connections, login) if config.redis_url else None
         self.is_draining = False
         self.exit_code = 0  # what the process exits with once stopped; fail() makes it 1
         self._checks: dict[str, ReadinessCheck] = {}

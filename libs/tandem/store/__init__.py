@@ -30,6 +30,8 @@ def open_store(settings: Settings) -> ConversationStore:
             replication=settings.cassandra_replication,
             consistency=settings.cassandra_consistency,
             timeout_s=settings.store_timeout_s,
+            username=settings.cassandra_username,
+            password=settings.cassandra_password.get_secret_value(),
         )
     from tandem.store.sqlite import SqliteStore
 

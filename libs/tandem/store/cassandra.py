@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from cassandra import ConsistencyLevel, OperationTimedOut, RequestExecutionException
+from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable, ResponseFuture, ResultSet, Session
 from cassandra.connection import ConnectionException, DefaultEndPoint
 from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionPolicy, TokenAwarePolicy
@@ -162,7 +163,10 @@ class CassandraStore:
         consistency: str = "LOCAL_QUORUM",
         timeout_s: float = 5.0,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        username: str = "",
+        password: str = "",
     ) -> None:
+        """`username`: log in with it and `password` (the node's PasswordAuthenticator); empty: no login."""
         if not _KEYSPACE.match(keyspace):
             raise ValueError(f"{keyspace!r} is not a keyspace name (letters, digits, _)")
         self._hosts = hosts
@@ -173,6 +177,7 @@ class CassandraStore:
         self._serial = ConsistencyLevel.LOCAL_SERIAL if consistency.startswith("LOCAL") else ConsistencyLevel.SERIAL
         self._timeout_s = timeout_s
         self._bucket_size = bucket_size
+        self._auth = PlainTextAuthProvider(username, password) if username else None
         self._cluster: Cluster | None = None
         self._session: Session | None = None
         self._prepared: dict[str, PreparedStatement] = {}
@@ -198,6 +203,7 @@ class CassandraStore:
             connect_timeout=self._timeout_s,
             control_connection_timeout=self._timeout_s,
             idle_heartbeat_interval=10,
+            auth_provider=self._auth,
         )
         try:
             session = await asyncio.wait_for(asyncio.to_thread(cluster.connect), _DDL_TIMEOUT_S)

@@ -151,7 +151,8 @@ class _ReaderLoop:
             await asyncio.wait([task], timeout=CLOSE_WAIT_S)
 
     async def _run(self) -> None:
-        redis = Redis.from_url(self._config.redis_url, socket_timeout=self._config.block_ms / 1000 + 10, single_connection_client=True)
+        login = {k: v for k, v in self._wake_redis.get_connection_kwargs().items() if k in ("username", "password") and v}
+        redis = Redis.from_url(self._config.redis_url, socket_timeout=self._config.block_ms / 1000 + 10, single_connection_client=True, **login)
         self._redis = redis
         loop = asyncio.get_running_loop()
         failing_since_s: float | None = None

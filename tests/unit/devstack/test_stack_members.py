@@ -13,10 +13,12 @@ import pytest
 from tandem.config import ApiKey, Tier, load_settings, settings_flags
 from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member
 from tandem.devstack.proc import free_ports
+from tandem.devstack.secrets import StackSecrets
 from tandem.devstack.stack import Stack, stack_config_from
 from tandem.errors import StartupError
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
+SECRETS = StackSecrets.generate()
 
 
 def members(config: StackConfig):
@@ -24,7 +26,7 @@ def members(config: StackConfig):
         pass
 
     return [
-        service_member(config, role, index, "nats://127.0.0.1:1", "redis://127.0.0.1:2/0", on_line)
+        service_member(config, role, index, "nats://127.0.0.1:1", "redis://127.0.0.1:2/0", SECRETS, on_line)
         for role in config.roles
         for index in range(config.num_instances(role))
     ]
