@@ -42,7 +42,8 @@ def write_plots(results: list[RequestResult], directory: Path, title: str) -> li
     series = throughput_over_time(results)
     if series:
         figure, axes = plt.subplots(figsize=(7, 4))
-        axes.step([t for t, _ in series], [v for _, v in series], where="post", color="#3b6ea8")
+        times_s = [t for t, _ in series] + [series[-1][0] + 1.0]  # the last bin drawn to its end
+        axes.step(times_s, [v for _, v in series] + [series[-1][1]], where="post", color="#3b6ea8")
         axes.set_title(f"Output throughput ({title})")
         axes.set_xlabel("seconds from start")
         axes.set_ylabel("output tokens/s")

@@ -1,0 +1,73 @@
+"""`tandem bench serve` and `tandem top`, the real commands as subprocesses, against the product
+stack: a short load over the OpenAI endpoint writes its table, JSON and plots with every request
+answered, and one frame of top then lists the stack's decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import nats
+import pytest
+from helpers import next_heartbeat
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+NUM_PROMPTS = 8
+MAX_TOKENS = 12
+
+
+async def tandem(*args: str, timeout_s: float = 180) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tandem.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+def table_value(table: str, label: str) -> str:
+    return next(line for line in table.splitlines() if line.startswith(label)).split()[-1]
+
+
+async def test_bench_serve_writes_its_table_json_and_plots_then_top_shows_the_decode_worker(product_stack, tmp_path):
+    result_json, plots = tmp_path / "result.json", tmp_path / "plots"
+    rc, out, err = await tandem(
+        "bench", "serve", "--base-url", f"{product_stack.url}/v1", "--api-key", "key-alice",
+        "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "4", "--output-len", str(MAX_TOKENS), "--seed", "1",
+        "--request-timeout-s", "120", "--result-json", str(result_json), "--plots", str(plots), "--disable-tqdm",
+    )  # fmt: skip
+    assert rc == 0, (out, err, product_stack.logs())
+    assert table_value(out, "Requests ok:") == str(NUM_PROMPTS) and table_value(out, "Requests failed:") == "0"
+    assert float(table_value(out, "Output token throughput")) > 0 and float(table_value(out, "P99 TTFT")) > 0
+
+    report = json.loads(result_json.read_text())
+    summary = report["summary"]
+    assert (summary["num_ok"], summary["num_failed"], summary["errors"]) == (NUM_PROMPTS, 0, {})
+    assert report["output_tokens_counted_by"] == "usage"  # Tandem streams usage when asked
+    assert report["config"]["num_prompts"] == NUM_PROMPTS and "api_key" not in report["config"]
+    assert summary["ttft"]["mean_ms"] > 0 and summary["ttft"]["p99_ms"] >= summary["ttft"]["p50_ms"]
+    assert summary["e2e"]["p50_ms"] >= summary["ttft"]["p50_ms"]
+    for request in report["requests"]:
+        assert request["ok"] and 0 < request["ttft_s"] <= request["e2e_s"]
+        assert 0 < request["output_tokens"] <= MAX_TOKENS and request["prompt_tokens"] > 5
+    assert summary["total_output_tokens"] == sum(r["output_tokens"] for r in report["requests"])
+    for name in ("ttft.png", "itl.png", "throughput.png"):
+        assert (plots / name).read_bytes().startswith(b"\x89PNG"), name
+
+    nc = await nats.connect(product_stack.nats_url)
+    try:
+        router = await next_heartbeat(nc, "router", product_stack.ids["router"][0], timeout_s=30)
+    finally:
+        await nc.close()
+    rc, out, err = await tandem("top", "--once", "--interval", "0.5", "--router-url", router.http_url, "--chat-url", product_stack.url)
+    assert rc == 0, (out, err)
+    decode_id = product_stack.ids["decode"][0]
+    row = next(line for line in out.splitlines() if line.startswith("decode")).split()
+    assert row[:3] == ["decode", decode_id[:24], "yes"], out
+    assert not [line for line in out.splitlines() if line.startswith("!")], out  # every process's /metrics read
