@@ -44,7 +44,7 @@ import ucxx
 from common import mark, set_threads, write_json
 from handoff_ttft import measure_ttft
 
-from tandem.kvtransfer import KvReceiver, KvSender
+from tandem.kvtransfer import Destination, KvReceiver, KvSender, new_token
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2-135M: layers, K/V, tokens per block, KV heads, head dim
 DTYPE = torch.bfloat16
@@ -108,7 +108,8 @@ def decode_main(conn: Connection, num_pool_blocks: int, dest_ids: list[int], pro
 async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], progress_mode: str | None) -> None:
     init_ucx(progress_mode)
     pool = torch.zeros((num_pool_blocks, *BLOCK_SHAPE), dtype=DTYPE)
-    receiver = KvReceiver(HOST, 0, resolve=lambda reply_id: [pool[b] for b in dest_ids])
+    token = new_token()  # the reservation's, handed to the sender as Reserve would
+    receiver = KvReceiver(HOST, 0, resolve=lambda reply_id: Destination([pool[b] for b in dest_ids], token))
     await receiver.start()
     raw_buffer = np.empty(len(dest_ids) * pool[0].numel() * pool.element_size(), np.uint8)
     raw_handlers: list[asyncio.Task] = []
@@ -124,7 +125,7 @@ async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], pr
             endpoint.abort()
 
     raw_listener = ucxx.create_listener(raw_handler, port=0)
-    conn.send({"kv_port": receiver.port, "raw_port": raw_listener.port, "transports": sorted(ucxx.get_active_transports())})
+    conn.send({"token": token, "kv_port": receiver.port, "raw_port": raw_listener.port, "transports": sorted(ucxx.get_active_transports())})
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the prefill side is done
     conn.send(digest([pool[b] for b in dest_ids]))
     await receiver.stop()
@@ -152,7 +153,7 @@ async def prefill(args: argparse.Namespace, ports: dict, source: list[torch.Tens
 
     async def handoff_once(reply_id: str) -> float:
         started = time.perf_counter()
-        await sender.send(HOST, ports["kv_port"], reply_id, source, TIMEOUT_S)
+        await sender.send(HOST, ports["kv_port"], reply_id, source, TIMEOUT_S, token=ports["token"])
         return time.perf_counter() - started
 
     await raw_once(), await handoff_once("warm-up")  # connections, and pages touched once

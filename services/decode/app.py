@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
+from tandem.kvtransfer.interfaces import restrict_ucx_to_host
 from tandem.v1.dispatch_pb2 import AssignmentReply
 from tandem.worker.assignments import counted, refusal, screen_assignment, too_busy, unrunnable
 from tandem.worker.parts import build_worker_parts
@@ -25,10 +26,18 @@ log = logging.getLogger(__name__)
 class DecodeWorker:
     def __init__(self, settings: Settings) -> None:
         parts = build_worker_parts(ROLE, settings)
+        restrict_ucx_to_host(settings.host)  # before ucxx starts: its TCP sockets on our address only
         self._parts = parts
         self._runtime = parts.runtime
         self._host = parts.host
-        self._handoff = KvHandoffService(self._host, self._runtime, settings.reachable_host(), settings.ucx_port, settings.kv_lease_s)
+        self._handoff = KvHandoffService(
+            self._host,
+            self._runtime,
+            settings.reachable_host(),
+            settings.ucx_port,
+            settings.kv_lease_s,
+            handoff_metrics=parts.handoff_metrics,
+        )
         parts.control.add_service(self._handoff.add_to_server)
 
     def app(self) -> FastAPI:

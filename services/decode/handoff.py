@@ -1,23 +1,26 @@
 """The decode side of a KV handoff: reserve blocks (with a lease), receive the prefill worker's
 KV into them over UCXX, then import the sequence on commit. The decode worker allocates first,
-so a transfer never lands without room, and never runs a half-written sequence."""
+so a transfer never lands without room, and never runs a half-written sequence. Each reservation
+has its own random token, returned only to the caller of Reserve: the receiver lets in only a
+transfer that carries it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from tandem.engine.block_pool import NoFreeBlocks
 from tandem.engine.engine import ImportReservation
-from tandem.kvtransfer import KvReceiver
+from tandem.kvtransfer import Destination, KvReceiver, new_token
 from tandem.runtime import Runtime
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1 import kv_handoff_pb2_grpc
 from tandem.v1.generate_pb2 import Refusal
+from tandem.worker.engine_metrics import HandoffMetrics
 from tandem.worker.host import EngineHost
 from tandem.worker.thread import EngineDead
 from tandem.worker.wire import engine_request
@@ -30,11 +33,17 @@ TRANSFER_WAIT_S = 10.0
 class _Reservation:
     blocks: ImportReservation
     lease: asyncio.TimerHandle
+    token: bytes  # the transfer into these blocks must carry it
+    transfer_started_s: float = 0.0  # when the receiver let its transfer in (for the metrics)
+    num_transfer_bytes: int = 0
 
 
 class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
-    def __init__(self, host: EngineHost, runtime: Runtime, ucx_host: str, ucx_port: int, lease_s: float) -> None:
+    def __init__(
+        self, host: EngineHost, runtime: Runtime, ucx_host: str, ucx_port: int, lease_s: float, *, handoff_metrics: HandoffMetrics
+    ) -> None:
         self._host = host
+        self._handoff_metrics = handoff_metrics
         self._runtime = runtime
         self._lease_s = lease_s
         self._reservations: dict[str, _Reservation] = {}
@@ -44,11 +53,14 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
     def add_to_server(self, server: grpc.aio.Server) -> None:
         kv_handoff_pb2_grpc.add_KvHandoffServicer_to_server(self, server)
 
-    def _destination(self, reply_id: str) -> list[torch.Tensor] | None:
+    def _destination(self, reply_id: str) -> Destination | None:
         reservation = self._reservations.get(reply_id)
         if reservation is None:
             return None
-        return self._host.block_views(reservation.blocks.new_block_ids)  # the cached ones stay as they are
+        views = self._host.block_views(reservation.blocks.new_block_ids)  # the cached ones stay as they are
+        reservation.transfer_started_s = time.monotonic()
+        reservation.num_transfer_bytes = sum(view.numel() * view.element_size() for view in views)
+        return Destination(views, reservation.token)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveReply:
         def refuse(reason: str, message: str, retry_after_s: float = 0.0) -> pb.ReserveReply:
@@ -82,7 +94,8 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             self._host.cancel_import(blocks)
             return refuse("cancelled", f"{request.reply_id} was cancelled")
         lease = asyncio.get_running_loop().call_later(self._lease_s, self._expire, request.reply_id)
-        self._reservations[request.reply_id] = _Reservation(blocks, lease)
+        token = new_token()
+        self._reservations[request.reply_id] = _Reservation(blocks, lease, token)
         return pb.ReserveReply(
             reservation=pb.Reservation(
                 block_ids=blocks.new_block_ids,
@@ -90,6 +103,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
                 ucx_host=self._ucx_host,
                 ucx_port=self.receiver.port,
                 lease_s=self._lease_s,
+                transfer_token=token,
             )
         )
 
@@ -107,6 +121,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return refuse("no_reservation", f"{request.reply_id} holds no reservation here (released, or its lease expired)")
         if not await self.receiver.wait_received(request.reply_id, TRANSFER_WAIT_S):
             self._free(request.reply_id)
+            self._handoff_metrics.failed("receive", "transfer_incomplete")
             return refuse("transfer_incomplete", f"the KV of {request.reply_id} did not arrive within {TRANSFER_WAIT_S:.0f} s")
         try:
             engine_req = engine_request(request.reply_id, request.assignment.request)
@@ -116,6 +131,9 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
         reservation.lease.cancel()
         del self._reservations[request.reply_id]
         self.receiver.forget(request.reply_id)
+        if reservation.transfer_started_s:  # a transfer came (none when every block was cached here)
+            elapsed_s = time.monotonic() - reservation.transfer_started_s
+            self._handoff_metrics.completed("receive", reservation.num_transfer_bytes, elapsed_s)
         try:
             await self._host.import_sequence(
                 engine_req,
@@ -146,6 +164,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
 
     def _expire(self, reply_id: str) -> None:
         if self._free(reply_id):
+            self._handoff_metrics.failed("receive", "lease_expired")
             log.warning("the reservation of %s expired uncommitted; its blocks are free again", reply_id)
 
     def _free(self, reply_id: str) -> bool:

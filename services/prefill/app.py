@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -27,11 +28,13 @@ from tandem.bus.events import cancelled_event
 from tandem.config import Settings
 from tandem.engine.engine import Request, RequestOutput
 from tandem.kvtransfer import KvSender, KvTransferError
+from tandem.kvtransfer.interfaces import restrict_ucx_to_host
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.worker.assignments import counted, refusal, screen_assignment, too_busy, unrunnable
 from tandem.worker.host import WorkerFailed
+from tandem.worker.internal_grpc import internal_channel
 from tandem.worker.parts import build_worker_parts
 
 ROLE = "prefill"
@@ -69,10 +72,13 @@ class _Handoff:
 class PrefillWorker:
     def __init__(self, settings: Settings) -> None:
         parts = build_worker_parts(ROLE, settings)
+        restrict_ucx_to_host(settings.host)  # before ucxx starts: its TCP sockets on our address only
         self._parts = parts
         self._runtime = parts.runtime
         self._host = parts.host
+        self._handoff_metrics = parts.handoff_metrics
         self._sender = KvSender(settings.kv_transfer_max_bytes_per_s)
+        self._internal_secret = settings.internal_secret.get_secret_value()
         self._stubs: dict[str, tuple[grpc.aio.Channel, KvHandoffStub]] = {}
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -112,7 +118,7 @@ class PrefillWorker:
 
     def _stub(self, address: str) -> KvHandoffStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address)
+            channel = internal_channel(address, self._internal_secret)
             self._stubs[address] = (channel, KvHandoffStub(channel))
         return self._stubs[address][1]
 
@@ -183,10 +189,14 @@ class PrefillWorker:
         # The decode worker holds the leading blocks already: send only the rest.
         to_send = h.output.handoff.block_ids[h.reservation.num_cached_blocks :]
         blocks = self._host.block_views(to_send)
+        started_s = time.monotonic()
         try:
-            await self._sender.send(h.reservation.ucx_host, h.reservation.ucx_port, h.reply_id, blocks, TRANSFER_TIMEOUT_S)
+            where = (h.reservation.ucx_host, h.reservation.ucx_port)
+            await self._sender.send(*where, h.reply_id, blocks, TRANSFER_TIMEOUT_S, token=h.reservation.transfer_token)
         except KvTransferError as exc:
+            self._handoff_metrics.failed("send", exc.reason)
             raise HandoffFailed("kv_transfer_failed", str(exc)) from None
+        self._handoff_metrics.completed("send", sum(b.numel() * b.element_size() for b in blocks), time.monotonic() - started_s)
         continued = Assignment()
         continued.CopyFrom(h.assignment)
         continued.first_seq = h.first_seq + 1

@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 import torch
 from helpers import next_heartbeat, service_env, service_process
@@ -30,8 +29,11 @@ from tandem.v1.kv_handoff_pb2 import KvLayout, ReleaseRequest, RenewRequest, Res
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.kv_pb2 import KvEvent, KvState, KvStateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.worker.internal_grpc import internal_channel
 
 pytestmark = pytest.mark.real_model
+
+SECRET = "decode-worker-test-secret"  # every gRPC call carries it
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,9 @@ def smollm2_fp32() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def decode_worker(nats_server, redis_server) -> Iterator[tuple[ChildProcess, str]]:
-    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64")
+    env = service_env(
+        "decode", nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64", TANDEM_INTERNAL_SECRET=SECRET
+    )
     child = service_process("decode", env)
     child.start()
     yield child, env["TANDEM_INSTANCE_ID"]
@@ -249,7 +253,7 @@ async def test_a_reserve_holds_the_cached_prefix_and_returns_only_the_blocks_to_
     layout = KvLayout(
         model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder
     )
-    async with grpc.aio.insecure_channel(idle.grpc_address) as channel:
+    async with internal_channel(idle.grpc_address, SECRET) as channel:
         stub = KvHandoffStub(channel)
         reserve = ReserveRequest(reply_id="reply-reserve", layout=layout, num_blocks=num_blocks, request=_request(prompt, 4))
         reserved = await stub.Reserve(reserve, timeout=10)
@@ -276,6 +280,7 @@ async def _until_free(nc, instance_id: str, num_free_blocks: int) -> None:
 @pytest.fixture(scope="module")
 def short_lease_decode_worker(nats_server, redis_server) -> Iterator[str]:
     env = service_env("decode", nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64", TANDEM_KV_LEASE_S="1.5")
+    env["TANDEM_INTERNAL_SECRET"] = SECRET
     child = service_process("decode", env)
     child.start()
     yield env["TANDEM_INSTANCE_ID"]
@@ -290,7 +295,7 @@ async def test_a_renewed_reservation_outlives_its_lease_and_an_unrenewed_one_exp
         model=idle.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder
     )
     prompt = list(range(1000, 1100))  # 7 blocks, none cached
-    async with grpc.aio.insecure_channel(idle.grpc_address) as channel:
+    async with internal_channel(idle.grpc_address, SECRET) as channel:
         stub = KvHandoffStub(channel)
         for reply_id in ("reply-renewed", "reply-silent"):
             reserved = await stub.Reserve(

@@ -14,13 +14,14 @@ import torch
 import ucxx
 
 from tandem.devstack.proc import free_port
-from tandem.kvtransfer import KvReceiver, KvSender, KvTransferError, wire
+from tandem.kvtransfer import Destination, KvReceiver, KvSender, KvTransferError, wire
 from tandem.kvtransfer.wire import Kind, Reply, Status
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2-135M: layers, K/V, tokens per block, KV heads, head dim
 NUM_POOL_BLOCKS = 64
 HOST = "127.0.0.1"
 TIMEOUT_S = 30.0
+TOKEN = wire.new_token()  # every reservation's here (tests/integration/test_kv_handoff_auth.py: one each)
 
 
 class Reservations:
@@ -33,9 +34,9 @@ class Reservations:
     def reserve(self, reply_id: str, block_ids: list[int]) -> None:
         self.block_ids[reply_id] = block_ids
 
-    def resolve(self, reply_id: str) -> list[torch.Tensor] | None:
+    def resolve(self, reply_id: str) -> Destination | None:
         block_ids = self.block_ids.get(reply_id)
-        return None if block_ids is None else [self.pool[b] for b in block_ids]
+        return None if block_ids is None else Destination([self.pool[b] for b in block_ids], TOKEN)
 
 
 def random_pool(dtype: torch.dtype, num_blocks: int = NUM_POOL_BLOCKS, seed: int = 0) -> torch.Tensor:
@@ -95,7 +96,7 @@ async def test_blocks_land_in_the_reserved_blocks_and_nowhere_else(start_receive
     reservations.reserve("reply-1", dest_ids)
     waiting = asyncio.create_task(receiver.wait_received("reply-1", TIMEOUT_S))  # as Commit may, early
 
-    await sender.send(receiver.host, receiver.port, "reply-1", [prefill_pool[b] for b in source_ids], TIMEOUT_S)
+    await sender.send(receiver.host, receiver.port, "reply-1", [prefill_pool[b] for b in source_ids], TIMEOUT_S, token=TOKEN)
 
     assert await receiver.wait_received("reply-1", timeout_s=0)  # landed before send() returned
     assert await waiting
@@ -111,7 +112,9 @@ async def test_unknown_reply_is_refused_and_nothing_is_written(start_receiver: S
     reservations.reserve("reply-known", [1, 2])
 
     with pytest.raises(KvTransferError, match="unknown reply") as refused:
-        await sender.send(receiver.host, receiver.port, "reply-unknown", list(random_pool(torch.bfloat16, 2, seed=3)), TIMEOUT_S)
+        await sender.send(
+            receiver.host, receiver.port, "reply-unknown", list(random_pool(torch.bfloat16, 2, seed=3)), TIMEOUT_S, token=TOKEN
+        )
 
     assert refused.value.reason == "unknown_reply"
     assert_untouched(pool, before)
@@ -125,7 +128,7 @@ async def test_block_count_mismatch_is_refused(start_receiver: StartReceiver, se
     reservations.reserve("reply-1", [4, 5, 6])
 
     with pytest.raises(KvTransferError, match="3 blocks reserved, 4 sent") as refused:
-        await sender.send(receiver.host, receiver.port, "reply-1", list(random_pool(torch.bfloat16, 4, seed=3)), TIMEOUT_S)
+        await sender.send(receiver.host, receiver.port, "reply-1", list(random_pool(torch.bfloat16, 4, seed=3)), TIMEOUT_S, token=TOKEN)
 
     assert refused.value.reason == "count_mismatch"
     assert_untouched(pool, before)
@@ -138,7 +141,7 @@ async def test_block_size_mismatch_is_refused(start_receiver: StartReceiver, sen
     reservations.reserve("reply-1", [4, 5])
 
     with pytest.raises(KvTransferError, match="its blocks hold 737280 bytes, ours 368640") as refused:
-        await sender.send(receiver.host, receiver.port, "reply-1", list(random_pool(torch.bfloat16, 2, seed=3)), TIMEOUT_S)
+        await sender.send(receiver.host, receiver.port, "reply-1", list(random_pool(torch.bfloat16, 2, seed=3)), TIMEOUT_S, token=TOKEN)
 
     assert refused.value.reason == "size_mismatch"
     assert_untouched(pool, before)
@@ -155,9 +158,9 @@ async def test_concurrent_transfers_into_one_receiver(start_receiver: StartRecei
 
     try:
         await asyncio.gather(
-            sender.send(receiver.host, receiver.port, "reply-a", list(sources["reply-a"]), TIMEOUT_S),
-            sender.send(receiver.host, receiver.port, "reply-b", list(sources["reply-b"]), TIMEOUT_S),  # same connection
-            other_sender.send(receiver.host, receiver.port, "reply-c", list(sources["reply-c"]), TIMEOUT_S),
+            sender.send(receiver.host, receiver.port, "reply-a", list(sources["reply-a"]), TIMEOUT_S, token=TOKEN),
+            sender.send(receiver.host, receiver.port, "reply-b", list(sources["reply-b"]), TIMEOUT_S, token=TOKEN),  # same connection
+            other_sender.send(receiver.host, receiver.port, "reply-c", list(sources["reply-c"]), TIMEOUT_S, token=TOKEN),
         )
     finally:
         await other_sender.close()
@@ -186,12 +189,12 @@ async def test_the_receiver_keeps_serving_after_refusals(start_receiver: StartRe
 
     for wrong in (dict(reply_id="reply-2", blocks=blocks), dict(reply_id="reply-1", blocks=blocks[:1])):
         with pytest.raises(KvTransferError):
-            await sender.send(receiver.host, receiver.port, timeout_s=TIMEOUT_S, **wrong)
+            await sender.send(receiver.host, receiver.port, timeout_s=TIMEOUT_S, **wrong, token=TOKEN)
     async with RawSender(receiver) as raw:  # a header of another protocol version
-        header = wire.Header(1, "reply-1", 2, wire.nbytes(blocks[0])).pack()
+        header = wire.Header(1, "reply-1", 2, wire.nbytes(blocks[0]), TOKEN).pack()
         header[4] = 99
         assert await raw.request(header, transfer_id=1) == Status.BAD_HEADER
-    await sender.send(receiver.host, receiver.port, "reply-1", blocks, TIMEOUT_S)
+    await sender.send(receiver.host, receiver.port, "reply-1", blocks, TIMEOUT_S, token=TOKEN)
 
     assert await receiver.wait_received("reply-1", timeout_s=0)
     assert same_bytes(pool[[10, 11]], torch.stack(blocks))
@@ -205,13 +208,13 @@ async def test_a_sender_vanishing_mid_transfer_never_completes_the_reply(start_r
     blocks = list(random_pool(torch.bfloat16, 4, seed=5))
 
     async with RawSender(receiver) as raw:
-        header = wire.Header(1, "reply-1", 4, wire.nbytes(blocks[0])).pack()
+        header = wire.Header(1, "reply-1", 4, wire.nbytes(blocks[0]), TOKEN).pack()
         assert await raw.request(header, transfer_id=1) == Status.OK
         await raw.send_blocks(1, blocks[:2])
     # the raw sender is gone, two blocks short
 
     assert not await receiver.wait_received("reply-1", timeout_s=0.5)
-    await sender.send(receiver.host, receiver.port, "reply-2", blocks[:2], TIMEOUT_S)
+    await sender.send(receiver.host, receiver.port, "reply-2", blocks[:2], TIMEOUT_S, token=TOKEN)
     assert await receiver.wait_received("reply-2", timeout_s=0)
     await send_once_no_longer_in_flight(sender, receiver, "reply-1", blocks)  # a retry of the same reply succeeds
     assert same_bytes(pool[[10, 11, 12, 13]], torch.stack(blocks))
@@ -225,7 +228,7 @@ async def test_forget_stops_a_transfer_so_no_late_byte_lands(start_receiver: Sta
     blocks = list(random_pool(torch.bfloat16, 4, seed=5))
 
     async with RawSender(receiver) as raw:
-        header = wire.Header(1, "reply-1", 4, wire.nbytes(blocks[0])).pack()
+        header = wire.Header(1, "reply-1", 4, wire.nbytes(blocks[0]), TOKEN).pack()
         assert await raw.request(header, transfer_id=1) == Status.OK
         await raw.send_blocks(1, blocks[:2])
         receiver.forget("reply-1")  # released while arriving: the blocks go back to the pool
@@ -250,7 +253,7 @@ async def test_a_receiver_that_never_answers_is_a_timeout(ucx: None, sender: KvS
     try:
         started = time.monotonic()
         with pytest.raises(KvTransferError, match="timed out after 0.5 s") as failed:
-            await sender.send(HOST, listener.port, "reply-1", list(random_pool(torch.bfloat16, 2)), timeout_s=0.5)
+            await sender.send(HOST, listener.port, "reply-1", list(random_pool(torch.bfloat16, 2)), timeout_s=0.5, token=TOKEN)
         assert failed.value.reason == "timeout"
         assert connected.is_set() and time.monotonic() - started >= 0.5
     finally:
@@ -262,7 +265,7 @@ async def test_a_receiver_that_never_answers_is_a_timeout(ucx: None, sender: KvS
 
 async def test_an_unreachable_receiver_is_a_transfer_error(ucx: None, sender: KvSender):
     with pytest.raises(KvTransferError) as failed:
-        await sender.send(HOST, free_port(), "reply-1", list(random_pool(torch.bfloat16, 1)), timeout_s=1)
+        await sender.send(HOST, free_port(), "reply-1", list(random_pool(torch.bfloat16, 1)), timeout_s=1, token=TOKEN)
     assert failed.value.reason in ("peer_gone", "timeout")
 
 
@@ -272,7 +275,7 @@ async def send_once_no_longer_in_flight(sender: KvSender, receiver: KvReceiver, 
     deadline = time.monotonic() + TIMEOUT_S
     while True:
         try:
-            await sender.send(receiver.host, receiver.port, reply_id, blocks, TIMEOUT_S)
+            await sender.send(receiver.host, receiver.port, reply_id, blocks, TIMEOUT_S, token=TOKEN)
             return
         except KvTransferError as exc:
             if exc.reason != "in_flight" or time.monotonic() > deadline:
@@ -316,7 +319,7 @@ async def test_a_paced_sender_keeps_to_its_rate_and_every_byte_still_lands(start
     paced = KvSender(max_bytes_per_s=10 * bytes_per_block)  # ten blocks a second
     started_s = time.monotonic()
     try:
-        await paced.send(receiver.host, receiver.port, "reply-paced", [prefill_pool[b] for b in source_ids], TIMEOUT_S)
+        await paced.send(receiver.host, receiver.port, "reply-paced", [prefill_pool[b] for b in source_ids], TIMEOUT_S, token=TOKEN)
     finally:
         await paced.close()
     # Block i starts no earlier than i / 10 s after the first: the last one at 0.5 s.
@@ -330,11 +333,11 @@ async def test_a_connection_the_receiver_aborted_does_not_fail_the_next_send(sta
     receiver, reservations = await start_receiver(pool)
     source = list(random_pool(torch.bfloat16, 2, seed=9))
     reservations.reserve("reply-1", [1, 2])
-    await sender.send(receiver.host, receiver.port, "reply-1", source, TIMEOUT_S)
+    await sender.send(receiver.host, receiver.port, "reply-1", source, TIMEOUT_S, token=TOKEN)
     # What forget() does to a connection whose transfer it drops, here to the one the sender keeps.
     for endpoint in list(receiver._connections):
         endpoint.abort()
     reservations.reserve("reply-2", [5, 6])
-    await sender.send(receiver.host, receiver.port, "reply-2", source, TIMEOUT_S)
+    await sender.send(receiver.host, receiver.port, "reply-2", source, TIMEOUT_S, token=TOKEN)
     assert await receiver.wait_received("reply-2", timeout_s=0)
     assert same_bytes(pool[[5, 6]], torch.stack(source))

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-import grpc
 import httpx
 import pytest
 import torch
@@ -18,6 +17,7 @@ from helpers import REPO, next_heartbeat, service_env, service_process
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.servers import EmbeddedServer
 from tandem.v1 import control_pb2, control_pb2_grpc
+from tandem.worker.internal_grpc import internal_channel
 
 ROLES = ("prefill", "decode", "router", "relay", "chat")
 
@@ -76,7 +76,8 @@ async def test_a_service_without_redis_is_alive_but_not_ready(start_service, nc)
 async def test_worker_control_health_stats_and_drain(start_service, nc):
     worker = start_service("decode")
     await next_heartbeat(nc, "decode", worker.instance_id, accept=lambda hb: hb.is_ready)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.env['TANDEM_GRPC_PORT']}") as channel:
+    address = f"127.0.0.1:{worker.env['TANDEM_GRPC_PORT']}"
+    async with internal_channel(address, worker.env.get("TANDEM_INTERNAL_SECRET", "")) as channel:
         control = control_pb2_grpc.WorkerControlStub(channel)
         health = await control.Health(control_pb2.HealthRequest(), timeout=10)
         assert health.status == control_pb2.HealthReply.STATUS_SERVING

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import nats
 import pytest
 import pytest_asyncio
@@ -44,9 +43,11 @@ from tandem.v1.kv_handoff_pb2 import KvLayout, ReserveRequest
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
+from tandem.worker.internal_grpc import internal_channel
 
 pytestmark = pytest.mark.real_model
 
+SECRET = "worker-failures-test-secret"  # the workers' internal secret: every gRPC call carries it
 STORY = [{"role": "user", "content": "Tell me a very long story about a dragon who learns to bake bread."}]
 
 
@@ -72,6 +73,7 @@ def smollm2_fp32() -> LoadedModel:
 
 def _worker(role: str, own_nats: EmbeddedServer, redis_url: str, **extra: str) -> tuple[ChildProcess, str]:
     settings = {"TANDEM_DTYPE": "fp32", "TANDEM_KV_CACHE_MIB": "64", "TANDEM_UCX_PORT": str(free_port()), **extra}
+    settings["TANDEM_INTERNAL_SECRET"] = SECRET
     env = service_env(role, own_nats.url, redis_url, **settings)
     return service_process(role, env), env["TANDEM_INSTANCE_ID"]
 
@@ -251,7 +253,7 @@ async def test_an_out_of_vocabulary_token_id_is_refused_and_the_worker_serves_on
     layout = KvLayout(
         model=ready.model, dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, byte_order=sys.byteorder
     )
-    async with grpc.aio.insecure_channel(ready.grpc_address) as channel:
+    async with internal_channel(ready.grpc_address, SECRET) as channel:
         reserve = ReserveRequest(reply_id="reply-oov-handoff", layout=layout, num_blocks=1, request=_request([1, vocab_size + 1], 4))
         reserved = await KvHandoffStub(channel).Reserve(reserve, timeout=10)
     assert reserved.refused.reason == "bad_request", reserved

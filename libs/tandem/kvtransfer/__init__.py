@@ -2,7 +2,8 @@
 UCXX straight into the blocks a decode worker's KvReceiver reserved for it.
 
 The gRPC side (tandem.v1.KvHandoff: Reserve -> transfer -> Commit, or Release) decides which blocks
-and where; this package only moves bytes. The unit of transfer is one KV block: a contiguous
+and where, and hands the sender the reservation's token; this package moves bytes, and only into a
+reservation whose token the transfer carries. The unit of transfer is one KV block: a contiguous
 (num_layers, 2, block_size, num_kv_heads, head_dim) tensor (Engine.block_view), sent as raw bytes
 and received zero-copy into the destination block. The wire protocol is in tandem.kvtransfer.wire.
 
@@ -10,7 +11,8 @@ Both classes use ucxx's process-wide context (its progress mode and UCX_* settin
 process's); the process calls ucxx.reset() at shutdown, after stopping receivers and closing senders.
 """
 
-from tandem.kvtransfer.receiver import KvReceiver
+from tandem.kvtransfer.receiver import Destination, KvReceiver
 from tandem.kvtransfer.sender import KvSender, KvTransferError
+from tandem.kvtransfer.wire import new_token
 
-__all__ = ["KvReceiver", "KvSender", "KvTransferError"]
+__all__ = ["Destination", "KvReceiver", "KvSender", "KvTransferError", "new_token"]

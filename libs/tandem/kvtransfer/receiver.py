@@ -1,9 +1,11 @@
 """The decode side of a KV handoff: a UCXX listener that receives a reply's blocks straight into
-the block memory reserved for it (see tandem.kvtransfer.wire for the protocol)."""
+the block memory reserved for it (see tandem.kvtransfer.wire for the protocol). Only a transfer
+carrying the reservation's token is let in; every refusal is logged and counted."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import ucxx
+from prometheus_client import Counter
 
 from tandem.kvtransfer import wire
 from tandem.kvtransfer.wire import Kind, Reply, Status
@@ -22,7 +25,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DRAIN_TURNS = 1000
-Resolve = Callable[[str], list[torch.Tensor] | None]
+TRANSFERS_REFUSED = Counter("tandem_kv_transfers_refused_total", "KV transfers this decode worker refused, by reason", ["reason"])
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a reservation's KV lands, and the token a transfer into it must carry."""
+
+    views: list[torch.Tensor]
+    token: bytes
+
+
+Resolve = Callable[[str], Destination | None]
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,14 +50,17 @@ class KvReceiver:
     """The decode side: a UCXX listener that receives a reply's blocks straight into reserved block
     memory.
 
-    `resolve(reply_id)` gives the destination block views in order (contiguous CPU or CUDA tensors),
-    or None for a reply this worker holds no reservation for; the sender then gets a refusal and
-    nothing is written. It runs on the event loop, once per transfer, so it must be quick.
+    `resolve(reply_id)` gives the reservation's Destination: its block views in order (contiguous
+    CPU or CUDA tensors) and its token; or None for a reply this worker holds no reservation for.
+    A transfer for no reservation, or with another token, is refused and nothing is written. It
+    runs on the event loop, once per transfer, so it must be quick.
 
     Blocks are freed only after `forget(reply_id)`: it aborts a transfer of that reply that is still
     arriving (closing the connection it arrives on), so no late byte lands in reused memory.
 
-    UCXX listens on every interface; `host` is only the address advertised to senders.
+    `host` is the address advertised to senders. The Python ucxx (0.52) cannot bind its listener
+    to one address: it listens on every interface (see tandem.kvtransfer.interfaces for what is
+    restricted); the token is what keeps other peers out of the blocks.
     """
 
     def __init__(self, host: str, port: int = 0, *, resolve: Resolve) -> None:
@@ -143,12 +160,15 @@ class KvReceiver:
         try:
             header = wire.Header.unpack(data)
         except wire.BadHeader as exc:
+            TRANSFERS_REFUSED.labels("bad_header").inc()
             log.warning("refused a KV transfer with a bad header: %s", exc)
             await _answer(endpoint, wire.tag(Kind.VERDICT, exc.transfer_id), Reply(Status.BAD_HEADER))
             return
         verdict, buffers = self._admit(endpoint, header)
         if verdict.status != Status.OK:
-            log.warning("refused the KV of %s: %s", header.reply_id, verdict.status.name.lower())
+            reason = verdict.status.name.lower()
+            TRANSFERS_REFUSED.labels(reason).inc()
+            log.warning("refused the KV of %s: %s", header.reply_id, reason)
             await _answer(endpoint, wire.tag(Kind.VERDICT, header.transfer_id), verdict)
             return
         inbound = self._in_flight[header.reply_id]
@@ -162,16 +182,20 @@ class KvReceiver:
             await _answer(endpoint, wire.tag(Kind.ACK, header.transfer_id), ack)
 
     def _admit(self, endpoint: Endpoint, header: wire.Header) -> tuple[Reply, list]:
-        """Checks a header against the reply's reserved blocks; on OK, the transfer is in flight."""
-        if header.reply_id in self._in_flight:
-            return Reply(Status.IN_FLIGHT), []
+        """Checks a header against the reply's reservation (its token first, so another peer learns
+        nothing about it); on OK, the transfer is in flight."""
         try:
-            views = self._resolve(header.reply_id)
+            destination = self._resolve(header.reply_id)
         except Exception:
             log.exception("resolve(%r) failed", header.reply_id)
             return Reply(Status.NO_DESTINATION), []
-        if views is None:
+        if destination is None:
             return Reply(Status.UNKNOWN_REPLY), []
+        if not hmac.compare_digest(header.token, destination.token):
+            return Reply(Status.BAD_TOKEN), []
+        if header.reply_id in self._in_flight:
+            return Reply(Status.IN_FLIGHT), []
+        views = destination.views
         sizes = [wire.nbytes(v) for v in views]
         held = Reply(Status.OK, len(views), sizes[0] if sizes else 0)
         if len(views) != header.num_blocks:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 class KvTransferError(RuntimeError):
     """A KV transfer that did not complete. `reason` is one of: the refusals "unknown_reply",
-    "count_mismatch", "size_mismatch", "in_flight", "bad_header", "no_destination" (nothing was
+    "bad_token", "count_mismatch", "size_mismatch", "in_flight", "bad_header", "no_destination" (nothing was
     written, the connection stays up); "timeout"; "peer_gone" (the connection failed or could not
     be opened)."""
 
@@ -46,11 +46,12 @@ class KvSender:
         self._connections: dict[tuple[str, int], asyncio.Future[_Connection]] = {}
         self._max_bytes_per_s = max_bytes_per_s
 
-    async def send(self, host: str, port: int, reply_id: str, blocks: list[torch.Tensor], timeout_s: float) -> None:
-        """Sends every block in order into the blocks the receiver resolves for reply_id; returns once
-        the receiver acknowledged that all bytes landed. Raises KvTransferError otherwise, and
-        ValueError for blocks or a reply id that cannot be sent (not contiguous, unequal sizes)."""
-        header, buffers = _prepare(reply_id, blocks)
+    async def send(self, host: str, port: int, reply_id: str, blocks: list[torch.Tensor], timeout_s: float, *, token: bytes) -> None:
+        """Sends every block in order into the blocks the receiver reserved for reply_id, with the
+        reservation's token; returns once the receiver acknowledged that all bytes landed. Raises
+        KvTransferError otherwise, and ValueError for blocks, a reply id or a token that cannot be
+        sent (not contiguous, unequal sizes, too long)."""
+        header, buffers = _prepare(reply_id, token, blocks)
         where = f"{host}:{port}"
         connection: _Connection | None = None
         try:
@@ -121,7 +122,7 @@ def _usable(pending: asyncio.Future[_Connection]) -> _Connection | None:
 
 
 _CONNECT_TIMEOUT_S = 5.0  # ucxx's default
-_REFUSALS = {"unknown_reply", "count_mismatch", "size_mismatch", "in_flight", "bad_header", "no_destination"}
+_REFUSALS = {"unknown_reply", "bad_token", "count_mismatch", "size_mismatch", "in_flight", "bad_header", "no_destination"}
 
 
 class _Connection:
@@ -174,22 +175,26 @@ async def _recv_reply(endpoint: Endpoint, tag: int) -> Reply:
     return Reply.unpack(data)
 
 
-def _prepare(reply_id: str, blocks: list[torch.Tensor]) -> tuple[wire.Header, list]:
+def _prepare(reply_id: str, token: bytes, blocks: list[torch.Tensor]) -> tuple[wire.Header, list]:
     if len(reply_id.encode()) > wire.MAX_REPLY_ID_BYTES:
         raise ValueError(f"reply id {reply_id[:40]!r}... is longer than {wire.MAX_REPLY_ID_BYTES} bytes")
+    if len(token) > wire.TOKEN_BYTES:
+        raise ValueError(f"a transfer token of {len(token)} bytes, at most {wire.TOKEN_BYTES} fit")
     if len(blocks) >= wire.MAX_BLOCKS:
         raise ValueError(f"{len(blocks)} blocks is more than one transfer can carry ({wire.MAX_BLOCKS - 1})")
     sizes = {wire.nbytes(b) for b in blocks}
     if len(sizes) > 1:
         raise ValueError(f"blocks of unequal sizes {sorted(sizes)} bytes")
     buffers = [wire.as_buffer(b) for b in blocks]
-    return wire.Header(0, reply_id, len(blocks), sizes.pop() if sizes else 0), buffers
+    return wire.Header(0, reply_id, len(blocks), sizes.pop() if sizes else 0, token), buffers
 
 
 def _explain(refusal: Reply, sent: wire.Header) -> str:
     match refusal.status:
         case Status.UNKNOWN_REPLY:
             return "unknown reply (no reservation for it: never made, released, or expired)"
+        case Status.BAD_TOKEN:
+            return "the transfer token is not the one its reservation was made with"
         case Status.COUNT_MISMATCH:
             return f"block count mismatch: {refusal.num_blocks} blocks reserved, {sent.num_blocks} sent"
         case Status.SIZE_MISMATCH:

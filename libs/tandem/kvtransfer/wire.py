@@ -7,9 +7,10 @@ every message after the header carries that number in its tag, so transfers to o
 run concurrently over one connection:
 
     sender                                              receiver
-    HEADER   tag HEADER_TAG            ---------->      resolve(reply_id) -> destination views;
-             (magic, version, transfer id,              checks the count and byte size of each
-              reply id, num_blocks, bytes_per_block)
+    HEADER   tag HEADER_TAG            ---------->      resolve(reply_id) -> the reservation;
+             (magic, version, transfer id,              checks its token, then the count and
+              reply id, num_blocks, bytes_per_block,    byte size of each destination block
+              the reservation's token)
                                        <----------      VERDICT  tag (VERDICT, transfer id)
                                                         status OK, or a refusal with what the
                                                         receiver expected (num_blocks, bytes)
@@ -18,8 +19,8 @@ run concurrently over one connection:
                                        <----------      ACK      tag (ACK, transfer id)
                                                         status OK once every byte has landed
 
-No payload byte is sent before the receiver said OK, so a refused transfer (unknown reply,
-count or size mismatch, the same reply already in flight, a bad header) writes nothing and
+No payload byte is sent before the receiver said OK, so a refused transfer (unknown reply, a
+token that is not the reservation's, count or size mismatch, the same reply already in flight, a bad header) writes nothing and
 leaves the connection usable. Any other failure (timeout, peer gone, a failed send or receive)
 aborts the connection on the side that saw it: UCX cancels the connection's outstanding
 requests, so no late byte lands after the abort, and the other side's requests fail too.
@@ -28,11 +29,15 @@ Headers and statuses are little-endian fixed-size structs (one message each, so 
 transfers can never interleave their parts). Tags are Python ints, which ucxx hashes together
 with the connection's own tag; an int's hash is the same in every process (a str's is not).
 Block payloads are the blocks' raw bytes: both sides agreed on dtype and layout at Reserve.
+
+The token is the reservation's own random secret (Reservation.transfer_token, handed over the
+authenticated gRPC Reserve): a peer that merely knows a reply id cannot write into its blocks.
 """
 
 from __future__ import annotations
 
 import enum
+import secrets
 import struct
 from dataclasses import dataclass
 
@@ -40,14 +45,21 @@ import numpy as np
 import torch
 
 MAGIC = b"TKV1"
-VERSION = 1
-MAX_REPLY_ID_BYTES = 226  # the header is 256 bytes
+VERSION = 2  # 2: the header carries the reservation's token
+MAX_REPLY_ID_BYTES = 226
+TOKEN_BYTES = 32
 MAX_BLOCKS = 1 << 28  # the block index has 28 bits of the tag
 
-_HEADER = struct.Struct("<4sHHQIQH")  # magic, version, reserved, transfer id, num_blocks, bytes_per_block, reply id length
+# magic, version, reserved, transfer id, num_blocks, bytes_per_block, token, reply id length
+_HEADER = struct.Struct(f"<4sHHQIQ{TOKEN_BYTES}sH")
 HEADER_BYTES = _HEADER.size + MAX_REPLY_ID_BYTES
 _STATUS = struct.Struct("<IIQ")  # status, num_blocks, bytes_per_block
 STATUS_BYTES = _STATUS.size
+
+
+def new_token() -> bytes:
+    """A reservation's transfer token: random, TOKEN_BYTES long."""
+    return secrets.token_bytes(TOKEN_BYTES)
 
 
 class Kind(enum.IntEnum):
@@ -72,6 +84,7 @@ class Status(enum.IntEnum):
     IN_FLIGHT = 4  # a transfer of the same reply is still being received
     BAD_HEADER = 5  # wrong magic or version, or a reply id that is not UTF-8
     NO_DESTINATION = 6  # the receiver's resolve() failed or gave memory it cannot receive into
+    BAD_TOKEN = 7  # the token is not the one the reservation was made with
 
 
 class BadHeader(ValueError):
@@ -86,18 +99,20 @@ class Header:
     reply_id: str
     num_blocks: int
     bytes_per_block: int
+    token: bytes = b""  # the reservation's; at most TOKEN_BYTES (zero-padded on the wire)
 
     def pack(self) -> np.ndarray:
         reply_id = self.reply_id.encode()
         out = np.zeros(HEADER_BYTES, np.uint8)
-        _HEADER.pack_into(out.data, 0, MAGIC, VERSION, 0, self.transfer_id, self.num_blocks, self.bytes_per_block, len(reply_id))
+        fields = (self.transfer_id, self.num_blocks, self.bytes_per_block, self.token, len(reply_id))
+        _HEADER.pack_into(out.data, 0, MAGIC, VERSION, 0, *fields)
         out[_HEADER.size : _HEADER.size + len(reply_id)] = np.frombuffer(reply_id, np.uint8)
         return out
 
     @classmethod
     def unpack(cls, data: np.ndarray) -> Header:
         """Raises BadHeader, with the transfer id when it could be read (0 otherwise)."""
-        magic, version, _, transfer_id, num_blocks, bytes_per_block, id_len = _HEADER.unpack_from(data.data, 0)
+        magic, version, _, transfer_id, num_blocks, bytes_per_block, token, id_len = _HEADER.unpack_from(data.data, 0)
         if magic != MAGIC or version != VERSION:
             raise BadHeader(f"magic {magic!r} version {version}, expected {MAGIC!r} version {VERSION}", transfer_id)
         if id_len > MAX_REPLY_ID_BYTES:
@@ -106,7 +121,7 @@ class Header:
             reply_id = bytes(data[_HEADER.size : _HEADER.size + id_len]).decode()
         except UnicodeDecodeError as exc:
             raise BadHeader(f"reply id is not UTF-8: {exc}", transfer_id) from None
-        return cls(transfer_id, reply_id, num_blocks, bytes_per_block)
+        return cls(transfer_id, reply_id, num_blocks, bytes_per_block, token)
 
 
 @dataclass(frozen=True)

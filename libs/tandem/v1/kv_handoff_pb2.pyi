@@ -39,18 +39,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, reply_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("block_ids", "ucx_host", "ucx_port", "lease_s", "num_cached_blocks")
+    __slots__ = ("block_ids", "ucx_host", "ucx_port", "lease_s", "num_cached_blocks", "transfer_token")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     UCX_HOST_FIELD_NUMBER: _ClassVar[int]
     UCX_PORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     ucx_host: str
     ucx_port: int
     lease_s: float
     num_cached_blocks: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., lease_s: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    transfer_token: bytes
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., lease_s: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., transfer_token: _Optional[bytes] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("reservation", "refused")

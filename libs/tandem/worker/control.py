@@ -1,4 +1,5 @@
-"""The gRPC WorkerControl server of a prefill or decode worker (Health, Drain, Stats)."""
+"""The gRPC WorkerControl server of a prefill or decode worker (Health, Drain, Stats), on the
+worker's configured host; with an internal secret, every call on its port must carry it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tandem.runtime import Runtime
 from tandem.v1 import control_pb2, control_pb2_grpc
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 from tandem.worker.heartbeat import WorkerHeartbeats
+from tandem.worker.internal_grpc import server_interceptors
 
 
 class WorkerControl(control_pb2_grpc.WorkerControlServicer):
@@ -34,9 +36,11 @@ class WorkerControl(control_pb2_grpc.WorkerControlServicer):
 
 
 class ControlServer:
-    def __init__(self, servicer: WorkerControl, address: str, grace_s: float = 2.0) -> None:
+    def __init__(self, servicer: WorkerControl, address: str, secret: str = "", grace_s: float = 2.0) -> None:
+        """`address`: host:port to listen on; `secret`: the internal secret calls must carry (empty: none)."""
         self._servicer = servicer
         self._address = address
+        self._secret = secret
         self._grace_s = grace_s
         self._server: grpc.aio.Server | None = None
         self._registrations: list[Callable[[grpc.aio.Server], None]] = []
@@ -46,7 +50,7 @@ class ControlServer:
         self._registrations.append(register)
 
     async def start(self) -> None:
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=server_interceptors(self._secret))
         control_pb2_grpc.add_WorkerControlServicer_to_server(self._servicer, self._server)
         for register in self._registrations:
             register(self._server)

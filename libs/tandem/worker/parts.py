@@ -22,6 +22,7 @@ from tandem.models.files import open_model
 from tandem.runtime import Runtime, RuntimeConfig, check_port_free, create_app
 from tandem.worker.admission import TtftTargets
 from tandem.worker.control import ControlServer, WorkerControl
+from tandem.worker.engine_metrics import EngineMetrics, HandoffMetrics
 from tandem.worker.heartbeat import WorkerHeartbeats
 from tandem.worker.host import EngineHost, EngineSpec
 
@@ -34,6 +35,7 @@ class WorkerParts:
     host: EngineHost
     control: ControlServer
     drain_timeout_s: float
+    handoff_metrics: HandoffMetrics
 
     def app(self, on_start: Callable[[], Awaitable[None]], on_stop: Callable[[], Awaitable[None]]) -> FastAPI:
         """The worker's app: the control server runs around the worker's own start and stop; a
@@ -80,9 +82,11 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")
     runtime_config = RuntimeConfig.from_settings(role, settings, uses_redis=False)
     targets = TtftTargets.from_settings(settings, spec.device)
-    host = EngineHost(spec, runtime_config.instance_id, targets, settings.token_stream_max_age_s)
+    engine_metrics = EngineMetrics(role, model.name, settings.worker_hour_cost)
+    host = EngineHost(spec, runtime_config.instance_id, targets, settings.token_stream_max_age_s, engine_metrics)
     heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load, host.claimed_reply_ids)
     runtime = Runtime(runtime_config, heartbeat=heartbeats.build)
     runtime.add_check("engine", host.is_ready)
-    control = ControlServer(WorkerControl(runtime, heartbeats), f"{settings.host}:{grpc_port}")
-    return WorkerParts(runtime, host, control, settings.drain_timeout_s)
+    secret = settings.internal_secret.get_secret_value()
+    control = ControlServer(WorkerControl(runtime, heartbeats), f"{settings.host}:{grpc_port}", secret)
+    return WorkerParts(runtime, host, control, settings.drain_timeout_s, HandoffMetrics(role, model.name))

@@ -1,0 +1,71 @@
+"""The shared secret on the workers' gRPC surfaces (WorkerControl, KvHandoff): every call carries
+TANDEM_INTERNAL_SECRET in its metadata, and a server with a secret answers UNAUTHENTICATED to a call
+without it, before any handler runs. An empty secret turns the check off (a bare `tandem serve`);
+`tandem up`, compose and Kubernetes always set one."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import Counter
+
+SECRET_METADATA_KEY = "x-tandem-internal-secret"
+CALLS_REFUSED = Counter("tandem_grpc_calls_unauthenticated_total", "gRPC calls refused for a missing or wrong internal secret")
+log = logging.getLogger(__name__)
+
+
+class SharedSecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a call whose metadata does not carry the secret (compared in constant time)."""
+
+    def __init__(self, secret: str) -> None:
+        if not secret:
+            raise ValueError("a shared-secret check needs a secret")
+        self._secret = secret.encode()
+        self._refuse = grpc.unary_unary_rpc_method_handler(_unauthenticated)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if self.is_allowed(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        CALLS_REFUSED.inc()
+        log.warning("refused a gRPC call to %s: no valid internal secret", handler_call_details.method)
+        return self._refuse
+
+    def is_allowed(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == SECRET_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._secret)
+        return False
+
+
+async def _unauthenticated(request: bytes, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the internal secret (TANDEM_INTERNAL_SECRET)")
+
+
+def server_interceptors(secret: str) -> list[grpc.aio.ServerInterceptor]:
+    return [SharedSecretInterceptor(secret)] if secret else []
+
+
+class _WithSecret(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, secret: str) -> None:
+        self._entry = (SECRET_METADATA_KEY, secret)
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        details = client_call_details
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        with_secret = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+        return await continuation(with_secret, request)
+
+
+def internal_channel(address: str, secret: str) -> grpc.aio.Channel:
+    """A channel to a worker's gRPC port whose every call carries the secret (none when empty)."""
+    interceptors = [_WithSecret(secret)] if secret else None
+    return grpc.aio.insecure_channel(address, interceptors=interceptors)
