@@ -49,7 +49,7 @@ def _assumptions(assumptions: Assumptions, deployment: Deployment) -> str:
     return (
         f"assumptions: runtime reserve {fmt_pct(assumptions.runtime_reserve)}, bandwidth efficiency "
         f"{fmt_pct(assumptions.bandwidth_efficiency)}, compute efficiency {fmt_pct(assumptions.compute_efficiency)}, "
-        f"headroom {fmt_pct(assumptions.headroom)}, PUE {assumptions.pue:g}, {deployment.gpus_per_server} GPUs per server, "
+        f"headroom {fmt_pct(assumptions.headroom)}, PUE {assumptions.pue:g}, {deployment.gpus_per_server} GPU(s) per server, "
         f"average busyness {fmt_pct(assumptions.average_busyness)}; every sequence holds its whole context; "
         "decode splits weights and KV evenly over a replica's GPUs; prefill counts 2 FLOPs per parameter per token"
     )

@@ -43,4 +43,4 @@ def fmt_params(num_params: int) -> str:
 
 
 def fmt_money(amount: float) -> str:
-    return f"${amount:,.2f}" if amount >= 0.01 or amount == 0 else f"${amount:.4f}"
+    return f"${amount:,.2f}" if amount >= 1 or amount == 0 else f"${amount:.3g}"
