@@ -16,6 +16,7 @@ from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, 
 from services.chat.state import ChatState
 from tandem.bus import encode, subjects, validate
 from tandem.config import ApiKey, Tier
+from tandem.runtime.request_id import current_request_id
 from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, create_reply
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
@@ -117,7 +118,8 @@ async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateRep
         error = Unavailable(message, code="router_timeout", retry_after_s=ROUTER_RETRY_AFTER_S)
         await _cancel_untracked(state, request.reply_id)
     except (nats.errors.Error, validate.Invalid) as exc:  # what went wrong is the log's, not the client's
-        log.warning("reply %s: the router could not be asked: %s: %s", request.reply_id, type(exc).__name__, exc)
+        why = f"{type(exc).__name__}: {exc}"
+        log.warning("request %s: reply %s: the router could not be asked: %s", current_request_id(), request.reply_id, why)
         if isinstance(exc, validate.Invalid):
             validate.drop("generate_reply", subjects.GENERATE, exc)
         error = Unavailable(
