@@ -1,0 +1,256 @@
+"""deploy/k8s renders (without kustomize: kustomize_lite) into objects that pass the Kubernetes
+schemas (kubernetes-validate, offline) and do what a fleet needs: probes on /healthz and /readyz,
+a grace period longer than the drain, resource requests, disruption budgets and autoscalers for
+the workers, only chat reachable from outside, and each role's credentials from its own Secret."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kustomize_lite import Object, load_objects, render
+
+from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES
+from tandem.devstack.secrets import StackSecrets, write_container_set
+
+ROOT = Path(__file__).resolve().parents[3]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.33"  # the oldest release the manifests target; its schemas ship with kubernetes-validate
+WORKERS = ("prefill", "decode")
+# The kinds whose schemas come from CRDs (checked by the structural tests below instead).
+CUSTOM_KINDS = {"PodMonitor", "PrometheusRule"}
+# What each role's Secret holds: its own credentials and nothing else.
+ROLE_SECRET_KEYS = {
+    "chat": {"TANDEM_NATS_PASSWORD", "TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD", "TANDEM_API_KEYS"},
+    "relay": {"TANDEM_NATS_PASSWORD", "TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
+    "router": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
+    "prefill": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
+    "decode": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
+}
+
+
+def by_kind(objects: list[Object], kind: str) -> dict[str, Object]:
+    return {item["metadata"]["name"]: item for item in objects if item["kind"] == kind}
+
+
+def container(deployment: Object) -> Object:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+@pytest.fixture(scope="module")
+def base() -> list[Object]:
+    return render(K8S / "base")
+
+
+@pytest.fixture(scope="module")
+def gpu() -> list[Object]:
+    return render(K8S / "overlays" / "gpu")
+
+
+@pytest.fixture(scope="module")
+def secret_set() -> StackSecrets:
+    return StackSecrets.generate()
+
+
+@pytest.fixture(scope="module")
+def secrets_folder(tmp_path_factory: pytest.TempPathFactory, secret_set: StackSecrets) -> Path:
+    """deploy/k8s/secrets with what `tandem secrets .../generated` writes, plus the API keys."""
+    folder = tmp_path_factory.mktemp("k8s") / "secrets"
+    shutil.copytree(K8S / "secrets", folder)
+    write_container_set(folder / "generated", secret_set, is_overwrite=False)
+    (folder / "generated" / "TANDEM_API_KEYS").write_text("k8s-key=ops:pro")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def secrets(secrets_folder: Path) -> list[Object]:
+    return render(secrets_folder)
+
+
+@pytest.fixture(scope="module", params=["base", "gpu"])
+def rendered(request: pytest.FixtureRequest, base: list[Object], gpu: list[Object]) -> list[Object]:
+    return {"base": base, "gpu": gpu}[request.param]
+
+
+def test_every_object_passes_the_kubernetes_schema(base: list[Object], gpu: list[Object], secrets: list[Object]) -> None:
+    checked = 0
+    for item in [*base, *gpu, *secrets]:
+        if item["kind"] in CUSTOM_KINDS:
+            continue
+        name = f"{item['kind']}/{item['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(item, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            path = ".".join(str(part) for part in error.path)
+            pytest.fail(f"{name}: {path}: {error.message}")
+        checked += 1
+    assert checked >= 40
+
+
+def test_the_schema_check_catches_a_misspelt_field(base: list[Object]) -> None:
+    deployment = by_kind(base, "Deployment")["chat"]
+    broken = yaml.safe_load(yaml.safe_dump(deployment))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def _kubectl_kustomize(folder: Path) -> list[Object]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [item for item in yaml.safe_load_all(result.stdout) if item]
+
+
+def _keyed(objects: list[Object]) -> dict[tuple[str, str, str], Object]:
+    return {(item["kind"], item["metadata"].get("namespace", ""), item["metadata"]["name"]): item for item in objects}
+
+
+@pytest.mark.parametrize("folder", ["base", "overlays/gpu", "secrets"])
+def test_renders_what_kubectl_kustomize_renders(folder: str, secrets_folder: Path) -> None:
+    path = secrets_folder if folder == "secrets" else K8S / folder
+    assert _keyed(render(path)) == _keyed(_kubectl_kustomize(path))
+
+
+def test_a_deployment_and_service_per_role_from_its_dockerfile_target(rendered: list[Object]) -> None:
+    deployments, services = by_kind(rendered, "Deployment"), by_kind(rendered, "Service")
+    assert set(deployments) == set(services) == set(ROLES)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for role in ROLES:
+        assert f" AS {role}\n" in dockerfile
+        image = container(deployments[role])["image"]
+        assert image.rsplit(":", 1)[0].replace("/", "-").endswith(f"tandem-{role}"), image
+        assert image.rsplit(":", 1)[1], f"{role}: no tag"
+        ports = {port["name"]: port["containerPort"] for port in container(deployments[role])["ports"]}
+        assert ports["http"] == DEFAULT_HTTP_PORTS[role]
+        if role in DEFAULT_GRPC_PORTS:
+            assert ports["grpc"] == DEFAULT_GRPC_PORTS[role]
+        assert services[role]["spec"]["selector"] == deployments[role]["spec"]["template"]["metadata"]["labels"]
+        assert services[role]["spec"].get("type", "ClusterIP") == "ClusterIP", f"{role} exposed by its Service"
+
+
+def test_probes_ask_readyz_and_healthz(rendered: list[Object]) -> None:
+    for role, deployment in by_kind(rendered, "Deployment").items():
+        probes = container(deployment)
+        assert probes["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}, role
+        assert probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}, role
+
+
+def _setting(objects: list[Object], name: str) -> float:
+    return float(by_kind(objects, "ConfigMap")["tandem-settings"]["data"][name])
+
+
+def test_grace_period_outlasts_the_drain_and_the_shutdown(rendered: list[Object]) -> None:
+    drain_s = _setting(rendered, "TANDEM_DRAIN_TIMEOUT_S")
+    shutdown_s = _setting(rendered, "TANDEM_SHUTDOWN_TIMEOUT_S")
+    for role, deployment in by_kind(rendered, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        pre_stop = container(deployment).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pre_stop_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+        needed_s = pre_stop_s + shutdown_s + (drain_s if role in WORKERS else 0.0)
+        assert pod["terminationGracePeriodSeconds"] > needed_s, role
+
+
+def test_every_container_requests_cpu_and_memory(rendered: list[Object]) -> None:
+    for role, deployment in by_kind(rendered, "Deployment").items():
+        requests = container(deployment)["resources"]["requests"]
+        assert {"cpu", "memory"} <= set(requests), role
+        assert "memory" in container(deployment)["resources"]["limits"], role
+
+
+def test_gpu_workers_get_one_gpu_each_and_the_rest_none(base: list[Object], gpu: list[Object]) -> None:
+    for role, deployment in by_kind(gpu, "Deployment").items():
+        resources = container(deployment)["resources"]
+        if role in WORKERS:
+            assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1, role
+            env = {item["name"]: item.get("value") for item in container(deployment)["env"]}
+            assert env["TANDEM_DEVICE"] == "cuda"
+            assert float(env["TANDEM_WORKER_HOUR_COST"]) > 0  # the dashboard's cost per Mtok
+        else:
+            assert "nvidia.com/gpu" not in resources["requests"], role
+    for deployment in by_kind(base, "Deployment").values():
+        assert "nvidia.com/gpu" not in container(deployment)["resources"]["requests"]
+
+
+def test_workers_have_a_disruption_budget(rendered: list[Object]) -> None:
+    deployments = by_kind(rendered, "Deployment")
+    budgets = by_kind(rendered, "PodDisruptionBudget").values()
+    for role in WORKERS:
+        labels = deployments[role]["spec"]["template"]["metadata"]["labels"]
+        matching = [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(matching) == 1, role
+        assert matching[0]["spec"].get("maxUnavailable") == 1 or matching[0]["spec"].get("minAvailable"), role
+
+
+def test_pods_run_restricted(rendered: list[Object]) -> None:
+    for role, deployment in by_kind(rendered, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, role
+        security = container(deployment)["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"], role
+
+
+def _env(deployment: Object) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container(deployment).get("env", [])}
+
+
+def test_each_role_takes_its_own_secret_which_holds_its_credentials_only(
+    rendered: list[Object], secrets: list[Object], secret_set: StackSecrets
+) -> None:
+    assert not by_kind(rendered, "Secret"), "credentials belong in deploy/k8s/secrets, from tandem secrets"
+    generated = {s["metadata"]["name"]: s for s in secrets if s["kind"] == "Secret"}
+    for role, deployment in by_kind(rendered, "Deployment").items():
+        sources = container(deployment)["envFrom"]
+        assert {"configMapRef": {"name": "tandem-settings"}} in sources
+        secret_refs = [source["secretRef"]["name"] for source in sources if "secretRef" in source]
+        assert secret_refs == [f"tandem-{role}"], role
+        secret = generated[f"tandem-{role}"]
+        assert secret["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+        assert set(secret["data"]) == ROLE_SECRET_KEYS[role], role
+        password = base64.b64decode(secret["data"]["TANDEM_NATS_PASSWORD"]).decode()
+        assert password == secret_set.nats_passwords[role], f"{role} does not log in as itself"
+        assert _env(deployment)["TANDEM_NATS_USER"] == role
+        if "TANDEM_CASSANDRA_PASSWORD" in ROLE_SECRET_KEYS[role]:
+            superuser = generated["tandem-cassandra-superuser"]["data"]
+            assert _env(deployment)["TANDEM_CASSANDRA_USERNAME"] == base64.b64decode(superuser["username"]).decode()
+
+
+def test_no_manifest_holds_a_literal_credential() -> None:
+    for path in [*K8S.rglob("*.yaml"), *(ROOT / "deploy" / "helm").glob("*.yaml")]:
+        for item in load_objects(path):
+            assert item.get("kind") != "Secret" or not (item.get("data") or item.get("stringData")), path
+            for generator in item.get("secretGenerator", []):
+                for literal in generator.get("literals", []):
+                    assert literal.split("=")[0] in ("username",), f"{path}: {literal.split('=')[0]} written in the file"
+    ignored = (K8S / "secrets" / "generated" / ".gitignore").read_text().split()
+    assert ignored[-2:] == ["*", "!.gitignore"], "the generated credentials must stay out of git"
+
+
+def test_only_chat_is_reachable_from_outside(rendered: list[Object]) -> None:
+    ingresses = by_kind(rendered, "Ingress")
+    backends = {
+        path["backend"]["service"]["name"]
+        for ingress in ingresses.values()
+        for rule in ingress["spec"]["rules"]
+        for path in rule["http"]["paths"]
+    }
+    assert backends == {"chat"}
+    for name, service in by_kind(rendered, "Service").items():
+        assert service["spec"].get("type", "ClusterIP") == "ClusterIP", name
+    policies = by_kind(rendered, "NetworkPolicy").values()
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default deny"
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            if "from" not in rule:  # from anywhere
+                assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "chat", policy["metadata"]["name"]
+                assert [port["port"] for port in rule["ports"]] == [DEFAULT_HTTP_PORTS["chat"]]
