@@ -1,0 +1,156 @@
+"""docker-compose.yml's credentials and monitoring: each service gets only its role's
+credentials, all from the env file `tandem secrets` writes (never written in the file); NATS,
+Redis and Cassandra require them; Prometheus scrapes every service and Grafana shows its
+provisioned dashboards. (tests/unit/test_containers.py checks the images and the rest.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem.bus.permissions import USERS, password_variable
+from tandem.config import DEFAULT_HTTP_PORTS, ROLES
+from tandem.devstack.secrets import StackSecrets, write_container_set
+
+ROOT = Path(__file__).resolve().parents[3]
+_REFERENCE = re.compile(r"^\$\{(?P<name>\w+):\?run tandem secrets[^}]*\}$")
+_CREDENTIAL_NAME = re.compile(r"PASSWORD|SECRET|_AUTH$")
+# The credentials each role is given, under the names its settings read: variable -> source.
+_NATS = {"TANDEM_NATS_PASSWORD"}
+ROLE_CREDENTIALS = {
+    "chat": _NATS | {"TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
+    "relay": _NATS | {"TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
+    "router": _NATS | {"TANDEM_INTERNAL_SECRET"},
+    "prefill": _NATS | {"TANDEM_INTERNAL_SECRET"},
+    "decode": _NATS | {"TANDEM_INTERNAL_SECRET"},
+}
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+def references(environment: dict[str, str]) -> dict[str, str]:
+    """The credential settings of a service's environment -> the generated variable each names."""
+    found = {}
+    for name, value in environment.items():
+        if _CREDENTIAL_NAME.search(name):
+            match = _REFERENCE.match(str(value))
+            assert match, f"{name}: {value!r} is not taken from the generated file"
+            found[name] = match["name"]
+    return found
+
+
+def test_each_service_gets_its_own_role_credentials_and_no_others(services: dict) -> None:
+    for role in ROLES:
+        environment = services[role]["environment"]
+        credentials = references(environment)
+        assert set(credentials) == ROLE_CREDENTIALS[role], role
+        assert environment["TANDEM_NATS_USER"] == role
+        assert credentials["TANDEM_NATS_PASSWORD"] == password_variable(role)
+        for name in ("TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD", "TANDEM_INTERNAL_SECRET"):
+            assert credentials.get(name, name) == name, f"{role}: {name} from {credentials.get(name)}"
+        if "TANDEM_CASSANDRA_PASSWORD" in credentials:
+            assert environment["TANDEM_CASSANDRA_USERNAME"] == "cassandra"  # the superuser the entrypoint sets up
+
+
+_LITERAL_PASSWORD_ARGUMENT = re.compile(r"(requirepass|--password|-p)\s+(?![\"']?\$\$)\S")
+
+
+def test_no_credential_is_written_in_the_file(services: dict) -> None:
+    for name, service in services.items():
+        references(service.get("environment", {}))  # every credential-named setting is a reference
+        commands = [service.get("command", []), service.get("healthcheck", {}).get("test", [])]
+        text = " ".join(part for command in commands for part in (command if isinstance(command, list) else [command]))
+        assert not _LITERAL_PASSWORD_ARGUMENT.search(text), f"{name}: {text}"
+    assert _LITERAL_PASSWORD_ARGUMENT.search("cqlsh -u cassandra -p cassandra")
+    assert not _LITERAL_PASSWORD_ARGUMENT.search('cqlsh -u cassandra -p "$$TANDEM_CASSANDRA_PASSWORD"')
+
+
+def test_nats_has_a_user_per_role_with_passwords_from_the_generated_file(services: dict) -> None:
+    nats = services["nats"]
+    config = nats["command"][nats["command"].index("-c") + 1]
+    assert f"./deploy/nats/nats.conf:{config}:ro" in nats["volumes"]
+    assert references(nats["environment"]) == {password_variable(user): password_variable(user) for user in USERS}
+    text = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    for user in USERS:
+        assert f"password: ${password_variable(user)}," in text
+
+
+def test_redis_requires_the_password_and_its_healthcheck_logs_in(services: dict) -> None:
+    redis = services["redis"]
+    script = redis["command"][-1]
+    assert script.startswith("exec redis-server - ") and "requirepass $$TANDEM_REDIS_PASSWORD" in script
+    assert references(redis["environment"]) == {"TANDEM_REDIS_PASSWORD": "TANDEM_REDIS_PASSWORD", "REDISCLI_AUTH": "TANDEM_REDIS_PASSWORD"}
+    assert "grep -q PONG" in redis["healthcheck"]["test"][1]
+
+
+def test_cassandra_turns_password_authentication_on(services: dict) -> None:
+    cassandra = services["cassandra"]
+    (mount,) = [volume for volume in cassandra["volumes"] if volume.startswith("./")]
+    source, target, _ = mount.split(":")
+    assert cassandra["entrypoint"] == ["/bin/sh", target]
+    script = (ROOT / source).read_text()
+    assert "s/AllowAllAuthenticator/PasswordAuthenticator/" in script
+    assert "ALTER ROLE cassandra WITH PASSWORD" in script
+    assert "docker-entrypoint.sh cassandra -f" in script  # the image's own start
+    assert references(cassandra["environment"]) == {"TANDEM_CASSANDRA_PASSWORD": "TANDEM_CASSANDRA_PASSWORD"}
+    assert "$$TANDEM_CASSANDRA_PASSWORD" in cassandra["healthcheck"]["test"][1]
+
+
+def test_every_mounted_file_is_in_the_repo(services: dict) -> None:
+    mounts = [volume for service in services.values() for volume in service.get("volumes", []) if volume.startswith("./")]
+    assert len(mounts) >= 6
+    for mount in mounts:
+        assert (ROOT / mount.split(":")[0]).exists(), mount
+
+
+def test_tandem_secrets_writes_every_variable_compose_requires(tmp_path: Path) -> None:
+    write_container_set(tmp_path, StackSecrets.generate(), is_overwrite=False)
+    written = dict(line.split("=", 1) for line in (tmp_path / "tandem.env").read_text().splitlines())
+    required = set(re.findall(r"\$\{(\w+):\?run tandem secrets", (ROOT / "docker-compose.yml").read_text()))
+    assert required and required <= set(written), required - set(written)
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        return  # test_containers.py runs `docker compose config` where it is installed
+    env = {name: value for name, value in os.environ.items() if name not in required} | {"TANDEM_API_KEYS": "k=u:plus"}
+    command = [compose, "--env-file", str(tmp_path / "tandem.env"), "-f", "docker-compose.yml", "config", "--quiet"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_prometheus_scrapes_every_service_on_its_port(services: dict) -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == set(ROLES)
+    for role, job in jobs.items():
+        (discovery,) = job["dns_sd_configs"]
+        assert discovery["names"] == [role] and role in services  # every replica of the compose service
+        assert discovery["port"] == DEFAULT_HTTP_PORTS[role]
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+    mounted = {volume.split(":")[1] for volume in services["prometheus"]["volumes"] if volume.startswith("./")}
+    assert set(config["rule_files"]) <= mounted
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboards_folder(services: dict) -> None:
+    grafana = services["grafana"]
+    mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"] if volume.startswith("./"))
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning"
+    (source,) = [s for path in (provisioning / "datasources").glob("*.yml") for s in yaml.safe_load(path.read_text())["datasources"]]
+    assert source["uid"] == "prometheus" and source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090" and "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
+    (provider,) = [p for path in (provisioning / "dashboards").glob("*.yml") for p in yaml.safe_load(path.read_text())["providers"]]
+    assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(provider["options"]["path"] + "/")
+    assert (ROOT / "deploy" / "grafana" / "dashboards" / Path(home).name).is_file(), home
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"  # anonymous visitors only look
+    assert grafana["environment"]["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"

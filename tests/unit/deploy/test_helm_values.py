@@ -1,0 +1,149 @@
+"""The data stores' and monitoring's chart values in deploy/helm (and k8ssandra's cluster) agree
+with the rest: NATS has exactly tandem.bus.permissions' users with passwords from the tandem-nats
+Secret, Redis and Cassandra have authentication on from their Secrets, the settings name their
+services, and every metric the autoscalers and alerts use is one the services export."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from kustomize_lite import Object, load_objects, render
+
+from tandem.bus.permissions import PERMISSIONS, USERS, password_variable
+
+ROOT = Path(__file__).resolve().parents[3]
+HELM = ROOT / "deploy" / "helm"
+K8S = ROOT / "deploy" / "k8s"
+SERVICE_CODE = [*(ROOT / "libs" / "tandem").rglob("*.py"), *(ROOT / "services").rglob("*.py")]
+_HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
+
+
+def values(name: str) -> dict:
+    return yaml.safe_load((HELM / name).read_text())
+
+
+def secret_generator(name: str) -> dict:
+    """deploy/k8s/secrets' generator of Secret `name`: its namespace and key -> source file."""
+    spec = yaml.safe_load((K8S / "secrets" / "kustomization.yaml").read_text())
+    (generator,) = [g for g in spec["secretGenerator"] if g["name"] == name]
+    keys = dict(source.split("=", 1) for source in generator.get("files", []))
+    keys |= dict(literal.split("=", 1) for literal in generator.get("literals", []))
+    return {"namespace": generator["namespace"], "keys": keys}
+
+
+@pytest.fixture(scope="module")
+def settings() -> dict[str, str]:
+    (config_map,) = [item for item in render(K8S / "base") if item["kind"] == "ConfigMap"]
+    return config_map["data"]
+
+
+def is_exported(metric: str) -> bool:
+    """Whether a service defines `metric` (a histogram's _bucket/_sum/_count series by its name)."""
+    name = _HISTOGRAM_SERIES.sub("", metric)
+    return any(f'"{name}"' in path.read_text() for path in SERVICE_CODE)
+
+
+def test_nats_users_are_the_bus_permissions_with_passwords_from_the_secret() -> None:
+    nats = values("nats-values.yaml")
+    users = nats["config"]["merge"]["authorization"]["users"]
+    assert [user["user"] for user in users] == list(USERS)
+    secret = secret_generator("tandem-nats")
+    for user in users:
+        rights = PERMISSIONS[user["user"]]
+        variable = password_variable(user["user"])
+        assert user["permissions"]["publish"]["allow"] == list(rights.publish), user["user"]
+        assert user["permissions"]["subscribe"]["allow"] == list(rights.subscribe), user["user"]
+        assert user["permissions"]["allow_responses"] == rights.allow_responses, user["user"]
+        assert user["password"] == f"<< ${variable} >>", "the chart writes << >> unquoted: nats-server reads the variable"
+        source = nats["container"]["env"][variable]["valueFrom"]["secretKeyRef"]
+        assert source == {"name": "tandem-nats", "key": variable}
+        assert secret["keys"][variable] == f"generated/secrets/{variable}"
+    assert nats["config"]["jetstream"]["enabled"] is True
+    assert nats["natsBox"]["enabled"] is False
+
+
+def test_nats_values_match_the_compose_config() -> None:
+    conf = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    for user in USERS:
+        assert f'{{user: "{user}", password: ${password_variable(user)},' in conf
+
+
+def test_redis_has_a_password_from_its_secret(settings: dict[str, str]) -> None:
+    redis = values("redis-values.yaml")
+    assert redis["auth"]["enabled"] is True
+    assert redis["auth"]["existingSecret"] == "tandem-redis"
+    secret = secret_generator("tandem-redis")
+    assert secret["keys"][redis["auth"]["existingSecretPasswordKey"]] == "generated/secrets/TANDEM_REDIS_PASSWORD"
+    assert "password" not in redis["auth"]
+    # The Bitnami chart's primary Service is <release>-master; deploy/README.md installs release redis.
+    assert settings["TANDEM_REDIS_URL"].startswith(f"redis://redis-master.{secret['namespace']}.svc:")
+
+
+def test_cassandra_has_authentication_on_with_the_superuser_from_its_secret(settings: dict[str, str]) -> None:
+    (cluster,) = load_objects(K8S / "data" / "cassandra.yaml")
+    assert cluster["kind"] == "K8ssandraCluster"
+    assert cluster["spec"]["auth"] is True
+    secret = secret_generator(cluster["spec"]["cassandra"]["superuserSecretRef"]["name"])
+    assert secret["namespace"] == cluster["metadata"]["namespace"]
+    assert secret["keys"]["password"] == "generated/secrets/TANDEM_CASSANDRA_PASSWORD"
+    assert set(secret["keys"]) == {"username", "password"}
+    (datacenter,) = cluster["spec"]["cassandra"]["datacenters"]
+    service = f"{cluster['metadata']['name']}-{datacenter['metadata']['name']}-service"  # k8ssandra's CQL Service
+    assert settings["TANDEM_CASSANDRA_HOSTS"] == f"{service}.{secret['namespace']}.svc:9042"
+    assert f"'{datacenter['metadata']['name']}': " in settings["TANDEM_CASSANDRA_REPLICATION"]
+    assert settings["TANDEM_NATS_URL"].startswith(f"nats://nats.{secret['namespace']}.svc:")
+
+
+def _hpas() -> list[Object]:
+    return [item for item in render(K8S / "overlays" / "gpu") if item["kind"] == "HorizontalPodAutoscaler"]
+
+
+def test_autoscalers_target_the_worker_deployments_on_their_load_never_request_count() -> None:
+    rendered = render(K8S / "overlays" / "gpu")
+    deployments = {item["metadata"]["name"] for item in rendered if item["kind"] == "Deployment"}
+    hpas = {hpa["metadata"]["name"]: hpa for hpa in _hpas()}
+    assert set(hpas) == {"prefill", "decode"}
+    for name, hpa in hpas.items():
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] == name and name in deployments
+        assert all(metric["type"] == "Pods" for metric in hpa["spec"]["metrics"]), "CPU or request rate is not a worker's load"
+        assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300, "a removed worker drains first"
+    decode = {metric["pods"]["metric"]["name"] for metric in hpas["decode"]["spec"]["metrics"]}
+    assert decode == {"tandem_worker_kv_cache_usage_ratio", "tandem_worker_queue_wait_seconds_mean"}
+    prefill = {metric["pods"]["metric"]["name"] for metric in hpas["prefill"]["spec"]["metrics"]}
+    assert prefill == {"tandem_worker_requests_waiting"}
+
+
+def test_the_adapter_serves_every_autoscaler_metric_from_exported_series() -> None:
+    rules = values("prometheus-adapter-values.yaml")["rules"]
+    served = {}
+    for rule in rules["custom"]:
+        series = rule["seriesQuery"].split("{")[0]
+        assert re.fullmatch(rule["name"]["matches"].strip("^$"), series), rule["name"]
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+        served[rule["name"]["as"]] = rule
+        for metric in re.findall(r"tandem_\w+", rule["metricsQuery"] + rule["seriesQuery"]):
+            assert is_exported(metric), f"{metric}: no service exports it"
+    for hpa in _hpas():
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["pods"]["metric"]["name"] in served
+
+
+def test_alerts_are_the_same_in_compose_and_kubernetes_and_use_exported_metrics() -> None:
+    compose_groups = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"]
+    (rule,) = load_objects(K8S / "overlays" / "gpu" / "alerts.yaml")
+    assert rule["spec"]["groups"] == compose_groups
+    expressions = [alert["expr"] for group in compose_groups for alert in group["rules"]]
+    assert any("tandem_worker_kv_cache_usage_ratio" in expr and "> 0.9" in expr for expr in expressions)
+    for expr in expressions:
+        for metric in re.findall(r"tandem_\w+", expr):
+            assert is_exported(metric), f"{metric}: no service exports it"
+
+
+def test_is_exported_knows_a_metric_from_a_made_up_one() -> None:
+    assert is_exported("tandem_worker_queue_wait_seconds_bucket")
+    assert not is_exported("tandem_worker_made_up_ratio")
