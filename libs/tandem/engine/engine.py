@@ -23,7 +23,7 @@ from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
-from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
+from tandem.engine.scheduler import QueueWait, Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
 from tandem.kernels.metadata import BLOCK_SIZE, KvCacheShape
 from tandem.models.loader import LoadedModel
@@ -34,6 +34,7 @@ __all__ = [
     "EngineStats",
     "Handoff",
     "ImportReservation",  # defined with the KV cache manager, which makes and frees it
+    "QueueWait",
     "Request",
     "RequestOutput",
     "TokenIdOutOfRange",
@@ -102,6 +103,14 @@ class EngineStats:
     prefill_time_s: float  # step time, split by each step's share of prefill and decode tokens
     decode_time_s: float
     prefill_tokens_per_s: float = 0.0  # recent prefill tokens per second of step time; 0 until measured
+    num_generated_tokens: int = 0  # tokens sampled since start (a prefill's first token included)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the KV pool's blocks held by requests (0-1); blocks kept only by the prefix
+        cache are free to reuse and do not count."""
+        s = self.scheduler
+        return s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0
 
 
 @dataclass
@@ -111,6 +120,7 @@ class _Counters:
     num_decode_tokens: int = 0
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    num_generated_tokens: int = 0
 
 
 class Engine:
@@ -174,7 +184,7 @@ class Engine:
         stopped_ids = {seq_id for seq_id in sampled if self._replies[seq_id].has_hit_stop}
         result = self.scheduler.update(plan, sampled, stopped_ids)
         outputs = self._outputs(plan, sampled, texts, result)
-        self._count(plan.num_prefill_tokens, plan.num_decode_tokens, time.perf_counter() - started_s)
+        self._count(plan.num_prefill_tokens, plan.num_decode_tokens, len(sampled), time.perf_counter() - started_s)
         return outputs
 
     def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
@@ -204,7 +214,12 @@ class Engine:
             c.prefill_time_s,
             c.decode_time_s,
             self._prefill_rate.tokens_per_s,
+            c.num_generated_tokens,
         )
+
+    def drain_queue_waits(self) -> list[QueueWait]:
+        """How long each request first admitted since the last drain waited for it."""
+        return self.scheduler.drain_queue_waits()
 
     # -- disaggregation hooks -------------------------------------------------------------------
 
@@ -305,9 +320,10 @@ class Engine:
             seq.seq_id, token_ids, text, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, handoff
         )
 
-    def _count(self, num_prefill_tokens: int, num_decode_tokens: int, elapsed_s: float) -> None:
+    def _count(self, num_prefill_tokens: int, num_decode_tokens: int, num_sampled: int, elapsed_s: float) -> None:
         c = self._counters
         c.num_steps += 1
+        c.num_generated_tokens += num_sampled
         c.num_prefill_tokens += num_prefill_tokens
         c.num_decode_tokens += num_decode_tokens
         self._prefill_rate.add_step(num_prefill_tokens, elapsed_s)

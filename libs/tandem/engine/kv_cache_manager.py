@@ -34,6 +34,8 @@ class KvCacheManager:
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         self._pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
+        self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache since start
+        self.num_prefix_hit_tokens = 0  # of them, found cached
 
     # -- counts ---------------------------------------------------------------------------------
 
@@ -57,6 +59,11 @@ class KvCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """A lookup that took effect (an admission, an import's reservation): the hit rate's numbers."""
+        self.num_prefix_query_tokens += num_query_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens
 
     # -- a scheduled sequence's blocks ----------------------------------------------------------
 
@@ -131,6 +138,7 @@ class KvCacheManager:
         except NoFreeBlocks:
             self._pool.free(cached_ids)
             raise
+        self.count_prefix_lookup(seq.num_tokens, num_cached * self.block_size)
         return ImportReservation(tuple(cached_ids), tuple(cached_hashes), tuple(new_ids))
 
     def cancel_import(self, reservation: ImportReservation) -> None:

@@ -27,6 +27,8 @@ waits and at least `background_min_free_fraction` of the usable KV blocks are fr
 from __future__ import annotations
 
 import bisect
+import time
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ from tandem.engine.step_plan import ScheduledChunk, StepPlan, UpdateResult
 __all__ = [
     "EmptyPrompt",
     "PromptTooLong",
+    "QueueWait",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerConfig",
@@ -82,6 +85,18 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class QueueWait:
+    """How long a sequence waited from its arrival to its first admission."""
+
+    lane: Lane
+    wait_s: float
+
+
+# Queue waits kept until drained (a worker drains them after every step); older ones are dropped.
+MAX_QUEUE_WAITS = 4096
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_running: dict[Lane, int]
     num_waiting: dict[Lane, int]
@@ -95,6 +110,8 @@ class SchedulerStats:
     num_running_prefill_tokens: int  # running prefills' tokens still to compute (they go before any admission)
     num_running_blocks: dict[Lane, int]  # KV blocks in running sequences' tables, by lane
     has_idle_capacity: bool  # background work would be admitted now
+    num_blocks: int = 0  # the KV pool's blocks, reserved ones included
+    num_prefix_query_tokens: int = 0  # tokens looked up in the prefix cache since start (admissions, imports)
 
 
 class Scheduler:
@@ -114,8 +131,8 @@ class Scheduler:
         self._abort_ids: dict[str, None] = {}
         self._finished_ids: list[str] = []  # left scheduling since the last plan, for the runner to forget
         self._num_arrivals = 0
-        self._num_prefix_hit_tokens = 0
         self._num_preemptions = 0
+        self._queue_waits: deque[QueueWait] = deque(maxlen=MAX_QUEUE_WAITS)
 
     # -- requests in and out --------------------------------------------------------------------
 
@@ -126,7 +143,7 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise ValueError(f"{seq.seq_id}: a sequence with this id is already scheduled")
         self.check(seq)
-        seq.mark_arrived(self._num_arrivals)
+        seq.mark_arrived(self._num_arrivals, time.monotonic())
         self._num_arrivals += 1
         self._seqs[seq.seq_id] = seq
         self._waiting[seq.lane].append(seq)
@@ -238,14 +255,23 @@ class Scheduler:
             num_free_blocks=self.kv.num_free_blocks,
             num_cached_blocks=self.kv.num_cached_blocks,
             num_used_blocks=self.kv.num_used_blocks,
-            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
+            num_prefix_hit_tokens=self.kv.num_prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
             num_queued_prefill_tokens=sum(waiting_tokens.values()) + prefilling_tokens,
             num_waiting_prefill_tokens=waiting_tokens,
             num_running_prefill_tokens=prefilling_tokens,
             num_running_blocks=running_blocks,
             has_idle_capacity=self._has_idle_capacity(),
+            num_blocks=self.kv.num_blocks,
+            num_prefix_query_tokens=self.kv.num_prefix_query_tokens,
         )
+
+    def drain_queue_waits(self) -> list[QueueWait]:
+        """The queue waits of sequences first admitted since the last drain (the newest
+        MAX_QUEUE_WAITS of them)."""
+        waits = list(self._queue_waits)
+        self._queue_waits.clear()
+        return waits
 
     # -- inside a step --------------------------------------------------------------------------
 
@@ -286,9 +312,11 @@ class Scheduler:
                     return  # out of blocks: lower lanes must not overtake this one
                 self.kv.allocate_slots(seq, num_new_tokens)
                 queue.pop()
+                if seq.num_preemptions == 0:  # a recompute's wait is not a new request's
+                    self._queue_waits.append(QueueWait(seq.lane, time.monotonic() - seq.arrival_s))
                 seq.admit()
                 bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
-                self._num_prefix_hit_tokens += num_hit_tokens
+                self.kv.count_prefix_lookup(seq.num_tokens, num_hit_tokens)
                 self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
             if any(victim.lane > lane for victim in plan.preempted):
                 return

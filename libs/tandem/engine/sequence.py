@@ -102,6 +102,7 @@ class Sequence:
         # blocks and all, for the engine to export, instead of decoding it.
         self.is_prefill_only = is_prefill_only
         self.arrival_order = 0  # set by the scheduler when added; breaks ties in FIFO and preemption
+        self.arrival_s = 0.0  # time.monotonic() when the scheduler took it, for its queue wait
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
@@ -134,8 +135,9 @@ class Sequence:
 
     # -- changed by the scheduler ---------------------------------------------------------------
 
-    def mark_arrived(self, arrival_order: int) -> None:
+    def mark_arrived(self, arrival_order: int, arrival_s: float = 0.0) -> None:
         self.arrival_order = arrival_order
+        self.arrival_s = arrival_s
 
     def admit(self, num_cached_tokens: int | None = None) -> None:
         """Waiting -> running; the first admission fixes how much of the prompt was a cache hit.

@@ -39,6 +39,7 @@ from tandem.v1.kv_handoff_pb2 import KvLayout
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker import metrics
 from tandem.worker.admission import Overloaded, QueueState, TtftTargets, queue_verdict
+from tandem.worker.engine_metrics import EngineMetrics
 from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
 from tandem.worker.replies import HeldReplies, ReplyStream
@@ -75,8 +76,16 @@ class WorkerFailed(Exception):
 
 
 class EngineHost:
-    def __init__(self, spec: EngineSpec, worker_id: str, targets: TtftTargets, token_stream_max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        worker_id: str,
+        targets: TtftTargets,
+        token_stream_max_age_s: float = DEFAULT_MAX_AGE_S,
+        engine_metrics: EngineMetrics | None = None,
+    ) -> None:
         self._spec = spec
+        self._engine_metrics = engine_metrics
         self._worker_id = worker_id
         self._targets = targets
         # Requests posted to the engine thread that its latest stats may not include yet, by
@@ -101,7 +110,7 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         self._kv_events = KvEventPublisher(self._worker_id, loop)
         self._thread = EngineThread(
-            self._build_engine, self._outbox.put_nowait, loop, after_change=self._kv_events.collect, on_death=self._on_engine_death
+            self._build_engine, self._outbox.put_nowait, loop, after_change=self._after_change, on_death=self._on_engine_death
         )
         self._thread.start()
         publishing = asyncio.create_task(self._publish_outputs(bus), name="publish-tokens")
@@ -128,6 +137,15 @@ class EngineHost:
         loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device))
         log.info("engine ready: %s, %s on %s", spec.model.name, spec.dtype, spec.device)
         return Engine(loaded, spec.engine)
+
+    def _after_change(self, engine: Engine) -> None:
+        """On the engine thread after every change: the prefix cache's events collected, and the
+        fresh stats (the thread took them just before) into the metrics."""
+        if self._kv_events is not None:
+            self._kv_events.collect(engine)
+        stats = self._thread.latest_stats if self._thread is not None else None
+        if self._engine_metrics is not None and stats is not None:
+            self._engine_metrics.observe(stats, engine.drain_queue_waits())
 
     @property
     def _engine_thread(self) -> EngineThread:

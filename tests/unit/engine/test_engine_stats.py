@@ -1,0 +1,72 @@
+"""The plain numbers the engine keeps for a worker's metrics: sampled tokens, prefix-cache lookups
+and hits (admissions and import reservations), KV blocks held by requests, and each request's
+wait from arrival to its first admission."""
+
+from __future__ import annotations
+
+import pytest
+from reference_model import random_model, tiny_config
+from test_engine import byte_level_tokenizer, greedy, seeded_prompts
+
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import Lane, SamplingOptions
+from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.models.loader import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024)
+    model = random_model(config, seed=0, attention=paged_attention_reference)
+    return LoadedModel(model=model.eval(), config=config, tokenizer=byte_level_tokenizer(config.vocab_size))
+
+
+def test_generated_tokens_prefix_lookups_and_kv_usage_follow_the_requests(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    prompt = seeded_prompts(10)[8][:90]
+    engine.add(greedy("first", prompt))
+    engine.step()  # the whole prompt in one step: 6 blocks held, one token sampled
+    held = engine.stats()
+    assert held.scheduler.num_blocks == 64
+    assert held.kv_cache_usage == pytest.approx(6 / 64)
+    assert (held.num_generated_tokens, held.num_prefill_tokens) == (1, 90)
+    assert (held.scheduler.num_prefix_query_tokens, held.scheduler.num_prefix_hit_tokens) == (90, 0)
+    while engine.has_work():
+        engine.step()
+    done = engine.stats()
+    assert done.num_generated_tokens == 12
+    assert done.kv_cache_usage == 0.0, "blocks only the prefix cache keeps are free"
+    assert done.scheduler.num_cached_blocks > 0
+
+    engine.generate([greedy("again", prompt)])
+    again = engine.stats()
+    assert again.scheduler.num_prefix_query_tokens == 180
+    assert again.scheduler.num_prefix_hit_tokens == 80  # five full blocks; the sixth holds the last token
+    assert again.num_generated_tokens == 24
+
+
+def test_each_request_reports_its_queue_wait_once_in_its_lane(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64, max_num_seqs=1))
+    engine.add(Request("paid", (5, 6, 7), SamplingOptions(max_tokens=3), lane=Lane.PAID))
+    engine.add(Request("free", (8, 9, 10), SamplingOptions(max_tokens=3), lane=Lane.FREE))
+    engine.step()
+    (first,) = engine.drain_queue_waits()
+    assert first.lane is Lane.PAID and first.wait_s >= 0
+    assert engine.drain_queue_waits() == [], "drained once"
+    while engine.has_work():
+        engine.step()
+    (second,) = engine.drain_queue_waits()
+    assert second.lane is Lane.FREE and second.wait_s > first.wait_s, "it waited for the paid one's seat"
+
+
+def test_an_import_reservation_counts_as_a_prefix_lookup_with_its_cached_blocks_as_hits(tiny):
+    history = seeded_prompts(10)[9][:64]
+    decode = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    decode.generate([Request("earlier", tuple(history), SamplingOptions(max_tokens=1))])
+    before = decode.stats().scheduler
+    reservation = decode.reserve_import(greedy("r", history + [5] * 40), 7)
+    after = decode.stats()
+    assert after.scheduler.num_prefix_query_tokens - before.num_prefix_query_tokens == 104
+    assert after.scheduler.num_prefix_hit_tokens - before.num_prefix_hit_tokens == 64
+    assert after.kv_cache_usage == pytest.approx(7 / 64), "reserved blocks are held"
+    decode.cancel_import(reservation)
