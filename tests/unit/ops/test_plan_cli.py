@@ -8,6 +8,8 @@ import json
 import math
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tandem import cli
 
@@ -151,3 +153,22 @@ def test_bad_input_is_a_one_line_error_with_exit_status_2(capsys, argv, message)
     assert out == ""
     assert message in err
     assert "Traceback" not in err
+
+
+def test_model_reads_a_safetensors_folder_shape_dtype_and_parameter_count(capsys, tmp_path):
+    config = {
+        "model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+        "torch_dtype": "float16",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # 100 x 64 embedding (6,400) + 2 layers x 64 x 32 k_proj (2 x 2,048): 10,496 parameters, read from shapes alone
+    tensors = {"model.embed_tokens.weight": torch.zeros(100, 64, dtype=torch.float16)}
+    tensors |= {f"model.layers.{i}.self_attn.k_proj.weight": torch.zeros(32, 64, dtype=torch.float16) for i in range(2)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    result = plan_json(capsys, "--model", str(tmp_path), "--gpu", "l40s")
+    assert result["model"] | {"name": None} == {
+        "name": None, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "num_params": 10_496, "dtype": "fp16", "context_window": 4096,
+    }  # fmt: skip
+    # 2 x 2 layers x 2 KV heads x 16 head dim x 2 B (fp16) = 256 B
+    assert (result["deployment"]["weight_dtype"], result["kv_bytes_per_token"]) == ("fp16", 256)
