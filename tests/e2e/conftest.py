@@ -17,6 +17,7 @@ async def product_stack(tmp_path_factory):
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
     nc = await nats.connect(nats_server.url)
     stack = await start_product_stack(nc, nats_server.url, redis_server.url, workdir)
+    stack.nats_server = nats_server
     await nc.close()
     yield stack
     for child in stack.children:

@@ -13,6 +13,7 @@ import httpx
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.devstack.proc import ChildProcess
+from tandem.devstack.servers import EmbeddedServer
 
 API_KEYS = "key-alice=alice:plus,key-bob=bob:free"
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -28,6 +29,7 @@ class ProductStack:
     nats_url: str
     redis_url: str
     children: list[ChildProcess] = field(default_factory=list)
+    nats_server: EmbeddedServer | None = None  # its log says what the server refused
 
     @property
     def url(self) -> str:
