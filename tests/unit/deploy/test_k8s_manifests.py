@@ -254,3 +254,30 @@ def test_only_chat_is_reachable_from_outside(rendered: list[Object]) -> None:
             if "from" not in rule:  # from anywhere
                 assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "chat", policy["metadata"]["name"]
                 assert [port["port"] for port in rule["ports"]] == [DEFAULT_HTTP_PORTS["chat"]]
+
+
+def test_prometheus_scrapes_every_pod_on_its_http_port(gpu: list[Object]) -> None:
+    (monitor,) = by_kind(gpu, "PodMonitor").values()
+    assert monitor["metadata"]["namespace"] == "tandem"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    for role, deployment in by_kind(gpu, "Deployment").items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), role
+        assert endpoint["port"] in {port["name"] for port in container(deployment)["ports"]}, role
+
+
+def test_gpu_model_readers_mount_the_model_the_settings_name(gpu: list[Object]) -> None:
+    model_path = by_kind(gpu, "ConfigMap")["tandem-settings"]["data"]["TANDEM_MODEL_PATH"]
+    for role in (*WORKERS, "chat"):
+        deployment = by_kind(gpu, "Deployment")[role]
+        mounts = {mount["name"]: mount for mount in container(deployment)["volumeMounts"]}
+        assert mounts["models"]["readOnly"] is True and model_path.startswith(mounts["models"]["mountPath"] + "/"), role
+        volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "tandem-models", "readOnly": True}, role
+
+
+def test_every_object_lands_in_the_tandem_namespace(rendered: list[Object]) -> None:
+    for item in rendered:
+        if item["kind"] != "Namespace":
+            assert item["metadata"].get("namespace") == "tandem", f"{item['kind']}/{item['metadata']['name']}"
