@@ -24,6 +24,17 @@ from tandem.ops.plan_text import render
 from tandem.ops.worksheet import compute
 
 DEFAULTS = Assumptions()
+ASSUMPTION_HELP = {
+    "runtime_reserve": "fraction of a replica's memory kept for the runtime (CUDA context, activations)",
+    "bandwidth_efficiency": "achieved / peak memory bandwidth in a real decode step",
+    "compute_efficiency": "achieved / peak dense FLOP/s (prefill, and decode's compute bound)",
+    "headroom": "capacity above peak traffic (0.2: 20 %% more)",
+    "pue": "facility power / IT power",
+    "server_power_factor": "server power / its GPUs' board power (a DGX H100: 10.2 kW for 8 x 700 W)",
+    "kw_per_server": "kW per server (default: GPUs per server x board power x --server-power-factor)",
+    "gpu_hour_price": "$ per GPU-hour (default: the GPU table's indicative price)",
+    "average_busyness": "average traffic / the fleet's full-use capacity, for the average cost per Mtok",
+}
 BANDWIDTH_MIB, FLOPS_MATMUL_SIZE, MEASURE_REPEATS = 256, 2048, 5
 
 
@@ -53,34 +64,38 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="read the shape from a .gguf or safetensors folder (no PATH: the embedded SmolLM2)",
     )
-    shape.add_argument("--layers", type=int)
-    shape.add_argument("--kv-heads", type=int)
-    shape.add_argument("--head-dim", type=int)
-    shape.add_argument("--params", type=_number, help="parameter count (70e9)")
+    shape.add_argument("--layers", type=int, metavar="N", help="transformer layers")
+    shape.add_argument("--kv-heads", type=int, metavar="N", help="key/value heads (grouped-query attention)")
+    shape.add_argument("--head-dim", type=int, metavar="N", help="dimension of one attention head")
+    shape.add_argument("--params", type=_number, metavar="N", help="parameter count (70e9)")
     shape.add_argument(
         "--dtype", choices=tuple(DTYPE_BYTES), help="weights (default: the model's, else bf16; --gpu cpu: the engine's CPU dtype)"
     )
     shape.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), help="KV cache (default: --dtype)")
     gpu = parser.add_argument_group("GPU")
-    gpu.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPU_CHOICES)} (default h100)")
-    gpu.add_argument("--gpu-memory-gb", type=_number, help="memory per GPU, GB (1e9 B); replaces the table's")
-    gpu.add_argument("--gpu-bandwidth-gbs", type=_number, help="memory bandwidth per GPU, GB/s")
-    gpu.add_argument("--gpu-tflops", type=_number, help="dense TFLOP/s per GPU in the worksheet's dtype")
-    gpu.add_argument("--gpu-power-w", type=_number, help="board power per GPU, W")
+    gpu.add_argument("--gpu", default="h100", metavar="NAME", help=f"one of {', '.join(GPU_CHOICES)} (default h100)")
+    gpu.add_argument("--gpu-memory-gb", type=_number, metavar="GB", help="memory per GPU, GB (1e9 B); replaces the table's")
+    gpu.add_argument("--gpu-bandwidth-gbs", type=_number, metavar="GBS", help="memory bandwidth per GPU, GB/s")
+    gpu.add_argument("--gpu-tflops", type=_number, metavar="TFLOPS", help="dense TFLOP/s per GPU in the worksheet's dtype")
+    gpu.add_argument("--gpu-power-w", type=_number, metavar="W", help="board power per GPU, W")
     gpu.add_argument("--measure-bandwidth", action="store_true", help="--gpu cpu: measure this machine's copy bandwidth")
     gpu.add_argument("--measure-flops", action="store_true", help="--gpu cpu: measure this machine's matmul FLOP/s")
     fleet = parser.add_argument_group("deployment and traffic")
-    fleet.add_argument("--gpus-per-replica", type=int, default=1)
-    fleet.add_argument("--context-tokens", type=int, default=2000, help="tokens of KV each sequence holds (default 2000)")
-    fleet.add_argument("--max-sequences", type=int, help="cap on running sequences per replica (default: as many as the KV holds)")
-    fleet.add_argument("--gpus-per-server", type=int, help="default 8 (--gpu cpu: 1)")
-    fleet.add_argument("--output-tokens-per-s", type=_number, default=0.0, help="output tokens/s at peak")
-    fleet.add_argument("--prompt-tokens-per-s", type=_number, default=0.0, help="uncached prompt tokens/s at peak")
+    fleet.add_argument("--gpus-per-replica", type=int, metavar="N", default=1, help="GPUs holding one model copy (default 1)")
+    fleet.add_argument("--context-tokens", type=int, metavar="N", default=2000, help="tokens of KV each sequence holds (default 2000)")
+    fleet.add_argument(
+        "--max-sequences", type=int, metavar="N", help="cap on running sequences per replica (default: as many as the KV holds)"
+    )
+    fleet.add_argument("--gpus-per-server", type=int, metavar="N", help="default 8 (--gpu cpu: 1)")
+    fleet.add_argument("--output-tokens-per-s", type=_number, metavar="RATE", default=0.0, help="output tokens/s at peak")
+    fleet.add_argument("--prompt-tokens-per-s", type=_number, metavar="RATE", default=0.0, help="uncached prompt tokens/s at peak")
     settings = parser.add_argument_group("assumptions")
     for field in dataclasses.fields(Assumptions):
         default = getattr(DEFAULTS, field.name)
-        shown = "from the GPU" if default is None else f"{default:g}"
-        settings.add_argument(f"--{field.name.replace('_', '-')}", type=_number, default=default, help=f"(default {shown})")
+        shown = "" if default is None else f" (default {default:g})"
+        settings.add_argument(
+            f"--{field.name.replace('_', '-')}", type=_number, default=default, metavar="X", help=ASSUMPTION_HELP[field.name] + shown
+        )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(run=_run)
 
