@@ -12,11 +12,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
+from helpers import wait_until
 
 from tandem.bus.permissions import USERS, password_variable
 from tandem.config import DEFAULT_HTTP_PORTS, ROLES
+from tandem.devstack.proc import free_port
 from tandem.devstack.secrets import StackSecrets, write_container_set
+from tandem.devstack.servers import nats_server_binary, redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[3]
 _REFERENCE = re.compile(r"^\$\{(?P<name>\w+):\?run tandem secrets[^}]*\}$")
@@ -154,3 +158,47 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboards_folder(servic
     assert (ROOT / "deploy" / "grafana" / "dashboards" / Path(home).name).is_file(), home
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"  # anonymous visitors only look
     assert grafana["environment"]["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
+
+
+def test_nats_server_accepts_the_compose_command_with_the_generated_passwords(services: dict, tmp_path: Path) -> None:
+    nats = services["nats"]
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in nats["volumes"] if volume.startswith("./")}
+    command = [str(ROOT / mounts[word]) if word in mounts else word for word in nats["command"]]
+    command[command.index("-sd") + 1] = str(tmp_path / "data")
+    write_container_set(tmp_path / "set", StackSecrets.generate(), is_overwrite=False)
+    generated = dict(line.split("=", 1) for line in (tmp_path / "set" / "tandem.env").read_text().splitlines())
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TANDEM_")}
+    checked = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, env=env | generated, timeout=60)
+    assert checked.returncode == 0, checked.stderr
+    refused = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode != 0 and "TANDEM_NATS_PASSWORD_" in refused.stderr
+
+
+async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(services: dict, tmp_path: Path) -> None:
+    """Compose's own command, with the real redis-server (on a free port, data in tmp_path)."""
+    shell, flag, script = services["redis"]["command"]
+    port = free_port()
+    script = script.replace("$$", "$").replace("exec redis-server ", f"exec {redis_server_binary()} ", 1)
+    script = script.replace("--dir /data", f"--dir {tmp_path} --port {port} --bind 127.0.0.1", 1)
+    password = "stand-in-password"
+    env = {"PATH": os.environ.get("PATH", ""), "TANDEM_REDIS_PASSWORD": password}
+    server = subprocess.Popen([shell, flag, script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    anonymous = redis.asyncio.Redis(port=port)
+    logged_in = redis.asyncio.Redis(port=port, password=password)
+    try:
+
+        async def answers() -> bool:
+            try:
+                return bool(await logged_in.ping())
+            except redis.ConnectionError:
+                return False
+
+        await wait_until(answers, timeout_s=20)
+        with pytest.raises(redis.AuthenticationError):
+            await anonymous.ping()
+        assert await logged_in.config_get("appendonly") == {"appendonly": "yes"}  # the rest of the command applies
+    finally:
+        await anonymous.aclose()
+        await logged_in.aclose()
+        server.terminate()
+        server.wait(timeout=20)
