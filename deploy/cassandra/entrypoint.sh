@@ -12,7 +12,7 @@ case "$TANDEM_CASSANDRA_PASSWORD" in
 esac
 setup_deadline_s=${TANDEM_CASSANDRA_SETUP_DEADLINE_S:-600}
 
-config=/etc/cassandra/cassandra.yaml
+config="${CASSANDRA_CONF:-/etc/cassandra}/cassandra.yaml"  # the image sets CASSANDRA_CONF
 # Both spellings (authenticator: X and authenticator: {class_name: ...X}) name the class.
 sed -i -E '/^[[:space:]]*#/!s/AllowAllAuthenticator/PasswordAuthenticator/' "$config"
 if ! grep -Eq '^[^#]*PasswordAuthenticator' "$config"; then

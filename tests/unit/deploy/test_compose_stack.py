@@ -202,3 +202,31 @@ async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(s
         await logged_in.aclose()
         server.terminate()
         server.wait(timeout=20)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "authenticator: AllowAllAuthenticator\n",
+        "authenticator:\n  class_name : org.apache.cassandra.auth.AllowAllAuthenticator\n",
+    ],
+)
+def test_cassandra_entrypoint_switches_either_spelling_of_the_authenticator(services: dict, tmp_path: Path, setting: str) -> None:
+    """The script up to where it starts the image's entrypoint, which is not here: it must have
+    switched the setting (comments untouched) and then stop with an error, not wait forever."""
+    (mount,) = [volume for volume in services["cassandra"]["volumes"] if volume.startswith("./")]
+    comment = "# authenticator: AllowAllAuthenticator is the default\n"
+    (tmp_path / "cassandra.yaml").write_text(comment + setting + "authorizer: AllowAllAuthorizer\n")
+    env = {"PATH": "/usr/bin:/bin", "CASSANDRA_CONF": str(tmp_path), "TANDEM_CASSANDRA_PASSWORD": "stand-in"}
+    result = subprocess.run(["/bin/sh", str(ROOT / mount.split(":")[0])], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "cassandra exited before its password was set" in result.stderr
+    expected = setting.replace("AllowAllAuthenticator", "PasswordAuthenticator")
+    assert (tmp_path / "cassandra.yaml").read_text() == comment + expected + "authorizer: AllowAllAuthorizer\n"
+
+
+def test_cassandra_entrypoint_refuses_to_start_without_a_password(services: dict, tmp_path: Path) -> None:
+    (mount,) = [volume for volume in services["cassandra"]["volumes"] if volume.startswith("./")]
+    env = {"PATH": "/usr/bin:/bin", "CASSANDRA_CONF": str(tmp_path)}
+    result = subprocess.run(["/bin/sh", str(ROOT / mount.split(":")[0])], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "TANDEM_CASSANDRA_PASSWORD" in result.stderr
