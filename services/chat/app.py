@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, quotas, tokenize_api, web
 from services.chat.body_limit import BodyLimit
 from services.chat.fanout import open_fanout
+from services.chat.latency import StampArrival
 from services.chat.models_view import ModelsView
 from services.chat.state import ChatConfig, ChatState
 from services.chat.status_api import LadderView, status_router
@@ -84,5 +85,6 @@ def build_app(settings: Settings) -> FastAPI:
     app.state.chat = state
     errors.install(app)
     quotas.install(app, state, settings)
+    app.add_middleware(StampArrival)  # a request's arrival, for the latency its client sees
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)  # added last: the outermost
     return app

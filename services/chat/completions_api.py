@@ -12,6 +12,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest
+from services.chat.latency import Arrived, ReplyClock
 from services.chat.openai_replies import TEXT, answer, served_model
 from services.chat.openai_schemas import GenerationBody
 from services.chat.state import ChatState, State
@@ -39,11 +40,11 @@ class TextCompletionBody(GenerationBody):
 
 
 @router.post("/completions", response_model=None)
-async def completions(state: State, user: CurrentUser, body: TextCompletionBody) -> JSONResponse | EventSourceResponse:
+async def completions(state: State, user: CurrentUser, arrived: Arrived, body: TextCompletionBody) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     model = await served_model(state, body.model)
     prompt_ids = await _prompt_ids(state, body.only_prompt())
-    return await answer(state, user, body, model, prompt_ids, TEXT, "prompt")
+    return await answer(state, user, body, model, prompt_ids, TEXT, "prompt", ReplyClock(user.tier.value, model.name, arrived))
 
 
 async def _prompt_ids(state: ChatState, prompt: str | list[int]) -> list[int]:

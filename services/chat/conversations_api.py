@@ -13,6 +13,7 @@ from services.chat import metrics
 from services.chat.auth import CurrentUser
 from services.chat.context import active_branch, parent_seqs
 from services.chat.errors import Conflict, InvalidRequest, NotFound
+from services.chat.latency import Arrived, ReplyClock
 from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply, new_reply_id
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
@@ -110,6 +111,7 @@ async def post_message(
     state: State,
     user: CurrentUser,
     slot: StreamAdmission,  # an open stream's slot, taken before the reply starts (503/429 past a limit)
+    arrived: Arrived,
     conversation_id: str,
     body: MessageBody,
     idempotency: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
@@ -136,7 +138,8 @@ async def post_message(
             raise
     else:
         started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling(), after_seq=after_seq)
-    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns)
+    clock = ReplyClock(user.tier.value, started.model, arrived)
+    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock)
 
 
 async def branch_point(state: State, conversation_id: str, body: MessageBody) -> int | None:

@@ -9,6 +9,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest, NotFound
+from services.chat.latency import Arrived, ReplyClock
 from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply
 from services.chat.schemas import RegenerateBody
@@ -59,11 +60,12 @@ async def stop(state: State, user: CurrentUser, message_id: str) -> dict[str, st
 
 @router.post("/{message_id}/regenerate")
 async def regenerate_message(
-    state: State, user: CurrentUser, slot: StreamAdmission, message_id: str, body: RegenerateBody | None = None
+    state: State, user: CurrentUser, slot: StreamAdmission, arrived: Arrived, message_id: str, body: RegenerateBody | None = None
 ) -> EventSourceResponse:
     body = body or RegenerateBody()
     message, conversation = await owned_message(state, user, message_id)
     if message.role != Role.ASSISTANT:
         raise InvalidRequest("only an assistant message can be regenerated", code="not_an_answer")
     started = await regenerate(state, user, conversation, message, body.model, body.sampling())
-    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns)
+    clock = ReplyClock(user.tier.value, started.model, arrived)
+    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock)

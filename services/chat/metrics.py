@@ -1,6 +1,6 @@
 """The chat service's own Prometheus metrics."""
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 REPLIES_STARTED = Counter("tandem_chat_replies_started_total", "Replies the router accepted", ["api", "tier"])
 REPLIES_REFUSED = Counter("tandem_chat_replies_refused_total", "Replies refused before streaming", ["code"])
@@ -13,3 +13,33 @@ STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed wi
 IDEMPOTENT_REPEATS = Counter(
     "tandem_chat_idempotent_repeats_total", "Requests that attached to the reply of an earlier one with the same key"
 )
+
+# As clients see them (services.chat.latency): from a request's arrival at chat, by the user's tier
+# and the served model.
+_REPLY = ["tier", "model"]
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tandem_chat_time_to_first_token_seconds",
+    "From a request's arrival at chat to the first content written to its client (streamed replies)",
+    _REPLY,
+    buckets=(0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60),
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "tandem_chat_inter_token_latency_seconds",
+    "Between two writes of content to a streaming client (events written together count once)",
+    _REPLY,
+    buckets=(0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
+)
+E2E_LATENCY = Histogram(
+    "tandem_chat_e2e_latency_seconds",
+    "From a request's arrival at chat to its reply's final event written to the client (streamed or whole)",
+    _REPLY,
+    buckets=(0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120, 300),
+)
+REPLIES = Counter(
+    "tandem_chat_replies_total",
+    "Replies started by a request, by how they ended for its client: done, cancelled, failed, moderated, expired, client_gone",
+    ["outcome", *_REPLY],
+)
+PROMPT_TOKENS = Counter("tandem_chat_prompt_tokens_total", "Prompt tokens of replies that ended (final usage)", _REPLY)
+CACHED_TOKENS = Counter("tandem_chat_cached_tokens_total", "Of the prompt tokens, those served by a prefix cache", _REPLY)
+OUTPUT_TOKENS = Counter("tandem_chat_output_tokens_total", "Output tokens of replies that ended", _REPLY)

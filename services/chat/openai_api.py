@@ -12,6 +12,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.auth import CurrentUser
 from services.chat.errors import NotFound
+from services.chat.latency import Arrived, ReplyClock
 from services.chat.models_view import ServedModel
 from services.chat.openai_replies import CHAT, answer, served_model
 from services.chat.openai_schemas import ChatCompletionBody
@@ -34,12 +35,14 @@ async def retrieve_model(state: State, user: CurrentUser, model: str) -> dict[st
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(state: State, user: CurrentUser, body: ChatCompletionBody) -> JSONResponse | EventSourceResponse:
+async def chat_completions(
+    state: State, user: CurrentUser, arrived: Arrived, body: ChatCompletionBody
+) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     model = await served_model(state, body.model)
     messages = [m.as_template_message() for m in body.messages]
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
-    return await answer(state, user, body, model, prompt_ids, CHAT, "messages")
+    return await answer(state, user, body, model, prompt_ids, CHAT, "messages", ReplyClock(user.tier.value, model.name, arrived))
 
 
 def _model_object(model: ServedModel) -> dict[str, object]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse
 
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
+from services.chat.latency import ReplyClock
 from services.chat.models_view import ServedModel
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
@@ -66,10 +67,18 @@ async def served_model(state: ChatState, requested: str) -> ServedModel:
 
 
 async def answer(
-    state: ChatState, user: ApiKey, body: GenerationBody, model: ServedModel, prompt_ids: list[int], shape: ReplyShape, prompt_param: str
+    state: ChatState,
+    user: ApiKey,
+    body: GenerationBody,
+    model: ServedModel,
+    prompt_ids: list[int],
+    shape: ReplyShape,
+    prompt_param: str,
+    clock: ReplyClock,
 ) -> JSONResponse | StreamResponse:
-    """Starts the reply to `prompt_ids` and answers it as `body.stream` asks; a stream takes one of
-    the instance's and the user's stream slots (services.chat.stream_slots) until it ends."""
+    """Starts the reply to `prompt_ids` and answers it as `body.stream` asks, measured by `clock`; a
+    stream takes one of the instance's and the user's stream slots (services.chat.stream_slots)
+    until it ends."""
     room = model.window_tokens - len(prompt_ids)
     if room < 1:
         raise InvalidRequest(
@@ -82,19 +91,23 @@ async def answer(
     head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
     if not body.stream:
         await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
-        return await _whole(state, reply_id, head, shape)
+        try:
+            return await _whole(state, reply_id, head, shape, clock)
+        finally:
+            clock.close()
     slot = state.stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
     try:
         await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
     except BaseException:
         slot.release()
         raise
-    response = sse_response(state, reply_chunks(state, reply_id, head, shape, body.wants_usage_chunk))
+    response = sse_response(state, reply_chunks(state, reply_id, head, shape, body.wants_usage_chunk, clock))
     response.on_close(slot.release)
+    response.on_close(clock.close)
     return response
 
 
-async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape) -> JSONResponse:
+async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock) -> JSONResponse:
     parts: list[str] = []
     last = TokenEvent()
     async with _cancel_unless_finished(state, reply_id) as finished:
@@ -103,8 +116,10 @@ async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape
                 parts.append(event.text)
                 last = event
         except ReplyGone:
+            clock.close("expired")
             raise Unavailable(REPLY_LOST, code="reply_expired") from None
         finished.append(True)
+    clock.final(last)  # the whole answer goes out now
     if last.finish == FINISH_REASON_ERROR:
         raise Unavailable(last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s)
     choice = shape.choice("".join(parts), openai_finish_reason(last.finish))
@@ -112,7 +127,7 @@ async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape
 
 
 async def reply_chunks(
-    state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool
+    state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool, clock: ReplyClock
 ) -> AsyncIterator[dict[str, str]]:
     """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
     or whose log vanishes before its end, gives an `error` chunk instead of the rest."""
@@ -133,14 +148,18 @@ async def reply_chunks(
             async for event in log_events(state, reply_id):
                 if event.finish == FINISH_REASON_ERROR:
                     yield error(event.error.message, event.error.code)
+                    clock.final(event)
                     break
                 if event.text:
                     yield chunk([shape.chunk_choice(event.text, None)])
+                    clock.content()
                 if is_final(event):
                     yield chunk([shape.chunk_choice("", openai_finish_reason(event.finish))])
+                    clock.final(event)
                     if include_usage:
                         yield chunk([], usage=_usage(event.usage))
         except ReplyGone:
+            clock.close("expired")
             yield error(REPLY_LOST, "reply_expired")
         else:
             finished.append(True)

@@ -8,9 +8,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from services.chat import metrics
+from services.chat.latency import ReplyClock
 from services.chat.sse import SseEvent, StreamResponse, log_seq_to_resume_after, meta_event, sse_response
 from services.chat.state import ChatState
 from services.chat.streams import settle_lost_reply
+from tandem.bus.events import is_final
 from tandem.runtime.request_id import current_request_id
 from tandem.tokenlog import ReplyGone
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -28,13 +30,19 @@ async def log_events(state: ChatState, reply_id: str) -> AsyncIterator[TokenEven
             yield event
 
 
-def reply_response(state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0) -> StreamResponse:
-    """The SSE response of a reply read from its log, after `last_event_id`."""
-    return sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns), reply_id)
+def reply_response(
+    state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0, clock: ReplyClock | None = None
+) -> StreamResponse:
+    """The SSE response of a reply read from its log, after `last_event_id`; `clock` measures it
+    for the request that started the reply."""
+    response = sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock), reply_id)
+    if clock is not None:
+        response.on_close(clock.close)
+    return response
 
 
 async def sse_stream(
-    state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0
+    state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0, clock: ReplyClock | None = None
 ) -> AsyncIterator[bytes]:
     """The product's SSE events of a reply after `last_event_id`, as bytes. A client that falls
     `stream_buffer_events` live events behind is dropped: its stream ends and it resumes with
@@ -56,12 +64,24 @@ async def sse_stream(
                 last_id = max(last_id, feed.frames[stop - 1].each[-1][0])
                 if data:
                     yield data
+                    if clock is not None:
+                        _clock_write(clock, feed.events[start:stop])
         except ReplyGone:
             log.info("reply %s: its log vanished while a client read it", reply_id)
             text = feed.text if feed.events else None
             await feed.once(lambda: _settle_stored_turn(state, reply_id, text))
+            if clock is not None:
+                clock.close("expired")
             expired: dict[str, object] = {"code": "reply_expired", "message": REPLY_EXPIRED, "request_id": current_request_id()}
             yield SseEvent(last_id + 1, "error", expired).encode()
+
+
+def _clock_write(clock: ReplyClock, events: list[TokenEvent]) -> None:
+    """A write of these events has reached the client: its content, and its end if it ends the reply."""
+    if any(event.text for event in events):
+        clock.content()
+    if events and is_final(events[-1]):
+        clock.final(events[-1])
 
 
 async def _settle_stored_turn(state: ChatState, reply_id: str, text: str | None) -> None:

@@ -68,6 +68,7 @@ class Sweeper:
             if meta is not None and meta.is_running:
                 await self._check_running(meta)
         for raw in await self._redis.smembers(UNPERSISTED):
+            metrics.PERSIST_RETRIES.inc()
             if not await self._persist(as_text(raw)):
                 break  # the store is down: the next sweep tries again
 

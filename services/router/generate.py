@@ -169,6 +169,7 @@ class GenerateService:
         if ranked:
             # Counted from the moment it is chosen, so a burst spreads before any worker answers.
             self._workers.note_assigned(ranked[0].instance_id, num_context_tokens(request))
+            metrics.PLACEMENTS.labels(role=DECODE_ROLE, reason=self._placement.reason(ranked, request)).inc()
         worker_ids = tuple(w.instance_id for w in ranked)
         return Job(assignment, worker_ids, admitted_at_s, self._remote(assignment, ranked, model), model)
 
@@ -181,6 +182,7 @@ class GenerateService:
             return None
         # Counted at once like a decode worker's, so a burst spreads over the prefill workers too.
         self._workers.note_assigned(prefill[0].instance_id, num_context_tokens(assignment.request))
+        metrics.PLACEMENTS.labels(role=PREFILL_ROLE, reason=self._placement.reason(prefill, assignment.request)).inc()
         decode_worker = ranked_decode[0].heartbeat
         remote = Assignment()
         remote.CopyFrom(assignment)
@@ -234,7 +236,7 @@ class GenerateService:
                 return _HandoffFailed(last.failed_decode_worker_id, job.assignment, last.describe())
             log.info("no prefill worker took reply %s (%s); prefilling locally", reply_id, last.describe() if last else "none live")
             return _PREFILL_LOCALLY
-        metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
+        _count_wait(job)
         log.debug("reply %s prefills on %s for %s", reply_id, result.accepted_by, remote_assignment.decode_worker_id)
         outcome = await self.outcomes.wait(reply_id, self._config.handoff_outcome_timeout_s)
         if outcome is None:
@@ -262,7 +264,7 @@ class GenerateService:
             await self._end_cancelled(assignment)
             return
         if result.accepted_by is not None:
-            metrics.DISPATCH_SECONDS.observe(time.monotonic() - job.admitted_at_s)
+            _count_wait(job)
             log.debug("reply %s runs on %s", assignment.reply_id, result.accepted_by)
             return
         metrics.DISPATCH_FAILURES.inc()
@@ -316,3 +318,10 @@ class GenerateService:
             task.cancel()
         if still_running:
             log.warning("cancelled %d dispatches at shutdown", len(still_running))
+
+
+def _count_wait(job: Job) -> None:
+    """A worker accepted the job: how long it waited since its admission."""
+    wait_s = time.monotonic() - job.admitted_at_s
+    metrics.DISPATCH_SECONDS.observe(wait_s)
+    metrics.QUEUE_WAIT.labels(lane=LANE_NAMES[lane_of(job.assignment.request)]).observe(wait_s)

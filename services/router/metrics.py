@@ -23,3 +23,16 @@ LADDER_SMALL_MODEL = Counter(
     "tandem_router_ladder_small_model", "Free requests the ladder sent to the small model (rung 1+), or found none served", ["outcome"]
 )
 LANE_REFUSALS = Counter("tandem_router_lane_refusals", "Workers' queue_full refusals the router heard, by lane", ["lane"])
+PLACEMENTS = Counter(
+    "tandem_router_placements_total",
+    "Workers chosen for a reply, by pool (decode, prefill) and why it won: cache_hit (it holds part of the prompt), "
+    "load (the least loaded), rendezvous (tied on load, the conversation's hash chose), lane (the cheaper ones are "
+    "refusing the request's lane), only_worker",
+    ["role", "reason"],
+)
+QUEUE_WAIT = Histogram(
+    "tandem_router_queue_wait_seconds",
+    "From a reply's admission to a worker's acceptance (retries and re-placements included), by lane",
+    ["lane"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)

@@ -96,6 +96,20 @@ class Placement:
             ranked.extend(w for _, _, w in sorted(tier, key=lambda entry: -entry[1]))
         return ranked
 
+    def reason(self, ranked: Sequence[LiveWorker], request: GenerateRequest) -> str:
+        """Why the first of `ranked` (rank's order, perhaps reordered for the lane) was chosen, for
+        the placement metric: cache_hit, only_worker, lane, rendezvous or load."""
+        chosen, others = ranked[0], ranked[1:]
+        if self._cached_tokens(chosen, request) > 0:
+            return "cache_hit"
+        if not others:
+            return "only_worker"
+        cost = self.cost(chosen, request)
+        cheapest_other = min(self.cost(w, request) for w in others)
+        if cheapest_other < cost - _FLOAT_EPSILON:
+            return "lane"
+        return "rendezvous" if cheapest_other <= cost + self._config.tie_slack + _FLOAT_EPSILON else "load"
+
 
 def can_serve(worker: LiveWorker, model: str) -> bool:
     return worker.is_serving and worker.model == model

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
+from services.chat.latency import ReplyClock
 from services.chat.models_view import ModelsView
 from services.chat.openai_replies import CHAT, reply_chunks
 from services.chat.replies import ReplyRequest, begin_reply
@@ -133,7 +134,8 @@ async def test_a_resumed_stream_whose_log_is_gone_gives_the_error_as_the_next_ev
 async def test_a_log_that_vanishes_mid_stream_ends_the_openai_stream_with_an_error_and_cancels_the_reply(state):
     reply_id = await started_reply(state, 1)
     cancels = await state.bus.client.subscribe(subjects.cancel(reply_id))
-    chunks = reply_chunks(state, reply_id, {"id": reply_id, "created": 0, "model": "m"}, CHAT, include_usage=False)
+    clock = ReplyClock("plus", "m", arrived_s=0.0)
+    chunks = reply_chunks(state, reply_id, {"id": reply_id, "created": 0, "model": "m"}, CHAT, include_usage=False, clock=clock)
     head = [json.loads((await anext(chunks))["data"]) for _ in range(2)]
     await vanish(state, reply_id)
     rest = [chunk["data"] async for chunk in chunks]
