@@ -36,7 +36,7 @@ GPUS: dict[str, Gpu] = {
     "h100": Gpu("H100 SXM 80 GB", 80 * GB, 3350 * GB, 989 * TFLOPS, 1979 * TFLOPS, 700, 3.00, "NVIDIA H100 datasheet"),
     "h200": Gpu("H200 SXM 141 GB", 141 * GB, 4800 * GB, 989 * TFLOPS, 1979 * TFLOPS, 700, 3.50, "NVIDIA H200 datasheet"),
     "a100": Gpu("A100 SXM 80 GB", 80 * GB, 2039 * GB, 312 * TFLOPS, None, 400, 1.50, "NVIDIA A100 datasheet"),
-    "b200": Gpu("B200 180 GB", 180 * GB, 8000 * GB, 2250 * TFLOPS, 4500 * TFLOPS, 1000, 5.00, "NVIDIA HGX B200 datasheet, per GPU"),
+    "b200": Gpu("B200 180 GB", 180 * GB, 7700 * GB, 2250 * TFLOPS, 4500 * TFLOPS, 1000, 5.00, "NVIDIA HGX B200 datasheet, per GPU"),
     "l40s": Gpu("L40S 48 GB", 48 * GB, 864 * GB, 362 * TFLOPS, 733 * TFLOPS, 350, 1.00, "NVIDIA L40S datasheet"),
 }
 MEASURED_ENTRIES = ("cpu",)  # this machine, its figures measured (--measure-bandwidth, --measure-flops) or given

@@ -31,6 +31,8 @@ def fmt_rate(rate: float) -> str:
 
 
 def fmt_ms(ms: float) -> str:
+    if ms < 1:
+        return f"{ms:.3g} ms"
     return f"{ms:,.2f} ms" if ms < 1e4 else f"{ms:,.0f} ms"
 
 
