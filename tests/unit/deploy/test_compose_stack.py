@@ -156,6 +156,9 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboards_folder(servic
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home.startswith(provider["options"]["path"] + "/")
     assert (ROOT / "deploy" / "grafana" / "dashboards" / Path(home).name).is_file(), home
+    for dashboard in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"):
+        named = set(re.findall(r'"datasource":\s*\{[^{}]*"uid":\s*"([^"$]+)"', dashboard.read_text()))
+        assert named == {source["uid"]}, f"{dashboard.name} names data sources Grafana does not have: {named}"
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"  # anonymous visitors only look
     assert grafana["environment"]["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
 
