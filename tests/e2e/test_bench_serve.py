@@ -71,3 +71,15 @@ async def test_bench_serve_writes_its_table_json_and_plots_then_top_shows_the_de
     row = next(line for line in out.splitlines() if line.startswith("decode")).split()
     assert row[:3] == ["decode", decode_id[:24], "yes"], out
     assert not [line for line in out.splitlines() if line.startswith("!")], out  # every process's /metrics read
+
+
+async def test_bench_serve_drives_tandems_own_chat_api(product_stack, tmp_path):
+    result_json = tmp_path / "chat.json"
+    rc, out, err = await tandem(
+        "bench", "serve", "--endpoint", "chat", "--base-url", f"{product_stack.url}/v1", "--api-key", "key-alice",
+        "--num-prompts", "4", "--output-len", "8", "--seed", "2", "--result-json", str(result_json), "--disable-tqdm",
+    )  # fmt: skip
+    assert rc == 0, (out, err, product_stack.logs())
+    report = json.loads(result_json.read_text())
+    assert (report["summary"]["num_ok"], report["output_tokens_counted_by"]) == (4, "usage"), out
+    assert all(0 < r["output_tokens"] <= 8 and r["ttft_s"] > 0 for r in report["requests"])

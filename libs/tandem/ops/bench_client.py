@@ -71,7 +71,7 @@ def _retry_after_s(response: httpx.Response) -> float | None:
 
 
 async def _check_status(response: httpx.Response) -> None:
-    if response.status_code != 200:
+    if not response.is_success:
         await response.aread()
         raise HttpRefused(response.status_code, _retry_after_s(response))
 

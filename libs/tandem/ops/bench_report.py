@@ -44,7 +44,7 @@ class BenchSummary:
     total_throughput: float  # prompt + output tokens per second (prompt tokens where the server told them)
     total_output_tokens: int
     total_prompt_tokens: int
-    output_tokens_counted_by: str  # "usage" (the server's), "deltas" (content chunks) or "mixed"
+    output_tokens_counted_by: str  # "usage" (the server's), "deltas" (content chunks), "mixed" or "none" (no request ok)
     ttft: Distribution | None
     itl: Distribution | None
     tpot: Distribution | None  # (e2e - TTFT) / (output tokens - 1), per request
@@ -54,7 +54,9 @@ class BenchSummary:
 
 def _counted_by(ok: list[RequestResult]) -> str:
     num_usage = sum(r.is_usage_counted for r in ok)
-    return "usage" if ok and num_usage == len(ok) else "deltas" if num_usage == 0 else "mixed"
+    if not ok:
+        return "none"
+    return "usage" if num_usage == len(ok) else "deltas" if num_usage == 0 else "mixed"
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> BenchSummary:

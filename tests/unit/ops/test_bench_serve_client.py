@@ -68,7 +68,7 @@ def build_peer(in_flight: list[int]) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    @app.post("/v1/conversations")
+    @app.post("/v1/conversations", status_code=201)  # as Tandem answers
     async def new_conversation() -> dict[str, str]:
         return {"id": "c-1"}
 

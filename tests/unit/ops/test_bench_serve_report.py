@@ -68,6 +68,7 @@ def test_output_tokens_fall_back_to_content_deltas_and_say_so():
     assert summarize([ok(0, [0.1, 0.2]), ok(0, [0.1], output_tokens=3)], 1.0).output_tokens_counted_by == "mixed"
     everything_failed = summarize([failed("timeout")], 1.0)
     assert everything_failed.num_ok == 0 and everything_failed.ttft is None and everything_failed.request_throughput == 0
+    assert everything_failed.output_tokens_counted_by == "none"
 
 
 def test_throughput_over_time_bins_each_delta_by_its_arrival():
