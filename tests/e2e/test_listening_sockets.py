@@ -1,0 +1,133 @@
+"""`tandem up` on 127.0.0.1 listens on loopback only: every TCP socket that the stack's processes
+(launcher, NATS, Redis, every service, after a reply that went through a KV handoff) listen on is
+on 127.0.0.1 or ::1, but one: the decode worker's ucxx KV listener, which the Python ucxx (0.52)
+cannot bind to an address. That one is named here so it cannot spread unseen; the transfer token
+keeps strangers out of the blocks it serves (tests/integration/test_internal_auth.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import REPO
+
+from tandem.devstack.proc import ChildProcess, free_port
+
+pytestmark = pytest.mark.e2e
+
+UP_TIMEOUT_S = 180
+LONG_PROMPT = " ".join(f"item {i} is a word;" for i in range(120))  # well over the 256 tokens that go to a prefill worker
+
+
+@dataclass(frozen=True)
+class Listening:
+    pid: int
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address
+    port: int
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.address.is_loopback
+
+
+def _address(hex_address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """/proc/net/tcp{,6}'s "0100007F:1F90": the address in host byte order, 32-bit word by word."""
+    host, port = hex_address.split(":")
+    words = [bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8)]
+    address = ipaddress.ip_address(b"".join(words))
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as UCX's TCP transport listens
+    return address, int(port, 16)
+
+
+def _listening_inodes() -> dict[int, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                found[int(fields[9])] = _address(fields[1])
+    return found
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            after_name = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        parents[int(stat.parent.name)] = int(after_name[1])
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def listening_sockets(root: int) -> list[Listening]:
+    """Every TCP socket that `root` or a process below it listens on."""
+    inodes = _listening_inodes()
+    sockets = []
+    for pid in sorted(_descendants(root)):
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except (FileNotFoundError, PermissionError):
+            continue
+        for fd in fds:
+            try:
+                match = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+            except OSError:
+                continue
+            if match and int(match[1]) in inodes:
+                sockets.append(Listening(pid, *inodes[int(match[1])]))
+    return sockets
+
+
+def _handoff_reply(url: str, api_key: str) -> None:
+    """A reply long enough for a prefill worker, so both workers' UCX transports are up."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    conversation = httpx.post(f"{url}/v1/conversations", headers=headers, json={}, timeout=10)
+    assert conversation.status_code == 201, conversation.text
+    body = {"content": LONG_PROMPT, "temperature": 0, "max_tokens": 4}
+    path = f"{url}/v1/conversations/{conversation.json()['id']}/messages"
+    with httpx.stream("POST", path, headers=headers, json=body, timeout=180) as response:
+        assert response.status_code == 200
+        lines = list(response.iter_lines())
+    assert "event: done" in lines, lines
+
+
+def test_tandem_up_listens_on_loopback_only_but_for_the_ucxx_kv_listener():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(PYTHONUNBUFFERED="1", TANDEM_HOST="127.0.0.1")
+    up = ChildProcess("up", [sys.executable, "-m", "tandem.cli", "up", "--port", str(free_port())], env=env, cwd=str(REPO))
+    up.start()
+    try:
+        ready = up.wait_for_line(r"Tandem is up at (http://\S+)", UP_TIMEOUT_S)
+        assert ready is not None, up.recent_output(40)
+        api_key = up.wait_for_line(r"API key: (tdm-dev-\S+)", 1)
+        assert api_key is not None
+        decode = up.wait_for_line(r"^up\s*\| decode started \(pid (\d+)\)", 1)
+        assert decode is not None
+        _handoff_reply(ready[1], api_key[1])
+
+        sockets = listening_sockets(up.pid)
+        off_loopback = [s for s in sockets if not s.is_loopback]
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        try:
+            up.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.stop(timeout_s=1)
+            raise
+    assert len({s.pid for s in sockets}) >= 7, sockets  # nats, redis, router, relay, prefill, decode, chat
+    assert [(s.pid, s.address.is_unspecified) for s in off_loopback] == [(int(decode[1]), True)], off_loopback
