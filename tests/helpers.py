@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from tandem.bus import decode, subjects
 from tandem.devstack.cassandra_node import find_java17
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.secrets import StackSecrets, login_of
+from tandem.devstack.secrets import StackSecrets, local_service_env, login_of
 from tandem.errors import StartupError
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
@@ -39,13 +39,10 @@ def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[
     servers' `.url` (with the operator's login and Redis's password): the process logs in as its
     role's bus user instead, with the Redis password and the internal secret as settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    secrets = stack_secrets(nats_url)
-    if secrets is not None:
-        env.update(secrets.service_env(role))
+    env.update(local_service_env(role, nats_url))
     plain_redis_url, redis_username, redis_password = login_of(redis_url)
     env.update(
         PYTHONUNBUFFERED="1",
-        TANDEM_NATS_URL=login_of(nats_url)[0],
         TANDEM_REDIS_URL=plain_redis_url,
         TANDEM_REDIS_USERNAME=redis_username,
         TANDEM_REDIS_PASSWORD=redis_password,

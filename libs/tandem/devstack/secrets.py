@@ -105,6 +105,17 @@ def login_of(url: str) -> tuple[str, str, str]:
     return plain, unquote(parts.username or ""), unquote(parts.password or "")
 
 
+def local_service_env(role: str, nats_url: str) -> dict[str, str]:
+    """The settings of a service of `role` on a local bus known by its operator URL (a test
+    server's or a stack's `.url`): the URL without the login, the role's own, the Redis password
+    and the internal secret of that set."""
+    address, _, operator_password = login_of(nats_url)
+    env = {"TANDEM_NATS_URL": address}
+    if operator_password:
+        env.update(StackSecrets.derived_from(operator_password).service_env(role))
+    return env
+
+
 def write_private(path: Path, text: str) -> None:
     """Writes `text` readable by this user alone (created 0600, never world-readable meanwhile)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

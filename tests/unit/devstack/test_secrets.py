@@ -1,0 +1,79 @@
+"""Credentials: `tandem secrets DIR` writes a random set for containers readable by its owner
+alone; a local work folder keeps one set, whose operator password gives each role's login."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from tandem.bus.permissions import USERS, password_variable
+from tandem.cli import main
+from tandem.devstack.secrets import StackSecrets, load_or_create, local_service_env, login_of, with_login
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def test_tandem_secrets_writes_an_env_file_and_a_file_per_secret_for_its_owner_alone(tmp_path: Path):
+    assert main(["secrets", str(tmp_path / "set")]) == 0
+    variables = _env_file(tmp_path / "set" / "tandem.env")
+    expected = {password_variable(user) for user in USERS} | {
+        "TANDEM_REDIS_PASSWORD",
+        "TANDEM_INTERNAL_SECRET",
+        "TANDEM_CASSANDRA_PASSWORD",
+    }
+    assert set(variables) == expected
+    assert len(set(variables.values())) == len(variables), "every secret is its own random value"
+    for name, value in variables.items():
+        one = tmp_path / "set" / "secrets" / name
+        assert one.read_text() == value
+        assert _mode(one) == 0o600
+    assert _mode(tmp_path / "set" / "tandem.env") == 0o600
+    assert _mode(tmp_path / "set" / "secrets") == 0o700
+
+
+def test_tandem_secrets_replaces_a_set_only_when_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    main(["secrets", str(tmp_path)])
+    before = _env_file(tmp_path / "tandem.env")
+    assert main(["secrets", str(tmp_path)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert _env_file(tmp_path / "tandem.env") == before
+    main(["secrets", str(tmp_path), "--force"])
+    after = _env_file(tmp_path / "tandem.env")
+    assert all(after[name] != before[name] for name in before), "a rotation changes every secret"
+
+
+def test_a_work_folder_keeps_its_set_and_the_operator_password_gives_each_role_its_own_login(tmp_path: Path):
+    made = load_or_create(tmp_path)
+    assert load_or_create(tmp_path) == made, "a server restarted on the folder keeps its logins"
+    assert _mode(tmp_path / "secrets.env") == 0o600
+    assert StackSecrets.derived_from(made.nats_passwords["operator"]) == made
+    assert len({*made.nats_passwords.values(), made.redis_password, made.internal_secret}) == len(USERS) + 2
+    assert load_or_create(tmp_path / "other") != made
+
+
+def test_a_service_on_a_local_bus_logs_in_as_its_role_at_the_url_without_the_operator_login(tmp_path: Path):
+    made = load_or_create(tmp_path)
+    url = with_login("nats://127.0.0.1:4222", "operator", made.nats_passwords["operator"])
+    env = local_service_env("decode", url)
+    assert env["TANDEM_NATS_URL"] == "nats://127.0.0.1:4222"
+    assert (env["TANDEM_NATS_USER"], env["TANDEM_NATS_PASSWORD"]) == ("decode", made.nats_passwords["decode"])
+    assert env["TANDEM_INTERNAL_SECRET"] == made.internal_secret
+    assert local_service_env("decode", "nats://127.0.0.1:4222") == {"TANDEM_NATS_URL": "nats://127.0.0.1:4222"}
+
+
+def test_a_login_in_a_url_survives_characters_urls_reserve():
+    url = with_login("redis://127.0.0.1:6379/0", "", "p@ss:w/rd")
+    assert login_of(url) == ("redis://127.0.0.1:6379/0", "", "p@ss:w/rd")
+
+
+def test_secrets_never_show_in_a_repr():
+    made = StackSecrets.generate()
+    assert made.redis_password not in repr(made) and made.nats_passwords["chat"] not in repr(made)
