@@ -37,6 +37,7 @@ class DecodeWorker:
             settings.ucx_port,
             settings.kv_lease_s,
             handoff_metrics=parts.handoff_metrics,
+            listen_host=settings.host,
         )
         parts.control.add_service(self._handoff.add_to_server)
 

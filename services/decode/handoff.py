@@ -40,14 +40,23 @@ class _Reservation:
 
 class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
     def __init__(
-        self, host: EngineHost, runtime: Runtime, ucx_host: str, ucx_port: int, lease_s: float, *, handoff_metrics: HandoffMetrics
+        self,
+        host: EngineHost,
+        runtime: Runtime,
+        ucx_host: str,
+        ucx_port: int,
+        lease_s: float,
+        *,
+        handoff_metrics: HandoffMetrics,
+        listen_host: str = "",
     ) -> None:
+        """`ucx_host`: the address prefill workers dial; `listen_host`: the KV listener's (empty: all)."""
         self._host = host
         self._handoff_metrics = handoff_metrics
         self._runtime = runtime
         self._lease_s = lease_s
         self._reservations: dict[str, _Reservation] = {}
-        self.receiver = KvReceiver(ucx_host, ucx_port, resolve=self._destination)
+        self.receiver = KvReceiver(ucx_host, ucx_port, resolve=self._destination, listen_host=listen_host)
         self._ucx_host = ucx_host
 
     def add_to_server(self, server: grpc.aio.Server) -> None:

@@ -1,8 +1,7 @@
 """`tandem up` on 127.0.0.1 listens on loopback only: every TCP socket that the stack's processes
 (launcher, NATS, Redis, every service, after a reply that went through a KV handoff) listen on is
-on 127.0.0.1 or ::1, but one: the decode worker's ucxx KV listener, which the Python ucxx (0.52)
-cannot bind to an address. That one is named here so it cannot spread unseen; the transfer token
-keeps strangers out of the blocks it serves (tests/integration/test_internal_auth.py)."""
+on a loopback address, or bound to the loopback device (the decode worker's ucxx KV listener,
+which the Python ucxx creates on every address: tandem.kvtransfer.interfaces)."""
 
 from __future__ import annotations
 
@@ -32,30 +31,22 @@ class Listening:
     pid: int
     address: ipaddress.IPv4Address | ipaddress.IPv6Address
     port: int
+    device: str  # SO_BINDTODEVICE's interface, or ""
 
     @property
     def is_loopback(self) -> bool:
-        return self.address.is_loopback
+        return self.address.is_loopback or self.device == "lo"
 
 
-def _address(hex_address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """/proc/net/tcp{,6}'s "0100007F:1F90": the address in host byte order, 32-bit word by word."""
-    host, port = hex_address.split(":")
-    words = [bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8)]
-    address = ipaddress.ip_address(b"".join(words))
+def _parse(local: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, str]:
+    """ss's local address: 127.0.0.1:8080, [::ffff:127.0.0.1]:41, *:22, 0.0.0.0%lo:5000, [::]%lo:5000."""
+    host, port = local.rsplit(":", 1)
+    host, _, device = host.partition("%")
+    host = host.strip("[]")
+    address = ipaddress.ip_address("0.0.0.0" if host == "*" else host)
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as UCX's TCP transport listens
-    return address, int(port, 16)
-
-
-def _listening_inodes() -> dict[int, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
-    found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":  # TCP_LISTEN
-                found[int(fields[9])] = _address(fields[1])
-    return found
+        address = address.ipv4_mapped  # as UCX's TCP transport listens
+    return address, int(port), device
 
 
 def _descendants(root: int) -> set[int]:
@@ -75,21 +66,15 @@ def _descendants(root: int) -> set[int]:
 
 
 def listening_sockets(root: int) -> list[Listening]:
-    """Every TCP socket that `root` or a process below it listens on."""
-    inodes = _listening_inodes()
+    """Every TCP socket that `root` or a process below it listens on (`ss`, which also shows a
+    socket's bound device, as /proc/net/tcp does not)."""
+    tree = _descendants(root)
+    table = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True, timeout=30).stdout
     sockets = []
-    for pid in sorted(_descendants(root)):
-        try:
-            fds = list(Path(f"/proc/{pid}/fd").iterdir())
-        except (FileNotFoundError, PermissionError):
-            continue
-        for fd in fds:
-            try:
-                match = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
-            except OSError:
-                continue
-            if match and int(match[1]) in inodes:
-                sockets.append(Listening(pid, *inodes[int(match[1])]))
+    for line in table.splitlines():
+        fields = line.split()
+        for pid in {int(p) for p in re.findall(r"pid=(\d+)", line)} & tree:
+            sockets.append(Listening(pid, *_parse(fields[3])))
     return sockets
 
 
@@ -106,7 +91,7 @@ def _handoff_reply(url: str, api_key: str) -> None:
     assert "event: done" in lines, lines
 
 
-def test_tandem_up_listens_on_loopback_only_but_for_the_ucxx_kv_listener():
+def test_tandem_up_listens_on_loopback_only():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(PYTHONUNBUFFERED="1", TANDEM_HOST="127.0.0.1")
     up = ChildProcess("up", [sys.executable, "-m", "tandem.cli", "up", "--port", str(free_port())], env=env, cwd=str(REPO))
@@ -130,4 +115,5 @@ def test_tandem_up_listens_on_loopback_only_but_for_the_ucxx_kv_listener():
             up.stop(timeout_s=1)
             raise
     assert len({s.pid for s in sockets}) >= 7, sockets  # nats, redis, router, relay, prefill, decode, chat
-    assert [(s.pid, s.address.is_unspecified) for s in off_loopback] == [(int(decode[1]), True)], off_loopback
+    assert not off_loopback, off_loopback
+    assert any(s.pid == int(decode[1]) and s.device == "lo" for s in sockets), "the KV listener is bound to lo"

@@ -1,10 +1,12 @@
 """The workers' internal surfaces refuse strangers: a gRPC call without the internal secret is
 UNAUTHENTICATED (with it, it is served), and a KV transfer is let into reserved blocks only with the
 token of that reservation, which only the caller of Reserve learns. Real decode worker, real gRPC,
-real UCXX endpoints."""
+real UCXX endpoints; the KV listener answers only on its host's interface."""
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
 
@@ -121,5 +123,37 @@ async def test_a_foreign_write_leaves_the_reserved_blocks_untouched_and_is_count
         await sender.send(receiver.host, receiver.port, "reply-1", blocks, TIMEOUT_S, token=token)
         assert await receiver.wait_received("reply-1", timeout_s=0)
         assert torch.equal(pool[[3, 7, 11]].view(torch.uint8), torch.stack(blocks).view(torch.uint8))
+    finally:
+        await receiver.stop()
+
+
+def _other_local_address() -> str | None:
+    """An address of this machine that is not loopback (the default route's source), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def _can_connect(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
+async def test_the_kv_listener_takes_connections_only_on_its_hosts_interface(sender: KvSender):
+    other = _other_local_address()
+    if other is None:
+        pytest.skip("this machine has no address but loopback")
+    receiver = KvReceiver(HOST, 0, resolve=lambda reply_id: None, listen_host=HOST)
+    await receiver.start()
+    try:
+        assert _can_connect(HOST, receiver.port)
+        assert not _can_connect(other, receiver.port), f"the KV listener answered on {other}"
     finally:
         await receiver.stop()

@@ -1,4 +1,4 @@
-"""Keeps UCX's own TCP listening sockets on the worker's configured address.
+"""Keeps UCX's TCP listening sockets on the worker's configured address.
 
 Besides the KV listener, every UCX worker with the TCP transport listens on each network device it
 uses (UCX_NET_DEVICES, default all), so a worker bound to 127.0.0.1 would still listen on the
@@ -6,9 +6,11 @@ machine's other addresses. Before ucxx starts, a worker narrows UCX_NET_DEVICES 
 that holds its host address (plus the RDMA devices, which open no TCP socket), unless the operator
 set UCX_NET_DEVICES. A wildcard host leaves UCX alone.
 
-What this cannot do: the Python ucxx (0.52) creates the KV listener without an address, so that one
-socket listens on every interface whatever UCX_NET_DEVICES says; the reservation token keeps other
-peers from writing into reserved blocks through it.
+The KV listener itself: libucxx can bind it to an address, but the Python ucxx (0.52) creates it
+without one, on every interface. So once it listens, bind_listener_to_host finds its socket among
+this process's descriptors and binds it to the interface that holds the host address
+(SO_BINDTODEVICE; `ss -ltn` shows 0.0.0.0%lo): a connection arriving on another interface is
+refused. It is a device, not an address: another address of the same interface is let in.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import re
 import socket
 import struct
 from pathlib import Path
@@ -78,3 +81,49 @@ def _rdma_devices() -> list[str]:
     if not root.is_dir():
         return []
     return [f"{dev.name}:{port.name}" for dev in sorted(root.iterdir()) for port in sorted((dev / "ports").glob("*"))]
+
+
+def bind_listener_to_host(port: int, host: str) -> str | None:
+    """Binds this process's TCP sockets that listen on `port` to the interface that holds `host`;
+    returns the interface, or None when there is nothing to do (a wildcard or a name) or it could
+    not be done (logged: the listener then stays on every interface)."""
+    if host in _WILDCARDS:
+        return None
+    try:
+        interface = interface_of(ipaddress.ip_address(host))
+    except ValueError:
+        log.warning("the KV listener stays on every interface: %r is a name, not an address", host)
+        return None
+    fds = _listening_fds(port)
+    if interface is None or not fds:
+        log.warning("the KV listener stays on every interface: no %s", "interface holds " + host if interface is None else "socket found")
+        return None
+    for fd in fds:
+        bound = socket.socket(fileno=os.dup(fd))  # the same socket; closing the duplicate leaves UCX's open
+        try:
+            bound.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, interface.encode())
+        except OSError as exc:
+            log.warning("the KV listener stays on every interface: binding it to %s failed (%s)", interface, exc.strerror)
+            return None
+        finally:
+            bound.close()
+    return interface
+
+
+def _listening_fds(port: int) -> list[int]:
+    """This process's descriptors of TCP sockets listening on `port` (any address)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: TCP_LISTEN
+                inodes.add(int(fields[9]))
+    fds = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            match = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+        except OSError:  # closed meanwhile
+            continue
+        if match and int(match[1]) in inodes:
+            fds.append(int(fd.name))
+    return fds

@@ -17,6 +17,7 @@ import ucxx
 from prometheus_client import Counter
 
 from tandem.kvtransfer import wire
+from tandem.kvtransfer.interfaces import bind_listener_to_host
 from tandem.kvtransfer.wire import Kind, Reply, Status
 
 if TYPE_CHECKING:
@@ -58,13 +59,15 @@ class KvReceiver:
     Blocks are freed only after `forget(reply_id)`: it aborts a transfer of that reply that is still
     arriving (closing the connection it arrives on), so no late byte lands in reused memory.
 
-    `host` is the address advertised to senders. The Python ucxx (0.52) cannot bind its listener
-    to one address: it listens on every interface (see tandem.kvtransfer.interfaces for what is
-    restricted); the token is what keeps other peers out of the blocks.
+    `host` is the address advertised to senders; `listen_host` the one to listen on (empty: every
+    interface). The Python ucxx cannot bind its listener to an address, so the listener is bound
+    to the interface that holds it (tandem.kvtransfer.interfaces); the token keeps the peers
+    that can reach it out of other replies' blocks.
     """
 
-    def __init__(self, host: str, port: int = 0, *, resolve: Resolve) -> None:
+    def __init__(self, host: str, port: int = 0, *, resolve: Resolve, listen_host: str = "") -> None:
         self._host = host
+        self._listen_host = listen_host
         self._port = port
         self._resolve = resolve
         self._listener: Listener | None = None
@@ -79,6 +82,8 @@ class KvReceiver:
             raise RuntimeError("a KvReceiver starts once")
         self._listener = ucxx.create_listener(self._serve, port=self._port)
         self._port = self._listener.port
+        interface = bind_listener_to_host(self._port, self._listen_host)
+        log.info("KV listener on port %d, interface %s", self._port, interface or "all")
 
     @property
     def host(self) -> str:
