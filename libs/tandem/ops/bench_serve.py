@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,11 @@ async def _bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.bench_command != "serve":
         raise StartupError("say what to bench: tandem bench serve --help")
-    return asyncio.run(_bench(args))
+    try:
+        return asyncio.run(_bench(args))
+    except KeyboardInterrupt:  # Ctrl-C: no summary of a run cut short
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def add_cli(commands: argparse._SubParsersAction) -> None:
