@@ -146,3 +146,25 @@ async def test_every_metric_the_dashboard_queries_is_exported_by_the_live_stack(
     # A prefill worker's metrics are a decode worker's too (one module): the stack without a
     # prefill worker still exports every name.
     assert not missing, f"the dashboard queries metrics no service exports: {missing}"
+
+
+async def test_openai_replies_count_streamed_ttft_and_every_reply_s_e2e(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=60) as client:
+        model = (await client.get("/v1/models", headers=ALICE)).json()["data"][0]["id"]
+        labels = {"tier": "plus", "model": model}
+        request = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8, "temperature": 0}
+        before = await scrape(client, product_stack.url)
+        whole = await client.post("/v1/chat/completions", headers=ALICE, json=request)
+        assert whole.status_code == 200, whole.text
+        async with client.stream("POST", "/v1/chat/completions", headers=ALICE, json={**request, "stream": True}) as streamed:
+            chunks = [line async for line in streamed.aiter_lines() if line.startswith("data:")]
+        after = await scrape(client, product_stack.url)
+    assert chunks[-1] == "data: [DONE]"
+
+    def grew(name: str, **more: str) -> float:
+        return total(after, name, **labels, **more) - total(before, name, **labels, **more)
+
+    assert grew("tandem_chat_e2e_latency_seconds_count") >= 2, "whole and streamed"
+    assert grew("tandem_chat_time_to_first_token_seconds_count") >= 1, "the streamed one"
+    assert grew("tandem_chat_replies_total", outcome="done") >= 2
+    assert grew("tandem_chat_prompt_tokens_total") >= 2 * whole.json()["usage"]["prompt_tokens"]

@@ -18,6 +18,11 @@ KV_CACHE_USAGE = Gauge(
     "KV blocks held by requests (running, or reserved for a handoff) / all KV blocks; prefix-cache-only blocks are free",
     _WORKER,
 )
+QUEUED_PREFILL_TOKENS = Gauge(
+    "tandem_worker_queued_prefill_tokens",
+    "Prompt tokens still to prefill: waiting requests' and running prefills' (scale prefill on it)",
+    _WORKER,
+)
 PREFIX_CACHE_QUERIES = Counter(
     "tandem_worker_prefix_cache_queries_tokens_total", "Tokens looked up in the prefix cache (admissions, handoff imports)", _WORKER
 )

@@ -62,7 +62,9 @@ def test_counters_grow_by_what_changed_and_each_step_lands_under_its_kind():
     engine_metrics.observe(engine_stats(scheduler_stats()))
     running = {**dict.fromkeys(Lane, 0), Lane.PAID: 2}
     prefilled = engine_stats(
-        scheduler_stats(num_running=running, num_used_blocks=30, num_prefix_query_tokens=200, num_prefix_hit_tokens=64),
+        scheduler_stats(
+            num_running=running, num_used_blocks=30, num_prefix_query_tokens=200, num_prefix_hit_tokens=64, num_queued_prefill_tokens=70
+        ),
         num_steps=1,
         num_prefill_tokens=136,
         prefill_time_s=0.5,
@@ -83,6 +85,7 @@ def test_counters_grow_by_what_changed_and_each_step_lands_under_its_kind():
 
     assert value("tandem_worker_requests_running", **labels, lane="paid") == 2
     assert value("tandem_worker_kv_cache_usage_ratio", **labels) == pytest.approx(0.3)
+    assert value("tandem_worker_queued_prefill_tokens", **labels) == 70
     assert value("tandem_worker_prefix_cache_queries_tokens_total", **labels) == 200
     assert value("tandem_worker_prefix_cache_hits_tokens_total", **labels) == 64
     assert value("tandem_worker_prompt_tokens_total", **labels) == 136
