@@ -101,15 +101,16 @@ class EngineMetrics:
     def observe(self, stats: EngineStats, queue_waits: Iterable[QueueWait] = ()) -> None:
         """Called on the engine thread after every change, with its fresh stats."""
         s = stats.scheduler
-        for lane in Lane:
-            self._running[lane].set(s.num_running[lane])
-            self._waiting[lane].set(s.num_waiting[lane])
+        last = self._last
+        self._last = stats
+        if last is None or s.num_running != last.scheduler.num_running or s.num_waiting != last.scheduler.num_waiting:
+            for lane in Lane:
+                self._running[lane].set(s.num_running[lane])
+                self._waiting[lane].set(s.num_waiting[lane])
         self._kv_usage.set(stats.kv_cache_usage)
         self._queued_prefill_tokens.set(s.num_queued_prefill_tokens)
         for wait in queue_waits:
             self._queue_wait[wait.lane].observe(wait.wait_s)
-        last = self._last
-        self._last = stats
         if last is None:
             self._prefix_queries.inc(s.num_prefix_query_tokens)
             self._prefix_hits.inc(s.num_prefix_hit_tokens)
