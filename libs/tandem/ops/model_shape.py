@@ -14,8 +14,6 @@ from safetensors import safe_open
 
 from tandem.errors import StartupError
 from tandem.models.files import ModelFile, open_model
-from tandem.models.gguf_weights import ROPE_FREQS_TENSOR, read_gguf
-from tandem.models.safetensors_weights import read_hf_config, safetensors_files
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # config.json's torch_dtype -> our dtype names
@@ -54,6 +52,10 @@ def read_model_shape(path: Path | None) -> ModelShape:
 
 
 def _read(checkpoint: ModelFile) -> ModelShape:
+    # imported here: the weight readers pull in torch, which every `tandem` command would pay for
+    from tandem.models.gguf_weights import ROPE_FREQS_TENSOR, read_gguf
+    from tandem.models.safetensors_weights import read_hf_config
+
     if checkpoint.format == "gguf":
         gguf = read_gguf(checkpoint.path)
         config = gguf.config()
@@ -78,6 +80,8 @@ def _read(checkpoint: ModelFile) -> ModelShape:
 
 
 def _safetensors_num_params(folder: Path) -> int:
+    from tandem.models.safetensors_weights import safetensors_files
+
     total = 0
     for file in safetensors_files(folder):
         with safe_open(file, framework="pt") as shard:
