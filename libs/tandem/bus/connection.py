@@ -111,11 +111,11 @@ class Bus:
         log.warning("disconnected from NATS; reconnecting")
 
     async def _error(self, exc: Exception) -> None:
-        # nats-py reports what the server refuses (a permissions violation: a publish or subscribe
-        # outside this user's rights) as the base error type itself; its subtypes are transport
-        # trouble the client recovers from.
+        # nats-py reports what the server refuses as the base error type itself: a login (wrong or
+        # missing credentials; the client retries it) or a publish or subscribe outside this
+        # user's rights (tandem.bus.permissions). Its subtypes are transport trouble it recovers from.
         if type(exc) is nats.errors.Error:
-            log.error("NATS refused an operation of user %r: %s", self._config.user, exc)
+            log.error("NATS refused user %r: %s", self._config.user, exc)
         else:
             log.warning("NATS: %s", exc)
 
