@@ -114,7 +114,7 @@ def test_autoscalers_target_the_worker_deployments_on_their_load_never_request_c
     decode = {metric["pods"]["metric"]["name"] for metric in hpas["decode"]["spec"]["metrics"]}
     assert decode == {"tandem_worker_kv_cache_usage_ratio", "tandem_worker_queue_wait_seconds_mean"}
     prefill = {metric["pods"]["metric"]["name"] for metric in hpas["prefill"]["spec"]["metrics"]}
-    assert prefill == {"tandem_worker_requests_waiting"}
+    assert prefill == {"tandem_worker_queued_prefill_tokens"}
 
 
 def test_the_adapter_serves_every_autoscaler_metric_from_exported_series() -> None:
