@@ -61,7 +61,9 @@ class DecodeWorker:
         await msg.respond(encode(counted(await self._accept(msg.data))))
 
     async def _accept(self, data: bytes) -> AssignmentReply:
-        screened = await screen_assignment(data, self._host, is_draining=self._runtime.is_draining)
+        screened = await screen_assignment(
+            data, self._host, is_draining=self._runtime.is_draining, subject=subjects.assign(self._runtime.config.instance_id)
+        )
         if isinstance(screened, AssignmentReply):
             return screened
         assignment, request = screened

@@ -125,7 +125,9 @@ class PrefillWorker:
     async def _accept(self, data: bytes) -> AssignmentReply:
         """Answers at once (the router waits for the answer): the reserve on the decode worker runs
         in the handoff, whose failure returns the reply to the router as a HandoffOutcome."""
-        screened = await screen_assignment(data, self._host, is_draining=self._runtime.is_draining)
+        screened = await screen_assignment(
+            data, self._host, is_draining=self._runtime.is_draining, subject=subjects.assign(self._runtime.config.instance_id)
+        )
         if isinstance(screened, AssignmentReply):
             return screened
         assignment, request = screened
