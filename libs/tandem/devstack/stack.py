@@ -50,7 +50,7 @@ from tandem.bus.permissions import OPERATOR
 from tandem.config import Settings
 from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, dev_api_keys, service_member
 from tandem.devstack.proc import ChildProcess, describe_exit
-from tandem.devstack.secrets import StackSecrets, env_file_text, write_private
+from tandem.devstack.secrets import env_file_text, write_private
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.errors import StartupError
 
@@ -94,7 +94,6 @@ class Stack:
         self._is_stopped = False
         self.nats_url = ""  # with the operator's login
         self.redis_url = ""  # with the password
-        self.secrets: StackSecrets | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -124,7 +123,7 @@ class Stack:
         self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
         nats = await self._start_server("nats", lambda port: start_nats(self._workdir, self._console.line, port=port))
         redis = await self._start_server("redis", lambda port: start_redis(self._workdir, self._console.line, port=port))
-        self.nats_url, self.redis_url, self.secrets = nats.url, redis.url, nats.secrets
+        self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
         for role in self._config.roles:
             for index in range(self._config.num_instances(role)):
