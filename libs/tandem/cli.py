@@ -114,11 +114,11 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     url = without_credentials(settings.nats_url)
     try:
         nc = await asyncio.wait_for(
-            nats.connect(settings.nats_url, **login, connect_timeout=2, max_reconnect_attempts=0, error_cb=_quiet), timeout=5
+            nats.connect(settings.nats_url, **login, connect_timeout=2, allow_reconnect=False, error_cb=_quiet), timeout=5
         )
-    except Exception as exc:
+    except Exception as exc:  # a refused login says so: allow_reconnect=False raises the server's answer
         raise StartupError(
-            f"cannot reach NATS at {url} ({exc or type(exc).__name__}): start the stack, set TANDEM_NATS_URL "
+            f"cannot reach NATS at {url} ({str(exc) or type(exc).__name__}): start the stack, set TANDEM_NATS_URL "
             "(tandem up prints it with a login), or TANDEM_NATS_USER and TANDEM_NATS_PASSWORD"
         ) from None
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
