@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from tandem.bus.connection import without_credentials
 from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
 from tandem.errors import StartupError
 
@@ -100,9 +101,7 @@ def with_login(url: str, user: str, password: str) -> str:
 def login_of(url: str) -> tuple[str, str, str]:
     """(the URL without its login, its user, its password); "" for what it lacks."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
-    plain = urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
-    return plain, unquote(parts.username or ""), unquote(parts.password or "")
+    return without_credentials(url), unquote(parts.username or ""), unquote(parts.password or "")
 
 
 def local_service_env(role: str, nats_url: str) -> dict[str, str]:
