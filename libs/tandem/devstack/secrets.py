@@ -162,7 +162,7 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         "secrets",
         help="write a new set of internal credentials for containers (compose, Kubernetes)",
         description="Writes DIR/tandem.env (KEY=value lines for compose's env_file) and DIR/secrets/<VARIABLE>, "
-        "one file per secret (for compose secrets or `kubectl create secret generic tandem --from-file=DIR/secrets`): "
+        "one file per secret (for compose, or for Kubernetes: `tandem secrets deploy/k8s/secrets/generated` makes one Secret per role, deploy/README.md): "
         "a bus password per user, the Redis and Cassandra passwords and the internal shared secret. "
         "Files are readable by you alone.",
     )

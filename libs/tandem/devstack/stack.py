@@ -360,6 +360,9 @@ class Stack:
         for key, api_key in self._config.api_keys.items():
             self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
+        routers = self.members_of("router")
+        if routers:  # its port is a free one: top needs to be told
+            self._console.say(f"watch: tandem top --router-url {routers[0].url} --chat-url http://{host}:{port}")
         self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} tandem generate --via-bus "Hello"')
         self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")
         self._console.say("Ctrl-C stops everything")
