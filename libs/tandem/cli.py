@@ -128,6 +128,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
 
     # Subscribed before asking, so no token can arrive before we listen.
     await nc.subscribe(f"{subjects.PREFIX}.tokens.*", cb=on_event)
+    await nc.subscribe(f"{subjects.PREFIX}.finals.*", cb=on_event)  # a failure the router ends the reply with
     try:
         answer = await nc.request(
             subjects.GENERATE, encode(GenerateRequest(model="auto", prompt_token_ids=prompt_ids, sampling=params)), timeout=10

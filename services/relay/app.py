@@ -22,7 +22,7 @@ from services.relay.persist import PersistConfig, persist_reply
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
-from tandem.bus.token_stream import publish_token
+from tandem.bus.token_stream import publish_final as publish_final_event
 from tandem.config import Settings
 from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
@@ -90,7 +90,7 @@ def build_app(settings: Settings) -> FastAPI:
         await runtime.bus.client.publish(subject, data)
 
     async def publish_final(event: TokenEvent) -> None:
-        await publish_token(runtime.bus.client.jetstream(), event)
+        await publish_final_event(runtime.bus.client.jetstream(), event)
 
     async def every(interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -85,11 +85,13 @@ class TokenConsumer:
             ack_wait=self._config.ack_wait_s,
             max_ack_pending=self._config.max_ack_pending,
             max_deliver=-1,
+            filter_subjects=[subjects.TOKENS_ALL, subjects.FINALS_ALL],
         )
         while True:
             try:
                 js = await ensure_token_stream(self._client, self._config.max_age_s)
-                return await js.pull_subscribe(subjects.TOKENS_ALL, durable=self._config.durable, stream=STREAM, config=config)
+                await js.add_consumer(STREAM, config)  # creates it, or brings an older one to these subjects
+                return await js.pull_subscribe_bind(durable=self._config.durable, stream=STREAM)
             except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("token stream: cannot consume yet (%s); retrying in %.1f s", exc, self._config.retry_s)
                 await asyncio.sleep(self._config.retry_s)

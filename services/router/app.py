@@ -27,7 +27,7 @@ from services.router.workers import WORKER_ROLES, WorkerRegistry
 from services.router.workers_api import workers_router
 from tandem import metrics
 from tandem.bus import subjects, validate
-from tandem.bus.token_stream import ensure_token_stream, publish_token
+from tandem.bus.token_stream import ensure_token_stream, publish_final
 from tandem.config import Settings
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -90,7 +90,7 @@ def build_app(settings: Settings) -> FastAPI:
         token_stream = await _token_stream(client, settings.token_stream_max_age_s)
 
         async def publish_event(event: TokenEvent) -> None:
-            await publish_token(token_stream, event)
+            await publish_final(token_stream, event)
 
         generate = GenerateService(
             workers,

@@ -100,9 +100,10 @@ async def _start(nc, prompt: list[int]) -> tuple[str, asyncio.Queue[TokenEvent],
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     async def on_event(msg):
-        events.put_nowait(decode(msg.data, TokenEvent))
+        if msg.subject.startswith(("tandem.v1.tokens.", "tandem.v1.finals.")):  # workers' events and the router's finals
+            events.put_nowait(decode(msg.data, TokenEvent))
 
-    subscription = await nc.subscribe("tandem.v1.tokens.*", cb=on_event)
+    subscription = await nc.subscribe("tandem.v1.*.*", cb=on_event)
     request = GenerateRequest(model="auto", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=300))
     reply = decode((await nc.request(subjects.GENERATE, encode(request), timeout=30)).data, GenerateReply)
     assert reply.WhichOneof("outcome") == "reply_id", reply

@@ -262,7 +262,7 @@ async def test_when_every_worker_refuses_the_reply_ends_with_an_error_event(rout
     async def on_event(msg: Msg) -> None:
         await events.put(decode(msg.data, TokenEvent))
 
-    subscription = await nc.subscribe(subjects.TOKENS_ALL, cb=on_event)
+    subscription = await nc.subscribe(subjects.FINALS_ALL, cb=on_event)  # the router's own final events
     await nc.flush()
     try:
         reply = await ask_accepted(nc, generate_request())
@@ -292,7 +292,7 @@ async def test_a_continuation_is_assigned_in_its_epoch_and_the_routers_error_goe
     deadline = time.monotonic() + WAIT_S
     while True:  # bounded: the router publishes once the last worker has refused
         try:
-            stored = await js.get_last_msg(STREAM, subjects.tokens(reply_id))
+            stored = await js.get_last_msg(STREAM, subjects.final(reply_id))
             break
         except nats.js.errors.NotFoundError:
             assert time.monotonic() < deadline, "no final event on the token stream"
@@ -414,7 +414,7 @@ async def test_workers_whose_queues_are_full_end_the_reply_overloaded_and_then_t
     async def on_event(msg: Msg) -> None:
         await events.put(decode(msg.data, TokenEvent))
 
-    subscription = await nc.subscribe(subjects.TOKENS_ALL, cb=on_event)
+    subscription = await nc.subscribe(subjects.FINALS_ALL, cb=on_event)  # the router's own final events
     await nc.flush()
     try:
         reply = await ask_accepted(nc, generate_request(lane=LANE_FREE))  # the heartbeats expect no wait

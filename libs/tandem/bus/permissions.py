@@ -26,6 +26,7 @@ USERS = (*SERVICE_ROLES, OPERATOR)
 _P = subjects.PREFIX
 INBOXES = "_INBOX.>"  # request/reply answers, JetStream API answers and pulled messages
 _TOKENS = subjects.TOKENS_ALL
+_FINALS = subjects.FINALS_ALL  # the router's and the relays' final events: never a token
 _CANCELS = subjects.CANCEL_ALL
 _HANDOFFS = subjects.HANDOFFS_ALL
 _ASSIGNS = f"{_P}.worker.*.assign"
@@ -74,12 +75,12 @@ PERMISSIONS: dict[str, Permissions] = {
     "decode": _service("decode", _WORKER_PUBLISHES, _WORKER_SUBSCRIBES),
     "router": _service(
         "router",
-        (_ASSIGNS, _KV_STATES, subjects.LADDER, _TOKENS, *_TOKEN_STREAM_ADMIN),
+        (_ASSIGNS, _KV_STATES, subjects.LADDER, _FINALS, *_TOKEN_STREAM_ADMIN),
         (*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE),
     ),
     "relay": _service(
         "relay",
-        (subjects.GENERATE, _CANCELS, _PINGS, _TOKENS, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
+        (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
         _WORKER_HEARTBEATS,
     ),
     "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER)),

@@ -7,6 +7,7 @@ import re
 PREFIX = "tandem.v1"
 GENERATE = f"{PREFIX}.generate"
 TOKENS_ALL = f"{PREFIX}.tokens.>"
+FINALS_ALL = f"{PREFIX}.finals.>"  # a reply's failure ended by the router or a relay, never by a worker
 CANCEL_ALL = f"{PREFIX}.cancel.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 HANDOFFS_ALL = f"{PREFIX}.handoff.*"
@@ -30,6 +31,12 @@ def _token(value: str, what: str) -> str:
 def tokens(reply_id: str) -> str:
     """TokenEvents of one reply."""
     return f"{PREFIX}.tokens.{_token(reply_id, 'reply id')}"
+
+
+def final(reply_id: str) -> str:
+    """The final event of a reply that the router or a relay ends (no worker can): on its own
+    subject, so that only workers may publish on token subjects."""
+    return f"{PREFIX}.finals.{_token(reply_id, 'reply id')}"
 
 
 def cancel(reply_id: str) -> str:
@@ -70,5 +77,5 @@ def kv_state(worker_id: str) -> str:
 
 
 def reply_id_of(subject: str) -> str:
-    """The reply id at the end of a tokens or cancel subject."""
+    """The reply id at the end of a tokens, finals or cancel subject."""
     return subject.rsplit(".", 1)[-1]

@@ -1,8 +1,9 @@
 """Token events travel on NATS JetStream. The stream `TANDEM_TOKENS` keeps every event published
-on `tandem.v1.tokens.>` until a relay acknowledges it, which a relay does only after the event is
+on `tandem.v1.tokens.>` (workers) or `tandem.v1.finals.>` (a failure the router or a relay ends a
+reply with) until a relay acknowledges it, which a relay does only after the event is
 in its reply's token log: a relay that dies, or a Redis that blinks, costs a redelivery, never an
-event. Workers, routers and relays publish with `publish_token`; core NATS subscribers of the
-token subjects still see every event as before.
+event. Workers publish with `publish_token`, routers and relays with `publish_final`; core NATS
+subscribers of both subjects see every event.
 
 Each event carries a message id (reply, epoch, seq), so a publish retried after a lost
 acknowledgement is stored once; the token log drops duplicates anyway."""
@@ -16,6 +17,7 @@ from nats.js.errors import BadRequestError
 
 from tandem.bus import subjects
 from tandem.bus.codec import encode
+from tandem.bus.events import is_final
 from tandem.v1.tokens_pb2 import TokenEvent
 
 STREAM = "TANDEM_TOKENS"
@@ -29,7 +31,7 @@ def token_stream_config(max_age_s: float = DEFAULT_MAX_AGE_S) -> StreamConfig:
     """A work queue: an event leaves the stream when a relay acknowledges it, or after `max_age_s`."""
     return StreamConfig(
         name=STREAM,
-        subjects=[subjects.TOKENS_ALL],
+        subjects=[subjects.TOKENS_ALL, subjects.FINALS_ALL],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
@@ -60,8 +62,20 @@ async def publish_token(js: JetStreamContext, event: TokenEvent, timeout_s: floa
     """Publishes one event and waits for JetStream to store it. Raises nats.errors.TimeoutError,
     nats.errors.NoRespondersError (no stream: nothing would deliver it) or another nats error; the
     caller retries or says it cannot publish."""
+    await _publish(js, subjects.tokens(event.reply_id), event, timeout_s)
+
+
+async def publish_final(js: JetStreamContext, event: TokenEvent, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
+    """Publishes a final event that no worker sends (the router's or a relay's failure), as
+    `publish_token` does, on the reply's finals subject."""
+    if not is_final(event):
+        raise ValueError(f"event {event.seq} of {event.reply_id} is not final")
+    await _publish(js, subjects.final(event.reply_id), event, timeout_s)
+
+
+async def _publish(js: JetStreamContext, subject: str, event: TokenEvent, timeout_s: float) -> None:
     await js.publish(
-        subjects.tokens(event.reply_id),
+        subject,
         encode(event),
         timeout=timeout_s,
         stream=STREAM,

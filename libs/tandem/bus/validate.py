@@ -19,6 +19,7 @@ from prometheus_client import Counter
 
 from tandem.bus import subjects
 from tandem.bus.codec import BadMessage, M, decode
+from tandem.bus.events import is_final
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
@@ -322,10 +323,13 @@ def handoff_outcome(data: bytes, subject: str) -> HandoffOutcome:
 
 
 def token_event(data: bytes, subject: str, vocab_size: int | None = None) -> TokenEvent:
-    """A reply's event, from `tandem.v1.tokens.<reply_id>`. An error in it reaches clients as
-    is, so its code must be a code and its message short."""
+    """A reply's event, from `tandem.v1.tokens.<reply_id>` (workers), or a final one from
+    `tandem.v1.finals.<reply_id>` (the router or a relay). An error in it reaches clients as is,
+    so its code must be a code and its message short."""
     event = decoded(data, TokenEvent)
     check_id_of_subject(event.reply_id, subject, "reply_id")
+    if subject.startswith(subjects.FINALS_ALL.removesuffix(">")) and not is_final(event):
+        raise Invalid("not_final", f"event {event.seq} on a finals subject is not final: only workers send tokens")
     check_count(event.seq, "seq", MAX_SEQ)
     if event.seq < 1:
         raise Invalid("out_of_range", "seq is 0; a reply's events count from 1")

@@ -152,7 +152,9 @@ class _ReaderLoop:
 
     async def _run(self) -> None:
         login = {k: v for k, v in self._wake_redis.get_connection_kwargs().items() if k in ("username", "password") and v}
-        redis = Redis.from_url(self._config.redis_url, socket_timeout=self._config.block_ms / 1000 + 10, single_connection_client=True, **login)
+        redis = Redis.from_url(
+            self._config.redis_url, socket_timeout=self._config.block_ms / 1000 + 10, single_connection_client=True, **login
+        )
         self._redis = redis
         loop = asyncio.get_running_loop()
         failing_since_s: float | None = None

@@ -23,10 +23,12 @@ def test_a_literal_password_is_quoted_so_a_dollar_in_it_is_not_read_as_a_variabl
     assert 'password: "chat-$x",' in rendered
 
 
-def test_only_workers_router_and_relay_may_publish_tokens_and_only_workers_kv_events():
+def test_only_workers_may_publish_tokens_and_kv_events_and_only_router_and_relay_end_a_reply():
     tokens = [u for u in USERS if "tandem.v1.tokens.>" in PERMISSIONS[u].publish]
+    finals = [u for u in USERS if "tandem.v1.finals.>" in PERMISSIONS[u].publish]
     kv_events = [u for u in USERS if "tandem.v1.kv.events.>" in PERMISSIONS[u].publish]
-    assert tokens == ["prefill", "decode", "router", "relay"]
+    assert tokens == ["prefill", "decode"]
+    assert finals == ["router", "relay"]
     assert kv_events == ["prefill", "decode"]
 
 

@@ -130,6 +130,13 @@ def test_a_token_event_belongs_to_its_subject_and_its_error_is_a_code_and_a_shor
     assert reason_of(validate.token_event, encode(long_message), subject) == "too_large"
 
 
+def test_a_finals_subject_carries_only_a_final_event_so_the_router_and_relays_never_send_tokens():
+    failed = token_event(text="", finish=FINISH_REASON_ERROR, error=Error(code="overloaded", message="busy"))
+    assert validate.token_event(encode(failed), subjects.final("r1")).error.code == "overloaded"
+    assert reason_of(validate.token_event, encode(token_event()), subjects.final("r1")) == "not_final"
+    assert reason_of(validate.token_event, encode(failed), subjects.final("r2")) == "id_mismatch"
+
+
 def test_kv_events_and_states_belong_to_their_worker():
     stored = KvEvent(event_id=1, stored=BlocksStored(blocks=[StoredBlock(block_hash=1, num_tokens=16)]))
     assert validate.kv_event(encode(stored), subjects.kv_events("w1")).worker_id == "w1"  # the subject's, when unsaid
