@@ -33,14 +33,33 @@ async def client(own_nats):
     await nc.close()
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (T: stopped), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+async def _keep_frozen(pid: int) -> None:
+    """SIGSTOP again and again, so nothing else thaws it before the test does: twice in a full
+    suite the server answered while meant to be frozen, which a stray SIGCONT would explain (our
+    guess: another test's cleanup signalling a pid this server has reused; pid_max is 32768)."""
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(0.05)
+
+
 async def test_an_event_published_while_the_server_is_frozen_is_stored_once_it_thaws(own_nats, client):
     js = await ensure_token_stream(client)
     os.kill(own_nats.pid, signal.SIGSTOP)
+    freezer = asyncio.create_task(_keep_frozen(own_nats.pid))
     publishing = asyncio.create_task(
         publish_event(js, TokenEvent(reply_id="r1", seq=1, text="a"), within_s=RETRY_S, bus_is_up=server_answers(client))
     )
     done, _ = await asyncio.wait({publishing}, timeout=4 * RETRY_S)  # frozen far longer than the retry bound
-    assert not done, f"the publisher gave up during a bus outage: {publishing.exception() if done else ''}"
+    freezer.cancel()
+    assert not done, (
+        f"the publisher gave up during a bus outage: {publishing.exception() if done else ''} (server state {_state(own_nats.pid)})"
+    )
     os.kill(own_nats.pid, signal.SIGCONT)
     await asyncio.wait_for(publishing, timeout=30)
     assert (await js.stream_info(STREAM)).state.messages == 1
