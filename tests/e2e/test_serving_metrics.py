@@ -119,6 +119,8 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
     assert hits >= 16, "the second turn finds the first turn's blocks"
     assert grew("tandem_worker_generation_tokens_total", decode_before, decode_after, **worker) >= output_tokens
     assert grew("tandem_worker_step_seconds_count", decode_before, decode_after, **worker) > 0
+    cached = total(decode_after, "tandem_worker_kv_cache_prefix_cached_ratio", **worker)
+    assert 0 < cached <= 1, "the replies' prefixes stay cached after they end"
 
 
 def dashboard_metric_names() -> set[str]:

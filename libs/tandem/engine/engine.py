@@ -112,6 +112,13 @@ class EngineStats:
         s = self.scheduler
         return s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0
 
+    @property
+    def kv_cache_prefix_cached(self) -> float:
+        """The share of the KV pool's blocks holding a cached prefix, held by a request or free to
+        reuse (0-1): how much reusable KV the worker keeps, which stays after its replies end."""
+        s = self.scheduler
+        return s.num_cached_blocks / s.num_blocks if s.num_blocks else 0.0
+
 
 @dataclass
 class _Counters:

@@ -87,6 +87,7 @@ class EngineMetrics:
         self._queue_wait = {lane: metrics.QUEUE_WAIT.labels(**labels, lane=_name(lane)) for lane in Lane}
         self._steps = {kind: metrics.STEP_SECONDS.labels(**labels, kind=kind) for kind in ("prefill", "decode", "mixed")}
         self._kv_usage = metrics.KV_CACHE_USAGE.labels(**labels)
+        self._kv_prefix_cached = metrics.KV_CACHE_PREFIX_CACHED.labels(**labels)
         self._queued_prefill_tokens = metrics.QUEUED_PREFILL_TOKENS.labels(**labels)
         self._prefix_queries = metrics.PREFIX_CACHE_QUERIES.labels(**labels)
         self._prefix_hits = metrics.PREFIX_CACHE_HITS.labels(**labels)
@@ -108,6 +109,7 @@ class EngineMetrics:
                 self._running[lane].set(s.num_running[lane])
                 self._waiting[lane].set(s.num_waiting[lane])
         self._kv_usage.set(stats.kv_cache_usage)
+        self._kv_prefix_cached.set(stats.kv_cache_prefix_cached)
         self._queued_prefill_tokens.set(s.num_queued_prefill_tokens)
         for wait in queue_waits:
             self._queue_wait[wait.lane].observe(wait.wait_s)

@@ -18,6 +18,11 @@ KV_CACHE_USAGE = Gauge(
     "KV blocks held by requests (running, or reserved for a handoff) / all KV blocks; prefix-cache-only blocks are free",
     _WORKER,
 )
+KV_CACHE_PREFIX_CACHED = Gauge(
+    "tandem_worker_kv_cache_prefix_cached_ratio",
+    "KV blocks holding a cached prefix, held or free to reuse / all KV blocks (stays after replies end)",
+    _WORKER,
+)
 QUEUED_PREFILL_TOKENS = Gauge(
     "tandem_worker_queued_prefill_tokens",
     "Prompt tokens still to prefill: waiting requests' and running prefills' (scale prefill on it)",

@@ -37,6 +37,7 @@ def test_generated_tokens_prefix_lookups_and_kv_usage_follow_the_requests(tiny):
     assert done.num_generated_tokens == 12
     assert done.kv_cache_usage == 0.0, "blocks only the prefix cache keeps are free"
     assert done.scheduler.num_cached_blocks > 0
+    assert done.kv_cache_prefix_cached == pytest.approx(done.scheduler.num_cached_blocks / 64), "and they stay cached"
 
     engine.generate([greedy("again", prompt)])
     again = engine.stats()
