@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +81,17 @@ async def next_heartbeat(
         return await asyncio.wait_for(found, timeout_s)
     finally:
         await subscription.unsubscribe()
+
+
+def interrupt_and_wait(up: ChildProcess, timeout_s: float = 60.0) -> None:
+    """Ctrl-C to a launcher's process group (`tandem up`, `make run`), then waits for it to exit;
+    past `timeout_s` it is killed and the timeout raised."""
+    os.killpg(up.pid, signal.SIGINT)
+    try:
+        up.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        up.stop(timeout_s=1)
+        raise
 
 
 async def wait_until(check, timeout_s: float = 30.0, interval_s: float = 0.1):

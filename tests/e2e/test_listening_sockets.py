@@ -8,7 +8,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import REPO
+from helpers import REPO, interrupt_and_wait
 
 from tandem.devstack.proc import ChildProcess, free_port
 
@@ -108,12 +107,7 @@ def test_tandem_up_listens_on_loopback_only():
         sockets = listening_sockets(up.pid)
         off_loopback = [s for s in sockets if not s.is_loopback]
     finally:
-        os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.stop(timeout_s=1)
-            raise
+        interrupt_and_wait(up)
     assert len({s.pid for s in sockets}) >= 7, sockets  # nats, redis, router, relay, prefill, decode, chat
     assert not off_loopback, off_loopback
     assert any(s.pid == int(decode[1]) and s.device == "lo" for s in sockets), "the KV listener is bound to lo"

@@ -11,7 +11,7 @@ import sys
 
 import httpx
 import pytest
-from helpers import REPO
+from helpers import REPO, interrupt_and_wait
 
 from tandem.devstack.proc import ChildProcess, free_port
 
@@ -100,12 +100,7 @@ def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind():
         assert up.wait_for_line(r"^up\s*\| decode ready", UP_TIMEOUT_S, since=mark) is not None
         assert httpx.get(f"{ready[1]}/readyz", timeout=10).status_code == 200
     finally:
-        os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.stop(timeout_s=1)
-            raise
+        interrupt_and_wait(up)
     assert up.wait_for_line(r"^up\s*\| stopped; nothing left running", 1) is not None, up.recent_output(40)
     left = {name: pid for name, pid in pids.items() if _is_running(pid)}
     assert not left, f"still running after Ctrl-C: {left}"
