@@ -30,11 +30,21 @@ def _die_with_parent() -> None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+_handed_out: set[int] = set()  # ports free_port gave this process: callers bind them later
+
+
+def free_port(host: str = "127.0.0.1", num_tries: int = 100) -> int:
+    """A TCP port that was free a moment ago (the caller binds it soon after), never one this
+    process was given before: the kernel may offer a closed port again, and a stack plans all its
+    members' ports before any of them binds."""
+    for _ in range(num_tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free port on {host} that this process was not given already, in {num_tries} tries")
 
 
 def free_ports(num_ports: int, host: str = "127.0.0.1", num_tries: int = 100) -> int:
