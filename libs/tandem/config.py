@@ -224,6 +224,42 @@ class Settings(BaseSettings):
     worker_hour_cost: Annotated[float, Field(ge=0)] = 0.0
     """workers: what one hour of this worker costs (any currency), for the cost per million output tokens; 0: unknown"""
 
+    # models and the assistant's judgement (issue 13)
+    quantization: Literal["none", "int8"] = "none"
+    """workers: how the weights are kept in memory: none (the dtype), int8 (weight-only int8 with per-output-channel scales, multiplied by a fused int8 kernel)"""
+    small_decode_workers: Annotated[int, Field(ge=0, le=16)] = 1
+    """tandem up: decode workers serving the small model; 0: only the large model is served"""
+    small_model_path: Path | None = None
+    """tandem up: the small model's .gguf file or safetensors folder; unset: the large model's weights"""
+    small_model_quantization: Literal["none", "int8"] = "int8"
+    """tandem up: how the small model's workers keep their weights (the quantization setting)"""
+    large_model: str = ""
+    """chat and router: the served id of the large model; empty: the model most decode workers serve"""
+    small_model: str = ""
+    """chat and router: the served id of the small model, for `auto` and the overload ladder; empty: none (auto is the large model)"""
+    difficulty_classifier: str = "features"
+    """chat: scores how hard a message is, for `model: auto`: features (the built-in), none (the fallback rule only), or module:function"""
+    difficulty_threshold: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """chat: a message scoring at least this goes to the large model"""
+    difficulty_timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    """chat: a classifier slower than this is passed over for the fallback rule"""
+    fallback_small_max_tokens: Annotated[int, Field(ge=1)] = 200
+    """chat: the fallback rule sends messages shorter than this (in tokens) and without code to the small model"""
+    input_moderation: str = "profanity-check"
+    """chat: the check on what users send: profanity-check (the trained linear model), blocklist:word|word, none, or module:function"""
+    output_moderation: str = "profanity-check"
+    """relay: the check on what the model writes, while it streams: the same choices"""
+    moderation_threshold: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """chat and relay: a text the check scores at least this is refused"""
+    output_check_every_tokens: Annotated[int, Field(ge=1)] = 8
+    """relay: the output check runs every this many tokens, and on the last"""
+    output_check_window_chars: Annotated[int, Field(ge=16)] = 400
+    """relay: the output check reads this many of the newest characters"""
+    summaries: bool = True
+    """chat: summarise the turns that fall out of a long conversation's prompt (background lane)"""
+    summary_max_tokens: Annotated[int, Field(ge=16)] = 200
+    """chat: a summary's length bound"""
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _parse_api_keys(cls, value: object) -> object:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenEvent(_message.Message):
-    __slots__ = ("reply_id", "seq", "token_id", "text", "finish", "usage", "error", "worker_id", "produced_unix_ms", "epoch")
+    __slots__ = ("reply_id", "seq", "token_id", "text", "finish", "usage", "error", "worker_id", "produced_unix_ms", "epoch", "model")
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class TokenEvent(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     reply_id: str
     seq: int
     token_id: int
@@ -28,7 +29,8 @@ class TokenEvent(_message.Message):
     worker_id: str
     produced_unix_ms: int
     epoch: int
-    def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("reply_id", "reason")
