@@ -43,3 +43,12 @@ REPLIES = Counter(
 PROMPT_TOKENS = Counter("tandem_chat_prompt_tokens_total", "Prompt tokens of replies that ended (final usage)", _REPLY)
 CACHED_TOKENS = Counter("tandem_chat_cached_tokens_total", "Of the prompt tokens, those served by a prefix cache", _REPLY)
 OUTPUT_TOKENS = Counter("tandem_chat_output_tokens_total", "Output tokens of replies that ended", _REPLY)
+
+# Refusals by the safety checks, watched as closely as errors: `direction` input (the user's
+# message, refused before anything starts) or output (an answer retracted mid-stream).
+MODERATED = Counter("tandem_chat_moderated_total", "Messages or answers the safety checks refused", ["direction", *_REPLY])
+INPUT_CHECK_SECONDS = Histogram(
+    "tandem_chat_input_check_seconds",
+    "The input check's time on one message (it runs while the prompt is built)",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
