@@ -83,7 +83,10 @@ def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
             error["retry_after"] = event.error.retry_after_s
         yield SseEvent(next_id, "error", error)
         return
-    yield SseEvent(next_id, "done", {"finish": finish_name(event.finish), "usage": usage_of(event)})
+    done: dict[str, object] = {"finish": finish_name(event.finish), "usage": usage_of(event)}
+    if event.model:  # the served model that wrote it (a worker's final names it)
+        done["model"] = event.model
+    yield SseEvent(next_id, "done", done)
 
 
 def log_seq_to_resume_after(last_event_id: int) -> int:

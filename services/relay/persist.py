@@ -1,5 +1,5 @@
-"""Saves a finished reply as its conversation's assistant turn: the logged text, the status and
-the output token count, whether or not any client is connected when it ends.
+"""Saves a finished reply as its conversation's assistant turn: the logged text, the status, the
+output token count and the model its final event names, whether or not any client is connected when it ends.
 
 The append that closes a reply's log also lists it as unpersisted, in the same step; it leaves
 that set only here, once its turn is stored (or it has none). While the store is down the reply
@@ -39,9 +39,13 @@ async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, c
     events = await logged_events(redis, reply_id)  # complete: its final event is logged
     text = "".join(event.text for event in events)
     num_output_tokens = events[-1].usage.output_tokens if events else 0
+    # The served model the worker's final event names (a router's or relay's final names none).
+    model = next((event.model for event in reversed(events) if event.model), "")
     keys = ReplyKeys(reply_id)
     try:
-        await store.finish_message(meta.conversation_id, meta.message_id, content=text, status=meta.status, tokens=num_output_tokens)
+        await store.finish_message(
+            meta.conversation_id, meta.message_id, content=text, status=meta.status, tokens=num_output_tokens, model=model
+        )
     except StoreUnavailable as exc:
         log.warning("reply %s is not stored yet (%s); the log is kept until it is", reply_id, exc)
         async with redis.pipeline(transaction=True) as pipe:

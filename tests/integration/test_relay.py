@@ -126,17 +126,28 @@ async def test_shuffled_and_repeated_deliveries_are_logged_once_in_order(ready, 
 
 
 async def test_a_finished_reply_is_stored_as_its_assistant_turn_with_nobody_connected(ready, nc, redis, store):
+    """...with the model its final event names (the one that wrote it), not the one it was asked of."""
     now = now_ms()
     conversation = await store.create_conversation(Conversation(uuid.uuid4().hex, "u1", "t", "m", now, now))
     reply_id = uuid.uuid4().hex
     await store.append_message(
         "u1",
-        NewMessage(id=reply_id, conversation_id=conversation.id, role=Role.ASSISTANT, content="", tokens=0, status=ReplyStatus.RUNNING),
+        NewMessage(
+            id=reply_id,
+            conversation_id=conversation.id,
+            role=Role.ASSISTANT,
+            content="",
+            tokens=0,
+            model="small",
+            status=ReplyStatus.RUNNING,
+        ),
     )
     await create_reply(
         redis, ReplyMeta(reply_id=reply_id, user_id="u1", conversation_id=conversation.id, message_id=reply_id), track_readers=False
     )
-    for event in reply_events(reply_id, 6):
+    events = reply_events(reply_id, 6)
+    events[-1].model = "large"
+    for event in events:
         await nc.publish(subjects.tokens(reply_id), encode(event))
 
     async def stored():
@@ -144,7 +155,7 @@ async def test_a_finished_reply_is_stored_as_its_assistant_turn_with_nobody_conn
         return message if message.status != ReplyStatus.RUNNING else None
 
     message = await wait_until(stored)
-    assert (message.status, message.content, message.tokens) == (ReplyStatus.COMPLETE, "t1 t2 t3 t4 t5 t6 ", 6)
+    assert (message.status, message.content, message.tokens, message.model) == (ReplyStatus.COMPLETE, "t1 t2 t3 t4 t5 t6 ", 6, "large")
 
 
 async def test_a_reply_nobody_reads_is_cancelled_then_stored_as_stopped(ready, nc, redis, store):

@@ -111,10 +111,11 @@ class ConversationStore(Protocol):
         conversation does not exist for this user."""
 
     async def finish_message(
-        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int
+        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int, model: str = ""
     ) -> Message | None:
-        """A running message becomes final with its text and token count. A message already final
-        is left as it is (the first final write wins) and returned. None when it does not exist."""
+        """A running message becomes final with its text and token count, and `model` (the one
+        that wrote it) when given; empty keeps the model it was appended with. A message already
+        final is left as it is (the first final write wins) and returned. None when it does not exist."""
 
     async def get_message(self, message_id: str) -> Message | None: ...
 

@@ -97,6 +97,8 @@ _QUERIES = {
     "get_id": "SELECT conversation_id, seq FROM messages_by_id WHERE id = ?",
     "claim_seq": f"INSERT INTO messages ({_MESSAGE_COLUMNS}, bucket) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
     "finish": "UPDATE messages SET content = ?, status = ?, tokens = ? WHERE conversation_id = ? AND bucket = ? AND seq = ? IF status = 'running'",
+    "finish_model": "UPDATE messages SET content = ?, status = ?, tokens = ?, model = ? "
+    "WHERE conversation_id = ? AND bucket = ? AND seq = ? IF status = 'running'",
     "get_message": f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq = ?",
     "messages_after": f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq > ?",
     "message_ids": "SELECT id FROM messages WHERE conversation_id = ? AND bucket = ?",
@@ -451,7 +453,7 @@ class CassandraStore:
 
     @_bounded
     async def finish_message(
-        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int
+        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int, model: str = ""
     ) -> Message | None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"{status.value} is not a final status")
@@ -459,7 +461,10 @@ class CassandraStore:
         if not rows or rows[0]["conversation_id"] != conversation_id or rows[0]["seq"] is None:
             return None
         seq = rows[0]["seq"]
-        await self._run("finish", content, status.value, tokens, conversation_id, self._bucket(seq), seq)
+        if model:
+            await self._run("finish_model", content, status.value, tokens, model, conversation_id, self._bucket(seq), seq)
+        else:
+            await self._run("finish", content, status.value, tokens, conversation_id, self._bucket(seq), seq)
         # Applied or not (the first final write wins), the stored row is the answer; counting its
         # tokens again is idempotent and repairs a count that a crash right here left behind.
         stored = await self._message_at(conversation_id, seq)

@@ -227,7 +227,7 @@ class SqliteStore:
         return _message(row)
 
     async def finish_message(
-        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int
+        self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int, model: str = ""
     ) -> Message | None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"{status.value} is not a final status")
@@ -237,7 +237,8 @@ class SqliteStore:
             if row is None or ReplyStatus(row["status"]) in FINAL_STATUSES:
                 return None if row is None else _message(row)
             await db.execute(
-                "UPDATE messages SET content = ?, status = ?, tokens = ? WHERE id = ?", (content, status.value, tokens, message_id)
+                "UPDATE messages SET content = ?, status = ?, tokens = ?, model = ? WHERE id = ?",
+                (content, status.value, tokens, model or row["model"], message_id),
             )
             await db.execute(
                 "UPDATE conversations SET total_tokens = total_tokens + ? WHERE id = ?", (tokens - row["tokens"], conversation_id)

@@ -402,7 +402,8 @@ class EngineHost:
                 stream = self._replies.stream_of(output.request_id)
                 if stream is None:
                     continue
-                by_reply.setdefault(output.request_id, []).append(token_event(output, stream.next_seq, self._worker_id, stream.epoch))
+                event = token_event(output, stream.next_seq, self._worker_id, stream.epoch, self._spec.model.name)
+                by_reply.setdefault(output.request_id, []).append(event)
                 stream.next_seq += 1
                 if output.is_finished or output.handoff is not None:
                     ended.append((output.request_id, stream))

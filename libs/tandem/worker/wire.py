@@ -45,9 +45,9 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
     )
 
 
-def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int) -> TokenEvent:
+def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int, model: str = "") -> TokenEvent:
     """The reply's event `seq` from its owner `epoch`: this output's token and text, and the finish
-    and usage of its last."""
+    and usage of its last, which names the served `model` that wrote the reply."""
     token_id = output.new_token_ids[0] if output.new_token_ids else None
     if output.finish_reason is not None:
         usage = common_pb2.Usage(
@@ -56,6 +56,7 @@ def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int) -> 
         finish = FINISH[output.finish_reason]
         final = final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
         final.epoch = epoch
+        final.model = model
         return final
     event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms(), epoch=epoch)
     if token_id is not None:

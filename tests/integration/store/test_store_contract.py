@@ -99,6 +99,20 @@ async def test_the_first_final_write_wins(store: ConversationStore) -> None:
     assert (await store.get_conversation("alice", conversation.id)).total_tokens == 5
 
 
+async def test_finishing_with_a_model_stores_the_model_that_wrote_it_and_without_keeps_the_appended_one(
+    store: ConversationStore,
+) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    moved = await store.append_message("alice", running_reply(conversation, parent_seq=0))  # appended as "smollm2"
+    kept = await store.append_message("alice", running_reply(conversation, parent_seq=0))
+    finished = await store.finish_message(conversation.id, moved.id, content="Hi.", status=ReplyStatus.COMPLETE, tokens=2, model="large")
+    assert (finished.model, (await store.get_message(moved.id)).model) == ("large", "large")
+    unnamed = await store.finish_message(conversation.id, kept.id, content="Hi.", status=ReplyStatus.COMPLETE, tokens=2)
+    assert (unnamed.model, (await store.get_message(kept.id)).model) == ("smollm2", "smollm2")
+    late = await store.finish_message(conversation.id, moved.id, content="again", status=ReplyStatus.STOPPED, tokens=9, model="other")
+    assert (late.model, late.content) == ("large", "Hi.")  # the first final write wins, model included
+
+
 async def test_finishing_an_unknown_message_or_in_another_conversation_finds_nothing(store: ConversationStore) -> None:
     conversation = await store.create_conversation(new_conversation())
     other = await store.create_conversation(new_conversation())

@@ -34,6 +34,12 @@ def test_done_carries_the_finish_and_usage():
     assert stream(log(3, FINISH_REASON_CANCELLED))[-1].data["finish"] == "cancelled"
 
 
+def test_done_names_the_model_the_final_event_names():
+    events = log(3)
+    events[-1].model = "SmolLM2-135M-Instruct-int8"
+    assert stream(events)[-1].data["model"] == "SmolLM2-135M-Instruct-int8"
+
+
 def test_an_error_event_ends_the_stream_with_its_code_and_message():
     events = log(2, FINISH_REASON_ERROR)
     events[-1].error.CopyFrom(Error(code="handoff_failed", message="no decode worker took it", retry_after_s=2))

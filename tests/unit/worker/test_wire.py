@@ -1,0 +1,28 @@
+"""The worker's events on the wire: the final one names the served model that wrote the reply."""
+
+from __future__ import annotations
+
+from tandem.bus.events import is_final
+from tandem.engine.engine import RequestOutput
+from tandem.engine.sequence import FinishReason
+from tandem.v1.common_pb2 import FINISH_REASON_STOP
+from tandem.worker.wire import token_event
+
+
+def output(finish: FinishReason | None) -> RequestOutput:
+    return RequestOutput("r1", (7,), "hi", finish, num_prompt_tokens=5, num_cached_tokens=2, num_output_tokens=3)
+
+
+def test_the_final_event_names_the_served_model_with_its_usage():
+    event = token_event(output(FinishReason.STOP), seq=3, worker_id="decode-0", epoch=1, model="SmolLM2-135M-Instruct-int8")
+    assert is_final(event) and event.finish == FINISH_REASON_STOP
+    assert event.model == "SmolLM2-135M-Instruct-int8"
+    assert (event.usage.input_tokens, event.usage.cached_tokens, event.usage.output_tokens) == (5, 2, 3)
+    assert (event.seq, event.epoch, event.worker_id, event.text, event.token_id) == (3, 1, "decode-0", "hi", 7)
+
+
+def test_a_token_event_before_the_end_carries_no_model():
+    event = token_event(output(None), seq=2, worker_id="decode-0", epoch=0, model="SmolLM2-135M-Instruct")
+    assert not is_final(event)
+    assert event.model == ""
+    assert (event.text, event.token_id) == ("hi", 7)
