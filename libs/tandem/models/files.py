@@ -10,6 +10,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from tandem.errors import StartupError
 
@@ -19,12 +20,15 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # its served id, without the quantization suffix
 GGUF_MAGIC = b"GGUF"
 
+Quantization = Literal["none", "int8"]  # how a worker keeps the weights in memory (models/quant.py)
+
 
 @dataclass(frozen=True)
 class ModelFile:
     path: Path
-    name: str  # the served model id: served_model_name, else the file's name without its extension, or the folder's name
+    name: str  # the served model id: served_model_name, else the file's name without its extension, or the folder's name (+ "-int8")
     format: str  # "gguf" | "safetensors"
+    quantization: Quantization = "none"
 
 
 def embedded_model_path() -> Path | None:
@@ -37,11 +41,14 @@ def embedded_model_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def open_model(path: Path | None, served_name: str = "") -> ModelFile:
+def open_model(path: Path | None, served_name: str = "", quantization: Quantization = "none") -> ModelFile:
     """Checks the configured model, or the embedded default when `path` is None. `served_name`
-    (the served_model_name setting): the id clients use for it; empty: one derived from the path."""
+    (the served_model_name setting): the id clients use for it; empty: one derived from the path,
+    with "-int8" appended when the weights are kept as int8, so the same file served two ways is
+    two models ("SmolLM2-135M-Instruct" and "SmolLM2-135M-Instruct-int8")."""
     model = _checked_model(path)
-    return replace(model, name=served_name) if served_name else model
+    name = served_name or (model.name if quantization == "none" else f"{model.name}-{quantization}")
+    return replace(model, name=name, quantization=quantization)
 
 
 def _checked_model(path: Path | None) -> ModelFile:

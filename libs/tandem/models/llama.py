@@ -27,8 +27,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.config = config
         self.attention = attention
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        # nn.Module, not nn.Linear: quant.quantize_model may swap in an Int8Linear
+        self.qkv_proj: nn.Module = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj: nn.Module = nn.Linear(config.q_size, config.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, num_heads, head_dim) and k, v (T, num_kv_heads, head_dim), q and k rotated."""

@@ -13,9 +13,10 @@ from tandem.errors import StartupError
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import load_hf_weights
 from tandem.models.config import ModelConfig
-from tandem.models.files import open_model
+from tandem.models.files import Quantization, open_model
 from tandem.models.gguf_weights import read_gguf
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.quant import quantize_model
 from tandem.models.safetensors_weights import read_hf_config, read_safetensors
 from tandem.models.tokenizer import Tokenizer
 
@@ -35,8 +36,11 @@ class LoadedModel:
         return tuple(dict.fromkeys([*self.config.eos_token_ids, *self.tokenizer.eos_token_ids]))
 
 
-def load_model(path: Path | None, dtype: torch.dtype, device: torch.device | str, attention: AttentionFn) -> LoadedModel:
-    """`path` None means the embedded SmolLM2 GGUF."""
+def load_model(
+    path: Path | None, dtype: torch.dtype, device: torch.device | str, attention: AttentionFn, quantization: Quantization = "none"
+) -> LoadedModel:
+    """`path` None means the embedded SmolLM2 GGUF. `quantization` "int8": the attention and MLP
+    projections are quantized from the loaded `dtype` weights (models/quant.py); the rest stays `dtype`."""
     checkpoint = open_model(path)
     if checkpoint.format == "gguf":
         gguf = read_gguf(checkpoint.path)
@@ -49,7 +53,7 @@ def load_model(path: Path | None, dtype: torch.dtype, device: torch.device | str
         weights = read_safetensors(checkpoint.path)
     model = LlamaForCausalLM.empty(config, attention, dtype, device)
     load_hf_weights(model, weights)
-    return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer)
+    return LoadedModel(model=quantize_model(model, quantization).eval(), config=config, tokenizer=tokenizer)
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

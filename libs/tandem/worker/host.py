@@ -134,8 +134,8 @@ class EngineHost:
 
     def _build_engine(self) -> Engine:
         spec = self._spec
-        loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device))
-        log.info("engine ready: %s, %s on %s", spec.model.name, spec.dtype, spec.device)
+        loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
+        log.info("engine ready: %s, %s (quantization %s) on %s", spec.model.name, spec.dtype, spec.model.quantization, spec.device)
         return Engine(loaded, spec.engine)
 
     def _after_change(self, engine: Engine) -> None:

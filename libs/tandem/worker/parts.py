@@ -76,7 +76,7 @@ class WorkerParts:
 
 def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     """Checks the model, the device and the gRPC port now, so a bad setting fails at start in one line."""
-    model = open_model(settings.model_path, settings.served_model_name)
+    model = open_model(settings.model_path, settings.served_model_name, settings.quantization)
     spec = EngineSpec.from_settings(settings, model)
     grpc_port = settings.grpc_port_for(role)
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")

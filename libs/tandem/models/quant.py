@@ -1,0 +1,113 @@
+"""Weight-only int8: the projections of every attention and MLP block kept as int8 in memory, so
+a decode step reads about half the bytes of bf16.
+
+Each output channel (row of a Linear's weight) has its own scale, absmax / 127 of that row,
+stored in the model's dtype; the row is round(w / scale), clamped to [-127, 127]. The layer
+computes x @ (w_int8 * scale).T (+ bias) with torch's fused CPU and CUDA kernel
+`_weight_int8pack_mm`, which dequantizes while it multiplies. That kernel pays per row of x, so
+it wins at decode batch sizes and loses on prefill chunks; above INT8_KERNEL_MAX_ROWS rows (and on
+devices without the kernel) the layer multiplies by the int8 weight cast to the dtype and scales
+the result instead, the same product.
+
+Embeddings, norms and the lm_head stay in the model's dtype: the embedding is a lookup (a decode
+step reads one row), and the logits are where int8 error shows most.
+
+A transformation of a loaded plain model (quantize_model), not a model variant: the forward code
+is unchanged, only its Linear modules are swapped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.files import Quantization
+from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+INT8_MAX = 127
+# Rows of x up to which the fused kernel beats casting the weight and a dense matmul. Measured on
+# the SmolLM2 shapes (576x1536, 1536x576, bf16, an AVX512-BF16 CPU): the kernel costs about
+# 20 us per row per million weights, the cast path about 300 us whatever the rows (up to ~64):
+# even at 16 rows, 2x faster at 8, 3-5x slower at 64.
+INT8_KERNEL_MAX_ROWS = 16
+KERNEL_OP = "aten::_weight_int8pack_mm"
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (int8 weight (out, in), scale (out,) in the weight's dtype), with
+    weight ≈ int8 * scale[:, None]. The int8 values are rounded against the stored scale, so the
+    dequantized weight is exactly int8 * scale. An all-zero row gets scale 1 (its values are 0)."""
+    w32 = weight.detach().float()
+    absmax = w32.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax)).to(weight.dtype)
+    q = torch.round(w32 / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def has_int8_kernel(device: torch.device) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(KERNEL_OP, device.type.upper())
+
+
+class Int8Linear(nn.Module):
+    """A bias-optional Linear whose weight is int8 with one scale per output channel."""
+
+    weight_int8: torch.Tensor  # (out, in) int8
+    scale: torch.Tensor  # (out,) in the model's dtype
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = weight_int8.shape[1]
+        self.out_features = weight_int8.shape[0]
+        # Buffers, not parameters: nothing trains them, and the engine reads the model's dtype
+        # from its parameters.
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.has_kernel = has_int8_kernel(weight_int8.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        weight_int8, scale = quantize_int8(linear.weight)
+        return cls(weight_int8, scale, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(out, in) weight_int8 * scale in the scale's dtype: what this layer multiplies by."""
+        return self.weight_int8.to(self.scale.dtype) * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != self.scale.dtype:
+            rows = rows.to(self.scale.dtype)
+        if self.has_kernel and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            out = torch._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scale)
+        else:
+            out = F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+@torch.no_grad()
+def quantize_model(model: LlamaForCausalLM, quantization: Quantization) -> LlamaForCausalLM:
+    """The model with every attention and MLP Linear replaced by an Int8Linear ("int8"), in place;
+    "none" returns it unchanged."""
+    if quantization == "none":
+        return model
+    for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _int8(attn.qkv_proj)
+        attn.o_proj = _int8(attn.o_proj)
+        mlp.gate_up_proj = _int8(mlp.gate_up_proj)
+        mlp.down_proj = _int8(mlp.down_proj)
+    return model
+
+
+def _int8(module: nn.Module) -> Int8Linear:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected an nn.Linear to quantize, got {type(module).__name__}")
+    return Int8Linear.from_linear(module)
