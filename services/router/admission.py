@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.router.placement import can_serve, num_context_tokens
+from services.router.pools import ModelPools
 from services.router.workers import LiveWorker
 from tandem.bus import subjects, validate
 from tandem.v1.generate_pb2 import GenerateRequest, Refusal
@@ -35,9 +36,11 @@ def parse_request(data: bytes) -> GenerateRequest | Refusal:
         return refusal("bad_request", str(exc))
 
 
-def admit(request: GenerateRequest, workers: Sequence[LiveWorker]) -> Admitted | Refusal:
+def admit(request: GenerateRequest, workers: Sequence[LiveWorker], pools: ModelPools = ModelPools()) -> Admitted | Refusal:
     """Admitted with the model that will answer, or the first reason to refuse.
-    `workers`: every live decode worker, ready or not."""
+    `workers`: every live decode worker, ready or not. `pools`: the models the settings name,
+    known (a refusal says no_workers, not unknown_model) while none of their workers is live;
+    "auto" is the large one."""
     problem = _check_shape(request)
     if problem is not None:
         return problem
@@ -46,8 +49,8 @@ def admit(request: GenerateRequest, workers: Sequence[LiveWorker]) -> Admitted |
     models_served = sorted({w.model for w in workers if w.model})
     if not models_served:
         return refusal("no_workers", "no decode worker has announced its model yet", NO_WORKERS_RETRY_AFTER_S)
-    model = choose_model(workers) if request.model in AUTO_MODELS else request.model
-    if model not in models_served:
+    model = large_model(workers, pools) if request.model in AUTO_MODELS else request.model
+    if model not in models_served and model not in pools.names:
         served = ", ".join(models_served)
         return refusal("unknown_model", f"model {request.model!r} is not served here; models served: {served} (or 'auto')")
     serving = [w for w in workers if can_serve(w, model)]
@@ -98,6 +101,11 @@ def _check_fits(request: GenerateRequest, model: str, window: int) -> Refusal | 
             f"(its window is {window} tokens, and the answer needs at least 1)",
         )
     return None
+
+
+def large_model(workers: Sequence[LiveWorker], pools: ModelPools) -> str:
+    """The large model: the one the settings name, else the one most workers serve."""
+    return pools.large or choose_model(workers)
 
 
 def choose_model(workers: Sequence[LiveWorker]) -> str:

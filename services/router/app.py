@@ -22,6 +22,7 @@ from services.router.ladder_watch import LadderWatch
 from services.router.lanes import LaneRefusals, WaitTargets
 from services.router.overload import Overload, OverloadConfig
 from services.router.placement import Placement, PlacementConfig
+from services.router.pools import ModelPools
 from services.router.prefix_index import PrefixIndex, nats_fetch_state
 from services.router.workers import WORKER_ROLES, WorkerRegistry
 from services.router.workers_api import workers_router
@@ -51,6 +52,7 @@ def build_app(settings: Settings) -> FastAPI:
     workers = WorkerRegistry(expiry_s=3.0, on_forget=forget_worker)
     targets = WaitTargets.from_settings(settings)
     ladder = Ladder(settings.ladder_interval_s)
+    pools = ModelPools.from_settings(settings)
     overload = Overload(
         ladder,
         OverloadConfig(free_max_tokens=settings.ladder_free_max_tokens, start_deadline_s=settings.ladder_start_deadline_s, targets=targets),
@@ -101,12 +103,13 @@ def build_app(settings: Settings) -> FastAPI:
             overload,
             targets,
             refusals,
+            pools,
         )
         await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
         await client.subscribe(subjects.HANDOFFS_ALL, cb=generate.outcomes.on_message)
         generate_subscription = await client.subscribe(subjects.GENERATE, queue=QUEUE_GROUP, cb=generate.on_request)
         await client.flush()  # the server has the subscriptions before we call ourselves ready
-        watch = LadderWatch(runtime.config.instance_id, ladder, workers, targets.free_s, client.publish)
+        watch = LadderWatch(runtime.config.instance_id, ladder, workers, targets.free_s, client.publish, pools)
         ladder_task = asyncio.create_task(watch.run(), name="overload-ladder")
         is_subscribed = True
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from services.router import metrics
-from services.router.admission import Admitted, admit, choose_model, parse_request
+from services.router.admission import AUTO_MODELS, Admitted, admit, large_model, parse_request
 from services.router.dispatch import QUEUE_FULL, Assign, DispatchConfig, DispatchResult, dispatch, failure_event
 from services.router.handoffs import HandoffOutcomes, continuation
 from services.router.ladder import Ladder
 from services.router.lanes import LANE_NAMES, LaneRefusals, WaitTargets, door_refusal, lane_of, order_for_lane
 from services.router.overload import Overload
 from services.router.placement import Placement, affinity_key, can_serve, num_context_tokens
+from services.router.pools import DOWN, FULL, ModelPools, count_fallback
 from services.router.workers import LiveWorker, WorkerRegistry
 from tandem.bus import encode, validate
 from tandem.bus.cancels import RecentCancels
@@ -86,8 +87,10 @@ class GenerateService:
         overload: Overload | None = None,
         targets: WaitTargets = WaitTargets(),
         refusals: LaneRefusals | None = None,
+        pools: ModelPools = ModelPools(),
     ) -> None:
         self._workers = workers
+        self._pools = pools
         self._overload = overload or Overload(Ladder(interval_s=10.0))  # rung 0 unless a ladder moves it
         self._targets = targets
         self.refusals = refusals or LaneRefusals()  # registry's on_forget should reach its forget
@@ -125,7 +128,7 @@ class GenerateService:
         request = parse_request(data)
         if isinstance(request, Refusal):
             return self._refuse(request), None
-        admitted = admit(request, self._workers.workers(DECODE_ROLE))
+        admitted = self._admit(request, self._workers.workers(DECODE_ROLE))
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
         if not request.resume_reply_id:  # a continuation was admitted once: it is not refused again
@@ -140,24 +143,57 @@ class GenerateService:
         job = self._plan(assignment, admitted.model, frozenset(), time.monotonic())
         return GenerateReply(reply_id=reply_id, model=admitted.model), job
 
+    def _admit(self, request: GenerateRequest, workers: list[LiveWorker]) -> Admitted | Refusal:
+        """admit(), and when no worker of the asked model takes work now, the other pool's model
+        where services.router.pools allows it (the request names it from then on)."""
+        admitted = admit(request, workers, self._pools)
+        if not isinstance(admitted, Refusal) or admitted.reason != "no_workers":
+            return admitted
+        asked = large_model(workers, self._pools) if request.model in AUTO_MODELS else request.model
+        other = self._pools.when_down(asked, lane_of(request), workers)
+        moved = self._readmit(request, other, workers) if other else None
+        if moved is None:
+            return admitted
+        count_fallback(asked, moved.model, DOWN)
+        request.model = moved.model
+        return moved
+
     def _admit_at_rung(self, request: GenerateRequest, admitted: Admitted) -> Admitted | Refusal:
         """The overload ladder's verdict (it may cap the request in place, or name the small
         model), then the door: refused when no worker of the model can start it within its lane's
-        target (by their refusals, and for free work their heartbeats' expected waits)."""
+        target (by their refusals, and for free work their heartbeats' expected waits), unless
+        it is the small model's and the large pool can (services.router.pools)."""
         lane = lane_of(request)
         workers = self._workers.workers(DECODE_ROLE)
-        verdict = self._overload.apply(request, lane, admitted.model, choose_model(workers), workers)
+        verdict = self._overload.apply(request, lane, admitted.model, large_model(workers, self._pools), workers, self._pools.small)
         if isinstance(verdict, Refusal):
             return verdict
         if verdict.model != admitted.model:
-            small = GenerateRequest()
-            small.CopyFrom(request)
-            small.model = verdict.model
-            readmitted = admit(small, workers)  # the small model's window must hold it too
-            if isinstance(readmitted, Admitted):
+            readmitted = self._readmit(request, verdict.model, workers)  # the small model's window must hold it too
+            if readmitted is not None:
                 request.model, admitted = verdict.model, readmitted
-        serving = [w for w in workers if can_serve(w, admitted.model)]
-        return door_refusal(lane, admitted.model, serving, self.refusals, self._targets) or admitted
+        refused = self._door(lane, admitted.model, workers)
+        if refused is None:
+            return admitted
+        other = self._pools.when_full(admitted.model)
+        moved = self._readmit(request, other, workers) if other else None
+        if moved is None or self._door(lane, moved.model, workers) is not None:
+            return refused
+        count_fallback(admitted.model, moved.model, FULL)
+        request.model = moved.model
+        return moved
+
+    def _door(self, lane: int, model: str, workers: list[LiveWorker]) -> Refusal | None:
+        serving = [w for w in workers if can_serve(w, model)]
+        return door_refusal(lane, model, serving, self.refusals, self._targets)
+
+    def _readmit(self, request: GenerateRequest, model: str, workers: list[LiveWorker]) -> Admitted | None:
+        """The request admitted for `model` instead (its window must hold it too), or None."""
+        moved = GenerateRequest()
+        moved.CopyFrom(request)
+        moved.model = model
+        admitted = admit(moved, workers, self._pools)
+        return admitted if isinstance(admitted, Admitted) else None
 
     def _plan(self, assignment: Assignment, model: str, excluded: frozenset[str], admitted_at_s: float) -> Job:
         """Where the reply goes: decode workers best first (none of `excluded`), and prefill

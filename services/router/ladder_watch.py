@@ -9,8 +9,9 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from services.router import metrics
-from services.router.admission import choose_model
+from services.router.admission import large_model
 from services.router.ladder import FleetReading, Ladder, read_fleet
+from services.router.pools import ModelPools
 from services.router.workers import WorkerRegistry
 from tandem.bus import encode, subjects
 from tandem.bus.events import now_ms
@@ -36,8 +37,17 @@ def ladder_status(router_id: str, ladder: Ladder, reading: FleetReading) -> Ladd
 
 
 class LadderWatch:
-    def __init__(self, router_id: str, ladder: Ladder, workers: WorkerRegistry, free_target_s: float, publish: Publish) -> None:
+    def __init__(
+        self,
+        router_id: str,
+        ladder: Ladder,
+        workers: WorkerRegistry,
+        free_target_s: float,
+        publish: Publish,
+        pools: ModelPools = ModelPools(),
+    ) -> None:
         self._router_id = router_id
+        self._pools = pools  # the large model's pool is the one watched
         self._ladder = ladder
         self._workers = workers
         self._free_target_s = free_target_s
@@ -47,7 +57,7 @@ class LadderWatch:
         """One observation when one is due; False when it is not yet."""
         workers = self._workers.workers(DECODE_ROLE)
         rung_before = self._ladder.rung
-        reading = read_fleet(workers, choose_model(workers), self._free_target_s)
+        reading = read_fleet(workers, large_model(workers, self._pools), self._free_target_s)
         if not self._ladder.observe(reading):
             return False
         metrics.LADDER_RUNG.set(self._ladder.rung)

@@ -36,3 +36,9 @@ QUEUE_WAIT = Histogram(
     ["lane"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+MODEL_FALLBACKS = Counter(
+    "tandem_router_model_fallbacks",
+    "Requests moved to the other model's pool, by why: down (no worker of the asked model takes work) or full "
+    "(every one is too busy to start it in time); small to large for any lane, large to small for free only",
+    ["from_model", "to_model", "why"],
+)

@@ -44,9 +44,12 @@ class Overload:
         self._ladder = ladder
         self._config = config
 
-    def apply(self, request: GenerateRequest, lane: int, model: str, large_model: str, workers: Sequence[LiveWorker]) -> Degraded | Refusal:
+    def apply(
+        self, request: GenerateRequest, lane: int, model: str, large_model: str, workers: Sequence[LiveWorker], small_model: str = ""
+    ) -> Degraded | Refusal:
         """The request under the current rung: refused, or admitted for a model (its max_tokens
-        capped in place). `workers`: every live decode worker."""
+        capped in place). `workers`: every live decode worker. `small_model`: the one free
+        requests go to from rung 1 (settings small_model); empty: the most served other one."""
         rung = self._ladder.rung
         if rung == 0 or lane == LANE_PAID:
             return Degraded(model)
@@ -54,7 +57,7 @@ class Overload:
         if lane == LANE_BACKGROUND:
             return self._refuse(rung, "background work is paused while the service is busy", retry_after_s)
         if model == large_model:
-            model = self._small_model(model, workers)
+            model = self._small_model(model, workers, small_model)
         if rung >= 2 and request.sampling.max_tokens > self._config.free_max_tokens:
             request.sampling.max_tokens = self._config.free_max_tokens
             metrics.LADDER_FREE_CAPPED.inc()
@@ -74,12 +77,12 @@ class Overload:
                 return self._refuse(rung, message, max(retry_after_s, wait_s - deadline_s))
         return Degraded(model)
 
-    def _small_model(self, large_model: str, workers: Sequence[LiveWorker]) -> str:
-        """Another model the workers serve now, for a free request (the most served, then by name);
-        the large one when there is none."""
+    def _small_model(self, large_model: str, workers: Sequence[LiveWorker], small_model: str) -> str:
+        """Another model the workers serve now, for a free request (`small_model` when named, else
+        the most served, then by name); the large one when there is none."""
         counts: dict[str, int] = {}
         for worker in workers:
-            if worker.model != large_model and worker.is_serving:
+            if worker.model != large_model and worker.is_serving and worker.model == (small_model or worker.model):
                 counts[worker.model] = counts.get(worker.model, 0) + 1
         if not counts:
             metrics.LADDER_SMALL_MODEL.labels(outcome="none_served").inc()
