@@ -1,10 +1,13 @@
-"""The models being served, from the decode workers' heartbeats: name -> context window, and
-since when (the start of the longest-running worker that serves it: OpenAI's `created`)."""
+"""The models being served, from the decode workers' heartbeats: name -> context window, since
+when (the start of the longest-running worker that serves it: OpenAI's `created`), and by how
+many workers. Several models may be served at once (a large and a small one, for `auto`), each by
+its own workers; `GET /v1/models` lists every one a live heartbeat names."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from nats.aio.msg import Msg
@@ -17,6 +20,13 @@ class ServedModel:
     name: str
     window_tokens: int
     created_unix_s: int
+    num_workers: int = 1
+
+
+def most_served(models: Iterable[ServedModel], excluding: str = "") -> ServedModel | None:
+    """The model most workers serve (then by name, as the routers choose for "auto"), other than
+    `excluding`."""
+    return min((m for m in models if m.name != excluding), key=lambda m: (-m.num_workers, m.name), default=None)
 
 
 class ModelsView:
@@ -46,15 +56,18 @@ class ModelsView:
         for model in sorted(live, key=lambda m: -m.window_tokens):
             earlier = out.get(model.name)
             created_unix_s = model.created_unix_s if earlier is None else min(earlier.created_unix_s, model.created_unix_s)
-            out[model.name] = replace(model, created_unix_s=created_unix_s)
+            num_workers = 1 if earlier is None else earlier.num_workers + 1
+            out[model.name] = replace(model, created_unix_s=created_unix_s, num_workers=num_workers)
         return out
 
+    def most_served(self, excluding: str = "") -> ServedModel | None:
+        return most_served(self.models().values(), excluding)
+
     def resolve(self, requested: str) -> ServedModel | None:
-        """ "auto" (or empty) is any served model; otherwise the one named."""
-        models = self.models()
+        """ "auto" (or empty) is the model most workers serve; otherwise the one named."""
         if requested in ("", "auto"):
-            return next(iter(sorted(models.values(), key=lambda m: m.name)), None)
-        return models.get(requested)
+            return self.most_served()
+        return self.models().get(requested)
 
     async def resolve_soon(self, requested: str, wait_s: float) -> ServedModel | None:
         """`resolve`, but when no model is known at all (this process just started, or every worker

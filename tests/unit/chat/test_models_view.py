@@ -41,3 +41,13 @@ async def test_a_model_was_created_when_its_earliest_worker_started():
     await view.on_heartbeat(heartbeat("d1", window=8192, started_unix_ms=1_700_000_500_999))
     await view.on_heartbeat(heartbeat("d2", window=4096, started_unix_ms=1_700_000_900_000))
     assert view.resolve("m1").created_unix_s == 1_700_000_500
+
+
+async def test_auto_is_the_model_most_workers_serve_and_every_served_model_is_listed():
+    view = ModelsView()
+    for worker, model in (("d1", "large"), ("d2", "large"), ("d3", "small"), ("d4", "a-small")):
+        await view.on_heartbeat(heartbeat(worker, model=model))
+    assert sorted(view.models()) == ["a-small", "large", "small"]
+    assert view.models()["large"].num_workers == 2
+    assert view.resolve("auto").name == "large"  # not the first by name
+    assert view.most_served(excluding="large").name == "a-small"  # a tie goes by name, as the routers break it
