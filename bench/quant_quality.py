@@ -1,0 +1,228 @@
+"""What int8 weights cost in quality and buy in speed: SmolLM2-135M in the dtype against the same
+weights kept as int8 (TANDEM_QUANTIZATION=int8, the small model of `tandem up`).
+
+    .venv/bin/python bench/quant_quality.py [--quick] [--threads N] [--out results.json]
+
+Quality, on fixed inputs:
+- greedy agreement: the chat set (tandem.ops.chat_prompts) through the engine, `--new-tokens`
+  greedy tokens each: the share of replies identical to the dtype's, and the share of tokens
+  written before a reply first differs.
+- perplexity of bench/data/perplexity.txt (a short English text shipped here), one forward over
+  the whole text, and the share of its positions where both models predict the same next token.
+
+Speed: decode tokens/s at each `--batches` size (that many short chat prompts at once, each
+writing `--decode-tokens` tokens; tokens/s = batch / median TPOT), best of `--repeats`, the two
+models alternating so that both see the same machine load. Also the bytes of the projection weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+from common import kv_blocks_for, percentile, resolve_engine, run_timed, set_threads, write_json
+
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import SamplingOptions
+from tandem.kernels import select_attention
+from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
+from tandem.models.loader import LoadedModel, load_model
+from tandem.models.quant import Int8Linear
+from tandem.ops.chat_prompts import chat_set
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+FULL = dict(prompts=34, new_tokens=32, batches="1,8", decode_tokens=64, repeats=3)
+QUICK = dict(prompts=4, new_tokens=8, batches="1,2", decode_tokens=8, repeats=1)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"smoke-test sizes: {QUICK}")
+    parser.add_argument("--prompts", type=int, help=f"chat-set conversations for greedy agreement (default {FULL['prompts']}, all)")
+    parser.add_argument("--new-tokens", type=int, help=f"greedy tokens per reply (default {FULL['new_tokens']})")
+    parser.add_argument("--batches", help=f"decode batch sizes, comma-separated (default {FULL['batches']})")
+    parser.add_argument("--decode-tokens", type=int, help=f"tokens each request writes in the speed runs (default {FULL['decode_tokens']})")
+    parser.add_argument("--repeats", type=int, help=f"speed runs per model and batch; the best counts (default {FULL['repeats']})")
+    parser.add_argument("--text", type=Path, default=TEXT, help="text for perplexity (default bench/data/perplexity.txt)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, all cores)")
+    parser.add_argument(
+        "--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="the unquantized model's dtype and int8's activations"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args()
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.batches = [int(n) for n in args.batches.split(",")]
+    return args
+
+
+# -- quality ------------------------------------------------------------------------------------
+
+
+def greedy_replies(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> list[tuple[int, ...]]:
+    sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
+    blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=blocks))
+    timings = run_timed(engine, [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
+    return [timings[f"r{i}"].output_token_ids for i in range(len(prompts))]
+
+
+def agreement(reference: list[tuple[int, ...]], other: list[tuple[int, ...]]) -> dict:
+    """Identical replies, and tokens written before each reply first differs (after that the two
+    continue different texts, so later positions say nothing)."""
+    num_same_prefix = 0
+    for a, b in zip(reference, other, strict=True):
+        num_same_prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    return {
+        "identical_replies": sum(a == b for a, b in zip(reference, other, strict=True)),
+        "num_replies": len(reference),
+        "tokens_before_first_difference": num_same_prefix / sum(len(a) for a in reference),
+    }
+
+
+@torch.inference_mode()
+def sequence_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+    """(len, vocab) float32 logits of one sequence, one forward over a fresh paged KV cache."""
+    config, block_size = loaded.config, EngineConfig.block_size
+    num_blocks = -(-len(token_ids) // block_size)
+    weight = loaded.model.model.embed_tokens.weight
+    shape = KvCacheShape(num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim)
+    kv_cache = torch.zeros(shape.as_tuple(), dtype=weight.dtype, device=weight.device)
+    length = len(token_ids)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(length, device=weight.device),
+        query_start_loc=torch.tensor([0, length], dtype=torch.int32, device=weight.device),
+        seq_lens=torch.tensor([length], dtype=torch.int32, device=weight.device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=weight.device)[None],
+        max_query_len=length,
+        max_seq_len=length,
+        is_decode_only=length == 1,
+    )
+    ids = torch.tensor(token_ids, device=weight.device)
+    hidden = loaded.model(ids, torch.arange(length, device=weight.device), kv_cache, meta)
+    return loaded.model.compute_logits(hidden)
+
+
+def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
+    targets = torch.tensor(token_ids[1:], device=logits.device)
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1], targets).item())
+
+
+# -- speed --------------------------------------------------------------------------------------
+
+
+def decode_tokens_per_s(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> float:
+    sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
+    blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=blocks))
+    timings = run_timed(engine, [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
+    return len(prompts) * 1e3 / percentile((t.tpot_ms for t in timings.values()), 50)
+
+
+def projection_bytes(loaded: LoadedModel) -> int:
+    """Bytes of the attention and MLP projections (what int8 shrinks), scales included."""
+    total = 0
+    for layer in loaded.model.model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            total += sum(t.nbytes for t in (*module.parameters(), *module.buffers()))
+    return total
+
+
+def main() -> None:
+    args = parse_args()
+    bench_start_s = time.perf_counter()
+    num_threads = set_threads(args.threads)
+    device, dtype = resolve_engine(args.device, args.dtype)
+    attention = select_attention(device)
+    models = {"dtype": load_model(None, dtype, device, attention), "int8": load_model(None, dtype, device, attention, "int8")}
+    assert any(isinstance(m, Int8Linear) for m in models["int8"].model.modules())
+    tokenizer = models["dtype"].tokenizer
+    conversations = chat_set()[: args.prompts]
+    prompts = [tokenizer.encode_chat(messages) for messages in conversations]
+    text_ids = tokenizer.encode(args.text.read_text())
+
+    replies = {name: greedy_replies(loaded, prompts, args.new_tokens) for name, loaded in models.items()}
+    logits = {name: sequence_logits(loaded, text_ids) for name, loaded in models.items()}
+    top1 = logits["dtype"].argmax(dim=-1) == logits["int8"].argmax(dim=-1)
+
+    short = sorted(prompts, key=len)
+    for loaded in models.values():  # warm-up: first calls allocate and pick kernels
+        decode_tokens_per_s(loaded, short[:2], 4)
+    speed: dict[str, dict[int, float]] = {name: {} for name in models}
+    for batch in args.batches:
+        batch_prompts = (short * batch)[:batch]
+        for _ in range(args.repeats):
+            for name, loaded in models.items():  # alternating: both see the same load
+                rate = decode_tokens_per_s(loaded, batch_prompts, args.decode_tokens)
+                speed[name][batch] = max(rate, speed[name].get(batch, 0.0))
+
+    result = {
+        "models": {
+            name: {
+                "quantization": "int8" if name == "int8" else "none",
+                "perplexity": perplexity(logits[name], text_ids),
+                "projection_bytes": projection_bytes(loaded),
+                "decode_tokens_per_s": {str(b): speed[name][b] for b in args.batches},
+            }
+            for name, loaded in models.items()
+        },
+        "greedy_agreement": agreement(replies["dtype"], replies["int8"]),
+        "text_top1_agreement": top1.float().mean().item(),
+        "workload": {
+            "num_prompts": len(prompts),
+            "new_tokens": args.new_tokens,
+            "text": str(args.text),
+            "text_tokens": len(text_ids),
+            "batches": args.batches,
+            "decode_tokens": args.decode_tokens,
+            "repeats": args.repeats,
+        },
+        "env": {
+            "dtype": str(dtype).removeprefix("torch."),
+            "device": device,
+            "threads": num_threads,
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "quick": args.quick,
+        },
+    }
+    result["elapsed_s"] = time.perf_counter() - bench_start_s
+    print_table(result)
+    write_json(args.out, result)
+
+
+def print_table(r: dict) -> None:
+    env, w, m = r["env"], r["workload"], r["models"]
+    dtype, int8 = m["dtype"], m["int8"]
+    g = r["greedy_agreement"]
+    print(f"\nint8 vs {env['dtype']}: SmolLM2-135M-Instruct on {env['device']}, torch threads={env['threads']}, torch {env['torch']}")
+    print("-" * 72)
+    print(f"  {'':<40}{env['dtype']:>14}{'int8':>14}")
+
+    def row(label: str, a: str, b: str) -> None:
+        print(f"  {label:<40}{a:>14}{b:>14}")
+
+    row("projection weights MB", f"{dtype['projection_bytes'] / 1e6:.1f}", f"{int8['projection_bytes'] / 1e6:.1f}")
+    row(f"perplexity ({w['text_tokens']} tokens of text)", f"{dtype['perplexity']:.3f}", f"{int8['perplexity']:.3f}")
+    for batch in w["batches"]:
+        key = str(batch)
+        row(f"decode tokens/s, batch {batch}", f"{dtype['decode_tokens_per_s'][key]:.1f}", f"{int8['decode_tokens_per_s'][key]:.1f}")
+    print("agreement with the unquantized model")
+    row(f"identical greedy replies ({w['new_tokens']} tokens)", "", f"{g['identical_replies']} / {g['num_replies']}")
+    row("tokens before a reply first differs", "", f"{100 * g['tokens_before_first_difference']:.1f}%")
+    row("same next-token prediction on the text", "", f"{100 * r['text_top1_agreement']:.1f}%")
+    print("-" * 72)
+    print(
+        f"greedy replies: the first {w['num_prompts']} chat-set conversations; decode: batch x short chat prompts, "
+        f"{w['decode_tokens']} tokens each,\nbatch / median TPOT, best of {w['repeats']}; bench took {r['elapsed_s']:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
