@@ -2,7 +2,8 @@
 consumer that all relays share) is appended to its reply's Redis token log and then
 acknowledged; a reply's final event gets its assistant turn stored and its quota settled; a
 sweep several times a second continues replies whose worker was lost and, about once a second,
-cancels replies nobody reads and retries turns the store did not take."""
+cancels replies nobody reads and retries turns the store did not take. The output safety check
+(moderation.py) reads each reply's newest text every few tokens and ends a reply that trips it."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from redis.exceptions import RedisError
 
 from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
+from services.relay.moderation import OutputCheckConfig, OutputModerator, load_output_check
 from services.relay.persist import PersistConfig, persist_reply
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
+from tandem.bus.events import is_final
 from tandem.bus.token_stream import publish_final as publish_final_event
 from tandem.config import Settings
 from tandem.quota import QuotaConfig, TokenBuckets
@@ -49,6 +52,8 @@ def build_app(settings: Settings) -> FastAPI:
         running_ttl_s=settings.running_reply_ttl_s,
     )
     claims = Claims()
+    output_check = load_output_check(settings.output_moderation)
+    moderator: OutputModerator | None = None
     quotas = QuotaSettler(redis, TokenBuckets(redis, QuotaConfig.from_settings(settings)))
     tasks: set[asyncio.Task[None]] = set()
     consumer: TokenConsumer | None = None
@@ -70,6 +75,9 @@ def build_app(settings: Settings) -> FastAPI:
 
     async def log_event(event: TokenEvent) -> None:
         """Raises when the log cannot take it, so the event is redelivered."""
+        if moderator is not None and is_final(event) and not await moderator.admit_final(event):
+            metrics.EVENTS_DROPPED.labels(why="moderated").inc()  # the reply ended as moderated instead
+            return
         appended = await writer.append(event)
         if appended.is_stale:
             metrics.EVENTS_DROPPED.labels(why="stale").inc()
@@ -80,6 +88,8 @@ def build_app(settings: Settings) -> FastAPI:
             metrics.REPLIES_FINISHED.labels(status=appended.final_status.value).inc()
             spawn(persist_soon(event.reply_id), f"persist:{event.reply_id}")
             spawn(quotas.settle(event), f"quota:{event.reply_id}")
+        if moderator is not None:
+            moderator.after_append(event, appended)
 
     def spawn(work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
@@ -91,6 +101,9 @@ def build_app(settings: Settings) -> FastAPI:
 
     async def publish_final(event: TokenEvent) -> None:
         await publish_final_event(runtime.bus.client.jetstream(), event)
+
+    if output_check is not None:
+        moderator = OutputModerator(redis, output_check, publish, publish_final, OutputCheckConfig.from_settings(settings))
 
     async def every(interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -130,6 +143,8 @@ def build_app(settings: Settings) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
         if stalls is not None:
             await stalls.stop()
+        if moderator is not None:
+            await moderator.stop()
         await store.close()
 
     runtime.bus.on_connect(start_watching)

@@ -29,6 +29,15 @@ log = logging.getLogger(__name__)
 HandleEvent = Callable[[TokenEvent], Awaitable[None]]  # raises RedisError/OSError when the log cannot take it
 
 
+class Redeliver(Exception):
+    """The handler cannot take the event yet (a final event whose predecessors are not logged, so
+    its output check cannot read its window): it is handed back and redelivered after `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(f"redeliver after {delay_s} s")
+        self.delay_s = delay_s
+
+
 @dataclass(frozen=True)
 class TokenConsumerConfig:
     max_age_s: float  # settings.token_stream_max_age_s
@@ -100,6 +109,8 @@ class TokenConsumer:
         try:
             event = validate.token_event(message.data, message.subject)
             await self._handle(event)
+        except Redeliver as wait:
+            await self._settle(message.nak(delay=wait.delay_s))
         except validate.Invalid as exc:
             metrics.EVENTS_DROPPED.labels(why="bad").inc()
             validate.drop("token_event", message.subject, exc)

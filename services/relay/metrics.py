@@ -1,6 +1,6 @@
 """The relay's own Prometheus metrics."""
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 EVENTS_LOGGED = Counter("tandem_relay_events_logged_total", "Token events appended to a reply's log")
 EVENTS_DROPPED = Counter(
@@ -16,3 +16,11 @@ CONTINUATIONS = Counter("tandem_relay_continuations_total", "Stalled replies res
 REPLIES_LOST = Counter("tandem_relay_replies_lost_total", "Stalled replies ended with an error after their last continuation")
 WORKERS_GONE = Counter("tandem_relay_workers_gone_total", "Workers a ping found gone (no responders): their replies continue at once")
 PERSIST_RETRIES = Counter("tandem_relay_persist_retries_total", "Tries by a sweep to store a finished reply the store did not take at once")
+MODERATED = Counter(
+    "tandem_relay_moderated_total", "Replies the output check ended as moderated while they streamed", ["direction", "tier", "model"]
+)
+OUTPUT_CHECK_SECONDS = Histogram(
+    "tandem_relay_output_check_seconds",
+    "Seconds one call of the output check took (the windows due at once, scored together on the check's thread)",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+)

@@ -96,7 +96,7 @@ async def read(
                 last_id = item_id
 
 
-async def logged_events(redis: Redis, reply_id: str, *, until: str = "+") -> list[TokenEvent]:
-    """The events logged so far (up to the entry id `until`), at once (one range read, no waiting)."""
-    entries = await redis.xrange(ReplyKeys(reply_id).log, max=until) or []
+async def logged_events(redis: Redis, reply_id: str, *, since: str = "-", until: str = "+") -> list[TokenEvent]:
+    """The events logged so far (from the entry id `since` up to `until`), at once (one range read, no waiting)."""
+    entries = await redis.xrange(ReplyKeys(reply_id).log, min=since, max=until) or []
     return [_event_of(fields) for _, fields in entries]

@@ -1,0 +1,87 @@
+"""The output check's cadence and window: a check every N tokens (also when an append logs
+several at once, filling a gap), the newest characters only, the tier from the request's lane,
+and windows due together scored in one call of the check."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from services.relay.moderation import BatchScorer, crosses_check, newest_chars, tier_of
+from tandem.safety import Blocklist
+from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_FREE, LANE_PAID
+from tandem.v1.generate_pb2 import GenerateRequest
+
+
+def checked_seqs(appends: Sequence[tuple[int, int]], every_tokens: int) -> list[int]:
+    """The log's last seq after each append (num appended, last seq) whose append calls for a check."""
+    return [last for num, last in appends if crosses_check(last, num, every_tokens)]
+
+
+def test_a_check_is_due_every_nth_token_of_a_reply_appended_one_by_one():
+    assert checked_seqs([(1, seq) for seq in range(1, 30)], 8) == [8, 16, 24]
+    assert checked_seqs([(1, seq) for seq in range(1, 5)], 1) == [1, 2, 3, 4]
+
+
+def test_an_append_that_fills_a_gap_across_a_check_turn_checks_at_its_last_seq():
+    # seq 7 arrives late: its append logs 7..10 at once, passing the turn at 8
+    assert checked_seqs([(1, 5), (1, 6), (0, 6), (0, 6), (0, 6), (4, 10), (1, 11)], 8) == [10]
+
+
+def test_a_duplicate_or_a_held_event_checks_nothing():
+    assert not crosses_check(16, 0, 8)  # nothing appended: the log's last seq sits on a turn already checked
+
+
+def test_the_window_is_the_newest_characters():
+    assert newest_chars("abcdef", 4) == "cdef"
+    assert newest_chars("abc", 4) == "abc"
+
+
+def test_the_tier_is_the_lane_the_reply_was_asked_in():
+    assert [tier_of(GenerateRequest(lane=lane).SerializeToString()) for lane in (LANE_PAID, LANE_FREE, LANE_BACKGROUND)] == [
+        "paid",
+        "free",
+        "background",
+    ]
+    assert tier_of(b"") == "unknown"
+    assert tier_of(GenerateRequest(reply_id="r").SerializeToString()) == "unknown"
+
+
+class CountingBlocklist(Blocklist):
+    """A blocklist that records each call's texts."""
+
+    def __init__(self, terms: Sequence[str]) -> None:
+        super().__init__(terms)
+        self.calls: list[list[str]] = []
+
+    def score(self, texts: Sequence[str]) -> list[float]:
+        self.calls.append(list(texts))
+        return super().score(texts)
+
+
+async def test_windows_due_at_once_are_scored_in_one_call_each_with_its_own_verdict():
+    check = CountingBlocklist(["forbidden"])
+    scorer = BatchScorer(check, max_batch=3)
+    try:
+        texts = ["plain words", "a forbidden word", "more plain words", "Forbidden!"]
+        scores = await asyncio.gather(*(scorer.score(text) for text in texts))
+        assert await scorer.score("later, alone") == 0.0
+    finally:
+        scorer.close()
+    assert scores == [0.0, 1.0, 0.0, 1.0]
+    assert check.calls == [texts[:3], texts[3:], ["later, alone"]]  # at most max_batch a call
+
+
+async def test_a_check_that_fails_fails_only_the_windows_of_its_call():
+    class Broken(Blocklist):
+        def score(self, texts: Sequence[str]) -> list[float]:
+            raise RuntimeError("the moderation model is down")
+
+    scorer = BatchScorer(Broken(["x"]), max_batch=64)
+    try:
+        with pytest.raises(RuntimeError, match="moderation model"):
+            await scorer.score("anything")
+    finally:
+        scorer.close()
