@@ -1,6 +1,7 @@
 """A reply's token log as the product's SSE events, numbered from 1 with `id:` lines:
 `meta` is 1; the event of log seq s is a `delta` with id s+1; the final log event gives its
-text as a delta (when it has any) and then `done` (or `error`), so ids stay contiguous and a
+text as a delta (when it has any) and then `done` (or `error`; or only `moderated`, for a reply
+the output check withdrew), so ids stay contiguous and a
 client resuming with Last-Event-ID N receives exactly the events after N. One helper builds
 every such response. A live reply's events are encoded to bytes once (services.chat.fanout) and
 written as they are: sse-starlette passes `bytes` through unchanged."""
@@ -18,11 +19,16 @@ from starlette.types import Receive, Scope, Send
 
 from services.chat.state import ChatState
 from tandem.bus.events import finish_name, is_final
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR
+from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
 SEPARATOR = EventSourceResponse.DEFAULT_SEPARATOR
+# What a reader of a reply the output check withdrew is told (the `moderated` event).
+WITHDRAWN = (
+    "This answer was withdrawn: the safety check stopped it while it was being written, and the text shown so far is hidden. "
+    "You can rephrase your message and try again."
+)
 # A client that takes no bytes for this many keep-alives is gone: its stream ends and frees its slot.
 SEND_TIMEOUT_KEEPALIVES = 2
 
@@ -60,9 +66,18 @@ def encode_frames(event: TokenEvent) -> Frames:
     return Frames(each, b"".join(data for _, data in each))
 
 
-def meta_event(message_id: str, model: str, num_dropped_turns: int = 0) -> SseEvent:
-    """`dropped_turns`: older turns of the conversation left out of the prompt to fit it."""
-    return SseEvent(1, "meta", {"message_id": message_id, "model": model, "dropped_turns": num_dropped_turns})
+def meta_event(message_id: str, model: str, num_dropped_turns: int = 0, route: dict[str, object] | None = None) -> SseEvent:
+    """`dropped_turns`: older turns of the conversation left out of the prompt to fit it; `route`:
+    how the model was chosen (services.chat.model_routing), on the stream of the request that chose it."""
+    data: dict[str, object] = {"message_id": message_id, "model": model, "dropped_turns": num_dropped_turns}
+    if route is not None:
+        data["route"] = route
+    return SseEvent(1, "meta", data)
+
+
+def moderated_event(event_id: int) -> SseEvent:
+    """Ends a reply the output check withdrew, instead of `done`: the client hides the text it showed."""
+    return SseEvent(event_id, "moderated", {"message": WITHDRAWN, "finish": finish_name(FINISH_REASON_CONTENT_FILTER)})
 
 
 def usage_of(event: TokenEvent) -> dict[str, int]:
@@ -73,6 +88,9 @@ def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
     next_id = event.seq + 1
     if not is_final(event):
         yield SseEvent(next_id, "delta", {"text": event.text})
+        return
+    if event.finish == FINISH_REASON_CONTENT_FILTER:  # any text it carries is withdrawn with the rest
+        yield moderated_event(next_id)
         return
     if event.text:
         yield SseEvent(next_id, "delta", {"text": event.text})

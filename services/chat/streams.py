@@ -12,7 +12,7 @@ from dataclasses import replace
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.errors import Gone, Unavailable
-from services.chat.sse import SseEvent, meta_event, sse_response
+from services.chat.sse import SseEvent, meta_event, moderated_event, sse_response
 from services.chat.state import ChatState
 from tandem.bus.events import ReplyStatus, finish_name, finish_of_status, now_ms
 from tandem.store import Message
@@ -34,6 +34,8 @@ async def as_logged(state: ChatState, message: Message) -> Message:
     if meta.is_running:
         return replace(message, content=text)
     tokens = events[-1].usage.output_tokens if events else 0
+    if meta.status == ReplyStatus.MODERATED:  # withdrawn by the output check: its text is not shown
+        text = ""
     return replace(message, content=text, status=meta.status, tokens=tokens)
 
 
@@ -64,6 +66,8 @@ async def _stored_events(message: Message) -> AsyncIterator[dict[str, str]]:
 
 
 def _final_event(message: Message, event_id: int) -> dict[str, str]:
+    if message.status == ReplyStatus.MODERATED:
+        return moderated_event(event_id).as_dict()
     finish = finish_of_status(message.status)
     if finish is not None:
         usage = {"input": 0, "cached": 0, "output": message.tokens}
