@@ -90,14 +90,14 @@ async def answer(
     reply_id = f"{shape.id_prefix}{new_reply_id()}"
     head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
     if not body.stream:
-        await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
         try:
             return await _whole(state, reply_id, head, shape, clock)
         finally:
             clock.close()
     slot = state.stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
     try:
-        await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
     except BaseException:
         slot.release()
         raise

@@ -59,16 +59,17 @@ def reserve_quota(state: ChatState, reply: ReplyRequest) -> AbstractAsyncContext
     return quotas.reserved(state, reply.user, reply.reply_id, len(reply.prompt_ids), reply.sampling.max_tokens)
 
 
-async def begin_reply(state: ChatState, reply: ReplyRequest) -> None:
+async def begin_reply(state: ChatState, reply: ReplyRequest) -> str:
     """Reserves the reply's worst case in the user's quota, records the reply and asks a router for
-    it; raises a ChatError (RateLimited when the quota cannot afford it yet; the router's reason as
-    its code when the router refuses it or none answers), and then nothing of it is kept and its
-    reservation is given back."""
+    it; returns the model the router admitted it for (another pool's when the asked one is down or
+    full: services.router.pools). Raises a ChatError (RateLimited when the quota cannot afford it
+    yet; the router's reason as its code when the router refuses it or none answers), and then
+    nothing of it is kept and its reservation is given back."""
     async with reserve_quota(state, reply):
-        await _begin(state, reply)
+        return await _begin(state, reply)
 
 
-async def _begin(state: ChatState, reply: ReplyRequest) -> None:
+async def _begin(state: ChatState, reply: ReplyRequest) -> str:
     request = GenerateRequest(
         request_id=reply.reply_id,
         reply_id=reply.reply_id,
@@ -98,6 +99,13 @@ async def _begin(state: ChatState, reply: ReplyRequest) -> None:
         kind = REFUSALS.get(refusal.reason, Unavailable)
         raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
     metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
+    if outcome.model and outcome.model != reply.model:  # a stream resumed later names the admitted model
+        await state.redis.eval(_SET_MODEL_IF_LOGGED, 1, ReplyKeys(reply.reply_id).meta, outcome.model)
+    return outcome.model or reply.model
+
+
+# Only on a meta hash that is still there, so the key keeps its TTL (a missing one is not made anew).
+_SET_MODEL_IF_LOGGED = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'model', ARGV[1]) end"
 
 
 async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateReply:

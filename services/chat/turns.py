@@ -195,13 +195,13 @@ async def _start(state: ChatState, conversation: Conversation, parent_seq: int, 
     )
     await _supersede(state, conversation.id, reply.reply_id)
     try:
-        await begin_reply(state, reply)
+        model = await begin_reply(state, reply)  # the router's: another pool's when the asked one is down or full
     except ChatError as exc:  # refused, or no router answered: it never runs
         await state.store.finish_message(conversation.id, reply.reply_id, content="", status=ReplyStatus.FAILED, tokens=0)
         await state.redis.delete(inflight_key(conversation.id))
         log.info("reply %s refused: %s: %s", reply.reply_id, exc.code, exc.message)
         raise
-    return StartedReply(reply.reply_id, reply.model, num_dropped)
+    return StartedReply(reply.reply_id, model, num_dropped)
 
 
 async def _supersede(state: ChatState, conversation_id: str, reply_id: str) -> None:

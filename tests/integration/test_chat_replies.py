@@ -27,13 +27,14 @@ from services.chat.state import ChatConfig, ChatState
 from services.chat.stream_slots import StreamSlots
 from services.chat.streaming import sse_stream
 from services.chat.streams import as_logged, finished_message_response
-from tandem.bus import Bus, BusConfig, decode, subjects
+from tandem.bus import Bus, BusConfig, decode, encode, subjects
 from tandem.bus.events import ReplyStatus, final_event, now_ms
 from tandem.config import ApiKey, Tier
 from tandem.store import Conversation, Message, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
-from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, TokenLogWriter, create_reply
+from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, TokenLogWriter, create_reply, load_reply
 from tandem.v1.common_pb2 import FINISH_REASON_STOP, SamplingParams
+from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 
 CONFIG = ChatConfig(
@@ -281,3 +282,21 @@ async def test_a_generate_with_no_router_running_is_503_at_once(state):
         await begin_reply(state, reply)
     assert refused.value.code == "no_router" and refused.value.retry_after_s > 0
     assert await nothing_left_of(state, reply.reply_id)
+
+
+async def test_a_reply_the_router_admits_for_another_model_is_recorded_with_that_model(state):
+    client = state.bus.client
+
+    async def router(msg) -> None:  # the small pool is down: the large model takes it
+        await msg.respond(encode(GenerateReply(reply_id=decode(msg.data, GenerateRequest).reply_id, model="large")))
+
+    answering = await client.subscribe(subjects.GENERATE, queue="router", cb=router)
+    await client.flush()
+    reply = dataclasses.replace(reply_request(), model="small")
+    try:
+        assert await begin_reply(state, reply) == "large"
+    finally:
+        await answering.unsubscribe()
+    meta = await load_reply(state.redis, reply.reply_id)
+    assert meta is not None and meta.model == "large", "a stream resumed later names the admitted model"
+    assert await state.redis.ttl(ReplyKeys(reply.reply_id).meta) > 0
