@@ -95,11 +95,16 @@ def active_branch(messages: Sequence[Message], tip_seq: int | None = None) -> li
 
 def active_history(messages: Sequence[Message], summary_upto_seq: int = 0, tip_seq: int | None = None) -> list[Message]:
     """The turns the model should see: the branch to `tip_seq` (default: the newest message)
-    without what the summary covers and without answers that failed or are still being written."""
+    without what the summary covers, without answers that failed or are still being written, and
+    without user turns the input check refused (stored to show, never sent to a model)."""
     return [
         m
         for m in active_branch(messages, tip_seq)
-        if m.seq > summary_upto_seq and (m.role == Role.USER or (m.status in (ReplyStatus.COMPLETE, ReplyStatus.STOPPED) and m.content))
+        if m.seq > summary_upto_seq
+        and (
+            (m.role == Role.USER and m.status != ReplyStatus.MODERATED)
+            or (m.status in (ReplyStatus.COMPLETE, ReplyStatus.STOPPED) and m.content)
+        )
     ]
 
 

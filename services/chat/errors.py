@@ -40,6 +40,12 @@ class InvalidRequest(ChatError):
     default_code = "invalid_request"
 
 
+class Moderated(InvalidRequest):
+    """A message the input check refused (services.chat.moderation): a 400 like any bad input."""
+
+    default_code = "moderated"
+
+
 class Unauthenticated(ChatError):
     default_code = "invalid_api_key"
 

@@ -1,0 +1,102 @@
+"""The input check: what a user sends is scored by the deployment's safety check (tandem.safety)
+before any quota is reserved or any reply started. The check runs in a thread, started the moment
+the message has passed its size checks, while the caller builds the prompt: it adds to the time
+to first token only what it takes beyond the prompt build, not its whole latency.
+
+A refused message is answered with one clear, non-judgemental message (an HTTP 400, code
+`moderated` on the product API, which stores the user turn as `moderated` so the conversation
+shows it (it is never sent to a model), `content_filter` on the OpenAI endpoints, which store
+nothing) and counted in `tandem_chat_moderated_total{direction="input"}`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from services.chat import metrics
+from services.chat.errors import Moderated, Unavailable
+from tandem.errors import StartupError
+from tandem.safety import TextCheck, Verdict, judge, load_check
+
+log = logging.getLogger(__name__)
+MODERATED_MESSAGE = "This message can't be answered as written. Please rephrase it and try again."
+OPENAI_CODE = "content_filter"  # what OpenAI's endpoints call a refused prompt
+
+
+@dataclass(frozen=True)
+class InputCheck:
+    """The deployment's check on what users send, and the score from which it refuses."""
+
+    check: TextCheck
+    threshold: float
+
+    def judge_timed(self, text: str) -> Verdict:
+        started = time.perf_counter()
+        try:
+            return judge(self.check, text, self.threshold)
+        finally:
+            metrics.INPUT_CHECK_SECONDS.observe(time.perf_counter() - started)
+
+
+def load_input_check(spec: str, threshold: float) -> InputCheck | None:
+    """The check `TANDEM_INPUT_MODERATION` names (None for `none`); loading profanity-check's
+    model takes about a second, so the caller runs this in a thread at startup. A spec that
+    names nothing loadable is a StartupError naming the setting."""
+    try:
+        check = load_check(spec)
+    except ValueError as exc:
+        raise StartupError(f"TANDEM_INPUT_MODERATION: {exc}") from None
+    return None if check is None else InputCheck(check, threshold)
+
+
+class PendingCheck:
+    """An input check already running in a thread; `is_refused` waits for its verdict."""
+
+    def __init__(self, running: asyncio.Future[Verdict] | None) -> None:
+        self._running = running
+
+    async def is_refused(self, tier: str, model: str) -> bool:
+        """True when the check refuses the message (counted); a check that fails is a 503,
+        never a message let through unchecked."""
+        if self._running is None:
+            return False
+        try:
+            verdict = await self._running
+        except Exception:  # a deployment's own check can fail in any way: it is logged in full
+            log.exception("the input check failed")
+            raise Unavailable("the message could not be checked; try again shortly", code="moderation_unavailable") from None
+        if verdict.flagged:
+            metrics.MODERATED.labels("input", tier, model).inc()
+            log.info("input refused by %s (score %.3f, tier %s, model %s)", verdict.check, verdict.score, tier, model)
+        return verdict.flagged
+
+
+def start_input_check(input_check: InputCheck | None, text: str) -> PendingCheck:
+    """Starts checking `text` in a thread now, so the caller can build the prompt meanwhile. A
+    caller that fails before it asks for the verdict leaves the check to finish unread."""
+    if input_check is None or not text.strip():
+        return PendingCheck(None)
+    running = asyncio.get_running_loop().run_in_executor(None, input_check.judge_timed, text)
+    running.add_done_callback(_mark_retrieved)
+    return PendingCheck(running)
+
+
+async def refuse_openai_input(checking: PendingCheck, tier: str, model: str) -> None:
+    """The OpenAI endpoints' refusal: OpenAI's error shape with code `content_filter`; those
+    endpoints store nothing."""
+    if await checking.is_refused(tier, model):
+        raise Moderated(MODERATED_MESSAGE, code=OPENAI_CODE)
+
+
+def last_user_text(messages: Sequence[Mapping[str, str]]) -> str:
+    """What an OpenAI chat request's user says now: its last user message ("" when none)."""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+
+
+def _mark_retrieved(future: asyncio.Future[Verdict]) -> None:
+    # A failure nobody awaits (the prompt build failed first) is not an unhandled error.
+    if not future.cancelled():
+        future.exception()
