@@ -13,6 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 from services.chat.auth import CurrentUser
 from services.chat.errors import InvalidRequest
 from services.chat.latency import Arrived, ReplyClock
+from services.chat.moderation import refuse_openai_input, start_input_check
 from services.chat.openai_replies import TEXT, answer, served_model
 from services.chat.openai_schemas import GenerationBody
 from services.chat.state import ChatState, State
@@ -42,8 +43,16 @@ class TextCompletionBody(GenerationBody):
 @router.post("/completions", response_model=None)
 async def completions(state: State, user: CurrentUser, arrived: Arrived, body: TextCompletionBody) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
-    model = await served_model(state, body.model)
-    prompt_ids = await _prompt_ids(state, body.only_prompt())
+    prompt = body.only_prompt()
+    if isinstance(prompt, str):
+        checking = start_input_check(state.input_check, prompt)  # in a thread, while tokenizing
+        prompt_ids = await _prompt_ids(state, prompt)
+    else:  # token ids: checked as the text they spell, once they are known to be in the vocabulary
+        prompt_ids = await _prompt_ids(state, prompt)
+        checking = start_input_check(state.input_check, state.require_tokenizer().decode(prompt_ids))
+    text = prompt if isinstance(prompt, str) else state.require_tokenizer().decode(prompt_ids)
+    model = await served_model(state, user, body.model, text)  # for `auto`, by how hard the prompt reads
+    await refuse_openai_input(checking, user.tier.value, model.name)
     return await answer(state, user, body, model, prompt_ids, TEXT, "prompt", ReplyClock(user.tier.value, model.name, arrived))
 
 

@@ -10,6 +10,7 @@ STREAMS_DROPPED = Counter("tandem_chat_streams_dropped_total", "Streams ended fo
 FEEDS_ACTIVE = Gauge("tandem_chat_feeds_active", "Replies this instance reads, one feed each, whatever its number of streams")
 READER_CONNECTIONS = Gauge("tandem_chat_stream_reader_connections", "Redis connections reading token logs (blocking XREAD)")
 STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed with Last-Event-ID > 0")
+SUMMARIES = Counter("tandem_chat_summaries_total", "Conversation summary jobs by outcome: written, refused, failed, skipped", ["outcome"])
 IDEMPOTENT_REPEATS = Counter(
     "tandem_chat_idempotent_repeats_total", "Requests that attached to the reply of an earlier one with the same key"
 )
@@ -51,4 +52,21 @@ INPUT_CHECK_SECONDS = Histogram(
     "tandem_chat_input_check_seconds",
     "The input check's time on one message (it runs while the prompt is built)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+
+# Which model answers a message (services.chat.model_routing): by the model chosen and who decided.
+MODEL_ROUTES = Counter(
+    "tandem_chat_model_routes_total",
+    "Messages routed to a model, by who decided: classifier, fallback, user, conversation, single_model",
+    ["model", "decided_by"],
+)
+DIFFICULTY_SCORES = Histogram(
+    "tandem_chat_difficulty_score",
+    "The difficulty classifier's scores (0 easy to 1 hard) of the messages it decided",
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+)
+DIFFICULTY_FALLBACKS = Counter(
+    "tandem_chat_difficulty_fallbacks_total",
+    "Messages the fallback rule routed because the classifier gave no score: none, error, timeout, busy",
+    ["reason"],
 )

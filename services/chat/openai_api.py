@@ -14,6 +14,7 @@ from services.chat.auth import CurrentUser
 from services.chat.errors import NotFound
 from services.chat.latency import Arrived, ReplyClock
 from services.chat.models_view import ServedModel
+from services.chat.moderation import last_user_text, refuse_openai_input, start_input_check
 from services.chat.openai_replies import CHAT, answer, served_model
 from services.chat.openai_schemas import ChatCompletionBody
 from services.chat.state import State
@@ -39,9 +40,11 @@ async def chat_completions(
     state: State, user: CurrentUser, arrived: Arrived, body: ChatCompletionBody
 ) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
-    model = await served_model(state, body.model)
     messages = [m.as_template_message() for m in body.messages]
+    checking = start_input_check(state.input_check, last_user_text(messages))  # in a thread, while routing and tokenizing
+    model = await served_model(state, user, body.model, last_user_text(messages))
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
+    await refuse_openai_input(checking, user.tier.value, model.name)
     return await answer(state, user, body, model, prompt_ids, CHAT, "messages", ReplyClock(user.tier.value, model.name, arrived))
 
 

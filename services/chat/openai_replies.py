@@ -15,19 +15,20 @@ from fastapi.responses import JSONResponse
 
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.latency import ReplyClock
+from services.chat.model_routing import UnknownModel, route_model
 from services.chat.models_view import ServedModel
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
+from services.chat.prompt import PromptCounter
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
 from services.chat.sse import StreamResponse, sse_response
 from services.chat.state import ChatState
 from services.chat.streaming import log_events
-from services.chat.turns import MODEL_WAIT_S
 from tandem import __version__
 from tandem.bus.events import is_final
 from tandem.config import ApiKey
 from tandem.runtime.request_id import error_body
 from tandem.tokenlog import ReplyGone
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Usage
+from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
 REPLY_LOST = "the reply's token log was lost before it ended; try again"
@@ -59,11 +60,14 @@ CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_ch
 TEXT = ReplyShape("cmpl-", "text_completion", "text_completion", is_chat=False)
 
 
-async def served_model(state: ChatState, requested: str) -> ServedModel:
-    model = await state.models.resolve_soon(requested, MODEL_WAIT_S)
-    if model is None:
-        raise NotFound(f"The model `{requested}` does not exist or is not served.", code="model_not_found", param="model")
-    return model
+async def served_model(state: ChatState, user: ApiKey, requested: str, text: str) -> ServedModel:
+    """The model that answers `text` (the request's last user message, or its prompt), as for the
+    product API (services.chat.model_routing) but with no conversation to stay on."""
+    try:
+        route = await route_model(state, user, requested, text, PromptCounter(state.require_tokenizer()).count)
+    except UnknownModel:
+        raise NotFound(f"The model `{requested}` does not exist or is not served.", code="model_not_found", param="model") from None
+    return route.model
 
 
 async def answer(
@@ -122,7 +126,9 @@ async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape
     clock.final(last)  # the whole answer goes out now
     if last.finish == FINISH_REASON_ERROR:
         raise Unavailable(last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s)
-    choice = shape.choice("".join(parts), openai_finish_reason(last.finish))
+    # A reply the output check withdrew (finish content_filter) answers with none of its text.
+    text = "" if last.finish == FINISH_REASON_CONTENT_FILTER else "".join(parts)
+    choice = shape.choice(text, openai_finish_reason(last.finish))
     return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
 
 

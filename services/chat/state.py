@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 from redis.asyncio import Redis
 
+from services.chat.difficulty import DifficultyJudge
 from services.chat.errors import Unavailable
 from services.chat.models_view import ModelsView
+from services.chat.moderation import InputCheck
 from tandem.bus import Bus
 from tandem.config import ApiKey, Settings, Tier
 from tandem.models.tokenizer import Tokenizer
@@ -19,6 +21,7 @@ from tandem.store import ConversationStore
 if TYPE_CHECKING:  # both hand out ChatState's parts to routes, so import it themselves
     from services.chat.fanout import FanoutHub
     from services.chat.stream_slots import StreamSlots
+    from services.chat.summaries import Summaries
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class ChatConfig:
     stream_limit_pro: int = 20000
     stream_buffer_events: int = 512  # live events queued for one client before it is dropped
     stream_readers: int = 4  # Redis connections reading token logs
+    # `auto` (services.chat.model_routing): the two models' served ids, the classifier's threshold,
+    # and the fallback rule's length; an empty small model: auto is the large one.
+    large_model: str = ""
+    small_model: str = ""
+    difficulty_threshold: float = 0.5
+    fallback_small_max_tokens: int = 200
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ChatConfig:
@@ -57,6 +66,10 @@ class ChatConfig:
             stream_limit_pro=settings.stream_limit_pro,
             stream_buffer_events=settings.stream_buffer_events,
             stream_readers=settings.stream_readers,
+            large_model=settings.large_model,
+            small_model=settings.small_model,
+            difficulty_threshold=settings.difficulty_threshold,
+            fallback_small_max_tokens=settings.fallback_small_max_tokens,
         )
 
     def prompt_budget_for(self, tier: Tier) -> int:
@@ -79,6 +92,9 @@ class ChatState:
     models: ModelsView
     tokenizer: Tokenizer | None = None  # loaded at start
     quotas: TokenBuckets | None = None  # the users' token buckets; None: no quotas apply
+    difficulty: DifficultyJudge | None = None  # scores messages for `auto`; None: the fallback rule decides
+    summaries: Summaries | None = None  # the conversation summary jobs; None: none are written
+    input_check: InputCheck | None = None  # loaded at start (before any request); None: none configured
 
     def require_tokenizer(self) -> Tokenizer:
         """The tokenizer; a request that needs it before it has loaded is told to retry."""

@@ -31,18 +31,30 @@ async def log_events(state: ChatState, reply_id: str) -> AsyncIterator[TokenEven
 
 
 def reply_response(
-    state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0, clock: ReplyClock | None = None
+    state: ChatState,
+    reply_id: str,
+    model: str,
+    last_event_id: int = 0,
+    num_dropped_turns: int = 0,
+    clock: ReplyClock | None = None,
+    route: dict[str, object] | None = None,
 ) -> StreamResponse:
     """The SSE response of a reply read from its log, after `last_event_id`; `clock` measures it
-    for the request that started the reply."""
-    response = sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock), reply_id)
+    for the request that started the reply, whose `meta` event says how its model was chosen (`route`)."""
+    response = sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock, route), reply_id)
     if clock is not None:
         response.on_close(clock.close)
     return response
 
 
 async def sse_stream(
-    state: ChatState, reply_id: str, model: str, last_event_id: int = 0, num_dropped_turns: int = 0, clock: ReplyClock | None = None
+    state: ChatState,
+    reply_id: str,
+    model: str,
+    last_event_id: int = 0,
+    num_dropped_turns: int = 0,
+    clock: ReplyClock | None = None,
+    route: dict[str, object] | None = None,
 ) -> AsyncIterator[bytes]:
     """The product's SSE events of a reply after `last_event_id`, as bytes. A client that falls
     `stream_buffer_events` live events behind is dropped: its stream ends and it resumes with
@@ -54,7 +66,7 @@ async def sse_stream(
     last_id = last_event_id
     if last_event_id < 1:
         last_id = 1
-        yield meta_event(reply_id, model, num_dropped_turns).encode()
+        yield meta_event(reply_id, model, num_dropped_turns, route).encode()
     after_seq = log_seq_to_resume_after(last_event_id)
     async with state.fanout.subscribe(reply_id, after_seq=after_seq, max_lag=state.config.stream_buffer_events) as subscription:
         feed = subscription.feed

@@ -1,0 +1,169 @@
+"""Which model answers a message: the decision behind `model: "auto"`.
+
+1. A paid user (plus, pro) who names a model gets it.
+2. Otherwise (auto, or a free user: a free user's named model is checked to exist, then treated as
+   auto) a conversation stays on the model it is on: the one its newest user turn was routed to.
+3. Otherwise the difficulty classifier's score decides (services.chat.difficulty): at least the
+   threshold goes to the large model, below it to the small one; with no classifier, or one that
+   raised or missed its deadline, the fallback rule does (short and without code: small).
+4. A decided model that no worker serves right now gives way to the other one (`instead_of`); so
+   does one whose pool the router finds down or full (services.router, `answered_by`).
+
+With no small model configured, everything goes to the large one (decided by `single_model`), as
+before there were two. Each decision is counted (tandem_chat_model_routes_total), its score
+observed, and logged under the request id."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import NamedTuple
+
+from services.chat import metrics
+from services.chat.difficulty import NONE, Scored, fallback_is_small
+from services.chat.errors import NotFound, Unavailable
+from services.chat.models_view import ServedModel, most_served
+from services.chat.state import ChatState
+from tandem.config import ApiKey, Tier
+from tandem.runtime.request_id import current_request_id
+from tandem.store import Message, Role
+
+log = logging.getLogger(__name__)
+AUTO = ("", "auto")
+MODEL_WAIT_S = 3.0  # a chat that just started hears the workers' heartbeats within a second or two
+
+
+class UnknownModel(NotFound):
+    """A named model that is neither served nor configured."""
+
+    default_code = "unknown_model"
+
+
+class Decision(str, Enum):
+    SMALL = "small"
+    LARGE = "large"
+    PICKED = "picked"  # the model the (paid) user named
+    CONVERSATION = "conversation"  # the model the conversation is on
+
+
+class DecidedBy(str, Enum):
+    CLASSIFIER = "classifier"
+    FALLBACK = "fallback"  # the fallback rule: no classifier, or it raised, was slow or busy
+    USER = "user"
+    CONVERSATION = "conversation"
+    SINGLE_MODEL = "single_model"  # no small model is configured
+
+
+@dataclass(frozen=True)
+class Route:
+    model: ServedModel
+    decision: Decision
+    decided_by: DecidedBy
+    score: float | None = None  # the classifier's, when it answered
+    instead_of: str = ""  # the model decided on, when another one answers (none of its workers served, or took, it)
+
+    def answered_by(self, model: str) -> Route:
+        """The route of a reply the router gave to `model` (another pool's when the decided one is
+        down or full)."""
+        if model == self.model.name:
+            return self
+        return replace(self, instead_of=self.instead_of or self.model.name)
+
+    def as_dict(self) -> dict[str, object]:
+        """As the `meta` event's `route`."""
+        out: dict[str, object] = {"decision": self.decision.value, "decided_by": self.decided_by.value, "score": self.score}
+        if self.instead_of:
+            out["instead_of"] = self.instead_of
+        return out
+
+
+def conversation_model(messages: Sequence[Message]) -> str:
+    """The model a conversation is on: the one its newest user turn was routed to ("" for none)."""
+    return next((m.model for m in reversed(messages) if m.role == Role.USER and m.model), "")
+
+
+async def route_model(
+    state: ChatState, user: ApiKey, requested: str, text: str, count_tokens: Callable[[str], int], on_model: str = ""
+) -> Route:
+    """The route for a message `text` from `user`, who asked for `requested`, in a conversation on
+    the model `on_model` ("" for a new one or none). `count_tokens` counts for the fallback rule.
+    Raises UnknownModel for a name nothing serves or configures, Unavailable when no model is served."""
+    served = await _served_soon(state)
+    config = state.config
+    small = config.small_model
+    large = config.large_model or _name(most_served(served.values(), excluding=small))
+    if requested not in AUTO and requested not in served and requested not in (large, small):
+        raise UnknownModel(f"model {requested!r} is not served; GET /v1/models lists those that are")
+    if requested not in AUTO and user.tier != Tier.FREE:
+        decided = _Decided(requested, Decision.PICKED, DecidedBy.USER)
+    elif on_model and (on_model in served or on_model in (large, small)):
+        decided = _Decided(on_model, Decision.CONVERSATION, DecidedBy.CONVERSATION)
+    elif not small or small == large:
+        decided = _Decided(large, Decision.LARGE, DecidedBy.SINGLE_MODEL)
+    else:
+        decided = await _by_difficulty(state, text, count_tokens, large, small)
+    model = _served_or_other(served, decided.name, large, small)
+    instead_of = decided.name if model.name != decided.name else ""
+    route = Route(model, decided.decision, decided.decided_by, decided.score, instead_of)
+    _record(route, user)
+    return route
+
+
+class _Decided(NamedTuple):
+    name: str
+    decision: Decision
+    decided_by: DecidedBy
+    score: float | None = None
+
+
+async def _served_soon(state: ChatState) -> dict[str, ServedModel]:
+    """The served models; right after a start, when none is known yet, after waiting for one."""
+    if not state.models.models():
+        await state.models.resolve_soon("auto", MODEL_WAIT_S)
+    return state.models.models()
+
+
+async def _by_difficulty(state: ChatState, text: str, count_tokens: Callable[[str], int], large: str, small: str) -> _Decided:
+    scored = await state.difficulty.score(text) if state.difficulty is not None else Scored(None, NONE)
+    if scored.score is not None:
+        metrics.DIFFICULTY_SCORES.observe(scored.score)
+        if scored.score >= state.config.difficulty_threshold:
+            return _Decided(large, Decision.LARGE, DecidedBy.CLASSIFIER, scored.score)
+        return _Decided(small, Decision.SMALL, DecidedBy.CLASSIFIER, scored.score)
+    metrics.DIFFICULTY_FALLBACKS.labels(reason=scored.why_not).inc()
+    num_tokens = await asyncio.to_thread(count_tokens, text)
+    if fallback_is_small(text, num_tokens, state.config.fallback_small_max_tokens):
+        return _Decided(small, Decision.SMALL, DecidedBy.FALLBACK)
+    return _Decided(large, Decision.LARGE, DecidedBy.FALLBACK)
+
+
+def _served_or_other(served: dict[str, ServedModel], name: str, large: str, small: str) -> ServedModel:
+    """`name` when a worker serves it, else the other of large and small, else the most served."""
+    other = small if name == large else large
+    model = served.get(name) or served.get(other) or most_served(served.values())
+    if model is None:
+        raise Unavailable("no model is being served yet; try again shortly", code="no_workers", retry_after_s=2.0)
+    return model
+
+
+def _name(model: ServedModel | None) -> str:
+    return "" if model is None else model.name
+
+
+def _record(route: Route, user: ApiKey) -> None:
+    metrics.MODEL_ROUTES.labels(model=route.model.name, decided_by=route.decided_by.value).inc()
+    score = "-" if route.score is None else f"{route.score:.3f}"
+    instead = f" instead of {route.instead_of} (not served)" if route.instead_of else ""
+    log.info(
+        "request %s: model %s%s: %s, decided by %s (score %s, tier %s)",
+        current_request_id(),
+        route.model.name,
+        instead,
+        route.decision.value,
+        route.decided_by.value,
+        score,
+        user.tier.value,
+    )
