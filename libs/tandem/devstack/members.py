@@ -21,7 +21,8 @@ from tandem.runtime.run import bind_port
 
 SERVER_ROLES = ("nats", "redis")
 SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
-NAME_WIDTH = 9  # "prefill-0"
+NAME_WIDTH = 15  # "small-decode-0" and a space
+SMALL_POOL = "small"  # the small model's decode workers: small-decode-0, small-decode-1, ...
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class StackConfig:
     num_decode_workers: int = 1
     num_prefill_workers: int = 1
     num_chat_instances: int = 1
+    # Decode workers of the small model (no prefill workers: they prefill locally), with
+    # `small_worker_env` over extra_env (its weights, quantization and served name).
+    num_small_decode_workers: int = 0
+    small_worker_env: dict[str, str] = field(default_factory=dict)
     roles: tuple[str, ...] = SERVICE_ROLES  # the services to run; () runs the servers alone
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
@@ -41,6 +46,16 @@ class StackConfig:
     def num_instances(self, role: str) -> int:
         counts = {"decode": self.num_decode_workers, "prefill": self.num_prefill_workers, "chat": self.num_chat_instances}
         return counts.get(role, 1)
+
+    def planned(self) -> list[tuple[str, int, str]]:
+        """(role, index, pool) of every service instance, in start order; pool "" is the large
+        model's (or the only one), SMALL_POOL the small model's decode workers."""
+        planned = []
+        for role in self.roles:
+            planned += [(role, index, "") for index in range(self.num_instances(role))]
+            if role == "decode":
+                planned += [(role, index, SMALL_POOL) for index in range(self.num_small_decode_workers)]
+        return planned
 
     @property
     def chat_ports(self) -> list[int]:
@@ -133,14 +148,17 @@ def service_member(
     redis_url: str,
     secrets: StackSecrets,
     on_line: Callable[[str, str], None],
+    pool: str = "",
 ) -> Member:
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
     kept across its restarts; chat instance i listens on chat_port + i, the other services and
     decode workers' UCX listeners take a free port each. It logs in to the bus as its role's user
-    (the URLs carry no login), with the Redis password and the internal secret of `secrets`."""
+    (the URLs carry no login), with the Redis password and the internal secret of `secrets`.
+    `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i)."""
     host = config.host
     http_port = config.chat_port + index if role == "chat" else free_port(host)
-    instance_id = f"{role}-{index}"  # kept across restarts: the router sees the same worker come back
+    # Kept across restarts: the router sees the same worker come back.
+    instance_id = f"{pool}-{role}-{index}" if pool else f"{role}-{index}"
     env = {
         **os.environ,
         **config.extra_env,
@@ -154,12 +172,13 @@ def service_member(
         "TANDEM_UCX_PORT": "0",
         "TANDEM_REDIS_USERNAME": "",  # not one from the caller's environment
         **secrets.service_env(role),
+        **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
     grpc_port = None
     if role in DEFAULT_GRPC_PORTS:
         grpc_port = free_port(host)
         env["TANDEM_GRPC_PORT"] = str(grpc_port)
-    name = member_name(role, index, config.num_instances(role))
+    name = instance_id if pool else member_name(role, index, config.num_instances(role))
     child = ChildProcess(name, [sys.executable, "-m", f"services.{role}"], env=env, on_line=on_line)
 
     def launch() -> ChildProcess:

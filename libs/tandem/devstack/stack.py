@@ -2,6 +2,12 @@
 services (N decode and M prefill workers, one router, one relay, one or more chat instances) —
 with prefixed logs, readiness, restarts with backoff, and an orderly stop on Ctrl-C.
 
+It serves two models: the large one (the configured weights, or the embedded SmolLM2, in the
+dtype) on those workers, and a small one on `small_decode_workers` more decode workers
+("small-decode-0", ...; no prefill workers: they prefill locally) that keep the weights as int8
+(small_model_quantization) from small_model_path, or the large model's file. Chat and router are
+told both names (TANDEM_LARGE_MODEL, TANDEM_SMALL_MODEL) for `auto` and the pools' fallbacks.
+
 The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
 
     config = StackConfig(host="127.0.0.1", chat_port=proc.free_ports(2), api_keys=keys, extra_env={...},
@@ -40,6 +46,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -53,6 +60,7 @@ from tandem.devstack.proc import ChildProcess, describe_exit
 from tandem.devstack.secrets import env_file_text, write_private
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.errors import StartupError
+from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
 
@@ -77,6 +85,11 @@ _STACK_OWNED_SETTINGS = frozenset(
         "redis_username",
         "redis_password",
         "internal_secret",
+        "small_decode_workers",
+        "small_model_path",
+        "small_model_quantization",
+        "large_model",
+        "small_model",
     }
 )
 OPERATOR_FILE = "operator.env"
@@ -125,10 +138,9 @@ class Stack:
         redis = await self._start_server("redis", lambda port: start_redis(self._workdir, self._console.line, port=port))
         self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
-        for role in self._config.roles:
-            for index in range(self._config.num_instances(role)):
-                member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line)
-                self._members.append(member)
+        for role, index, pool in self._config.planned():
+            member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool)
+            self._members.append(member)
         self._supervisors = [asyncio.create_task(self._supervise(m), name=f"supervise:{m.name}") for m in self._members]
         problem = await self._wait_all_ready()
         if problem:
@@ -359,6 +371,12 @@ class Stack:
                 self._console.say(f"{chat.name} at {chat.url}")
         for key, api_key in self._config.api_keys.items():
             self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
+        env = self._config.extra_env
+        if "TANDEM_SMALL_MODEL" in env:
+            small = f"{self._config.num_small_decode_workers} small-decode worker(s)"
+            self._console.say(
+                f'models: {env["TANDEM_LARGE_MODEL"]} (large), {env["TANDEM_SMALL_MODEL"]} (small, {small}); "auto" picks one'
+            )
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
         routers = self.members_of("router")
         if routers:  # its port is a free one: top needs to be told
@@ -391,6 +409,14 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
     for name, value in (flags or {}).items():
         if name not in _STACK_OWNED_SETTINGS:
             extra_env[f"TANDEM_{name.upper()}"] = str(value)
+    small_worker_env: dict[str, str] = {}
+    if settings.small_decode_workers:
+        pools = model_pools(settings)
+        extra_env.update({"TANDEM_LARGE_MODEL": pools.large, "TANDEM_SMALL_MODEL": pools.small})
+        small_worker_env = {"TANDEM_QUANTIZATION": settings.small_model_quantization, "TANDEM_SERVED_MODEL_NAME": pools.small}
+        small_path = settings.small_model_path or settings.model_path
+        if small_path is not None:
+            small_worker_env["TANDEM_MODEL_PATH"] = str(small_path)
     return StackConfig(
         host=settings.host,
         chat_port=settings.http_port_for("chat") if chat_port is None else chat_port,
@@ -399,4 +425,38 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
         num_decode_workers=settings.decode_workers,
         num_prefill_workers=settings.prefill_workers,
         num_chat_instances=settings.chat_instances,
+        num_small_decode_workers=settings.small_decode_workers,
+        small_worker_env=small_worker_env,
     )
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    large: str
+    small: str
+
+
+def model_pools(settings: Settings) -> ModelNames:
+    """The served ids of the two models `tandem up` serves: large_model and small_model when set,
+    else named as a worker names its model (tandem.models.files): the served_model_name or the
+    file's, and the small one's file name with its quantization ("SmolLM2-135M-Instruct" and
+    "SmolLM2-135M-Instruct-int8" by default). Raises StartupError when both would be one model."""
+    large = settings.large_model or settings.served_model_name or _file_model_name(settings.model_path)
+    small = settings.small_model
+    if not small:
+        small = large if settings.small_model_path is None else _file_model_name(settings.small_model_path)
+        if settings.small_model_quantization != "none":
+            small = f"{small}-{settings.small_model_quantization}"
+    if small == large:
+        raise StartupError(
+            f"the small model would be {large} again (the same weights, not quantized): set TANDEM_SMALL_MODEL_PATH, "
+            "TANDEM_SMALL_MODEL_QUANTIZATION=int8, or TANDEM_SMALL_DECODE_WORKERS=0 for one model"
+        )
+    return ModelNames(large=large, small=small)
+
+
+def _file_model_name(path: Path | None) -> str:
+    """The served id a worker derives from `path` (None: the embedded model); a path that is no model fails here."""
+    if path is None:
+        return EMBEDDED_MODEL_NAME
+    return open_model(path).name

@@ -26,9 +26,8 @@ def members(config: StackConfig):
         pass
 
     return [
-        service_member(config, role, index, "nats://127.0.0.1:1", "redis://127.0.0.1:2/0", SECRETS, on_line)
-        for role in config.roles
-        for index in range(config.num_instances(role))
+        service_member(config, role, index, "nats://127.0.0.1:1", "redis://127.0.0.1:2/0", SECRETS, on_line, pool)
+        for role, index, pool in config.planned()
     ]
 
 
@@ -64,7 +63,49 @@ def test_up_flags_set_the_worker_counts_and_reach_every_service_as_variables():
     assert (config.num_decode_workers, config.num_prefill_workers) == (2, 0)
     assert config.extra_env["TANDEM_STALL_TIMEOUT_S"] == "1.5"
     assert "TANDEM_DECODE_WORKERS" not in config.extra_env and "TANDEM_INSTANCE_ID" not in config.extra_env
-    assert [m.name for m in members(config)] == ["router", "relay", "decode-0", "decode-1", "chat"]
+    assert [m.name for m in members(config)] == ["router", "relay", "decode-0", "decode-1", "small-decode-0", "chat"]
+
+
+def config_of(*args: str):
+    settings = load_settings(list(args), prog="tandem up")
+    return stack_config_from(settings, chat_port=18080, flags={k: str(v) for k, v in settings_flags(list(args), "tandem up")().items()})
+
+
+def test_up_serves_the_embedded_model_large_and_as_int8_small_on_its_own_decode_workers():
+    config = config_of("--small-decode-workers", "2", "--prefill-workers", "1")
+    planned = members(config)
+    assert [m.name for m in planned] == ["router", "relay", "prefill", "decode", "small-decode-0", "small-decode-1", "chat"]
+    small = [m for m in planned if m.name.startswith("small-")]
+    assert [(m.role, m.instance_id) for m in small] == [("decode", "small-decode-0"), ("decode", "small-decode-1")]
+    assert all(m.grpc_port is not None for m in small), "each has its control server"
+    assert (config.extra_env["TANDEM_LARGE_MODEL"], config.extra_env["TANDEM_SMALL_MODEL"]) == (
+        "SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct-int8",
+    )
+    assert config.small_worker_env == {"TANDEM_QUANTIZATION": "int8", "TANDEM_SERVED_MODEL_NAME": "SmolLM2-135M-Instruct-int8"}
+    assert "TANDEM_QUANTIZATION" not in config.extra_env, "the large model's workers keep the dtype"
+    assert "TANDEM_SMALL_DECODE_WORKERS" not in config.extra_env
+
+
+def test_a_small_model_file_names_the_small_model_and_its_workers_load_it(tmp_path):
+    small_file = tmp_path / "Tiny-Llama.gguf"
+    small_file.write_bytes(b"GGUF" + bytes(12))
+    config = config_of("--small-model-path", str(small_file), "--small-model-quantization", "none", "--served-model-name", "big")
+    assert (config.extra_env["TANDEM_LARGE_MODEL"], config.extra_env["TANDEM_SMALL_MODEL"]) == ("big", "Tiny-Llama")
+    assert config.small_worker_env["TANDEM_MODEL_PATH"] == str(small_file)
+    assert config.small_worker_env["TANDEM_SERVED_MODEL_NAME"] == "Tiny-Llama"
+    assert config.extra_env["TANDEM_SERVED_MODEL_NAME"] == "big", "the large model's workers keep the name given"
+
+
+def test_no_small_decode_workers_serves_one_model_as_before():
+    config = config_of("--small-decode-workers", "0")
+    assert "TANDEM_SMALL_MODEL" not in config.extra_env and "TANDEM_LARGE_MODEL" not in config.extra_env
+    assert not any(m.name.startswith("small-") for m in members(config))
+
+
+def test_a_small_model_that_would_be_the_large_one_again_is_refused_in_one_line():
+    with pytest.raises(StartupError, match="the small model would be SmolLM2-135M-Instruct again"):
+        config_of("--small-model-quantization", "none")
 
 
 def test_up_flag_and_variable_set_the_number_of_chat_instances(monkeypatch):
