@@ -21,8 +21,9 @@ export function retryText(status, leftS) {
   return status === 429 || status >= 500 ? 'You can try again now.' : '';
 }
 
-/** The message's first part: what kind of refusal, then the server's own words. */
-export function refusalText(status, message) {
+/** The message's first part: what kind of refusal, then the server's own words (a refused input's, as said). */
+export function refusalText(status, message, code = '') {
+  if (code === 'moderated') return message;
   const lead = LEADS[status];
   const said = message.replace(/[;,.]?\s*try again( shortly| later| in \d+ (second|minute|hour)s?)?\.?$/i, '').replace(/\.$/, '').trim();
   return lead ? `${lead}: ${said}.` : `${said}.`;
