@@ -303,10 +303,33 @@ class GenerateService:
             _count_wait(job)
             log.debug("reply %s runs on %s", assignment.reply_id, result.accepted_by)
             return
+        moved = self._moved_when_full(job, result)
+        if moved is not None:
+            await self._dispatch_local(moved)
+            return
         metrics.DISPATCH_FAILURES.inc()
         event = failure_event(assignment, result, self._config)
         log.warning("reply %s failed (%s): %s", assignment.reply_id, event.error.code, result.describe())
         await self._publish_event(event)
+
+    def _moved_when_full(self, job: Job, result: DispatchResult) -> Job | None:
+        """The reply placed on the large pool when every small worker offered it said its queue is
+        too long for the lane (services.router.pools), and the large pool may start it; else None."""
+        other = self._pools.when_full(job.model)
+        if other is None or not result.attempts:
+            return None
+        if any(a.refusal is None or a.refusal.reason != QUEUE_FULL for a in result.attempts):
+            return None
+        workers = self._workers.workers(DECODE_ROLE)
+        request = job.assignment.request
+        if self._readmit(request, other, workers) is None or self._door(lane_of(request), other, workers) is not None:
+            return None
+        assignment = Assignment()
+        assignment.CopyFrom(job.assignment)
+        assignment.request.model = other
+        count_fallback(job.model, other, FULL)
+        log.info("reply %s: every %s worker is full; it goes to %s", assignment.reply_id, job.model, other)
+        return self._plan(assignment, other, frozenset(), job.admitted_at_s)
 
     def _note_refusals(self, assignment: Assignment, result: DispatchResult) -> None:
         """Workers that said their queue is too long for the lane are offered its requests last

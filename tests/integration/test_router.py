@@ -56,7 +56,7 @@ class Router:
     instance_id: str
 
 
-async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer, nc: Client) -> Router:
+async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer, nc: Client, **extra_env: str) -> Router:
     env = service_env(
         "router",
         nats_server.url,
@@ -64,6 +64,7 @@ async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer
         TANDEM_LADDER_INTERVAL_S=str(LADDER_INTERVAL_S),
         TANDEM_LADDER_START_DEADLINE_S=str(LADDER_START_DEADLINE_S),
         TANDEM_CPU_TTFT_SCALE="1",  # the GPU targets, whatever the router takes the fleet to be
+        **extra_env,
     )
     child = service_process("router", env)
     child.start()
@@ -94,6 +95,7 @@ class StandInWorker:
         kv_blocks_free: int = 1024,
         estimated_wait_s: float = 0.0,
         retry_after_s: float = 1.5,
+        model: str = MODEL,
     ) -> None:
         self.nc = nc
         self.instance_id = f"decode-standin-{uuid.uuid4().hex[:8]}"
@@ -101,7 +103,7 @@ class StandInWorker:
         self.retry_after_s = retry_after_s
         self.heartbeat = WorkerHeartbeat(
             service=ServiceHeartbeat(role="decode", instance_id=self.instance_id, is_ready=True, interval_s=HEARTBEAT_INTERVAL_S),
-            model=MODEL,
+            model=model,
             kv_block_size=16,
             kv_blocks_total=1024,
             kv_blocks_free=kv_blocks_free,
@@ -467,3 +469,40 @@ async def test_a_fleet_98_percent_busy_climbs_to_rung_3_where_free_is_refused_an
     async with httpx.AsyncClient(base_url=router.url) as http:
         body = (await http.get("/metrics")).text
     assert "tandem_router_ladder_rung 3.0" in body
+
+
+async def test_a_small_model_request_goes_to_the_large_pool_while_the_small_one_is_down_then_full(nats_server, redis_server, stand_in, nc):
+    small_model = f"{MODEL}-int8"
+    router = await start_router(nats_server, redis_server, nc, TANDEM_LARGE_MODEL=MODEL, TANDEM_SMALL_MODEL=small_model)
+    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    async def on_event(msg: Msg) -> None:
+        await events.put(decode(msg.data, TokenEvent))
+
+    subscription = await nc.subscribe(subjects.FINALS_ALL, cb=on_event)  # the router's own final events
+    await nc.flush()
+    try:
+        large = await stand_in()
+        await wait_until_router_lists(router, large)
+        down = await ask_accepted(nc, generate_request(model=small_model, lane=LANE_PAID))  # no small worker at all
+        assert down.model == MODEL
+        assert (await large.next_assignment()).reply_id == down.reply_id
+        small = await stand_in(QUEUE_FULL, retry_after_s=20.0, model=small_model)
+        await wait_until_router_lists(router, large, small)
+        first = await ask_accepted(nc, generate_request(model=small_model, lane=LANE_FREE))
+        assert first.model == small_model, "the small pool takes work: its own model"
+        assert (await small.next_assignment()).reply_id == first.reply_id
+        moved = await large.next_assignment()  # the only small worker said its queue is full
+        assert (moved.reply_id, moved.request.model) == (first.reply_id, MODEL)
+        full = await ask_accepted(nc, generate_request(model=small_model, lane=LANE_FREE))
+        assert full.model == MODEL, "every small worker refused the lane lately: the large pool takes it"
+        assert (await large.next_assignment()).reply_id == full.reply_id
+        async with httpx.AsyncClient(base_url=router.url) as http:
+            text = (await http.get("/metrics")).text
+        for why, count in (("down", 1), ("full", 2)):  # full: once placing the reply, once at the door
+            line = f'tandem_router_model_fallbacks_total{{from_model="{small_model}",to_model="{MODEL}",why="{why}"}} {count:.1f}'
+            assert line in text, (why, [line for line in text.splitlines() if "fallbacks" in line])
+        assert events.empty(), "no reply ended with an error"
+    finally:
+        await subscription.unsubscribe()
+        router.child.stop(timeout_s=10)

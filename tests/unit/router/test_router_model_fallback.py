@@ -14,6 +14,8 @@ from services.router.placement import Placement
 from services.router.pools import ModelPools
 from services.router.workers import WorkerRegistry
 from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_FREE, LANE_PAID
+from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
+from tandem.v1.tokens_pb2 import TokenEvent
 
 LARGE = "SmolLM2-135M-Instruct"
 SMALL = "SmolLM2-135M-Instruct-int8"
@@ -150,3 +152,47 @@ def test_a_continuation_of_a_small_model_reply_whose_pool_is_gone_continues_on_t
     generate = service(decode_worker("large-0", model=LARGE))
     reply, job = answer(generate, SMALL, resume_reply_id="r-old", generated_token_ids=[5, 6])
     assert (reply.reply_id, reply.model, job.assignment.first_seq) == ("r-old", LARGE, 3)
+
+
+async def test_a_reply_every_small_worker_refuses_as_full_is_placed_on_the_large_pool():
+    offers: list[tuple[str, str]] = []
+
+    async def assign(worker_id: str, assignment: Assignment) -> AssignmentReply:
+        offers.append((worker_id, assignment.request.model))
+        if worker_id.startswith("small"):
+            return AssignmentReply(refused={"reason": "queue_full", "retry_after_s": 3.0})
+        return AssignmentReply(accepted=True)
+
+    registry = WorkerRegistry()
+    for worker in (decode_worker("large-0", model=LARGE), decode_worker("small-0", model=SMALL), decode_worker("small-1", model=SMALL)):
+        registry.observe(worker.heartbeat)
+    generate = GenerateService(registry, Placement(), assign, never_called, DispatchConfig(), pools=POOLS)
+    before = fallbacks(SMALL, LARGE, "full")
+    reply, job = answer(generate, SMALL)
+    assert reply.model == SMALL
+    await generate.dispatch(job)
+    assert sorted(offers[:2]) == [("small-0", SMALL), ("small-1", SMALL)]
+    assert offers[2:] == [("large-0", LARGE)], "then the large pool, with the request naming its model"
+    assert fallbacks(SMALL, LARGE, "full") == before + 1
+
+
+async def test_a_small_worker_that_is_gone_rather_than_full_does_not_move_the_reply():
+    offers: list[str] = []
+
+    async def assign(worker_id: str, assignment: Assignment) -> AssignmentReply:
+        offers.append(worker_id)
+        return AssignmentReply(refused={"reason": "draining"}) if worker_id == "small-0" else AssignmentReply(accepted=True)
+
+    published: list[TokenEvent] = []
+
+    async def publish(event: TokenEvent) -> None:
+        published.append(event)
+
+    registry = WorkerRegistry()
+    for worker in (decode_worker("large-0", model=LARGE), decode_worker("small-0", model=SMALL)):
+        registry.observe(worker.heartbeat)
+    generate = GenerateService(registry, Placement(), assign, publish, DispatchConfig(), pools=POOLS)
+    _, job = answer(generate, SMALL)
+    await generate.dispatch(job)
+    assert offers == ["small-0"]
+    assert [event.error.code for event in published] == ["draining"], "the reply ends, as before, with the worker's reason"
