@@ -11,12 +11,15 @@ from fastapi import FastAPI
 
 from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, quotas, tokenize_api, web
 from services.chat.body_limit import BodyLimit
+from services.chat.difficulty import open_judge
 from services.chat.fanout import open_fanout
 from services.chat.latency import StampArrival
 from services.chat.models_view import ModelsView
+from services.chat.moderation import load_input_check
 from services.chat.state import ChatConfig, ChatState
 from services.chat.status_api import LadderView, status_router
 from services.chat.stream_slots import StreamSlots
+from services.chat.summaries import Summaries, SummaryConfig
 from tandem.bus import subjects
 from tandem.config import Settings
 from tandem.models.loader import load_tokenizer
@@ -43,6 +46,11 @@ def build_app(settings: Settings) -> FastAPI:
         stream_slots=StreamSlots(config.max_streams, config.stream_limits()),
         bus=runtime.bus,
         models=ModelsView(),
+        difficulty=open_judge(settings.difficulty_classifier, settings.difficulty_timeout_s),  # for `auto`
+        summaries=Summaries(SummaryConfig.from_settings(settings)),
+        # Loaded once, before the event loop runs (profanity-check's model takes about a second);
+        # a bad TANDEM_INPUT_MODERATION is a StartupError, one line at start.
+        input_check=load_input_check(settings.input_moderation, settings.moderation_threshold),
     )
 
     ladder = LadderView()  # the routers' overload ladder, for GET /v1/status
@@ -56,6 +64,10 @@ def build_app(settings: Settings) -> FastAPI:
         await state.store.start()
 
     async def on_stop() -> None:
+        if state.difficulty is not None:
+            state.difficulty.close()
+        if state.summaries is not None:  # its jobs first: they use the store and the feeds
+            await state.summaries.close()
         await state.store.close()
         await state.fanout.close()
 

@@ -16,7 +16,7 @@ from services.chat.errors import Conflict, InvalidRequest, NotFound
 from services.chat.latency import Arrived, ReplyClock
 from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply, new_reply_id
-from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view
+from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view, summary_view
 from services.chat.state import State
 from services.chat.stream_slots import StreamAdmission
 from services.chat.streaming import reply_response
@@ -75,7 +75,14 @@ async def get_conversation(state: State, user: CurrentUser, conversation_id: str
         views[m.seq] = message_view(shown, id_of_seq.get(parents[m.seq]))
     branch = [views[m.seq] for m in active_branch(messages)]
     tree = [views[m.seq] for m in messages]
-    return {"id": conversation.id, "title": conversation.title, "model": conversation.model, "messages": branch, "tree": tree}
+    return {
+        "id": conversation.id,
+        "title": conversation.title,
+        "model": conversation.model,
+        "summary": summary_view(conversation),  # what stands for the turns up to its upto_seq in prompts
+        "messages": branch,
+        "tree": tree,
+    }
 
 
 @router.patch("/{conversation_id}")
@@ -139,7 +146,8 @@ async def post_message(
     else:
         started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling(), after_seq=after_seq)
     clock = ReplyClock(user.tier.value, started.model, arrived)
-    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock)
+    route = started.route.as_dict() if started.route is not None else None
+    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock, route=route)
 
 
 async def branch_point(state: State, conversation_id: str, body: MessageBody) -> int | None:

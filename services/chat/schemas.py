@@ -65,6 +65,14 @@ def conversation_summary(conversation: Conversation) -> dict[str, object]:
     }
 
 
+def summary_view(conversation: Conversation) -> dict[str, object] | None:
+    """The summary that stands for the conversation's older turns in prompts (those with seq <=
+    upto_seq), or None while it has none."""
+    if not conversation.summary:
+        return None
+    return {"text": conversation.summary, "upto_seq": conversation.summary_upto_seq}
+
+
 def message_view(message: Message, parent_id: str | None = None) -> dict[str, object]:
     """`parent_id`: the message it follows (None: the conversation's root)."""
     return {

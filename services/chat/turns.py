@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context, parent_seqs, stored_parent_seq
-from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
+from services.chat.errors import ChatError, InvalidRequest, Moderated, TooLarge
+from services.chat.model_routing import Route, conversation_model, route_model
 from services.chat.models_view import ServedModel
+from services.chat.moderation import MODERATED_MESSAGE, start_input_check
 from services.chat.prompt import PromptCounter, encode_prompt
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id, reserve_quota
 from services.chat.state import ChatState
+from services.chat.summaries import schedule_summary
 from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey
 from tandem.store import Conversation, Message, NewMessage, Role
@@ -23,7 +26,6 @@ from tandem.v1.common_pb2 import SamplingParams
 
 log = logging.getLogger(__name__)
 TITLE_CHARS = 60
-MODEL_WAIT_S = 3.0  # a chat that just started hears the workers' heartbeats within a second or two
 
 
 def inflight_key(conversation_id: str) -> str:
@@ -49,15 +51,13 @@ class StartedReply:
     reply_id: str
     model: str
     num_dropped_turns: int
+    route: Route | None = None  # how its model was chosen
 
 
-async def resolve_model(state: ChatState, requested: str) -> ServedModel:
-    model = await state.models.resolve_soon(requested, MODEL_WAIT_S)
-    if model is None:
-        if requested in ("", "auto"):
-            raise Unavailable("no model is being served yet; try again shortly", code="no_workers", retry_after_s=2.0)
-        raise NotFound(f"model {requested!r} is not served; GET /v1/models lists those that are", code="unknown_model")
-    return model
+async def resolve_model(state: ChatState, user: ApiKey, requested: str, text: str, on_model: str = "") -> Route:
+    """The model for `text` (services.chat.model_routing); `on_model`: the one the conversation is on."""
+    counter = PromptCounter(state.require_tokenizer())
+    return await route_model(state, user, requested, text, counter.count, on_model)
 
 
 def check_content(state: ChatState, content: str) -> None:
@@ -84,47 +84,57 @@ async def send_message(
     new turn follows (0: it starts a new branch at the root, an edited first message); None: the
     newest message."""
     check_content(state, content)
-    model = await resolve_model(state, requested_model)
+    checking = start_input_check(state.input_check, content)  # in a thread, while the prompt is built
+    messages = await state.store.list_messages(conversation.id)
+    route = await resolve_model(state, user, requested_model, content, conversation_model(messages))
+    model = route.model
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
-    history = active_history(await state.store.list_messages(conversation.id), conversation.summary_upto_seq, after_seq)
+    history = active_history(messages, conversation.summary_upto_seq, after_seq)
     # Tokenizing a long prompt takes milliseconds: off the event loop that serves every stream.
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, history, new_turn, model, counter)
+    user_turn = NewMessage(
+        id=user_message_id or uuid.uuid4().hex,
+        conversation_id=conversation.id,
+        role=Role.USER,
+        content=content,
+        tokens=new_turn.tokens,
+        model=model.name,
+        parent_seq=0 if after_seq is None else stored_parent_seq(after_seq),
+    )
+    if await checking.is_refused(user.tier.value, model.name):  # stored to show, never sent to a model, nothing reserved
+        await state.store.append_message(user.user_id, replace(user_turn, status=ReplyStatus.MODERATED))
+        raise Moderated(MODERATED_MESSAGE)
     reply = _reply_request(state, user, conversation, model, prompt, reply_id, sampling)
     async with reserve_quota(state, reply):  # a turn the quota refuses stores nothing
-        user_message = await state.store.append_message(
-            user.user_id,
-            NewMessage(
-                id=user_message_id or uuid.uuid4().hex,
-                conversation_id=conversation.id,
-                role=Role.USER,
-                content=content,
-                tokens=new_turn.tokens,
-                model=model.name,
-                parent_seq=0 if after_seq is None else stored_parent_seq(after_seq),
-            ),
-        )
+        user_message = await state.store.append_message(user.user_id, user_turn)
         if not conversation.title:
             await state.store.update_conversation(user.user_id, conversation.id, title=_title_of(content))
-        return await _start(state, conversation, user_message.seq, reply, prompt.num_dropped)
+        started = await _start(state, conversation, user_message.seq, reply, prompt.num_dropped)
+    schedule_summary(state, user, conversation.id, model, history[: prompt.num_dropped], started.reply_id)  # in the background
+    return replace(started, route=route.answered_by(started.model))
 
 
 async def regenerate(
     state: ChatState, user: ApiKey, conversation: Conversation, answer: Message, requested_model: str, sampling: SamplingChoice
 ) -> StartedReply:
     """A new answer to the user turn that `answer` answered; the prompt up to it is cached."""
-    model = await resolve_model(state, requested_model or answer.model or "auto")
     messages = await state.store.list_messages(conversation.id)
     user_turn = next((m for m in messages if m.seq == answer.parent_seq and m.role == Role.USER), None)
     if user_turn is None:
         raise InvalidRequest("only an answer to a user message can be regenerated", code="not_an_answer")
+    # On the model its user turn was routed to (the answer's may be another pool's, the router's fallback).
+    route = await resolve_model(state, user, requested_model, user_turn.content, user_turn.model or answer.model)
+    model = route.model
     earlier = active_history(messages, conversation.summary_upto_seq, parent_seqs(messages)[user_turn.seq])  # its own branch
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", user_turn.content, user_turn.tokens)
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, earlier, new_turn, model, counter)
     reply = _reply_request(state, user, conversation, model, prompt, new_reply_id(), sampling)
     async with reserve_quota(state, reply):
-        return await _start(state, conversation, user_turn.seq, reply, prompt.num_dropped)
+        started = await _start(state, conversation, user_turn.seq, reply, prompt.num_dropped)
+    schedule_summary(state, user, conversation.id, model, earlier[: prompt.num_dropped], started.reply_id)
+    return replace(started, route=route.answered_by(started.model))
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,13 @@ class ProductStack:
         return "\n".join(f"--- {c.name}\n{c.recent_output(num_lines)}" for c in self.children)
 
 
-async def start_product_stack(nc, nats_url: str, redis_url: str, workdir: Path, **extra_env: str) -> ProductStack:
+ROLES = ("router", "decode", "relay", "relay", "chat", "chat")
+
+
+async def start_product_stack(
+    nc, nats_url: str, redis_url: str, workdir: Path, roles: tuple[str, ...] = ROLES, **extra_env: str
+) -> ProductStack:
+    """`roles`: the processes, started in this order (a lean stack of its own may start fewer)."""
     store_path = workdir / "conversations.db"
     common = {
         "TANDEM_STORE": "sqlite",
@@ -51,7 +57,7 @@ async def start_product_stack(nc, nats_url: str, redis_url: str, workdir: Path, 
         **extra_env,
     }
     stack = ProductStack(chat_urls=[], ids={}, store_path=store_path, nats_url=nats_url, redis_url=redis_url)
-    for role in ("router", "decode", "relay", "relay", "chat", "chat"):
+    for role in roles:
         env = service_env(role, nats_url, redis_url, **common)
         child = service_process(role, env)
         child.start()

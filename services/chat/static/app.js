@@ -4,7 +4,8 @@
 import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
 import { branchThrough, buildTree, pathTo, versionsOf } from '/static/branches.js';
 import {
-  appendText, keepingBottom, messageElement, scrollToBottom, setError, setStatus, setText, setUsage, setVersions, startEditing, textOf,
+  appendText, keepingBottom, messageElement, placeSummaryNote, scrollToBottom, setError, setStatus, setText, setUsage, setVersions, startEditing,
+  textOf,
 } from '/static/messages.js';
 import { ConversationList } from '/static/conversations.js';
 import { refusalText, retryText, waitText } from '/static/refusals.js';
@@ -30,6 +31,7 @@ const state = {
   isStarting: false, // a new conversation is being created for the first send
   sendHeldUntilMs: 0,
   tree: buildTree([]), // every message of the open conversation, for switching between versions
+  summary: null, // the open conversation's summary ({text, upto_seq}) if it has one
 };
 
 // ---- the API key ---------------------------------------------------------------------------------
@@ -72,7 +74,7 @@ function showBanner(message, retryAfterS = 0, status = 0) {
 
 /** A refused request (429, 413, 503 ...): what happened, and when to try again. */
 function showRefusal(error) {
-  showBanner(refusalText(error.status, error.message), error.retryAfterS, error.status);
+  showBanner(refusalText(error.status, error.message, error.code), error.retryAfterS, error.status);
 }
 
 function hideBanner() {
@@ -121,6 +123,7 @@ function leaveConversation() {
   if (state.active) state.active.controller.abort(); // the reply goes on server-side; we reattach on return
   state.active = null;
   state.tree = buildTree([]);
+  state.summary = null;
   hideBanner();
   ui.messages.replaceChildren(ui.empty);
   ui.empty.hidden = false;
@@ -154,6 +157,7 @@ async function openConversation(id) {
 function renderConversation(conversation) {
   ui.title.textContent = conversation.title || 'New chat';
   state.tree = buildTree(conversation.tree || conversation.messages);
+  state.summary = conversation.summary; // its older turns reach the model as this: a note above the rest
   renderBranch(conversation.messages);
 }
 
@@ -162,6 +166,7 @@ function renderBranch(views, focusId = '') {
   ui.messages.replaceChildren(ui.empty);
   ui.empty.hidden = views.length > 0;
   for (const view of views) ui.messages.append(messageElement(view, messageActions));
+  placeSummaryNote(ui.messages, views, state.summary);
   markLastAnswer();
   const focus = focusId && ui.messages.querySelector(`.message[data-id="${CSS.escape(focusId)}"]`);
   if (focus) focus.scrollIntoView({ block: 'nearest' });
@@ -260,6 +265,12 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
       setUsage(el, data.usage);
       setStatus(el, stopped ? 'stopped' : 'complete', data.finish === 'length' ? 'Cut short at the length limit' : '');
     },
+    moderated(data) {
+      // The output check withdrew the answer: the text shown so far goes, and the reader is told why.
+      setText(el, '');
+      setStatus(el, 'moderated');
+      setError(el, data.message || 'This answer was withdrawn by the safety check.');
+    },
     error(data) {
       setStatus(el, data.code === 'moderated' ? 'moderated' : 'failed');
       const wait = data.retry_after ? ` Try again in ${waitText(data.retry_after)}.` : '';
@@ -298,7 +309,7 @@ function followStream(el, { start = null, messageId = '', replaceText = false, o
     if (ending === 'abandoned' && el.dataset.status === 'running') setStatus(el, 'running', 'Not following this reply');
     markLastAnswer();
     refreshConversations();
-    if ((ending === 'done' || ending === 'error') && active.messageId) syncTree(conversationId, active.messageId);
+    if ((ending === 'done' || ending === 'error' || ending === 'moderated') && active.messageId) syncTree(conversationId, active.messageId);
   });
 }
 
@@ -378,7 +389,7 @@ async function refused(error, conversationId, content) {
   if (last && last.dataset.status === 'failed') holdRegenerate(last, error.retryAfterS); // its Regenerate is the retry
   const users = ui.messages.querySelectorAll('.message[data-role="user"]');
   const stored = users.length && textOf(users[users.length - 1]) === content;
-  if (!stored && !ui.input.value) {
+  if ((!stored || error.code === 'moderated') && !ui.input.value) { // a refused input comes back to rephrase
     ui.input.value = content;
     autosize();
   }

@@ -15,6 +15,7 @@ const STATUS_TEXT = {
   failed: 'Failed',
   moderated: 'Withheld by the safety check',
 };
+const USER_STATUS_TEXT = { moderated: 'Not sent to the model: refused by the safety check' };
 
 function linkButton(className, text, label, onClick) {
   const button = document.createElement('button');
@@ -144,6 +145,26 @@ export function startEditing(el, onSave) {
   input.focus();
 }
 
+/**
+ * The note that the conversation's older turns reach the model as a summary (`{text, upto_seq}`
+ * from the API), placed above the first shown message after them (`views`: the shown messages, in
+ * order); none when no shown message is summarised. The summary is model output: shown as text.
+ */
+export function placeSummaryNote(list, views, summary) {
+  list.querySelector('.summary-note')?.remove();
+  if (!summary) return;
+  const first = views.findIndex((view) => view.seq > summary.upto_seq);
+  if (first < 1 || !views.slice(0, first).some((view) => view.seq <= summary.upto_seq)) return;
+  const note = document.createElement('details');
+  note.className = 'summary-note';
+  const label = document.createElement('summary');
+  label.textContent = 'Earlier messages are summarised';
+  const text = document.createElement('p');
+  text.textContent = summary.text;
+  note.append(label, text);
+  list.querySelectorAll('.message')[first].before(note);
+}
+
 export const textOf = (el) => el.dataset.source;
 
 export function setText(el, text) {
@@ -174,7 +195,7 @@ function showText(el) {
 export function setStatus(el, status, note = '') {
   const isChange = el.dataset.status !== status;
   el.dataset.status = status;
-  el.querySelector('.status').textContent = note || (el.dataset.role === 'assistant' ? STATUS_TEXT[status] || '' : '');
+  el.querySelector('.status').textContent = note || (el.dataset.role === 'assistant' ? STATUS_TEXT : USER_STATUS_TEXT)[status] || '';
   if (isChange || pendingRenders.has(el)) showText(el);
 }
 
