@@ -68,4 +68,5 @@ async def regenerate_message(
         raise InvalidRequest("only an assistant message can be regenerated", code="not_an_answer")
     started = await regenerate(state, user, conversation, message, body.model, body.sampling())
     clock = ReplyClock(user.tier.value, started.model, arrived)
-    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock)
+    route = started.route.as_dict() if started.route is not None else None
+    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock, route=route)
