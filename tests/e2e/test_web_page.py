@@ -664,3 +664,48 @@ async def test_versions_switch_between_regenerated_answers_and_an_edit_branches(
     await page.reload()
     await expect(users.last.locator(".content")).to_have_text("Name a vegetable.")
     await expect(users.last.locator(".version-count")).to_have_text("2/2")
+
+
+async def summarised_conversation(store_path, summary: str) -> str:
+    """A conversation of Alice's of two exchanges whose first one (seqs 1 and 2) its summary covers,
+    written to the stack's own store as a summary job would leave it."""
+    store = SqliteStore(store_path)
+    await store.start()
+    try:
+        conversation_id = uuid.uuid4().hex
+        now = now_ms()
+        await store.create_conversation(Conversation(conversation_id, "alice", "summarised", "auto", now, now))
+        parent = 0
+        for role, content in ((Role.USER, "I am Ada."), (Role.ASSISTANT, "Hello Ada."), (Role.USER, "Who am I?"), (Role.ASSISTANT, "Ada.")):
+            message = await store.append_message(
+                "alice", NewMessage(uuid.uuid4().hex, conversation_id, role, content, 4, parent_seq=parent)
+            )
+            parent = message.seq
+        await store.update_conversation("alice", conversation_id, summary=summary, summary_upto_seq=2)
+    finally:
+        await store.close()
+    return conversation_id
+
+
+async def test_a_summarised_conversation_shows_a_note_above_the_first_message_after_the_summary(product_stack, context):
+    summary = "The user introduced herself as Ada; <b>the assistant</b> greeted her."
+    conversation_id = await summarised_conversation(product_stack.store_path, summary)
+    page = await signed_in_page(context, product_stack.url)
+    await page.goto(f"{product_stack.url}/#{conversation_id}")
+    await expect(page.locator(".message")).to_have_count(4)
+    note = page.locator("#messages .summary-note")
+    await expect(note).to_have_count(1)
+    await expect(note.locator("summary")).to_have_text("Earlier messages are summarised")
+    # Right above the third message, the first the summary does not cover.
+    after_note = note.locator("xpath=following-sibling::*[1]")
+    await expect(after_note.locator(".content")).to_have_text("Who am I?")
+    await expect(note.locator("p")).to_be_hidden()
+    await note.locator("summary").click()
+    await expect(note.locator("p")).to_have_text(summary)  # model output, shown as text
+    assert await page.locator("#messages b").count() == 0
+
+    # Another conversation (no summary) shows no note.
+    await page.click("#new-chat")
+    await send(page, "Hi")
+    await expect(answers(page).last).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    await expect(page.locator("#messages .summary-note")).to_have_count(0)
