@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from tandem.bus.events import ReplyStatus
 from tandem.store import ConversationStore, StoreUnavailable
 from tandem.tokenlog import REPLY_SET_TTL_S, UNPERSISTED, ReplyKeys, load_reply, logged_events
 
@@ -37,7 +38,8 @@ async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, c
         await redis.srem(UNPERSISTED, reply_id)  # the OpenAI endpoint's or a bus client's: no turn to store
         return True
     events = await logged_events(redis, reply_id)  # complete: its final event is logged
-    text = "".join(event.text for event in events)
+    # A moderated reply is stored without the text that tripped the output check.
+    text = "" if meta.status == ReplyStatus.MODERATED else "".join(event.text for event in events)
     num_output_tokens = events[-1].usage.output_tokens if events else 0
     # The served model the worker's final event names (a router's or relay's final names none).
     model = next((event.model for event in reversed(events) if event.model), "")

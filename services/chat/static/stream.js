@@ -108,15 +108,15 @@ function pause(ms, signal) {
 }
 
 /**
- * Follows one reply to its `done` or `error` event.
+ * Follows one reply to its `done`, `error` or `moderated` event.
  *
  * `start(lastEventId, signal)` opens the first response (the send or regenerate POST); it is called
  * again, with the same Idempotency-Key, while the reply's message id is still unknown.
  * `resume(messageId, lastEventId, signal)` reopens the stream after a drop. Every event is handed
  * to `on` at most once, in id order: the last handled id travels as Last-Event-ID, and anything at
- * or below it is skipped. Returns 'done', 'error', 'failed' or 'abandoned'.
+ * or below it is skipped. Returns 'done', 'error', 'moderated', 'failed' or 'abandoned'.
  *
- * `on`: meta(data), delta(data), done(data), error(data), failed(ApiError, {atStart}),
+ * `on`: meta(data), delta(data), done(data), error(data), moderated(data), failed(ApiError, {atStart}),
  * reconnecting(delayMs, attempt), connected().
  */
 export async function followReply({ start, resume, messageId = '', lastEventId = 0, on, signal }) {
@@ -180,7 +180,7 @@ function deliver(on, event) {
   }
 }
 
-/** Hands on the response's new events; 'done' or 'error' when the reply ended, else null. */
+/** Hands on the response's new events; 'done', 'error' or 'moderated' when the reply ended, else null. */
 async function readEvents(response, reply, on, link) {
   let silence = setTimeout(() => link.abort(), SILENCE_LIMIT_MS);
   const heard = () => {
@@ -193,7 +193,7 @@ async function readEvents(response, reply, on, link) {
       if (event.id) reply.lastEventId = event.id;
       if (event.event === 'meta' && event.data.message_id) reply.messageId = event.data.message_id;
       deliver(on, event);
-      if (event.event === 'done' || event.event === 'error') return event.event;
+      if (event.event === 'done' || event.event === 'error' || event.event === 'moderated') return event.event;
     }
     return null;
   } finally {
