@@ -4,10 +4,12 @@ a decode step reads about half the bytes of bf16.
 Each output channel (row of a Linear's weight) has its own scale, absmax / 127 of that row,
 stored in the model's dtype; the row is round(w / scale), clamped to [-127, 127]. The layer
 computes x @ (w_int8 * scale).T (+ bias) with torch's fused CPU and CUDA kernel
-`_weight_int8pack_mm`, which dequantizes while it multiplies. That kernel pays per row of x, so
-it wins at decode batch sizes and loses on prefill chunks; above INT8_KERNEL_MAX_ROWS rows (and on
-devices without the kernel) the layer multiplies by the int8 weight cast to the dtype and scales
-the result instead, the same product.
+`_weight_int8pack_mm`, which dequantizes while it multiplies. That kernel pays per row of x: at
+1 row it takes about half the time of the bf16 matmul, at 4 rows about the same, at 8 rows up to
+1.8x more, so int8 is the cheaper model for small decode batches only. Above INT8_KERNEL_MAX_ROWS
+rows (prefill chunks, big batches) and on devices without the kernel the layer multiplies by the
+int8 weight cast to the dtype and scales the result instead: the same product, at about 2.4x the
+bf16 matmul's time.
 
 Embeddings, norms and the lm_head stay in the model's dtype: the embedding is a lookup (a decode
 step reads one row), and the logits are where int8 error shows most.
@@ -26,11 +28,11 @@ from tandem.models.files import Quantization
 from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 INT8_MAX = 127
-# Rows of x up to which the fused kernel beats casting the weight and a dense matmul. Measured on
-# the SmolLM2 shapes (576x1536, 1536x576, bf16, an AVX512-BF16 CPU): the kernel costs about
-# 20 us per row per million weights, the cast path about 300 us whatever the rows (up to ~64):
-# even at 16 rows, 2x faster at 8, 3-5x slower at 64.
-INT8_KERNEL_MAX_ROWS = 16
+# Rows of x up to which the fused kernel beats casting the weight for a dense matmul. Its cost grows
+# with the rows; the cast's hardly does. Measured on the SmolLM2 shapes (bf16, AVX512-BF16 CPU,
+# 1 and 2 threads, fastest of 300): 3072x576 takes 116 us at 1 row, 452 at 8, against 602 and 650
+# for the cast (bf16 weights: 255 and 264); the two meet near 12 rows for every shape.
+INT8_KERNEL_MAX_ROWS = 12
 KERNEL_OP = "aten::_weight_int8pack_mm"
 
 
