@@ -32,7 +32,7 @@ from services.chat import metrics
 from services.chat.context import Budget
 from services.chat.models_view import ServedModel
 from services.chat.state import ChatState
-from services.chat.summary_prompt import fit_prompt, max_words_of, source_of
+from services.chat.summary_prompt import covers, fit_prompt, max_words_of, source_of
 from services.chat.summary_reply import NoSummary, SummaryRequest, ask_summary, wait_for_turn
 from tandem.config import ApiKey, Settings
 from tandem.store import ConversationStore, Message, StoreUnavailable
@@ -159,7 +159,8 @@ async def _summarise(state: ChatState, job: SummaryJob, config: SummaryConfig, d
     if job.after_reply_id:
         await wait_for_turn(state, job.after_reply_id)
     conversation = await state.store.get_conversation(job.user.user_id, job.conversation_id)
-    source = source_of(conversation, job.dropped) if conversation is not None else None
+    messages = await state.store.list_messages(job.conversation_id)
+    source = source_of(conversation, job.dropped, messages) if conversation is not None else None
     if source is None:
         return Outcome.SKIPPED  # gone, or summarised up to these turns already
     max_tokens = summary_tokens_for(state, job, config)
@@ -185,10 +186,12 @@ def summary_tokens_for(state: ChatState, job: SummaryJob, config: SummaryConfig)
 
 
 async def store_if_newer(store: ConversationStore, user_id: str, conversation_id: str, text: str, upto_seq: int) -> bool:
-    """Stores the summary unless the stored one (read again now) covers as much already: a
-    summary never moves backwards. The conversation's job key keeps other jobs out meanwhile."""
+    """Stores the summary unless the stored one (read again now) covers as much of its branch
+    already: a summary never moves backwards. One of another branch is replaced (the branch
+    written on last is the one a summary serves). The conversation's job key keeps other jobs out
+    meanwhile."""
     conversation = await store.get_conversation(user_id, conversation_id)
-    if conversation is None or conversation.summary_upto_seq >= upto_seq:
+    if conversation is None or covers(await store.list_messages(conversation_id), conversation.summary_upto_seq, upto_seq):
         return False
     await store.update_conversation(user_id, conversation_id, summary=text, summary_upto_seq=upto_seq)
     log.info("conversation %s: summarised up to message %d (%d characters)", conversation_id, upto_seq, len(text))

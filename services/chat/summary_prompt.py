@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from services.chat.context import active_branch
 from tandem.models.tokenizer import Tokenizer
 from tandem.store import Conversation, Message, Role
 
@@ -42,11 +43,41 @@ class SummaryPrompt:
     is_cut: bool  # its one turn was cut to fit
 
 
-def source_of(conversation: Conversation, dropped: Sequence[Message]) -> SummarySource | None:
-    """The stored summary and the `dropped` turns it does not cover yet (a summary written since
-    they were dropped may cover some); None when it covers them all."""
-    turns = tuple(sorted((m for m in dropped if m.seq > conversation.summary_upto_seq), key=lambda m: m.seq))
-    return SummarySource(conversation.summary, turns) if turns else None
+def summary_of_branch(conversation: Conversation, messages: Sequence[Message], tip_seq: int | None) -> Conversation:
+    """The conversation as a prompt on the branch to `tip_seq` (None: the newest message) sees it.
+    A summary stands for the turns of the branch it was written on, from the root to its upto
+    message; on a branch that does not pass through that message (an earlier message edited) it
+    stands for nothing, and is left out with its upto."""
+    upto = conversation.summary_upto_seq
+    if upto == 0 or upto in _seqs_to(messages, tip_seq):
+        return conversation
+    return replace(conversation, summary="", summary_upto_seq=0)
+
+
+def source_of(conversation: Conversation, dropped: Sequence[Message], messages: Sequence[Message]) -> SummarySource | None:
+    """What a new summary of the `dropped` turns (of one branch, oldest first) is written from:
+    the stored summary, when it is this branch's, and the dropped turns it does not cover yet (a
+    summary written since they were dropped may cover some); a summary of another branch is
+    replaced. None when the stored summary covers them all."""
+    newest = max(m.seq for m in dropped)
+    upto = conversation.summary_upto_seq
+    if upto and upto in _seqs_to(messages, newest):
+        previous, turns = conversation.summary, [m for m in dropped if m.seq > upto]
+    elif upto and covers(messages, upto, newest):
+        return None
+    else:
+        previous, turns = "", list(dropped)
+    turns.sort(key=lambda m: m.seq)
+    return SummarySource(previous, tuple(turns)) if turns else None
+
+
+def covers(messages: Sequence[Message], summary_upto_seq: int, seq: int) -> bool:
+    """Whether a summary up to `summary_upto_seq` covers message `seq` (on its branch, at or before it)."""
+    return summary_upto_seq > 0 and seq in _seqs_to(messages, summary_upto_seq)
+
+
+def _seqs_to(messages: Sequence[Message], tip_seq: int | None) -> set[int]:
+    return {m.seq for m in active_branch(messages, tip_seq)}
 
 
 def max_words_of(max_tokens: int) -> int:

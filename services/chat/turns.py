@@ -18,6 +18,7 @@ from services.chat.prompt import PromptCounter, encode_prompt
 from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id, reserve_quota
 from services.chat.state import ChatState
 from services.chat.summaries import schedule_summary
+from services.chat.summary_prompt import summary_of_branch
 from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey
 from tandem.store import Conversation, Message, NewMessage, Role
@@ -90,6 +91,7 @@ async def send_message(
     model = route.model
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
+    conversation = summary_of_branch(conversation, messages, after_seq)  # another branch's summary stands for nothing here
     history = active_history(messages, conversation.summary_upto_seq, after_seq)
     # Tokenizing a long prompt takes milliseconds: off the event loop that serves every stream.
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, history, new_turn, model, counter)
@@ -126,6 +128,7 @@ async def regenerate(
     # On the model its user turn was routed to (the answer's may be another pool's, the router's fallback).
     route = await resolve_model(state, user, requested_model, user_turn.content, user_turn.model or answer.model)
     model = route.model
+    conversation = summary_of_branch(conversation, messages, user_turn.seq)
     earlier = active_history(messages, conversation.summary_upto_seq, parent_seqs(messages)[user_turn.seq])  # its own branch
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", user_turn.content, user_turn.tokens)

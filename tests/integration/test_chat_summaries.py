@@ -342,3 +342,14 @@ async def test_a_job_asks_only_once_its_turns_answer_has_ended(state):
         await TokenLogWriter(state.redis, ttl_s=60).append(final_event(turn_reply, 1, FINISH_REASON_STOP))
         outcome = await write_summary(state, job_of(conversation, messages[:4], turn_reply), summaries(timeout_s=10).config)
     assert outcome == Outcome.WRITTEN and len(router.requests) == 1
+
+
+async def test_a_summary_of_another_branch_is_replaced_by_the_branch_written_on_last(state):
+    conversation, messages = await long_conversation(state)
+    edit = NewMessage(uuid.uuid4().hex, conversation.id, Role.USER, "An edit of the third message.", 8, parent_seq=messages[1].seq)
+    edited = await state.store.append_message(USER.user_id, edit)
+    await state.store.update_conversation(USER.user_id, conversation.id, summary="branch one", summary_upto_seq=messages[5].seq)
+    assert not await store_if_newer(state.store, USER.user_id, conversation.id, "less of branch one", messages[3].seq)
+    assert await store_if_newer(state.store, USER.user_id, conversation.id, "branch two", edited.seq)
+    stored = await stored_conversation(state, conversation)
+    assert (stored.summary, stored.summary_upto_seq) == ("branch two", edited.seq)

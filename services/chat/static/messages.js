@@ -147,14 +147,14 @@ export function startEditing(el, onSave) {
 
 /**
  * The note that the conversation's older turns reach the model as a summary (`{text, upto_seq}`
- * from the API), placed above the first shown message after them (`views`: the shown messages, in
- * order); none when no shown message is summarised. The summary is model output: shown as text.
+ * from the API), placed above the first shown message after the last it covers (`views`: the shown
+ * messages, in order); none on a branch it does not cover. The summary is model output: shown as text.
  */
 export function placeSummaryNote(list, views, summary) {
   list.querySelector('.summary-note')?.remove();
   if (!summary) return;
-  const first = views.findIndex((view) => view.seq > summary.upto_seq);
-  if (first < 1 || !views.slice(0, first).some((view) => view.seq <= summary.upto_seq)) return;
+  const last = views.findIndex((view) => view.seq === summary.upto_seq); // absent on another branch
+  if (last < 0 || last === views.length - 1) return;
   const note = document.createElement('details');
   note.className = 'summary-note';
   const label = document.createElement('summary');
@@ -162,7 +162,7 @@ export function placeSummaryNote(list, views, summary) {
   const text = document.createElement('p');
   text.textContent = summary.text;
   note.append(label, text);
-  list.querySelectorAll('.message')[first].before(note);
+  list.querySelectorAll('.message')[last + 1].before(note);
 }
 
 export const textOf = (el) => el.dataset.source;

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from services.chat.summary_prompt import CUT_MARK, INSTRUCTION, SummarySource, fit_prompt, max_words_of, source_of, summary_messages, tidy
+from services.chat.summary_prompt import (
+    CUT_MARK,
+    INSTRUCTION,
+    SummarySource,
+    covers,
+    fit_prompt,
+    max_words_of,
+    source_of,
+    summary_messages,
+    summary_of_branch,
+    tidy,
+)
 from tandem.bus.events import ReplyStatus
 from tandem.models.loader import load_tokenizer
 from tandem.models.tokenizer import Tokenizer
@@ -31,9 +42,13 @@ def conversation(summary: str = "", upto_seq: int = 0) -> Conversation:
     return Conversation("c", "u", "t", "m", 0, 0, summary=summary, summary_upto_seq=upto_seq)
 
 
+def linear(num: int) -> list[Message]:
+    return [message(seq) for seq in range(1, num + 1)]
+
+
 def test_the_source_is_the_dropped_turns_after_the_stored_summary_with_that_summary():
-    dropped = [message(seq) for seq in (3, 4, 5, 6)]
-    source = source_of(conversation("Earlier: the user is Ada.", upto_seq=4), dropped)
+    messages = linear(8)
+    source = source_of(conversation("Earlier: the user is Ada.", upto_seq=4), messages[2:6], messages)
     assert source is not None
     assert source.previous == "Earlier: the user is Ada."
     assert [turn.seq for turn in source.turns] == [5, 6], "turns the stored summary covers are not summarised again"
@@ -41,8 +56,42 @@ def test_the_source_is_the_dropped_turns_after_the_stored_summary_with_that_summ
 
 
 def test_no_source_when_the_stored_summary_covers_every_dropped_turn():
-    assert source_of(conversation("s", upto_seq=6), [message(5), message(6)]) is None
-    assert source_of(conversation(), []) is None
+    messages = linear(8)
+    assert source_of(conversation("s", upto_seq=6), messages[4:6], messages) is None
+    assert source_of(conversation("s", upto_seq=7), messages[4:6], messages) is None, "it covers more of the branch"
+
+
+def branched() -> list[Message]:
+    """1-2-3-4-5-6, and 7 an edit of 3 (a sibling of it, after 2): the branch 1-2-7."""
+    edit = Message("m7", "c", 7, 2, Role.USER, "an edited turn 3", 20, "m", ReplyStatus.COMPLETE, 7)
+    return [*linear(6), edit, Message("m8", "c", 8, 7, Role.ASSISTANT, "its answer", 20, "m", ReplyStatus.COMPLETE, 8)]
+
+
+def test_a_summary_of_another_branch_is_replaced_not_extended():
+    messages = branched()
+    stored = conversation("about turns 1 to 5", upto_seq=5)
+    source = source_of(stored, [messages[0], messages[1], messages[6]], messages)
+    assert source is not None
+    assert source.previous == "", "turns 3 to 5 are not on this branch"
+    assert [turn.seq for turn in source.turns] == [1, 2, 7]
+
+
+def test_a_prompt_uses_the_summary_only_on_a_branch_through_its_last_covered_message():
+    messages = branched()
+    stored = conversation("about turns 1 to 4", upto_seq=4)
+    assert summary_of_branch(stored, messages, 6) == stored
+    assert summary_of_branch(stored, messages, None) == conversation(), "the newest message (8) is on the edit's branch"
+    assert summary_of_branch(stored, messages, 8) == conversation()
+    assert summary_of_branch(stored, messages, 0) == conversation(), "a first message edited has no history"
+    assert summary_of_branch(conversation("about 1 and 2", upto_seq=2), messages, 8).summary == "about 1 and 2", "shared turns"
+
+
+def test_covers_means_at_or_before_on_the_summarys_branch():
+    messages = branched()
+    assert covers(messages, 5, 5) and covers(messages, 5, 3) and covers(messages, 5, 1)
+    assert not covers(messages, 5, 6)
+    assert not covers(messages, 5, 7), "another branch"
+    assert not covers(messages, 0, 1), "no summary covers nothing"
 
 
 def test_the_prompt_has_the_instruction_the_previous_summary_then_the_turns_oldest_first(tokenizer):
