@@ -19,7 +19,8 @@ from redis.exceptions import RedisError
 
 from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
-from services.relay.moderation import OutputCheckConfig, OutputModerator, load_output_check
+from services.relay.moderation import OutputCheckConfig, OutputModerator
+from services.relay.output_check import CheckProcess
 from services.relay.persist import PersistConfig, persist_reply
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
@@ -52,7 +53,7 @@ def build_app(settings: Settings) -> FastAPI:
         running_ttl_s=settings.running_reply_ttl_s,
     )
     claims = Claims()
-    output_check = load_output_check(settings.output_moderation)
+    output_check = CheckProcess.start(settings.output_moderation)  # loaded once, in a process of its own
     moderator: OutputModerator | None = None
     quotas = QuotaSettler(redis, TokenBuckets(redis, QuotaConfig.from_settings(settings)))
     tasks: set[asyncio.Task[None]] = set()

@@ -2,16 +2,14 @@
 `window_chars` characters of the reply's text are scored by the deployment's check
 (tandem.safety); a window that trips it ends the reply as moderated.
 
-- Off the hot path: a token is appended and acknowledged first; its check runs afterwards, on
-  the check's own thread, so delivery never waits for a verdict. The final event is the one
+- Off the hot path: a token is appended and acknowledged first; its check runs afterwards, in
+  the check's own process (output_check.py), so delivery never waits for a verdict. The final event is the one
   exception: its window is checked before it is appended, so a reply whose last words trip the
   check ends moderated, never complete.
 - The window is read from the token log, not from what this relay happened to see: the relays
   share one consumer, so a reply's events are spread over them. Each relay keeps the window it
   read last per reply (the text of seq 1..c never changes once logged) and reads only the entries
   after it, so a check usually costs one short range read.
-- Windows due together are scored in one call: the trained check costs about as much for 32 texts
-  as for one, so a busy relay batches instead of queueing calls.
 - Tripping: the reply is fenced (a new owner epoch, so whatever its worker still sends is
   dropped), its worker is told to cancel it (reason "moderated"), and a CONTENT_FILTER final event
   at the next seq goes out on its finals subject, as the relay's other ends of a reply do. The
@@ -21,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +29,10 @@ from redis.exceptions import RedisError
 
 from services.relay import metrics
 from services.relay.consumer import Redeliver
+from services.relay.output_check import BatchScorer, CheckProcess
 from tandem.bus import encode, subjects
 from tandem.bus.events import final_event
 from tandem.config import Settings
-from tandem.errors import StartupError
-from tandem.safety import TextCheck, load_check
 from tandem.tokenlog import Appended, fence_reply, load_reply, load_reply_states, logged_events
 from tandem.tokenlog.reader import entry_id
 from tandem.v1.common_pb2 import (
@@ -93,15 +88,6 @@ def newest_chars(text: str, window_chars: int) -> str:
     return text[-window_chars:] if len(text) > window_chars else text
 
 
-def load_output_check(spec: str) -> TextCheck | None:
-    """The check `TANDEM_OUTPUT_MODERATION` names (None for `none`), loaded once per relay process
-    (profanity-check's model takes about a second); a spec that names nothing is a StartupError."""
-    try:
-        return load_check(spec)
-    except ValueError as exc:
-        raise StartupError(f"TANDEM_OUTPUT_MODERATION: {exc}") from None
-
-
 def tier_of(request: bytes) -> str:
     """The lane the reply was asked in (paid, free, background), from its GenerateRequest."""
     if not request:
@@ -155,59 +141,18 @@ class LogWindows:
         return "".join(reversed(pages))
 
 
-class BatchScorer:
-    """Scores texts on one thread of its own, all that wait at once in one call."""
-
-    def __init__(self, check: TextCheck, max_batch: int) -> None:
-        self._check = check
-        self._max_batch = max_batch
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="output-check")
-        self._waiting: list[tuple[str, asyncio.Future[float]]] = []
-        self._scoring: asyncio.Task[None] | None = None
-
-    async def score(self, text: str) -> float:
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._waiting.append((text, future))
-        if self._scoring is None:
-            self._scoring = asyncio.create_task(self._drain(), name="output-check")
-        return await future
-
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._waiting:
-                batch, self._waiting = self._waiting[: self._max_batch], self._waiting[self._max_batch :]
-                started_s = time.perf_counter()
-                try:
-                    scores = await loop.run_in_executor(self._executor, self._check.score, [text for text, _ in batch])
-                except Exception as exc:  # a deployment's check failing fails these checks, not the relay
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                metrics.OUTPUT_CHECK_SECONDS.observe(time.perf_counter() - started_s)
-                for (_, future), score in zip(batch, scores, strict=True):
-                    if not future.done():
-                        future.set_result(float(score))
-        finally:
-            self._scoring = None
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
 class OutputModerator:
     """The relay's output check: `admit_final` before a final event is appended, `after_append`
     after every append."""
 
-    def __init__(self, redis: Redis, check: TextCheck, publish: Publish, publish_final: PublishFinal, config: OutputCheckConfig) -> None:
+    def __init__(self, redis: Redis, check: CheckProcess, publish: Publish, publish_final: PublishFinal, config: OutputCheckConfig) -> None:
         self._redis = redis
-        self._check_name = check.name
+        self._check = check
         self._publish = publish
         self._publish_final = publish_final
         self._config = config
         self._windows = LogWindows(redis, config.window_chars, config.max_cached_replies)
-        self._scorer = BatchScorer(check, config.max_batch)
+        self._scorer = BatchScorer(check.score, config.max_batch)
         self._due: dict[str, int] = {}  # reply id -> the newest seq whose window waits for a check
         self._checking: dict[str, asyncio.Task[None]] = {}  # reply id -> its checks in flight
 
@@ -245,7 +190,7 @@ class OutputModerator:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._scorer.close()
+        self._check.close()
 
     def _spawn(self, reply_id: str, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work, name=f"output-check:{reply_id}")
@@ -274,7 +219,7 @@ class OutputModerator:
         score = await self._scorer.score(window)
         if score < self._config.threshold:
             return False
-        log.info("reply %s: its output tripped the %s check (score %.2f)", reply_id, self._check_name, score)
+        log.info("reply %s: its output tripped the %s check (score %.2f)", reply_id, self._check.name, score)
         return True
 
     async def _moderate(self, reply_id: str, usage: Usage | None, cancel: bool) -> bool:

@@ -1,6 +1,6 @@
 """The output check's cadence and window: a check every N tokens (also when an append logs
 several at once, filling a gap), the newest characters only, the tier from the request's lane,
-and windows due together scored in one call of the check."""
+windows due together scored in one call of the check, and the check loaded in a process of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.relay.moderation import BatchScorer, crosses_check, newest_chars, tier_of
+from services.relay.moderation import crosses_check, newest_chars, tier_of
+from services.relay.output_check import BatchScorer, CheckProcess
+from tandem.errors import StartupError
 from tandem.safety import Blocklist
 from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_FREE, LANE_PAID
 from tandem.v1.generate_pb2 import GenerateRequest
@@ -63,25 +65,43 @@ class CountingBlocklist(Blocklist):
 
 async def test_windows_due_at_once_are_scored_in_one_call_each_with_its_own_verdict():
     check = CountingBlocklist(["forbidden"])
-    scorer = BatchScorer(check, max_batch=3)
-    try:
-        texts = ["plain words", "a forbidden word", "more plain words", "Forbidden!"]
-        scores = await asyncio.gather(*(scorer.score(text) for text in texts))
-        assert await scorer.score("later, alone") == 0.0
-    finally:
-        scorer.close()
+
+    async def score_batch(texts: list[str]) -> list[float]:
+        return check.score(texts)
+
+    scorer = BatchScorer(score_batch, max_batch=3)
+    texts = ["plain words", "a forbidden word", "more plain words", "Forbidden!"]
+    scores = await asyncio.gather(*(scorer.score(text) for text in texts))
+    assert await scorer.score("later, alone") == 0.0
     assert scores == [0.0, 1.0, 0.0, 1.0]
     assert check.calls == [texts[:3], texts[3:], ["later, alone"]]  # at most max_batch a call
 
 
-async def test_a_check_that_fails_fails_only_the_windows_of_its_call():
-    class Broken(Blocklist):
-        def score(self, texts: Sequence[str]) -> list[float]:
-            raise RuntimeError("the moderation model is down")
+async def test_a_check_that_fails_fails_the_windows_of_its_call_and_the_next_call_runs():
+    calls: list[list[str]] = []
 
-    scorer = BatchScorer(Broken(["x"]), max_batch=64)
+    async def down_once(texts: list[str]) -> list[float]:
+        calls.append(texts)
+        if len(calls) == 1:
+            raise RuntimeError("the moderation model is down")
+        return [0.0] * len(texts)
+
+    scorer = BatchScorer(down_once, max_batch=64)
+    with pytest.raises(RuntimeError, match="moderation model"):
+        await scorer.score("anything")
+    assert await scorer.score("again") == 0.0
+
+
+async def test_the_check_loads_once_in_a_process_of_its_own_and_scores_there():
+    check = CheckProcess.start("blocklist:forbidden")
+    assert check is not None and check.name == "blocklist"
     try:
-        with pytest.raises(RuntimeError, match="moderation model"):
-            await scorer.score("anything")
+        assert await check.score(["a forbidden word", "fine"]) == [1.0, 0.0]
     finally:
-        scorer.close()
+        check.close()
+    assert CheckProcess.start("none") is None
+
+
+def test_a_spec_that_names_no_check_stops_the_relay_at_its_start_naming_the_setting():
+    with pytest.raises(StartupError, match="TANDEM_OUTPUT_MODERATION"):
+        CheckProcess.start("no_such_module_here:factory")
