@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -26,6 +27,12 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # spawning the child, importing scikit-learn and loading the model
 _CHECKS: dict[str, TextCheck | None] = {}  # in the child: the check each spec names, loaded once
+
+
+def _ignore_interrupts() -> None:
+    """In the child: Ctrl-C to the process group (make run, tandem up) is the relay's to handle; the
+    relay's stop shuts the child down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _check_of(spec: str) -> TextCheck | None:
@@ -84,7 +91,7 @@ class CheckProcess:
 
 def _new_executor() -> ProcessPoolExecutor:
     # spawn, not fork: the relay runs threads (its event loop's, redis', NATS'), which a fork would copy mid-step
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupts)
 
 
 class BatchScorer:
