@@ -116,7 +116,7 @@ class OpenAIChat:
 @dataclass(frozen=True)
 class TandemChat:
     """Tandem's chat API: a new conversation per request (made before the clock starts), then POST
-    its messages with the last user message; SSE events meta, delta {"text"}, done {"usage"}, error."""
+    its messages with the last user message; SSE events meta, delta {"text"}, done {"usage"}, error, moderated."""
 
     model: str = "auto"
     temperature: float = 0.0
@@ -134,6 +134,8 @@ class TandemChat:
                 result.delta_offsets_s.append(time.perf_counter() - started)
             elif event == "error":
                 raise StreamFailed(str(payload.get("code") or "error"))
+            elif event == "moderated":  # the output check withdrew the answer
+                raise StreamFailed("moderated")
             elif event == "done":
                 usage = payload.get("usage") or {}
                 if "output" in usage:
