@@ -17,6 +17,8 @@ message (`Features`): z = BIAS + sum(weight * feature), score = 1 / (1 + e^-z).
                        in ; { or }), up to 1
     stack_trace        a traceback or an exception frame                         2.0
     maths              LaTeX, maths symbols, or formulas (x^2, 3*x + 1 = 7)       1.5
+    technical          distinct programming and systems terms (Python, SQL,      0.6 each
+                       tuple, hash table, join, compiler, latency ...), up to 3
     reasoning          distinct reasoning words (explain, why, prove, compare,   0.8 each
                        step by step, derive, solve, trade-off ...), up to 3
     parts              numbered or lettered items of a multi-part question,      0.5 each
@@ -26,8 +28,9 @@ message (`Features`): z = BIAS + sum(weight * feature), score = 1 / (1 + e^-z).
     BIAS                                                                        -3.0
 
 So a greeting or a short factual question scores about 0.07, prose crosses 0.5 at about 140
-tokens (0.62 at 200), "explain step by step why ... and compare it with ..." about 0.6, and a
-question with a code block or a stack trace above 0.9. The weights were set by hand, against the
+tokens (0.62 at 200), "explain step by step why ... and compare it with ..." about 0.6, a
+programming question in prose ("the difference between a list and a tuple in Python") about 0.7,
+and a question with a code block or a stack trace above 0.9. The weights were set by hand, against the
 split the fallback rule makes (below) and a dozen sample prompts; they are not trained.
 
 When the classifier is absent, raises, or is slower than the deadline, the fallback rule decides:
@@ -87,6 +90,13 @@ _REASONING = re.compile(
     r"optimi[sz]e|debug|implement|refactor|how does|how do|what happens)\b",
     re.IGNORECASE,
 )
+_TECHNICAL = re.compile(
+    r"\b(python|java(script)?|typescript|rust|golang|c\+\+|sql|database|query|api|http|json|regex|algorithm|"
+    r"complexity|recursion|hash ?(table|map)|linked list|array|tuple|dictionary|pointer|thread|mutex|async|"
+    r"compiler|kernel|latency|cache|git|docker|kubernetes|join|index(es)?|schema|bug|exception|variable|"
+    r"function|method|class(es)?|object|library|framework|sorted lists?|binary|bitwise)\b",
+    re.IGNORECASE,
+)
 _PART = re.compile(r"^\s*(\d+[.)]|[a-h][.)]|\([a-h1-9]\)|[-*•] )\s*\S", re.MULTILINE)
 _SENTENCE_END = re.compile(r"[.!?]+(\s|$)")
 
@@ -98,6 +108,7 @@ class Features:
     code_line_share: float
     has_stack_trace: bool
     has_maths: bool
+    num_technical_terms: int
     num_reasoning_words: int
     num_parts: int
     num_questions: int
@@ -124,6 +135,7 @@ def features_of(text: str) -> Features:
         code_line_share=code_lines / len(lines) if lines else 0.0,
         has_stack_trace=bool(_STACK_TRACE.search(text)),
         has_maths=bool(_MATHS.search(text)),
+        num_technical_terms=len({m.group(0).lower() for m in _TECHNICAL.finditer(text)}),
         num_reasoning_words=len(reasoning),
         num_parts=len(_PART.findall(text)),
         num_questions=text.count("?"),
@@ -141,6 +153,7 @@ class Weights:
     code_lines: float = 2.5
     stack_trace: float = 2.0
     maths: float = 1.5
+    technical_term: float = 0.6
     reasoning_word: float = 0.8
     part: float = 0.5
     extra_question: float = 0.4
@@ -162,6 +175,7 @@ class FeatureClassifier:
             + w.code_lines * min(f.code_line_share, 1.0)
             + w.stack_trace * f.has_stack_trace
             + w.maths * f.has_maths
+            + w.technical_term * min(f.num_technical_terms, 3)
             + w.reasoning_word * min(f.num_reasoning_words, 3)
             + w.part * min(f.num_parts, 4)
             + w.extra_question * min(max(f.num_questions - 1, 0), 4)

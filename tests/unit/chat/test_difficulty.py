@@ -58,6 +58,9 @@ def test_the_score_follows_the_message_not_a_constant():
     assert classifier.score("Solve 3x^2 + 2x - 1 = 0") > classifier.score("Say hello to x")
     parts = "1. What is DNS?\n2. What is TCP?\n3. How do they differ?"
     assert classifier.score(parts) > 0.5
+    programming = "Explain the difference between a list and a tuple in Python, and say when I would use each."
+    everyday = "Explain the difference between baking soda and baking powder, and say when I would use each."
+    assert classifier.score(programming) >= 0.5 > classifier.score(everyday)  # a programming question in prose
     assert all(0.0 <= classifier.score(text) <= 1.0 for text in ("", "?", "x" * 10_000, CODE_QUESTION * 20))
 
 
