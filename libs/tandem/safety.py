@@ -13,11 +13,12 @@ Scoring is synchronous and CPU-bound (milliseconds): callers run it in a thread.
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from tandem.plugins import load_plugin
 
 NONE = "none"
 PROFANITY_CHECK = "profanity-check"
@@ -82,14 +83,4 @@ def load_check(spec: str) -> TextCheck | None:
         return ProfanityCheck()
     if spec.startswith(BLOCKLIST_PREFIX):
         return Blocklist(spec[len(BLOCKLIST_PREFIX) :].split("|"))
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{spec!r} is not a safety check: use profanity-check, blocklist:word|word, none or module:function")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load the safety check {spec!r}: {exc}") from None
-    check = factory()
-    if not isinstance(check, TextCheck):
-        raise ValueError(f"{spec!r} returned {type(check).__name__}, which has no name and score(texts)")
-    return check
+    return load_plugin(spec, TextCheck, "safety check", "profanity-check, blocklist:word|word, none")  # type: ignore[type-abstract]

@@ -44,7 +44,6 @@ deployment classifier never holds more than a few threads)."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import math
 import re
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from tandem.errors import StartupError
+from tandem.plugins import load_plugin
 
 log = logging.getLogger(__name__)
 
@@ -194,17 +194,7 @@ def load_classifier(spec: str) -> DifficultyClassifier | None:
         return None
     if spec == FEATURES:
         return FeatureClassifier()
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{spec!r} is not a difficulty classifier: use features, none or module:function")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load the difficulty classifier {spec!r}: {exc}") from None
-    classifier = factory()
-    if not isinstance(classifier, DifficultyClassifier):
-        raise ValueError(f"{spec!r} returned {type(classifier).__name__}, which has no score(text)")
-    return classifier
+    return load_plugin(spec, DifficultyClassifier, "difficulty classifier", "features, none")  # type: ignore[type-abstract]
 
 
 def open_judge(spec: str, timeout_s: float) -> DifficultyJudge:

@@ -4,23 +4,11 @@ another test's traffic on the session's servers."""
 
 from __future__ import annotations
 
-import nats
 import pytest_asyncio
-from product_stack import start_product_stack
-
-from tandem.devstack.servers import start_nats, start_redis
+from product_stack import own_product_stack
 
 
 @pytest_asyncio.fixture(scope="session")
 async def product_stack(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("product")
-    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
-    nc = await nats.connect(nats_server.url)
-    stack = await start_product_stack(nc, nats_server.url, redis_server.url, workdir)
-    stack.nats_server = nats_server
-    await nc.close()
-    yield stack
-    for child in stack.children:
-        child.stop(timeout_s=10)
-    redis_server.stop()
-    nats_server.stop()
+    async with own_product_stack(tmp_path_factory.mktemp("product")) as stack:
+        yield stack

@@ -4,16 +4,18 @@ Tests talk to it over HTTP/SSE as a client would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import nats
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.devstack.proc import ChildProcess
-from tandem.devstack.servers import EmbeddedServer
+from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 
 API_KEYS = "key-alice=alice:plus,key-bob=bob:free"
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -78,6 +80,28 @@ async def start_product_stack(
     await next_heartbeat(nc, "decode", stack.ids["decode"][0], timeout_s=30)
     await next_heartbeat(nc, "decode", stack.ids["decode"][0], timeout_s=30)
     return stack
+
+
+@contextlib.asynccontextmanager
+async def own_product_stack(workdir: Path, roles: tuple[str, ...] = ROLES, **extra_env: str) -> AsyncIterator[ProductStack]:
+    """A product stack on a nats-server and redis-server of its own (for a module that needs other
+    settings than the session's stack), stopped with its servers at the end."""
+    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
+    try:
+        nc = await nats.connect(nats_server.url)
+        try:
+            stack = await start_product_stack(nc, nats_server.url, redis_server.url, workdir, roles=roles, **extra_env)
+        finally:
+            await nc.close()
+        stack.nats_server = nats_server
+        try:
+            yield stack
+        finally:
+            for child in stack.children:
+                child.stop(timeout_s=10)
+    finally:
+        redis_server.stop()
+        nats_server.stop()
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,11 @@ from __future__ import annotations
 import json
 
 import httpx
-import nats
 import openai
 import pytest
 import pytest_asyncio
 from helpers import wait_until
-from product_stack import ALICE, start_product_stack
-
-from tandem.devstack.servers import start_nats, start_redis
+from product_stack import ALICE, own_product_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 
@@ -35,24 +32,9 @@ REPLY_TIMEOUT_MS = 90_000
 @pytest_asyncio.fixture(scope="module")
 async def stack(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("output-moderation")
-    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
-    nc = await nats.connect(nats_server.url)
-    try:
-        stack = await start_product_stack(
-            nc,
-            nats_server.url,
-            redis_server.url,
-            workdir,
-            roles=("router", "decode", "relay", "chat"),
-            TANDEM_OUTPUT_MODERATION=f"blocklist:{BLOCKED}",
-        )
-    finally:
-        await nc.close()
-    yield stack
-    for child in stack.children:
-        child.stop(timeout_s=10)
-    redis_server.stop()
-    nats_server.stop()
+    env = {"TANDEM_OUTPUT_MODERATION": f"blocklist:{BLOCKED}"}
+    async with own_product_stack(workdir, roles=("router", "decode", "relay", "chat"), **env) as stack:
+        yield stack
 
 
 async def served_model(url: str) -> str:

@@ -19,14 +19,12 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
-import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import wait_until
-from product_stack import BOB, ProductStack, read_stream, start_product_stack
+from product_stack import BOB, ProductStack, own_product_stack, read_stream
 
-from tandem.devstack.servers import start_nats, start_redis
 from tandem.quota import reservation_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
@@ -41,18 +39,10 @@ FULL_REFILL_S = 10800  # the default quota_refill_s
 
 @pytest_asyncio.fixture(scope="module")
 async def quota_stack(tmp_path_factory) -> AsyncIterator[ProductStack]:
-    workdir = tmp_path_factory.mktemp("quota")
-    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
-    nc = await nats.connect(nats_server.url)
     # Streams per key unbounded here: the burst meets the quota, not the limit on open streams.
     env = {"TANDEM_QUOTA_FREE": str(QUOTA_FREE), "TANDEM_MAX_ANSWER_TOKENS": str(MAX_ANSWER_TOKENS), "TANDEM_STREAM_LIMIT_FREE": "100"}
-    stack = await start_product_stack(nc, nats_server.url, redis_server.url, workdir, **env)
-    await nc.close()
-    yield stack
-    for child in stack.children:
-        child.stop(timeout_s=10)
-    redis_server.stop()
-    nats_server.stop()
+    async with own_product_stack(tmp_path_factory.mktemp("quota"), **env) as stack:
+        yield stack
 
 
 @contextlib.contextmanager

@@ -9,14 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import httpx
-import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import wait_until
-from product_stack import BOB, ProductStack, read_stream, start_product_stack
+from product_stack import BOB, ProductStack, own_product_stack, read_stream
 
-from tandem.devstack.servers import start_nats, start_redis
 from tandem.models.loader import load_tokenizer
 from tandem.tokenlog import load_reply
 from tandem.v1.generate_pb2 import GenerateRequest
@@ -31,21 +29,13 @@ SUMMARY_WAIT_S = 120  # a summary of 40 tokens on the CPU, on a lane that waits 
 
 @pytest_asyncio.fixture(scope="module")
 async def summary_stack(tmp_path_factory) -> AsyncIterator[ProductStack]:
-    workdir = tmp_path_factory.mktemp("summaries")
-    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
-    nc = await nats.connect(nats_server.url)
     env = {
         "TANDEM_PROMPT_BUDGET_FREE": str(PROMPT_BUDGET_FREE),
         "TANDEM_MAX_ANSWER_TOKENS": str(MAX_ANSWER_TOKENS),
         "TANDEM_SUMMARY_MAX_TOKENS": str(SUMMARY_MAX_TOKENS),
     }
-    stack = await start_product_stack(nc, nats_server.url, redis_server.url, workdir, roles=("router", "decode", "relay", "chat"), **env)
-    await nc.close()
-    yield stack
-    for child in stack.children:
-        child.stop(timeout_s=10)
-    redis_server.stop()
-    nats_server.stop()
+    async with own_product_stack(tmp_path_factory.mktemp("summaries"), roles=("router", "decode", "relay", "chat"), **env) as stack:
+        yield stack
 
 
 def question(number: int) -> str:
