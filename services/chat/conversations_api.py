@@ -19,7 +19,7 @@ from services.chat.replies import cancel_reply, new_reply_id
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view, summary_view
 from services.chat.state import State
 from services.chat.stream_slots import StreamAdmission
-from services.chat.streaming import reply_response
+from services.chat.streaming import logged_reply_response, reply_response
 from services.chat.streams import as_logged, finished_message_response
 from services.chat.turns import inflight_key, send_message
 from tandem.bus.events import ReplyStatus, now_ms
@@ -172,7 +172,7 @@ async def attach_stream(state: State, reply_id: str, last_event_id: int) -> Even
     """The stream of a reply already started: from its log while kept, else from the store."""
     meta = await load_reply(state.redis, reply_id)
     if meta is not None:
-        return reply_response(state, reply_id, meta.model, last_event_id)
+        return logged_reply_response(state, meta, last_event_id)
     message = await state.store.get_message(reply_id)
     if message is None:
         raise Conflict("this Idempotency-Key was used for a request that is still starting; retry shortly", code="idempotency_key_in_use")

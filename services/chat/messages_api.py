@@ -15,7 +15,7 @@ from services.chat.replies import cancel_reply
 from services.chat.schemas import RegenerateBody
 from services.chat.state import State
 from services.chat.stream_slots import StreamAdmission
-from services.chat.streaming import reply_response
+from services.chat.streaming import logged_reply_response, reply_response
 from services.chat.streams import finished_message_response
 from services.chat.turns import regenerate
 from tandem.config import ApiKey
@@ -45,7 +45,7 @@ async def stream(
     meta = await load_reply(state.redis, message_id)
     if meta is None:
         return finished_message_response(state, message, last_event_id)
-    return reply_response(state, message_id, meta.model, last_event_id)
+    return logged_reply_response(state, meta, last_event_id)
 
 
 @router.post("/{message_id}/stop")

@@ -4,6 +4,7 @@ read back from the log (services.chat.streaming) by whichever chat instance the 
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from contextlib import AbstractAsyncContextManager
@@ -13,11 +14,12 @@ import nats.errors
 
 from services.chat import metrics, quotas
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
+from services.chat.model_routing import Route
 from services.chat.state import ChatState
 from tandem.bus import encode, subjects, validate
 from tandem.config import ApiKey, Tier
 from tandem.runtime.request_id import current_request_id
-from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, create_reply
+from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, create_reply, set_answered
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import Cancel
@@ -51,6 +53,8 @@ class ReplyRequest:
     sampling: SamplingParams
     conversation_id: str = ""
     message_id: str = ""  # the assistant message, stored as running, that the reply fills
+    num_dropped_turns: int = 0  # older turns of the conversation left out of the prompt
+    route: Route | None = None  # how its model was chosen (model auto)
 
 
 def reserve_quota(state: ChatState, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
@@ -89,6 +93,7 @@ async def _begin(state: ChatState, reply: ReplyRequest) -> str:
         message_id=reply.message_id,
         model=reply.model,
         request=request.SerializeToString(),
+        num_dropped_turns=reply.num_dropped_turns,
     )
     await create_reply(state.redis, meta, track_readers=True)
     outcome = await _ask_router(state, request)
@@ -99,13 +104,11 @@ async def _begin(state: ChatState, reply: ReplyRequest) -> str:
         kind = REFUSALS.get(refusal.reason, Unavailable)
         raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
     metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
-    if outcome.model and outcome.model != reply.model:  # a stream resumed later names the admitted model
-        await state.redis.eval(_SET_MODEL_IF_LOGGED, 1, ReplyKeys(reply.reply_id).meta, outcome.model)
-    return outcome.model or reply.model
-
-
-# Only on a meta hash that is still there, so the key keeps its TTL (a missing one is not made anew).
-_SET_MODEL_IF_LOGGED = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'model', ARGV[1]) end"
+    model = outcome.model or reply.model
+    route = reply.route.answered_by(model) if reply.route is not None else None
+    if model != reply.model or route is not None:  # a stream attached later says what the first one said
+        await set_answered(state.redis, reply.reply_id, model, json.dumps(route.as_dict()) if route is not None else "")
+    return model
 
 
 async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateReply:

@@ -4,6 +4,7 @@ everything queued for the client in one write."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -14,7 +15,7 @@ from services.chat.state import ChatState
 from services.chat.streams import settle_lost_reply
 from tandem.bus.events import is_final
 from tandem.runtime.request_id import current_request_id
-from tandem.tokenlog import ReplyGone
+from tandem.tokenlog import ReplyGone, ReplyMeta
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,13 @@ def reply_response(
     if clock is not None:
         response.on_close(clock.close)
     return response
+
+
+def logged_reply_response(state: ChatState, meta: ReplyMeta, last_event_id: int = 0) -> StreamResponse:
+    """The SSE response of a reply already started (a resumed or attached stream), whose `meta`
+    event says what the first stream's said."""
+    route = json.loads(meta.route_json) if meta.route_json else None
+    return reply_response(state, meta.reply_id, meta.model, last_event_id, meta.num_dropped_turns, route=route)
 
 
 async def sse_stream(

@@ -107,7 +107,7 @@ async def send_message(
     if await checking.is_refused(user.tier.value, model.name):  # stored to show, never sent to a model, nothing reserved
         await state.store.append_message(user.user_id, replace(user_turn, status=ReplyStatus.MODERATED))
         raise Moderated(MODERATED_MESSAGE)
-    reply = _reply_request(state, user, conversation, model, prompt, reply_id, sampling)
+    reply = _reply_request(state, user, conversation, route, prompt, reply_id, sampling)
     async with reserve_quota(state, reply):  # a turn the quota refuses stores nothing
         user_message = await state.store.append_message(user.user_id, user_turn)
         if not conversation.title:
@@ -133,7 +133,7 @@ async def regenerate(
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", user_turn.content, user_turn.tokens)
     prompt = await asyncio.to_thread(_prompt, state, user, conversation, earlier, new_turn, model, counter)
-    reply = _reply_request(state, user, conversation, model, prompt, new_reply_id(), sampling)
+    reply = _reply_request(state, user, conversation, route, prompt, new_reply_id(), sampling)
     async with reserve_quota(state, reply):
         started = await _start(state, conversation, user_turn.seq, reply, prompt.num_dropped)
     schedule_summary(state, user, conversation.id, model, earlier[: prompt.num_dropped], started.reply_id)
@@ -175,8 +175,9 @@ def _prompt(
 
 
 def _reply_request(
-    state: ChatState, user: ApiKey, conversation: Conversation, model: ServedModel, prompt: _Prompt, reply_id: str, sampling: SamplingChoice
+    state: ChatState, user: ApiKey, conversation: Conversation, route: Route, prompt: _Prompt, reply_id: str, sampling: SamplingChoice
 ) -> ReplyRequest:
+    model = route.model
     wanted = sampling.max_tokens or state.config.max_answer_tokens
     max_tokens = max(1, min(wanted, model.window_tokens - len(prompt.ids)))
     return ReplyRequest(
@@ -188,6 +189,8 @@ def _reply_request(
         sampling=sampling.params(max_tokens),
         conversation_id=conversation.id,
         message_id=reply_id,
+        num_dropped_turns=prompt.num_dropped,
+        route=route,
     )
 
 

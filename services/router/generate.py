@@ -202,12 +202,16 @@ class GenerateService:
         decode_workers = [w for w in self._workers.workers(DECODE_ROLE) if w.instance_id not in excluded]
         ranked = self._placement.rank(decode_workers, model, request, affinity_key(request, assignment.reply_id))
         ranked = order_for_lane(ranked, lane_of(request), self._targets, self.refusals)
+        remote = self._remote(assignment, ranked, model)
         if ranked:
-            # Counted from the moment it is chosen, so a burst spreads before any worker answers.
-            self._workers.note_assigned(ranked[0].instance_id, num_context_tokens(request))
+            # Counted from the moment it is chosen, so a burst spreads before any worker answers: as
+            # the prefill it will do itself (none when a prefill worker reads the prompt, only the
+            # uncached part otherwise), so a cached follow-up turn does not weigh as a whole prompt.
+            num_own_prefill = 0 if remote is not None else self._placement.num_uncached_tokens(ranked[0], request)
+            self._workers.note_assigned(ranked[0].instance_id, num_own_prefill)
             metrics.PLACEMENTS.labels(role=DECODE_ROLE, reason=self._placement.reason(ranked, request)).inc()
         worker_ids = tuple(w.instance_id for w in ranked)
-        return Job(assignment, worker_ids, admitted_at_s, self._remote(assignment, ranked, model), model)
+        return Job(assignment, worker_ids, admitted_at_s, remote, model)
 
     def _remote(self, assignment: Assignment, ranked_decode: list[LiveWorker], model: str) -> tuple[Assignment, tuple[str, ...]] | None:
         if not ranked_decode or not self._placement.should_prefill_remotely(ranked_decode[0], assignment.request):
@@ -217,7 +221,7 @@ class GenerateService:
         if not prefill:
             return None
         # Counted at once like a decode worker's, so a burst spreads over the prefill workers too.
-        self._workers.note_assigned(prefill[0].instance_id, num_context_tokens(assignment.request))
+        self._workers.note_assigned(prefill[0].instance_id, self._placement.num_uncached_tokens(prefill[0], assignment.request))
         metrics.PLACEMENTS.labels(role=PREFILL_ROLE, reason=self._placement.reason(prefill, assignment.request)).inc()
         decode_worker = ranked_decode[0].heartbeat
         remote = Assignment()

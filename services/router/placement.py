@@ -73,15 +73,17 @@ class Placement:
         num_queued_tokens = heartbeat.queued_prefill_tokens + worker.num_assigned_prompt_tokens
         return num_replies + num_queued_tokens / self._config.prefill_tokens_per_unit
 
+    def num_uncached_tokens(self, worker: LiveWorker, request: GenerateRequest) -> int:
+        """The request's tokens `worker` would prefill: those its prefix cache does not hold."""
+        return max(0, num_context_tokens(request) - self._cached_tokens(worker, request))
+
     def cost(self, worker: LiveWorker, request: GenerateRequest) -> float:
         """Its load plus this request's uncached prefill (the same on every worker until
         `cached_tokens` knows better)."""
-        num_uncached_tokens = max(0, num_context_tokens(request) - self._cached_tokens(worker, request))
-        return self.load(worker) + num_uncached_tokens / self._config.prefill_tokens_per_unit
+        return self.load(worker) + self.num_uncached_tokens(worker, request) / self._config.prefill_tokens_per_unit
 
     def should_prefill_remotely(self, decode_worker: LiveWorker, request: GenerateRequest) -> bool:
-        num_uncached = num_context_tokens(request) - self._cached_tokens(decode_worker, request)
-        return num_uncached > self._config.remote_prefill_min_tokens
+        return self.num_uncached_tokens(decode_worker, request) > self._config.remote_prefill_min_tokens
 
     def rank(self, workers: Sequence[LiveWorker], model: str, request: GenerateRequest, key: str) -> list[LiveWorker]:
         """Workers that serve `model` and take work, best first."""

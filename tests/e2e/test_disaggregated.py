@@ -250,12 +250,19 @@ def _next_turn(model: LoadedModel, prompt: list[int], reply: list[int], message:
 
 
 async def test_concurrent_conversations_each_return_to_their_decode_worker_for_turn_two(stack, nc, model):
+    """One conversation per decode worker, their second turns at once: each goes back to the worker
+    holding its first. (Two second turns for one worker at once may rightly be split: the router
+    weighs a reply already placed there against prefilling the other's short history elsewhere.)"""
     idle = await _all_serving(nc, stack)
     rng = random.Random(4242)
-    first_prompts = [_seeded_prompt(model, rng) for _ in range(4)]
-    firsts = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in first_prompts))
-    assert all(f[0].worker_id in stack.prefill for f in firsts), "turn 1 is long and uncached: remote prefill"
-    for decode_id in {f[-1].worker_id for f in firsts}:
+    candidates = [_seeded_prompt(model, rng) for _ in range(4)]
+    answers = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in candidates))
+    assert all(a[0].worker_id in stack.prefill for a in answers), "turn 1 is long and uncached: remote prefill"
+    one_per_worker = {a[-1].worker_id: (p, a) for p, a in zip(candidates, answers)}
+    assert set(one_per_worker) == set(stack.decode), "four concurrent first turns spread over both decode workers"
+    first_prompts = [p for p, _ in one_per_worker.values()]
+    firsts = [a for _, a in one_per_worker.values()]
+    for decode_id in one_per_worker:
         await _router_has_every_kv_event(nc, stack, decode_id)
     second_prompts = [_next_turn(model, p, [e.token_id for e in f], "And which comes least often?") for p, f in zip(first_prompts, firsts)]
     seconds = await asyncio.gather(*(_ask(nc, p, max_tokens=8) for p in second_prompts))

@@ -4,7 +4,7 @@ clock it is stamped with are tandem.bus.events'."""
 
 from tandem.tokenlog.continuation import Continuation, TakenOver, begin_continuation, fence_reply
 from tandem.tokenlog.keys import REPLY_SET_TTL_S, RUNNING, RUNNING_REPLY_TTL_S, UNPERSISTED, ReplyKeys
-from tandem.tokenlog.meta import ReplyMeta, create_reply, load_reply, load_reply_states
+from tandem.tokenlog.meta import ReplyMeta, create_reply, load_reply, load_reply_states, set_answered
 from tandem.tokenlog.reader import LogUnavailable, ReplyGone, logged_events, read
 from tandem.tokenlog.readers import attach, detach, idle_for_ms
 from tandem.tokenlog.tail import LogTail, TailConfig, TailSink
@@ -39,4 +39,5 @@ __all__ = [
     "load_reply_states",
     "logged_events",
     "read",
+    "set_answered",
 ]

@@ -34,6 +34,9 @@ class ReplyMeta:
     last_event_ms: int = 0  # when an event was last appended; 0: none yet
     cancel_sent_ms: int = 0  # when the relay cancelled it for want of readers; 0: never
     gap_since_ms: int = 0  # since when an event waits for a missing one before it; 0: no gap
+    # What its first `meta` event said, so every later reader of the log is told the same:
+    num_dropped_turns: int = 0  # older turns left out of its prompt
+    route_json: str = ""  # how its model was chosen, as JSON; empty: not chosen (asked for by name, or not said yet)
 
     @property
     def is_running(self) -> bool:
@@ -72,6 +75,8 @@ class ReplyMeta:
             last_event_ms=number("last_event_ms"),
             cancel_sent_ms=number("cancel_sent_ms"),
             gap_since_ms=number("gap_since_ms"),
+            num_dropped_turns=number("dropped_turns"),
+            route_json=field("route"),
         )
 
 
@@ -91,6 +96,7 @@ async def create_reply(redis: Redis, meta: ReplyMeta, *, track_readers: bool, tt
         "last_reader_ms": meta.created_ms or now_ms(),
         "request": meta.request,
         "track_readers": "1" if track_readers else "0",
+        "dropped_turns": meta.num_dropped_turns,
     }
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.meta, mapping=fields)
@@ -98,6 +104,17 @@ async def create_reply(redis: Redis, meta: ReplyMeta, *, track_readers: bool, tt
         pipe.sadd(RUNNING, meta.reply_id)
         pipe.expire(RUNNING, REPLY_SET_TTL_S)
         await pipe.execute()
+
+
+# Only on a meta hash that is still there, so the key keeps its TTL (a missing one is not made anew).
+_SET_IF_LOGGED = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) end"
+
+
+async def set_answered(redis: Redis, reply_id: str, model: str, route_json: str) -> None:
+    """Records what a reply's admission decided after it was created: the model that answers it
+    and how that model was chosen (`route_json`; empty: leave it unsaid)."""
+    fields = ["model", model, *(["route", route_json] if route_json else [])]
+    await redis.eval(_SET_IF_LOGGED, 1, ReplyKeys(reply_id).meta, *fields)
 
 
 async def load_reply(redis: Redis, reply_id: str) -> ReplyMeta | None:
