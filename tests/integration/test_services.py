@@ -146,3 +146,10 @@ def test_missing_model_fails_at_start(nats_server, redis_server, tmp_path):
 def test_cuda_without_a_gpu_fails_at_start(nats_server, redis_server):
     result = _start_failing("prefill", nats_server.url, redis_server.url, TANDEM_DEVICE="cuda")
     _one_clear_line(result, "prefill", "TANDEM_DEVICE=cuda", "sees no CUDA GPU here")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_on_a_reachable_host_without_an_internal_secret_fails_at_start(nats_server, redis_server, role):
+    """It stops before it listens on anything: its gRPC port would take Drain and KV reservations from anyone."""
+    result = _start_failing(role, nats_server.url, redis_server.url, TANDEM_HOST="0.0.0.0", TANDEM_INTERNAL_SECRET="")
+    _one_clear_line(result, role, "TANDEM_HOST is '0.0.0.0'", "TANDEM_INTERNAL_SECRET is empty", "TANDEM_ALLOW_INSECURE_INTERNAL=1")

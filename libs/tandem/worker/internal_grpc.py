@@ -1,17 +1,24 @@
 """The shared secret on the workers' gRPC surfaces (WorkerControl, KvHandoff): every call carries
 TANDEM_INTERNAL_SECRET in its metadata, and a server with a secret answers UNAUTHENTICATED to a call
-without it, before any handler runs. An empty secret turns the check off (a bare `tandem serve`);
-`tandem up`, compose and Kubernetes always set one."""
+without it, before any handler runs. `tandem up`, compose and Kubernetes always set one.
+
+An empty secret turns the check off, which is safe only where nobody else can connect: a worker
+on a loopback host (a bare `tandem serve`) may run without one; on any other host it refuses to
+start (check_internal_secret) unless TANDEM_ALLOW_INSECURE_INTERNAL says so, since anyone who
+reaches its gRPC port could drain it or reserve its KV blocks."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from prometheus_client import Counter
+
+from tandem.errors import StartupError
 
 SECRET_METADATA_KEY = "x-tandem-internal-secret"
 CALLS_REFUSED = Counter("tandem_grpc_calls_unauthenticated_total", "gRPC calls refused for a missing or wrong internal secret")
@@ -48,6 +55,32 @@ class SharedSecretInterceptor(grpc.aio.ServerInterceptor):
 
 async def _unauthenticated(request: bytes, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the internal secret (TANDEM_INTERNAL_SECRET)")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Only this machine can connect to it: `localhost` or a loopback address. A wildcard, another
+    address or any other name may be reachable from elsewhere."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_internal_secret(host: str, secret: str, *, is_insecure_allowed: bool) -> None:
+    """A worker may listen without the internal secret only on a loopback host, or when the
+    operator said so (`is_insecure_allowed`, logged); else a StartupError says what to set."""
+    if secret or is_loopback_host(host):
+        return
+    if is_insecure_allowed:
+        log.warning("TANDEM_INTERNAL_SECRET is empty on %s (allowed by TANDEM_ALLOW_INSECURE_INTERNAL): gRPC calls are not checked", host)
+        return
+    raise StartupError(
+        f"TANDEM_HOST is {host!r}, which other machines can reach, and TANDEM_INTERNAL_SECRET is empty: anyone reaching the "
+        "gRPC port could drain this worker or reserve its KV blocks. Set TANDEM_INTERNAL_SECRET (`tandem secrets DIR` makes one), "
+        "listen on 127.0.0.1, or set TANDEM_ALLOW_INSECURE_INTERNAL=1 to run without it"
+    )
 
 
 def server_interceptors(secret: str) -> list[grpc.aio.ServerInterceptor]:

@@ -25,6 +25,7 @@ from tandem.worker.control import ControlServer, WorkerControl
 from tandem.worker.engine_metrics import EngineMetrics, HandoffMetrics
 from tandem.worker.heartbeat import WorkerHeartbeats
 from tandem.worker.host import EngineHost, EngineSpec
+from tandem.worker.internal_grpc import check_internal_secret
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,10 @@ class WorkerParts:
 
 
 def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
-    """Checks the model, the device and the gRPC port now, so a bad setting fails at start in one line."""
+    """Checks the internal secret, the model, the device and the gRPC port now, so a bad setting
+    fails at start in one line."""
+    secret = settings.internal_secret.get_secret_value()
+    check_internal_secret(settings.host, secret, is_insecure_allowed=settings.allow_insecure_internal)
     model = open_model(settings.model_path, settings.served_model_name, settings.quantization)
     spec = EngineSpec.from_settings(settings, model)
     grpc_port = settings.grpc_port_for(role)
@@ -87,6 +91,5 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load, host.claimed_reply_ids)
     runtime = Runtime(runtime_config, heartbeat=heartbeats.build)
     runtime.add_check("engine", host.is_ready)
-    secret = settings.internal_secret.get_secret_value()
     control = ControlServer(WorkerControl(runtime, heartbeats), f"{settings.host}:{grpc_port}", secret)
     return WorkerParts(runtime, host, control, settings.drain_timeout_s, HandoffMetrics(role, model.name))
