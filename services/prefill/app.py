@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from tandem.bus import encode, subjects
+from tandem.bus import encode, subjects, validate
 from tandem.bus.events import cancelled_event
 from tandem.config import Settings
 from tandem.engine.engine import Request, RequestOutput
@@ -107,7 +107,11 @@ class PrefillWorker:
         await client.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        reply_id = subjects.reply_id_of(msg.subject)
+        try:
+            reply_id = validate.cancel(msg.data, msg.subject).reply_id
+        except validate.Invalid as exc:  # garbage, or a payload naming another reply than its subject
+            validate.drop("cancel", msg.subject, exc)
+            return
         self._host.note_cancel(reply_id)
         task = self._in_flight.get(reply_id)
         if task is not None:

@@ -6,13 +6,15 @@ state on request."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
-from helpers import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import now_ms
@@ -28,7 +30,7 @@ from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.kv_handoff_pb2 import KvLayout, ReleaseRequest, RenewRequest, ReserveRequest
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
 from tandem.v1.kv_pb2 import KvEvent, KvState, KvStateRequest
-from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 from tandem.worker.internal_grpc import internal_channel
 
 pytestmark = pytest.mark.real_model
@@ -42,10 +44,15 @@ def smollm2_fp32() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def decode_worker(nats_server, redis_server) -> Iterator[tuple[ChildProcess, str]]:
-    env = service_env(
+def decode_env(nats_server, redis_server) -> dict[str, str]:
+    return service_env(
         "decode", nats_server.url, redis_server.url, TANDEM_DTYPE="fp32", TANDEM_KV_CACHE_MIB="64", TANDEM_INTERNAL_SECRET=SECRET
     )
+
+
+@pytest.fixture(scope="module")
+def decode_worker(decode_env) -> Iterator[tuple[ChildProcess, str]]:
+    env = decode_env
     child = service_process("decode", env)
     child.start()
     yield child, env["TANDEM_INSTANCE_ID"]
@@ -128,6 +135,50 @@ async def test_cancel_stops_the_reply_and_frees_its_blocks(decode_worker, nc, sm
     await next_heartbeat(nc, "decode", instance_id, timeout_s=30)
     freed = await next_heartbeat(nc, "decode", instance_id, timeout_s=30)
     assert freed.kv_blocks_free == idle.kv_blocks_free == freed.kv_blocks_total
+
+
+def dropped_cancels(metrics_text: str, reason: str) -> float:
+    match = re.search(rf'^tandem_bus_messages_dropped_total\{{kind="cancel",reason="{reason}"\}} (\S+)$', metrics_text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_a_cancel_that_fails_validation_is_dropped_counted_and_stops_nothing(decode_worker, decode_env, nc, smollm2_fp32):
+    _, instance_id = decode_worker
+    await _ready(nc, instance_id)
+    prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "Tell me a very long story about a knight."}])
+    num_seen = 0
+
+    async def count(msg) -> None:
+        nonlocal num_seen
+        num_seen += 1
+
+    counting = await nc.subscribe(subjects.tokens("reply-spared"), cb=count)
+    done, subscription, first = await _collect(nc, "reply-spared")
+    assert (await _assign(nc, instance_id, "reply-spared", _request(prompt, 2000))).WhichOneof("outcome") == "accepted"
+    await asyncio.wait_for(first.wait(), 120)
+    # Both name reply-spared's subject: one's payload speaks for another reply, one is garbage.
+    await nc.publish(subjects.cancel("reply-spared"), encode(Cancel(reply_id="reply-other", reason="user")))
+    await nc.publish(subjects.cancel("reply-spared"), b"\xff\xff\xff")
+    await nc.flush()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{decode_env['TANDEM_HTTP_PORT']}", timeout=10) as http:
+
+        async def both_counted() -> str:
+            text = (await http.get("/metrics")).text
+            return text if dropped_cancels(text, "id_mismatch") >= 1 and dropped_cancels(text, "undecodable") >= 1 else ""
+
+        await wait_until(both_counted, timeout_s=30)
+    num_at_drop = num_seen
+    await wait_until(lambda: _now(num_seen >= num_at_drop + 5), timeout_s=60)  # it goes on after both were dropped
+    assert not done.done(), "a dropped cancel stops nothing"
+    await nc.publish(subjects.cancel("reply-spared"), encode(Cancel(reply_id="reply-spared", reason="user")))
+    events = await asyncio.wait_for(done, 60)
+    await subscription.unsubscribe()
+    await counting.unsubscribe()
+    assert events[-1].finish == common_pb2.FINISH_REASON_CANCELLED and len(events) < 2000
+
+
+async def _now(value: bool) -> bool:
+    return value
 
 
 async def test_bad_assignments_are_refused_with_a_reason(decode_worker, nc):

@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tandem.bus import Bus, subjects
+from tandem.bus import Bus, subjects, validate
 from tandem.bus.cancels import RecentCancels
 from tandem.bus.token_stream import DEFAULT_MAX_AGE_S
 from tandem.config import Settings
@@ -365,7 +365,11 @@ class EngineHost:
         await client.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        reply_id = subjects.reply_id_of(msg.subject)
+        try:
+            reply_id = validate.cancel(msg.data, msg.subject).reply_id
+        except validate.Invalid as exc:  # garbage, or a payload naming another reply than its subject
+            validate.drop("cancel", msg.subject, exc)
+            return
         self.note_cancel(reply_id)
         if self.is_streaming(reply_id) and self._thread is not None:
             self.abort(reply_id)
