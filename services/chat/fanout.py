@@ -91,10 +91,14 @@ class Feed:
         for subscription in self._subscribers:
             subscription.wake()
 
-    def sse_bytes(self, start: int, stop: int, after_id: int) -> bytes:
-        """The SSE bytes of events[start:stop], leaving out any SSE id up to `after_id`."""
+    def sse_bytes(self, start: int, stop: int, after_id: int, request_id: str) -> bytes:
+        """The SSE bytes of events[start:stop], leaving out any SSE id up to `after_id`; an error
+        event names `request_id`, the request they are written to (encoded for it, not shared)."""
         parts: list[bytes] = []
-        for frames in self.frames[start:stop]:
+        for index in range(start, stop):
+            frames = self.frames[index]
+            if frames.is_per_request:
+                frames = encode_frames(self.events[index], request_id)
             if frames.first_id > after_id:
                 parts.append(frames.blob)
             else:

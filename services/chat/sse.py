@@ -4,7 +4,14 @@ text as a delta (when it has any) and then `done` (or `error`; or only `moderate
 the output check withdrew), so ids stay contiguous and a
 client resuming with Last-Event-ID N receives exactly the events after N. One helper builds
 every such response. A live reply's events are encoded to bytes once (services.chat.fanout) and
-written as they are: sse-starlette passes `bytes` through unchanged."""
+written as they are: sse-starlette passes `bytes` through unchanged.
+
+An `error` event carries a stable code, a message for people and the request id, never
+internals. Whoever wrote the failure into the token log (the router, the relay), every client
+that reads it is told the id of its own request, the one in its X-Request-Id header: a reply is
+read by many requests (the one that started it, resumes, other tabs), and the chat's log names
+each request's reply, so a client's report finds both. So an error event is encoded per client
+(Frames.is_per_request), not once for all."""
 
 from __future__ import annotations
 
@@ -55,15 +62,17 @@ class Frames:
 
     each: tuple[tuple[int, bytes], ...]
     blob: bytes
+    is_per_request: bool = False  # it ends with an `error` event, which names the request streaming it
 
     @property
     def first_id(self) -> int:
         return self.each[0][0]
 
 
-def encode_frames(event: TokenEvent) -> Frames:
-    each = tuple((sse.id, sse.encode()) for sse in sse_events(event))
-    return Frames(each, b"".join(data for _, data in each))
+def encode_frames(event: TokenEvent, request_id: str = "") -> Frames:
+    """`request_id`: the request an error event is streamed to (see the module's docstring)."""
+    each = tuple((sse.id, sse.encode()) for sse in sse_events(event, request_id))
+    return Frames(each, b"".join(data for _, data in each), is_per_request=event.finish == FINISH_REASON_ERROR)
 
 
 def meta_event(message_id: str, model: str, num_dropped_turns: int = 0, route: dict[str, object] | None = None) -> SseEvent:
@@ -84,7 +93,13 @@ def usage_of(event: TokenEvent) -> dict[str, int]:
     return {"input": event.usage.input_tokens, "cached": event.usage.cached_tokens, "output": event.usage.output_tokens}
 
 
-def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
+def error_data(code: str, message: str, request_id: str) -> dict[str, object]:
+    """What an `error` event says: a stable code, a message for people, the id of the request it is streamed to."""
+    return {"code": code, "message": message, "request_id": request_id}
+
+
+def sse_events(event: TokenEvent, request_id: str = "") -> Iterator[SseEvent]:
+    """`request_id` is named by an `error` event (the request it is streamed to)."""
     next_id = event.seq + 1
     if not is_final(event):
         yield SseEvent(next_id, "delta", {"text": event.text})
@@ -96,7 +111,7 @@ def sse_events(event: TokenEvent) -> Iterator[SseEvent]:
         yield SseEvent(next_id, "delta", {"text": event.text})
         next_id += 1
     if event.finish == FINISH_REASON_ERROR:
-        error: dict[str, object] = {"code": event.error.code or "error", "message": event.error.message or "the reply failed"}
+        error = error_data(event.error.code or "error", event.error.message or "the reply failed", request_id)
         if event.error.HasField("retry_after_s"):
             error["retry_after"] = event.error.retry_after_s
         yield SseEvent(next_id, "error", error)

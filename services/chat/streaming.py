@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 
 from services.chat import metrics
 from services.chat.latency import ReplyClock
-from services.chat.sse import SseEvent, StreamResponse, log_seq_to_resume_after, meta_event, sse_response
+from services.chat.sse import SseEvent, StreamResponse, error_data, log_seq_to_resume_after, meta_event, sse_response
 from services.chat.state import ChatState
 from services.chat.streams import settle_lost_reply
 from tandem.bus.events import is_final
 from tandem.runtime.request_id import current_request_id
 from tandem.tokenlog import ReplyGone, ReplyMeta
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,9 @@ async def sse_stream(
     `stream_buffer_events` live events behind is dropped: its stream ends and it resumes with
     Last-Event-ID. A log that vanishes before its final event ends the stream with an `error`
     event, code "reply_expired", and its stored turn, if it has one still running, is settled as
-    failed with the text the feed read."""
+    failed with the text the feed read. Every `error` event names this request's id (its
+    X-Request-Id), whoever wrote the failure into the log."""
+    request_id = current_request_id()  # the response streams in a task that inherits the request's context
     if last_event_id >= 1:
         metrics.STREAM_RESUMES.inc()
     last_id = last_event_id
@@ -80,20 +83,27 @@ async def sse_stream(
         feed = subscription.feed
         try:
             async for start, stop in subscription.ranges():
-                data = feed.sse_bytes(start, stop, last_id)
+                data = feed.sse_bytes(start, stop, last_id, request_id)
                 last_id = max(last_id, feed.frames[stop - 1].each[-1][0])
                 if data:
                     yield data
                     if clock is not None:
                         _clock_write(clock, feed.events[start:stop])
+                    _log_failure(request_id, feed.events[stop - 1])
         except ReplyGone:
-            log.info("reply %s: its log vanished while a client read it", reply_id)
+            log.info("request %s: reply %s: its log vanished while the client read it", request_id, reply_id)
             text = feed.text if feed.events else None
             await feed.once(lambda: _settle_stored_turn(state, reply_id, text))
             if clock is not None:
                 clock.close("expired")
-            expired: dict[str, object] = {"code": "reply_expired", "message": REPLY_EXPIRED, "request_id": current_request_id()}
-            yield SseEvent(last_id + 1, "error", expired).encode()
+            yield SseEvent(last_id + 1, "error", error_data("reply_expired", REPLY_EXPIRED, request_id)).encode()
+
+
+def _log_failure(request_id: str, event: TokenEvent) -> None:
+    """A client told that its reply failed can quote the request id: the log ties it to the reply,
+    whose details the router's or relay's log has under the reply id."""
+    if event.finish == FINISH_REASON_ERROR:
+        log.info("request %s: reply %s ended with error %s", request_id, event.reply_id, event.error.code)
 
 
 def _clock_write(clock: ReplyClock, events: list[TokenEvent]) -> None:

@@ -12,9 +12,10 @@ from dataclasses import replace
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.errors import Gone, Unavailable
-from services.chat.sse import SseEvent, meta_event, moderated_event, sse_response
+from services.chat.sse import SseEvent, error_data, meta_event, moderated_event, sse_response
 from services.chat.state import ChatState
 from tandem.bus.events import ReplyStatus, finish_name, finish_of_status, now_ms
+from tandem.runtime.request_id import current_request_id
 from tandem.store import Message
 from tandem.tokenlog import load_reply, logged_events
 
@@ -72,9 +73,8 @@ def _final_event(message: Message, event_id: int) -> dict[str, str]:
     if finish is not None:
         usage = {"input": 0, "cached": 0, "output": message.tokens}
         return SseEvent(event_id, "done", {"finish": finish_name(finish), "usage": usage}).as_dict()
-    if message.status == ReplyStatus.FAILED:
-        return SseEvent(event_id, "error", {"code": message.status.value, "message": REPLY_FAILED}).as_dict()
-    return SseEvent(event_id, "error", {"code": message.status.value, "message": f"the reply ended as {message.status.value}"}).as_dict()
+    message_text = REPLY_FAILED if message.status == ReplyStatus.FAILED else f"the reply ended as {message.status.value}"
+    return SseEvent(event_id, "error", error_data(message.status.value, message_text, current_request_id())).as_dict()
 
 
 async def _lost_reply_events(state: ChatState, message: Message, last_event_id: int) -> AsyncIterator[dict[str, str]]:

@@ -10,12 +10,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from fastapi import FastAPI
+from sse_starlette.sse import EventSourceResponse
 
 from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
@@ -23,18 +29,22 @@ from services.chat.latency import ReplyClock
 from services.chat.models_view import ModelsView
 from services.chat.openai_replies import CHAT, reply_chunks
 from services.chat.replies import ReplyRequest, begin_reply
+from services.chat.sse import StreamResponse
 from services.chat.state import ChatConfig, ChatState
 from services.chat.stream_slots import StreamSlots
-from services.chat.streaming import sse_stream
+from services.chat.streaming import reply_response, sse_stream
 from services.chat.streams import as_logged, finished_message_response
+from services.router.dispatch import REFUSED, Attempt, DispatchConfig, DispatchResult, failure_event
 from tandem.bus import Bus, BusConfig, decode, encode, subjects
 from tandem.bus.events import ReplyStatus, final_event, now_ms
 from tandem.config import ApiKey, Tier
+from tandem.runtime.request_id import RequestIds
 from tandem.store import Conversation, Message, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, TokenLogWriter, create_reply, load_reply
 from tandem.v1.common_pb2 import FINISH_REASON_STOP, SamplingParams
-from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
+from tandem.v1.dispatch_pb2 import Assignment
+from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 
 CONFIG = ChatConfig(
@@ -300,3 +310,52 @@ async def test_a_reply_the_router_admits_for_another_model_is_recorded_with_that
     meta = await load_reply(state.redis, reply.reply_id)
     assert meta is not None and meta.model == "large", "a stream resumed later names the admitted model"
     assert await state.redis.ttl(ReplyKeys(reply.reply_id).meta) > 0
+
+
+def request_id_app(state: ChatState) -> RequestIds:
+    """The chat's two ways of streaming a reply behind the request-id middleware every service's app has."""
+    app = FastAPI()
+
+    @app.get("/live/{reply_id}")
+    async def live(reply_id: str) -> StreamResponse:
+        return reply_response(state, reply_id, "m")
+
+    @app.get("/stored/{message_id}")
+    async def stored_turn(message_id: str) -> EventSourceResponse:
+        message = await state.store.get_message(message_id)
+        assert message is not None
+        return finished_message_response(state, message, last_event_id=0)
+
+    return RequestIds(app)
+
+
+async def error_of(client: httpx.AsyncClient, path: str, request_id: str) -> tuple[dict[str, object], httpx.Response]:
+    response = await client.get(path, headers={"X-Request-Id": request_id})
+    assert response.status_code == 200, response.text
+    events = parsed(response.content)
+    assert events[-1]["event"] == "error", events
+    return json.loads(events[-1]["data"]), response
+
+
+async def test_a_failed_replys_stream_error_names_the_streaming_requests_id_and_nothing_internal(state, caplog):
+    host, pid = socket.gethostname(), os.getpid()
+    workers = [f"decode-{host}-{pid}-{n}" for n in range(2)]  # worker ids as the stack names them
+    attempts = tuple(Attempt(w, REFUSED, refusal=Refusal(reason="overloaded", message=f"KV full on {host} pid {pid}")) for w in workers)
+    reply_id = await started_reply(state, 2)
+    failed = failure_event(Assignment(reply_id=reply_id, first_seq=3), DispatchResult(attempts), DispatchConfig())
+    assert workers[0] in DispatchResult(attempts).describe(), "the router's log line has what the client must not see"
+    await TokenLogWriter(state.redis, ttl_s=60).append(failed)
+    lost = await running_turn(state, content="partial")
+    transport = httpx.ASGITransport(app=request_id_app(state))
+    chat_log = caplog.at_level(logging.INFO, logger="services.chat.streaming")
+    async with httpx.AsyncClient(transport=transport, base_url="http://chat") as client, chat_log:
+        for path, code in ((f"/live/{reply_id}", "overloaded"), (f"/stored/{lost.id}", "failed")):
+            for request_id in (f"first-{uuid.uuid4().hex[:8]}", f"later-{uuid.uuid4().hex[:8]}"):  # the log's one error, two readers
+                error, response = await error_of(client, path, request_id)
+                assert (error["code"], error["request_id"]) == (code, request_id) and error["message"]
+                assert response.headers["x-request-id"] == request_id
+                leaked = [word for word in (*workers, f"on {host}", f"pid {pid}", "KV full") if word in response.text]
+                assert not leaked, f"{leaked} in {response.text}"
+                if path.startswith("/live/"):  # the id a client quotes finds the reply, whose details the router logged
+                    assert f"request {request_id}: reply {reply_id} ended with error overloaded" in caplog.text
+    await vanish(state, reply_id)

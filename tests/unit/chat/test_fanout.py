@@ -5,6 +5,7 @@ backlog), a failure reaches each subscriber; and the stream slots' limits."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -12,7 +13,7 @@ from services.chat.errors import RateLimited, Unavailable
 from services.chat.fanout import Feed, Subscription
 from services.chat.sse import encode_frames, meta_event
 from services.chat.stream_slots import StreamSlots
-from tandem.bus.events import final_event
+from tandem.bus.events import error_event, final_event
 from tandem.config import ApiKey, Tier
 from tandem.tokenlog import ReplyGone
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
@@ -27,9 +28,9 @@ def new_feed() -> Feed:
     return Feed("r", "reader", lambda feed, error: feed.finish(error))
 
 
-async def taken(subscription: Subscription, after_id: int = 1) -> bytes:
+async def taken(subscription: Subscription, after_id: int = 1, request_id: str = "req") -> bytes:
     """Everything the subscription gets until its feed finishes, as one client would write it."""
-    parts = [subscription.feed.sse_bytes(start, stop, after_id) async for start, stop in subscription.ranges()]
+    parts = [subscription.feed.sse_bytes(start, stop, after_id, request_id) async for start, stop in subscription.ranges()]
     return b"".join(parts)
 
 
@@ -111,6 +112,23 @@ async def test_a_feed_that_fails_raises_its_error_in_every_subscriber():
     for reader in readers:
         with pytest.raises(ReplyGone):
             await reader
+
+
+async def test_each_client_of_a_failed_reply_is_told_its_own_request_id_in_the_error():
+    feed = new_feed()
+    subscriptions = [feed.subscribe(0, max_lag=None) for _ in range(2)]
+    readers = [asyncio.create_task(taken(s, request_id=f"req-{n}")) for n, s in enumerate(subscriptions)]
+    await asyncio.sleep(0)
+    failed = error_event("r", 3, "handoff_failed", "try again shortly", retry_after_s=2.0)
+    feed.deliver([*tokens(1, 2), failed], is_caught_up=True)
+    feed.end(None)
+    late = await taken(feed.subscribe(0, max_lag=None), request_id="req-late")  # one attached after the end
+    for data, request_id in zip([*await asyncio.gather(*readers), late], ["req-0", "req-1", "req-late"], strict=True):
+        error = [block for block in data.split(b"\r\n\r\n") if b"event: error" in block]
+        assert len(error) == 1 and error[0].startswith(b"id: 4\r\n"), data
+        payload = json.loads(error[0].split(b"data: ", 1)[1])
+        assert payload == {"code": "handoff_failed", "message": "try again shortly", "request_id": request_id, "retry_after": 2.0}
+        assert data.count(b"event: delta") == 2
 
 
 async def test_meta_is_encoded_as_the_response_would_write_it():

@@ -1,6 +1,6 @@
 """Token events as numbered SSE events: contiguous ids, and a resume that repeats nothing."""
 
-from services.chat.sse import log_seq_to_resume_after, meta_event, sse_events
+from services.chat.sse import encode_frames, log_seq_to_resume_after, meta_event, sse_events
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, FINISH_REASON_LENGTH, FINISH_REASON_STOP, Error, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -13,11 +13,11 @@ def log(num: int, finish: int = FINISH_REASON_STOP, last_text: str = "") -> list
     return events
 
 
-def stream(events: list[TokenEvent], last_event_id: int = 0):
+def stream(events: list[TokenEvent], last_event_id: int = 0, request_id: str = "req-1"):
     out = [meta_event("r", "m")] if last_event_id < 1 else []
     for event in events:
         if event.seq > log_seq_to_resume_after(last_event_id):
-            out += [sse for sse in sse_events(event) if sse.id > last_event_id]
+            out += [sse for sse in sse_events(event, request_id) if sse.id > last_event_id]
     return out
 
 
@@ -40,11 +40,18 @@ def test_done_names_the_model_the_final_event_names():
     assert stream(events)[-1].data["model"] == "SmolLM2-135M-Instruct-int8"
 
 
-def test_an_error_event_ends_the_stream_with_its_code_and_message():
+def test_an_error_event_ends_the_stream_with_its_code_its_message_and_the_streaming_requests_id():
     events = log(2, FINISH_REASON_ERROR)
     events[-1].error.CopyFrom(Error(code="handoff_failed", message="no decode worker took it", retry_after_s=2))
-    last = stream(events)[-1]
-    assert (last.event, last.data) == ("error", {"code": "handoff_failed", "message": "no decode worker took it", "retry_after": 2.0})
+    last = stream(events, request_id="req-7")[-1]
+    expected = {"code": "handoff_failed", "message": "no decode worker took it", "request_id": "req-7", "retry_after": 2.0}
+    assert (last.event, last.data) == ("error", expected)
+
+
+def test_only_a_failed_replys_frames_are_encoded_per_request():
+    failed = log(1, FINISH_REASON_ERROR)[-1]
+    assert encode_frames(failed, "req-7").is_per_request and b'"request_id": "req-7"' in encode_frames(failed, "req-7").blob
+    assert not any(encode_frames(event).is_per_request for event in [*log(3), *log(2, FINISH_REASON_CANCELLED)])
 
 
 def test_resuming_after_any_event_gives_exactly_the_rest():
