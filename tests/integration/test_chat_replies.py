@@ -347,8 +347,8 @@ async def test_a_failed_replys_stream_error_names_the_streaming_requests_id_and_
     await TokenLogWriter(state.redis, ttl_s=60).append(failed)
     lost = await running_turn(state, content="partial")
     transport = httpx.ASGITransport(app=request_id_app(state))
-    chat_log = caplog.at_level(logging.INFO, logger="services.chat.streaming")
-    async with httpx.AsyncClient(transport=transport, base_url="http://chat") as client, chat_log:
+    caplog.set_level(logging.INFO, logger="services.chat.streaming")
+    async with httpx.AsyncClient(transport=transport, base_url="http://chat") as client:
         for path, code in ((f"/live/{reply_id}", "overloaded"), (f"/stored/{lost.id}", "failed")):
             for request_id in (f"first-{uuid.uuid4().hex[:8]}", f"later-{uuid.uuid4().hex[:8]}"):  # the log's one error, two readers
                 error, response = await error_of(client, path, request_id)
