@@ -92,3 +92,27 @@ def test_stream_fanout_bench_holds_its_streams_delivers_every_event_and_answers_
     # (the bound on streams held at once is tests/e2e/test_stream_fanout.py's 503 test).
     assert answers["500"] == answers["other"] == 0 and answers["200"] + answers["503"] == capacity["requested"], capacity
     assert answers["503"] == capacity["with_retry_after"]["503"] > 0, capacity
+
+
+def test_routing_bench_splits_the_mix_over_both_models_and_prices_it_against_all_large(tmp_path):
+    out = tmp_path / "routing.json"
+    command = [sys.executable, str(REPO / "bench" / "routing.py"), "--quick", "--out", str(out), "--env", "TANDEM_KV_CACHE_MIB=64"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "PASS" in result.stdout or "MISS" in result.stdout
+    report = json.loads(out.read_text())
+    models, baseline = report["models"], report["baseline"]
+    assert sum(row["share"] for row in models.values()) == pytest.approx(1.0)
+    assert sum(row["messages"] for row in models.values()) == report["messages"] == baseline["messages"] == 6
+    # the quick mix has greetings and code questions: auto uses both models, the baseline only the large one
+    assert set(models) == {report["large_model"], report["small_model"]}, models
+    assert baseline["model"] == report["large_model"] and baseline["answered_by"] == {report["large_model"]: 6}
+    for row in (*models.values(), report["aggregate"], baseline):
+        assert _is_positive(row["cost_per_1000_messages"]) and _is_positive(row["output_tokens_per_s"]), row
+    assert report["cost_ratio_auto_over_baseline"] == pytest.approx(
+        report["aggregate"]["cost_per_1000_messages"] / baseline["cost_per_1000_messages"]
+    )
+    # the large model is greedy and on the same stack in both runs: its auto answers are the baseline's
+    large = models[report["large_model"]]
+    assert large["same_text_as_baseline"] == large["messages"], large
+    assert _is_positive(report["safety"]["output_ms_per_token"]) and _is_positive(report["safety"]["input_ms_mean"])
