@@ -1,7 +1,8 @@
 """The serving metrics on a live stack (the session's product stack): after chat messages, chat's
 /metrics shows the TTFT, inter-token and end-to-end latency of the replies as their client got them,
 and the decode worker's shows its KV cache in use while a reply runs and its prefix cache's queries
-and hits, under the documented names. Every metric the Grafana dashboard queries is exported."""
+and hits, under the documented names; the router counts the message's placement and queue wait and
+the relays the token events they logged. Every metric the Grafana dashboard queries is exported."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-from helpers import next_heartbeat
+from helpers import next_heartbeat, wait_until
 from product_stack import ALICE, ProductStack, read_stream
 from prometheus_client.parser import text_string_to_metric_families
+from scraped_metrics import grew, scrape, total
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "tandem.json"
@@ -37,22 +39,6 @@ async def http_urls(stack: ProductStack) -> dict[str, list[str]]:
         return urls
     finally:
         await nc.close()
-
-
-async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    response = await client.get(f"{base_url}/metrics")
-    assert response.status_code == 200, response.text
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    wanted = set(labels.items())
-    return sum(value for (sample_name, sample_labels), value in samples.items() if sample_name == name and wanted <= sample_labels)
 
 
 async def send(client: httpx.AsyncClient, conversation_id: str, content: str) -> list:
@@ -96,31 +82,67 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
     model = first[0].data["model"]
     num_deltas = sum(1 for event in first + second if event.event == "delta" and event.data["text"])
 
-    def grew(name: str, samples_before: dict, samples_after: dict, **labels: str) -> float:
-        return total(samples_after, name, **labels) - total(samples_before, name, **labels)
-
     labels = {"tier": "plus", "model": model}
     assert num_deltas >= 4, "both replies streamed content"
-    assert grew("tandem_chat_time_to_first_token_seconds_count", chat_before, chat_after, **labels) >= 2
-    assert grew("tandem_chat_time_to_first_token_seconds_sum", chat_before, chat_after, **labels) > 0
-    assert grew("tandem_chat_inter_token_latency_seconds_count", chat_before, chat_after, **labels) > 0
-    assert grew("tandem_chat_inter_token_latency_seconds_sum", chat_before, chat_after, **labels) > 0
-    assert grew("tandem_chat_e2e_latency_seconds_count", chat_before, chat_after, **labels) >= 2
-    assert grew("tandem_chat_replies_total", chat_before, chat_after, outcome="done", **labels) >= 2
+    assert grew(chat_before, chat_after, "tandem_chat_time_to_first_token_seconds_count", **labels) >= 2
+    assert grew(chat_before, chat_after, "tandem_chat_time_to_first_token_seconds_sum", **labels) > 0
+    assert grew(chat_before, chat_after, "tandem_chat_inter_token_latency_seconds_count", **labels) > 0
+    assert grew(chat_before, chat_after, "tandem_chat_inter_token_latency_seconds_sum", **labels) > 0
+    assert grew(chat_before, chat_after, "tandem_chat_e2e_latency_seconds_count", **labels) >= 2
+    assert grew(chat_before, chat_after, "tandem_chat_replies_total", outcome="done", **labels) >= 2
     output_tokens = sum(e.data["usage"]["output"] for e in (first[-1], second[-1]))
-    assert grew("tandem_chat_output_tokens_total", chat_before, chat_after, **labels) >= output_tokens
+    assert grew(chat_before, chat_after, "tandem_chat_output_tokens_total", **labels) >= output_tokens
 
     worker = {"role": "decode", "model": model}
     assert 0 < peak <= 1, "the KV cache is in use while a reply runs"
-    queries = grew("tandem_worker_prefix_cache_queries_tokens_total", decode_before, decode_after, **worker)
-    hits = grew("tandem_worker_prefix_cache_hits_tokens_total", decode_before, decode_after, **worker)
+    queries = grew(decode_before, decode_after, "tandem_worker_prefix_cache_queries_tokens_total", **worker)
+    hits = grew(decode_before, decode_after, "tandem_worker_prefix_cache_hits_tokens_total", **worker)
     prompt_tokens = sum(e.data["usage"]["input"] for e in (first[-1], second[-1]))
     assert queries >= prompt_tokens, "each prompt is looked up when admitted"
     assert hits >= 16, "the second turn finds the first turn's blocks"
-    assert grew("tandem_worker_generation_tokens_total", decode_before, decode_after, **worker) >= output_tokens
-    assert grew("tandem_worker_step_seconds_count", decode_before, decode_after, **worker) > 0
+    assert grew(decode_before, decode_after, "tandem_worker_generation_tokens_total", **worker) >= output_tokens
+    assert grew(decode_before, decode_after, "tandem_worker_step_seconds_count", **worker) > 0
     cached = total(decode_after, "tandem_worker_kv_cache_prefix_cached_ratio", **worker)
     assert 0 < cached <= 1, "the replies' prefixes stay cached after they end"
+
+
+PLACEMENT_REASONS = {"cache_hit", "load", "rendezvous", "lane", "only_worker"}  # README, "Metrics"
+
+
+async def test_a_chat_message_counts_its_placement_and_queue_wait_on_the_router_and_its_events_on_the_relays(product_stack):
+    urls = await http_urls(product_stack)
+    router_url, relay_urls = urls["router"][0], urls["relay"]
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=60) as client:
+        router_before = await scrape(client, router_url)
+        relays_before = [await scrape(client, url) for url in relay_urls]
+        conversation = (await client.post("/v1/conversations", headers=ALICE, json={})).json()["id"]
+        events = await send(client, conversation, "Name three colours.")
+        assert events[-1].event == "done", events[-1]
+        num_deltas = sum(1 for event in events if event.event == "delta")
+        assert num_deltas >= 1
+        router_after = await scrape(client, router_url)
+
+        async def relays_logged() -> bool:
+            # Each delta came from a token event of its own (a final event's text is one more delta
+            # at most), logged by one of the two relays; a relay counts an event just after its
+            # append, which a reader may see first: polled until they add up.
+            scrapes = [await scrape(client, url) for url in relay_urls]
+            logged = sum(
+                grew(before, after, "tandem_relay_events_logged_total") for before, after in zip(relays_before, scrapes, strict=True)
+            )
+            return logged >= num_deltas
+
+        await wait_until(relays_logged, timeout_s=10)
+
+    assert grew(router_before, router_after, "tandem_router_placements_total", role="decode") >= 1
+    placed_for = {
+        dict(labels)["reason"]
+        for (name, labels), value in router_after.items()
+        if name == "tandem_router_placements_total" and value > router_before.get((name, labels), 0)
+    }
+    assert placed_for and placed_for <= PLACEMENT_REASONS, placed_for
+    assert grew(router_before, router_after, "tandem_router_queue_wait_seconds_count", lane="paid") >= 1, "alice is on plus: paid"
+    assert grew(router_before, router_after, "tandem_router_dispatch_seconds_count") >= 1
 
 
 def dashboard_metric_names() -> set[str]:
@@ -163,10 +185,7 @@ async def test_openai_replies_count_streamed_ttft_and_every_reply_s_e2e(product_
         after = await scrape(client, product_stack.url)
     assert chunks[-1] == "data: [DONE]"
 
-    def grew(name: str, **more: str) -> float:
-        return total(after, name, **labels, **more) - total(before, name, **labels, **more)
-
-    assert grew("tandem_chat_e2e_latency_seconds_count") >= 2, "whole and streamed"
-    assert grew("tandem_chat_time_to_first_token_seconds_count") >= 1, "the streamed one"
-    assert grew("tandem_chat_replies_total", outcome="done") >= 2
-    assert grew("tandem_chat_prompt_tokens_total") >= 2 * whole.json()["usage"]["prompt_tokens"]
+    assert grew(before, after, "tandem_chat_e2e_latency_seconds_count", **labels) >= 2, "whole and streamed"
+    assert grew(before, after, "tandem_chat_time_to_first_token_seconds_count", **labels) >= 1, "the streamed one"
+    assert grew(before, after, "tandem_chat_replies_total", outcome="done", **labels) >= 2
+    assert grew(before, after, "tandem_chat_prompt_tokens_total", **labels) >= 2 * whole.json()["usage"]["prompt_tokens"]

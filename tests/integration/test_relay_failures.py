@@ -191,6 +191,10 @@ class Worker:
             self.num_heartbeats += 1
             await asyncio.sleep(HEARTBEAT_S)
 
+    async def claim(self, reply_id: str) -> None:
+        """Claims `reply_id` from its next heartbeat on, as a worker does once it accepts a reply."""
+        self.reply_ids.append(reply_id)
+
     def __enter__(self) -> Worker:
         self._task = asyncio.create_task(self._beat())
         return self
@@ -304,6 +308,7 @@ async def _equals(value, expected) -> bool:
 
 async def test_a_reply_whose_worker_is_lost_is_continued_through_the_router(ready, nc, js, redis, store):
     reply_id = await new_turn(store, redis)
+    num_stalls_before = await _relay_metric(ready, "tandem_relay_stalls_total")
     with Worker(nc, []) as new_owner:
         async with Router(nc, assign_to=new_owner) as router:
             with Worker(nc, [reply_id]) as worker:
@@ -330,6 +335,9 @@ async def test_a_reply_whose_worker_is_lost_is_continued_through_the_router(read
     assert (message.status, message.content) == (ReplyStatus.COMPLETE, "t1 t2 t3 n4 n5 ")
     # Found by its ping ("no responders" once it stopped answering), not only by its silence.
     assert await _relay_metric(ready, "tandem_relay_workers_gone_total") >= 1
+    assert await _relay_metric(ready, "tandem_relay_stalls_total") > num_stalls_before
+    # The first continuation the module's relay resubmits (it is exported once one is counted).
+    assert await _relay_metric(ready, 'tandem_relay_continuations_total{outcome="accepted"}') >= 1
 
 
 async def _relay_metric(relay: Relay, name: str) -> float:
