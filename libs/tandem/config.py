@@ -219,7 +219,7 @@ class Settings(BaseSettings):
     cassandra_password: SecretStr = SecretStr("")
     """chat and relay: Cassandra's password"""
     internal_secret: SecretStr = SecretStr("")
-    """workers and router: the shared secret every gRPC control call and KV handoff carries; empty: none (tandem up makes one), only on a loopback host unless allow_insecure_internal"""
+    """workers (and the tools that call them): the shared secret every gRPC control call and KV handoff carries; empty: none (tandem up makes one), only on a loopback host unless allow_insecure_internal"""
     allow_insecure_internal: bool = False
     """workers: start on a non-loopback host without an internal secret (their gRPC port then takes calls from anyone who reaches it)"""
     # operations (issue 14)
