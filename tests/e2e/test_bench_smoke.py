@@ -23,10 +23,13 @@ ENGINE_KEYS = (
 HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate"))
 
 
-def _bench(script: str, out: Path, *args: str) -> dict:
-    command = [sys.executable, str(REPO / "bench" / script), "--quick", "--threads", "1", "--out", str(out), *args]
+def _bench(script: str, out: Path, *args: str, is_engine_only: bool = True) -> dict:
+    """`script --quick`'s JSON report; an engine-only bench runs on one thread (the stack benches
+    take no --threads)."""
+    threads = ["--threads", "1"] if is_engine_only else []
+    command = [sys.executable, str(REPO / "bench" / script), "--quick", *threads, "--out", str(out), *args]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "PASS" in result.stdout or "MISS" in result.stdout  # the table shows its targets
     return json.loads(out.read_text())
 
@@ -75,14 +78,9 @@ def test_kv_transfer_bench_reports_the_handoff_against_raw_ucxx_and_remote_minus
 
 
 def test_stream_fanout_bench_holds_its_streams_delivers_every_event_and_answers_503_past_capacity(tmp_path):
-    out = tmp_path / "streams.json"
-    command = [sys.executable, str(REPO / "bench" / "stream_fanout.py"), "--quick", "--out", str(out), "--env", "TANDEM_KV_CACHE_MIB=128"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "PASS" in result.stdout or "MISS" in result.stdout
-    report = json.loads(out.read_text())
+    report = _bench("stream_fanout.py", tmp_path / "streams.json", "--env", "TANDEM_KV_CACHE_MIB=128", is_engine_only=False)
     requested = report["streams_requested"]
-    assert report["streams_answered_200"] == report["streams_complete"] == requested, result.stdout
+    assert report["streams_answered_200"] == report["streams_complete"] == requested, report
     assert 0 < report["chat_peak"]["held"] <= requested and report["events_delivered"] >= requested * 3
     assert _is_positive(report["delay_p99_ms"]) and report["delay_p99_ms"] >= report["delay_p50_ms"]
     assert report["chat_peak"]["fds"] > report["chat_baseline"]["fds"] and report["rss_bytes_per_stream"] >= 0
@@ -95,12 +93,7 @@ def test_stream_fanout_bench_holds_its_streams_delivers_every_event_and_answers_
 
 
 def test_routing_bench_splits_the_mix_over_both_models_and_prices_it_against_all_large(tmp_path):
-    out = tmp_path / "routing.json"
-    command = [sys.executable, str(REPO / "bench" / "routing.py"), "--quick", "--out", str(out), "--env", "TANDEM_KV_CACHE_MIB=64"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "PASS" in result.stdout or "MISS" in result.stdout
-    report = json.loads(out.read_text())
+    report = _bench("routing.py", tmp_path / "routing.json", "--env", "TANDEM_KV_CACHE_MIB=64", is_engine_only=False)
     models, baseline = report["models"], report["baseline"]
     assert sum(row["share"] for row in models.values()) == pytest.approx(1.0)
     assert sum(row["messages"] for row in models.values()) == report["messages"] == baseline["messages"] == 6
