@@ -1,10 +1,38 @@
-"""The position-independent pieces of a Llama block: RMSNorm and the SwiGLU MLP."""
+"""The position-independent pieces of a Llama block: RMSNorm, the SwiGLU MLP, and the projection
+call that keeps a row's bits its own."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# On CPU, oneDNN's bf16 matmul rounds a row differently once a call has enough rows (the
+# SmolLM2 MLP's 1536-wide down projection from 130 rows on, with 2 threads; about 5 % of rows
+# change by an ulp): a decode row that shares a step with a prefill chunk would come out unlike
+# the same row in a decode-only step, so a greedy answer would depend on the company it is
+# batched with and a continuation could part from the uninterrupted run. Calls of at most this
+# many rows give every row the bits it gets alone (tests/unit/models/test_batch_invariance.py),
+# each call writing its rows in place.
+CPU_ROWS_PER_MATMUL = 128
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) for x (T, in): on CPU in calls of at most CPU_ROWS_PER_MATMUL rows."""
+    if x.device.type != "cpu" or x.shape[0] <= CPU_ROWS_PER_MATMUL:
+        return linear(x)
+    if not isinstance(linear, nn.Linear):  # an Int8Linear: its own kernel
+        return torch.cat([linear(rows) for rows in x.split(CPU_ROWS_PER_MATMUL)])
+    # Each call writes its rows in place: no concatenation copy, so a long prefill costs the same.
+    out = x.new_empty(x.shape[0], linear.out_features)
+    weight_t = linear.weight.t()
+    for start in range(0, x.shape[0], CPU_ROWS_PER_MATMUL):
+        rows = slice(start, start + CPU_ROWS_PER_MATMUL)
+        if linear.bias is None:
+            torch.mm(x[rows], weight_t, out=out[rows])
+        else:
+            torch.addmm(linear.bias, x[rows], weight_t, out=out[rows])
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -31,5 +59,5 @@ class SwiGLUMLP(nn.Module):
         self.down_proj: nn.Module = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up)

@@ -18,7 +18,7 @@ from torch import nn
 
 from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
-from tandem.models.layers import RMSNorm, SwiGLUMLP
+from tandem.models.layers import RMSNorm, SwiGLUMLP, project
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, num_heads, head_dim) and k, v (T, num_kv_heads, head_dim), q and k rotated."""
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = project(self.qkv_proj, x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
         out = self.attention(q, k, v, k_cache, v_cache, meta, self.config.attention_scale)
-        return self.o_proj(out.reshape(x.shape[0], self.config.q_size))
+        return project(self.o_proj, out.reshape(x.shape[0], self.config.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
