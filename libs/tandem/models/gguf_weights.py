@@ -78,11 +78,14 @@ class GgufCheckpoint:
     def architecture(self) -> str:
         return self.metadata["general.architecture"]
 
+    def rope_freq_factors(self) -> tuple[float, ...] | None:
+        """Llama 3 rotary scaling, kept as a tensor in GGUF; None when the model has none."""
+        if ROPE_FREQS_TENSOR not in self.tensors:
+            return None
+        return tuple(_dequantized(self.tensors[ROPE_FREQS_TENSOR]).tolist())
+
     def config(self) -> ModelConfig:
-        freq_factors = None
-        if ROPE_FREQS_TENSOR in self.tensors:
-            freq_factors = tuple(_dequantized(self.tensors[ROPE_FREQS_TENSOR]).tolist())
-        return ModelConfig.from_gguf(self.metadata, self.tensors.keys(), freq_factors)
+        return ModelConfig.from_gguf(self.metadata, self.tensors.keys(), self.rope_freq_factors())
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) one at a time, so peak memory is one tensor's."""

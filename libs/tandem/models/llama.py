@@ -12,6 +12,9 @@ Parameter names follow Hugging Face Llama except two fusions that save matmuls o
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,22 @@ from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.layers import RMSNorm, SwiGLUMLP, project
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
+
+
+@contextlib.contextmanager
+def _random_init_skipped() -> Iterator[None]:
+    """nn.Linear's and nn.Embedding's random init made no-ops. On meta tensors it computes
+    nothing anyway, but its first call imports torch's reference decompositions (~2.5 s of a
+    worker's start)."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 class LlamaAttention(nn.Module):
@@ -103,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
     def empty(cls, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
         """Uninitialised parameters of `dtype` on `device`, for a loader to fill: skips the random
         init of ~all the weights it is about to overwrite."""
-        with torch.device("meta"):
+        with torch.device("meta"), _random_init_skipped():
             model = cls(config, attention).to(dtype)
         return model.to_empty(device=device)
 

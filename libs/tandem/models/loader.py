@@ -3,6 +3,7 @@ format (a GGUF file or a Hugging Face safetensors folder)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -11,6 +12,7 @@ import torch
 
 from tandem.errors import StartupError
 from tandem.kernels.metadata import AttentionFn
+from tandem.models import gguf_cache
 from tandem.models.checkpoint_names import load_hf_weights
 from tandem.models.config import ModelConfig
 from tandem.models.files import Quantization, open_model
@@ -42,11 +44,17 @@ def load_model(
     """`path` None means the embedded SmolLM2 GGUF. `quantization` "int8": the attention and MLP
     projections are quantized from the loaded `dtype` weights (models/quant.py); the rest stays `dtype`."""
     checkpoint = open_model(path)
+    weights: Iterable[tuple[str, torch.Tensor]]
     if checkpoint.format == "gguf":
-        gguf = read_gguf(checkpoint.path)
-        config = gguf.config()
-        tokenizer = Tokenizer.from_gguf(gguf.metadata)
-        weights = gguf.weights(config)
+        converted = gguf_cache.read_converted(checkpoint.path)
+        if converted is None:
+            gguf = read_gguf(checkpoint.path)
+            converted = gguf_cache.convert(checkpoint.path, gguf, gguf.config())
+        if converted is not None:
+            config, tokenizer, weights = converted.config(), Tokenizer.from_gguf(converted.metadata), converted.weights()
+        else:  # no copy could be written: straight from the GGUF
+            config = gguf.config()
+            tokenizer, weights = Tokenizer.from_gguf(gguf.metadata), gguf.weights(config)
     else:
         config = read_hf_config(checkpoint.path)
         tokenizer = Tokenizer.from_hf_folder(checkpoint.path)
@@ -60,7 +68,8 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
     """The checkpoint's tokenizer alone (no weights), for clients that only encode prompts."""
     checkpoint = open_model(path)
     if checkpoint.format == "gguf":
-        return Tokenizer.from_gguf(read_gguf(checkpoint.path).metadata)
+        converted = gguf_cache.read_converted(checkpoint.path)
+        return Tokenizer.from_gguf(converted.metadata if converted is not None else read_gguf(checkpoint.path).metadata)
     return Tokenizer.from_hf_folder(checkpoint.path)
 
 

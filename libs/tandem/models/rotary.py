@@ -52,9 +52,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", self._table(), persistent=False)
 
     def _table(self) -> torch.Tensor:
-        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float64)
-        angles = torch.outer(positions, inverse_frequencies(self.config))
-        return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # (window, head_dim)
+        # On the CPU even inside `torch.device("meta")` (LlamaForCausalLM.empty): meta tensors
+        # would carry no values, and their first ops import torch's decompositions (~2.5 s).
+        with torch.device("cpu"):
+            positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float64)
+            angles = torch.outer(positions, inverse_frequencies(self.config))
+            return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # (window, head_dim)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
         # The table is derived, so every move or cast (`.to(bf16)`, `to_empty` after building on
