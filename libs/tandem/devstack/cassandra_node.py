@@ -14,7 +14,6 @@ import dataclasses
 import fcntl
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -158,26 +157,6 @@ def fetch_jars(version: str, cache_dir: Path) -> Path:
     return lib
 
 
-def stable_free_port(host: str = "127.0.0.1", avoid: int = 0) -> int:
-    """A free port below the kernel's ephemeral range: a node restarted on the same ports (the
-    driver reconnects to the same address) must not find one taken by a bind(0) or an outgoing
-    connection of another process in the meantime."""
-    try:
-        lowest_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return free_port(host)
-    for _ in range(100):
-        port = random.randrange(10000, max(lowest_ephemeral, 10001))
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-        if port != avoid:
-            return port
-    return free_port(host)
-
-
 def _die_with_parent() -> None:
     # Between fork and exec: the kernel sends SIGTERM to the node when the starting thread ends.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -258,8 +237,8 @@ def start_node(config: NodeConfig, *, die_with_parent: bool = True) -> RunningNo
     if existing is not None and existing.is_alive():
         raise StartupError(f"a node already runs from {config.node_dir} (pid {existing.pid}, CQL {existing.hosts})")
     host = "127.0.0.1"
-    native_port = config.native_port or stable_free_port(host)
-    storage_port = config.storage_port or stable_free_port(host, avoid=native_port)
+    native_port = config.native_port or free_port(host)
+    storage_port = config.storage_port or free_port(host)
     for port in (native_port, storage_port):
         with socket.socket() as probe:
             if probe.connect_ex((host, port)) == 0:

@@ -10,6 +10,7 @@ import asyncio
 import collections
 import ctypes
 import os
+import random
 import re
 import signal
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
@@ -31,16 +33,32 @@ def _die_with_parent() -> None:
 
 
 _handed_out: set[int] = set()  # ports free_port gave this process: callers bind them later
+_LOWEST_PORT = 10000
+
+
+def _lowest_ephemeral_port() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def free_port(host: str = "127.0.0.1", num_tries: int = 100) -> int:
     """A TCP port that was free a moment ago (the caller binds it soon after), never one this
-    process was given before: the kernel may offer a closed port again, and a stack plans all its
-    members' ports before any of them binds."""
+    process was given before: a stack plans all its members' ports before any of them binds.
+    Below the kernel's ephemeral range where it can tell: a port from there can be taken as the
+    local end of some process's outgoing connection before its server binds it (a chat instance
+    then fails to start with "port in use"), or when a server restarts on the same port."""
+    lowest_ephemeral = _lowest_ephemeral_port()
     for _ in range(num_tries):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port: int = sock.getsockname()[1]
+        if lowest_ephemeral > _LOWEST_PORT + 1000:
+            port = random.randrange(_LOWEST_PORT, lowest_ephemeral)
+            if port in _handed_out or not _can_bind(host, port):
+                continue
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
         if port not in _handed_out:
             _handed_out.add(port)
             return port
