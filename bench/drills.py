@@ -231,6 +231,8 @@ class DrillReport:
     refused: int = 0
     longest_pause_s: float = 0.0
     texts_identical: int | None = None  # of the completed greedy replies, how many match the undisturbed run
+    texts_differing: list[int] = field(default_factory=list)  # prompt indices of completed replies that do not
+    texts_without_baseline: list[int] = field(default_factory=list)  # completed here, not in the undisturbed run
     ids_contiguous: bool = True
     stored: dict[str, int] = field(default_factory=dict)  # stored assistant turn statuses
     target: str = ""
@@ -287,6 +289,9 @@ async def run_load(
     report.error_samples = sorted({r.error for r in results if r.error})[:5]
     if baseline is not None:
         report.texts_identical = sum(r.outcome == "complete" and r.text == baseline.get(r.index) for r in results)
+        complete = [r for r in results if r.outcome == "complete"]
+        report.texts_without_baseline = [r.index for r in complete if r.index not in baseline]
+        report.texts_differing = [r.index for r in complete if r.index in baseline and r.text != baseline[r.index]]
     report.seconds = round(time.monotonic() - started_s, 1)
     return report, results
 
@@ -451,7 +456,8 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def _stack_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {"TANDEM_KV_CACHE_MIB": "256", "TANDEM_LOG_LEVEL": "warning"}
+    # The drill key is plus: its stream limit must not refuse the resume drill's 40 at once.
+    env = {"TANDEM_KV_CACHE_MIB": "256", "TANDEM_LOG_LEVEL": "warning", "TANDEM_STREAM_LIMIT_PLUS": "1000"}
     env.update(dict(item.split("=", 1) for item in args.env))
     return env
 
@@ -459,7 +465,8 @@ def _stack_env(args: argparse.Namespace) -> dict[str, str]:
 def _print_row(report: DrillReport) -> None:
     print(
         f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, {report.refused} refused, "
-        f"pause {report.longest_pause_s} s, TTFT max {report.longest_ttft_s} s, identical {report.texts_identical}, stored {report.stored} "
+        f"pause {report.longest_pause_s} s, TTFT max {report.longest_ttft_s} s, identical {report.texts_identical} "
+        f"(differing {report.texts_differing}, no baseline {report.texts_without_baseline}), stored {report.stored} "
         f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
         flush=True,
     )
