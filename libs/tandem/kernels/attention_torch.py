@@ -121,6 +121,28 @@ def _padded_decode(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+# Prefill queries go in calls of whole blocks of absolute positions, each block against the keys
+# from 0 to its end: 64 positions a block below position 512, 256 from there (fewer, larger calls
+# where the context is long; small ones where a prompt is short). A query's bits then depend on
+# its position and context alone, not on where its chunk starts or ends (a prompt split by the
+# step budget, a cached prefix) nor on its chunk's other rows. One SDPA call over the chunk
+# rounds a row differently as the chunk's shape changes, so the same prompt came out in other
+# bits when chunked another way, and a greedy answer could depend on its company.
+SHORT_QUERY_BLOCK, LONG_QUERY_BLOCK, LONG_FROM = 64, 256, 512
+
+
+def query_blocks(start: int, end: int) -> list[tuple[int, int]]:
+    """The blocks [block_start, block_end) that cover positions [start, end)."""
+    blocks = []
+    position = start
+    while position < end:
+        size = SHORT_QUERY_BLOCK if position < LONG_FROM else LONG_QUERY_BLOCK
+        block_start = position // size * size
+        blocks.append((block_start, block_start + size))
+        position = block_start + size
+    return blocks
+
+
 def prefill_chunk_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,20 +155,37 @@ def prefill_chunk_attention(
     seq_len-token context; token j attends to positions 0..seq_len - q_len + j."""
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    start = seq_len - q_len
+    blocks = query_blocks(start, seq_len)
+    padded_len = blocks[-1][1]
     block_ids = block_table[: -(-seq_len // block_size)].long()
-    keys = _gather(k_cache, block_ids, q.dtype).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    values = _gather(v_cache, block_ids, q.dtype).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    keys = _padded_context(_gather(k_cache, block_ids, q.dtype), seq_len, padded_len, num_kv_heads, head_dim)
+    values = _padded_context(_gather(v_cache, block_ids, q.dtype), seq_len, padded_len, num_kv_heads, head_dim)
     # 4-D inputs and kv heads expanded (a copy the size of this chunk's context): CPU SDPA runs
     # its flash kernel only so; 3-D inputs or enable_gqa fall back to the math path, 3-10x slower.
-    keys, values = _expand_kv_heads(keys, num_heads), _expand_kv_heads(values, num_heads)
-    query = q.transpose(0, 1)[None]
-    if q_len == seq_len:  # no earlier context: plain causal, which SDPA can skip blocks for
-        out = F.scaled_dot_product_attention(query, keys[None], values[None], is_causal=True, scale=scale)
-    else:  # causal with an offset: earlier context is visible to every query token
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        mask = (torch.arange(seq_len, device=q.device) <= query_pos)[None, None]
-        out = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
+    keys, values = _expand_kv_heads(keys, num_heads)[None], _expand_kv_heads(values, num_heads)[None]
+    positions = torch.arange(padded_len, device=q.device)
+    out = torch.empty_like(q)
+    for block_start, block_end in blocks:
+        # A block's rows outside the chunk (computed by an earlier chunk, or past its end) are
+        # zeros, their output dropped.
+        first, last = max(block_start, start), min(block_end, seq_len)
+        queries = q.new_zeros(block_end - block_start, num_heads, head_dim)
+        queries[first - block_start : last - block_start] = q[first - start : last - start]
+        mask = positions[:block_end] <= positions[block_start:block_end, None]
+        attended = F.scaled_dot_product_attention(
+            queries.transpose(0, 1)[None], keys[:, :, :block_end], values[:, :, :block_end], attn_mask=mask[None, None], scale=scale
+        )
+        out[first - start : last - start] = attended[0, :, first - block_start : last - block_start].transpose(0, 1)
+    return out
+
+
+def _padded_context(gathered: torch.Tensor, seq_len: int, length: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """(num_kv_heads, length, head_dim): the context's first seq_len tokens, then zeros (masked)."""
+    context = gathered.view(-1, num_kv_heads, head_dim)[:seq_len]
+    if length > seq_len:
+        context = F.pad(context, (0, 0, 0, 0, 0, length - seq_len))
+    return context.transpose(0, 1)
 
 
 def _mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

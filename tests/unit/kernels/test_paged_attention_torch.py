@@ -78,3 +78,30 @@ def test_decode_padding_bound_above_longest_context_changes_nothing() -> None:
 
 def test_select_attention_uses_the_torch_path_off_cuda() -> None:
     assert select_attention("cpu") is paged_attention_torch
+
+
+def test_query_blocks_are_whole_aligned_blocks_of_64_below_512_and_256_from_there() -> None:
+    assert attention_torch.query_blocks(0, 50) == [(0, 64)]
+    assert attention_torch.query_blocks(70, 130) == [(64, 128), (128, 192)]
+    assert attention_torch.query_blocks(500, 800) == [(448, 512), (512, 768), (768, 1024)]
+    assert attention_torch.query_blocks(1000, 1001) == [(768, 1024)]
+
+
+@pytest.mark.parametrize("seq_len", [50, 200, 700])
+def test_a_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(seq_len: int) -> None:
+    """bf16, 9 query heads over 3 kv heads: the prompt as one chunk, and as two chunks split at
+    several points (the second one's context includes the first's, as after a cached prefix)."""
+    generator = torch.Generator().manual_seed(seq_len)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_blocks = -(-seq_len // block_size)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=generator)
+    # the cache's blocks in table order: K and V of position p live in block table[p // 16]
+    k_cache, v_cache = k_cache[torch.argsort(table)], v_cache[torch.argsort(table)]
+    q = torch.randn(seq_len, num_heads, head_dim, generator=generator).to(torch.bfloat16)
+    whole = attention_torch.prefill_chunk_attention(q, k_cache, v_cache, table, seq_len, 0.125)
+    for split in sorted({s for s in (1, 16, 47, 64, 513, seq_len // 2, seq_len - 1) if s < seq_len}):
+        head = attention_torch.prefill_chunk_attention(q[:split], k_cache, v_cache, table, split, 0.125)
+        tail = attention_torch.prefill_chunk_attention(q[split:], k_cache, v_cache, table, seq_len, 0.125)
+        assert torch.equal(torch.cat([head, tail]), whole), f"split at {split} of {seq_len}"
