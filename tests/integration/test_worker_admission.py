@@ -1,8 +1,8 @@
 """Queues bounded by time, on a real decode worker process and real NATS: once the worker has
 measured its prefill rate (after a warm-up request), a free assignment that would wait behind queued work longer than its
 (tiny) TTFT target is refused "queue_full" with a time to retry and nothing kept, while a paid one
-offered at the same moment is taken (free work is not ahead of it); the heartbeat says what a free
-request would wait.
+offered at the same moment is taken (free work is not ahead of it), and so is a free continuation
+(its reply already streams); the heartbeat says what a free request would wait.
 
 No timing is asserted: one seat (max_num_seqs=1) held by a long paid reply keeps the queue there
 for as long as the test needs it."""
@@ -57,8 +57,9 @@ def _request(prompt_ids: list[int], lane: int, max_tokens: int, user_id: str) ->
     )
 
 
-async def _assign(nc, instance_id: str, reply_id: str, request: GenerateRequest) -> AssignmentReply:
-    msg = await nc.request(subjects.assign(instance_id), encode(Assignment(reply_id=reply_id, request=request, first_seq=1)), timeout=30)
+async def _assign(nc, instance_id: str, reply_id: str, request: GenerateRequest, epoch: int = 0) -> AssignmentReply:
+    assignment = Assignment(reply_id=reply_id, request=request, first_seq=1, epoch=epoch)
+    msg = await nc.request(subjects.assign(instance_id), encode(assignment), timeout=30)
     return decode(msg.data, AssignmentReply)
 
 
@@ -119,17 +120,25 @@ async def test_a_free_assignment_that_would_wait_past_its_target_is_refused_queu
         assert refused.refused.retry_after_s > 0
         assert "would wait" in refused.refused.message
 
+        # A free continuation (its first owner was lost mid-answer) waiting just as long is taken:
+        # refused everywhere, its reply would end in an error.
+        continued = _request(_prompt("Hello!"), common_pb2.LANE_FREE, 8, "dave")
+        continued.resume_reply_id = continued.reply_id = "reply-continued"
+        continued.generated_token_ids.extend(_tokenizer().encode("Hi"))
+        continued.epoch = 1
+        assert (await _assign(nc, instance_id, "reply-continued", continued, epoch=1)).WhichOneof("outcome") == "accepted"
+
         # Free work is not ahead of paid work: a paid request is taken at the same moment.
         paid = _request(_prompt("Hello!"), common_pb2.LANE_PAID, 8, "carol")
         assert (await _assign(nc, instance_id, "reply-paid", paid)).WhichOneof("outcome") == "accepted"
 
         # The engine takes the queued requests between two steps: their heartbeat comes once it has.
-        heartbeat = await _worker_heartbeat(nc, instance_id, lambda hb: hb.waiting.free == 1 and hb.waiting.paid == 1)
+        heartbeat = await _worker_heartbeat(nc, instance_id, lambda hb: hb.waiting.free == 2 and hb.waiting.paid == 1)
         assert heartbeat.prefill_tokens_per_s > 0 and heartbeat.estimated_wait_s > 0
         assert heartbeat.free_ttft_target_s == pytest.approx(0.001)  # its free target, CPU scale 1
         assert "reply-refused" not in heartbeat.reply_ids  # the refused reply was not kept
-        assert {"reply-seat", "reply-queued", "reply-paid"} <= set(heartbeat.reply_ids)
+        assert {"reply-seat", "reply-queued", "reply-paid", "reply-continued"} <= set(heartbeat.reply_ids)
     finally:
         await tokens.unsubscribe()
-        for reply_id in ("reply-seat", "reply-queued", "reply-paid"):
+        for reply_id in ("reply-seat", "reply-queued", "reply-paid", "reply-continued"):
             await nc.publish(subjects.cancel(reply_id), b"")

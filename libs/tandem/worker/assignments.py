@@ -64,10 +64,16 @@ def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | None:
     return None
 
 
-def too_busy(host: EngineHost, request: Request) -> AssignmentReply | None:
+def too_busy(host: EngineHost, request: Request, epoch: int = 0) -> AssignmentReply | None:
     """The "queue_full" refusal for a request this worker would not start within its lane's TTFT
     target (or, for background work, on idle capacity), with the seconds after which it expects
-    to take one; None when it takes it."""
+    to take one; None when it takes it.
+
+    A continuation (epoch > 0: its first owner was lost) is never refused for its wait: its
+    client is mid-answer, and a refusal from every worker would end the reply with an error
+    instead of a longer pause. It still takes its place in its lane's queue."""
+    if epoch > 0:
+        return None
     overloaded = host.overloaded(request)
     if overloaded is None:
         return None
