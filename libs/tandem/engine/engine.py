@@ -191,7 +191,7 @@ class Engine:
         stopped_ids = {seq_id for seq_id in sampled if self._replies[seq_id].has_hit_stop}
         result = self.scheduler.update(plan, sampled, stopped_ids)
         outputs = self._outputs(plan, sampled, texts, result)
-        self._count(plan.num_prefill_tokens, plan.num_decode_tokens, len(sampled), time.perf_counter() - started_s)
+        self._count(plan, len(sampled), time.perf_counter() - started_s)
         return outputs
 
     def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
@@ -327,13 +327,18 @@ class Engine:
             seq.seq_id, token_ids, text, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, handoff
         )
 
-    def _count(self, num_prefill_tokens: int, num_decode_tokens: int, num_sampled: int, elapsed_s: float) -> None:
+    def _count(self, plan: StepPlan, num_sampled: int, elapsed_s: float) -> None:
+        num_prefill_tokens, num_decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
         c = self._counters
         c.num_steps += 1
         c.num_generated_tokens += num_sampled
         c.num_prefill_tokens += num_prefill_tokens
         c.num_decode_tokens += num_decode_tokens
-        self._prefill_rate.add_step(num_prefill_tokens, elapsed_s)
+        # A step that replays generated tokens (a continuation's) runs a forward per replayed token:
+        # its time says nothing of the prefill rate (25 tokens/s measured so refused work that
+        # would start at once).
+        if not plan.num_replayed_tokens:
+            self._prefill_rate.add_step(num_prefill_tokens, elapsed_s)
         num_tokens = num_prefill_tokens + num_decode_tokens
         if num_tokens:
             c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens

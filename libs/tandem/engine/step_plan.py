@@ -53,6 +53,16 @@ class StepPlan:
     finished_seq_ids: list[str] = field(default_factory=list)
 
     @property
+    def num_replayed_tokens(self) -> int:
+        """Generated tokens that prefill chunks recompute: the runner replays each as a decode
+        forward of its own (tandem.engine.runner.forward_passes)."""
+        return sum(
+            max(0, chunk.num_context_tokens - max(chunk.num_computed_tokens, chunk.seq.num_prompt_tokens))
+            for chunk in self.scheduled
+            if chunk.num_new_tokens > 1
+        )
+
+    @property
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences that get a token from this step, in chunk order."""
         return [chunk.seq for chunk in self.scheduled if chunk.is_sampled]

@@ -71,3 +71,18 @@ def test_an_import_reservation_counts_as_a_prefix_lookup_with_its_cached_blocks_
     assert after.scheduler.num_prefix_hit_tokens - before.num_prefix_hit_tokens == 64
     assert after.kv_cache_usage == pytest.approx(7 / 64), "reserved blocks are held"
     decode.cancel_import(reservation)
+
+
+def test_a_step_that_replays_generated_tokens_leaves_the_prefill_rate_as_it_was(tiny):
+    """A continuation's generated tokens are recomputed one forward each: that step's time is no
+    measure of what a prompt's prefill costs."""
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    prompts = seeded_prompts(10)
+    engine.generate([greedy("warm-up", prompts[0][:20])])  # the first prefill step is not measured
+    engine.generate([greedy("measured", prompts[1][:60])])
+    rate = engine.stats().prefill_tokens_per_s
+    assert rate > 0
+    continued = Request("continued", tuple(prompts[2][:20]), SamplingOptions(max_tokens=40), generated_token_ids=tuple(prompts[3][:30]))
+    engine.add(continued)
+    engine.step()  # the prompt and 30 replayed tokens
+    assert engine.stats().prefill_tokens_per_s == rate
