@@ -334,9 +334,10 @@ class Engine:
         c.num_generated_tokens += num_sampled
         c.num_prefill_tokens += num_prefill_tokens
         c.num_decode_tokens += num_decode_tokens
-        # A step that replays generated tokens (a continuation's) runs a forward per replayed token:
-        # its time says nothing of the prefill rate (25 tokens/s measured so refused work that
-        # would start at once).
+        # A step that replays generated tokens (a continuation's) computes each as a decode over its
+        # whole context: its time says nothing of a prompt's prefill rate (when replays took a
+        # forward each, a drill's continuations made the rate read 25 tokens/s, refusing work
+        # that would have started at once).
         if not plan.num_replayed_tokens:
             self._prefill_rate.add_step(num_prefill_tokens, elapsed_s)
         num_tokens = num_prefill_tokens + num_decode_tokens

@@ -3,16 +3,13 @@ tokens together, no padding), then sampling for every sequence whose context is 
 
 Replayed tokens: a prefill chunk may hold tokens the model generated earlier (a continuation of a
 reply whose worker died, a preempted sequence's recompute). Those are computed the way they were
-first computed, by decode steps: after the step's forward (which takes every other row), one more
-forward per generated token, each a decode-only batch of the replaying sequences' next such
-token. In bf16 on CPU a row's rounding depends on the shape it is computed in (flash prefill
-attention versus a decode's; and a matmul's row depends on how many rows it has), so a row
-computed inside a long chunk differs in its last bits from the same token decoded alone, and
-greedy output drifts a few dozen tokens after a continuation. Replayed this way, a lone
-sequence's continuation is bit for bit its uninterrupted run (in a batch, as far as the replay's
-batches match the original decode steps'); a step without generated tokens in a prefill chunk is
-one forward, as before. The scheduler puts at most max_replayed_tokens_per_step generated tokens
-of a sequence in a step, so a long replay takes that many extra forwards per step at most.
+first computed, as decodes: each is a one-row piece of the step's forward with its own context
+length, so attention takes it on the decode path, as the step that generated it did, and its K
+and V (written before any attention reads them) are those of that step. A prompt token goes
+the prefill path. Rows keep their bits in any company (the projections' row limit, the prefill
+attention's absolute blocks), so a continuation is bit for bit its uninterrupted run, in one
+forward. The scheduler puts at most max_replayed_tokens_per_step generated tokens of a sequence
+in a step.
 """
 
 from __future__ import annotations
@@ -53,21 +50,18 @@ class Rows:
 
 
 def forward_passes(plan: StepPlan) -> list[list[Rows]]:
-    """The step's forwards: the first has every row a chunk computes as given (decodes, prompt
-    tokens); then one per replayed token (see the module docstring), the k-th holding the k-th
-    generated token of each chunk that recomputes more than k of them."""
-    first: list[Rows] = []
-    replays: list[list[Rows]] = []
+    """The step's forward (one, or none for an empty plan): every row a chunk computes as given
+    (decodes, prompt tokens), then each generated token a prefill chunk recomputes as a one-row
+    piece of its own (see the module docstring)."""
+    rows: list[Rows] = []
+    replayed: list[Rows] = []
     for chunk in plan.scheduled:
         seq, start, end = chunk.seq, chunk.num_computed_tokens, chunk.num_context_tokens
         replay_from = end if end - start == 1 else min(end, max(start, seq.num_prompt_tokens))
         if replay_from > start:
-            first.append(Rows(seq, start, replay_from, chunk.is_sampled and replay_from == end))
-        for k, position in enumerate(range(replay_from, end)):
-            if k == len(replays):
-                replays.append([])
-            replays[k].append(Rows(seq, position, position + 1, chunk.is_sampled and position + 1 == end))
-    return [first, *replays] if first else replays
+            rows.append(Rows(seq, start, replay_from, chunk.is_sampled and replay_from == end))
+        replayed.extend(Rows(seq, position, position + 1, chunk.is_sampled and position + 1 == end) for position in range(replay_from, end))
+    return [rows + replayed] if rows or replayed else []
 
 
 def build_inputs(rows: SequenceOf[Rows], block_size: int, device: torch.device) -> StepInputs:

@@ -64,9 +64,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at once
     num_reserved_blocks: int = 4  # admissions leave this many blocks free for running sequences to grow
     max_model_len: int | None = None  # context window in tokens; None = only the KV pool limits it
-    # Generated tokens a prefill chunk recomputes (a continuation's, a preempted sequence's) cost
-    # the runner one forward each (tandem.engine.runner replays them as decodes); at most this
-    # many per sequence per step, so a long replay does not stall the step's other sequences.
+    # Generated tokens a prefill chunk recomputes (a continuation's, a preempted sequence's) are
+    # computed as decodes, each attending over its whole context (tandem.engine.runner); at most
+    # this many per sequence per step, so a long replay does not stall the step's other sequences.
     max_replayed_tokens_per_step: int = 32
     # Background work is admitted only while this share of the usable blocks (above the reserve) is free.
     background_min_free_fraction: float = 0.5

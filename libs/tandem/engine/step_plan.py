@@ -54,8 +54,8 @@ class StepPlan:
 
     @property
     def num_replayed_tokens(self) -> int:
-        """Generated tokens that prefill chunks recompute: the runner replays each as a decode
-        forward of its own (tandem.engine.runner.forward_passes)."""
+        """Generated tokens that prefill chunks recompute: the runner computes each as a decode
+        (tandem.engine.runner.forward_passes)."""
         return sum(
             max(0, chunk.num_context_tokens - max(chunk.num_computed_tokens, chunk.seq.num_prompt_tokens))
             for chunk in self.scheduled

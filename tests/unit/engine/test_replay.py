@@ -1,6 +1,7 @@
 """Replayed tokens: generated tokens that a prefill chunk recomputes (a continuation's, a preempted
-sequence's) are computed as the decode steps that generated them were, so a bf16 continuation on
-a fresh engine is token for token the uninterrupted run."""
+sequence's) are computed as the decode steps that generated them were (one-row pieces of the
+step's forward, on the decode attention path), so a bf16 continuation on a fresh engine is token
+for token the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -48,20 +49,27 @@ def test_a_step_without_generated_tokens_in_a_prefill_chunk_is_one_forward_of_it
     ]
 
 
-def test_generated_tokens_in_a_prefill_chunk_are_replayed_one_forward_per_token():
+def test_generated_tokens_in_a_prefill_chunk_are_one_row_pieces_of_the_step_s_forward():
     decode = sequence("decode", 20, 5, 24)
     continued = sequence("continued", 10, 3, 0, first_block=10)  # prompt 0..9, generated 10..12
     preempted = sequence("preempted", 6, 4, 0, first_block=20)  # a partial chunk over 4 prompt tokens and 2 generated
     plan = StepPlan(scheduled=[ScheduledChunk(decode, 1), ScheduledChunk(continued, 13), ScheduledChunk(preempted, 8)])
     assert forward_passes(plan) == [
-        [Rows(decode, 24, 25, True), Rows(continued, 0, 10, False), Rows(preempted, 0, 6, False)],
-        [Rows(continued, 10, 11, False), Rows(preempted, 6, 7, False)],
-        [Rows(continued, 11, 12, False), Rows(preempted, 7, 8, False)],
-        [Rows(continued, 12, 13, True)],
+        [
+            Rows(decode, 24, 25, True),
+            Rows(continued, 0, 10, False),
+            Rows(preempted, 0, 6, False),
+            Rows(continued, 10, 11, False),
+            Rows(continued, 11, 12, False),
+            Rows(continued, 12, 13, True),
+            Rows(preempted, 6, 7, False),
+            Rows(preempted, 7, 8, False),
+        ]
     ]
     generated_only = sequence("generated-only", 6, 4, 7, first_block=30)  # its prompt was computed by an earlier chunk
     plan = StepPlan(scheduled=[ScheduledChunk(generated_only, 3)])
-    assert forward_passes(plan) == [[Rows(generated_only, p, p + 1, p == 9)] for p in (7, 8, 9)]
+    assert forward_passes(plan) == [[Rows(generated_only, p, p + 1, p == 9) for p in (7, 8, 9)]]
+    assert forward_passes(StepPlan()) == []
 
 
 def run_chunk(runner: Runner, seq: Sequence, num_new_tokens: int) -> int:
