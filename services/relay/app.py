@@ -106,7 +106,8 @@ def build_app(settings: Settings) -> FastAPI:
     if output_check is not None:
         moderator = OutputModerator(redis, output_check, publish, publish_final, OutputCheckConfig.from_settings(settings))
 
-    async def every(interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
+    async def every(interval_s: float, work: Callable[[], Awaitable[None]], wake: asyncio.Event | None = None) -> None:
+        """Runs `work` every interval, or as soon as `wake` is set."""
         while True:
             try:
                 await work()
@@ -116,7 +117,12 @@ def build_app(settings: Settings) -> FastAPI:
                 log.warning("sweep: redis unavailable: %s", exc)
             except Exception:  # a sweep must never stop for good
                 log.exception("sweep failed")
-            await asyncio.sleep(interval_s)
+            if wake is None:
+                await asyncio.sleep(interval_s)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval_s)
+            wake.clear()
 
     async def start_watching(client: Client) -> None:
         nonlocal consumer, stalls
@@ -125,7 +131,7 @@ def build_app(settings: Settings) -> FastAPI:
         await claims.listen(client)
         sweeper = Sweeper(redis, publish, publish_final, persist, stalls, sweep_config)
         spawn(consumer.run(), "token-consumer")
-        spawn(every(sweep_config.stall_check_interval_s, sweeper.check_stalls), "stalls")
+        spawn(every(sweep_config.stall_check_interval_s, sweeper.check_stalls, stalls.found_gone), "stalls")
         spawn(every(sweep_config.sweep_interval_s, sweeper.sweep), "sweep")
 
     async def is_consuming() -> bool:

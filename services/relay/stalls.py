@@ -3,7 +3,7 @@ router with the tokens already logged, under a new owner epoch, so the client se
 then the rest of the answer.
 
 Workers list in every heartbeat the replies they hold, and every service answers a ping. A
-claimed reply silent for half a second gets its worker pinged: "no responders" means the
+claimed reply silent for a quarter of a second gets its worker pinged: "no responders" means the
 process is gone (NATS dropped its subscriptions with its connection), and its replies are
 continued at once. Otherwise a running reply is stalled when no live
 worker has claimed it within the stall timeout and its current owner makes no progress: no event
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 PublishFinal = Callable[[TokenEvent], Awaitable[None]]
 WORKER_ROLES = ("prefill", "decode")
-PING_AFTER_SILENT_S = 0.5  # a claimed reply silent this long gets its worker pinged
+PING_AFTER_SILENT_S = 0.25  # a claimed reply silent this long gets its worker pinged (a live one just answers)
 PING_TIMEOUT_S = 1.0
 HARD_SILENCE_S = 60.0  # a reply silent and unclaimed this long is stalled even while no worker is heard
 LOST_CODE = "worker_lost"
@@ -182,6 +182,8 @@ class StallWatcher:
         self._config = config
         self._acting: dict[str, asyncio.Task[None]] = {}  # reply id -> its continuation or failure in flight
         self._pinging: dict[str, asyncio.Task[None]] = {}  # worker id -> its ping in flight
+        # Set when a ping found a worker gone: the next check runs at once, not an interval later.
+        self.found_gone = asyncio.Event()
 
     def check(self, metas: Iterable[ReplyMeta]) -> None:
         """Acts on every stalled reply, each in a task of its own (a router's answer can take seconds);
@@ -227,6 +229,7 @@ class StallWatcher:
             log.warning("worker %s is gone (nothing answers its ping); its replies are continued now", worker_id)
             metrics.WORKERS_GONE.inc()
             self._claims.note_gone(worker_id)
+            self.found_gone.set()
         except (nats.errors.Error, TimeoutError):
             pass
 
