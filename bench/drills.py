@@ -230,6 +230,9 @@ class DrillReport:
     hung: int = 0
     refused: int = 0
     longest_pause_s: float = 0.0
+    # the longest pause in the undisturbed run of the same prompts (same stack, same run): what
+    # the load alone costs on this machine; None when the drill had no undisturbed run
+    undisturbed_longest_pause_s: float | None = None
     texts_identical: int | None = None  # of the completed greedy replies, how many match the undisturbed run
     texts_differing: list[int] = field(default_factory=list)  # prompt indices of completed replies that do not
     texts_without_baseline: list[int] = field(default_factory=list)  # completed here, not in the undisturbed run
@@ -429,6 +432,7 @@ async def main(args: argparse.Namespace) -> int:
     async with stack:
         client = Client(urls=stack.chat_urls, key=stack.api_key, max_tokens=args.max_tokens, hang_s=args.hang_s)
         baselines: dict[bool, dict[int, str]] = {}
+        baseline_pauses: dict[bool, float] = {}
         for name in chosen:
             plan = every[name]
             await stack.wait_all_ready(timeout_s=300.0)
@@ -438,12 +442,18 @@ async def main(args: argparse.Namespace) -> int:
                 all_prompts = [prompt_of(i, plan.long_prompts) for i in range(count)]
                 undisturbed, results = await run_load(stack, client, all_prompts, None, 0, None, "undisturbed", "")
                 baselines[plan.long_prompts] = {r.index: r.text for r in results if r.outcome == "complete"}
-                print(f"undisturbed run: {undisturbed.completed}/{undisturbed.num_replies} complete in {undisturbed.seconds} s", flush=True)
+                baseline_pauses[plan.long_prompts] = undisturbed.longest_pause_s
+                print(
+                    f"undisturbed run: {undisturbed.completed}/{undisturbed.num_replies} complete in {undisturbed.seconds} s, "
+                    f"longest pause {undisturbed.longest_pause_s} s",
+                    flush=True,
+                )
             baseline = baselines.get(plan.long_prompts) if plan.check_texts else None
             fault_after = max(1, plan.num_streams // 2)
             report, _ = await run_load(
                 stack, client, prompts, plan.fault, fault_after, baseline, name, plan.target, plan.disconnects, seed=args.seed
             )
+            report.undisturbed_longest_pause_s = baseline_pauses.get(plan.long_prompts) if plan.check_texts else None
             report.met = met(report, plan)
             reports.append(report)
             _print_row(report)
@@ -473,13 +483,14 @@ def _print_row(report: DrillReport) -> None:
 
 
 def _print_table(reports: list[DrillReport]) -> None:
-    header = f"{'drill':<14}{'replies':>8}{'done':>6}{'error':>6}{'hung':>6}{'pause s':>9}{'same':>6}  stored / target"
+    header = f"{'drill':<14}{'replies':>8}{'done':>6}{'error':>6}{'hung':>6}{'pause s':>9}{'base s':>8}{'same':>6}  stored / target"
     print("\n" + header)
     for r in reports:
         same = "-" if r.texts_identical is None else str(r.texts_identical)
+        base = "-" if r.undisturbed_longest_pause_s is None else str(r.undisturbed_longest_pause_s)
         stored = ",".join(f"{k}:{v}" for k, v in sorted(r.stored.items()))
         print(
-            f"{r.name:<14}{r.num_replies:>8}{r.completed:>6}{r.errors:>6}{r.hung:>6}{r.longest_pause_s:>9}{same:>6}  "
+            f"{r.name:<14}{r.num_replies:>8}{r.completed:>6}{r.errors:>6}{r.hung:>6}{r.longest_pause_s:>9}{base:>8}{same:>6}  "
             f"{stored} / {'PASS' if r.met else 'MISS'} {r.target}"
         )
         print(f"{'':<14}fault: {r.fault}")
