@@ -11,7 +11,8 @@ test_gguf_cache.py).
 The folder is `$XDG_CACHE_HOME/tandem/gguf` (`~/.cache/tandem/gguf`). A copy is written to a
 temporary folder and renamed into place, so a reader sees a whole copy or none, and processes
 starting together each write their own and one rename wins. A copy that cannot be written or
-read is not an error: the GGUF is read as before and the reason logged. Writing a copy removes
+read is not an error: the GGUF is read as before and the reason logged. A model over
+MAX_CONVERTED_BYTES of float32 weights is not converted. Writing a copy removes
 older copies of the same file (another size or mtime) and copies of files that are gone."""
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ FORMAT_VERSION = 1  # bump when what a copy holds, or how weights are converted,
 METADATA_FILE = "metadata.json"
 WEIGHTS_FILE = "model.safetensors"
 SOURCE_FILE = "source"  # the GGUF's resolved path
+# A model whose float32 weights are larger is not converted (a 7B GGUF would take 28 GB of disk,
+# and as much memory while it is written): it is read from the GGUF every time.
+MAX_CONVERTED_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,15 @@ def read_converted(path: Path, root: Path | None = None) -> ConvertedGguf | None
         return None
 
 
-def convert(path: Path, gguf: GgufCheckpoint, config: ModelConfig, root: Path | None = None) -> ConvertedGguf | None:
+def convert(
+    path: Path, gguf: GgufCheckpoint, config: ModelConfig, root: Path | None = None, max_bytes: int = MAX_CONVERTED_BYTES
+) -> ConvertedGguf | None:
     """Writes the converted copy of `gguf` (read from `path`) and returns it; None when it cannot
-    be written (the caller reads the GGUF's weights itself)."""
+    be written, or the model is too large to convert (the caller reads the GGUF's weights itself)."""
+    num_bytes = 4 * sum(int(tensor.n_elements) for tensor in gguf.tensors.values())
+    if num_bytes > max_bytes:
+        log.info("%s is not converted: its float32 weights would take %.1f GiB", path, num_bytes / 2**30)
+        return None
     scratch: Path | None = None
     try:
         folder = folder_for(path, root)

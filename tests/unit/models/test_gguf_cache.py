@@ -85,3 +85,9 @@ def test_a_cache_folder_that_is_a_file_means_no_copy_and_no_error(embedded, tmp_
     root.write_text("not a folder")
     assert gguf_cache.convert(path, gguf, gguf.config(), root) is None
     assert gguf_cache.read_converted(path, root) is None
+
+
+def test_a_model_over_the_size_limit_is_not_converted(embedded, tmp_path):
+    path, gguf = embedded
+    assert gguf_cache.convert(path, gguf, gguf.config(), tmp_path, max_bytes=100 << 20) is None  # SmolLM2: 538 MB
+    assert list(tmp_path.iterdir()) == []
