@@ -21,7 +21,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """linear(x) for x (T, in): on CPU in calls of at most CPU_ROWS_PER_MATMUL rows."""
     if x.device.type != "cpu" or x.shape[0] <= CPU_ROWS_PER_MATMUL:
         return linear(x)
-    if not isinstance(linear, nn.Linear):  # an Int8Linear: its own kernel
+    if not isinstance(linear, nn.Linear) or torch.is_grad_enabled():  # an Int8Linear; or autograd, which out= refuses
         return torch.cat([linear(rows) for rows in x.split(CPU_ROWS_PER_MATMUL)])
     # Each call writes its rows in place: no concatenation copy, so a long prefill costs the same.
     out = x.new_empty(x.shape[0], linear.out_features)
