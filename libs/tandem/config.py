@@ -108,6 +108,8 @@ class Settings(BaseSettings):
     """a worker's sequences running at once"""
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 512
     """a worker's tokens computed per engine step, decodes and prefill chunks together"""
+    torch_threads: Annotated[int, Field(ge=0)] = 0
+    """a worker's CPU threads for torch's kernels; 0: torch's default, one per core (workers sharing a machine's cores should split them)"""
     ucx_port: int = 0
     """decode workers' UCXX listener for KV handoffs; 0: any free port"""
     kv_lease_s: float = 30.0

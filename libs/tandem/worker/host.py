@@ -58,6 +58,7 @@ class EngineSpec:
     device: str
     dtype: torch.dtype
     engine: EngineConfig
+    torch_threads: int = 0  # 0: torch's default
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelFile) -> EngineSpec:
@@ -68,7 +69,7 @@ class EngineSpec:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
         )
-        return cls(model, device, resolve_dtype(settings.dtype, device), engine)
+        return cls(model, device, resolve_dtype(settings.dtype, device), engine, settings.torch_threads)
 
 
 class WorkerFailed(Exception):
@@ -133,9 +134,19 @@ class EngineHost:
             task.cancel()
 
     def _build_engine(self) -> Engine:
+        """On the engine thread, which runs every step: torch's thread count is set here."""
         spec = self._spec
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
         loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
-        log.info("engine ready: %s, %s (quantization %s) on %s", spec.model.name, spec.dtype, spec.model.quantization, spec.device)
+        log.info(
+            "engine ready: %s, %s (quantization %s) on %s, %d torch threads",
+            spec.model.name,
+            spec.dtype,
+            spec.model.quantization,
+            spec.device,
+            torch.get_num_threads(),
+        )
         return Engine(loaded, spec.engine)
 
     def _after_change(self, engine: Engine) -> None:

@@ -35,6 +35,15 @@ def test_the_engine_gets_the_batch_limits_and_kv_cache_from_the_environment(monk
 def test_unset_limits_are_the_engines_own_defaults():
     spec = EngineSpec.from_settings(Settings(device="cpu"), MODEL)
     assert spec.engine == EngineConfig()
+    assert spec.torch_threads == 0  # torch's own count
+
+
+def test_the_engine_gets_its_torch_threads_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
+    assert EngineSpec.from_settings(load_settings(device="cpu"), MODEL).torch_threads == 1
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "-1")
+    with pytest.raises(StartupError, match="^TANDEM_TORCH_THREADS: Input should be greater than or equal to 0$"):
+        load_settings()
 
 
 @pytest.mark.parametrize("name", ["TANDEM_MAX_NUM_SEQS", "TANDEM_MAX_NUM_BATCHED_TOKENS", "TANDEM_KV_CACHE_MIB"])
