@@ -17,7 +17,7 @@ def test_a_decode_worker_computes_on_the_torch_threads_it_is_given(nats_server, 
     child = service_process("decode", env)
     child.start()
     try:
-        ready = child.wait_for_line(r"engine ready: .*, (\d+) torch threads", timeout_s=120)
+        ready = child.wait_for_line(r"engine ready: .* with (\d+) torch threads", timeout_s=120)
         assert ready is not None, child.recent_output(40)
         assert ready.group(1) == "1"
     finally:

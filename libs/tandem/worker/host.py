@@ -140,7 +140,7 @@ class EngineHost:
             torch.set_num_threads(spec.torch_threads)
         loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
         log.info(
-            "engine ready: %s, %s (quantization %s) on %s, %d torch threads",
+            "engine ready: %s, %s (quantization %s) on %s with %d torch threads",
             spec.model.name,
             spec.dtype,
             spec.model.quantization,
