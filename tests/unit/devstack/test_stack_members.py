@@ -6,12 +6,13 @@ services (except those the stack sets per member)."""
 from __future__ import annotations
 
 import io
+import os
 import socket
 
 import pytest
 
 from tandem.config import ApiKey, Tier, load_settings, settings_flags
-from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member
+from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member, torch_threads_per_worker
 from tandem.devstack.proc import free_ports
 from tandem.devstack.secrets import StackSecrets
 from tandem.devstack.stack import Stack, stack_config_from
@@ -64,6 +65,30 @@ def test_up_flags_set_the_worker_counts_and_reach_every_service_as_variables():
     assert config.extra_env["TANDEM_STALL_TIMEOUT_S"] == "1.5"
     assert "TANDEM_DECODE_WORKERS" not in config.extra_env and "TANDEM_INSTANCE_ID" not in config.extra_env
     assert [m.name for m in members(config)] == ["router", "relay", "decode-0", "decode-1", "small-decode-0", "chat"]
+
+
+def test_workers_split_the_cores_unless_torch_threads_is_set(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("TANDEM_TORCH_THREADS", raising=False)
+    config = StackConfig(host="127.0.0.1", chat_port=18080, api_keys=KEYS, extra_env={}, num_decode_workers=2, num_prefill_workers=1)
+    planned = {m.name: m.env for m in members(config)}
+    assert {name: env.get("TANDEM_TORCH_THREADS") for name, env in planned.items()} == {
+        "router": None,
+        "relay": None,
+        "prefill": str(max(1, cores // 3)),
+        "decode-0": str(max(1, cores // 3)),
+        "decode-1": str(max(1, cores // 3)),
+        "chat": None,
+    }
+    flagged = StackConfig(host="127.0.0.1", chat_port=18080, api_keys=KEYS, extra_env={"TANDEM_TORCH_THREADS": "0"})
+    assert {m.env.get("TANDEM_TORCH_THREADS") for m in members(flagged) if m.role in ("decode", "prefill")} == {"0"}
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "3")
+    assert {m.env.get("TANDEM_TORCH_THREADS") for m in members(config) if m.role in ("decode", "prefill")} == {"3"}
+
+
+def test_a_share_of_the_cores_is_at_least_one_thread():
+    assert [torch_threads_per_worker(n, num_cores=16) for n in (0, 1, 3, 4, 16, 40)] == [16, 16, 5, 4, 1, 1]
+    assert torch_threads_per_worker(3, num_cores=2) == 1
 
 
 def config_of(*args: str):
