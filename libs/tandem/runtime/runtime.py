@@ -12,6 +12,9 @@ import redis.asyncio as aioredis
 from google.protobuf.message import Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
@@ -65,12 +68,21 @@ def redis_login(username: str, password: str) -> dict[str, str]:
     return {name: value for name, value in login.items() if value}
 
 
-def _short_command_client(url: str, max_connections: int, login: dict[str, str]) -> aioredis.Redis:
+def short_command_client(url: str, max_connections: int, login: dict[str, str]) -> aioredis.Redis:
     """A client for short commands over at most `max_connections` connections: a command waits
     for a free one rather than opening more (a blocking read needs a client of its own, and
-    tandem.tokenlog's tail logs in as this one does)."""
+    tandem.tokenlog's tail logs in as this one does).
+
+    A command that finds its pooled connection closed (Redis restarted since it was last used)
+    runs once more on a new connection, instead of failing once per connection the pool holds. A
+    timeout is not retried: the command may have run."""
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=REDIS_POOL_WAIT_S, socket_timeout=REDIS_COMMAND_TIMEOUT_S, **login
+        url,
+        max_connections=max_connections,
+        timeout=REDIS_POOL_WAIT_S,
+        socket_timeout=REDIS_COMMAND_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        **login,
     )
     return aioredis.Redis.from_pool(pool)
 
@@ -82,7 +94,7 @@ class Runtime:
         self.config = config
         self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id, user=config.nats_user, password=config.nats_password))
         login = redis_login(config.redis_username, config.redis_password)
-        self.redis = _short_command_client(config.redis_url, config.redis_max_connections, login) if config.redis_url else None
+        self.redis = short_command_client(config.redis_url, config.redis_max_connections, login) if config.redis_url else None
         self.is_draining = False
         self.exit_code = 0  # what the process exits with once stopped; fail() makes it 1
         self._checks: dict[str, ReadinessCheck] = {}
