@@ -9,6 +9,9 @@ STREAMS_REFUSED = Counter("tandem_chat_streams_refused_total", "New streams refu
 STREAMS_DROPPED = Counter("tandem_chat_streams_dropped_total", "Streams ended for a client too far behind (it resumes)")
 FEEDS_ACTIVE = Gauge("tandem_chat_feeds_active", "Replies this instance reads, one feed each, whatever its number of streams")
 READER_CONNECTIONS = Gauge("tandem_chat_stream_reader_connections", "Redis connections reading token logs (blocking XREAD)")
+GENERATE_RESENT = Counter(
+    "tandem_chat_generate_resent_total", "Generate requests sent again because no router was subscribed (one restarting)"
+)
 STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed with Last-Event-ID > 0")
 SUMMARIES = Counter("tandem_chat_summaries_total", "Conversation summary jobs by outcome: written, refused, failed, skipped", ["outcome"])
 IDEMPOTENT_REPEATS = Counter(

@@ -4,6 +4,7 @@ read back from the log (services.chat.streaming) by whichever chat instance the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -11,6 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import nats.errors
+from nats.aio.msg import Msg
 
 from services.chat import metrics, quotas
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
@@ -37,6 +39,8 @@ REFUSALS: dict[str, type[ChatError]] = {
     "unknown_model": NotFound,
 }
 ROUTER_RETRY_AFTER_S = 2.0
+NO_ROUTER_FIRST_RETRY_S = 0.05  # a generate that found no router is sent again after this, doubling
+NO_ROUTER_MAX_RETRY_S = 0.5
 
 
 def new_reply_id() -> str:
@@ -120,10 +124,11 @@ async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateRep
         await forget_reply(state, request.reply_id)
         raise Unavailable("the message bus is reconnecting; try again shortly", code="bus_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S)
     try:
-        answer = await state.bus.client.request(subjects.GENERATE, encode(request), timeout=timeout_s)
+        answer = await _request_a_router(state, encode(request), timeout_s)
         return validate.generate_reply(answer.data)
     except nats.errors.NoRespondersError:
-        error = Unavailable("no router is running; try again shortly", code="no_router", retry_after_s=ROUTER_RETRY_AFTER_S)
+        message = f"no router is running (none came within {timeout_s:g} s); try again shortly"
+        error = Unavailable(message, code="no_router", retry_after_s=ROUTER_RETRY_AFTER_S)
     except nats.errors.TimeoutError:
         message = f"no router answered within {timeout_s:g} s; try again shortly"
         error = Unavailable(message, code="router_timeout", retry_after_s=ROUTER_RETRY_AFTER_S)
@@ -140,6 +145,24 @@ async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateRep
     await forget_reply(state, request.reply_id)
     metrics.REPLIES_REFUSED.labels(code=error.code).inc()
     raise error
+
+
+async def _request_a_router(state: ChatState, data: bytes, timeout_s: float) -> Msg:
+    """The generate request's answer within `timeout_s`. While no router is subscribed (the only
+    one is restarting: a rolling upgrade) the request reached none, so it is sent again, after
+    a short backoff, until `timeout_s` is spent; then NoRespondersError."""
+    loop = asyncio.get_running_loop()
+    deadline_s = loop.time() + timeout_s
+    delay_s = NO_ROUTER_FIRST_RETRY_S
+    while True:
+        try:
+            return await state.bus.client.request(subjects.GENERATE, data, timeout=max(0.01, deadline_s - loop.time()))
+        except nats.errors.NoRespondersError:
+            if loop.time() + delay_s >= deadline_s:
+                raise
+        metrics.GENERATE_RESENT.inc()
+        await asyncio.sleep(delay_s)
+        delay_s = min(2 * delay_s, NO_ROUTER_MAX_RETRY_S)
 
 
 async def _cancel_untracked(state: ChatState, reply_id: str) -> None:

@@ -36,6 +36,11 @@ from tandem.v1.tokens_pb2 import TokenEvent
 ROLE = "router"
 QUEUE_GROUP = "router"  # several routers share the generate requests
 SHUTDOWN_DISPATCH_WAIT_S = 3.0
+# A router that starts takes requests once it has heard a decode worker, or after this many
+# heartbeat intervals with none: a router restarted under load (a rolling upgrade) would
+# otherwise refuse its first requests with no_workers (the chat resends a generate while no
+# router is subscribed, so they wait instead).
+FIRST_HEARTBEAT_WAIT_INTERVALS = 2.5
 KV_STATE_TIMEOUT_S = 2.0
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ def build_app(settings: Settings) -> FastAPI:
     generate: GenerateService | None = None
     generate_subscription: Subscription | None = None
     is_subscribed = False
+    decode_worker_heard = asyncio.Event()
 
     async def on_heartbeat(msg: Msg) -> None:
         try:
@@ -75,6 +81,8 @@ def build_app(settings: Settings) -> FastAPI:
         metrics.HEARTBEATS_SEEN.labels(role=heartbeat.service.role).inc()
         workers.observe(heartbeat)
         index.observe_heartbeat(heartbeat)
+        if heartbeat.service.role == "decode":
+            decode_worker_heard.set()
 
     async def on_kv_event(msg: Msg) -> None:
         try:
@@ -107,6 +115,11 @@ def build_app(settings: Settings) -> FastAPI:
         )
         await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
         await client.subscribe(subjects.HANDOFFS_ALL, cb=generate.outcomes.on_message)
+        wait_s = FIRST_HEARTBEAT_WAIT_INTERVALS * settings.heartbeat_interval_s
+        try:
+            await asyncio.wait_for(decode_worker_heard.wait(), timeout=wait_s)
+        except TimeoutError:
+            log.info("no decode worker heard within %.1f s; taking requests (refused no_workers until one is)", wait_s)
         generate_subscription = await client.subscribe(subjects.GENERATE, queue=QUEUE_GROUP, cb=generate.on_request)
         await client.flush()  # the server has the subscriptions before we call ourselves ready
         watch = LadderWatch(runtime.config.instance_id, ladder, workers, targets.free_s, client.publish, pools)

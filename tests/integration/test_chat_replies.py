@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from sse_starlette.sse import EventSourceResponse
 
+from services.chat import metrics
 from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
 from services.chat.latency import ReplyClock
@@ -286,12 +287,38 @@ async def test_a_generate_no_router_answers_in_time_is_cancelled_and_answered_50
     assert not await state.redis.sismember(RUNNING, reply.reply_id)
 
 
-async def test_a_generate_with_no_router_running_is_503_at_once(state):
+async def test_a_generate_with_no_router_running_is_503_once_the_generate_timeout_is_spent(state):
+    state.config = dataclasses.replace(CONFIG, generate_timeout_s=0.3)
+    resent = metrics.GENERATE_RESENT._value.get()
     reply = reply_request()
     with pytest.raises(Unavailable) as refused:
         await begin_reply(state, reply)
     assert refused.value.code == "no_router" and refused.value.retry_after_s > 0
+    assert metrics.GENERATE_RESENT._value.get() > resent, "it was sent again before giving up"
     assert await nothing_left_of(state, reply.reply_id)
+
+
+async def test_a_generate_sent_while_no_router_runs_reaches_the_router_that_comes_up(state):
+    """A rolling restart of the only router: the request waits for the new one, not a 503."""
+    client = state.bus.client
+    resent = metrics.GENERATE_RESENT._value.get()
+    reply = reply_request()
+    begun = asyncio.create_task(begin_reply(state, reply))
+    try:
+        while metrics.GENERATE_RESENT._value.get() == resent:  # it found no router at least once
+            assert not begun.done(), begun
+            await asyncio.wait({begun}, timeout=0.02)
+
+        async def router(msg) -> None:
+            await msg.respond(encode(GenerateReply(reply_id=reply.reply_id, model="m")))
+
+        subscription = await client.subscribe(subjects.GENERATE, queue="router", cb=router)
+        try:
+            assert await asyncio.wait_for(begun, 10) == "m"
+        finally:
+            await subscription.unsubscribe()
+    finally:
+        begun.cancel()
 
 
 async def test_a_reply_the_router_admits_for_another_model_is_recorded_with_that_model(state):

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
+import nats.errors
 import nats.js.errors
 import pytest_asyncio
 from helpers import next_heartbeat, service_env, service_process
@@ -206,6 +207,32 @@ async def ask_accepted(nc: Client, payload: GenerateRequest) -> GenerateReply:
     reply = await ask(nc, payload)
     assert reply.WhichOneof("outcome") == "reply_id", reply
     return reply
+
+
+async def test_a_router_started_under_load_takes_requests_only_once_it_has_heard_a_decode_worker(nats_server, redis_server, stand_in, nc):
+    """A rolling restart of the router: the worker heartbeats already, and requests arrive while
+    the router starts. Its first answer is a placement, never a no_workers refusal (before it
+    subscribes, a request finds no responders, and the chat sends it again)."""
+    await stand_in()
+    env = service_env("router", nats_server.url, redis_server.url)
+    child = service_process("router", env)
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                reply = await ask(nc, generate_request())
+                break
+            except nats.errors.NoRespondersError:
+                assert time.monotonic() < deadline and child.poll() is None, child.recent_output(20)
+        assert reply.WhichOneof("outcome") == "reply_id", reply
+    finally:
+        child.stop(timeout_s=10)
+
+
+async def test_a_router_with_no_decode_worker_takes_requests_after_a_few_heartbeat_intervals(router, nc):
+    assert router.child.wait_for_line(r"no decode worker heard within \d", timeout_s=10) is not None
+    assert (await ask_refused(nc, generate_request())).reason == "no_workers"
 
 
 async def test_a_request_runs_once_on_the_least_loaded_worker(router, stand_in, nc):
