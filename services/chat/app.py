@@ -78,6 +78,7 @@ def build_app(settings: Settings) -> FastAPI:
         return await store_is_available(state.store)
 
     runtime.bus.on_connect(subscribe)
+    runtime.on_drain(state.fanout.drain)
     runtime.add_check("tokenizer", tokenizer_loaded)
     runtime.add_check("store", store_answers)
     app = create_app(

@@ -85,6 +85,12 @@ class Feed:
         self.is_reading = False
         self._on_read_end(self, error)
 
+    def drop_resumable(self) -> None:
+        """Ends every stream whose client can resume it (Last-Event-ID) after what it has."""
+        for subscription in self._subscribers:
+            if subscription.max_lag is not None:
+                subscription.drop()
+
     def finish(self, error: Exception | None) -> None:
         self.is_finished = True
         self.error = error
@@ -132,6 +138,10 @@ class Subscription:
     def wake(self) -> None:
         self._wake.set()
 
+    def drop(self) -> None:
+        self.is_dropped = True
+        self._wake.set()
+
     async def ranges(self) -> AsyncIterator[tuple[int, int]]:
         """[start, stop) of the feed's events, all there is each time, until the feed finishes
         (raising its error, ReplyGone or LogUnavailable) or this client is dropped (it just ends)."""
@@ -168,7 +178,16 @@ class FanoutHub:
         self._lease_lock = asyncio.Lock()  # a renewal never lands after a detach
         self._renewer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.is_draining = False
         metrics.READER_CONNECTIONS.set_function(lambda: tail.num_connections)
+
+    def drain(self) -> None:
+        """This instance is stopping: every stream a client can resume ends now, and each one
+        that subscribes from now on right away, so their clients resume on another instance
+        (streams that cannot resume, the OpenAI endpoints', go on while the server waits)."""
+        self.is_draining = True
+        for feed in self._feeds.values():
+            feed.drop_resumable()
 
     @property
     def num_feeds(self) -> int:
@@ -188,6 +207,8 @@ class FanoutHub:
             self._feeds[reply_id] = feed
             metrics.FEEDS_ACTIVE.set(len(self._feeds))
         subscription = feed.subscribe(after_seq, max_lag)
+        if self.is_draining and max_lag is not None:
+            subscription.drop()
         try:
             if is_new:
                 await self._start(feed)

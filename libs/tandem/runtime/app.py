@@ -68,12 +68,13 @@ def create_app(
         try:
             yield
         finally:
-            runtime.is_draining = True
+            runtime.begin_draining()  # already, when a signal stopped the server
             if on_stop is not None:
                 await on_stop()
             await runtime.stop()
 
     app = TandemApp(title=f"tandem {runtime.config.role}", version=__version__, lifespan=lifespan)
+    app.state.runtime = runtime  # run_service drains it on SIGTERM and exits with its exit code
     app.add_exception_handler(FrameworkHttpError, _answer_framework)
     app.add_exception_handler(RequestValidationError, _answer_invalid)
     app.add_exception_handler(Exception, _answer_unexpected)

@@ -3,12 +3,15 @@ runtime that failed); and the port checks that make a bad setting fail at start 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
 import signal
 import socket
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import NoReturn
 
 import uvicorn
@@ -16,6 +19,7 @@ from fastapi import FastAPI
 
 from tandem.config import Settings, load_settings
 from tandem.errors import StartupError
+from tandem.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,21 @@ def _ignore_signal(signum: int, frame: object) -> None:
     pass
 
 
+class _DrainingServer(uvicorn.Server):
+    """A uvicorn server that tells the app's runtime it is stopping as soon as the signal comes
+    (Runtime.begin_draining, on the event loop), before it waits for the open requests."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime | None) -> None:
+        super().__init__(config)
+        self._runtime = runtime
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._runtime is not None and not self.should_exit:
+            with contextlib.suppress(RuntimeError):  # no loop running yet: the lifespan's stop drains
+                asyncio.get_running_loop().call_soon_threadsafe(self._runtime.begin_draining)
+        super().handle_exit(sig, frame)
+
+
 def fail(role: str, message: str) -> NoReturn:
     print(f"tandem {role}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -69,17 +88,19 @@ def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: S
         fail(role, str(exc))
     signal.signal(signal.SIGTERM, _ignore_signal)
     signal.signal(signal.SIGINT, _ignore_signal)
-    server = uvicorn.Server(
+    runtime = getattr(app.state, "runtime", None)  # every service's (tandem.runtime.create_app)
+    server = _DrainingServer(
         uvicorn.Config(
             app,
             log_level=settings.log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s / 2)),
             lifespan="on",
-        )
+        ),
+        runtime,
     )
     log.info("%s listening on http://%s:%d", role, settings.host, sock.getsockname()[1])
     server.run(sockets=[sock])
-    runtime = getattr(app.state, "runtime", None)  # a worker's: 1 when it stopped because it failed
+    # A worker's runtime says 1 when it stopped because it failed.
     exit_code = runtime.exit_code if runtime is not None else 0
     raise SystemExit(exit_code if server.started else 1)

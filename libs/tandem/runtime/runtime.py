@@ -98,6 +98,7 @@ class Runtime:
         self.is_draining = False
         self.exit_code = 0  # what the process exits with once stopped; fail() makes it 1
         self._checks: dict[str, ReadinessCheck] = {}
+        self._on_drain: list[Callable[[], None]] = []
         self._build_heartbeat = heartbeat or (lambda base: base)
         self._started_unix_ms = now_ms()
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -112,6 +113,20 @@ class Runtime:
 
     def add_check(self, name: str, check: ReadinessCheck) -> None:
         self._checks[name] = check
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs once, on the event loop, when this process starts to stop (SIGTERM),
+        before the HTTP server waits for its open requests: a chat instance ends its streams
+        then, so their clients resume elsewhere instead of being cut at the grace's end."""
+        self._on_drain.append(callback)
+
+    def begin_draining(self) -> None:
+        if self.is_draining:
+            return
+        self.is_draining = True
+        log.info("%s %s is stopping: draining", self.config.role, self.config.instance_id)
+        for callback in self._on_drain:
+            callback()
 
     async def start(self) -> None:
         metrics.SERVICE_INFO.info({"role": self.config.role, "instance": self.config.instance_id, "version": __version__})

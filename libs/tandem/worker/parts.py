@@ -56,7 +56,6 @@ class WorkerParts:
             await self.control.stop()
 
         app = create_app(self.runtime, on_start=start, on_stop=stop)
-        app.state.runtime = self.runtime  # run_service exits with its exit code
         return app
 
     async def _stop_when_failed(self) -> None:
