@@ -15,7 +15,7 @@ Drills (names for --drills):
   kill_relay     kill -9 the relay during N streams
   restart_redis  stop redis-server (SIGTERM) and start it again during N streams
   pause_nats     SIGSTOP nats-server for 10 s during N streams, then SIGCONT
-  rolling        SIGTERM every service in turn (each restarted by the launcher) under load
+  rolling        SIGTERM every service in turn (each restarted by the launcher) under a steady load
   resume         random client disconnects and resumes (Last-Event-ID), alternating chat instances
 
 Targets are printed beside the numbers as information (PASS/MISS), never as an exit code.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -110,23 +111,38 @@ class Client:
     ) -> StreamResult:
         """Sends `prompt` in a new conversation (greedy) and reads the reply to its end; with
         `disconnects`, drops the connection that many times at random points and resumes with
-        Last-Event-ID on the next chat instance."""
+        Last-Event-ID on the next chat instance. As a browser behind a load balancer would, it
+        sends a request that could not connect to the next chat instance, and resumes a stream
+        that broke on the next one too."""
         result = StreamResult(index)
         deadline = time.monotonic() + self.hang_s
         try:
-            created = await http.post(f"{self.urls[0]}/v1/conversations", json={}, headers=self.headers)
-            created.raise_for_status()
-            result.conversation_id = created.json()["id"]
+            created, instance = await self._send(http, deadline, 0, lambda url: http.build_request(
+                "POST", f"{url}/v1/conversations", json={}, headers=self.headers))  # fmt: skip
+            try:
+                await created.aread()
+                created.raise_for_status()
+                result.conversation_id = created.json()["id"]
+            finally:
+                await created.aclose()
             body = {"content": prompt, "temperature": 0, "max_tokens": self.max_tokens}
-            url = f"{self.urls[0]}/v1/conversations/{result.conversation_id}/messages"
-            request = http.build_request("POST", url, json=body, headers=self.headers)
+
+            def post_message(url: str) -> httpx.Request:
+                return http.build_request(
+                    "POST", f"{url}/v1/conversations/{result.conversation_id}/messages", json=body, headers=self.headers
+                )
+
+            def resume(url: str) -> httpx.Request:
+                headers = {**self.headers, "Last-Event-ID": str(last_id)}
+                return http.build_request("GET", f"{url}/v1/messages/{result.message_id}/stream", headers=headers)
+
+            build = post_message
             sent_s = time.monotonic()
             last_id = 0
             last_event_s = time.monotonic()
-            instance = 0
             drops_left = disconnects
             while True:
-                response = await http.send(request, stream=True)
+                response, instance = await self._send(http, deadline, instance, build)
                 try:
                     if response.status_code != 200:
                         result.outcome = "refused"
@@ -163,7 +179,11 @@ class Client:
                             started.set()
                         seen_here += 1
                         if drop_after is not None and seen_here >= drop_after:
+                            drops_left -= 1
                             break
+                except httpx.TransportError:  # the instance went away mid-stream: resumed below
+                    if not result.message_id:
+                        raise
                 finally:
                     await response.aclose()
                 if time.monotonic() >= deadline:
@@ -172,15 +192,32 @@ class Client:
                 if not result.message_id:
                     result.error = "the stream ended before its meta event"
                     return result
-                drops_left -= 1
                 result.num_resumes += 1
                 instance = (instance + 1) % len(self.urls)
-                stream_url = f"{self.urls[instance]}/v1/messages/{result.message_id}/stream"
-                request = http.build_request("GET", stream_url, headers={**self.headers, "Last-Event-ID": str(last_id)})
+                build = resume
         except (httpx.HTTPError, OSError) as exc:
             result.outcome = "hung" if time.monotonic() >= deadline else "error"
             result.error = f"{type(exc).__name__}: {exc}"[:300]
             return result
+
+    async def _send(
+        self, http: httpx.AsyncClient, deadline: float, instance: int, build: Callable[[str], httpx.Request]
+    ) -> tuple[httpx.Response, int]:
+        """`build(url)` sent to chat instance `instance`, streamed; a refused connection (the
+        request never arrived) goes to the next instance, and after a round of refusals waits a
+        moment (a backoff, up to 1 s) before the next round, until `deadline`."""
+        delay_s = 0.1
+        for tried in itertools.count(1):
+            try:
+                return await http.send(build(self.urls[instance]), stream=True), instance
+            except httpx.ConnectError:
+                if time.monotonic() + delay_s >= deadline:
+                    raise
+                instance = (instance + 1) % len(self.urls)
+                if tried % len(self.urls) == 0:
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(1.0, delay_s * 2)
+        raise AssertionError("unreachable")
 
 
 @dataclass
@@ -258,26 +295,37 @@ async def run_load(
     target: str,
     disconnects: int = 0,
     seed: int = 0,
+    steady: bool = False,
 ) -> tuple[DrillReport, list[StreamResult]]:
-    """Starts every prompt at once; causes `fault` once `fault_after` of them are streaming."""
+    """Starts every prompt at once; causes `fault` once `fault_after` of them are streaming.
+    `steady`: each prompt is sent again, in a new conversation, as soon as its reply ends, until
+    the fault is over, so the load lasts as long as the fault does."""
     started_s = time.monotonic()
     streaming = [asyncio.Event() for _ in prompts]
+    fault_over = asyncio.Event()
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=len(prompts) * 2 + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(client.hang_s, connect=10.0), limits=limits) as http:
-        tasks = [
-            asyncio.create_task(client.run(http, i, p, streaming[i], disconnects, random.Random(rng.random())))
-            for i, p in enumerate(prompts)
-        ]
+
+        async def one_slot(index: int, prompt: str, slot_rng: random.Random) -> list[StreamResult]:
+            results = [await client.run(http, index, prompt, streaming[index], disconnects, slot_rng)]
+            while steady and not fault_over.is_set():
+                results.append(await client.run(http, index, prompt, None, disconnects, slot_rng))
+            return results
+
+        tasks = [asyncio.create_task(one_slot(i, p, random.Random(rng.random()))) for i, p in enumerate(prompts)]
         fault_text = "none"
         fault_unix_s = 0.0
-        if fault is not None:
-            await _wait_started(streaming, fault_after, tasks, timeout_s=client.hang_s)
-            fault_unix_s = round(time.time(), 3)
-            fault_text = await fault(stack)
-        results = list(await asyncio.gather(*tasks))
+        try:
+            if fault is not None:
+                await _wait_started(streaming, fault_after, tasks, timeout_s=client.hang_s)
+                fault_unix_s = round(time.time(), 3)
+                fault_text = await fault(stack)
+        finally:
+            fault_over.set()
+        results = [result for slot in await asyncio.gather(*tasks) for result in slot]
         stored = await _stored_statuses(http, client, results)
-    report = DrillReport(name=name, fault=fault_text, num_replies=len(prompts), target=target)
+    report = DrillReport(name=name, fault=fault_text, num_replies=len(results), target=target)
     report.completed = sum(r.outcome == "complete" for r in results)
     report.errors = sum(r.outcome == "error" for r in results)
     report.hung = sum(r.outcome == "hung" for r in results)
@@ -299,7 +347,9 @@ async def run_load(
     return report, results
 
 
-async def _wait_started(streaming: list[asyncio.Event], count: int, tasks: list[asyncio.Task[StreamResult]], timeout_s: float) -> None:
+async def _wait_started(
+    streaming: list[asyncio.Event], count: int, tasks: list[asyncio.Task[list[StreamResult]]], timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while sum(e.is_set() for e in streaming) < min(count, len(streaming)):
         if time.monotonic() > deadline or all(t.done() for t in tasks):
@@ -387,6 +437,7 @@ class DrillPlan:
     long_prompts: bool = False
     disconnects: int = 0
     check_texts: bool = True
+    steady: bool = False  # the load lasts as long as the fault: each reply is sent again once it ends
 
 
 def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
@@ -399,7 +450,7 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
         "kill_relay": DrillPlan("kill_relay", kill_relay, n, f"{n}/{n} complete, every stored turn complete"),
         "restart_redis": DrillPlan("restart_redis", restart_redis, n, f"{n}/{n} complete, every stored turn complete"),
         "pause_nats": DrillPlan("pause_nats", pause_nats, n, "every reply completes or errors clearly; 0 hung", check_texts=False),
-        "rolling": DrillPlan("rolling", rolling, max(1, n // 2), "0 replies lost (0 hung, 0 errors)"),
+        "rolling": DrillPlan("rolling", rolling, max(1, n // 2), "0 replies lost (0 hung, 0 errors)", steady=True),
         "resume": DrillPlan(
             "resume", None, args.resume_streams, "every text identical, event ids contiguous", disconnects=args.resume_drops
         ),
@@ -451,7 +502,17 @@ async def main(args: argparse.Namespace) -> int:
             baseline = baselines.get(plan.long_prompts) if plan.check_texts else None
             fault_after = max(1, plan.num_streams // 2)
             report, _ = await run_load(
-                stack, client, prompts, plan.fault, fault_after, baseline, name, plan.target, plan.disconnects, seed=args.seed
+                stack,
+                client,
+                prompts,
+                plan.fault,
+                fault_after,
+                baseline,
+                name,
+                plan.target,
+                plan.disconnects,
+                seed=args.seed,
+                steady=plan.steady,
             )
             report.undisturbed_longest_pause_s = baseline_pauses.get(plan.long_prompts) if plan.check_texts else None
             report.met = met(report, plan)
