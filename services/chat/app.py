@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 from fastapi import FastAPI
+from sse_starlette.sse import AppStatus
 
 from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, quotas, tokenize_api, web
 from services.chat.body_limit import BodyLimit
@@ -78,6 +79,10 @@ def build_app(settings: Settings) -> FastAPI:
         return await store_is_available(state.store)
 
     runtime.bus.on_connect(subscribe)
+    # This instance drains its streams itself (FanoutHub.drain): sse-starlette's own drain would
+    # also end, before it starts, the response of a message that arrives while the server
+    # stops, which uvicorn then answers 500 though its reply runs.
+    AppStatus.disable_automatic_graceful_drain()
     runtime.on_drain(state.fanout.drain)
     runtime.add_check("tokenizer", tokenizer_loaded)
     runtime.add_check("store", store_answers)
