@@ -102,7 +102,7 @@ class EngineStats:
     num_decode_tokens: int
     prefill_time_s: float  # step time, split by each step's share of prefill and decode tokens
     decode_time_s: float
-    prefill_tokens_per_s: float = 0.0  # recent prefill tokens per second of step time; 0 until measured
+    prefill_tokens_per_s: float = 0.0  # prompt tokens per second a queued prefill gets now (engine.prefill_rate); 0 until measured
     num_generated_tokens: int = 0  # tokens sampled since start (a prefill's first token included)
 
     @property
@@ -213,14 +213,17 @@ class Engine:
 
     def stats(self) -> EngineStats:
         c = self._counters
+        scheduler = self.scheduler.stats()
+        num_decodes = sum(scheduler.num_running.values())  # a row of each step each (a prefilling one soon)
+        prefill_rate = self._prefill_rate.prefill_tokens_per_s(self.scheduler.config.max_num_batched_tokens, num_decodes)
         return EngineStats(
-            self.scheduler.stats(),
+            scheduler,
             c.num_steps,
             c.num_prefill_tokens,
             c.num_decode_tokens,
             c.prefill_time_s,
             c.decode_time_s,
-            self._prefill_rate.tokens_per_s,
+            prefill_rate,
             c.num_generated_tokens,
         )
 
@@ -339,7 +342,7 @@ class Engine:
         # forward each, a drill's continuations made the rate read 25 tokens/s, refusing work
         # that would have started at once).
         if not plan.num_replayed_tokens:
-            self._prefill_rate.add_step(num_prefill_tokens, elapsed_s)
+            self._prefill_rate.add_step(num_prefill_tokens, elapsed_s, num_decode_tokens)
         num_tokens = num_prefill_tokens + num_decode_tokens
         if num_tokens:
             c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens

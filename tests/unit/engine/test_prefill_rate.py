@@ -35,3 +35,19 @@ def test_an_old_slow_step_is_forgotten_as_steps_go_by():
     for _ in range(40):
         rate.add_step(512, 0.1)
     assert rate.tokens_per_s == pytest.approx(5120, rel=0.01)
+
+
+def test_decode_rows_of_a_mixed_step_count_as_the_work_it_did():
+    """A step of 20 prompt tokens beside 200 decodes took its time for 220 rows, not 20."""
+    rate = PrefillRate(num_warmup_steps=0)
+    rate.add_step(20, 0.5, num_decode_tokens=200)
+    assert rate.tokens_per_s == pytest.approx(440.0)
+
+
+def test_a_queued_prefill_gets_the_budget_less_a_row_per_running_decode():
+    rate = PrefillRate(num_warmup_steps=0)
+    rate.add_step(512, 1.0)
+    assert rate.prefill_tokens_per_s(512, 0) == pytest.approx(512.0)
+    assert rate.prefill_tokens_per_s(512, 128) == pytest.approx(384.0)
+    assert rate.prefill_tokens_per_s(512, 1000) == pytest.approx(64.0), "never below an eighth of the budget"
+    assert PrefillRate().prefill_tokens_per_s(512, 0) == 0.0, "not measured yet"
