@@ -12,12 +12,13 @@ def test_the_rate_is_zero_until_a_step_with_prefill_work_is_measured():
     assert rate.tokens_per_s == pytest.approx(200.0)
 
 
-def test_the_rate_is_token_weighted_so_tiny_chunks_barely_move_it():
-    rate = PrefillRate(decay=0.5, num_warmup_steps=0)
-    rate.add_step(1000, 1.0)
-    rate.add_step(2, 0.1)  # 20 tokens/s on its own
-    assert rate.tokens_per_s == pytest.approx((0.5 * 1000 + 2) / (0.5 * 1.0 + 0.1))
-    assert rate.tokens_per_s > 800
+def test_one_stalled_step_does_not_move_the_rate():
+    """Descheduled for seconds while another process loaded a model on the same cores."""
+    rate = PrefillRate(num_steps=9, num_warmup_steps=0)
+    for _ in range(4):
+        rate.add_step(400, 1.0)
+    rate.add_step(400, 8.0)
+    assert rate.tokens_per_s == pytest.approx(400.0)
 
 
 def test_the_warm_up_steps_are_not_measured():
@@ -29,12 +30,13 @@ def test_the_warm_up_steps_are_not_measured():
     assert rate.tokens_per_s == pytest.approx(5120)
 
 
-def test_an_old_slow_step_is_forgotten_as_steps_go_by():
-    rate = PrefillRate(decay=0.8, num_warmup_steps=0)
-    rate.add_step(512, 10.0)
-    for _ in range(40):
+def test_slow_steps_are_forgotten_as_steps_go_by():
+    rate = PrefillRate(num_steps=9, num_warmup_steps=0)
+    for _ in range(9):
+        rate.add_step(512, 10.0)
+    for _ in range(5):
         rate.add_step(512, 0.1)
-    assert rate.tokens_per_s == pytest.approx(5120, rel=0.01)
+    assert rate.tokens_per_s == pytest.approx(5120)
 
 
 def test_decode_rows_of_a_mixed_step_count_as_the_work_it_did():
