@@ -104,8 +104,10 @@ async def test_a_free_assignment_that_would_wait_past_its_target_is_refused_queu
         warm_up = _request(_prompt("Hi"), common_pb2.LANE_PAID, 1, "holder")
         assert (await _assign(nc, instance_id, "reply-warm-up", warm_up)).WhichOneof("outcome") == "accepted"
         await asyncio.wait_for(first_token["reply-warm-up"].wait(), 120)
-        # A long paid reply takes the only seat; its prefill step measures the prefill rate.
-        seat = _request(_prompt("Tell me a very long story about a dragon."), common_pb2.LANE_PAID, 2000, "holder")
+        # A long paid reply takes the only seat; its prefill step, over a quarter of the step
+        # budget, measures the prefill rate.
+        chapters = " ".join(f"Chapter {i}: the dragon slept under the mountain all winter." for i in range(16))
+        seat = _request(_prompt(f"{chapters}\nTell me a very long story about a dragon."), common_pb2.LANE_PAID, 2000, "holder")
         assert (await _assign(nc, instance_id, "reply-seat", seat)).WhichOneof("outcome") == "accepted"
         await asyncio.wait_for(first_token["reply-seat"].wait(), 120)
 

@@ -155,7 +155,7 @@ class Engine:
         self._replies: dict[str, ReplyText] = {}  # the text of every request still scheduled
         self._exports: dict[str, Sequence] = {}  # handed off, blocks held until release()
         self._counters = _Counters()
-        self._prefill_rate = PrefillRate()
+        self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
 
     def _blocks_for(self, kv_cache_mib: int, dtype: torch.dtype) -> int:
         c = self.loaded.config
@@ -215,7 +215,7 @@ class Engine:
         c = self._counters
         scheduler = self.scheduler.stats()
         num_decodes = sum(scheduler.num_running.values())  # a row of each step each (a prefilling one soon)
-        prefill_rate = self._prefill_rate.prefill_tokens_per_s(self.scheduler.config.max_num_batched_tokens, num_decodes)
+        prefill_rate = self._prefill_rate.prefill_tokens_per_s(num_decodes)
         return EngineStats(
             scheduler,
             c.num_steps,

@@ -4,6 +4,8 @@ wait from arrival to its first admission."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from reference_model import random_model, tiny_config
 from test_engine import byte_level_tokenizer, greedy, seeded_prompts
@@ -77,13 +79,14 @@ def test_a_step_that_replays_generated_tokens_leaves_the_prefill_rate_as_it_was(
     """A continuation's generated tokens are recomputed one forward each: that step's time is no
     measure of what a prompt's prefill costs."""
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
-    prompts = seeded_prompts(10)
-    engine.generate([greedy("warm-up", prompts[0][:20])])  # the first prefill step is not measured
-    engine.generate([greedy("measured", prompts[1][:60])])
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(200)] for _ in range(4)]  # large steps: over a quarter of the budget
+    engine.generate([greedy("warm-up", prompts[0])])  # the first prefill step is not measured
+    engine.generate([greedy("measured", prompts[1])])
     rate = engine.stats().prefill_tokens_per_s
     assert rate > 0
-    continued = Request("continued", tuple(prompts[2][:20]), SamplingOptions(max_tokens=40), generated_token_ids=tuple(prompts[3][:30]))
+    continued = Request("continued", tuple(prompts[2][:150]), SamplingOptions(max_tokens=40), generated_token_ids=tuple(prompts[3][:30]))
     engine.add(continued)
-    engine.step()  # the prompt and 30 replayed tokens
+    engine.step()  # the prompt and 30 replayed tokens: 180 rows
     budget = engine.scheduler.config.max_num_batched_tokens
     assert engine.stats().prefill_tokens_per_s == pytest.approx(rate * (budget - 1) / budget), "one decode runs now: its row"
