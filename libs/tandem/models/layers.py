@@ -13,13 +13,20 @@ from torch import nn
 # the same row in a decode-only step, so a greedy answer would depend on the company it is
 # batched with and a continuation could part from the uninterrupted run. Calls of at most this
 # many rows give every row the bits it gets alone (tests/unit/models/test_batch_invariance.py),
-# each call writing its rows in place.
+# each call writing its rows in place. At the other end, a one-row call can take a kernel of its
+# own (a gemv) that rounds unlike every call of two or more rows (seen on an AMD EPYC with
+# torch 2.10: the 1536-wide down projection, one row in four), so a single row is computed as
+# two (itself twice) and the first is kept.
 CPU_ROWS_PER_MATMUL = 128
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """linear(x) for x (T, in): on CPU in calls of at most CPU_ROWS_PER_MATMUL rows."""
-    if x.device.type != "cpu" or x.shape[0] <= CPU_ROWS_PER_MATMUL:
+    """linear(x) for x (T, in): on CPU in calls of at least 2 and at most CPU_ROWS_PER_MATMUL rows."""
+    if x.device.type != "cpu":
+        return linear(x)
+    if x.shape[0] == 1:
+        return linear(x.expand(2, -1))[:1]
+    if x.shape[0] <= CPU_ROWS_PER_MATMUL:
         return linear(x)
     if not isinstance(linear, nn.Linear) or torch.is_grad_enabled():  # an Int8Linear; or autograd, which out= refuses
         return torch.cat([linear(rows) for rows in x.split(CPU_ROWS_PER_MATMUL)])

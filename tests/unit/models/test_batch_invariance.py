@@ -27,7 +27,8 @@ def smollm2_bf16() -> LoadedModel:
 
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_each_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_threads):
-    """SmolLM2-135M's four projection shapes (out, in), 600 rows (a prefill chunk plus decodes)."""
+    """SmolLM2-135M's four projection shapes (out, in), 600 rows (a prefill chunk plus decodes),
+    against each row alone (a decode-only step of one sequence)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -37,7 +38,7 @@ def test_each_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_t
             x = torch.randn(600, in_features, generator=generator).to(torch.bfloat16)
             with torch.no_grad():
                 batched = layers.project(linear, x)
-                alone = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
+                alone = torch.cat([layers.project(linear, x[i : i + 1]) for i in range(x.shape[0])])
             assert torch.equal(batched, alone), f"({out_features}, {in_features}): rows differ from their single-row result"
     finally:
         torch.set_num_threads(previous)
