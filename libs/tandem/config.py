@@ -108,6 +108,8 @@ class Settings(BaseSettings):
     """a worker's sequences running at once"""
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 512
     """a worker's tokens computed per engine step, decodes and prefill chunks together"""
+    max_num_unpaid_batched_tokens: Annotated[int | None, Field(ge=1)] = None
+    """a worker's tokens per engine step for free and background requests together (paid ones take the rest of the step); a short step lets a paid request arriving during one start soon; unset: no cap of their own"""
     torch_threads: Annotated[int, Field(ge=0)] = 0
     """a worker's CPU threads for torch's kernels; 0: torch's default, one per core (workers sharing a machine's cores should split them)"""
     ucx_port: int = 0

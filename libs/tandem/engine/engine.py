@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.admission_rate import AdmissionRate
 from tandem.engine.block_pool import CachedBlock, KvEvent
 from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
 from tandem.engine.prefill_rate import PrefillRate
@@ -53,6 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     num_reserved_blocks: int = 4
+    max_num_unpaid_tokens: int | None = None  # of max_num_batched_tokens, free and background rows; None: no cap of their own
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class EngineStats:
     decode_time_s: float
     prefill_tokens_per_s: float = 0.0  # prompt tokens per second a queued prefill gets now (engine.prefill_rate); 0 until measured
     num_generated_tokens: int = 0  # tokens sampled since start (a prefill's first token included)
+    admissions_per_s: float | None = None  # how fast the waiting queue drains (engine.admission_rate); None until measured
 
     @property
     def kv_cache_usage(self) -> float:
@@ -147,6 +150,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 num_reserved_blocks=config.num_reserved_blocks,
+                max_num_unpaid_tokens=config.max_num_unpaid_tokens,
                 max_model_len=model_config.max_position_embeddings,
             ),
             self.kv,
@@ -156,6 +160,7 @@ class Engine:
         self._exports: dict[str, Sequence] = {}  # handed off, blocks held until release()
         self._counters = _Counters()
         self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
+        self._admission_rate = AdmissionRate()
 
     def _blocks_for(self, kv_cache_mib: int, dtype: torch.dtype) -> int:
         c = self.loaded.config
@@ -225,6 +230,7 @@ class Engine:
             c.decode_time_s,
             prefill_rate,
             c.num_generated_tokens,
+            self._admission_rate.per_s,
         )
 
     def drain_queue_waits(self) -> list[QueueWait]:
@@ -343,6 +349,7 @@ class Engine:
         # that would have started at once).
         if not plan.num_replayed_tokens:
             self._prefill_rate.add_step(num_prefill_tokens, elapsed_s, num_decode_tokens)
+        self._admission_rate.add_step(plan.num_admitted, elapsed_s, is_queue_left=self.scheduler.has_waiting())
         num_tokens = num_prefill_tokens + num_decode_tokens
         if num_tokens:
             c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens

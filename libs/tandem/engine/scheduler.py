@@ -16,6 +16,12 @@ one rule. A step takes, in order: every running decode (one token each), the nex
 running prefills, then admissions from the waiting queues by lane (paid, free, background;
 round-robin by user within a lane, lane_queue.py) while KV blocks last above the reserve.
 
+Paid work goes first in every step: while a paid sequence waits, free and background sequences
+compute nothing (the step is the paid admission's, plus paid decodes), and running prefills take
+the budget in lane order. `max_num_unpaid_tokens` caps the rows a step gives free and background
+sequences together, so a step stays short and a paid request arriving during one starts soon;
+paid rows are bounded only by the step budget.
+
 Lanes decide who gives way. When a running sequence cannot get a block, the lowest-lane newest
 running sequence is preempted by recompute (background first, then free, newest first within a
 lane), so a paid sequence is never preempted while a lower lane runs, and one without room takes
@@ -70,6 +76,9 @@ class SchedulerConfig:
     max_replayed_tokens_per_step: int = 32
     # Background work is admitted only while this share of the usable blocks (above the reserve) is free.
     background_min_free_fraction: float = 0.5
+    # Tokens a step computes for free and background sequences together (decodes and chunks);
+    # None: only max_num_batched_tokens bounds them.
+    max_num_unpaid_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -78,6 +87,7 @@ class SchedulerConfig:
             or self.num_reserved_blocks < 0
             or self.max_replayed_tokens_per_step < 1
             or not 0.0 <= self.background_min_free_fraction <= 1.0
+            or (self.max_num_unpaid_tokens is not None and self.max_num_unpaid_tokens < 1)
         ):
             raise ValueError(f"invalid scheduler config: {self}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -193,26 +203,33 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._seqs)
 
+    def has_waiting(self) -> bool:
+        """Some sequence waits to be admitted."""
+        return any(self._waiting.values())
+
     # -- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
         aborted = self._apply_aborts()
         plan = StepPlan(aborted=aborted, finished_seq_ids=self._finished_ids)
         self._finished_ids = []
+        # While paid work waits, this step is its: unpaid sequences wait one step.
+        unpaid_cap = 0 if self._waiting[Lane.PAID] else self.config.max_num_unpaid_tokens
         running = list(self._running)
         decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
-        prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
+        prefills = sorted(
+            (seq for seq in running if seq.num_uncomputed_tokens > 1), key=lambda s: s.lane
+        )  # stable: oldest first within a lane
         for seq in decodes + prefills:
-            budget = self._budget_left(plan)
-            if budget == 0:
-                break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
+            budget = self._budget_left(plan, seq.lane, unpaid_cap)
+            if budget == 0:
+                continue  # a paid sequence after it may still fit
             num_new_tokens = self._make_room(seq, min(self._max_chunk(seq), budget), plan)
             if num_new_tokens:
                 self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
-        if not plan.preempted:  # blocks ran out this step: nobody new gets in
-            self._admit(plan)
+        self._admit(plan, unpaid_cap)
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], stopped_ids: Collection[str] = ()) -> UpdateResult:
@@ -291,13 +308,17 @@ class Scheduler:
         self.kv.allocate_slots(seq, num_tokens)
         return num_tokens
 
-    def _admit(self, plan: StepPlan) -> None:
+    def _admit(self, plan: StepPlan, unpaid_cap: int | None) -> None:
         """Admissions by lane, round-robin by user within one, while blocks, seats and budget last.
         A waiting sequence without a seat or blocks takes them from lower-lane running ones; once
-        it did, no lower lane is admitted this step (the preempted would come straight back)."""
+        it did, no lower lane is admitted this step (the preempted would come straight back). A
+        lane with a sequence preempted this step gets nobody new either (its blocks ran out), but
+        a higher lane still does: a paid request is not held back by free sequences' churn."""
         for lane in Lane:
+            if any(victim.lane <= lane for victim in plan.preempted):
+                return
             queue = self._waiting[lane]
-            while (seq := queue.peek()) is not None and self._budget_left(plan) > 0:
+            while (seq := queue.peek()) is not None and self._budget_left(plan, lane, unpaid_cap) > 0:
                 if lane is Lane.BACKGROUND and not self._has_idle_capacity():
                     return  # checked before each: the previous admission took blocks
                 if not self._find_seat(seq, plan):
@@ -306,7 +327,7 @@ class Scheduler:
                 num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
                 while num_fitting < 1 and self._preempt_below(seq.lane, plan):
                     num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
-                num_new_tokens = min(self._max_chunk(seq), self._budget_left(plan), num_fitting)
+                num_new_tokens = min(self._max_chunk(seq), self._budget_left(plan, lane, unpaid_cap), num_fitting)
                 if num_new_tokens < 1:
                     self.kv.free(seq)  # give the prefix back; it stays cached
                     return  # out of blocks: lower lanes must not overtake this one
@@ -315,6 +336,7 @@ class Scheduler:
                 if seq.num_preemptions == 0:  # a recompute's wait is not a new request's
                     self._queue_waits.append(QueueWait(seq.lane, time.monotonic() - seq.arrival_s))
                 seq.admit()
+                plan.num_admitted += 1
                 bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
                 self.kv.count_prefix_lookup(seq.num_tokens, num_hit_tokens)
                 self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
@@ -343,8 +365,12 @@ class Scheduler:
         num_free_usable = self.kv.num_free_blocks - self.config.num_reserved_blocks
         return num_free_usable >= self.config.background_min_free_fraction * self._num_usable_blocks
 
-    def _budget_left(self, plan: StepPlan) -> int:
-        return self.config.max_num_batched_tokens - plan.num_prefill_tokens - plan.num_decode_tokens
+    def _budget_left(self, plan: StepPlan, lane: Lane, unpaid_cap: int | None) -> int:
+        """The tokens this step can still give a sequence of `lane`."""
+        budget = self.config.max_num_batched_tokens - plan.num_prefill_tokens - plan.num_decode_tokens
+        if lane is Lane.PAID or unpaid_cap is None:
+            return budget
+        return max(0, min(budget, unpaid_cap - plan.num_unpaid_tokens))
 
     def _max_chunk(self, seq: Sequence) -> int:
         """The sequence's uncomputed tokens, of them at most max_replayed_tokens_per_step generated ones."""
@@ -353,6 +379,8 @@ class Scheduler:
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> None:
         plan.scheduled.append(ScheduledChunk(seq, num_new_tokens))
+        if seq.lane is not Lane.PAID:
+            plan.num_unpaid_tokens += num_new_tokens
         if is_decode:
             plan.num_decode_tokens += num_new_tokens
         else:
@@ -363,6 +391,8 @@ class Scheduler:
         for i, chunk in enumerate(plan.scheduled):
             if chunk.seq is seq:
                 del plan.scheduled[i]
+                if seq.lane is not Lane.PAID:
+                    plan.num_unpaid_tokens -= chunk.num_new_tokens
                 if seq.num_uncomputed_tokens == 1:  # as _add_chunk counted it: a decode
                     plan.num_decode_tokens -= chunk.num_new_tokens
                 else:

@@ -46,6 +46,8 @@ class StepPlan:
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_unpaid_tokens: int = 0  # of both, those of free and background sequences
+    num_admitted: int = 0  # sequences taken from the waiting queues (recomputes of preempted ones included)
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Sequence] = field(default_factory=list)
     # Every sequence that left scheduling since the previous plan (finished, aborted or handed

@@ -2,11 +2,16 @@
 target, so the router tries another worker (or tells the user at the door, with a time to retry)
 instead of letting it wait behind everyone.
 
-The wait of a request offered now is the prefill work that goes before it, at the rate this
-worker measured: every running prefill's remaining tokens (they take the step's budget before any
-admission), plus the waiting tokens of its own lane and of every lane served before it (paid
-work counts for everyone, free work for free and background requests). Background work is taken
-only on idle capacity (nothing paid or free waits, KV blocks plentiful).
+The wait of a request offered now is the longer of two estimates, each from what this worker
+measured:
+- the prefill work that goes before it, at its prefill rate: every running prefill's remaining
+  tokens (they take the step's budget before any admission), plus the waiting tokens of its own
+  lane and of every lane served before it (paid work counts for everyone, free work for free and
+  background requests);
+- the requests queued before it (the same lanes), at the rate the queue drains
+  (tandem.engine.admission_rate): when running replies hold the KV blocks or a step's rows,
+  a queued request waits for them to end, however short its prompt.
+Background work is taken only on idle capacity (nothing paid or free waits, KV blocks plentiful).
 
 Free KV blocks are reported (`can_hold`, the heartbeat's kv_blocks_free) but are no reason to
 refuse a paid or free request: blocks come back within seconds as running replies end, and
@@ -14,14 +19,14 @@ refusing whenever the queued prompts outgrow the free blocks refused short queue
 within their targets (six 900-token prompts on a 2,900-token CPU worker). A queue that cannot
 start in time shows in the wait; sustained KV pressure is the router's ladder's to act on.
 
-Until the worker has measured a prefill rate it does not refuse on wait: it has nothing to
+Until the worker has measured either rate it does not refuse on wait: it has nothing to
 estimate from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,16 +66,28 @@ class QueueState:
     running_blocks: Mapping[Lane, int]  # KV blocks held by running sequences, by lane
     block_size: int
     has_idle_capacity: bool  # nothing paid or free waits and KV blocks are plentiful
+    waiting_seqs: Mapping[Lane, int] = field(default_factory=dict)  # queued requests (as waiting_prefill_tokens), by lane
+    admissions_per_s: float | None = None  # how fast the queue drains; None = not measured yet
 
     def prefill_tokens_ahead(self, lane: Lane) -> int:
         """Prefill tokens computed before a request of `lane` offered now."""
         return self.running_prefill_tokens + sum(n for queued_lane, n in self.waiting_prefill_tokens.items() if queued_lane <= lane)
 
+    def seqs_ahead(self, lane: Lane) -> int:
+        """Queued requests admitted before a request of `lane` offered now."""
+        return sum(n for queued_lane, n in self.waiting_seqs.items() if queued_lane <= lane)
+
     def estimated_wait_s(self, lane: Lane) -> float | None:
-        """Seconds before a request of `lane` offered now starts computing; None until a rate is measured."""
-        if self.prefill_tokens_per_s <= 0.0:
-            return None
-        return self.prefill_tokens_ahead(lane) / self.prefill_tokens_per_s
+        """Seconds before a request of `lane` offered now starts computing: the longer of the
+        prefill work ahead at the prefill rate and the requests ahead at the admission rate; None
+        until either rate is measured."""
+        waits = []
+        if self.prefill_tokens_per_s > 0.0:
+            waits.append(self.prefill_tokens_ahead(lane) / self.prefill_tokens_per_s)
+        if self.admissions_per_s is not None:
+            num_ahead = self.seqs_ahead(lane)
+            waits.append(num_ahead / self.admissions_per_s)
+        return max(waits, default=None)
 
     def can_hold(self, lane: Lane, num_tokens: int) -> bool:
         """The KV can take the request's tokens after the waiting work ahead of it, counting the
@@ -113,7 +130,8 @@ def queue_verdict(state: QueueState, lane: Lane, num_tokens: int, targets: TtftT
     if wait_s is not None and wait_s > target_s:
         return Overloaded(
             f"a {lane.name.lower()} request would wait about {wait_s:.1f} s to start here "
-            f"({state.prefill_tokens_ahead(lane)} prefill tokens ahead at {state.prefill_tokens_per_s:.0f} tokens/s); "
+            f"({state.prefill_tokens_ahead(lane)} prefill tokens ahead at {state.prefill_tokens_per_s:.0f} tokens/s, "
+            f"{state.seqs_ahead(lane)} requests ahead at {state.admissions_per_s or 0.0:.1f} admitted/s); "
             f"the target is {target_s:.1f} s",
             _retry_after(wait_s - target_s),
         )

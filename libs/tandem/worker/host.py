@@ -68,6 +68,7 @@ class EngineSpec:
             kv_cache_mib=settings.kv_cache_mib,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
         )
         return cls(model, device, resolve_dtype(settings.dtype, device), engine, settings.torch_threads)
 
@@ -238,8 +239,10 @@ class EngineHost:
             del self._posted[ticket]
         s = stats.scheduler
         waiting = dict(s.num_waiting_prefill_tokens)
+        waiting_seqs = dict(s.num_waiting)
         for lane, num_tokens in self._posted.values():
             waiting[lane] += num_tokens
+            waiting_seqs[lane] += 1
         return QueueState(
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
             waiting_prefill_tokens=waiting,
@@ -248,6 +251,8 @@ class EngineHost:
             running_blocks=s.num_running_blocks,
             block_size=self._spec.engine.block_size,
             has_idle_capacity=s.has_idle_capacity and not any(lane < Lane.BACKGROUND for lane, _ in self._posted.values()),
+            waiting_seqs=waiting_seqs,
+            admissions_per_s=stats.admissions_per_s,
         )
 
     def overloaded(self, request: Request) -> Overloaded | None:

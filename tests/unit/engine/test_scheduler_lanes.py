@@ -126,3 +126,71 @@ def test_background_admissions_in_one_step_stop_once_blocks_are_no_longer_plenti
     plan, _ = engine.step()
     # 4 blocks each: after three, 8 of 20 are free, fewer than half; the fourth would still fit.
     assert [chunk.seq.seq_id for chunk in plan.scheduled] == ["bg0", "bg1", "bg2"]
+
+
+def test_a_paid_arrival_gets_a_step_of_its_own_and_free_sequences_resume_after_it(make_engine):
+    engine = make_engine(max_num_batched_tokens=512)
+    free = [seq(f"free{i}", 20, max_tokens=100, first_token=100 * i + 1) for i in range(4)]
+    for s in free:
+        engine.scheduler.add(s)
+    engine.step()
+    paid = seq("paid", 30, max_tokens=100, lane=Lane.PAID, first_token=900)
+    engine.scheduler.add(paid)
+    plan, _ = engine.step()
+    assert [chunk.seq.seq_id for chunk in plan.scheduled] == ["paid"]
+    assert plan.num_unpaid_tokens == 0
+    plan, _ = engine.step()  # nothing paid waits: everyone decodes again
+    assert {chunk.seq.seq_id for chunk in plan.scheduled} == {"paid", *(s.seq_id for s in free)}
+
+
+def test_unpaid_rows_per_step_are_capped_and_paid_rows_are_not(make_engine):
+    engine = make_engine(max_num_batched_tokens=512, max_num_unpaid_tokens=24)
+    for i in range(3):
+        engine.scheduler.add(seq(f"free{i}", 40, max_tokens=100, first_token=100 * i + 1))
+    engine.scheduler.add(seq("background", 40, max_tokens=100, lane=Lane.BACKGROUND, first_token=700))
+    plans = [engine.step()[0] for _ in range(8)]
+    assert all(plan.num_unpaid_tokens <= 24 for plan in plans)
+    assert all(plan.num_prefill_tokens + plan.num_decode_tokens == plan.num_unpaid_tokens for plan in plans)
+    assert plans[0].num_unpaid_tokens == 24  # the cap, not the budget, ended the step
+    paid = seq("paid", 200, max_tokens=100, lane=Lane.PAID, first_token=900)
+    engine.scheduler.add(paid)
+    plan, _ = engine.step()
+    assert [(chunk.seq.seq_id, chunk.num_new_tokens) for chunk in plan.scheduled] == [("paid", 200)]
+    plan, _ = engine.step()
+    paid_rows = sum(chunk.num_new_tokens for chunk in plan.scheduled if chunk.seq is paid)
+    assert paid_rows == 1 and plan.num_unpaid_tokens == 4  # the four unpaid prompts are done: they decode
+
+
+def test_running_prefills_take_the_budget_in_lane_order(make_engine):
+    engine = make_engine(max_num_batched_tokens=64)
+    free = seq("free", 300, max_tokens=10)
+    engine.scheduler.add(free)
+    engine.step()  # free starts its prefill (64 of 300)
+    paid = seq("paid", 300, max_tokens=10, lane=Lane.PAID, first_token=900)
+    engine.scheduler.add(paid)
+    engine.step()  # paid's own step: admitted with its first chunk
+    plan, _ = engine.step()  # both are running prefills now
+    assert [chunk.seq.seq_id for chunk in plan.scheduled] == ["paid"]
+    assert free.num_computed_tokens == 64
+
+
+def test_a_free_sequence_preempted_for_a_running_one_does_not_keep_a_waiting_paid_one_out(make_engine):
+    """Blocks full: a running paid decode that needs a block preempts a free sequence; a paid
+    request waiting in that step is still admitted (preempting more free ones), not held back
+    until no running sequence needs a block."""
+    engine = make_engine(num_blocks=11, num_reserved_blocks=0, max_num_batched_tokens=512)
+    running_paid = seq("paid-running", 47, max_tokens=200, lane=Lane.PAID, first_token=1)
+    engine.scheduler.add(running_paid)
+    engine.step()  # its step alone: 47 prompt tokens in three blocks, and its first token
+    free = [seq(f"free{i}", 32, max_tokens=200, first_token=100 * i + 101) for i in range(4)]
+    for s in free:
+        engine.scheduler.add(s)
+    engine.step()  # paid decodes at position 47; four prompts of 32 tokens take the other 8 blocks
+    assert engine.kv.num_free_blocks == 0 and all(s.status is SequenceStatus.RUNNING for s in free)
+    paid = seq("paid", 20, max_tokens=10, lane=Lane.PAID, first_token=900)
+    engine.scheduler.add(paid)
+    plan, _ = engine.step()  # the running paid decode, at position 48, needs a fourth block
+    assert len(running_paid.block_table) == 4
+    assert plan.preempted and all(victim.lane is Lane.FREE for victim in plan.preempted)
+    assert paid.status is SequenceStatus.RUNNING
+    assert [chunk.seq.seq_id for chunk in plan.scheduled] == ["paid-running", "paid"]

@@ -1,5 +1,6 @@
 """A worker's engine batch limits and KV cache size come from its settings (TANDEM_MAX_NUM_SEQS,
-TANDEM_MAX_NUM_BATCHED_TOKENS, TANDEM_KV_CACHE_MIB), not from constants."""
+TANDEM_MAX_NUM_BATCHED_TOKENS, TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS, TANDEM_KV_CACHE_MIB), not from
+constants."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def test_the_engine_gets_the_batch_limits_and_kv_cache_from_the_environment(monk
     monkeypatch.setenv("TANDEM_MAX_NUM_SEQS", "8")
     monkeypatch.setenv("TANDEM_MAX_NUM_BATCHED_TOKENS", "96")
     monkeypatch.setenv("TANDEM_KV_CACHE_MIB", "64")
+    monkeypatch.setenv("TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS", "32")
     spec = EngineSpec.from_settings(load_settings(device="cpu"), MODEL)
-    assert spec.engine == EngineConfig(kv_cache_mib=64, max_num_seqs=8, max_num_batched_tokens=96)
+    assert spec.engine == EngineConfig(kv_cache_mib=64, max_num_seqs=8, max_num_batched_tokens=96, max_num_unpaid_tokens=32)
 
 
 def test_unset_limits_are_the_engines_own_defaults():
@@ -46,7 +48,9 @@ def test_the_engine_gets_its_torch_threads_from_the_environment(monkeypatch):
         load_settings()
 
 
-@pytest.mark.parametrize("name", ["TANDEM_MAX_NUM_SEQS", "TANDEM_MAX_NUM_BATCHED_TOKENS", "TANDEM_KV_CACHE_MIB"])
+@pytest.mark.parametrize(
+    "name", ["TANDEM_MAX_NUM_SEQS", "TANDEM_MAX_NUM_BATCHED_TOKENS", "TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS", "TANDEM_KV_CACHE_MIB"]
+)
 def test_a_limit_below_one_stops_the_process_naming_the_variable(monkeypatch, name):
     monkeypatch.setenv(name, "0")
     with pytest.raises(StartupError, match=f"^{name}: Input should be greater than or equal to 1$"):
