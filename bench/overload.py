@@ -38,6 +38,7 @@ from drills import TOPICS, sse_events
 
 from tandem.bus import BadMessage, decode, subjects
 from tandem.config import ApiKey, Tier
+from tandem.ops.top_frame import Metrics, bucket_quantile
 from tandem.v1.worker_pb2 import LadderStatus
 
 TIERS = ("paid", "free")
@@ -167,6 +168,48 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
+# Where an admitted reply's time goes, from the services' histograms over the overload phase:
+# (row name, process role, histogram, labels).
+STAGES = (
+    ("chat TTFT, paid", "chat", "tandem_chat_time_to_first_token_seconds", {"tier": "plus"}),
+    ("chat TTFT, free", "chat", "tandem_chat_time_to_first_token_seconds", {"tier": "free"}),
+    ("router wait, paid", "router", "tandem_router_queue_wait_seconds", {"lane": "paid"}),
+    ("router wait, free", "router", "tandem_router_queue_wait_seconds", {"lane": "free"}),
+    ("engine queue, paid", "decode", "tandem_worker_queue_wait_seconds", {"lane": "paid"}),
+    ("engine queue, free", "decode", "tandem_worker_queue_wait_seconds", {"lane": "free"}),
+    ("step, decode only", "decode", "tandem_worker_step_seconds", {"kind": "decode"}),
+    ("step, mixed", "decode", "tandem_worker_step_seconds", {"kind": "mixed"}),
+    ("step, prefill only", "decode", "tandem_worker_step_seconds", {"kind": "prefill"}),
+)
+
+
+async def scrape(http: httpx.AsyncClient, stack: DrillStack) -> dict[str, list[Metrics]]:
+    """Every chat, router and decode process's /metrics, by role."""
+    snapshot: dict[str, list[Metrics]] = {}
+    for role in ("chat", "router", "decode"):
+        for member in stack.stack.members_of(role):
+            response = await http.get(f"{member.url}/metrics")
+            snapshot.setdefault(role, []).append(Metrics.parse(response.text))
+    return snapshot
+
+
+def stage_breakdown(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]]) -> dict[str, dict[str, float | None]]:
+    """Each stage's observations during the phase: count, mean and p95 (from the buckets)."""
+    rows: dict[str, dict[str, float | None]] = {}
+    for row, role, name, labels in STAGES:
+        count = total = 0.0
+        buckets: dict[float, float] = {}
+        for earlier, now in zip(before.get(role, []), after.get(role, []), strict=True):
+            count += (now.total(f"{name}_count", **labels) or 0.0) - (earlier.total(f"{name}_count", **labels) or 0.0)
+            total += (now.total(f"{name}_sum", **labels) or 0.0) - (earlier.total(f"{name}_sum", **labels) or 0.0)
+            earlier_buckets = earlier.buckets(name, **labels)
+            for bound, value in now.buckets(name, **labels).items():
+                buckets[bound] = buckets.get(bound, 0.0) + value - earlier_buckets.get(bound, 0.0)
+        p95 = bucket_quantile(0.95, buckets) if count else None
+        rows[row] = {"count": count, "mean_s": round(total / count, 4) if count else None, "p95_s": None if p95 is None else round(p95, 4)}
+    return rows
+
+
 class LadderWatch:
     """Every LadderStatus a router publishes during the run."""
 
@@ -240,6 +283,7 @@ async def main(args: argparse.Namespace) -> int:
             )
 
             # 3. overload: open loop
+            before = await scrape(http, stack)
             tasks: list[asyncio.Task[Outcome]] = []
             load_end = time.monotonic() + args.seconds
             index = 10_000
@@ -249,6 +293,7 @@ async def main(args: argparse.Namespace) -> int:
                 index += 1
                 await asyncio.sleep(rng.expovariate(rate))
             outcomes = list(await asyncio.gather(*tasks))
+            stages = stage_breakdown(before, await scrape(http, stack))
         finally:
             await nc.close()
     reports = summarize(outcomes, args.max_tokens)
@@ -268,6 +313,11 @@ async def main(args: argparse.Namespace) -> int:
         )
         for sample in r.samples:
             print(f"{'':<6}sample: {sample}")
+    print(f"\n{'where the admitted replies spent time':<40}{'count':>8}{'mean':>9}{'p95':>9}")
+    for row, figures in stages.items():
+        mean = "-" if figures["mean_s"] is None else f"{figures['mean_s']:.3f}"
+        p95 = "-" if figures["p95_s"] is None else f"{figures['p95_s']:.3f}"
+        print(f"{row:<40}{figures['count']:>8.0f}{mean:>9}{p95:>9}")
     print(f"\nladder: max rung {ladder.max_rung}; (s, rung, busyness): {ladder.statuses[-12:]}")
     print(f"{'PASS' if hung == 0 else 'MISS'} 0 timed out / hung: {hung}")
     print(f"{'PASS' if paid_ok else 'MISS'} paid TTFT p95 {paid.ttft_p95_s} s <= 2 x unloaded {unloaded_p95:.3f} s")
@@ -279,6 +329,7 @@ async def main(args: argparse.Namespace) -> int:
             "offered_per_s": round(rate, 3),
             "seconds": args.seconds,
             "tiers": {tier: asdict(r) for tier, r in reports.items()},
+            "stages": stages,
             "ladder": {"max_rung": ladder.max_rung, "statuses": ladder.statuses},
             "targets": {
                 "no_timeouts": hung == 0,

@@ -37,10 +37,11 @@ class Metrics:
         values = [v for _, v in self._matching(name, labels)]
         return sum(values) if values else None
 
-    def buckets(self, name: str) -> dict[float, float]:
-        """A histogram's cumulative counts by upper bound, summed over its other labels."""
+    def buckets(self, name: str, **labels: str) -> dict[float, float]:
+        """A histogram's cumulative counts by upper bound, of the samples with these labels,
+        summed over their other labels."""
         counts: dict[float, float] = {}
-        for lbls, value in self._matching(f"{name}_bucket", {}):
+        for lbls, value in self._matching(f"{name}_bucket", labels):
             le = float(dict(lbls)["le"])
             counts[le] = counts.get(le, 0.0) + value
         return counts
