@@ -13,7 +13,7 @@ itself), so the runner drops their state before it runs the plan.
 There is no prefill phase or decode phase: every sequence's computed-token count catches up to
 its token count, one chunk per step, which covers chunked prefill, prefix hits and decoding in
 one rule. A step takes, in order: every running decode (one token each), the next chunk of
-running prefills, then admissions from the waiting queues by lane (paid, free, background;
+running prefills (each in lane order, oldest first within a lane), then admissions from the waiting queues by lane (paid, free, background;
 round-robin by user within a lane, lane_queue.py) while KV blocks last above the reserve.
 
 Paid work goes first in every step: while a paid sequence waits, free and background sequences
@@ -215,11 +215,9 @@ class Scheduler:
         self._finished_ids = []
         # While paid work waits, this step is its: unpaid sequences wait one step.
         unpaid_cap = 0 if self._waiting[Lane.PAID] else self.config.max_num_unpaid_tokens
-        running = list(self._running)
+        running = sorted(self._running, key=lambda s: s.lane)  # stable: oldest first within a lane
         decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
-        prefills = sorted(
-            (seq for seq in running if seq.num_uncomputed_tokens > 1), key=lambda s: s.lane
-        )  # stable: oldest first within a lane
+        prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
