@@ -13,8 +13,9 @@ itself), so the runner drops their state before it runs the plan.
 There is no prefill phase or decode phase: every sequence's computed-token count catches up to
 its token count, one chunk per step, which covers chunked prefill, prefix hits and decoding in
 one rule. A step takes, in order: every running decode (one token each), the next chunk of
-running prefills (each in lane order, oldest first within a lane), then admissions from the waiting queues by lane (paid, free, background;
-round-robin by user within a lane, lane_queue.py) while KV blocks last above the reserve.
+running prefills (each in lane order, oldest first within a lane), then admissions from the
+waiting queues by lane (paid, free, background; round-robin by user within a lane,
+lane_queue.py) while KV blocks last above the reserve.
 
 Paid work goes first in every step: while a paid sequence waits, free and background sequences
 compute nothing (the step is the paid admission's, plus paid decodes), and running prefills take
