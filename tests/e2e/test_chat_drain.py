@@ -24,7 +24,7 @@ async def test_a_chat_instance_stopped_mid_reply_ends_the_stream_and_the_client_
         ):
             created = await stopping.post("/v1/conversations", headers=ALICE, json={})
             conversation_id = created.json()["id"]
-            body = {"content": "Write a long story about a lighthouse keeper.", "temperature": 0, "max_tokens": 400}
+            body = {"content": "Write a long story about a lighthouse keeper.", "temperature": 0, "max_tokens": 160}
             url = f"/v1/conversations/{conversation_id}/messages"
             async with stopping.stream("POST", url, headers={**ALICE, "Accept": "text/event-stream"}, json=body) as response:
                 reader = SseReader(response)
