@@ -77,3 +77,10 @@ def test_a_login_in_a_url_survives_characters_urls_reserve():
 def test_secrets_never_show_in_a_repr():
     made = StackSecrets.generate()
     assert made.redis_password not in repr(made) and made.nats_passwords["chat"] not in repr(made)
+
+
+def test_every_generated_password_starts_with_a_letter_which_nats_server_reads_as_a_string():
+    """A value starting with '-' made nats-server refuse compose's config (a flaky CI failure)."""
+    for _ in range(200):
+        for name, value in StackSecrets.generate().variables().items():
+            assert value[0].isalpha(), f"{name} starts with {value[0]!r}"
