@@ -1,38 +1,52 @@
-"""How fast the engine's queue drains: sequences admitted per second of the steps after which
-some still waited.
+"""How fast the engine's queue drains, by lane: requests of a lane admitted per second of the
+steps after which some of that lane still waited.
 
 A queue of requests is admitted as fast as running ones make room (their KV blocks, seats, a
 step's rows), which is neither the prefill rate nor anything a request's own size says: with KV
 full of decoding replies, 40 queued 50-token prompts wait for 40 replies to end, seconds each,
 while their prompt tokens alone would be computed in two. Little's law gives their wait from
-this rate: the sequences ahead over the sequences admitted per second.
+this rate: the requests ahead over the requests admitted per second. It is per lane because the
+lanes drain at different rates: paid work goes first, so a free request waits for the free lane's
+own share of the room, not for the fleet's.
 
-Only steps that ended with sequences still waiting are measured: in the others the queue ran
-dry, so admissions were limited by arrivals, not by room. The rate is over the last such steps
-together (admitted / their time), so a step that admitted nobody counts as time the queue did
-not move; when none of them admitted anybody, one admission is assumed (the rate is at most
+Only steps that ended with requests of the lane still waiting are measured for it: in the others
+its queue ran dry, so arrivals, not room, limited its admissions. The rate is over such steps of
+the last `window_s` seconds together (admitted / their time): recent enough to follow a burst
+that fills the engine within seconds; a step that admitted nobody counts as time the queue did
+not move. When none of them admitted anybody, one admission is assumed (the rate is at most
 that), so a stuck queue reads as slow, never as infinitely so. None until a step was measured.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Mapping
+
+from tandem.engine.sequence import Lane
 
 
 class AdmissionRate:
-    def __init__(self, num_steps: int = 64) -> None:
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        self._steps: deque[tuple[int, float]] = deque(maxlen=num_steps)  # (admitted, seconds)
+    def __init__(self, window_s: float = 4.0) -> None:
+        if window_s <= 0.0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self._window_s = window_s
+        self._steps: dict[Lane, deque[tuple[int, float]]] = {lane: deque() for lane in Lane}  # (admitted, seconds)
+        self._seconds = dict.fromkeys(Lane, 0.0)
 
-    def add_step(self, num_admitted: int, step_time_s: float, is_queue_left: bool) -> None:
-        """One step: measured when sequences still waited after its admissions."""
-        if is_queue_left and step_time_s > 0.0:
-            self._steps.append((num_admitted, step_time_s))
+    def add_step(self, num_admitted: Mapping[Lane, int], step_time_s: float, waiting_lanes: Collection[Lane]) -> None:
+        """One step: `num_admitted` by lane, measured for each lane still waiting after it."""
+        if step_time_s <= 0.0:
+            return
+        for lane in waiting_lanes:
+            steps = self._steps[lane]
+            steps.append((num_admitted.get(lane, 0), step_time_s))
+            self._seconds[lane] += step_time_s
+            while len(steps) > 1 and self._seconds[lane] - steps[0][1] >= self._window_s:
+                self._seconds[lane] -= steps.popleft()[1]
 
-    @property
-    def per_s(self) -> float | None:
-        """Sequences admitted per second while the queue was not empty; None until measured."""
-        if not self._steps:
+    def per_s(self, lane: Lane) -> float | None:
+        """Requests of `lane` admitted per second while some of it waited; None until measured."""
+        steps = self._steps[lane]
+        if not steps:
             return None
-        return max(1, sum(n for n, _ in self._steps)) / sum(s for _, s in self._steps)
+        return max(1, sum(n for n, _ in steps)) / sum(s for _, s in steps)

@@ -13,7 +13,7 @@ request prefill-only and export its blocks; reserve blocks, fill them and import
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -106,7 +106,8 @@ class EngineStats:
     decode_time_s: float
     prefill_tokens_per_s: float = 0.0  # prompt tokens per second a queued prefill gets now (engine.prefill_rate); 0 until measured
     num_generated_tokens: int = 0  # tokens sampled since start (a prefill's first token included)
-    admissions_per_s: float | None = None  # how fast the waiting queue drains (engine.admission_rate); None until measured
+    # How fast each lane's waiting queue drains (engine.admission_rate); a lane is absent until measured.
+    admissions_per_s: dict[Lane, float] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -230,7 +231,7 @@ class Engine:
             c.decode_time_s,
             prefill_rate,
             c.num_generated_tokens,
-            self._admission_rate.per_s,
+            {lane: rate for lane in Lane if (rate := self._admission_rate.per_s(lane)) is not None},
         )
 
     def drain_queue_waits(self) -> list[QueueWait]:
@@ -349,7 +350,7 @@ class Engine:
         # that would have started at once).
         if not plan.num_replayed_tokens:
             self._prefill_rate.add_step(num_prefill_tokens, elapsed_s, num_decode_tokens)
-        self._admission_rate.add_step(plan.num_admitted, elapsed_s, is_queue_left=self.scheduler.has_waiting())
+        self._admission_rate.add_step(plan.num_admitted, elapsed_s, self.scheduler.waiting_lanes())
         num_tokens = num_prefill_tokens + num_decode_tokens
         if num_tokens:
             c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens

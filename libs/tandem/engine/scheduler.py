@@ -18,8 +18,8 @@ waiting queues by lane (paid, free, background; round-robin by user within a lan
 lane_queue.py) while KV blocks last above the reserve.
 
 Paid work goes first in every step: while a paid sequence waits, free and background sequences
-compute nothing (the step is the paid admission's, plus paid decodes), and running prefills take
-the budget in lane order. `max_num_unpaid_tokens` caps the rows a step gives free and background
+compute nothing, a step that admits a paid sequence computes no decodes either (they wait that
+one step), and running decodes and prefills take the budget in lane order. `max_num_unpaid_tokens` caps the rows a step gives free and background
 sequences together, so a step stays short and a paid request arriving during one starts soon;
 paid rows are bounded only by the step budget.
 
@@ -204,9 +204,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._seqs)
 
-    def has_waiting(self) -> bool:
-        """Some sequence waits to be admitted."""
-        return any(self._waiting.values())
+    def waiting_lanes(self) -> list[Lane]:
+        """The lanes in which some sequence waits to be admitted."""
+        return [lane for lane, queue in self._waiting.items() if queue]
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -229,6 +229,11 @@ class Scheduler:
             if num_new_tokens:
                 self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
         self._admit(plan, unpaid_cap)
+        if plan.num_admitted.get(Lane.PAID):
+            # A new paid prompt is computed without the decodes (they wait this one step), so its
+            # first token does not wait for a batch of decode rows computed beside it.
+            for seq in decodes:
+                self._withdraw(plan, seq)
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], stopped_ids: Collection[str] = ()) -> UpdateResult:
@@ -335,7 +340,7 @@ class Scheduler:
                 if seq.num_preemptions == 0:  # a recompute's wait is not a new request's
                     self._queue_waits.append(QueueWait(seq.lane, time.monotonic() - seq.arrival_s))
                 seq.admit()
-                plan.num_admitted += 1
+                plan.num_admitted[lane] = plan.num_admitted.get(lane, 0) + 1
                 bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
                 self.kv.count_prefix_lookup(seq.num_tokens, num_hit_tokens)
                 self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
@@ -385,8 +390,8 @@ class Scheduler:
         else:
             plan.num_prefill_tokens += num_new_tokens
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Back to the front of its lane, to be recomputed; a chunk it got this step is withdrawn."""
+    def _withdraw(self, plan: StepPlan, seq: Sequence) -> None:
+        """Takes back the chunk `seq` got this step, if any (the blocks allocated for it stay its own)."""
         for i, chunk in enumerate(plan.scheduled):
             if chunk.seq is seq:
                 del plan.scheduled[i]
@@ -396,7 +401,11 @@ class Scheduler:
                     plan.num_decode_tokens -= chunk.num_new_tokens
                 else:
                     plan.num_prefill_tokens -= chunk.num_new_tokens
-                break
+                return
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Back to the front of its lane, to be recomputed; a chunk it got this step is withdrawn."""
+        self._withdraw(plan, seq)
         self.kv.free(seq)
         seq.preempt()
         self._running.remove(seq)

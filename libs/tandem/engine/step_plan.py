@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import Lane, Sequence
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class StepPlan:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_unpaid_tokens: int = 0  # of both, those of free and background sequences
-    num_admitted: int = 0  # sequences taken from the waiting queues (recomputes of preempted ones included)
+    # Sequences taken from the waiting queues, by lane (recomputes of preempted ones included).
+    num_admitted: dict[Lane, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Sequence] = field(default_factory=list)
     # Every sequence that left scheduling since the previous plan (finished, aborted or handed

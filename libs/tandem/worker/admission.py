@@ -8,7 +8,7 @@ measured:
   tokens (they take the step's budget before any admission), plus the waiting tokens of its own
   lane and of every lane served before it (paid work counts for everyone, free work for free and
   background requests);
-- the requests queued before it (the same lanes), at the rate the queue drains
+- the requests queued before it (the same lanes), at the rate its lane's queue drains
   (tandem.engine.admission_rate): when running replies hold the KV blocks or a step's rows,
   a queued request waits for them to end, however short its prompt.
 Background work is taken only on idle capacity (nothing paid or free waits, KV blocks plentiful).
@@ -67,7 +67,7 @@ class QueueState:
     block_size: int
     has_idle_capacity: bool  # nothing paid or free waits and KV blocks are plentiful
     waiting_seqs: Mapping[Lane, int] = field(default_factory=dict)  # queued requests (as waiting_prefill_tokens), by lane
-    admissions_per_s: float | None = None  # how fast the queue drains; None = not measured yet
+    admissions_per_s: Mapping[Lane, float] = field(default_factory=dict)  # how fast each lane's queue drains, once measured
 
     def prefill_tokens_ahead(self, lane: Lane) -> int:
         """Prefill tokens computed before a request of `lane` offered now."""
@@ -79,14 +79,13 @@ class QueueState:
 
     def estimated_wait_s(self, lane: Lane) -> float | None:
         """Seconds before a request of `lane` offered now starts computing: the longer of the
-        prefill work ahead at the prefill rate and the requests ahead at the admission rate; None
-        until either rate is measured."""
+        prefill work ahead at the prefill rate and the requests ahead at its lane's admission
+        rate; None until either rate is measured."""
         waits = []
         if self.prefill_tokens_per_s > 0.0:
             waits.append(self.prefill_tokens_ahead(lane) / self.prefill_tokens_per_s)
-        if self.admissions_per_s is not None:
-            num_ahead = self.seqs_ahead(lane)
-            waits.append(num_ahead / self.admissions_per_s)
+        if lane in self.admissions_per_s:
+            waits.append(self.seqs_ahead(lane) / self.admissions_per_s[lane])
         return max(waits, default=None)
 
     def can_hold(self, lane: Lane, num_tokens: int) -> bool:
@@ -131,7 +130,7 @@ def queue_verdict(state: QueueState, lane: Lane, num_tokens: int, targets: TtftT
         return Overloaded(
             f"a {lane.name.lower()} request would wait about {wait_s:.1f} s to start here "
             f"({state.prefill_tokens_ahead(lane)} prefill tokens ahead at {state.prefill_tokens_per_s:.0f} tokens/s, "
-            f"{state.seqs_ahead(lane)} requests ahead at {state.admissions_per_s or 0.0:.1f} admitted/s); "
+            f"{state.seqs_ahead(lane)} requests ahead, {lane.name.lower()} ones admitted at {state.admissions_per_s.get(lane, 0.0):.1f}/s); "
             f"the target is {target_s:.1f} s",
             _retry_after(wait_s - target_s),
         )

@@ -104,16 +104,21 @@ def test_targets_are_scaled_on_a_cpu_only():
 def test_requests_queued_behind_a_slow_drain_are_refused_though_their_prompts_are_short():
     """KV full of decoding replies: 30 short prompts wait for 30 replies to end (1 admitted per
     second), not for 30 x 50 tokens of prefill (1.5 s at the prefill rate)."""
-    s = replace(state(rate=1000, free=1500), waiting_seqs={Lane.PAID: 0, Lane.FREE: 30, Lane.BACKGROUND: 0}, admissions_per_s=1.0)
+    s = replace(
+        state(rate=1000, free=1500), waiting_seqs={Lane.PAID: 0, Lane.FREE: 30, Lane.BACKGROUND: 0}, admissions_per_s={Lane.FREE: 1.0}
+    )
     assert s.estimated_wait_s(Lane.FREE) == pytest.approx(30.0)
     assert s.estimated_wait_s(Lane.PAID) == pytest.approx(0.0)
     verdict = queue_verdict(s, Lane.FREE, 50, TARGETS)
     assert verdict is not None and verdict.retry_after_s == pytest.approx(28.0)
-    assert "30 requests ahead at 1.0 admitted/s" in verdict.message
+    assert "30 requests ahead, free ones admitted at 1.0/s" in verdict.message
     assert queue_verdict(s, Lane.PAID, 50, TARGETS) is None
 
 
 def test_the_admission_rate_alone_estimates_a_wait_before_a_prefill_rate_is_measured():
-    s = replace(state(rate=0.0), waiting_seqs={Lane.PAID: 2, Lane.FREE: 4, Lane.BACKGROUND: 0}, admissions_per_s=2.0)
-    assert s.estimated_wait_s(Lane.PAID) == pytest.approx(1.0)
-    assert s.estimated_wait_s(Lane.FREE) == pytest.approx(3.0)
+    s = replace(
+        state(rate=0.0), waiting_seqs={Lane.PAID: 2, Lane.FREE: 4, Lane.BACKGROUND: 0}, admissions_per_s={Lane.PAID: 4.0, Lane.FREE: 2.0}
+    )
+    assert s.estimated_wait_s(Lane.PAID) == pytest.approx(0.5)
+    assert s.estimated_wait_s(Lane.FREE) == pytest.approx(3.0)  # paid and free ahead, at the free lane's rate
+    assert s.estimated_wait_s(Lane.BACKGROUND) is None  # not measured
