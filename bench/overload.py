@@ -16,6 +16,7 @@ printed beside the numbers (PASS/MISS), never as an exit code:
 Retry-After.
 
     .venv/bin/python bench/overload.py --out overload.json
+    .venv/bin/python bench/overload.py --quick            # smoke sizes
 """
 
 from __future__ import annotations
@@ -359,7 +360,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the report as JSON here")
-    return parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true", help="smoke sizes: 8 s of overload at 3x, 4 s of probing with 4 clients")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.factor, args.baseline, args.probe_clients, args.probe_s, args.max_tokens = 8.0, 3.0, 2, 4, 4.0, 16
+    return args
 
 
 if __name__ == "__main__":

@@ -109,3 +109,18 @@ def test_routing_bench_splits_the_mix_over_both_models_and_prices_it_against_all
     large = models[report["large_model"]]
     assert large["same_text_as_baseline"] == large["messages"], large
     assert _is_positive(report["safety"]["output_ms_per_token"]) and _is_positive(report["safety"]["input_ms_mean"])
+
+
+def test_overload_bench_reports_each_tier_and_where_the_admitted_replies_spent_their_time(tmp_path):
+    result = _bench("overload.py", tmp_path / "overload.json", is_engine_only=False)
+    tiers = result["tiers"]
+    assert set(tiers) == {"paid", "free"} and sum(t["sent"] for t in tiers.values()) > 0
+    for tier in tiers.values():
+        assert tier["sent"] == tier["admitted"] + tier["refused_429"] + tier["refused_503"] + tier["refused_other"]
+        assert tier["timed_out"] == 0 and tier["refused_without_retry_after"] == 0
+    assert result["targets"]["no_timeouts"] and result["targets"]["every_refusal_has_retry_after"]
+    stages = result["stages"]
+    assert stages["engine queue, paid"]["count"] >= tiers["paid"]["completed"]  # every admitted reply went through the engine
+    assert stages["chat TTFT, paid"]["count"] >= tiers["paid"]["completed"]
+    steps = sum(stages[row]["count"] for row in ("step, decode only", "step, mixed", "step, prefill only"))
+    assert steps > 0 and _is_positive(result["unloaded_paid_ttft_p95_s"])

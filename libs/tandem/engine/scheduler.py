@@ -18,8 +18,10 @@ waiting queues by lane (paid, free, background; round-robin by user within a lan
 lane_queue.py) while KV blocks last above the reserve.
 
 Paid work goes first in every step: while a paid sequence waits, free and background sequences
-compute nothing, a step that admits a paid sequence computes no decodes either (they wait that
-one step), and running decodes and prefills take the budget in lane order. `max_num_unpaid_tokens` caps the rows a step gives free and background
+compute nothing (the step is the paid admission's, plus paid decodes), and running decodes and
+prefills take the budget in lane order. (Leaving the paid decodes out of that step too made
+paid replies slower under paid load: every arrival stalled them all, so more ran at once, the
+KV filled with paid replies and new paid requests waited for blocks.) `max_num_unpaid_tokens` caps the rows a step gives free and background
 sequences together, so a step stays short and a paid request arriving during one starts soon;
 paid rows are bounded only by the step budget.
 
@@ -229,11 +231,6 @@ class Scheduler:
             if num_new_tokens:
                 self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
         self._admit(plan, unpaid_cap)
-        if plan.num_admitted.get(Lane.PAID):
-            # A new paid prompt is computed without the decodes (they wait this one step), so its
-            # first token does not wait for a batch of decode rows computed beside it.
-            for seq in decodes:
-                self._withdraw(plan, seq)
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], stopped_ids: Collection[str] = ()) -> UpdateResult:
