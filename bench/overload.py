@@ -5,7 +5,9 @@ is reported.
 1. unloaded: paid messages one at a time give the paid TTFT the loaded run is held to;
 2. capacity: `--probe-clients` clients send back to back for `--probe-s`, giving the replies per
    second the stack completes;
-3. overload: messages arrive open-loop (Poisson) at `--factor` times that rate for `--seconds`, a
+3. paid alone: paid messages arrive open-loop at the rate they arrive at in the overload, with
+   no free traffic, for `--paid-alone-s`: what paid's own load costs its TTFT on this machine;
+4. overload: messages arrive open-loop (Poisson) at `--factor` times that rate for `--seconds`, a
    `--paid-share` of them from paid users and the rest from free users, each user in turn.
 
 Per tier it reports: sent, admitted, refused (429 / 503, and whether each refusal carried a
@@ -28,6 +30,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,17 +286,24 @@ async def main(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-            # 3. overload: open loop
+            async def open_loop(seconds: float, rate: float, first_index: int, pick_tier: Callable[[], str]) -> list[Outcome]:
+                tasks: list[asyncio.Task[Outcome]] = []
+                load_end = time.monotonic() + seconds
+                index = first_index
+                while time.monotonic() < load_end:
+                    tier = pick_tier()
+                    tasks.append(asyncio.create_task(send_message(http, url, next_key(tier), tier, index, args.max_tokens, args.hang_s)))
+                    index += 1
+                    await asyncio.sleep(rng.expovariate(rate))
+                return list(await asyncio.gather(*tasks))
+
+            # 3. paid alone, at the rate it arrives at in the overload: what paid's own load costs it
+            alone = summarize(await open_loop(args.paid_alone_s, rate * args.paid_share, 5_000, lambda: "paid"), args.max_tokens)["paid"]
+            print(f"paid alone at {rate * args.paid_share:.2f}/s: TTFT p50 {alone.ttft_p50_s} s, p95 {alone.ttft_p95_s} s", flush=True)
+
+            # 4. overload: open loop
             before = await scrape(http, stack)
-            tasks: list[asyncio.Task[Outcome]] = []
-            load_end = time.monotonic() + args.seconds
-            index = 10_000
-            while time.monotonic() < load_end:
-                tier = "paid" if rng.random() < args.paid_share else "free"
-                tasks.append(asyncio.create_task(send_message(http, url, next_key(tier), tier, index, args.max_tokens, args.hang_s)))
-                index += 1
-                await asyncio.sleep(rng.expovariate(rate))
-            outcomes = list(await asyncio.gather(*tasks))
+            outcomes = await open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free")
             stages = stage_breakdown(before, await scrape(http, stack))
         finally:
             await nc.close()
@@ -322,10 +332,12 @@ async def main(args: argparse.Namespace) -> int:
     print(f"\nladder: max rung {ladder.max_rung}; (s, rung, busyness): {ladder.statuses[-12:]}")
     print(f"{'PASS' if hung == 0 else 'MISS'} 0 timed out / hung: {hung}")
     print(f"{'PASS' if paid_ok else 'MISS'} paid TTFT p95 {paid.ttft_p95_s} s <= 2 x unloaded {unloaded_p95:.3f} s")
+    print(f"(paid alone at its overload rate, no free traffic: TTFT p95 {alone.ttft_p95_s} s)")
     print(f"{'PASS' if refusals_without == 0 else 'MISS'} every refusal carries Retry-After ({refusals_without} without)")
     if args.out:
         data = {
             "unloaded_paid_ttft_p95_s": round(unloaded_p95, 3),
+            "paid_alone": asdict(alone),
             "capacity_replies_per_s": round(capacity_rps, 3),
             "offered_per_s": round(rate, 3),
             "seconds": args.seconds,
@@ -357,6 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-s", type=float, default=30.0, help="how long capacity is measured")
     parser.add_argument("--hang-s", type=float, default=120.0, help="a message with no final event by then timed out")
     parser.add_argument("--ladder-interval-s", type=float, default=5.0, help="TANDEM_LADDER_INTERVAL_S for the stack")
+    parser.add_argument("--paid-alone-s", type=float, default=30.0, help="how long paid traffic alone runs at its overload rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the report as JSON here")
@@ -364,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.factor, args.baseline, args.probe_clients, args.probe_s, args.max_tokens = 8.0, 3.0, 2, 4, 4.0, 16
+        args.paid_alone_s = 4.0
     return args
 
 
