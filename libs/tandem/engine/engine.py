@@ -231,7 +231,7 @@ class Engine:
             c.decode_time_s,
             prefill_rate,
             c.num_generated_tokens,
-            {lane: rate for lane in Lane if (rate := self._admission_rate.per_s(lane)) is not None},
+            {lane: rate for lane in Lane if (rate := self._admission_rate.per_s(lane, time.monotonic())) is not None},
         )
 
     def drain_queue_waits(self) -> list[QueueWait]:
@@ -350,7 +350,7 @@ class Engine:
         # that would have started at once).
         if not plan.num_replayed_tokens:
             self._prefill_rate.add_step(num_prefill_tokens, elapsed_s, num_decode_tokens)
-        self._admission_rate.add_step(plan.num_admitted, elapsed_s, self.scheduler.waiting_lanes())
+        self._admission_rate.add_step(plan.num_admitted, elapsed_s, self.scheduler.waiting_lanes(), time.monotonic())
         num_tokens = num_prefill_tokens + num_decode_tokens
         if num_tokens:
             c.prefill_time_s += elapsed_s * num_prefill_tokens / num_tokens
