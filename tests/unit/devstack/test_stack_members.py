@@ -75,9 +75,9 @@ def test_workers_split_the_cores_unless_torch_threads_is_set(monkeypatch):
     assert {name: env.get("TANDEM_TORCH_THREADS") for name, env in planned.items()} == {
         "router": None,
         "relay": None,
-        "prefill": str(max(1, cores // 3)),
-        "decode-0": str(max(1, cores // 3)),
-        "decode-1": str(max(1, cores // 3)),
+        "prefill": str(max(1, (cores - 1) // 3)),
+        "decode-0": str(max(1, (cores - 1) // 3)),
+        "decode-1": str(max(1, (cores - 1) // 3)),
         "chat": None,
     }
     flagged = StackConfig(host="127.0.0.1", chat_port=18080, api_keys=KEYS, extra_env={"TANDEM_TORCH_THREADS": "0"})
@@ -86,9 +86,11 @@ def test_workers_split_the_cores_unless_torch_threads_is_set(monkeypatch):
     assert {m.env.get("TANDEM_TORCH_THREADS") for m in members(config) if m.role in ("decode", "prefill")} == {"3"}
 
 
-def test_a_share_of_the_cores_is_at_least_one_thread():
-    assert [torch_threads_per_worker(n, num_cores=16) for n in (0, 1, 3, 4, 16, 40)] == [16, 16, 5, 4, 1, 1]
+def test_workers_share_all_cores_but_one_which_the_services_keep_and_get_at_least_one_thread():
+    assert [torch_threads_per_worker(n, num_cores=16) for n in (0, 1, 3, 4, 15, 40)] == [15, 15, 5, 3, 1, 1]
+    assert torch_threads_per_worker(1, num_cores=2) == 1
     assert torch_threads_per_worker(3, num_cores=2) == 1
+    assert torch_threads_per_worker(1, num_cores=1) == 1
 
 
 def config_of(*args: str):
