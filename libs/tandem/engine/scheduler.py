@@ -21,9 +21,9 @@ Paid work goes first in every step: while a paid sequence waits, free and backgr
 compute nothing (the step is the paid admission's, plus paid decodes), and running decodes and
 prefills take the budget in lane order. (Leaving the paid decodes out of that step too made
 paid replies slower under paid load: every arrival stalled them all, so more ran at once, the
-KV filled with paid replies and new paid requests waited for blocks.) `max_num_unpaid_tokens` caps the rows a step gives free and background
-sequences together, so a step stays short and a paid request arriving during one starts soon;
-paid rows are bounded only by the step budget.
+KV filled with paid replies and new paid requests waited for blocks.) `max_num_unpaid_tokens`
+caps the rows a step gives free and background sequences together, so a step stays short and a
+paid request arriving during one starts soon; paid rows are bounded only by the step budget.
 
 Lanes decide who gives way. When a running sequence cannot get a block, the lowest-lane newest
 running sequence is preempted by recompute (background first, then free, newest first within a
