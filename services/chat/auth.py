@@ -10,13 +10,20 @@ from services.chat.errors import Unauthenticated
 from tandem.config import ApiKey
 
 
-def current_user(request: Request) -> ApiKey:
+def caller(request: Request) -> ApiKey:
+    """The request's caller (a dict lookup; no I/O)."""
     keys: dict[str, ApiKey] = request.app.state.chat.api_keys
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    caller = keys.get(token.strip()) if scheme.lower() == "bearer" else None
-    if caller is None:
+    key = keys.get(token.strip()) if scheme.lower() == "bearer" else None
+    if key is None:
         raise Unauthenticated("a valid API key is required: send Authorization: Bearer <key>")
-    return caller
+    return key
+
+
+async def current_user(request: Request) -> ApiKey:
+    """The dependency: async, so FastAPI calls it on the event loop, not in its thread pool (a
+    thread hop per request costs a GIL handoff, milliseconds when the loop is busy streaming)."""
+    return caller(request)
 
 
 CurrentUser = Annotated[ApiKey, Depends(current_user)]

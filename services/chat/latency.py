@@ -42,7 +42,7 @@ class StampArrival:
         await self.app(scope, receive, send)
 
 
-def arrival_s(request: Request) -> float:
+async def arrival_s(request: Request) -> float:
     """When the request arrived (now, for an app built without StampArrival)."""
     return float(request.scope.get("state", {}).get(_ARRIVED, time.perf_counter()))
 

@@ -17,7 +17,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.chat import metrics
-from services.chat.auth import current_user
+from services.chat.auth import caller
 from services.chat.errors import InvalidRequest, RateLimited, Unauthenticated
 from services.chat.state import ChatState
 from tandem.config import ApiKey, Settings
@@ -114,7 +114,7 @@ class QuotaHeaders:
         request = Request(scope)
         buckets = buckets_of(request.app.state.chat)
         try:
-            user = current_user(request)
+            user = caller(request)
         except Unauthenticated:
             user = None
         if buckets is None or user is None:

@@ -103,7 +103,7 @@ class ChatState:
         return self.tokenizer
 
 
-def chat_state(request: Request) -> ChatState:
+async def chat_state(request: Request) -> ChatState:
     return request.app.state.chat
 
 
