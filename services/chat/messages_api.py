@@ -41,8 +41,12 @@ async def stream(
     message_id: str,
     last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, lt=INT64_LIMIT)] = 0,
 ) -> EventSourceResponse:
+    meta = await load_reply(state.redis, message_id, with_request=False)
+    if meta is not None and meta.is_running and meta.conversation_id and meta.user_id == user.user_id:
+        # A running reply of the caller's conversation: its log says whose it is, so the store is
+        # not asked (deleting the conversation stops the reply first).
+        return logged_reply_response(state, meta, last_event_id)
     message, _ = await owned_message(state, user, message_id)
-    meta = await load_reply(state.redis, message_id)
     if meta is None:
         return finished_message_response(state, message, last_event_id)
     return logged_reply_response(state, meta, last_event_id)

@@ -23,7 +23,7 @@ from helpers import next_heartbeat, service_env, service_process
 from product_stack import ALICE, API_KEYS, BOB, READER_IDLE_TIMEOUT_S, Sse, sse_events
 
 from services.chat.sse import sse_events as sse_of_log
-from tandem.tokenlog import logged_events
+from tandem.tokenlog import load_reply, logged_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 NARROW_MAX_STREAMS = 12
@@ -239,3 +239,21 @@ async def test_past_a_users_stream_limit_a_new_stream_is_429_with_retry_after(ch
         own = await reply.finished()
     expected = await log_sequence(product_stack.redis_url, reply.id)
     assert after_meta(own) == expected and all(after_meta(events) == expected for events in read)
+
+
+async def test_a_running_reply_streams_to_its_owner_and_is_not_found_for_anyone_else(chats, product_stack):
+    """A running reply's stream is answered from its log's meta (whose reply it is), without the
+    store: the owner gets it, another key gets the same 404 as for a message that does not exist."""
+    redis = aioredis.from_url(product_stack.redis_url)
+    try:
+        async with client(chats["wide"]) as http:
+            reply = await Reply(http, ALICE, max_tokens=48).start()
+            refused = await http.get(f"/v1/messages/{reply.id}/stream", headers=BOB)
+            was_running = (await load_reply(redis, reply.id)).is_running
+            own = await read_on(http, reply.id, ALICE, [])
+            await reply.finished()
+    finally:
+        await redis.aclose()
+    assert was_running, "the reply ended before the refusal was checked: make it longer"
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "message_not_found"
+    assert own[-1].event == "done" and after_meta(own) == await log_sequence(product_stack.redis_url, reply.id)

@@ -117,9 +117,40 @@ async def set_answered(redis: Redis, reply_id: str, model: str, route_json: str)
     await redis.eval(_SET_IF_LOGGED, 1, ReplyKeys(reply_id).meta, *fields)
 
 
-async def load_reply(redis: Redis, reply_id: str) -> ReplyMeta | None:
-    fields = await redis.hgetall(ReplyKeys(reply_id).meta)
-    return ReplyMeta.from_hash(reply_id, fields) if fields else None
+# Every field of a reply's meta hash but its request.
+_FIELDS_BUT_REQUEST = (
+    "user_id",
+    "conversation_id",
+    "message_id",
+    "model",
+    "status",
+    "created_ms",
+    "finished_ms",
+    "last_seq",
+    "track_readers",
+    "epoch",
+    "continuations",
+    "continued_ms",
+    "last_event_ms",
+    "cancel_sent_ms",
+    "gap_since_ms",
+    "dropped_turns",
+    "route",
+)
+
+
+async def load_reply(redis: Redis, reply_id: str, *, with_request: bool = True) -> ReplyMeta | None:
+    """The reply's meta; None when its log is gone. `with_request=False` leaves out the request
+    (the whole prompt's tokens), for a caller that only streams the reply."""
+    key = ReplyKeys(reply_id).meta
+    if with_request:
+        fields = await redis.hgetall(key)
+        return ReplyMeta.from_hash(reply_id, fields) if fields else None
+    values = await redis.hmget(key, _FIELDS_BUT_REQUEST)
+    found: dict[bytes | str, bytes | str] = {
+        name.encode(): value for name, value in zip(_FIELDS_BUT_REQUEST, values, strict=True) if value is not None
+    }
+    return ReplyMeta.from_hash(reply_id, found) if found else None
 
 
 # Everything of a reply's meta but the request (which can be large), for what looks at many replies often.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 
@@ -31,6 +32,7 @@ from tandem.tokenlog import (
     load_reply,
     load_reply_states,
     read,
+    set_answered,
 )
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -381,3 +383,19 @@ async def test_the_states_of_many_replies_come_in_one_read_without_their_request
     assert states[running].last_event_ms >= states[running].created_ms > 0
     assert states[running].request == b""
     assert (states[done].status, states[done].last_seq) == (ReplyStatus.COMPLETE, 2)
+
+
+async def test_a_reply_loaded_without_its_request_has_every_other_field(redis):
+    reply_id = new_id()
+    meta = ReplyMeta(
+        reply_id=reply_id, user_id="u1", conversation_id="c1", message_id=reply_id, model="m", request=b"x" * 1000, num_dropped_turns=3
+    )
+    await create_reply(redis, meta, track_readers=True)
+    await TokenLogWriter(redis, TTL_S).append(events(reply_id, 2)[0])
+    await set_answered(redis, reply_id, "m2", '{"reason": "auto"}')
+    whole, lean = await load_reply(redis, reply_id), await load_reply(redis, reply_id, with_request=False)
+    assert whole.request == b"x" * 1000 and lean.request == b""
+    assert dataclasses.replace(whole, request=b"") == lean
+    assert (lean.user_id, lean.conversation_id, lean.num_dropped_turns, lean.last_seq, lean.model) == ("u1", "c1", 3, 1, "m2")
+    assert lean.route_json == '{"reason": "auto"}'
+    assert await load_reply(redis, new_id(), with_request=False) is None
