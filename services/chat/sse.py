@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from sse_starlette import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from services.chat.state import ChatState
 from tandem.bus.events import finish_name, is_final
+from tandem.runtime.request_id import SERVER_SEND
 from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -134,11 +135,24 @@ class StreamResponse(EventSourceResponse):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._on_close: list[Callable[[], None]] = []
+        self._server_send: Send | None = None
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
 
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        """Events go straight to the server's send: no middleware wrappers and no timer per
+        write (thousands of streams, each written every few tokens); keep-alives (comments, b":")
+        and the response's start and end go the whole way, timed."""
+        body = message.get("body", b"")
+        if self._server_send is not None and message.get("more_body") and body[:1] != b":":
+            await self._server_send(message)
+            return
+        await super()._send_with_timeout(send, message)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.ping_interval > 0:  # a client that stops reading is found by a ping's timed send
+            self._server_send = scope.get("state", {}).get(SERVER_SEND)
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:

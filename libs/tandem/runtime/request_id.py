@@ -23,6 +23,9 @@ _SANE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # a caller's id we repeat: no sp
 _current: ContextVar[str] = ContextVar("request_id", default="")
 INTERNAL_ERROR = "internal_error"
 INTERNAL_MESSAGE = "something went wrong on our side; try again, and quote the request id if it persists"
+# scope["state"][SERVER_SEND]: the server's own `send`, under every middleware's. The middlewares
+# act on a response's start message only, so the body of a long stream may skip them.
+SERVER_SEND = "tandem.server_send"
 
 
 def current_request_id() -> str:
@@ -57,6 +60,7 @@ class RequestIds:
         incoming = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
         request_id = request_id_from(incoming.decode("latin-1") if incoming is not None else None)
         token = _current.set(request_id)
+        scope.setdefault("state", {})[SERVER_SEND] = send
         is_started = False
 
         async def send_with_id(message: Message) -> None:
