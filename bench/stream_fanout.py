@@ -106,7 +106,7 @@ async def expected_events(redis: Redis, reply_id: str, written_s: dict[int, floa
     events, written = [], [0.0]
     for token_event in await logged_events(redis, reply_id):
         for sse in sse_events(token_event):
-            events.append((sse.id, sse.event, sse.as_dict()["data"]))
+            events.append(sse.encode())
             written.append(written_s.get(token_event.seq, 0.0))
     return expected_chain(events), written
 
@@ -155,6 +155,8 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
     delays = [sum(column) for column in zip(*histograms)]
     return stream_counts(summaries, wanted, delays, DELAY_BIN_MS, started_s) | {
         "replies": len(reply_ids), "events_per_reply": {r: n for r, (_, n) in wanted.items()},
+        "replies_s": max((max(w.values(), default=started_s) for w in written.values()), default=started_s) - started_s,
+        "streams_attached_s": sorted(s["attached_s"] - started_s for s in summaries if s["status"] == 200)[:: max(1, len(summaries) // 100)],
         "streams_attached_while_running": sum(
             1 for s in summaries if s["status"] == 200 and s["attached_s"] < max(written[s["reply_id"]].values(), default=0.0)
         ),
