@@ -63,6 +63,11 @@ class ChatProbe:
         rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
         return {"held": num_held, "rss_bytes": 1024 * rss_kib, "fds": len(os.listdir(f"/proc/{self.pid}/fd"))}
 
+    def cpu_s(self) -> float:
+        """The process's CPU time so far, user and system (/proc/<pid>/stat)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     async def watch(self, num_held: Any, stop: asyncio.Event) -> None:
         while not stop.is_set():
             now = self.sample(num_held.value)
@@ -140,8 +145,9 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
             Job(HOST, chat.http_port, API_KEY, part, max_connecting=args.max_connecting)
             for part in spread(reply_ids, args.streams, args.clients)
         ]
-        started_s = time.time()
+        started_s, cpu_before_s = time.time(), probe.cpu_s()
         summaries = [s for part in await ask(conns, jobs) for s in part]
+        chat_cpu_s = probe.cpu_s() - cpu_before_s
         await asyncio.gather(*replies)
         stop.set()
         await asyncio.gather(*watchers, watcher)
@@ -155,6 +161,7 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
     delays = [sum(column) for column in zip(*histograms)]
     return stream_counts(summaries, wanted, delays, DELAY_BIN_MS, started_s) | {
         "replies": len(reply_ids), "events_per_reply": {r: n for r, (_, n) in wanted.items()},
+        "chat_cpu_s": chat_cpu_s, "chat_cpu_us_per_event": 1e6 * chat_cpu_s / max(1, sum(s["num_events"] for s in summaries)),
         "replies_s": max((max(w.values(), default=started_s) for w in written.values()), default=started_s) - started_s,
         "streams_attached_s": sorted(s["attached_s"] - started_s for s in summaries if s["status"] == 200)[:: max(1, len(summaries) // 100)],
         "streams_attached_while_running": sum(

@@ -85,6 +85,7 @@ def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[
     row("  live events timed", f"{result['live_events_timed']}")
     row("events/s delivered", f"{result['events_per_s']:.0f}")
     row("s until every stream had its first event", f"{result['all_first_events_s']:.1f}")
+    row("chat CPU s while streaming (us per event)", f"{result['chat_cpu_s']:.1f} ({result['chat_cpu_us_per_event']:.1f})")
     row("chat RSS per held stream (KiB)", f"{result['rss_bytes_per_stream'] / 1024:.1f}")
     row("chat RSS MiB: idle / peak / after", f"{base['rss_bytes'] >> 20} / {peak['rss_bytes'] >> 20} / {after['rss_bytes'] >> 20}")
     is_freed = after["fds"] <= base["fds"] + FD_ALLOWANCE
