@@ -73,6 +73,7 @@ async def begin_reply(state: ChatState, reply: ReplyRequest) -> str:
     full: services.router.pools). Raises a ChatError (RateLimited when the quota cannot afford it
     yet; the router's reason as its code when the router refuses it or none answers), and then
     nothing of it is kept and its reservation is given back."""
+    state.door.check(reply.model, reply.user.tier)
     async with reserve_quota(state, reply):
         return await _begin(state, reply)
 
@@ -105,6 +106,7 @@ async def _begin(state: ChatState, reply: ReplyRequest) -> str:
         await forget_reply(state, reply.reply_id)
         refusal = outcome.refused
         metrics.REPLIES_REFUSED.labels(code=refusal.reason).inc()
+        state.door.refused(reply.model, reply.user.tier, refusal.reason, refusal.retry_after_s, refusal.message)
         kind = REFUSALS.get(refusal.reason, Unavailable)
         raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
     metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from redis.asyncio import Redis
 
 from services.chat.difficulty import DifficultyJudge
+from services.chat.door import Door
 from services.chat.errors import Unavailable
 from services.chat.models_view import ModelsView
 from services.chat.moderation import InputCheck
@@ -95,6 +96,7 @@ class ChatState:
     difficulty: DifficultyJudge | None = None  # scores messages for `auto`; None: the fallback rule decides
     summaries: Summaries | None = None  # the conversation summary jobs; None: none are written
     input_check: InputCheck | None = None  # loaded at start (before any request); None: none configured
+    door: Door = field(default_factory=Door)  # free messages refused at once while the routers refuse them
 
     def require_tokenizer(self) -> Tokenizer:
         """The tokenizer; a request that needs it before it has loaded is told to retry."""

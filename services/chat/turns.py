@@ -89,6 +89,7 @@ async def send_message(
     messages = await state.store.list_messages(conversation.id)
     route = await resolve_model(state, user, requested_model, content, conversation_model(messages))
     model = route.model
+    state.door.check(model.name, user.tier)  # before anything is stored, tokenized or reserved
     counter = PromptCounter(state.require_tokenizer())
     new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
     conversation = summary_of_branch(conversation, messages, after_seq)  # another branch's summary stands for nothing here

@@ -1,7 +1,9 @@
 """The chat's side of token quotas, on a real redis-server and nats-server: a reply the bucket
 cannot afford is refused with 429 quota_exceeded and a Retry-After before anything of it is
-recorded; one larger than the whole bucket is a 400 naming max_tokens; and a reply the router
-refuses, or that no router answers, gets its whole reservation back."""
+recorded; one larger than the whole bucket is a 400 naming max_tokens; a reply the router
+refuses, or that no router answers, gets its whole reservation back; and after an overload
+refusal, free replies are refused at the door (no router asked, nothing reserved) while paid ones
+are still asked."""
 
 from __future__ import annotations
 
@@ -13,14 +15,15 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
+from services.chat.door import Door
 from services.chat.errors import InvalidRequest, RateLimited, Unavailable, answer
 from services.chat.replies import ReplyRequest, begin_reply
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.config import ApiKey, Tier
 from tandem.quota import QuotaConfig, TokenBuckets, reservation_key
 from tandem.tokenlog import ReplyKeys
-from tandem.v1.common_pb2 import SamplingParams
-from tandem.v1.generate_pb2 import GenerateReply, Refusal
+from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
+from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 
 QUOTA = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000, refill_s=600.0, reservation_ttl_s=120)
 
@@ -33,7 +36,7 @@ async def state(redis_server, nats_server) -> AsyncIterator[types.SimpleNamespac
     await bus.wait_connected()
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
     yield types.SimpleNamespace(
-        redis=redis, bus=bus, config=types.SimpleNamespace(generate_timeout_s=2.0), quotas=TokenBuckets(redis, QUOTA)
+        redis=redis, bus=bus, config=types.SimpleNamespace(generate_timeout_s=2.0), quotas=TokenBuckets(redis, QUOTA), door=Door()
     )
     await redis.aclose()
     await bus.close()
@@ -104,3 +107,26 @@ async def test_an_accepted_reply_keeps_its_reservation_for_the_relay_to_settle(s
         await router.unsubscribe()
     assert (await state.quotas.reservation(reply.reply_id)).units == 1092
     assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == pytest.approx(6000 - 1092, abs=1)
+
+
+async def test_after_an_overload_refusal_free_replies_are_refused_at_the_door_and_paid_ones_still_asked(state):
+    asked: list[int] = []
+
+    async def refusing_router(msg) -> None:
+        asked.append(GenerateRequest.FromString(msg.data).lane)
+        await msg.respond(encode(GenerateReply(refused=Refusal(reason="overloaded", message="full", retry_after_s=30.0))))
+
+    router = await state.bus.client.subscribe(subjects.GENERATE, queue="router", cb=refusing_router)
+    first, second = free_user(), free_user()
+    try:
+        with pytest.raises(Unavailable):
+            await begin_reply(state, reply_request(first, 900, 48))
+        with pytest.raises(Unavailable) as at_door:
+            await begin_reply(state, reply_request(second, 900, 48))
+        with pytest.raises(Unavailable):
+            await begin_reply(state, reply_request(ApiKey(user_id=f"p-{uuid.uuid4().hex[:6]}", tier=Tier.PLUS), 900, 48))
+    finally:
+        await router.unsubscribe()
+    assert asked == [LANE_FREE, LANE_PAID], "the second free reply never reached a router"
+    assert at_door.value.code == "overloaded" and 25 < at_door.value.retry_after_s <= 30
+    assert (await state.quotas.peek(second.user_id, Tier.FREE)).remaining_units == 6000

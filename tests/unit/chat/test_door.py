@@ -1,0 +1,54 @@
+"""The door: after a router refuses a free reply as overloaded, that model's free messages are
+refused at once until the router's retry time (at most max_closed_s), with the time left to it;
+paid messages and other refusals never close it."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.chat.door import Door
+from services.chat.errors import Unavailable
+from tandem.config import Tier
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_a_free_overload_refusal_closes_the_door_of_its_model_for_free_messages_until_the_retry_time():
+    clock = Clock()
+    door = Door(max_closed_s=2.0, clock=clock)
+    door.refused("m", Tier.FREE, "overloaded", 1.5, "every decode worker is too busy")
+    clock.now_s += 0.5
+    with pytest.raises(Unavailable) as refused:
+        door.check("m", Tier.FREE)
+    assert (refused.value.code, refused.value.retry_after_s) == ("overloaded", pytest.approx(1.0))
+    assert "too busy" in refused.value.message
+    door.check("m", Tier.PLUS)  # paid goes on to the router
+    door.check("other", Tier.FREE)  # another model's door is open
+    clock.now_s += 1.0
+    door.check("m", Tier.FREE)  # the retry time has come: open again
+
+
+def test_the_door_closes_for_at_most_max_closed_s_however_far_the_routers_retry_time():
+    clock = Clock()
+    door = Door(max_closed_s=2.0, clock=clock)
+    door.refused("m", Tier.FREE, "overloaded", 30.0, "full")
+    clock.now_s += 1.9
+    with pytest.raises(Unavailable) as refused:
+        door.check("m", Tier.FREE)
+    assert refused.value.retry_after_s == pytest.approx(28.1)  # the router's word, not the door's
+    clock.now_s += 0.2
+    door.check("m", Tier.FREE)
+
+
+def test_paid_refusals_and_other_codes_leave_the_door_open():
+    door = Door(clock=Clock())
+    door.refused("m", Tier.PLUS, "overloaded", 5.0, "full")
+    door.refused("m", Tier.FREE, "prompt_too_long", 5.0, "long")
+    door.refused("m", Tier.FREE, "overloaded", 0.0, "no time given")
+    door.check("m", Tier.FREE)
