@@ -117,7 +117,7 @@ async def set_answered(redis: Redis, reply_id: str, model: str, route_json: str)
     await redis.eval(_SET_IF_LOGGED, 1, ReplyKeys(reply_id).meta, *fields)
 
 
-# Every field of a reply's meta hash but its request.
+# Every field of a reply's meta hash but its request (which can be large).
 _FIELDS_BUT_REQUEST = (
     "user_id",
     "conversation_id",
@@ -139,48 +139,28 @@ _FIELDS_BUT_REQUEST = (
 )
 
 
+def _without_request(reply_id: str, values: Sequence[bytes | str | None]) -> ReplyMeta | None:
+    """The meta from an HMGET of _FIELDS_BUT_REQUEST; None when the hash is gone (no status)."""
+    fields: dict[bytes | str, bytes | str] = {
+        name.encode(): value for name, value in zip(_FIELDS_BUT_REQUEST, values, strict=True) if value is not None
+    }
+    return ReplyMeta.from_hash(reply_id, fields) if b"status" in fields else None
+
+
 async def load_reply(redis: Redis, reply_id: str, *, with_request: bool = True) -> ReplyMeta | None:
     """The reply's meta; None when its log is gone. `with_request=False` leaves out the request
     (the whole prompt's tokens), for a caller that only streams the reply."""
     key = ReplyKeys(reply_id).meta
-    if with_request:
-        fields = await redis.hgetall(key)
-        return ReplyMeta.from_hash(reply_id, fields) if fields else None
-    values = await redis.hmget(key, _FIELDS_BUT_REQUEST)
-    found: dict[bytes | str, bytes | str] = {
-        name.encode(): value for name, value in zip(_FIELDS_BUT_REQUEST, values, strict=True) if value is not None
-    }
-    return ReplyMeta.from_hash(reply_id, found) if found else None
-
-
-# Everything of a reply's meta but the request (which can be large), for what looks at many replies often.
-_STATE_FIELDS = (
-    "status",
-    "created_ms",
-    "finished_ms",
-    "last_seq",
-    "track_readers",
-    "epoch",
-    "continuations",
-    "continued_ms",
-    "last_event_ms",
-    "cancel_sent_ms",
-    "gap_since_ms",
-    "conversation_id",
-    "message_id",
-)
+    if not with_request:
+        return _without_request(reply_id, await redis.hmget(key, _FIELDS_BUT_REQUEST))
+    fields = await redis.hgetall(key)
+    return ReplyMeta.from_hash(reply_id, fields) if fields else None
 
 
 async def load_reply_states(redis: Redis, reply_ids: Sequence[str]) -> dict[str, ReplyMeta | None]:
     """The meta of many replies in one round trip, without their requests; None for one that is gone."""
     async with redis.pipeline(transaction=False) as pipe:
         for reply_id in reply_ids:
-            pipe.hmget(ReplyKeys(reply_id).meta, _STATE_FIELDS)
+            pipe.hmget(ReplyKeys(reply_id).meta, _FIELDS_BUT_REQUEST)
         rows = await pipe.execute()
-    states: dict[str, ReplyMeta | None] = {}
-    for reply_id, values in zip(reply_ids, rows, strict=True):
-        fields: dict[bytes | str, bytes | str] = {
-            name.encode(): value for name, value in zip(_STATE_FIELDS, values, strict=True) if value is not None
-        }
-        states[reply_id] = ReplyMeta.from_hash(reply_id, fields) if b"status" in fields else None
-    return states
+    return {reply_id: _without_request(reply_id, values) for reply_id, values in zip(reply_ids, rows, strict=True)}
