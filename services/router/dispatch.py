@@ -36,6 +36,10 @@ class DispatchConfig:
     handoff_outcome_timeout_s: float = 300.0
     # Suggested to the caller when a worker was silent or unreachable (it may be back soon).
     retry_after_s: float = 2.0
+    # How long the answer to a new reply placed on decode workers (local prefill) waits for one to
+    # take it: a reply every worker refuses within it is refused to the caller (503 at the door),
+    # not accepted and then ended with an error event after the client's 200.
+    answer_wait_s: float = 1.0
 
 
 class AssignFailed(Exception):

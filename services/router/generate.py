@@ -1,8 +1,13 @@
-"""`tandem.v1.generate`: admit or refuse at once, answer with the reply id, then hand the reply
-over in the background: to a prefill worker naming the chosen decode worker when the uncached
-prompt is long (disaggregated), else to the decode worker itself (local prefill). If no prefill
-worker takes it, the decode workers are offered it with local prefill. A handoff that fails comes
-back (HandoffOutcome) and the reply is placed again without that decode worker.
+"""`tandem.v1.generate`: admit or refuse, answer with the reply id, and hand the reply over in the
+background: to a prefill worker naming the chosen decode worker when the uncached prompt is long
+(disaggregated), else to the decode worker itself (local prefill). If no prefill worker takes it,
+the decode workers are offered it with local prefill. A handoff that fails comes back
+(HandoffOutcome) and the reply is placed again without that decode worker.
+
+A new reply placed on decode workers is answered once one of them took it, or once every one
+refused it (then the answer is the refusal: the caller says 503 at the door, with the soonest
+worker's retry time), waiting at most `answer_wait_s`; after that it is answered as accepted, and
+a placement that fails later ends the reply with an error event, as every failed handoff does.
 
 Every assignment of a reply carries the request's owner epoch (0 for a new reply, one more for each
 continuation the relay makes), and so does any final event the router ends a reply with; those go
@@ -14,9 +19,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from services.router import metrics
@@ -117,11 +123,42 @@ class GenerateService:
             log.warning("dropped a generate message without a reply subject (send it as a request)")
             return
         reply, job = self.handle(msg.data)
-        await msg.respond(encode(reply))
+        answer = self._placement_answer(job) if job is not None else None
         if job is not None:
-            task = asyncio.create_task(self.dispatch(job), name=f"dispatch:{job.assignment.reply_id}")
-            self._dispatching.add(task)
-            task.add_done_callback(self._dispatching.discard)
+            self._spawn(self.dispatch(job, answer), f"dispatch:{job.assignment.reply_id}")
+        if answer is None:
+            await msg.respond(encode(reply))
+        else:  # in a task: NATS hands this subscription its messages one at a time
+            self._spawn(self._answer_placed(msg, reply, answer), f"answer:{reply.reply_id}")
+
+    def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._dispatching.add(task)
+        task.add_done_callback(self._dispatching.discard)
+
+    async def _answer_placed(self, msg: Msg, accepted: GenerateReply, answer: asyncio.Future[Refusal | None]) -> None:
+        refusal = await self._await_placement(answer)
+        try:
+            await msg.respond(encode(self._refuse(refusal) if refusal is not None else accepted))
+        except nats.errors.Error as exc:  # the caller times out and cancels what it asked for
+            log.warning("could not answer the generate request of reply %s: %s", accepted.reply_id, exc)
+
+    def _placement_answer(self, job: Job) -> asyncio.Future[Refusal | None] | None:
+        """What the caller's answer waits for: a new reply placed on decode workers gets a future
+        the placement settles (None: a worker took it); a remote prefill or a continuation, none."""
+        if job.remote is not None or job.assignment.request.resume_reply_id:
+            return None
+        return asyncio.get_running_loop().create_future()
+
+    async def _await_placement(self, answer: asyncio.Future[Refusal | None]) -> Refusal | None:
+        """The placement's refusal, if it came within answer_wait_s; past that the reply is taken as
+        accepted (the future settled None), so a later failure ends it with an error event."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), self._config.answer_wait_s)
+        except TimeoutError:
+            if not answer.done():
+                answer.set_result(None)
+            return None
 
     def handle(self, data: bytes) -> tuple[GenerateReply, Job | None]:
         """The answer to one generate payload, and the dispatch job when it was admitted."""
@@ -235,10 +272,19 @@ class GenerateService:
         log.info("refused a generate request: %s: %s", refusal.reason, refusal.message)
         return GenerateReply(refused=refusal)
 
-    async def dispatch(self, job: Job) -> None:
+    async def dispatch(self, job: Job, answer: asyncio.Future[Refusal | None] | None = None) -> None:
         """Places the reply until it runs: a failed handoff (the decode worker full, gone, or the
         transfer broken) comes back here and the reply is placed again without that decode worker,
-        at most `max_handoff_attempts` times; then it ends with an error event."""
+        at most `max_handoff_attempts` times; then it ends with an error event. `answer`, while
+        unsettled: the caller still waits, and a local placement every worker refuses is settled
+        with the refusal instead of an error event; anything else settles it None."""
+        try:
+            await self._dispatch(job, answer)
+        finally:
+            if answer is not None and not answer.done():
+                answer.set_result(None)
+
+    async def _dispatch(self, job: Job, answer: asyncio.Future[Refusal | None] | None) -> None:
         failures: list[str] = []
         excluded: set[str] = set()
         while True:
@@ -259,7 +305,7 @@ class GenerateService:
                         continue
                     await self._end_failed(job.assignment, failures)
                     return
-            await self._dispatch_local(job)
+            await self._dispatch_local(job, answer)
             return
 
     async def _dispatch_remote(self, job: Job) -> str | _HandoffFailed:
@@ -287,8 +333,9 @@ class GenerateService:
         detail = f"{outcome.prefill_worker_id} -> {outcome.decode_worker_id}: {outcome.reason}: {outcome.message}"
         return _HandoffFailed(outcome.decode_worker_id, continuation(job.assignment, list(outcome.published_token_ids)), detail)
 
-    async def _dispatch_local(self, job: Job) -> None:
-        """Offers the reply to its decode workers in order; if none takes it, it ends with an error event."""
+    async def _dispatch_local(self, job: Job, answer: asyncio.Future[Refusal | None] | None = None) -> None:
+        """Offers the reply to its decode workers in order; if none takes it, it is refused to the
+        caller still waiting on `answer`, or else ends with an error event."""
         assignment = job.assignment
         num_tokens = num_context_tokens(assignment.request)
         result = await dispatch(
@@ -309,10 +356,14 @@ class GenerateService:
             return
         moved = self._moved_when_full(job, result)
         if moved is not None:
-            await self._dispatch_local(moved)
+            await self._dispatch_local(moved, answer)
             return
         metrics.DISPATCH_FAILURES.inc()
         event = failure_event(assignment, result, self._config)
+        if answer is not None and not answer.done():  # the caller hears it as a refusal: nothing to end
+            log.info("reply %s refused at placement (%s): %s", assignment.reply_id, event.error.code, result.describe())
+            answer.set_result(Refusal(reason=event.error.code, message=event.error.message, retry_after_s=event.error.retry_after_s))
+            return
         log.warning("reply %s failed (%s): %s", assignment.reply_id, event.error.code, result.describe())
         await self._publish_event(event)
 

@@ -283,28 +283,17 @@ async def test_silent_and_unsubscribed_workers_are_skipped(router, stand_in, nc)
     assert (await acceptor.next_assignment()).reply_id == reply.reply_id  # after the 2 s timeout
 
 
-async def test_when_every_worker_refuses_the_reply_ends_with_an_error_event(router, stand_in, nc):
+async def test_a_reply_every_worker_refuses_is_refused_to_the_caller_with_their_reason(router, stand_in, nc):
+    """Its answer waits for the placement: the client gets a refusal at the door (503), not an
+    accepted reply that then ends with an error event."""
     first, second = await stand_in(REFUSE), await stand_in(REFUSE, num_running=1)
     await wait_until_router_lists(router, first, second)
-    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    async def on_event(msg: Msg) -> None:
-        await events.put(decode(msg.data, TokenEvent))
-
-    subscription = await nc.subscribe(subjects.FINALS_ALL, cb=on_event)  # the router's own final events
-    await nc.flush()
-    try:
-        reply = await ask_accepted(nc, generate_request())
-        event = await asyncio.wait_for(events.get(), WAIT_S)
-        while event.reply_id != reply.reply_id:  # another test's leftovers never match a fresh id
-            event = await asyncio.wait_for(events.get(), WAIT_S)
-    finally:
-        await subscription.unsubscribe()
-    assert (event.seq, event.finish) == (1, FINISH_REASON_ERROR)
-    assert event.error.code == "overloaded"
-    assert first.instance_id not in event.error.message and second.instance_id not in event.error.message
-    assert event.error.retry_after_s == 1.5
-    assert (await first.next_assignment()).reply_id == (await second.next_assignment()).reply_id == reply.reply_id
+    request = generate_request(reply_id=uuid.uuid4().hex)
+    refusal = await ask_refused(nc, request)
+    assert refusal.reason == "overloaded"
+    assert first.instance_id not in refusal.message and second.instance_id not in refusal.message
+    assert refusal.retry_after_s == 1.5
+    assert (await first.next_assignment()).reply_id == (await second.next_assignment()).reply_id == request.reply_id
 
 
 async def test_a_continuation_is_assigned_in_its_epoch_and_the_routers_error_goes_through_the_token_stream(router, stand_in, nc):
@@ -435,30 +424,21 @@ async def final_event_of(events: asyncio.Queue[TokenEvent], reply_id: str) -> To
     return event
 
 
-async def test_workers_whose_queues_are_full_end_the_reply_overloaded_and_then_the_door_refuses_the_lane(router, stand_in, nc):
+async def test_workers_whose_queues_are_full_refuse_the_reply_overloaded_and_then_the_door_refuses_the_lane(router, stand_in, nc):
     first, second = await stand_in(QUEUE_FULL, retry_after_s=30.0), await stand_in(QUEUE_FULL, retry_after_s=20.0)
     await wait_until_router_lists(router, first, second)
-    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    async def on_event(msg: Msg) -> None:
-        await events.put(decode(msg.data, TokenEvent))
-
-    subscription = await nc.subscribe(subjects.FINALS_ALL, cb=on_event)  # the router's own final events
-    await nc.flush()
-    try:
-        reply = await ask_accepted(nc, generate_request(lane=LANE_FREE))  # the heartbeats expect no wait
-        event = await final_event_of(events, reply.reply_id)
-    finally:
-        await subscription.unsubscribe()
-    assert (event.finish, event.error.code) == (FINISH_REASON_ERROR, "overloaded")
-    assert event.error.retry_after_s == 20.0  # the soonest either worker gave
+    offered = generate_request(lane=LANE_FREE, reply_id=uuid.uuid4().hex)
+    refusal = await ask_refused(nc, offered)  # the heartbeats expect no wait: both are offered it
+    assert (refusal.reason, refusal.retry_after_s) == ("overloaded", 20.0)  # the soonest either worker gave
     # Both refused free work: the next free request is refused at the door, with the soonest ETA.
     refusal = await ask_refused(nc, generate_request(lane=LANE_FREE))
     assert refusal.reason == "overloaded"
     assert 10.0 < refusal.retry_after_s <= 20.0
     assert "free" in refusal.message
-    paid = await ask_accepted(nc, generate_request(lane=LANE_PAID))  # paid was not refused
-    assert (await first.next_assignment()).reply_id == reply.reply_id
+    # Paid is not refused at the door: it is offered to the workers (which, here, refuse every lane).
+    paid = generate_request(lane=LANE_PAID, reply_id=uuid.uuid4().hex)
+    assert "free" not in (await ask_refused(nc, paid)).message
+    assert (await first.next_assignment()).reply_id == offered.reply_id
     assert paid.reply_id in {(await first.next_assignment()).reply_id, (await second.next_assignment()).reply_id}
 
 
