@@ -280,7 +280,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=4, help="client processes")
     parser.add_argument("--capacity", type=int, help="TANDEM_MAX_STREAMS of the 2x phase (default: --streams; 0 skips it)")
     parser.add_argument("--max-connecting", type=int, default=128, help="connections awaiting their answer, per process")
-    parser.add_argument("--quick", action="store_true", help="smoke sizes: 200 streams, 2 replies of 128 tokens (they outlast the opening of the streams, so some events are timed live), 2 clients, capacity 50")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke sizes: 200 streams, 2 replies of 128 tokens (they outlast the opening of the streams, so some events are timed live), 2 clients, capacity 50",
+    )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the numbers as JSON here")
     parser.add_argument("--log", default="", help="write the stack's log (every process's output) here")
