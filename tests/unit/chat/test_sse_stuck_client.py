@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from services.chat.sse import StreamResponse
+from tandem.devstack.proc import free_port
 from tandem.runtime.app import TandemApp
 
 CHUNK = b"data: " + b"x" * 65536 + b"\r\n\r\n"
@@ -44,12 +45,6 @@ def build_app(served: Served) -> TandemApp:
         return response
 
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture
