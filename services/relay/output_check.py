@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -29,10 +32,20 @@ START_TIMEOUT_S = 120.0  # spawning the child, importing scikit-learn and loadin
 _CHECKS: dict[str, TextCheck | None] = {}  # in the child: the check each spec names, loaded once
 
 
-def _ignore_interrupts() -> None:
+def _in_child() -> None:
     """In the child: Ctrl-C to the process group (make run, tandem up) is the relay's to handle; the
-    relay's stop shuts the child down."""
+    relay's stop shuts the child down. A relay that dies without stopping (kill -9, the OOM killer)
+    takes the child with it: the child holds both ends of its call queue's pipe, so it would wait
+    on that queue forever, an orphan."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="exit-with-relay", daemon=True).start()
+
+
+def _exit_with(parent_sentinel: int) -> None:
+    multiprocessing.connection.wait([parent_sentinel])  # readable once the relay is gone
+    os._exit(0)
 
 
 def _check_of(spec: str) -> TextCheck | None:
@@ -91,7 +104,7 @@ class CheckProcess:
 
 def _new_executor() -> ProcessPoolExecutor:
     # spawn, not fork: the relay runs threads (its event loop's, redis', NATS'), which a fork would copy mid-step
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupts)
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_in_child)
 
 
 class BatchScorer:

@@ -1,13 +1,18 @@
 """The output check's cadence and window: a check every N tokens (also when an append logs
 several at once, filling a gap), the newest characters only, the tier from the request's lane,
-windows due together scored in one call of the check, and the check loaded in a process of its own."""
+windows due together scored in one call of the check, and the check loaded in a process of its own
+that goes when the relay does."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
+from helpers import REPO, wait_until
 
 from services.relay.moderation import crosses_check, newest_chars, tier_of
 from services.relay.output_check import BatchScorer, CheckProcess
@@ -105,3 +110,40 @@ async def test_the_check_loads_once_in_a_process_of_its_own_and_scores_there():
 def test_a_spec_that_names_no_check_stops_the_relay_at_its_start_naming_the_setting():
     with pytest.raises(StartupError, match="TANDEM_OUTPUT_MODERATION"):
         CheckProcess.start("no_such_module_here:factory")
+
+
+# A relay in miniature: its check process started, its pid printed, then waiting to be killed.
+RELAY_WITH_A_CHECK_PROCESS = """
+import os, sys
+from services.relay.output_check import _new_executor
+print(_new_executor().submit(os.getpid).result(timeout=60), flush=True)
+sys.stdin.read()
+"""
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper that a container may not have)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+async def test_a_relay_killed_with_sigkill_takes_its_check_process_with_it():
+    relay = subprocess.Popen(
+        [sys.executable, "-c", RELAY_WITH_A_CHECK_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, text=True
+    )
+    try:
+        child_pid = int(relay.stdout.readline())
+        assert is_running(child_pid)
+        relay.kill()
+        relay.wait(timeout=10)
+
+        async def gone() -> bool:
+            return not is_running(child_pid)
+
+        await wait_until(gone, timeout_s=10)  # before the fix the child waited on its queue forever
+    finally:
+        relay.kill()
+        relay.wait()
