@@ -49,6 +49,24 @@ class ApiKey:
 _KEY_ENTRY = re.compile(r"^(?P<key>[^\s=,:]+)=(?P<user>[^\s=,:]+):(?P<tier>[^\s=,:]+)$")
 
 
+_CPU_RANGE = re.compile(r"^(?P<first>\d+)(?:-(?P<last>\d+))?$")
+MAX_CPU_ID = 4095
+
+
+def parse_cpu_list(spec: str) -> frozenset[int]:
+    """`0`, `0-3`, `0,2-3` (Linux's cpu list form) -> the CPU ids; "" -> none."""
+    cpus: set[int] = set()
+    for item in (part.strip() for part in spec.split(",")) if spec.strip() else ():
+        match = _CPU_RANGE.match(item)
+        if match is None:
+            raise ValueError(f"{item!r} is not a CPU or a range of CPUs (write 0, 0-3 or 0,2-3)")
+        first, last = int(match["first"]), int(match["last"] or match["first"])
+        if last < first or last > MAX_CPU_ID:
+            raise ValueError(f"{item!r} is not a range of CPUs from low to high, at most {MAX_CPU_ID}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
 def parse_api_keys(spec: str) -> dict[str, ApiKey]:
     """Parses "key1=user1:plus,key2=user2:free"; raises ValueError naming the bad entry."""
     keys: dict[str, ApiKey] = {}
@@ -112,6 +130,8 @@ class Settings(BaseSettings):
     """a worker's tokens per engine step for free and background requests together (paid ones take the rest of the step); a short step lets a paid request arriving during one start soon; unset: no cap of their own"""
     torch_threads: Annotated[int, Field(ge=0)] = 0
     """a worker's CPU threads for torch's kernels; 0: torch's default, one per core (workers sharing a machine's cores should split them)"""
+    cpu_affinity: str = ""
+    """the CPUs this service's process runs on, as `0`, `0-3` or `0,2-3` (Linux); a worker's engine then takes one torch thread per CPU unless torch_threads says otherwise; empty: all the CPUs it is given"""
     ucx_port: int = 0
     """decode workers' UCXX listener for KV handoffs; 0: any free port"""
     kv_lease_s: float = 30.0
@@ -283,6 +303,17 @@ class Settings(BaseSettings):
         if value is not None and not 0 <= value <= 65535:
             raise ValueError(f"{value} is not a TCP port (0-65535)")
         return value
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _check_cpu_affinity(cls, value: str) -> str:
+        parse_cpu_list(value)  # raises ValueError naming what is wrong
+        return value
+
+    @property
+    def cpus(self) -> frozenset[int]:
+        """cpu_affinity's CPUs; empty: no affinity asked for."""
+        return parse_cpu_list(self.cpu_affinity)
 
     @field_validator("heartbeat_interval_s")
     @classmethod

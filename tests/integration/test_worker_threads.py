@@ -1,9 +1,13 @@
 """A worker's engine runs on the torch threads TANDEM_TORCH_THREADS gives it (workers sharing a
-machine's cores split them instead of each taking one per core), on a real decode worker."""
+machine's cores split them instead of each taking one per core), and on the CPUs
+TANDEM_CPU_AFFINITY names, on a real decode worker."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from pathlib import Path
 
 import pytest
 from helpers import service_env, service_process
@@ -20,5 +24,31 @@ def test_a_decode_worker_computes_on_the_torch_threads_it_is_given(nats_server, 
         ready = child.wait_for_line(r"engine ready: .* with (\d+) torch threads", timeout_s=120)
         assert ready is not None, child.recent_output(40)
         assert ready.group(1) == "1"
+    finally:
+        child.stop(timeout_s=10)
+
+
+def cpus_of_every_thread(pid: int) -> set[str]:
+    """Each thread's Cpus_allowed_list, as the kernel reports it."""
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            status = (task / "status").read_text()
+            lists.add(re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.MULTILINE).group(1))
+    return lists
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs and Linux affinity")
+def test_a_decode_worker_pinned_to_one_cpu_runs_every_thread_there_and_computes_on_one_torch_thread(nats_server, redis_server):
+    cpu = max(os.sched_getaffinity(0))
+    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_KV_CACHE_MIB="64", TANDEM_CPU_AFFINITY=str(cpu))
+    env.pop("TANDEM_TORCH_THREADS", None)  # the thread count comes from the affinity
+    child = service_process("decode", env)
+    child.start()
+    try:
+        ready = child.wait_for_line(r"engine ready: .* with (\d+) torch threads", timeout_s=120)
+        assert ready is not None, child.recent_output(40)
+        assert ready.group(1) == "1"
+        assert cpus_of_every_thread(child.pid) == {str(cpu)}
     finally:
         child.stop(timeout_s=10)

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from tandem.config import Settings, load_settings
 from tandem.errors import StartupError
+from tandem.runtime.affinity import pin_process
 from tandem.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: S
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             stream=sys.stdout,
         )
+        pin_process(settings.cpus)  # before the app starts its threads
         app = build_app(settings)
         sock = bind_port(settings.host, settings.http_port_for(role), "TANDEM_HTTP_PORT")
         sock.listen(2048)

@@ -58,7 +58,7 @@ class EngineSpec:
     device: str
     dtype: torch.dtype
     engine: EngineConfig
-    torch_threads: int = 0  # 0: torch's default
+    torch_threads: int = 0  # 0: torch's default (one per core of the machine)
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelFile) -> EngineSpec:
@@ -70,7 +70,9 @@ class EngineSpec:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
         )
-        return cls(model, device, resolve_dtype(settings.dtype, device), engine, settings.torch_threads)
+        # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
+        torch_threads = settings.torch_threads or len(settings.cpus)
+        return cls(model, device, resolve_dtype(settings.dtype, device), engine, torch_threads)
 
 
 class WorkerFailed(Exception):

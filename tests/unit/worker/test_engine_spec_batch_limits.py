@@ -55,3 +55,10 @@ def test_a_limit_below_one_stops_the_process_naming_the_variable(monkeypatch, na
     monkeypatch.setenv(name, "0")
     with pytest.raises(StartupError, match=f"^{name}: Input should be greater than or equal to 1$"):
         load_settings()
+
+
+def test_an_engine_pinned_to_cpus_takes_one_torch_thread_per_cpu_unless_told(monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_AFFINITY", "0,2-3")
+    assert EngineSpec.from_settings(load_settings(device="cpu"), MODEL).torch_threads == 3
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
+    assert EngineSpec.from_settings(load_settings(device="cpu"), MODEL).torch_threads == 1
