@@ -58,7 +58,7 @@ def prompt_of(num_tokens: int) -> list[int]:
     return prompt[:num_tokens]
 
 
-def _worker(role: str, nats_url: str, dtype: str, num_threads: int | None) -> tuple[ChildProcess, str]:
+def _worker(role: str, nats_url: str, dtype: str, num_threads: int | None, cpus: str = "") -> tuple[ChildProcess, str]:
     instance_id = f"{role}-bench-{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(local_service_env(role, nats_url))  # its role's login on the bus, the internal secret
@@ -68,6 +68,8 @@ def _worker(role: str, nats_url: str, dtype: str, num_threads: int | None) -> tu
     )  # fmt: skip
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
+    if cpus:  # its own CPUs, one torch thread each
+        env["TANDEM_CPU_AFFINITY"] = cpus
     child = ChildProcess(role, [sys.executable, "-m", f"services.{role}"], env=env, cwd=str(REPO))
     child.start()
     return child, instance_id
@@ -117,9 +119,9 @@ def _assignment(prompt: list[int]) -> Assignment:
     return Assignment(reply_id=reply_id, request=request, first_seq=1)
 
 
-async def _measure(nats_url: str, prompt: list[int], repeats: int, dtype: str, num_threads: int | None) -> dict:
-    prefill, prefill_id = _worker("prefill", nats_url, dtype, num_threads)
-    decode_child, decode_id = _worker("decode", nats_url, dtype, num_threads)
+async def _measure(nats_url: str, prompt: list[int], repeats: int, dtype: str, num_threads: int | None, cpus: tuple[str, str]) -> dict:
+    prefill, prefill_id = _worker("prefill", nats_url, dtype, num_threads, cpus[0])
+    decode_child, decode_id = _worker("decode", nats_url, dtype, num_threads, cpus[1])
     nc = await nats.connect(nats_url)
     try:
         await _ready(nc, "prefill", prefill_id)
@@ -137,13 +139,14 @@ async def _measure(nats_url: str, prompt: list[int], repeats: int, dtype: str, n
         decode_child.stop(timeout_s=10)
 
 
-def measure_ttft(num_tokens: int, repeats: int, dtype: str, num_threads: int | None) -> dict:
-    """Medians over `repeats` alternating pairs; the JSON fields kv_transfer.py reports."""
+def measure_ttft(num_tokens: int, repeats: int, dtype: str, num_threads: int | None, cpus: tuple[str, str] = ("", "")) -> dict:
+    """Medians over `repeats` alternating pairs; the JSON fields kv_transfer.py reports. `cpus`:
+    the prefill and the decode worker's TANDEM_CPU_AFFINITY (empty: all)."""
     prompt = prompt_of(num_tokens)
     with tempfile.TemporaryDirectory() as workdir:
         server = start_nats(Path(workdir))
         try:
-            runs = asyncio.run(_measure(server.url, prompt, repeats, dtype, num_threads))
+            runs = asyncio.run(_measure(server.url, prompt, repeats, dtype, num_threads, cpus))
         finally:
             server.stop()
 
@@ -161,5 +164,6 @@ def measure_ttft(num_tokens: int, repeats: int, dtype: str, num_threads: int | N
         "remote_second_token_ms": remote_second_ms,
         "ttft_num_prompt_tokens": len(prompt),
         "ttft_repeats": repeats,
+        "worker_cpus": {"prefill": cpus[0] or "all", "decode": cpus[1] or "all"},
         "ttft_runs_ms": {side: [[1e3 * t.ttft_s, 1e3 * t.second_token_s] for t in timings] for side, timings in runs.items()},
     }
