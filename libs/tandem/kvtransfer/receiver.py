@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DRAIN_TURNS = 1000
+# An idle connection's next header is probed for at these intervals, doubling from the first to
+# the last: a transfer that follows another at once starts within a millisecond, one after a pause
+# within _PROBE_MAX_S, and an idle connection wakes the loop ~125 times a second.
+_PROBE_FIRST_S = 0.0005
+_PROBE_MAX_S = 0.008
 TRANSFERS_REFUSED = Counter("tandem_kv_transfers_refused_total", "KV transfers this decode worker refused, by reason", ["reason"])
 
 
@@ -45,6 +50,22 @@ class _Inbound:
     """A transfer being received: forgetting its reply aborts the connection it arrives on."""
 
     endpoint: Endpoint
+
+
+async def _header_arrived(endpoint: Endpoint) -> bool:
+    """Waits until the connection's next header is here (True) or the connection is gone (False).
+
+    Probed, not received: a receive left posted is awaited by ucxx polling it on every loop turn
+    (its default, without Python futures), so an idle connection kept the decode worker's event loop
+    at a full core, taken from its engine, from its first handoff on. (ucxx's Python futures avoid
+    the polling, but crashed the tests' repeated resets in ucxx 0.52.)"""
+    delay_s = _PROBE_FIRST_S
+    while not endpoint.tag_probe(wire.HEADER_TAG).matched:
+        if endpoint.closed:
+            return False
+        await asyncio.sleep(delay_s)
+        delay_s = min(2 * delay_s, _PROBE_MAX_S)
+    return True
 
 
 class KvReceiver:
@@ -148,6 +169,9 @@ class KvReceiver:
             while True:
                 header = np.empty(wire.HEADER_BYTES, np.uint8)
                 try:
+                    if not await _header_arrived(endpoint):
+                        log.debug("KV connection closed")
+                        return
                     await endpoint.recv(header, tag=wire.HEADER_TAG)
                 except Exception as exc:  # closed by the peer or by us, or a message of the wrong size
                     log.debug("KV connection closed: %s: %s", type(exc).__name__, exc)
