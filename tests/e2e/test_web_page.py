@@ -360,6 +360,12 @@ async def test_reload_mid_reply_attaches_to_the_running_reply(product_stack, con
     page = await signed_in_page(context, product_stack.url)
     await send_long(page)
     await wait_for_first_words(page, answers(page).last)
+
+    async def streamed_in_steps():  # the running text seen at two lengths at least, not in one late block
+        growth = await page.evaluate("window.__growth")
+        return growth if len(growth) >= 2 else None
+
+    await wait_until(streamed_in_steps, timeout_s=REPLY_TIMEOUT_MS / 1000)
     attached_from = []
     page.on(
         "request",
@@ -373,9 +379,6 @@ async def test_reload_mid_reply_attaches_to_the_running_reply(product_stack, con
     assert conversation["messages"][-1]["status"] == "complete"
     assert await source_of(answer) == conversation["messages"][-1]["content"]
     assert attached_from[:1] == ["0"], f"the page did not attach to the running reply: {attached_from}"
-    # (a short answer may come in one block on a busy machine; this one runs for seconds after the reload)
-    growth = await page.evaluate("window.__growth")
-    assert len(growth) >= 2, f"the reply did not stream in: its text went through lengths {growth}"
 
 
 async def test_a_refused_send_shows_why_and_gives_the_text_back(product_stack, context):
