@@ -7,25 +7,41 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import service_env, service_process
 
+from tandem.devstack.proc import ChildProcess
+
 pytestmark = pytest.mark.real_model
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is one thread already")
-def test_a_decode_worker_computes_on_the_torch_threads_it_is_given(nats_server, redis_server):
-    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_KV_CACHE_MIB="64", TANDEM_TORCH_THREADS="1")
+@contextlib.contextmanager
+def decode_worker(nats_server, redis_server, **env_changes: str | None) -> Iterator[tuple[ChildProcess, int]]:
+    """A decode worker with `env_changes` (None removes a variable), once its engine is ready, and
+    the torch threads it says it computes on."""
+    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_KV_CACHE_MIB="64")
+    for name, value in env_changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     child = service_process("decode", env)
     child.start()
     try:
         ready = child.wait_for_line(r"engine ready: .* with (\d+) torch threads", timeout_s=120)
         assert ready is not None, child.recent_output(40)
-        assert ready.group(1) == "1"
+        yield child, int(ready.group(1))
     finally:
         child.stop(timeout_s=10)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is one thread already")
+def test_a_decode_worker_computes_on_the_torch_threads_it_is_given(nats_server, redis_server):
+    with decode_worker(nats_server, redis_server, TANDEM_TORCH_THREADS="1") as (_, num_threads):
+        assert num_threads == 1
 
 
 def cpus_of_every_thread(pid: int) -> set[str]:
@@ -41,14 +57,7 @@ def cpus_of_every_thread(pid: int) -> set[str]:
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs and Linux affinity")
 def test_a_decode_worker_pinned_to_one_cpu_runs_every_thread_there_and_computes_on_one_torch_thread(nats_server, redis_server):
     cpu = max(os.sched_getaffinity(0))
-    env = service_env("decode", nats_server.url, redis_server.url, TANDEM_KV_CACHE_MIB="64", TANDEM_CPU_AFFINITY=str(cpu))
-    env.pop("TANDEM_TORCH_THREADS", None)  # the thread count comes from the affinity
-    child = service_process("decode", env)
-    child.start()
-    try:
-        ready = child.wait_for_line(r"engine ready: .* with (\d+) torch threads", timeout_s=120)
-        assert ready is not None, child.recent_output(40)
-        assert ready.group(1) == "1"
+    # no TANDEM_TORCH_THREADS: the thread count comes from the affinity
+    with decode_worker(nats_server, redis_server, TANDEM_CPU_AFFINITY=str(cpu), TANDEM_TORCH_THREADS=None) as (child, num_threads):
+        assert num_threads == 1
         assert cpus_of_every_thread(child.pid) == {str(cpu)}
-    finally:
-        child.stop(timeout_s=10)
