@@ -3,6 +3,7 @@ CPU the process may not use, and applied to every thread of the process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 
@@ -40,8 +41,6 @@ def test_a_cpu_the_process_may_not_use_is_a_startup_error():
 @needs_affinity
 def test_every_thread_already_running_and_every_new_one_is_pinned():
     """In a child process of its own (pinning the test runner would slow every later test)."""
-    import multiprocessing
-
     context = multiprocessing.get_context("spawn")
     cpu = min(os.sched_getaffinity(0))
     with context.Pool(1) as pool:
