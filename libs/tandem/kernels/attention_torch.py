@@ -21,11 +21,16 @@ must hold finite values everywhere (allocate it zeroed; the model's own K and V 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels.attention_reference import write_kv
 from tandem.kernels.metadata import AttentionMetadata
+
+# decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale): decode_attention's signature
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 # Gathered K and V per decode chunk on CPU: about what stays in cache from gather to SDPA.
 _CPU_DECODE_CHUNK_BYTES = 3 << 20
@@ -43,7 +48,7 @@ def paged_attention_torch(
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
         return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale)
-    return _mixed_attention(q, k_cache, v_cache, meta, scale)
+    return mixed_attention(q, k_cache, v_cache, meta, scale)
 
 
 def decode_attention(
@@ -188,7 +193,16 @@ def _padded_context(gathered: torch.Tensor, seq_len: int, length: int, num_kv_he
     return context.transpose(0, 1)
 
 
-def _mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def mixed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode: DecodeFn = decode_attention,
+) -> torch.Tensor:
+    """A step with prefill chunks: its decode rows together through `decode`, each chunk through
+    prefill_chunk_attention."""
     # One host read: where each sequence's rows start and how long its context is.
     num_seqs = meta.num_seqs
     host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).tolist()
@@ -199,7 +213,7 @@ def _mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if decode_seqs:
         index = torch.tensor(decode_seqs, device=q.device)
         rows = torch.tensor([starts[s] for s in decode_seqs], device=q.device)
-        decoded = decode_attention(
+        decoded = decode(
             q.index_select(0, rows),
             k_cache,
             v_cache,

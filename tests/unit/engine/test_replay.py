@@ -16,7 +16,7 @@ from tandem.engine.runner import Rows, Runner, forward_passes
 from tandem.engine.sampling import Sampler
 from tandem.engine.sequence import SamplingOptions, Sequence
 from tandem.engine.step_plan import ScheduledChunk, StepPlan
-from tandem.kernels import select_attention
+from tandem.kernels import cpu_extension, paged_attention_cpu, select_attention
 from tandem.kernels.attention_torch import paged_attention_torch
 from tandem.kernels.metadata import KvCacheShape
 from tandem.models.loader import LoadedModel, load_model
@@ -86,12 +86,18 @@ def kv_of(kv_cache: torch.Tensor, seq: Sequence, num_tokens: int) -> torch.Tenso
     return blocks.permute(0, 3, 1, 2, 4, 5).flatten(0, 1)[:num_tokens]
 
 
+CPU_BACKENDS = {"torch": paged_attention_torch, "cpp": paged_attention_cpu}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=CPU_BACKENDS)
 @pytest.mark.parametrize("num_generated", [1, 17, 40])
-def test_a_recomputed_generated_token_gets_the_bits_its_decode_step_gave_it(num_generated):
-    """Tiny random model in bf16 on the CPU backend: prefill then decode one token at a time, versus
+def test_a_recomputed_generated_token_gets_the_bits_its_decode_step_gave_it(num_generated, backend):
+    """Tiny random model in bf16 on each CPU backend: prefill then decode one token at a time, versus
     the prompt and those tokens prefilled as one chunk on another cache and other blocks."""
+    if backend == "cpp" and not cpu_extension.load():
+        pytest.skip("the C++ CPU kernels do not build here")
     config = tiny_config(vocab_size=512, max_position_embeddings=1024)
-    model = random_model(config, seed=0, attention=paged_attention_torch, dtype=torch.bfloat16).eval()
+    model = random_model(config, seed=0, attention=CPU_BACKENDS[backend], dtype=torch.bfloat16).eval()
     shape = KvCacheShape(64, config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim).as_tuple()
     prompt = [(7 * i) % 509 + 3 for i in range(37)]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from paged_batches import DECODE_ONLY, LONG_DECODE, LONG_MIXED, MIXED, PREFILL_ONLY, fill_unowned_slots, make_step
 
-from tandem.kernels import attention_torch, paged_attention_reference, paged_attention_torch, select_attention
+from tandem.kernels import attention_torch, paged_attention_reference, paged_attention_torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 BATCHES = {
@@ -74,10 +74,6 @@ def test_decode_padding_bound_above_longest_context_changes_nothing() -> None:
     step.meta = dataclasses.replace(step.meta, block_tables=wider_tables, max_seq_len=step.meta.max_seq_len + 50)
     out, _ = step.run(paged_attention_torch)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
-
-
-def test_select_attention_uses_the_torch_path_off_cuda() -> None:
-    assert select_attention("cpu") is paged_attention_torch
 
 
 def test_query_blocks_are_whole_aligned_blocks_of_64_below_512_and_256_from_there() -> None:

@@ -1,0 +1,192 @@
+// Paged attention for decode rows on the CPU, reading K and V in place through the block table
+// (no gather copy, no padding), and the KV write of a step's new tokens. Built and loaded by
+// cpu_extension.py; registered as torch.ops.tandem.*.
+//
+// Work split: one task per (sequence, kv head); the `group` query heads sharing that kv head are
+// computed together, so each K and V row is read once. A task's arithmetic is float32 in a fixed
+// order whatever the batch, so a row gets the same bits alone or in any company.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// e^x for x <= 0 (a softmax's shifted scores), written so the compiler vectorizes a loop of it:
+// x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error about
+// 2e-7), 2^n put in the exponent bits. Below -87 the result is 0, as expf's underflows to.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float n = std::floor(clamped * 1.44269504f + 0.5f);
+  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f + r * (8.33333333e-3f + r * 1.38888889e-3f)))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
+                   const at::Tensor& block_tables, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  const int64_t os = out.stride(0), oh = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+
+  // Each thread takes the next task until none is left: contexts of mixed lengths spread evenly.
+  const int64_t num_tasks = num_seqs * num_kv_heads;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> queries(group * head_dim), rows(block_size * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = lens[s];
+      const int32_t* table = tables + s * table_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        float* qg = queries.data() + g * head_dim;
+        to_float(q_ptr + s * qs + (h * group + g) * qh, qg, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qg[d] *= fscale;
+      }
+      // scores[g * len + t] = q_g . k_t, a block of K rows at a time
+      scores.resize(group * len);
+      for (int64_t first = 0; first < len; first += block_size) {
+        const int64_t count = std::min(block_size, len - first);
+        const T* block = k_ptr + table[first / block_size] * kb + h * kh;
+        for (int64_t i = 0; i < count; ++i) to_float(block + i * ks, rows.data() + i * head_dim, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = queries.data() + g * head_dim;
+          for (int64_t i = 0; i < count; ++i) {
+            const float* key = rows.data() + i * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
+            scores[g * len + first + i] = dot;
+          }
+        }
+      }
+      std::vector<float> totals(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, sg[t]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = exp_nonpositive(sg[t] - peak);
+          total += sg[t];
+        }
+        totals[g] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t first = 0; first < len; first += block_size) {
+        const int64_t count = std::min(block_size, len - first);
+        const T* block = v_ptr + table[first / block_size] * vb + h * vh;
+        for (int64_t i = 0; i < count; ++i) to_float(block + i * vs, rows.data() + i * head_dim, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float* ag = acc.data() + g * head_dim;
+          const float* pg = scores.data() + g * len + first;
+          for (int64_t i = 0; i < count; ++i) {
+            const float p = pg[i];
+            const float* value = rows.data() + i * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * value[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out_ptr + s * os + (h * group + g) * oh;
+        const float inverse = 1.f / totals[g];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d] * inverse);
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(cache.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name, " must be (blocks, block_size, kv_heads, head_dim) with unit last stride");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), name, " dtype must equal q's");
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
+                        const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU (seqs, heads, head_dim) tensor with unit last stride");
+  check_cache(k_cache, q, "k_cache");
+  check_cache(v_cache, q, "v_cache");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.sizes() == k_cache.sizes(), "cache shapes must match q's head_dim and each other");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0), "seq_lens: int32, one per sequence");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == q.size(0),
+              "block_tables: int32 (seqs, max_blocks) with unit last stride");
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode",
+                                  [&] { decode_kernel<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out); });
+  return out;
+}
+
+// k_cache[slot / block_size, slot % block_size] = k[token] for each new token's slot, and v alike.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_cache(k_cache, k, "k_cache");
+  check_cache(v_cache, v, "v_cache");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "k and v must be (tokens, kv_heads, head_dim) of the cache's heads");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0),
+              "slot_mapping: int64, one per token");
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t token = 0; token < k.size(0); ++token)
+    TORCH_CHECK(slots[token] >= 0 && slots[token] < num_slots, "slot ", slots[token], " outside the cache's ", num_slots);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have unit last stride");
+  const int64_t num_kv_heads = k.size(1), row_bytes = k.size(2) * k.element_size();
+  auto copy_rows = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(cache.data_ptr());
+    const int64_t item = src.element_size();
+    for (int64_t token = 0; token < src.size(0); ++token) {
+      const int64_t block = slots[token] / block_size, offset = slots[token] % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        std::memcpy(to + (block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2)) * item,
+                    from + (token * src.stride(0) + h * src.stride(1)) * item, row_bytes);
+    }
+  };
+  copy_rows(k, k_cache);
+  copy_rows(v, v_cache);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { 
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv", &write_kv);
+}
