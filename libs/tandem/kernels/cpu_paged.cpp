@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -144,6 +145,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0), "seq_lens: int32, one per sequence");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == q.size(0),
               "block_tables: int32 (seqs, max_blocks) with unit last stride");
+  // Every block a context covers must be in the cache: the kernel reads them unchecked.
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= block_tables.size(1) * block_size, "sequence ", s, ": context of ", lens[s], " tokens outside its block table");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[s * block_tables.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block ", block, " outside the cache's ", num_blocks);
+    }
+  }
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode",
                                   [&] { decode_kernel<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out); });
@@ -179,14 +191,109 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   copy_rows(v, v_cache);
 }
 
+// RMSNorm as models/layers.RMSNorm computes it, one row per token: the row's mean square in
+// float32, the row scaled by its reciprocal root in float32 and rounded to the dtype, then
+// multiplied by the weight (the product rounded to the dtype). A row's bits depend on it alone.
+template <typename T>
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  const T* w_ptr = weight.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x_ptr + r * width, row.data(), width);
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + feps);
+      T* dst = out_ptr + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const T normed = static_cast<T>(row[i] * inverse);
+        dst[i] = static_cast<T>(static_cast<float>(w_ptr[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU (tokens, hidden) tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be (hidden,) in x's dtype");
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] { rms_norm_kernel<scalar_t>(x, weight, eps, out); });
+  return out;
+}
+
+// q and k of a fused qkv projection's output (tokens, (heads + 2 kv_heads) * head_dim), rotated
+// as models/rotary.apply_rotary does ("rotate_half": dimension i pairs with i + head_dim/2, in
+// float32, rounded to the dtype; bit for bit apply_rotary's), each returned contiguous: (tokens,
+// heads, head_dim) and (tokens, kv_heads, head_dim). cos and sin: (tokens, 1, head_dim/2) float32.
+// Products rounded before the sum (no fused multiply-add), as torch's elementwise ops compute them.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_pairs(const float* first, const float* second, const float* c, const float* s, T* dst,
+                                                                int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    dst[i] = static_cast<T>(first[i] * c[i] - second[i] * s[i]);
+    dst[half + i] = static_cast<T>(second[i] * c[i] + first[i] * s[i]);
+  }
+}
+
+template <typename T>
+void rotary_kernel(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q, at::Tensor& k) {
+  const int64_t tokens = qkv.size(0), num_heads = q.size(1), num_kv_heads = k.size(1), head_dim = q.size(2), half = head_dim / 2;
+  const T* src = qkv.data_ptr<T>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
+  T* q_ptr = q.data_ptr<T>();
+  T* k_ptr = k.data_ptr<T>();
+  const int64_t src_stride = qkv.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> first(half), second(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_ptr + t * cos_stride;
+      const float* s = sin_ptr + t * sin_stride;
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
+        const T* in = src + t * src_stride + head * head_dim;
+        T* dst = head < num_heads ? q_ptr + (t * num_heads + head) * head_dim : k_ptr + (t * num_kv_heads + head - num_heads) * head_dim;
+        to_float(in, first.data(), half);
+        to_float(in + half, second.data(), half);
+        rotate_pairs(first.data(), second.data(), c, s, dst, half);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                                             int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CPU (tokens, width) tensor with unit last stride");
+  const int64_t head_dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim * (num_heads + 2 * num_kv_heads) == qkv.size(1), "qkv's width must be (heads + 2 kv_heads) * even head_dim");
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->dim() == 3 && table->size(0) == qkv.size(0) && table->size(1) == 1 &&
+                    table->size(2) == head_dim / 2 && table->stride(2) == 1,
+                "cos and sin must be float32 (tokens, 1, head_dim/2) with unit last stride");
+  at::Tensor q = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({qkv.size(0), num_kv_heads, head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_qk", [&] { rotary_kernel<scalar_t>(qkv, cos, sin, q, k); });
+  return {q, k};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { 
   m.impl("paged_decode", &paged_decode);
   m.impl("write_kv", &write_kv);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_qk", &rotary_qk);
 }

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import cpu_extension
+
 # On CPU, oneDNN's bf16 matmul rounds a row differently once a call has enough rows (the
 # SmolLM2 MLP's 1536-wide down projection from 130 rows on, with 2 threads; about 5 % of rows
 # change by an ulp): a decode row that shares a step with a prefill chunk would come out unlike
@@ -18,6 +20,13 @@ from torch import nn
 # torch 2.10: the 1536-wide down projection, one row in four), so a single row is computed as
 # two (itself twice) and the first is kept.
 CPU_ROWS_PER_MATMUL = 128
+
+
+def has_cpu_kernels(x: torch.Tensor) -> bool:
+    """x is on the CPU and the C++ kernels (tandem.kernels.cpu_extension) serve here: the norm and
+    the rotation then take one call each instead of about ten torch ops (a third of a decode
+    step's time at one row)."""
+    return x.device.type == "cpu" and cpu_extension.load()
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +58,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous() and x.dtype == self.weight.dtype and has_cpu_kernels(x):
+            return torch.ops.tandem.rms_norm(x, self.weight, self.eps)  # the same computation in one call
         # Statistics in float32 (bf16 sums of squares drift), scaled in the model's dtype as
         # Hugging Face does, so logits match theirs.
         x32 = x.float()

@@ -21,7 +21,7 @@ from torch import nn
 
 from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
-from tandem.models.layers import RMSNorm, SwiGLUMLP, project
+from tandem.models.layers import RMSNorm, SwiGLUMLP, has_cpu_kernels, project
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -53,7 +53,11 @@ class LlamaAttention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, num_heads, head_dim) and k, v (T, num_kv_heads, head_dim), q and k rotated."""
         c = self.config
-        q, k, v = project(self.qkv_proj, x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = project(self.qkv_proj, x)
+        if has_cpu_kernels(qkv):  # split and rotated in one call, the same bits
+            q, k = torch.ops.tandem.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads)
+            return q, k, qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)

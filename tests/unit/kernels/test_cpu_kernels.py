@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (cpu_paged.cpp) agree with the reference on every batch shape the engine
-makes, write exactly the new slots, and give a decode row the same bits in any company."""
+"""The C++ CPU kernels (cpu_paged.cpp): paged decode attention agrees with the reference on every
+batch shape the engine makes and gives a decode row the same bits in any company; the KV write
+touches exactly the new slots; the fused RMSNorm and rotation give the torch ops' bits."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from paged_batches import DECODE_ONLY, LAYER, LONG_DECODE, LONG_MIXED, MIXED, PR
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension, paged_attention_cpu, paged_attention_reference, select_attention
+from tandem.models.layers import RMSNorm
 from tandem.models.loader import load_model
+from tandem.models.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels do not build here (no C++ compiler?)")
 
@@ -159,3 +162,49 @@ def test_greedy_smollm2_answers_are_token_identical_to_the_reference_attention()
     for layer in loaded.model.model.layers:
         layer.self_attn.attention = paged_attention_reference
     assert ours == answers()
+
+
+def test_rms_norm_gives_the_torch_norms_bits_in_bf16_and_its_values_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(6)
+    for dtype, tolerance in ((torch.bfloat16, 0.0), (torch.float32, 1e-6)):
+        norm = RMSNorm(576, 1e-5).to(dtype)
+        norm.weight.data = torch.randn(576, generator=generator).to(dtype)
+        x = (3 * torch.randn(300, 576, generator=generator)).to(dtype)
+        fused = norm(x)
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_extension, "load", lambda: False)
+            plain = norm(x)
+        torch.testing.assert_close(fused, plain, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_qk_splits_and_rotates_with_apply_rotarys_bits(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim, tokens = 9, 3, 64, 200
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
+    angles = torch.randn(tokens, 1, head_dim, generator=generator)  # as RotaryEmbedding gives them: chunks of one table
+    cos, sin = angles.cos().chunk(2, dim=-1)[0], angles.sin().chunk(2, dim=-1)[1]
+    q, k = torch.ops.tandem.rotary_qk(qkv, cos, sin, num_heads, num_kv_heads)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    assert torch.equal(q, apply_rotary(qkv[:, :q_size].reshape(tokens, num_heads, head_dim), cos, sin))
+    assert torch.equal(k, apply_rotary(qkv[:, q_size : q_size + kv_size].reshape(tokens, num_kv_heads, head_dim), cos, sin))
+
+
+def test_the_kernels_refuse_malformed_input_with_an_error_not_a_crash() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.tandem.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="width must be"):
+        torch.ops.tandem.rotary_qk(torch.randn(4, 70), torch.ones(4, 1, 2), torch.ones(4, 1, 2), 2, 1)
+    step = make_step(DECODE_ONLY, num_heads=6, num_kv_heads=2)
+    cache = step.kv_cache[:, LAYER, 0]
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        torch.ops.tandem.paged_decode(step.q, cache, cache, step.meta.seq_lens.long(), step.meta.block_tables, 1.0)
+    outside = step.meta.block_tables.clone()
+    outside[0, 0] = cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.tandem.paged_decode(step.q, cache, cache, step.meta.seq_lens, outside, 1.0)
+    too_long = step.meta.seq_lens.clone()
+    too_long[0] = step.meta.block_tables.shape[1] * cache.shape[1] + 1
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        torch.ops.tandem.paged_decode(step.q, cache, cache, too_long, step.meta.block_tables, 1.0)
