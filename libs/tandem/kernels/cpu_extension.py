@@ -1,5 +1,5 @@
 """The C++ CPU kernels (cpu_paged.cpp), compiled on this machine once and loaded from the user's
-cache: `torch.ops.tandem.paged_decode` and `torch.ops.tandem.write_kv`.
+cache: `torch.ops.tandem.paged_decode`, `write_kv`, `rms_norm` and `rotary_qk`.
 
 Built with torch's extension mechanism (torch.utils.cpp_extension, ninja and the system's C++
 compiler) for this CPU's instruction set (-march=native), at install time (`make`, through
@@ -7,7 +7,9 @@ compiler) for this CPU's instruction set (-march=native), at install time (`make
 `$XDG_CACHE_HOME/tandem/kernels/cpu_paged-<key>` (`~/.cache/...`), the key a hash of the
 source, the flags, torch's and Python's versions and the CPU's model and flags, so a changed
 source, a new torch or another machine sharing the home folder builds its own copy. Processes
-starting together build once: torch's build takes a lock file in the folder.
+starting together build once: torch's build holds a lock file in the folder, and a process that
+finds it goes through the build too (waiting for the lock) instead of loading a library being
+written.
 
 A machine without a C++ compiler still serves: `load()` returns False with the reason logged
 once, and select_attention falls back to the torch path. OpenMP comes from torch's own runtime
@@ -65,7 +67,7 @@ def load() -> bool:
     folder = build_folder()
     library = folder / f"{NAME}.so"
     try:
-        if library.is_file():
+        if library.is_file() and not (folder / "lock").exists():
             try:
                 torch.ops.load_library(str(library))
             except OSError as error:  # a copy cut short (a build killed while linking): build it again

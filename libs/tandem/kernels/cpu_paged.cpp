@@ -41,10 +41,12 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-template <typename T>
+// HD: the head dimension when known at compile time (the loops over it unroll and a query's
+// running output stays in registers), 0 for any other.
+template <typename T, int64_t HD>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
                    const at::Tensor& block_tables, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const T* q_ptr = q.data_ptr<T>();
@@ -112,11 +114,23 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         for (int64_t g = 0; g < group; ++g) {
           float* ag = acc.data() + g * head_dim;
           const float* pg = scores.data() + g * len + first;
-          for (int64_t i = 0; i < count; ++i) {
-            const float p = pg[i];
-            const float* value = rows.data() + i * head_dim;
+          if constexpr (HD > 0) {  // the same sums in the same order, in registers across the block
+            float local[HD];
+            for (int64_t d = 0; d < HD; ++d) local[d] = ag[d];
+            for (int64_t i = 0; i < count; ++i) {
+              const float p = pg[i];
+              const float* value = rows.data() + i * HD;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * value[d];
+              for (int64_t d = 0; d < HD; ++d) local[d] += p * value[d];
+            }
+            for (int64_t d = 0; d < HD; ++d) ag[d] = local[d];
+          } else {
+            for (int64_t i = 0; i < count; ++i) {
+              const float p = pg[i];
+              const float* value = rows.data() + i * head_dim;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * value[d];
+            }
           }
         }
       }
@@ -158,7 +172,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode",
-                                  [&] { decode_kernel<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out); });
+                                  [&] {
+                                    if (q.size(2) == 64)
+                                      decode_kernel<scalar_t, 64>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+                                    else if (q.size(2) == 128)
+                                      decode_kernel<scalar_t, 128>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+                                    else
+                                      decode_kernel<scalar_t, 0>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+                                  });
   return out;
 }
 

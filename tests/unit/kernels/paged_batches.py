@@ -24,6 +24,16 @@ PREFILL_ONLY = [(0, 33), (20, 12)]
 # Engine-sized: contexts up to ~600 (several CPU decode chunks at the default budget) and long chunks.
 LONG_DECODE = [(ctx, 1) for ctx in range(17, 600, 37)]
 LONG_MIXED = [(0, 200), *LONG_DECODE[:8], (300, 100)]
+# The CPU backends' tests run each batch with each head layout; outputs within TOLERANCE of the reference.
+BATCHES = {
+    "decode_only": DECODE_ONLY,
+    "mixed": MIXED,
+    "prefill_only": PREFILL_ONLY,
+    "long_decode": LONG_DECODE,
+    "long_mixed": LONG_MIXED,
+}
+HEADS = {"mha": (4, 4), "gqa3": (6, 2), "smollm2": (9, 3)}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
 @dataclass

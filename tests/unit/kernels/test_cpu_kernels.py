@@ -11,7 +11,17 @@ import sys
 
 import pytest
 import torch
-from paged_batches import DECODE_ONLY, LAYER, LONG_DECODE, LONG_MIXED, MIXED, PREFILL_ONLY, fill_unowned_slots, make_step
+from paged_batches import (
+    BATCHES,
+    DECODE_ONLY,
+    HEADS,
+    LAYER,
+    LONG_DECODE,
+    MIXED,
+    TOLERANCE,
+    fill_unowned_slots,
+    make_step,
+)
 
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
@@ -21,16 +31,6 @@ from tandem.models.loader import load_model
 from tandem.models.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels do not build here (no C++ compiler?)")
-
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-BATCHES = {
-    "decode_only": DECODE_ONLY,
-    "mixed": MIXED,
-    "prefill_only": PREFILL_ONLY,
-    "long_decode": LONG_DECODE,
-    "long_mixed": LONG_MIXED,
-}
-HEADS = {"mha": (4, 4), "gqa3": (6, 2), "smollm2": (9, 3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -6,19 +6,17 @@ import dataclasses
 
 import pytest
 import torch
-from paged_batches import DECODE_ONLY, LONG_DECODE, LONG_MIXED, MIXED, PREFILL_ONLY, fill_unowned_slots, make_step
+from paged_batches import (
+    BATCHES,
+    DECODE_ONLY,
+    HEADS,
+    MIXED,
+    TOLERANCE,
+    fill_unowned_slots,
+    make_step,
+)
 
 from tandem.kernels import attention_torch, paged_attention_reference, paged_attention_torch
-
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-BATCHES = {
-    "decode_only": DECODE_ONLY,
-    "mixed": MIXED,
-    "prefill_only": PREFILL_ONLY,
-    "long_decode": LONG_DECODE,
-    "long_mixed": LONG_MIXED,
-}
-HEADS = {"mha": (4, 4), "gqa3": (6, 2), "smollm2": (9, 3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
