@@ -33,7 +33,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """linear(x) for x (T, in): on CPU in calls of at least 2 and at most CPU_ROWS_PER_MATMUL rows."""
     if x.device.type != "cpu":
         return linear(x)
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 and isinstance(linear, nn.Linear):  # an Int8Linear's kernel gives one row its batched bits
         return linear(x.expand(2, -1))[:1]
     if x.shape[0] <= CPU_ROWS_PER_MATMUL:
         return linear(x)

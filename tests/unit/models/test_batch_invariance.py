@@ -16,6 +16,7 @@ from tandem.kernels import select_attention
 from tandem.kernels.metadata import KvCacheShape
 from tandem.models import layers
 from tandem.models.loader import LoadedModel, load_model
+from tandem.models.quant import INT8_KERNEL_MAX_ROWS, Int8Linear
 
 BLOCK_SIZE = 16
 
@@ -42,6 +43,23 @@ def test_each_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_t
             assert torch.equal(batched, alone), f"({out_features}, {in_features}): rows differ from their single-row result"
     finally:
         torch.set_num_threads(previous)
+
+
+def test_an_int8_projection_gives_a_row_alone_the_bits_it_gets_in_a_small_batch():
+    """int8 weights, the row counts its fused kernel takes (up to INT8_KERNEL_MAX_ROWS): a decode
+    row alone, as project computes it, against the same row among up to 12."""
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+        linear = torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+        int8 = Int8Linear.from_linear(linear)
+        x = torch.randn(INT8_KERNEL_MAX_ROWS, in_features, generator=generator).to(torch.bfloat16)
+        with torch.no_grad():
+            for rows in range(2, INT8_KERNEL_MAX_ROWS + 1):
+                batched = layers.project(int8, x[:rows])
+                for i in range(rows):
+                    assert torch.equal(layers.project(int8, x[i : i + 1])[0], batched[i]), (
+                        f"({out_features}, {in_features}), row {i} of {rows}"
+                    )
 
 
 def _sequence(seq_id: str, num_tokens: int, first_block: int, salt: int) -> Sequence:
