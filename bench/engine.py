@@ -196,16 +196,6 @@ def load_variant(quantization: Quantization, dtype: torch.dtype, device: str) ->
     return load_model(None, dtype, device, select_attention(device), quantization)
 
 
-def read_weight_bytes(loaded: LoadedModel) -> int:
-    """Bytes a decode step reads of the weights: every parameter and buffer (int8 projections and
-    their scales included) but the rotary table, less the embedding unless the lm_head is it."""
-    tensors: dict[int, torch.Tensor] = {t.data_ptr(): t for t in loaded.model.parameters()}
-    tensors |= {t.data_ptr(): t for name, t in loaded.model.named_buffers() if "rotary" not in name}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    embedding = loaded.model.model.embed_tokens.weight
-    return total if loaded.config.tie_word_embeddings else total - embedding.numel() * embedding.element_size()
-
-
 def peer_targets(variants: dict[str, dict], peer: dict | None) -> dict:
     """Per variant: ours / the peer's tokens/s at each batch size both ran (targets where issue 17
     sets one), and batch-1 TPOT against the peer's."""
@@ -253,7 +243,7 @@ def main() -> None:
     for quantization in args.quantization:
         model = loaded if quantization == "none" else load_variant(quantization, dtype, device)
         variants[quantization] = measure_variant(model, prompts, args, cost, peak_flops)
-        weight_bytes = read_weight_bytes(model)
+        weight_bytes = ModelCost.of(model).weight_bytes
         variants[quantization] |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
         variants[quantization]["tpot_b1_over_floor"] = variants[quantization]["tpot_b1_ms"] / variants[quantization]["memory_floor_ms"]
         del model

@@ -37,12 +37,21 @@ class ModelCost:
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelCost:
+        """Parameters count the int8 projections of a quantized model (buffers: models/quant.py) as
+        the weights they stand for; bytes are what the tensors hold (int8 weights and their
+        scales included; the rotary table, derived, not)."""
         config = loaded.config
-        unique = {p.data_ptr(): p for p in loaded.model.parameters()}.values()
-        num_params = sum(p.numel() for p in unique)
-        itemsize = next(iter(unique)).element_size()
-        num_embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+        model = loaded.model
+        weights = {p.data_ptr(): p for p in model.parameters()}
+        weights |= {t.data_ptr(): t for name, t in model.named_buffers() if name.endswith("weight_int8")}
+        scales = {t.data_ptr(): t for name, t in model.named_buffers() if name.endswith(".scale")}
+        num_params = sum(t.numel() for t in weights.values())
+        embedding = model.model.embed_tokens.weight
+        num_embedding = embedding.numel() * (1 if config.tie_word_embeddings else 2)
         num_non_embedding = num_params - num_embedding
+        total_bytes = sum(t.numel() * t.element_size() for t in (*weights.values(), *scales.values()))
+        # every step reads all but the embedding (a lookup), whose tied copy is the lm_head
+        untied_embedding_bytes = 0 if config.tie_word_embeddings else embedding.numel() * embedding.element_size()
         return cls(
             num_non_embedding_params=num_non_embedding,
             hidden_size=config.hidden_size,
@@ -50,8 +59,8 @@ class ModelCost:
             num_layers=config.num_layers,
             num_heads=config.num_heads,
             head_dim=config.head_dim,
-            kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize,
-            weight_bytes=(num_non_embedding + config.vocab_size * config.hidden_size) * itemsize,
+            kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * embedding.element_size(),
+            weight_bytes=total_bytes - untied_embedding_bytes,
         )
 
     @property
