@@ -148,3 +148,26 @@ def test_overload_bench_reports_each_tier_and_where_the_admitted_replies_spent_t
     assert stages["chat TTFT, paid"]["count"] >= tiers["paid"]["completed"]
     steps = sum(stages[row]["count"] for row in ("step, decode only", "step, mixed", "step, prefill only"))
     assert steps > 0 and _is_positive(result["unloaded_paid_ttft_p95_s"])
+
+
+def test_stack_overhead_bench_times_the_same_replies_through_the_stack_and_on_the_engine_alone(tmp_path):
+    result = _bench("stack_overhead.py", tmp_path / "overhead.json", "--env", "TANDEM_KV_CACHE_MIB=64", is_engine_only=False)
+    rounds = result["rounds"]
+    assert result["num_requests"] == len(rounds) == 3 and result["max_tokens"] == 16
+    assert result["quantization"] == "none"  # the large model's decode worker, not the small model's int8 one
+    for name in ("stack", "engine"):
+        side = result[name]
+        assert all(_is_positive(side[key]) for key in ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")), side
+        assert side["ttft_p95_ms"] >= side["ttft_p50_ms"] and side["tpot_p95_ms"] >= side["tpot_p50_ms"]
+    # greedy on the same prompt ids: as many tokens on both sides, and the stack counted the prompt the engine was given
+    for pair in rounds:
+        assert 1 < pair["stack"]["num_tokens"] == pair["engine"]["num_tokens"] <= 16, pair
+        assert pair["stack"]["num_prompt_tokens"] == pair["engine"]["num_prompt_tokens"] == result["num_prompt_tokens"], pair
+    assert result["tokens_equal"] and result["prompt_tokens_equal"]
+    assert result["tpot_ratio"] == pytest.approx(result["stack"]["tpot_p50_ms"] / result["engine"]["tpot_p50_ms"])
+    assert result["ttft_diff_ms"] == pytest.approx(result["stack"]["ttft_p50_ms"] - result["engine"]["ttft_p50_ms"])
+    # every timed reply went through chat, and each of its tokens after the first through a decode step of the worker
+    stages = result["stages"]
+    assert stages["chat: arrival to first content written"]["count"] == len(rounds)
+    decode_steps = stages["worker: step, decode only"]["count"] + stages["worker: step, mixed"]["count"]
+    assert decode_steps >= sum(pair["stack"]["num_tokens"] - 1 for pair in rounds)
