@@ -19,6 +19,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // e^x for x <= 0 (a softmax's shifted scores), written so the compiler vectorizes a loop of it:
@@ -40,6 +44,48 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
+
+#if defined(__AVX512F__)
+// {sum of v[0]'s lanes, ..., sum of v[7]'s}: the eight horizontal sums at once (about a third of
+// the instructions of eight separate reductions).
+inline __m256 sum_lanes8(const __m512* v) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));  // per 128-bit half: h0..h3's partial sums
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// out[i] = q . keys[i] for the `count` rows of HD floats, eight keys a time. Every key goes the
+// same way (a missing eighth is a zero vector), so its score has the same bits wherever it sits.
+template <int64_t HD>
+inline void dot_keys(const float* q, const float* keys, int64_t count, float* out) {
+  constexpr int64_t chunks = HD / 16;
+  __m512 qv[chunks];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int64_t i0 = 0; i0 < count; i0 += 8) {
+    __m512 v[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      if (i0 + j >= count) {
+        v[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* key = keys + (i0 + j) * HD;
+      v[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+      for (int64_t c = 1; c < chunks; ++c) v[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), v[j]);
+    }
+    const __m256 sums = sum_lanes8(v);
+    if (i0 + 8 <= count) {
+      _mm256_storeu_ps(out + i0, sums);
+    } else {
+      alignas(32) float tail[8];
+      _mm256_store_ps(tail, sums);
+      for (int64_t j = 0; i0 + j < count; ++j) out[i0 + j] = tail[j];
+    }
+  }
+}
+#endif
 
 // HD: the head dimension when known at compile time (the loops over it unroll and a query's
 // running output stays in registers), 0 for any other.
@@ -84,6 +130,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         for (int64_t i = 0; i < count; ++i) to_float(block + i * ks, rows.data() + i * head_dim, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = queries.data() + g * head_dim;
+#if defined(__AVX512F__)
+          if constexpr (HD > 0 && HD % 16 == 0) {
+            dot_keys<HD>(qg, rows.data(), count, scores.data() + g * len + first);
+            continue;
+          }
+#endif
           for (int64_t i = 0; i < count; ++i) {
             const float* key = rows.data() + i * head_dim;
             float dot = 0.f;

@@ -24,13 +24,14 @@ CPU_ROWS_PER_MATMUL = 128
 
 def has_cpu_kernels(x: torch.Tensor) -> bool:
     """x is on the CPU and the C++ kernels (tandem.kernels.cpu_extension) serve here: the norm and
-    the rotation then take one call each instead of about ten torch ops (a third of a decode
-    step's time at one row)."""
+    the rotation then take one call each instead of about ten torch ops (56 us a layer at one row,
+    1.7 ms of a 22 ms bf16 SmolLM2 decode step, measured before they were fused)."""
     return x.device.type == "cpu" and cpu_extension.load()
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """linear(x) for x (T, in): on CPU in calls of at least 2 and at most CPU_ROWS_PER_MATMUL rows."""
+    """linear(x) for x (T, in): on CPU in calls of at least 2 (an nn.Linear's) and at most
+    CPU_ROWS_PER_MATMUL rows."""
     if x.device.type != "cpu":
         return linear(x)
     if x.shape[0] == 1 and isinstance(linear, nn.Linear):  # an Int8Linear's kernel gives one row its batched bits
