@@ -1,4 +1,4 @@
-"""Paged attention backends on the engine's real batch shapes: reference vs torch path (and triton on CUDA).
+"""Paged attention backends on the engine's real batch shapes: reference vs torch path (and the C++ kernels on CPU, triton on CUDA).
 
     .venv/bin/python bench/attention.py [--dtype fp32 bf16] [--rounds 15] [--json build/bench/attention.json]
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels import AttentionFn, paged_attention_reference, paged_attention_torch, paged_attention_triton
+from tandem.kernels import AttentionFn, cpu_extension, paged_attention_cpu, paged_attention_reference, paged_attention_torch, paged_attention_triton
 from tandem.kernels.metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -117,6 +117,8 @@ def main() -> None:
     backends: dict[str, AttentionFn] = {"reference": paged_attention_reference, "torch": paged_attention_torch}
     if device == "cuda":
         backends["triton"] = paged_attention_triton
+    elif cpu_extension.load():
+        backends["cpp"] = paged_attention_cpu
     results = []
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} rounds={args.rounds}")
     print(f"{'case':<22} {'dtype':<5} {'backend':<10} {'median ms':>10} {'min ms':>8} {'speedup':>8} {'(by min)':>9} {'max |err|':>10}")
