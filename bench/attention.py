@@ -20,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels import AttentionFn, cpu_extension, paged_attention_cpu, paged_attention_reference, paged_attention_torch, paged_attention_triton
+from tandem.kernels import (
+    AttentionFn,
+    cpu_extension,
+    paged_attention_cpu,
+    paged_attention_reference,
+    paged_attention_torch,
+    paged_attention_triton,
+)
 from tandem.kernels.metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
