@@ -7,9 +7,9 @@ compiler) for this CPU's instruction set (-march=native), at install time (`make
 `$XDG_CACHE_HOME/tandem/kernels/cpu_paged-<key>` (`~/.cache/...`), the key a hash of the
 source, the flags, torch's and Python's versions and the CPU's model and flags, so a changed
 source, a new torch or another machine sharing the home folder builds its own copy. Processes
-starting together build once: torch's build holds a lock file in the folder, and a process that
-finds it goes through the build too (waiting for the lock) instead of loading a library being
-written.
+starting together build once: each loads or builds under an flock on the folder (_build_lock),
+so none loads a library still being written, and a build killed half-way (kill -9) blocks
+nobody: the next process builds afresh.
 
 A machine without a C++ compiler still serves: `load()` returns False with the reason logged
 once, and select_attention falls back to the torch path. OpenMP comes from torch's own runtime
@@ -19,6 +19,8 @@ the threads torch.set_num_threads gives.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -26,7 +28,9 @@ import os
 import platform
 import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 NAME = "tandem_cpu_paged"
 SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# How long a process waits for another's build of the same kernels (one takes 10-20 s).
+BUILD_WAIT_S = 300.0
 
 
 def _cpu_identity() -> str:
@@ -64,22 +70,50 @@ def load() -> bool:
     logged) when they cannot be built or loaded here."""
     if is_loaded():
         return True
-    folder = build_folder()
-    library = folder / f"{NAME}.so"
     try:
-        if library.is_file() and not (folder / "lock").exists():
-            try:
-                torch.ops.load_library(str(library))
-            except OSError as error:  # a copy cut short (a build killed while linking): build it again
-                log.warning("rebuilding the C++ CPU kernels: %s", error)
-                library.unlink()
-                _build(folder)
-        else:
-            _build(folder)
-    except (OSError, RuntimeError, subprocess.SubprocessError, ImportError) as error:
+        _load(build_folder())
+    except (OSError, RuntimeError, subprocess.SubprocessError, ImportError, TimeoutError) as error:
         log.warning("C++ CPU kernels unavailable (%s: %s); using the torch attention path", type(error).__name__, error)
         return False
     return is_loaded()
+
+
+def _load(folder: Path) -> None:
+    library = folder / f"{NAME}.so"
+    with _build_lock(folder):
+        if not library.is_file():
+            _build(folder)
+            return
+        try:
+            torch.ops.load_library(str(library))
+        except OSError as error:  # a copy cut short (a build killed while linking): build it again
+            log.warning("rebuilding the C++ CPU kernels: %s", error)
+            library.unlink()
+            _build(folder)
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """The folder to one process at a time, for at most BUILD_WAIT_S of waiting. An flock, which
+    the kernel releases when its holder dies; torch's own lock file (`lock`) is not, and a build
+    killed half-way left it behind for every later build to wait on forever. Holding this one,
+    no build runs, so a `lock` found is such a leftover and is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "build.flock").open("w") as handle:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building the kernels in {folder} for over {BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build(folder: Path) -> None:
