@@ -208,6 +208,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   check_cache(v_cache, q, "v_cache");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.sizes() == k_cache.sizes(), "cache shapes must match q's head_dim and each other");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(seq_lens.device().is_cpu() && block_tables.device().is_cpu(), "seq_lens and block_tables must be on the CPU");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0), "seq_lens: int32, one per sequence");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == q.size(0),
               "block_tables: int32 (seqs, max_blocks) with unit last stride");
@@ -241,6 +242,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   check_cache(v_cache, v, "v_cache");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
               "k and v must be (tokens, kv_heads, head_dim) of the cache's heads");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && slot_mapping.device().is_cpu(), "k, v and slot_mapping must be on the CPU");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0),
               "slot_mapping: int64, one per token");
   const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
@@ -293,8 +295,8 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, 
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU (tokens, hidden) tensor");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "weight must be (hidden,) in x's dtype");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be a CPU (hidden,) tensor in x's dtype");
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] { rms_norm_kernel<scalar_t>(x, weight, eps, out); });
   return out;
@@ -346,9 +348,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
   const int64_t head_dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
   TORCH_CHECK(head_dim % 2 == 0 && head_dim * (num_heads + 2 * num_kv_heads) == qkv.size(1), "qkv's width must be (heads + 2 kv_heads) * even head_dim");
   for (const at::Tensor* table : {&cos, &sin})
-    TORCH_CHECK(table->scalar_type() == at::kFloat && table->dim() == 3 && table->size(0) == qkv.size(0) && table->size(1) == 1 &&
+    TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == at::kFloat && table->dim() == 3 && table->size(0) == qkv.size(0) && table->size(1) == 1 &&
                     table->size(2) == head_dim / 2 && table->stride(2) == 1,
-                "cos and sin must be float32 (tokens, 1, head_dim/2) with unit last stride");
+                "cos and sin must be CPU float32 (tokens, 1, head_dim/2) with unit last stride");
   at::Tensor q = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
   at::Tensor k = at::empty({qkv.size(0), num_kv_heads, head_dim}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_qk", [&] { rotary_kernel<scalar_t>(qkv, cos, sin, q, k); });
