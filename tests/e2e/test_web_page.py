@@ -60,6 +60,7 @@ REPLY_TIMEOUT_MS = 90_000
 LONG_PROMPT = "Count from 1 to 200, separated by commas."
 # The stack caps answers at 48 tokens, about a second here: a test that acts on a running reply (stop,
 # reload, cut) asks for more, so the reply is surely still running when its action lands on a busy machine.
+# Greedily: sampled at the page's 0.7, the answer is sometimes "200." (five tokens), over before the action.
 LONG_REPLY_TOKENS = 240
 # Records the lengths a running reply's text goes through, to tell streaming from one late block.
 RECORD_GROWTH = """
@@ -186,14 +187,15 @@ async def send(page, text: str) -> None:
 
 
 async def send_long(page) -> None:
-    """Sends LONG_PROMPT with the page's own request, given `max_tokens` LONG_REPLY_TOKENS on its way."""
+    """Sends LONG_PROMPT with the page's own request, given `max_tokens` LONG_REPLY_TOKENS and
+    `temperature` 0 on its way."""
 
     async def with_max_tokens(route):
         if route.request.method != "POST":
             await route.continue_()
             return
         body = json.loads(route.request.post_data or "{}")
-        await route.continue_(post_data=json.dumps({**body, "max_tokens": LONG_REPLY_TOKENS}))
+        await route.continue_(post_data=json.dumps({**body, "max_tokens": LONG_REPLY_TOKENS, "temperature": 0}))
 
     pattern = re.compile(r".*/v1/conversations/[^/]+/messages$")
     await page.route(pattern, with_max_tokens)
