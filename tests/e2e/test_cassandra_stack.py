@@ -51,7 +51,8 @@ async def cassandra_stack(node_config, tmp_path_factory):
     await nc.close()
     holder = {"stack": stack, "node": node}
     yield holder
-    for child in stack.children:
+    for child in stack.children:  # shown with the last test's report when it fails
+        print(f"==== {child.name}\n{child.recent_output(60)}")
         child.stop(timeout_s=10)
     if holder["node"].is_alive():
         stop_node(holder["node"], kill=True)
@@ -106,7 +107,10 @@ async def test_three_turns_stop_and_reload_on_cassandra(cassandra_stack):
 
 async def test_a_dead_node_is_a_clear_503_and_the_service_recovers_when_it_is_back(cassandra_stack, node_config):
     stack = cassandra_stack["stack"]
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+    # A connection per request: the node's restart blocks this loop for about the chat service's
+    # keep-alive (5 s), and a request sent on a kept connection as the server closes it is lost.
+    fresh_connections = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60, limits=fresh_connections) as client:
         conversation_id = (await client.post("/v1/conversations", headers=ALICE, json={})).json()["id"]
         node = cassandra_stack["node"]
         stop_node(node, kill=True)
