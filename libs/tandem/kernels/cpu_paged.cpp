@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -37,6 +38,15 @@ inline float exp_nonpositive(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return x < -87.f ? 0.f : p * two_n;
+}
+
+// Asks for the `count` rows of `row_bytes` at `base`, `stride` elements apart, to be brought into
+// the cache: the next block of a context is anywhere in the cache (the block table's choice), so
+// the hardware prefetcher cannot guess it.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t count, int64_t stride, int64_t row_bytes) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(reinterpret_cast<const char*>(base + i * stride) + offset);
 }
 
 template <typename T>
@@ -85,6 +95,81 @@ inline void dot_keys(const float* q, const float* keys, int64_t count, float* ou
     }
   }
 }
+
+// Sixteen elements of a cache row as floats (each conversion is exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(widened, 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// The `count` rows of HD elements at `src`, `stride` elements apart, as floats in `dst`.
+template <int64_t HD, typename T>
+inline void rows_to_float(const T* src, int64_t count, int64_t stride, float* dst) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t c = 0; c < HD / 16; ++c) _mm512_storeu_ps(dst + i * HD + 16 * c, load16(src + i * stride + 16 * c));
+}
+
+// exp_nonpositive on sixteen lanes: the same steps, each lane's result independent of the others.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.f);
+  const __m512 clamped = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), clamped));
+  __m512 p = _mm512_set1_ps(1.38888889e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
+// scores[0..len) = e^(score - max score), in place; returns their sum. Sixteen at a time, the
+// tail under a mask: a score's bits and the order of the sum depend on len alone.
+inline float softmax_numerators(float* scores, int64_t len) {
+  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 m = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1);
+    peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, scores + t));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 m = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift)));
+    _mm512_mask_storeu_ps(scores + t, m, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// acc[0..HD) += sum over the `count` rows of p[i] * rows[i], in row order, in registers.
+template <int64_t HD>
+inline void accumulate_rows(const float* p, const float* rows, int64_t count, float* acc) {
+  constexpr int64_t chunks = HD / 16;
+  __m512 a[chunks];
+  for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 weight = _mm512_set1_ps(p[i]);
+    for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows + i * HD + 16 * c), a[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#else
+// Declared for the kernel's discarded `if constexpr (kVectorPath)` branches; never called.
+template <int64_t HD>
+void dot_keys(const float* q, const float* keys, int64_t count, float* out);
+template <int64_t HD, typename T>
+void rows_to_float(const T* src, int64_t count, int64_t stride, float* dst);
+float softmax_numerators(float* scores, int64_t len);
+template <int64_t HD>
+void accumulate_rows(const float* p, const float* rows, int64_t count, float* acc);
 #endif
 
 // HD: the head dimension when known at compile time (the loops over it unroll and a query's
@@ -107,12 +192,18 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t qs = q.stride(0), qh = q.stride(1);
   const int64_t os = out.stride(0), oh = out.stride(1);
   const float fscale = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  // intrinsics throughout (rows_to_float ... accumulate_rows); double keeps the plain loops
+  constexpr bool kVectorPath = HD > 0 && HD % 16 == 0 && !std::is_same_v<T, double>;
+#else
+  constexpr bool kVectorPath = false;
+#endif
 
   // Each thread takes the next task until none is left: contexts of mixed lengths spread evenly.
   const int64_t num_tasks = num_seqs * num_kv_heads;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> queries(group * head_dim), rows(block_size * head_dim), acc(group * head_dim), scores;
+    std::vector<float> queries(group * head_dim), rows(block_size * head_dim), acc(group * head_dim), totals(group), scores;
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = lens[s];
@@ -124,18 +215,27 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       // scores[g * len + t] = q_g . k_t, a block of K rows at a time
       scores.resize(group * len);
+      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      prefetch_rows(k_ptr + table[0] * kb + h * kh, std::min(block_size, len), ks, row_bytes);
       for (int64_t first = 0; first < len; first += block_size) {
         const int64_t count = std::min(block_size, len - first);
+        const int64_t next = first / block_size + 1;
+        if (next < num_blocks)
+          prefetch_rows(k_ptr + table[next] * kb + h * kh, std::min(block_size, len - next * block_size), ks, row_bytes);
+        else
+          prefetch_rows(v_ptr + table[0] * vb + h * vh, std::min(block_size, len), vs, row_bytes);
         const T* block = k_ptr + table[first / block_size] * kb + h * kh;
-        for (int64_t i = 0; i < count; ++i) to_float(block + i * ks, rows.data() + i * head_dim, head_dim);
+        if constexpr (kVectorPath)
+          rows_to_float<HD>(block, count, ks, rows.data());
+        else
+          for (int64_t i = 0; i < count; ++i) to_float(block + i * ks, rows.data() + i * head_dim, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = queries.data() + g * head_dim;
-#if defined(__AVX512F__)
-          if constexpr (HD > 0 && HD % 16 == 0) {
+          if constexpr (kVectorPath) {
             dot_keys<HD>(qg, rows.data(), count, scores.data() + g * len + first);
             continue;
           }
-#endif
           for (int64_t i = 0; i < count; ++i) {
             const float* key = rows.data() + i * head_dim;
             float dot = 0.f;
@@ -145,9 +245,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           }
         }
       }
-      std::vector<float> totals(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
+        if constexpr (kVectorPath) {
+          totals[g] = softmax_numerators(sg, len);
+          continue;
+        }
         float peak = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) peak = std::max(peak, sg[t]);
         float total = 0.f;
@@ -161,12 +264,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t first = 0; first < len; first += block_size) {
         const int64_t count = std::min(block_size, len - first);
+        const int64_t next = first / block_size + 1;
+        if (next < num_blocks)
+          prefetch_rows(v_ptr + table[next] * vb + h * vh, std::min(block_size, len - next * block_size), vs, row_bytes);
         const T* block = v_ptr + table[first / block_size] * vb + h * vh;
-        for (int64_t i = 0; i < count; ++i) to_float(block + i * vs, rows.data() + i * head_dim, head_dim);
+        if constexpr (kVectorPath)
+          rows_to_float<HD>(block, count, vs, rows.data());
+        else
+          for (int64_t i = 0; i < count; ++i) to_float(block + i * vs, rows.data() + i * head_dim, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           float* ag = acc.data() + g * head_dim;
           const float* pg = scores.data() + g * len + first;
-          if constexpr (HD > 0) {  // the same sums in the same order, in registers across the block
+          if constexpr (kVectorPath) {
+            accumulate_rows<HD>(pg, rows.data(), count, ag);
+          } else if constexpr (HD > 0) {  // the same sums in the same order, in registers across the block
             float local[HD];
             for (int64_t d = 0; d < HD; ++d) local[d] = ag[d];
             for (int64_t i = 0; i < count; ++i) {

@@ -19,6 +19,7 @@ from paged_batches import (
     HEADS,
     LAYER,
     LONG_DECODE,
+    LONG_MIXED,
     MIXED,
     TOLERANCE,
     fill_unowned_slots,
@@ -45,6 +46,21 @@ def test_cpu_kernels_match_reference(batch: list[tuple[int, int]], heads: tuple[
     out, kv_cache = step.run(paged_attention_cpu)
     assert out.dtype == dtype and out.shape == step.q.shape
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert torch.equal(kv_cache, expected_cache)
+
+
+# The vectorised path serves head sizes that are a multiple of 16 (64, 128) in fp32, bf16 and
+# fp16; any other size takes the plain loops.
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "tolerance"),
+    [(128, torch.bfloat16, 3e-2), (64, torch.float16, 5e-3), (128, torch.float16, 5e-3), (32, torch.float32, 2e-5), (40, torch.bfloat16, 3e-2)],
+    ids=["hd128-bf16", "hd64-fp16", "hd128-fp16", "hd32-fp32", "hd40-bf16"],
+)
+def test_cpu_kernels_match_reference_at_every_head_size_and_dtype(head_dim: int, dtype: torch.dtype, tolerance: float) -> None:
+    step = make_step(LONG_MIXED, num_heads=9, num_kv_heads=3, head_dim=head_dim, dtype=dtype)
+    expected, expected_cache = step.run(paged_attention_reference)
+    out, kv_cache = step.run(paged_attention_cpu)
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
     assert torch.equal(kv_cache, expected_cache)
 
 
