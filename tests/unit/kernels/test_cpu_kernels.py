@@ -53,7 +53,13 @@ def test_cpu_kernels_match_reference(batch: list[tuple[int, int]], heads: tuple[
 # fp16; any other size takes the plain loops.
 @pytest.mark.parametrize(
     ("head_dim", "dtype", "tolerance"),
-    [(128, torch.bfloat16, 3e-2), (64, torch.float16, 5e-3), (128, torch.float16, 5e-3), (32, torch.float32, 2e-5), (40, torch.bfloat16, 3e-2)],
+    [
+        (128, torch.bfloat16, 3e-2),
+        (64, torch.float16, 5e-3),
+        (128, torch.float16, 5e-3),
+        (32, torch.float32, 2e-5),
+        (40, torch.bfloat16, 3e-2),
+    ],
     ids=["hd128-bf16", "hd64-fp16", "hd128-fp16", "hd32-fp32", "hd40-bf16"],
 )
 def test_cpu_kernels_match_reference_at_every_head_size_and_dtype(head_dim: int, dtype: torch.dtype, tolerance: float) -> None:
