@@ -62,6 +62,21 @@ def test_an_int8_projection_gives_a_row_alone_the_bits_it_gets_in_a_small_batch(
                     )
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_an_int8_projection_over_many_rows_casts_its_weight_once_and_gives_each_call_s_bits(bias: bool):
+    """Past CPU_ROWS_PER_MATMUL rows, project casts an int8 weight once for all its calls; each
+    row still gets what the layer's own forward gives it in a call of those rows."""
+    generator = torch.Generator().manual_seed(2)
+    for out_features, in_features in [(960, 576), (3072, 576), (576, 1536)]:
+        linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+        int8 = Int8Linear.from_linear(linear)
+        x = torch.randn(600, in_features, generator=generator).to(torch.bfloat16)
+        with torch.no_grad():
+            tiled = layers.project(int8, x)
+            per_call = torch.cat([int8(rows) for rows in x.split(layers.CPU_ROWS_PER_MATMUL)])
+        assert tiled.dtype == torch.bfloat16 and torch.equal(tiled, per_call), f"({out_features}, {in_features})"
+
+
 def _sequence(seq_id: str, num_tokens: int, first_block: int, salt: int) -> Sequence:
     prompt = [(97 * salt + 13 * j) % 40_000 + 100 for j in range(num_tokens)]
     seq = Sequence(seq_id, prompt, SamplingOptions(max_tokens=100, ignore_eos=True))
