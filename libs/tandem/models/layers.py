@@ -41,33 +41,34 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     dense = _dense_weight(linear, x)
     if dense is None or torch.is_grad_enabled():  # autograd refuses out=
         return torch.cat([linear(rows) for rows in x.split(CPU_ROWS_PER_MATMUL)])
-    weight, scale = dense
+    weight, scale, bias = dense
     # Each call writes its rows in place: no concatenation copy, so a long prefill costs the same.
     out = x.new_empty(x.shape[0], weight.shape[0])
     weight_t = weight.t()
-    bias = linear.bias if scale is None else None  # an int8 layer's bias comes after its scale
     for start in range(0, x.shape[0], CPU_ROWS_PER_MATMUL):
         rows = slice(start, start + CPU_ROWS_PER_MATMUL)
-        if bias is None:
+        if bias is None or scale is not None:  # an int8 layer's bias comes after its scale
             torch.mm(x[rows], weight_t, out=out[rows])
         else:
             torch.addmm(bias, x[rows], weight_t, out=out[rows])
     if scale is not None:  # what Int8Linear.forward computes past its fused kernel's rows, row for row
         out *= scale
-        if linear.bias is not None:
-            out += linear.bias
+        if bias is not None:
+            out += bias
     return out
 
 
-def _dense_weight(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The (out, in) weight in x's dtype that a long call multiplies by, and the per-channel scale
-    to apply after (an int8 layer's, models/quant.py: its weight cast once for all the calls, not
-    once a call); None for a layer of another kind."""
+def _dense_weight(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """The (out, in) weight in x's dtype that a long call multiplies by, the per-channel scale to
+    apply after it (an int8 layer's, models/quant.py: its weight cast once for all the calls, not
+    once a call) and the bias; None for a layer of another kind."""
+    bias = getattr(linear, "bias", None)
+    bias = bias if isinstance(bias, torch.Tensor) else None
     if isinstance(linear, nn.Linear):
-        return linear.weight, None
+        return linear.weight, None, bias
     weight_int8, scale = getattr(linear, "weight_int8", None), getattr(linear, "scale", None)
     if isinstance(weight_int8, torch.Tensor) and isinstance(scale, torch.Tensor) and scale.dtype == x.dtype:
-        return weight_int8.to(x.dtype), scale
+        return weight_int8.to(x.dtype), scale, bias
     return None
 
 
