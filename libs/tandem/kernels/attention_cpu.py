@@ -4,19 +4,22 @@ the CPU backend when they build on this machine.
 Same contract as attention_reference.paged_attention_reference. A step's new K and V go into the
 cache in one call; decode rows (every row of a decode-only step, the one-row pieces of a mixed
 step) read their context in place through the block table, one task per sequence and kv head,
-float32 inside; prefill chunks take attention_torch's path (flash SDPA in whole absolute query
-blocks). A decode row's arithmetic depends on its own context alone, so it has the same bits in
-any company and in a decode-only or a mixed step. Unlike the torch path, nothing past a
-sequence's end is read, so unowned slots may hold anything.
+float32 inside; so do prefill chunks (paged_prefill: one task per kv head and tile of rows, each
+row attending exactly to its causal context, no mask, no gather copy). A row's arithmetic
+depends on its own position and context alone, so it has the same bits in any company, in a
+decode-only or a mixed step, however its prompt is chunked. Unlike the torch path, nothing past
+a sequence's end is read, so unowned slots may hold anything.
 
-A q whose dtype differs from the cache's (the kernels take one dtype) goes the torch path.
+A q whose dtype differs from the cache's (the kernels take one dtype) goes the torch path, and
+a chunk whose head size or dtype paged_prefill does not serve here (it needs AVX-512 and a head
+size of 64 or 128) goes attention_torch's prefill_chunk_attention.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.kernels.attention_torch import mixed_attention, paged_attention_torch
+from tandem.kernels.attention_torch import mixed_attention, paged_attention_torch, prefill_chunk_attention
 from tandem.kernels.metadata import AttentionMetadata
 
 
@@ -34,7 +37,7 @@ def paged_attention_cpu(
     torch.ops.tandem.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
         return decode_attention_cpu(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale)
-    return mixed_attention(q, k_cache, v_cache, meta, scale, decode=decode_attention_cpu)
+    return mixed_attention(q, k_cache, v_cache, meta, scale, decode=decode_attention_cpu, prefill=prefill_attention_cpu)
 
 
 def decode_attention_cpu(
@@ -48,3 +51,17 @@ def decode_attention_cpu(
 ) -> torch.Tensor:
     """attention_torch.decode_attention's contract; max_seq_len is not needed (nothing is padded)."""
     return torch.ops.tandem.paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
+def prefill_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """attention_torch.prefill_chunk_attention's contract, through paged_prefill where it serves."""
+    if not torch.ops.tandem.prefill_supported(q.shape[-1], q.dtype):
+        return prefill_chunk_attention(q, k_cache, v_cache, block_table, seq_len, scale)
+    return torch.ops.tandem.paged_prefill(q, k_cache, v_cache, block_table, seq_len, scale)

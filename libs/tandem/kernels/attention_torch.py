@@ -31,6 +31,8 @@ from tandem.kernels.metadata import AttentionMetadata
 
 # decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale): decode_attention's signature
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+# (q of one chunk, k_cache, v_cache, its block table row, its context length, scale) -> out
+PrefillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 # Gathered K and V per decode chunk on CPU: about what stays in cache from gather to SDPA.
 _CPU_DECODE_CHUNK_BYTES = 3 << 20
@@ -200,9 +202,11 @@ def mixed_attention(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeFn = decode_attention,
+    prefill: PrefillFn | None = None,
 ) -> torch.Tensor:
     """A step with prefill chunks: its decode rows together through `decode`, each chunk through
-    prefill_chunk_attention."""
+    `prefill` (None: prefill_chunk_attention)."""
+    prefill = prefill_chunk_attention if prefill is None else prefill
     # One host read: where each sequence's rows start and how long its context is.
     num_seqs = meta.num_seqs
     host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).tolist()
@@ -225,7 +229,7 @@ def mixed_attention(
         out.index_copy_(0, rows, decoded)
     for s in (s for s in range(num_seqs) if q_lens[s] > 1):  # the few prefill chunks
         chunk = slice(starts[s], starts[s + 1])
-        out[chunk] = prefill_chunk_attention(q[chunk], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale)
+        out[chunk] = prefill(q[chunk], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale)
     return out
 
 

@@ -306,6 +306,138 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   });
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with its group's heads)
+constexpr int64_t kScoreQueries = 8;      // queries scored together against a block's 16 keys
+
+// out[j][0..16) = the 16 scores of query j (HD floats at queries + j * HD) against the transposed
+// keys (keys_t[d * 16 + lane]): per lane one chain of fused multiply-adds over d from zero, the
+// same for a query whichever N it is scored among.
+template <int64_t HD, int64_t N>
+inline void score_queries(const float* queries, const float* keys_t, float* out, int64_t out_stride) {
+  __m512 sums[N];
+  for (int64_t j = 0; j < N; ++j) sums[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < HD; ++d) {
+    const __m512 kd = _mm512_loadu_ps(keys_t + d * 16);
+    for (int64_t j = 0; j < N; ++j) sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(queries[j * HD + d]), kd, sums[j]);
+  }
+  for (int64_t j = 0; j < N; ++j) _mm512_storeu_ps(out + j * out_stride, sums[j]);
+}
+
+// accumulate_rows for M queries over the same `count` rows, each row loaded once: query m's sums
+// in the same order as accumulate_rows gives them.
+template <int64_t HD, int64_t M>
+inline void accumulate_rows_shared(const float* const* p, const float* rows, int64_t count, float* const* acc) {
+  constexpr int64_t chunks = HD / 16;
+  __m512 a[M][chunks];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_loadu_ps(acc[m] + 16 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 row[chunks];
+    for (int64_t c = 0; c < chunks; ++c) row[c] = _mm512_loadu_ps(rows + i * HD + 16 * c);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 weight = _mm512_set1_ps(p[m][i]);
+      for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_fmadd_ps(weight, row[c], a[m][c]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc[m] + 16 * c, a[m][c]);
+}
+
+// A prefill chunk of one sequence: q (T, heads, HD) are its last T tokens, row j attending to
+// positions 0 .. start + j (start = seq_len - T). One task per (kv head, tile of rows). A block's
+// 16 keys are widened to float and transposed (lane i: key i), so a query's 16 scores are one
+// chain of HD fused multiply-adds, dimension by dimension, and the tile's queries share every key
+// they load; each query then takes its own softmax over its own context (softmax_numerators) and
+// sums the V rows in key order (accumulate_rows). Every step of a query's arithmetic depends on
+// its own row, position and context alone: the same bits however the prompt is chunked or tiled.
+template <typename T, int64_t HD>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
+                    double scale, at::Tensor& out) {
+  const int64_t q_len = q.size(0), num_heads = q.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, start = seq_len - q_len;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  const int64_t os = out.stride(0), oh = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_tiles = (q_len + kPrefillTileRows - 1) / kPrefillTileRows;
+  const int64_t num_tasks = num_tiles * num_kv_heads;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    const int64_t max_queries = kPrefillTileRows * group, padded_len = (seq_len + 15) / 16 * 16;
+    std::vector<float> queries(max_queries * HD), keys_t(HD * 16), rows(block_size * HD), acc(max_queries * HD), totals(max_queries);
+    std::vector<float> scores(max_queries * padded_len);
+    std::vector<int64_t> lens(max_queries);
+    // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t first_row = tile * kPrefillTileRows, end_row = std::min(q_len, first_row + kPrefillTileRows);
+      const int64_t num_queries = (end_row - first_row) * group, context = start + end_row;  // keys the tile's last row sees
+      for (int64_t r = first_row; r < end_row; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t index = (r - first_row) * group + g;
+          float* qg = queries.data() + index * HD;
+          for (int64_t c = 0; c < HD / 16; ++c)
+            _mm512_storeu_ps(qg + 16 * c, _mm512_mul_ps(load16(q_ptr + r * qs + (h * group + g) * qh + 16 * c), _mm512_set1_ps(fscale)));
+          lens[index] = start + r + 1;
+        }
+      // Scores, sixteen keys (one lane each) at a time; keys past `context` are zeros, never read.
+      for (int64_t key0 = 0; key0 < context; key0 += 16) {
+        const int64_t count = std::min<int64_t>(16, context - key0);
+        for (int64_t i = 0; i < 16; ++i) {
+          if (i < count) {
+            const int64_t position = key0 + i;
+            const T* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
+            for (int64_t c = 0; c < HD / 16; ++c) _mm512_storeu_ps(rows.data() + 16 * c, load16(key + 16 * c));
+            for (int64_t d = 0; d < HD; ++d) keys_t[d * 16 + i] = rows[d];
+          } else {
+            for (int64_t d = 0; d < HD; ++d) keys_t[d * 16 + i] = 0.f;
+          }
+        }
+        int64_t q0 = 0;
+        for (; q0 + kScoreQueries <= num_queries; q0 += kScoreQueries)
+          score_queries<HD, kScoreQueries>(queries.data() + q0 * HD, keys_t.data(), scores.data() + q0 * padded_len + key0, padded_len);
+        for (; q0 < num_queries; ++q0) score_queries<HD, 1>(queries.data() + q0 * HD, keys_t.data(), scores.data() + q0 * padded_len + key0, padded_len);
+      }
+      for (int64_t index = 0; index < num_queries; ++index) totals[index] = softmax_numerators(scores.data() + index * padded_len, lens[index]);
+      std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
+      for (int64_t first = 0; first < context; first += block_size) {
+        const int64_t count = std::min(block_size, context - first);
+        rows_to_float<HD>(v_ptr + table[first / block_size] * vb + h * vh, count, vs, rows.data());
+        constexpr int64_t shared = HD <= 64 ? 3 : 2;  // queries a V row is loaded for (their sums in registers)
+        int64_t index = 0;
+        for (; index + shared <= num_queries && lens[index] >= first + count; index += shared) {  // lens grow with index
+          const float* p[shared];
+          float* a[shared];
+          for (int64_t m = 0; m < shared; ++m) {
+            p[m] = scores.data() + (index + m) * padded_len + first;
+            a[m] = acc.data() + (index + m) * HD;
+          }
+          accumulate_rows_shared<HD, shared>(p, rows.data(), count, a);
+        }
+        for (; index < num_queries; ++index) {
+          const int64_t own = std::min(count, lens[index] - first);  // this query's keys in the block
+          if (own > 0) accumulate_rows<HD>(scores.data() + index * padded_len + first, rows.data(), own, acc.data() + index * HD);
+        }
+      }
+      for (int64_t r = first_row; r < end_row; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t index = (r - first_row) * group + g;
+          T* dst = out_ptr + r * os + (h * group + g) * oh;
+          const float inverse = 1.f / totals[index];
+          for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<T>(acc[index * HD + d] * inverse);
+        }
+    }
+  });
+}
+#endif
+
 void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name) {
   TORCH_CHECK(cache.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name, " must be (blocks, block_size, kv_heads, head_dim) with unit last stride");
@@ -344,6 +476,46 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                                     else
                                       decode_kernel<scalar_t, 0>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
                                   });
+  return out;
+}
+
+// Whether paged_prefill serves q of this head size and dtype here (AVX-512, a multiple of 16, a
+// floating type other than double); the caller takes another path when not.
+bool prefill_supported(int64_t head_dim, at::ScalarType dtype) {
+#if defined(__AVX512F__)
+  return (head_dim == 64 || head_dim == 128) && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
+#else
+  return false;
+#endif
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table, int64_t seq_len,
+                         double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU (tokens, heads, head_dim) tensor with unit last stride");
+  check_cache(k_cache, q, "k_cache");
+  check_cache(v_cache, q, "v_cache");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.sizes() == k_cache.sizes(), "cache shapes must match q's head_dim and each other");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(prefill_supported(q.size(2), q.scalar_type()), "paged_prefill does not serve head_dim ", q.size(2), " in ", q.scalar_type(), " here");
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 1 && block_table.is_contiguous(),
+              "block_table: one sequence's contiguous int32 CPU row");
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(q.size(0) > 0 && seq_len >= q.size(0) && seq_len <= block_table.size(0) * block_size, "a chunk of ", q.size(0), " tokens in a context of ",
+              seq_len, " outside its block table");
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block ", table[b], " outside the cache's ", num_blocks);
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+#if defined(__AVX512F__)
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (q.size(2) == 64)
+        prefill_kernel<scalar_t, 64>(q, k_cache, v_cache, table, seq_len, scale, out);
+      else
+        prefill_kernel<scalar_t, 128>(q, k_cache, v_cache, table, seq_len, scale, out);
+    }
+  });
+#endif
   return out;
 }
 
@@ -472,6 +644,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
 
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
+  m.def("prefill_supported(int head_dim, ScalarType dtype) -> bool", &prefill_supported);  // no tensor: not dispatched by device
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor)");
@@ -479,6 +653,7 @@ TORCH_LIBRARY(tandem, m) {
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { 
   m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_qk", &rotary_qk);

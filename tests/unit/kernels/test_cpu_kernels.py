@@ -21,6 +21,7 @@ from paged_batches import (
     LONG_DECODE,
     LONG_MIXED,
     MIXED,
+    PREFILL_ONLY,
     TOLERANCE,
     fill_unowned_slots,
     make_step,
@@ -91,14 +92,31 @@ def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing() -> None:
     assert torch.equal(kv_cache, step.kv_cache)
 
 
-def test_decode_reads_nothing_past_each_context() -> None:
-    """Unowned slots hold NaN: the torch path would need them finite; these kernels never read them."""
+def test_decode_and_prefill_read_nothing_past_each_context() -> None:
+    """Unowned slots hold NaN: the torch path would need them finite; these kernels never read
+    them, for decode rows and prefill chunks alike."""
     step = make_step(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, seed=3)
     expected, _ = step.run(paged_attention_reference)
     out, _ = step.run(paged_attention_cpu, fill_unowned_slots(step, float("nan")))
-    decode_rows = [s for s, (lo, hi) in enumerate(zip(step.meta.query_start_loc[:-1], step.meta.query_start_loc[1:])) if hi - lo == 1]
-    rows = step.meta.query_start_loc[decode_rows].long()
-    torch.testing.assert_close(out[rows], expected[rows], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(dtype: torch.dtype) -> None:
+    """A 300-token prompt whose K and V are cached: its rows computed in one chunk, and in chunks
+    that cut across the kernel's 16-row tiles and 16-token blocks, have the same bits."""
+    step = make_step([(0, 300)], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=5)
+    _, kv_cache = step.run(paged_attention_cpu)  # writes the prompt's K and V
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    table = step.meta.block_tables[0]
+    whole = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 300, step.scale)
+    pieces = [
+        torch.ops.tandem.paged_prefill(step.q[lo:hi], k_cache, v_cache, table, hi, step.scale)
+        for lo, hi in ((0, 37), (37, 200), (200, 201), (201, 300))
+    ]
+    assert torch.equal(torch.cat(pieces), whole)
+    expected, _ = step.run(paged_attention_reference)
+    torch.testing.assert_close(whole, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def test_a_decode_row_gets_the_same_bits_alone_and_in_any_batch() -> None:
@@ -232,6 +250,21 @@ def test_the_kernels_refuse_malformed_input_with_an_error_not_a_crash() -> None:
     too_long[0] = step.meta.block_tables.shape[1] * cache.shape[1] + 1
     with pytest.raises(RuntimeError, match="outside its block table"):
         torch.ops.tandem.paged_decode(step.q, cache, cache, too_long, step.meta.block_tables, 1.0)
+    table, q = step.meta.block_tables[0], torch.randn(8, 6, 32)
+    with pytest.raises(RuntimeError, match="does not serve head_dim 32"):
+        torch.ops.tandem.paged_prefill(q, cache, cache, table, 8, 1.0)
+    prefill = make_step(PREFILL_ONLY, num_heads=6, num_kv_heads=2, head_dim=64)
+    cache, table, q = prefill.kv_cache[:, LAYER, 0], prefill.meta.block_tables[0], prefill.q[:33]
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        torch.ops.tandem.paged_prefill(q, cache, cache, table, 32, 1.0)  # a chunk longer than its context
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        torch.ops.tandem.paged_prefill(q, cache, cache, table, table.shape[0] * cache.shape[1] + 1, 1.0)
+    outside = table.clone()
+    outside[0] = cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.tandem.paged_prefill(q, cache, cache, outside, 33, 1.0)
+    with pytest.raises(RuntimeError, match="block_table"):
+        torch.ops.tandem.paged_prefill(q, cache, cache, table.long(), 33, 1.0)
 
 
 LOAD_SCRIPT = "from tandem.kernels import cpu_extension\nprint('loaded' if cpu_extension.load() else 'torch path')\n"
