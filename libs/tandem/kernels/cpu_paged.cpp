@@ -310,18 +310,26 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with its group's heads)
 constexpr int64_t kScoreQueries = 8;      // queries scored together against a block's 16 keys
 
-// out[j][0..16) = the 16 scores of query j (HD floats at queries + j * HD) against the transposed
-// keys (keys_t[d * 16 + lane]): per lane one chain of fused multiply-adds over d from zero, the
-// same for a query whichever N it is scored among.
-template <int64_t HD, int64_t N>
+constexpr int64_t kKeysAtOnce = 32;  // keys transposed together: two lanes-of-16 per query broadcast
+
+// out[j][0 .. 16 B) = the scores of query j (HD floats at queries + j * HD) against B x 16
+// transposed keys (keys_t[d * kKeysAtOnce + lane]): per lane one chain of fused multiply-adds
+// over d from zero, the same for a query whichever N and B it is scored with.
+template <int64_t HD, int64_t N, int64_t B>
 inline void score_queries(const float* queries, const float* keys_t, float* out, int64_t out_stride) {
-  __m512 sums[N];
-  for (int64_t j = 0; j < N; ++j) sums[j] = _mm512_setzero_ps();
+  __m512 sums[N][B];
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t b = 0; b < B; ++b) sums[j][b] = _mm512_setzero_ps();
   for (int64_t d = 0; d < HD; ++d) {
-    const __m512 kd = _mm512_loadu_ps(keys_t + d * 16);
-    for (int64_t j = 0; j < N; ++j) sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(queries[j * HD + d]), kd, sums[j]);
+    __m512 kd[B];
+    for (int64_t b = 0; b < B; ++b) kd[b] = _mm512_loadu_ps(keys_t + d * kKeysAtOnce + 16 * b);
+    for (int64_t j = 0; j < N; ++j) {
+      const __m512 qd = _mm512_set1_ps(queries[j * HD + d]);
+      for (int64_t b = 0; b < B; ++b) sums[j][b] = _mm512_fmadd_ps(qd, kd[b], sums[j][b]);
+    }
   }
-  for (int64_t j = 0; j < N; ++j) _mm512_storeu_ps(out + j * out_stride, sums[j]);
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t b = 0; b < B; ++b) _mm512_storeu_ps(out + j * out_stride + 16 * b, sums[j][b]);
 }
 
 // accumulate_rows for M queries over the same `count` rows, each row loaded once: query m's sums
@@ -334,7 +342,10 @@ inline void accumulate_rows_shared(const float* const* p, const float* rows, int
     for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_loadu_ps(acc[m] + 16 * c);
   for (int64_t i = 0; i < count; ++i) {
     __m512 row[chunks];
-    for (int64_t c = 0; c < chunks; ++c) row[c] = _mm512_loadu_ps(rows + i * HD + 16 * c);
+    for (int64_t c = 0; c < chunks; ++c) {
+      row[c] = _mm512_loadu_ps(rows + i * HD + 16 * c);
+      asm("" : "+v"(row[c]));  // kept in a register for the M queries, not loaded again by each FMA
+    }
     for (int64_t m = 0; m < M; ++m) {
       const __m512 weight = _mm512_set1_ps(p[m][i]);
       for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_fmadd_ps(weight, row[c], a[m][c]);
@@ -370,8 +381,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t num_tasks = num_tiles * num_kv_heads;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    const int64_t max_queries = kPrefillTileRows * group, padded_len = (seq_len + 15) / 16 * 16;
-    std::vector<float> queries(max_queries * HD), keys_t(HD * 16), rows(block_size * HD), acc(max_queries * HD), totals(max_queries);
+    const int64_t max_queries = kPrefillTileRows * group, padded_len = (seq_len + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce;
+    std::vector<float> queries(max_queries * HD), keys_t(HD * kKeysAtOnce), rows(block_size * HD), acc(max_queries * HD), totals(max_queries);
     std::vector<float> scores(max_queries * padded_len);
     std::vector<int64_t> lens(max_queries);
     // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
@@ -387,30 +398,37 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             _mm512_storeu_ps(qg + 16 * c, _mm512_mul_ps(load16(q_ptr + r * qs + (h * group + g) * qh + 16 * c), _mm512_set1_ps(fscale)));
           lens[index] = start + r + 1;
         }
-      // Scores, sixteen keys (one lane each) at a time; keys past `context` are zeros, never read.
-      for (int64_t key0 = 0; key0 < context; key0 += 16) {
-        const int64_t count = std::min<int64_t>(16, context - key0);
-        for (int64_t i = 0; i < 16; ++i) {
+      // Scores, 32 keys (one lane each) at a time; keys past `context` are zeros, never read.
+      for (int64_t key0 = 0; key0 < context; key0 += kKeysAtOnce) {
+        const int64_t count = std::min<int64_t>(kKeysAtOnce, context - key0);
+        for (int64_t i = 0; i < kKeysAtOnce; ++i) {
           if (i < count) {
             const int64_t position = key0 + i;
             const T* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
             for (int64_t c = 0; c < HD / 16; ++c) _mm512_storeu_ps(rows.data() + 16 * c, load16(key + 16 * c));
-            for (int64_t d = 0; d < HD; ++d) keys_t[d * 16 + i] = rows[d];
+            for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = rows[d];
           } else {
-            for (int64_t d = 0; d < HD; ++d) keys_t[d * 16 + i] = 0.f;
+            for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = 0.f;
           }
         }
+        float* out = scores.data() + key0;
         int64_t q0 = 0;
-        for (; q0 + kScoreQueries <= num_queries; q0 += kScoreQueries)
-          score_queries<HD, kScoreQueries>(queries.data() + q0 * HD, keys_t.data(), scores.data() + q0 * padded_len + key0, padded_len);
-        for (; q0 < num_queries; ++q0) score_queries<HD, 1>(queries.data() + q0 * HD, keys_t.data(), scores.data() + q0 * padded_len + key0, padded_len);
+        if (count > 16) {
+          for (; q0 + kScoreQueries <= num_queries; q0 += kScoreQueries)
+            score_queries<HD, kScoreQueries, 2>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+          for (; q0 < num_queries; ++q0) score_queries<HD, 1, 2>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+        } else {
+          for (; q0 + kScoreQueries <= num_queries; q0 += kScoreQueries)
+            score_queries<HD, kScoreQueries, 1>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+          for (; q0 < num_queries; ++q0) score_queries<HD, 1, 1>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+        }
       }
       for (int64_t index = 0; index < num_queries; ++index) totals[index] = softmax_numerators(scores.data() + index * padded_len, lens[index]);
       std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
       for (int64_t first = 0; first < context; first += block_size) {
         const int64_t count = std::min(block_size, context - first);
         rows_to_float<HD>(v_ptr + table[first / block_size] * vb + h * vh, count, vs, rows.data());
-        constexpr int64_t shared = HD <= 64 ? 3 : 2;  // queries a V row is loaded for (their sums in registers)
+        constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V row is loaded for (their sums in registers)
         int64_t index = 0;
         for (; index + shared <= num_queries && lens[index] >= first + count; index += shared) {  // lens grow with index
           const float* p[shared];
