@@ -3,10 +3,11 @@ a decode step reads about half the bytes of bf16.
 
 Each output channel (row of a Linear's weight) has its own scale, absmax / 127 of that row,
 stored in the model's dtype; the row is round(w / scale), clamped to [-127, 127]. The layer
-computes x @ (w_int8 * scale).T (+ bias) with torch's fused CPU and CUDA kernel
-`_weight_int8pack_mm`, which dequantizes while it multiplies. That kernel pays per row of x: at
-1 row it takes about half the time of the bf16 matmul, at 4 rows about the same, at 8 rows up to
-1.8x more, so int8 is the cheaper model for small decode batches only. Above INT8_KERNEL_MAX_ROWS
+computes x @ (w_int8 * scale).T (+ bias) with a fused kernel that dequantizes while it
+multiplies: on a CPU with AVX512-BF16 and bf16 activations, the C++ kernels' int8_mm (bf16 dot
+products, the weight read once for all the rows); elsewhere torch's CPU and CUDA kernel
+`_weight_int8pack_mm`, which pays per row of x: at 1 row it takes about half the time of the
+bf16 matmul, at 4 rows about the same, at 8 rows up to 1.8x more. Above INT8_KERNEL_MAX_ROWS
 rows (prefill chunks, big batches) and on devices without the kernel the layer multiplies by the
 int8 weight cast to the dtype and scales the result instead: the same product, at about 2.4x the
 bf16 matmul's time.
@@ -20,10 +21,13 @@ is unchanged, only its Linear modules are swapped.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import cpu_extension
 from tandem.models.files import Quantization
 from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -49,6 +53,16 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def has_int8_kernel(device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(KERNEL_OP, device.type.upper())
+
+
+def _cpu_int8_kernel_serves(rows: torch.Tensor) -> bool:
+    return rows.device.type == "cpu" and _int8_mm_serves(rows.shape[1], rows.dtype)
+
+
+@functools.cache
+def _int8_mm_serves(in_features: int, dtype: torch.dtype) -> bool:
+    """Asked once per shape and dtype, not on every forward (a dispatcher call each)."""
+    return cpu_extension.load() and bool(torch.ops.tandem.int8_mm_supported(INT8_KERNEL_MAX_ROWS, in_features, dtype))
 
 
 class Int8Linear(nn.Module):
@@ -82,7 +96,10 @@ class Int8Linear(nn.Module):
         if rows.dtype != self.scale.dtype:
             rows = rows.to(self.scale.dtype)
         if self.has_kernel and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
-            out = torch._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scale)
+            if _cpu_int8_kernel_serves(rows):  # for every row count up to the bound alike: a row's bits its own
+                out = torch.ops.tandem.int8_mm(rows.contiguous(), self.weight_int8, self.scale)
+            else:
+                out = torch._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scale)
         else:
             out = F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scale
         if self.bias is not None:

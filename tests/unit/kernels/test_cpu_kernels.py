@@ -32,6 +32,7 @@ from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension, paged_attention_cpu, paged_attention_reference, select_attention
 from tandem.models.layers import RMSNorm
 from tandem.models.loader import load_model
+from tandem.models.quant import Int8Linear
 from tandem.models.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels do not build here (no C++ compiler?)")
@@ -305,3 +306,47 @@ def test_a_process_that_cannot_get_the_build_lock_in_time_serves_with_the_torch_
         done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "torch path", done.stderr
     assert "TimeoutError" in done.stderr
+
+
+needs_int8_mm = pytest.mark.skipif(
+    not (cpu_extension.load() and torch.ops.tandem.int8_mm_supported(1, 64, torch.bfloat16)),
+    reason="int8_mm needs AVX512-BF16 (bf16 dot products)",
+)
+
+
+@needs_int8_mm
+@pytest.mark.parametrize("out_features", [96, 97], ids=["even-channels", "odd-channels"])
+def test_int8_mm_matches_the_dequantized_product_and_a_row_s_bits_are_its_own(out_features: int) -> None:
+    """Up to 16 rows of bf16 against an int8 weight and its scales: the float32 product of the
+    dequantized weight within bf16 rounding, and each row with the bits it gets alone."""
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randint(-127, 128, (out_features, 192), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(out_features, generator=generator) / 100).to(torch.bfloat16)
+    x = torch.randn(16, 192, generator=generator).to(torch.bfloat16)
+    for rows in (1, 3, 8, 9, 16):
+        out = torch.ops.tandem.int8_mm(x[:rows], weight, scale)
+        expected = x[:rows].float() @ (weight.float() * scale.float()[:, None]).T
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+        for i in range(rows):
+            assert torch.equal(torch.ops.tandem.int8_mm(x[i : i + 1], weight, scale)[0], out[i]), f"row {i} of {rows}"
+
+
+@needs_int8_mm
+def test_an_int8_layer_multiplies_a_decode_batch_with_int8_mm_on_the_cpu() -> None:
+    layer = Int8Linear.from_linear(torch.nn.Linear(192, 64, bias=True).to(torch.bfloat16))
+    x = torch.randn(5, 192).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.ops.tandem.int8_mm(x, layer.weight_int8, layer.scale) + layer.bias)
+
+
+def test_int8_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
+    weight, scale = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.tandem.int8_mm(torch.zeros(2, 64, dtype=torch.bfloat16), weight.float(), scale)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        torch.ops.tandem.int8_mm(torch.zeros(2, 64, dtype=torch.bfloat16), weight, scale[:4])
+    with pytest.raises(RuntimeError, match="does not serve 17 rows"):
+        torch.ops.tandem.int8_mm(torch.zeros(17, 64, dtype=torch.bfloat16), weight, scale)
+    with pytest.raises(RuntimeError, match="does not serve"):
+        torch.ops.tandem.int8_mm(torch.zeros(2, 64), weight, scale.float())  # float32 activations
