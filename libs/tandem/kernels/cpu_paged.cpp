@@ -1,10 +1,13 @@
-// Paged attention for decode rows on the CPU, reading K and V in place through the block table
-// (no gather copy, no padding), and the KV write of a step's new tokens. Built and loaded by
-// cpu_extension.py; registered as torch.ops.tandem.*.
+// Paged attention on the CPU, reading K and V in place through the block table (no gather copy,
+// no padding): decode rows (paged_decode) and prefill chunks (paged_prefill); the KV write of a
+// step's new tokens; RMSNorm and the split and rotation of q and k; and an int8 layer's product
+// for a decode step's few rows (int8_mm). Built and loaded by cpu_extension.py; registered as
+// torch.ops.tandem.*.
 //
-// Work split: one task per (sequence, kv head); the `group` query heads sharing that kv head are
-// computed together, so each K and V row is read once. A task's arithmetic is float32 in a fixed
-// order whatever the batch, so a row gets the same bits alone or in any company.
+// Work split of paged_decode: one task per (sequence, kv head); the `group` query heads sharing
+// that kv head are computed together, so each K and V row is read once. Every op's arithmetic for
+// a row is in a fixed order whatever the batch, so a row gets the same bits alone or in any
+// company.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
