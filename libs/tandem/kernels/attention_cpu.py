@@ -17,6 +17,8 @@ size of 64 or 128) goes attention_torch's prefill_chunk_attention.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tandem.kernels.attention_torch import mixed_attention, paged_attention_torch, prefill_chunk_attention
@@ -62,6 +64,12 @@ def prefill_attention_cpu(
     scale: float,
 ) -> torch.Tensor:
     """attention_torch.prefill_chunk_attention's contract, through paged_prefill where it serves."""
-    if not torch.ops.tandem.prefill_supported(q.shape[-1], q.dtype):
+    if not _prefill_serves(q.shape[-1], q.dtype):
         return prefill_chunk_attention(q, k_cache, v_cache, block_table, seq_len, scale)
     return torch.ops.tandem.paged_prefill(q, k_cache, v_cache, block_table, seq_len, scale)
+
+
+@functools.cache
+def _prefill_serves(head_dim: int, dtype: torch.dtype) -> bool:
+    """Asked once per head size and dtype, not for every chunk (a dispatcher call each)."""
+    return bool(torch.ops.tandem.prefill_supported(head_dim, dtype))
