@@ -6,7 +6,11 @@ tokens) with its SSE bytes encoded once, and one reader lease on the reply for t
 Every client of the reply is a Subscription: a cursor into the feed's events, woken when more
 land; a late one starts from its Last-Event-ID, from memory. A client more than `max_lag` live
 events behind is dropped (its stream ends, it resumes with Last-Event-ID) and nobody else waits
-for it. A feed stops reading when its last client leaves, and after the final event."""
+for it. A feed stops reading when its last client leaves, and after the final event.
+
+A subscriber that waits at the feed's end with a DirectWriter (an SSE stream on uvicorn) is
+written its new events by the feed itself, framed once for all of them (services.chat.direct_write):
+its task is woken only for what it must write itself (the final event, an error, a late start)."""
 
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.chat import metrics
+from services.chat.direct_write import DirectWriter
 from services.chat.sse import Frames, encode_frames
 from services.chat.state import ChatConfig
-from tandem.bus.events import now_ms
+from tandem.bus.events import is_final, now_ms
 from tandem.tokenlog import LogTail, TailConfig, attach, detach
 from tandem.tokenlog.keys import READERS_TTL_S, ReplyKeys
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -63,8 +68,10 @@ class Feed:
             self._once = asyncio.ensure_future(work())
         await asyncio.shield(self._once)
 
-    def subscribe(self, after_seq: int, max_lag: int | None) -> Subscription:
-        subscription = Subscription(self, cursor=min(after_seq, len(self.events)), after_seq=after_seq, max_lag=max_lag)
+    def subscribe(self, after_seq: int, max_lag: int | None, last_sse_id: int = 0, writer: DirectWriter | None = None) -> Subscription:
+        subscription = Subscription(
+            self, cursor=min(after_seq, len(self.events)), after_seq=after_seq, max_lag=max_lag, last_sse_id=last_sse_id, writer=writer
+        )
         self._subscribers.add(subscription)
         return subscription
 
@@ -72,13 +79,26 @@ class Feed:
         self._subscribers.discard(subscription)
 
     def deliver(self, events: Sequence[TokenEvent], is_caught_up: bool) -> None:
+        start = len(self.events)
+        frames = [encode_frames(event) for event in events]
         self.events.extend(events)
-        self.frames.extend(encode_frames(event) for event in events)
+        self.frames.extend(frames)
         if not self._is_live:  # the catch-up, up to its first read that reached the log's end
             self.num_backlog = len(self.events)
             self._is_live = is_caught_up
+        # A final event ends each response (its task writes it); an error names each request.
+        can_write = not is_final(events[-1]) and not any(f.is_per_request for f in frames)
+        chunk = b""  # the new events' bytes as a response chunk, framed once for every writer
+        num_written = 0
         for subscription in self._subscribers:
+            if can_write and subscription.is_waiting_at(start, frames[0].first_id):
+                chunk = chunk or DirectWriter.frame(b"".join(f.blob for f in frames))
+                if subscription.write(chunk, len(self.events), frames[-1].each[-1][0]):
+                    num_written += 1
+                    continue
             subscription.on_more()
+        if num_written:
+            metrics.STREAM_DIRECT_WRITES.inc(num_written)
 
     def end(self, error: Exception | None) -> None:
         """The tail's word that reading is over (the final event read, or the log gone)."""
@@ -113,16 +133,36 @@ class Feed:
 
 
 class Subscription:
-    """One client's place in a feed: events [cursor, len) are queued for it."""
+    """One client's place in a feed: events [cursor, len) are queued for it; `last_sse_id`, the
+    last SSE id its client was written."""
 
-    def __init__(self, feed: Feed, *, cursor: int, after_seq: int, max_lag: int | None) -> None:
+    def __init__(
+        self, feed: Feed, *, cursor: int, after_seq: int, max_lag: int | None, last_sse_id: int = 0, writer: DirectWriter | None = None
+    ) -> None:
         self.feed = feed
         self.cursor = cursor
         self.live_from = max(len(feed.events), feed.num_backlog)  # what it joined to is backlog, not queue
         self.after_seq = after_seq
         self.max_lag = max_lag
+        self.last_sse_id = last_sse_id
         self.is_dropped = False
+        self._writer = writer
+        self._is_waiting = False  # its task waits in ranges(), having written everything before `cursor`
         self._wake = asyncio.Event()
+
+    def is_waiting_at(self, cursor: int, first_id: int) -> bool:
+        """Whether the feed can write it events from `cursor` on (SSE ids from `first_id`) itself."""
+        return (
+            self._is_waiting and self._writer is not None and self.cursor == cursor and first_id > self.last_sse_id and not self.is_dropped
+        )
+
+    def write(self, chunk: bytes, stop: int, last_sse_id: int) -> bool:
+        """`chunk` (events [cursor, stop), framed) written to the client by the feed; False when
+        its writer cannot take it now (its task then writes them)."""
+        if self._writer is None or not self._writer.write(chunk):
+            return False
+        self.cursor, self.last_sse_id = stop, last_sse_id
+        return True
 
     @property
     def num_queued(self) -> int:
@@ -158,7 +198,11 @@ class Subscription:
                     raise copy.copy(self.feed.error)  # each subscriber its own, so no traceback grows shared
                 return
             self._wake.clear()
-            await self._wake.wait()
+            self._is_waiting = True
+            try:
+                await self._wake.wait()
+            finally:
+                self._is_waiting = False
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         async for start, stop in self.ranges():
@@ -198,15 +242,18 @@ class FanoutHub:
         return self._tail.num_connections
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, reply_id: str, *, after_seq: int = 0, max_lag: int | None = None) -> AsyncIterator[Subscription]:
-        """A place in the reply's feed (started if this instance has none) from seq > `after_seq`."""
+    async def subscribe(
+        self, reply_id: str, *, after_seq: int = 0, max_lag: int | None = None, last_sse_id: int = 0, writer: DirectWriter | None = None
+    ) -> AsyncIterator[Subscription]:
+        """A place in the reply's feed (started if this instance has none) from seq > `after_seq`,
+        its client written up to SSE id `last_sse_id`; `writer`: the feed may write it live events."""
         feed = self._feeds.get(reply_id)
         is_new = feed is None
         if feed is None:
             feed = Feed(reply_id, f"{self._instance_id}:{uuid.uuid4().hex[:8]}", self._read_ended)
             self._feeds[reply_id] = feed
             metrics.FEEDS_ACTIVE.set(len(self._feeds))
-        subscription = feed.subscribe(after_seq, max_lag)
+        subscription = feed.subscribe(after_seq, max_lag, last_sse_id, writer)
         if self.is_draining and max_lag is not None:
             subscription.drop()
         try:

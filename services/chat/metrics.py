@@ -13,6 +13,10 @@ GENERATE_RESENT = Counter(
     "tandem_chat_generate_resent_total", "Generate requests sent again because no router was subscribed (one restarting)"
 )
 STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed with Last-Event-ID > 0")
+STREAM_DIRECT_WRITES = Counter(
+    "tandem_chat_stream_direct_writes_total",
+    "Chunks of live events a reply's feed wrote straight to a waiting stream's connection (one per stream and delivery)",
+)
 SUMMARIES = Counter("tandem_chat_summaries_total", "Conversation summary jobs by outcome: written, refused, failed, skipped", ["outcome"])
 IDEMPOTENT_REPEATS = Counter(
     "tandem_chat_idempotent_repeats_total", "Requests that attached to the reply of an earlier one with the same key"

@@ -24,6 +24,7 @@ from sse_starlette import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.types import Message, Receive, Scope, Send
 
+from services.chat.direct_write import DirectWriter
 from services.chat.state import ChatState
 from tandem.bus.events import finish_name, is_final
 from tandem.runtime.request_id import SERVER_SEND
@@ -128,14 +129,23 @@ def log_seq_to_resume_after(last_event_id: int) -> int:
     return max(last_event_id - 2, 0)
 
 
+class WriterSlot:
+    """Where a response leaves its DirectWriter for its body, which reads it once iterated (when the
+    server has called the response); made first and handed to both."""
+
+    writer: DirectWriter | None = None
+
+
 class StreamResponse(EventSourceResponse):
     """An EventSourceResponse that runs its `on_close` callbacks however it ends (its body may
-    never have started), and ends quietly for a client that stopped taking bytes."""
+    never have started), and ends quietly for a client that stopped taking bytes. With a
+    `writer_slot`, its body's producer may write live events to the connection itself."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, writer_slot: WriterSlot | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._on_close: list[Callable[[], None]] = []
         self._server_send: Send | None = None
+        self._writer_slot = writer_slot
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
@@ -153,6 +163,8 @@ class StreamResponse(EventSourceResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.ping_interval > 0:  # a client that stops reading is found by a ping's timed send
             self._server_send = scope.get("state", {}).get(SERVER_SEND)
+            if self._writer_slot is not None:
+                self._writer_slot.writer = DirectWriter.of(self._server_send)
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:
@@ -162,9 +174,16 @@ class StreamResponse(EventSourceResponse):
                 callback()
 
 
-def sse_response(state: ChatState, events: AsyncIterator[dict[str, str]] | AsyncIterator[bytes], message_id: str = "") -> StreamResponse:
+def sse_response(
+    state: ChatState,
+    events: AsyncIterator[dict[str, str]] | AsyncIterator[bytes],
+    message_id: str = "",
+    writer_slot: WriterSlot | None = None,
+) -> StreamResponse:
     """An SSE response with the configured keep-alive; `message_id` as X-Message-Id, so a client
     that loses the stream before the `meta` event still knows what to resume."""
     headers = {"X-Message-Id": message_id} if message_id else {}
     keepalive_s = state.config.keepalive_s
-    return StreamResponse(events, ping=int(keepalive_s), headers=headers, send_timeout=SEND_TIMEOUT_KEEPALIVES * keepalive_s)
+    return StreamResponse(
+        events, ping=int(keepalive_s), headers=headers, send_timeout=SEND_TIMEOUT_KEEPALIVES * keepalive_s, writer_slot=writer_slot
+    )

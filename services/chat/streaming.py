@@ -1,6 +1,8 @@
 """Streaming a reply to a client: its token log read live through this instance's feed of the
 reply (services.chat.fanout), as the product's SSE events, written as pre-encoded bytes with
-everything queued for the client in one write."""
+everything queued for the client in one write. While the client keeps up, the feed writes its
+live events to the connection itself (services.chat.direct_write), except to the stream of the
+request that started the reply, whose writes its ReplyClock times."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from services.chat import metrics
 from services.chat.latency import ReplyClock
-from services.chat.sse import SseEvent, StreamResponse, error_data, log_seq_to_resume_after, meta_event, sse_response
+from services.chat.sse import SseEvent, StreamResponse, WriterSlot, error_data, log_seq_to_resume_after, meta_event, sse_response
 from services.chat.state import ChatState
 from services.chat.streams import settle_lost_reply
 from tandem.bus.events import is_final
@@ -43,7 +45,8 @@ def reply_response(
 ) -> StreamResponse:
     """The SSE response of a reply read from its log, after `last_event_id`; `clock` measures it
     for the request that started the reply, whose `meta` event says how its model was chosen (`route`)."""
-    response = sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock, route), reply_id)
+    slot = WriterSlot() if clock is None else None
+    response = sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock, route, slot), reply_id, slot)
     if clock is not None:
         response.on_close(clock.close)
     return response
@@ -64,13 +67,15 @@ async def sse_stream(
     num_dropped_turns: int = 0,
     clock: ReplyClock | None = None,
     route: dict[str, object] | None = None,
+    writer_slot: WriterSlot | None = None,
 ) -> AsyncIterator[bytes]:
     """The product's SSE events of a reply after `last_event_id`, as bytes. A client that falls
     `stream_buffer_events` live events behind is dropped: its stream ends and it resumes with
     Last-Event-ID. A log that vanishes before its final event ends the stream with an `error`
     event, code "reply_expired", and its stored turn, if it has one still running, is settled as
     failed with the text the feed read. Every `error` event names this request's id (its
-    X-Request-Id), whoever wrote the failure into the log."""
+    X-Request-Id), whoever wrote the failure into the log. `writer_slot`: its response's, whose
+    DirectWriter (if any) the feed may write live events with."""
     request_id = current_request_id()  # the response streams in a task that inherits the request's context
     if last_event_id >= 1:
         metrics.STREAM_RESUMES.inc()
@@ -79,12 +84,14 @@ async def sse_stream(
         last_id = 1
         yield meta_event(reply_id, model, num_dropped_turns, route).encode()
     after_seq = log_seq_to_resume_after(last_event_id)
-    async with state.fanout.subscribe(reply_id, after_seq=after_seq, max_lag=state.config.stream_buffer_events) as subscription:
+    writer = writer_slot.writer if writer_slot is not None else None
+    max_lag = state.config.stream_buffer_events
+    async with state.fanout.subscribe(reply_id, after_seq=after_seq, max_lag=max_lag, last_sse_id=last_id, writer=writer) as subscription:
         feed = subscription.feed
         try:
             async for start, stop in subscription.ranges():
-                data = feed.sse_bytes(start, stop, last_id, request_id)
-                last_id = max(last_id, feed.frames[stop - 1].each[-1][0])
+                data = feed.sse_bytes(start, stop, subscription.last_sse_id, request_id)
+                subscription.last_sse_id = max(subscription.last_sse_id, feed.frames[stop - 1].each[-1][0])
                 if data:
                     yield data
                     if clock is not None:
@@ -96,7 +103,7 @@ async def sse_stream(
             await feed.once(lambda: _settle_stored_turn(state, reply_id, text))
             if clock is not None:
                 clock.close("expired")
-            yield SseEvent(last_id + 1, "error", error_data("reply_expired", REPLY_EXPIRED, request_id)).encode()
+            yield SseEvent(subscription.last_sse_id + 1, "error", error_data("reply_expired", REPLY_EXPIRED, request_id)).encode()
 
 
 def _log_failure(request_id: str, event: TokenEvent) -> None:

@@ -21,6 +21,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import next_heartbeat, service_env, service_process
 from product_stack import ALICE, API_KEYS, BOB, READER_IDLE_TIMEOUT_S, Sse, sse_events
+from scraped_metrics import grew, scrape
 
 from services.chat.sse import sse_events as sse_of_log
 from tandem.tokenlog import load_reply, logged_events
@@ -158,10 +159,15 @@ def after_meta(events: list[Sse]) -> list[tuple[int, str, dict]]:
 
 async def test_500_readers_of_one_running_reply_receive_its_identical_complete_log(chats, product_stack):
     async with client(chats["wide"]) as http:
+        before = await scrape(http, chats["wide"])
         reply = await Reply(http, ALICE, max_tokens=48).start()
         opening = asyncio.Semaphore(32)
         readers = await asyncio.gather(*(read_on(http, reply.id, ALICE, [], opening=opening) for _ in range(500)))
         own = await reply.finished()
+        after = await scrape(http, chats["wide"])
+    # Readers waiting at the log's end were written live events by the reply's feed (uvicorn's
+    # connections), the rest by their own tasks: the sequences below are equal either way.
+    assert grew(before, after, "tandem_chat_stream_direct_writes_total") > 0
     expected = await log_sequence(product_stack.redis_url, reply.id)
     assert expected[-1][1] == "done" and [i for i, _, _ in expected] == list(range(2, len(expected) + 2))
     assert after_meta(own) == expected

@@ -1,6 +1,7 @@
 """A feed's fan-out without Redis: every subscriber takes the same events, a late one starts from
 its Last-Event-ID, a slow one is dropped (only for live events it let pile up, never for a
-backlog), a failure reaches each subscriber; and the stream slots' limits."""
+backlog), a failure reaches each subscriber; live events are written by the feed to the
+connections that wait for them, and only those; and the stream slots' limits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import pytest
 
+from services.chat.direct_write import DirectWriter
 from services.chat.errors import RateLimited, Unavailable
 from services.chat.fanout import Feed, Subscription
 from services.chat.sse import encode_frames, meta_event
@@ -50,6 +52,88 @@ async def test_every_subscriber_takes_the_identical_complete_sequence():
     results = await asyncio.gather(*readers)
     assert set(results) == {expected(events)}
     assert b"event: done" in results[0]
+
+
+class Connection(DirectWriter):
+    """A DirectWriter over a byte buffer, which can refuse writes as a paused transport does."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+        self.written = bytearray()
+        self.is_paused = False
+
+    def write(self, chunk: bytes) -> bool:
+        if self.is_paused:
+            return False
+        self.written += chunk
+        return True
+
+
+def unframed(chunks: bytes) -> bytes:
+    """A chunked body's data."""
+    data, rest = b"", chunks
+    while rest:
+        size, rest = rest.split(b"\r\n", 1)
+        data, rest = data + rest[: int(size, 16)], rest[int(size, 16) + 2 :]
+    return data
+
+
+async def test_live_events_are_written_to_a_waiting_connection_by_the_feed_and_the_final_by_its_task():
+    feed = new_feed()
+    connection = Connection()
+    subscription = feed.subscribe(0, max_lag=8, last_sse_id=1, writer=connection)
+    by_task = asyncio.create_task(taken(subscription))
+    await asyncio.sleep(0)  # it waits at the feed's end
+    for seq in range(1, 6):
+        feed.deliver(tokens(seq, seq), is_caught_up=True)  # no await: its task never ran meanwhile
+    assert unframed(bytes(connection.written)) == expected(tokens(1, 5))
+    assert (subscription.cursor, subscription.last_sse_id) == (5, 6)
+    final = final_event("r", 6, FINISH_REASON_STOP)
+    feed.deliver([final], is_caught_up=True)
+    feed.end(None)
+    assert await by_task == expected([final])
+    assert unframed(bytes(connection.written)) == expected(tokens(1, 5)), "the final event is its task's to write"
+
+
+async def test_a_connection_that_cannot_take_a_write_gets_the_events_from_its_task_in_order():
+    feed = new_feed()
+    connection = Connection()
+    subscription = feed.subscribe(0, max_lag=8, last_sse_id=1, writer=connection)
+    parts: list[bytes] = []
+
+    async def task_writes() -> None:
+        async for start, stop in subscription.ranges():
+            parts.append(feed.sse_bytes(start, stop, subscription.last_sse_id, "req"))
+            subscription.last_sse_id = feed.frames[stop - 1].each[-1][0]
+
+    reader = asyncio.create_task(task_writes())
+    await asyncio.sleep(0)
+    feed.deliver(tokens(1, 2), is_caught_up=True)  # written by the feed
+    connection.is_paused = True
+    feed.deliver(tokens(3, 3), is_caught_up=True)  # refused: the task is woken for it
+    connection.is_paused = False
+    feed.deliver(tokens(4, 4), is_caught_up=True)  # the task has not taken seq 3 yet: not written ahead of it
+    await asyncio.sleep(0)
+    feed.deliver(tokens(5, 5), is_caught_up=True)  # waiting again: written by the feed
+    feed.deliver([final_event("r", 6, FINISH_REASON_STOP)], is_caught_up=True)
+    feed.end(None)
+    await reader
+    assert unframed(bytes(connection.written)) == expected(tokens(1, 2)) + expected(tokens(5, 5))
+    assert b"".join(parts) == expected(tokens(3, 4)) + expected([final_event("r", 6, FINISH_REASON_STOP)])
+
+
+async def test_a_subscriber_whose_client_is_ahead_of_the_log_is_not_written_events_it_has():
+    """A Last-Event-ID past what the feed holds: the feed writes nothing up to it."""
+    feed = new_feed()
+    connection = Connection()
+    subscription = feed.subscribe(after_seq=8, max_lag=8, last_sse_id=10, writer=connection)
+    reader = asyncio.create_task(taken(subscription, after_id=10))
+    await asyncio.sleep(0)
+    feed.deliver(tokens(1, 3), is_caught_up=True)
+    assert connection.written == b""
+    feed.deliver([final_event("r", 4, FINISH_REASON_STOP)], is_caught_up=True)
+    feed.end(None)
+    assert await reader == b""
 
 
 async def test_a_late_subscriber_gets_the_backlog_after_its_last_event_id_then_live():
