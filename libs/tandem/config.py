@@ -200,6 +200,8 @@ class Settings(BaseSettings):
     """chat: streams one pro user may hold open at once on one instance"""
     stream_buffer_events: Annotated[int, Field(ge=1)] = 512
     """chat: events buffered for one slow client; past it the client is dropped (it resumes with Last-Event-ID)"""
+    stream_interval_ms: Annotated[int, Field(ge=0, le=1000)] = 0
+    """chat: a reply's live events go to its streams at most once this often (0: each as it is read); more events a write, fewer writes"""
     stream_readers: Annotated[int, Field(ge=1, le=64)] = 4
     """chat: Redis connections reading token logs, each one blocking XREAD over many replies"""
     redis_max_connections: Annotated[int, Field(ge=2)] = 64

@@ -10,7 +10,9 @@ for it. A feed stops reading when its last client leaves, and after the final ev
 
 A subscriber that waits at the feed's end with a DirectWriter (an SSE stream on uvicorn) is
 written its new events by the feed itself, framed once for all of them (services.chat.direct_write):
-its task is woken only for what it must write itself (the final event, an error, a late start)."""
+its task is woken only for what it must write itself (the final event, an error, a late start).
+With TANDEM_STREAM_INTERVAL_MS, live events are passed on at most once an interval, so a write
+to a client carries several (the cost per stream is a write, not an event)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -39,7 +42,9 @@ log = logging.getLogger(__name__)
 class Feed:
     """One reply's events on this instance, read once, for every subscriber. A TailSink."""
 
-    def __init__(self, reply_id: str, reader_id: str, on_read_end: Callable[[Feed, Exception | None], None]) -> None:
+    def __init__(
+        self, reply_id: str, reader_id: str, on_read_end: Callable[[Feed, Exception | None], None], interval_s: float = 0.0
+    ) -> None:
         self.reply_id = reply_id
         self.reader_id = reader_id  # its reader lease
         self.events: list[TokenEvent] = []
@@ -53,6 +58,12 @@ class Feed:
         self._once: asyncio.Future[None] | None = None
         self._on_read_end = on_read_end
         self._subscribers: set[Subscription] = set()
+        # Live events are passed on to subscribers at most once an interval (the first, a final
+        # one and a catch-up's at once): each write to a client then carries more of them.
+        self._interval_s = interval_s
+        self._num_passed = 0
+        self._passed_at_s = -math.inf
+        self._pass_timer: asyncio.TimerHandle | None = None
 
     @property
     def num_subscribers(self) -> int:
@@ -79,21 +90,42 @@ class Feed:
         self._subscribers.discard(subscription)
 
     def deliver(self, events: Sequence[TokenEvent], is_caught_up: bool) -> None:
-        start = len(self.events)
-        frames = [encode_frames(event) for event in events]
+        was_live = self._is_live
         self.events.extend(events)
-        self.frames.extend(frames)
+        self.frames.extend(encode_frames(event) for event in events)
         if not self._is_live:  # the catch-up, up to its first read that reached the log's end
             self.num_backlog = len(self.events)
             self._is_live = is_caught_up
+        now_s = asyncio.get_running_loop().time()
+        due_s = self._passed_at_s + self._interval_s
+        if not was_live or is_final(events[-1]) or now_s >= due_s:
+            self._pass_on(now_s)
+        elif self._pass_timer is None:  # within the interval: these go with the next events, or at its end
+            self._pass_timer = asyncio.get_running_loop().call_at(due_s, self._pass_on_due)
+
+    def _pass_on_due(self) -> None:
+        self._pass_timer = None
+        self._pass_on(asyncio.get_running_loop().time())
+
+    def _pass_on(self, now_s: float) -> None:
+        """The events not yet passed on, to every subscriber: written by the feed to those waiting
+        at its end with a writer, one framed chunk for them all; the others' tasks woken."""
+        if self._pass_timer is not None:
+            self._pass_timer.cancel()
+            self._pass_timer = None
+        start, stop = self._num_passed, len(self.events)
+        if start == stop:
+            return
+        self._num_passed, self._passed_at_s = stop, now_s
+        frames = self.frames[start:stop]
         # A final event ends each response (its task writes it); an error names each request.
-        can_write = not is_final(events[-1]) and not any(f.is_per_request for f in frames)
-        chunk = b""  # the new events' bytes as a response chunk, framed once for every writer
+        can_write = not is_final(self.events[stop - 1]) and not any(f.is_per_request for f in frames)
+        chunk = b""  # the events' bytes as a response chunk, framed once for every writer
         num_written = 0
         for subscription in self._subscribers:
             if can_write and subscription.is_waiting_at(start, frames[0].first_id):
                 chunk = chunk or DirectWriter.frame(b"".join(f.blob for f in frames))
-                if subscription.write(chunk, len(self.events), frames[-1].each[-1][0]):
+                if subscription.write(chunk, stop, frames[-1].each[-1][0]):
                     num_written += 1
                     continue
             subscription.on_more()
@@ -112,6 +144,9 @@ class Feed:
                 subscription.drop()
 
     def finish(self, error: Exception | None) -> None:
+        if self._pass_timer is not None:  # every subscriber is woken for the rest
+            self._pass_timer.cancel()
+            self._pass_timer = None
         self.is_finished = True
         self.error = error
         for subscription in self._subscribers:
@@ -213,11 +248,12 @@ class Subscription:
 class FanoutHub:
     """Every feed of this instance, their reader leases (renewed together) and the log tail."""
 
-    def __init__(self, tail: LogTail, redis: Redis, instance_id: str, lease_s: float) -> None:
+    def __init__(self, tail: LogTail, redis: Redis, instance_id: str, lease_s: float, interval_s: float = 0.0) -> None:
         self._tail = tail
         self._redis = redis
         self._instance_id = instance_id
         self._lease_s = lease_s
+        self._interval_s = interval_s  # each feed's, between passing live events on
         self._feeds: dict[str, Feed] = {}
         self._lease_lock = asyncio.Lock()  # a renewal never lands after a detach
         self._renewer: asyncio.Task[None] | None = None
@@ -250,7 +286,7 @@ class FanoutHub:
         feed = self._feeds.get(reply_id)
         is_new = feed is None
         if feed is None:
-            feed = Feed(reply_id, f"{self._instance_id}:{uuid.uuid4().hex[:8]}", self._read_ended)
+            feed = Feed(reply_id, f"{self._instance_id}:{uuid.uuid4().hex[:8]}", self._read_ended, self._interval_s)
             self._feeds[reply_id] = feed
             metrics.FEEDS_ACTIVE.set(len(self._feeds))
         subscription = feed.subscribe(after_seq, max_lag, last_sse_id, writer)
@@ -360,4 +396,4 @@ def open_fanout(config: ChatConfig, redis_url: str, redis: Redis, instance_id: s
     """The hub of a chat instance: `config.stream_readers` reader connections of its own to
     `redis_url`; `redis` (the short-command client) for leases and waking readers."""
     tail = LogTail(TailConfig(redis_url, num_readers=config.stream_readers, name=f"{instance_id}:{uuid.uuid4().hex[:6]}"), redis)
-    return FanoutHub(tail, redis, instance_id, config.reader_lease_s)
+    return FanoutHub(tail, redis, instance_id, config.reader_lease_s, config.stream_interval_ms / 1000)

@@ -45,6 +45,7 @@ class ChatConfig:
     stream_limit_pro: int = 20000
     stream_buffer_events: int = 512  # live events queued for one client before it is dropped
     stream_readers: int = 4  # Redis connections reading token logs
+    stream_interval_ms: int = 0  # a reply's live events go to its streams at most once this often
     # `auto` (services.chat.model_routing): the two models' served ids, the classifier's threshold,
     # and the fallback rule's length; an empty small model: auto is the large one.
     large_model: str = ""
@@ -67,6 +68,7 @@ class ChatConfig:
             stream_limit_pro=settings.stream_limit_pro,
             stream_buffer_events=settings.stream_buffer_events,
             stream_readers=settings.stream_readers,
+            stream_interval_ms=settings.stream_interval_ms,
             large_model=settings.large_model,
             small_model=settings.small_model,
             difficulty_threshold=settings.difficulty_threshold,

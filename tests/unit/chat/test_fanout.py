@@ -61,11 +61,13 @@ class Connection(DirectWriter):
         super().__init__(None, None)
         self.written = bytearray()
         self.is_paused = False
+        self.wrote = asyncio.Event()
 
     def write(self, chunk: bytes) -> bool:
         if self.is_paused:
             return False
         self.written += chunk
+        self.wrote.set()
         return True
 
 
@@ -93,6 +95,32 @@ async def test_live_events_are_written_to_a_waiting_connection_by_the_feed_and_t
     feed.end(None)
     assert await by_task == expected([final])
     assert unframed(bytes(connection.written)) == expected(tokens(1, 5)), "the final event is its task's to write"
+
+
+async def test_with_an_interval_live_events_go_out_together_at_its_end_and_a_final_one_at_once():
+    interval_s = 0.2
+    feed = Feed("r", "reader", lambda feed, error: feed.finish(error), interval_s=interval_s)
+    connection = Connection()
+    subscription = feed.subscribe(0, max_lag=8, last_sse_id=1, writer=connection)
+    by_task = asyncio.create_task(taken(subscription))
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    feed.deliver(tokens(1, 1), is_caught_up=True)  # the first: at once
+    first_s = loop.time()
+    assert unframed(bytes(connection.written)) == expected(tokens(1, 1))
+    connection.wrote.clear()
+    feed.deliver(tokens(2, 2), is_caught_up=True)
+    feed.deliver(tokens(3, 3), is_caught_up=True)
+    assert unframed(bytes(connection.written)) == expected(tokens(1, 1)), "held for the interval"
+    await asyncio.wait_for(connection.wrote.wait(), timeout=10)
+    assert loop.time() - first_s >= interval_s * 0.9  # the loop's clock may round the timer
+    assert bytes(connection.written).count(b"\r\n" + b"%x" % len(expected(tokens(2, 3)))) == 1, "both in one chunk"
+    assert unframed(bytes(connection.written)) == expected(tokens(1, 3))
+    feed.deliver(tokens(4, 4), is_caught_up=True)  # within the next interval: held
+    final = final_event("r", 5, FINISH_REASON_STOP)
+    feed.deliver([final], is_caught_up=True)  # the final one takes what was held with it, at once
+    feed.end(None)
+    assert await asyncio.wait_for(by_task, timeout=1) == expected([*tokens(4, 4), final])
 
 
 async def test_a_connection_that_cannot_take_a_write_gets_the_events_from_its_task_in_order():
