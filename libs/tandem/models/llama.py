@@ -135,7 +135,20 @@ class LlamaForCausalLM(nn.Module):
         step's K and V into kv_cache (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)."""
         return self.model(input_ids, positions, kv_cache, meta)
 
+    def logits_weight(self) -> torch.Tensor:
+        """The (vocab_size, hidden_size) weight of the logits: the lm_head's, or the tied embedding's."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_logits(self, weight_packed: torch.Tensor) -> None:
+        """Logits from now on through the CPU's packed kernel with this packing of logits_weight()
+        (models/packed.py)."""
+        self.register_buffer("logits_packed", weight_packed, persistent=False)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) float32; call it on the rows you sample from only."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        packed = getattr(self, "logits_packed", None)
+        if isinstance(packed, torch.Tensor) and hidden.dtype == packed.dtype:
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            logits = torch.ops.tandem.packed_mm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed)
+            return logits.reshape(*hidden.shape[:-1], logits.shape[-1]).float()
+        return F.linear(hidden, self.logits_weight()).float()

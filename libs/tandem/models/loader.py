@@ -18,6 +18,7 @@ from tandem.models.config import ModelConfig
 from tandem.models.files import Quantization, open_model
 from tandem.models.gguf_weights import read_gguf
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.packed import pack_model
 from tandem.models.quant import quantize_model
 from tandem.models.safetensors_weights import read_hf_config, read_safetensors
 from tandem.models.tokenizer import Tokenizer
@@ -42,7 +43,8 @@ def load_model(
     path: Path | None, dtype: torch.dtype, device: torch.device | str, attention: AttentionFn, quantization: Quantization = "none"
 ) -> LoadedModel:
     """`path` None means the embedded SmolLM2 GGUF. `quantization` "int8": the attention and MLP
-    projections are quantized from the loaded `dtype` weights (models/quant.py); the rest stays `dtype`."""
+    projections are quantized from the loaded `dtype` weights (models/quant.py); the rest stays `dtype`.
+    On a CPU with AVX512-BF16, bf16 projections and logits are packed for its kernel (models/packed.py)."""
     checkpoint = open_model(path)
     weights: Iterable[tuple[str, torch.Tensor]]
     if checkpoint.format == "gguf":
@@ -61,7 +63,7 @@ def load_model(
         weights = read_safetensors(checkpoint.path)
     model = LlamaForCausalLM.empty(config, attention, dtype, device)
     load_hf_weights(model, weights)
-    return LoadedModel(model=quantize_model(model, quantization).eval(), config=config, tokenizer=tokenizer)
+    return LoadedModel(model=pack_model(quantize_model(model, quantization)).eval(), config=config, tokenizer=tokenizer)
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

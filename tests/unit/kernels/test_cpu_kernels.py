@@ -350,3 +350,52 @@ def test_int8_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
         torch.ops.tandem.int8_mm(torch.zeros(17, 64, dtype=torch.bfloat16), weight, scale)
     with pytest.raises(RuntimeError, match="does not serve"):
         torch.ops.tandem.int8_mm(torch.zeros(2, 64), weight, scale.float())  # float32 activations
+
+
+needs_packed_mm = pytest.mark.skipif(
+    not (cpu_extension.load() and torch.ops.tandem.packed_mm_supported(16, 64, torch.bfloat16)),
+    reason="packed_mm needs AVX512-BF16 (bf16 dot products)",
+)
+
+
+@needs_packed_mm
+@pytest.mark.parametrize("out_features", [16, 32, 48, 64, 960], ids=lambda n: f"{n}-channels")
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_packed_mm_matches_the_float_product_and_a_row_s_bits_are_its_own(out_features: int, num_threads: int) -> None:
+    """bf16 rows against a packed bf16 weight, tiles of 1, 2 and 3 channel groups and 1-8 rows:
+    the float32 product within bf16 rounding, and every row with the bits it gets alone, whatever
+    the number of rows beside it and the threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        generator = torch.Generator().manual_seed(7)
+        weight = (torch.randn(out_features, 576, generator=generator) * 0.05).to(torch.bfloat16)
+        packed = torch.ops.tandem.pack_bf16(weight)
+        x = torch.randn(37, 576, generator=generator).to(torch.bfloat16)
+        alone = torch.cat([torch.ops.tandem.packed_mm(x[i : i + 1], packed) for i in range(x.shape[0])])
+        for rows in (1, 5, 8, 9, 37):
+            out = torch.ops.tandem.packed_mm(x[:rows], packed)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+            torch.testing.assert_close(out.float(), x[:rows].float() @ weight.float().T, atol=2e-2, rtol=1e-2)
+            assert torch.equal(out, alone[:rows]), f"{rows} rows"
+        strided = torch.ops.tandem.packed_mm(torch.cat([x, x], dim=1)[:, :576], packed)  # rows 1,152 elements apart
+        assert torch.equal(strided, alone)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_packed_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
+    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not serve"):
+        torch.ops.tandem.pack_bf16(torch.zeros(24, 64, dtype=torch.bfloat16))  # not a multiple of 16 channels
+    with pytest.raises(RuntimeError, match="does not serve"):
+        torch.ops.tandem.pack_bf16(weight.float())
+    if not torch.ops.tandem.packed_mm_supported(32, 64, torch.bfloat16):
+        return
+    packed = torch.ops.tandem.pack_bf16(weight)
+    with pytest.raises(RuntimeError, match="pack_bf16's"):
+        torch.ops.tandem.packed_mm(torch.zeros(2, 62, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="pack_bf16's"):
+        torch.ops.tandem.packed_mm(torch.zeros(2, 64, dtype=torch.bfloat16), weight)  # not packed
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        torch.ops.tandem.packed_mm(torch.zeros(2, 64), packed)

@@ -1,0 +1,109 @@
+"""Packed bf16 projections (models/packed.py): pack_model swaps every bf16 projection and the
+logits onto the CPU's packed kernel and nothing else, a row's bits are its own in a call of any
+size, and the engine's greedy output with a packed model equals the unpacked model's reference."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from reference_model import random_model, reference_greedy, reference_logits, tiny_config
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
+from torch import nn
+
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import SamplingOptions
+from tandem.kernels import cpu_extension
+from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.models import layers
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.loader import LoadedModel
+from tandem.models.packed import PackedLinear, pack_model
+from tandem.models.quant import Int8Linear, quantize_model
+from tandem.models.tokenizer import Tokenizer
+
+NUM_NEW_TOKENS = 12
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_extension.load() and torch.ops.tandem.packed_mm_supported(16, 64, torch.bfloat16)),
+    reason="packed_mm needs the C++ kernels and AVX512-BF16",
+)
+
+
+def _projections(model: LlamaForCausalLM) -> list[nn.Module]:
+    return [
+        getattr(block, name)
+        for layer in model.model.layers
+        for block in (layer.self_attn, layer.mlp)
+        for name in PROJECTIONS
+        if hasattr(block, name)
+    ]
+
+
+def _word_tokenizer(vocab_size: int) -> Tokenizer:
+    backend = BackendTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
+def test_pack_model_packs_every_bf16_projection_and_the_logits_with_the_same_values(variant):
+    plain = random_model(tiny_config(**variant), seed=0, attention=paged_attention_reference, dtype=torch.bfloat16).eval()
+    packed = pack_model(copy.deepcopy(plain))
+    assert len(_projections(packed)) == 8 and all(isinstance(m, PackedLinear) for m in _projections(packed))
+    assert isinstance(packed.logits_packed, torch.Tensor)
+    ids = list(range(3, 40))
+    got, expected = reference_logits(packed, ids), reference_logits(plain, ids)
+    # Another kernel, whose sums round their own way, and bf16 between layers: logits of about 4
+    # at most move by a few bf16 steps, never far.
+    assert (got - expected).abs().max() <= 0.1 and (got - expected).abs().mean() <= 0.02
+
+
+def test_pack_model_leaves_float32_and_int8_projections_alone():
+    fp32 = pack_model(random_model(tiny_config(), seed=0, attention=paged_attention_reference))
+    assert not any(isinstance(m, PackedLinear) for m in _projections(fp32)) and getattr(fp32, "logits_packed", None) is None
+    bf16 = random_model(tiny_config(), seed=0, attention=paged_attention_reference, dtype=torch.bfloat16)
+    int8 = pack_model(quantize_model(bf16, "int8"))
+    assert all(isinstance(m, Int8Linear) for m in _projections(int8))
+    assert isinstance(int8.logits_packed, torch.Tensor)  # the tied embedding stays bf16: its logits are packed
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_threads):
+    """SmolLM2-135M's four projection shapes, 600 rows (a prefill chunk plus decodes) in one call
+    against each row alone, as layers.project calls the layer."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for out_features, in_features in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+            linear = PackedLinear.from_linear(nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16))
+            x = torch.randn(600, in_features, generator=generator).to(torch.bfloat16)
+            with torch.no_grad():
+                batched = layers.project(linear, x)
+                alone = torch.cat([layers.project(linear, x[i : i + 1]) for i in range(x.shape[0])])
+            assert torch.equal(batched, alone), f"({out_features}, {in_features})"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
+@pytest.mark.parametrize("num_prompts", [3, 24])
+def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, num_prompts):
+    """The engine (chunked prefill, decode batches of up to 24 rows) on a packed bf16 model writes
+    what the naive reference forward writes on the same model packed."""
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024, **variant)
+    model = pack_model(random_model(config, seed=0, attention=paged_attention_reference, dtype=torch.bfloat16)).eval()
+    rng = random.Random(num_prompts)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(num_prompts)]
+    expected = [reference_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
+
+    engine = Engine(
+        LoadedModel(model, config, _word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=400, max_num_batched_tokens=64)
+    )
+    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    streams = engine.generate([Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
+    assert [[t for out in streams[f"r{i}"] for t in out.new_token_ids] for i in range(num_prompts)] == expected
