@@ -37,13 +37,14 @@ class ModelCost:
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelCost:
-        """Parameters count the int8 projections of a quantized model (buffers: models/quant.py) as
-        the weights they stand for; bytes are what the tensors hold (int8 weights and their
-        scales included; the rotary table, derived, not)."""
+        """Parameters count the int8 projections of a quantized model (buffers: models/quant.py) and
+        packed bf16 ones (models/packed.py) as the weights they stand for; bytes are what the
+        tensors hold (int8 weights and their scales included; the rotary table, derived, and the
+        packed copy of tied logits, which a step reads instead of the embedding, not)."""
         config = loaded.config
         model = loaded.model
         weights = {p.data_ptr(): p for p in model.parameters()}
-        weights |= {t.data_ptr(): t for name, t in model.named_buffers() if name.endswith("weight_int8")}
+        weights |= {t.data_ptr(): t for name, t in model.named_buffers() if name.endswith(("weight_int8", "weight_packed"))}
         scales = {t.data_ptr(): t for name, t in model.named_buffers() if name.endswith(".scale")}
         num_params = sum(t.numel() for t in weights.values())
         embedding = model.model.embed_tokens.weight
