@@ -33,6 +33,7 @@ from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 from tandem.models.loader import LoadedModel, load_model
+from tandem.models.packed import PackedLinear
 from tandem.models.quant import Int8Linear
 from tandem.ops.chat_prompts import chat_set
 
@@ -141,6 +142,11 @@ def decode_step_times_s(loaded: LoadedModel, prompts: list[list[int]], num_token
     return times_s
 
 
+def is_int8(module: torch.nn.Module) -> bool:
+    """An int8 projection: quant.py's Int8Linear, or one packed for the CPU kernel (models/packed.py)."""
+    return isinstance(module, Int8Linear) or (isinstance(module, PackedLinear) and module.scale is not None)
+
+
 def projection_bytes(loaded: LoadedModel) -> int:
     """Bytes of the attention and MLP projections (what int8 shrinks), scales included."""
     total = 0
@@ -157,7 +163,7 @@ def main() -> None:
     device, dtype = resolve_engine(args.device, args.dtype)
     attention = select_attention(device)
     models = {"dtype": load_model(None, dtype, device, attention), "int8": load_model(None, dtype, device, attention, "int8")}
-    assert any(isinstance(m, Int8Linear) for m in models["int8"].model.modules())
+    assert any(is_int8(m) for m in models["int8"].model.modules())
     tokenizer = models["dtype"].tokenizer
     conversations = chat_set()[: args.prompts]
     prompts = [tokenizer.encode_chat(messages) for messages in conversations]

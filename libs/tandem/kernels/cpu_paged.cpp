@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -602,14 +603,16 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   return out;
 }
 
-// x (M, K) bf16 @ W.T for any number of rows, W (N, K) bf16 packed once (pack_bf16) as
-// (N / 16, K / 2, 16) pairs: for each group of 16 channels, for each pair of inputs k, k + 1, the
-// 16 channels' two weights side by side, so one 64-byte load holds the pair for all 16. A tile of
-// up to 8 rows by 48 channels keeps its sums in 24 registers: per pair of inputs, each row's two
-// values are broadcast and multiplied into its sums by an AVX512-BF16 dot product. Every output's
-// sum is one chain over the pairs in k order, from zero, rounded to bf16 once at the end: its bits
-// depend on its row and the weights alone, not on the rows beside it, how many, the tiling or the
-// threads, so a row alone, in a decode step of many or among a prefill chunk's rows gets the same.
+// x (M, K) bf16 @ W.T for any number of rows, W (N, K) packed once (pack_weight) as (N / 16, K / 2,
+// 16) pairs: for each group of 16 channels, for each pair of inputs k, k + 1, the 16 channels' two
+// weights side by side. W is bf16, or int8 with a bf16 scale per channel (W = w8 * scale[:, None]),
+// whose groups a task widens to bf16 (exact: |w| <= 127) once for all its rows. A tile of up to 8
+// rows by 48 channels keeps its sums in 24 registers: per pair of inputs, each row's two values
+// are broadcast and multiplied into its sums by an AVX512-BF16 dot product (one 64-byte load holds
+// the pair for 16 channels). Every output's sum is one chain over the pairs in k order, from zero,
+// times its scale (int8) and rounded to bf16 once at the end: its bits depend on its row and the
+// weights alone, not on the rows beside it, how many, the tiling or the threads, so a row alone,
+// in a decode step of many or among a prefill chunk's rows gets the same.
 constexpr int64_t kPackedGroup = 16;  // channels a packed group holds (one float32 vector of sums)
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kTileGroups = 3;
@@ -621,87 +624,131 @@ inline int32_t pair_at(const c10::BFloat16* p) {
   return v;
 }
 
-template <int64_t MR, int64_t NR>
-inline void packed_tile(const c10::BFloat16* x, int64_t xs, const int32_t* w, int64_t pairs, int64_t group0, c10::BFloat16* out, int64_t os) {
+// The 16 channels' pairs at a packed row: bf16 ones as they are, int8 ones widened.
+inline __m512bh packed_pairs(const int32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+inline __m512bh packed_pairs(const int8_t* p) { return int8_to_bf16x32(p); }
+
+// panel: NR groups of `pairs` rows of 16 channels' pairs (an int32 or 32 int8 each), one group
+// after the other; scale: NR x 16 floats, or null.
+template <int64_t MR, int64_t NR, typename P>
+inline void packed_tile(const c10::BFloat16* x, int64_t xs, const P* panel, int64_t pairs, const float* scale, c10::BFloat16* out, int64_t os) {
+  constexpr int64_t kRow = std::is_same_v<P, int8_t> ? 2 * kPackedGroup : kPackedGroup;  // elements of P per packed row
   __m512 acc[MR][NR];
   for (int64_t m = 0; m < MR; ++m)
     for (int64_t j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int32_t* wg = w + group0 * pairs * kPackedGroup;
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh b[NR];
-    for (int64_t j = 0; j < NR; ++j) b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wg + (j * pairs + p) * kPackedGroup));
+    for (int64_t j = 0; j < NR; ++j) b[j] = packed_pairs(panel + (j * pairs + p) * kRow);
     for (int64_t m = 0; m < MR; ++m) {
       const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair_at(x + m * xs + 2 * p)));
       for (int64_t j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
     }
   }
   for (int64_t m = 0; m < MR; ++m)
-    for (int64_t j = 0; j < NR; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * os + (group0 + j) * kPackedGroup), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[m][j])));
+    for (int64_t j = 0; j < NR; ++j) {
+      const __m512 sum = scale == nullptr ? acc[m][j] : _mm512_mul_ps(acc[m][j], _mm512_loadu_ps(scale + j * kPackedGroup));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * os + j * kPackedGroup), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+    }
 }
 
-template <int64_t NR>
-inline void packed_rows(const c10::BFloat16* x, int64_t xs, int64_t rows, const int32_t* w, int64_t pairs, int64_t group0, c10::BFloat16* out,
+template <int64_t NR, typename P>
+inline void packed_rows(const c10::BFloat16* x, int64_t xs, int64_t rows, const P* panel, int64_t pairs, const float* scale, c10::BFloat16* out,
                         int64_t os) {
   switch (rows) {
-    case 1: packed_tile<1, NR>(x, xs, w, pairs, group0, out, os); break;
-    case 2: packed_tile<2, NR>(x, xs, w, pairs, group0, out, os); break;
-    case 3: packed_tile<3, NR>(x, xs, w, pairs, group0, out, os); break;
-    case 4: packed_tile<4, NR>(x, xs, w, pairs, group0, out, os); break;
-    case 5: packed_tile<5, NR>(x, xs, w, pairs, group0, out, os); break;
-    case 6: packed_tile<6, NR>(x, xs, w, pairs, group0, out, os); break;
-    case 7: packed_tile<7, NR>(x, xs, w, pairs, group0, out, os); break;
-    default: packed_tile<8, NR>(x, xs, w, pairs, group0, out, os); break;
+    case 1: packed_tile<1, NR>(x, xs, panel, pairs, scale, out, os); break;
+    case 2: packed_tile<2, NR>(x, xs, panel, pairs, scale, out, os); break;
+    case 3: packed_tile<3, NR>(x, xs, panel, pairs, scale, out, os); break;
+    case 4: packed_tile<4, NR>(x, xs, panel, pairs, scale, out, os); break;
+    case 5: packed_tile<5, NR>(x, xs, panel, pairs, scale, out, os); break;
+    case 6: packed_tile<6, NR>(x, xs, panel, pairs, scale, out, os); break;
+    case 7: packed_tile<7, NR>(x, xs, panel, pairs, scale, out, os); break;
+    default: packed_tile<8, NR>(x, xs, panel, pairs, scale, out, os); break;
   }
+}
+
+// Every tile of rows against one panel of `width` groups.
+template <typename P>
+inline void packed_panel(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t width, const P* panel, int64_t pairs, const float* scale,
+                         c10::BFloat16* out, int64_t os) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, M - m0);
+    if (width == 3) packed_rows<3>(x + m0 * xs, xs, rows, panel, pairs, scale, out + m0 * os, os);
+    else if (width == 2) packed_rows<2>(x + m0 * xs, xs, rows, panel, pairs, scale, out + m0 * os, os);
+    else packed_rows<1>(x + m0 * xs, xs, rows, panel, pairs, scale, out + m0 * os, os);
+  }
+}
+
+void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out) {
+  const int64_t M = x.size(0), groups = packed.size(0), pairs = packed.size(1), N = groups * kPackedGroup;
+  const bool is_int8 = packed.scalar_type() == at::kChar;
+  // Up to one tile of rows widens int8 weights as it loads them; more rows share a widened copy.
+  const bool widens_once = is_int8 && M > kTileRows;
+  const auto* x_ptr = x.data_ptr<c10::BFloat16>();
+  auto* o_ptr = out.data_ptr<c10::BFloat16>();
+  const int64_t xs = x.stride(0);
+  const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> widened(widens_once ? kTileGroups * pairs * kPackedGroup : 0);
+    float tile_scale[kTileGroups * kPackedGroup];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t group0 = t * kTileGroups, width = std::min(kTileGroups, groups - group0);
+      c10::BFloat16* o = o_ptr + group0 * kPackedGroup;
+      if (!is_int8) {
+        const auto* panel = reinterpret_cast<const int32_t*>(packed.data_ptr<c10::BFloat16>()) + group0 * pairs * kPackedGroup;
+        packed_panel(x_ptr, xs, M, width, panel, pairs, nullptr, o, N);
+        continue;
+      }
+      for (int64_t c = 0; c < width * kPackedGroup; ++c) tile_scale[c] = static_cast<float>(scale[group0 * kPackedGroup + c]);
+      const int8_t* panel = packed.data_ptr<int8_t>() + group0 * pairs * 2 * kPackedGroup;
+      if (!widens_once) {
+        packed_panel(x_ptr, xs, M, width, panel, pairs, tile_scale, o, N);
+        continue;
+      }
+      for (int64_t i = 0; i < width * pairs; ++i)
+        _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(int8_to_bf16x32(panel + i * 2 * kPackedGroup)));
+      packed_panel(x_ptr, xs, M, width, static_cast<const int32_t*>(widened.data()), pairs, tile_scale, o, N);
+    }
+  });
 }
 #endif
 
-// Whether packed_mm serves weights of this shape and dtype here (AVX512-BF16, bf16, N a multiple
-// of 16, K even).
+// Whether packed_mm serves a weight of this shape and type here (AVX512-BF16; bf16 or int8; N a
+// multiple of 16, K even).
 bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
-  return dtype == at::kBFloat16 && out_features > 0 && out_features % kPackedGroup == 0 && in_features > 0 && in_features % 2 == 0;
+  return (dtype == at::kBFloat16 || dtype == at::kChar) && out_features > 0 && out_features % kPackedGroup == 0 && in_features > 0 &&
+         in_features % 2 == 0;
 #else
   return false;
 #endif
 }
 
-// (N, K) bf16 -> (N / 16, K / 2, 32) bf16, packed_mm's layout.
-at::Tensor pack_bf16(const at::Tensor& weight) {
+// (N, K) bf16 or int8 -> (N / 16, K / 2, 32) of the same type, packed_mm's layout.
+at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a CPU (out_features, in_features) tensor");
-  TORCH_CHECK(packed_mm_supported(weight.size(0), weight.size(1), weight.scalar_type()), "pack_bf16 does not serve a ", weight.size(0), "x",
+  TORCH_CHECK(packed_mm_supported(weight.size(0), weight.size(1), weight.scalar_type()), "pack_weight does not serve a ", weight.size(0), "x",
               weight.size(1), " ", weight.scalar_type(), " weight here");
   const int64_t N = weight.size(0), K = weight.size(1);
   return weight.reshape({N / kPackedGroup, kPackedGroup, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().reshape({N / kPackedGroup, K / 2, 2 * kPackedGroup});
 }
 
-at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and the packed weight must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 (rows, in_features) with unit last stride");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 2 * kPackedGroup &&
-                  packed.size(1) * 2 == x.size(1),
-              "the weight must be pack_bf16's (out_features / 16, in_features / 2, 32)");
-  const int64_t M = x.size(0), groups = packed.size(0), pairs = packed.size(1), N = groups * kPackedGroup;
-  at::Tensor out = at::empty({M, N}, x.options());
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kChar) &&
+                  packed.size(2) == 2 * kPackedGroup && packed.size(1) * 2 == x.size(1),
+              "the weight must be pack_weight's (out_features / 16, in_features / 2, 32)");
+  const int64_t N = packed.size(0) * kPackedGroup;
+  const bool is_int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(is_int8 == scale.has_value(), "an int8 weight takes a scale per channel, a bf16 one none");
+  if (is_int8)
+    TORCH_CHECK(scale->device().is_cpu() && scale->dim() == 1 && scale->is_contiguous() && scale->size(0) == N && scale->scalar_type() == at::kBFloat16,
+                "scale must be a contiguous bf16 CPU (out_features,) tensor");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
 #if defined(__AVX512BF16__)
-  const auto* x_ptr = x.data_ptr<c10::BFloat16>();
-  const auto* w_ptr = reinterpret_cast<const int32_t*>(packed.data_ptr<c10::BFloat16>());
-  auto* o_ptr = out.data_ptr<c10::BFloat16>();
-  const int64_t xs = x.stride(0);
-  const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t group0 = t * kTileGroups, width = std::min(kTileGroups, groups - group0);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t rows = std::min(kTileRows, M - m0);
-        const c10::BFloat16* xr = x_ptr + m0 * xs;
-        c10::BFloat16* orow = o_ptr + m0 * N;
-        if (width == 3) packed_rows<3>(xr, xs, rows, w_ptr, pairs, group0, orow, N);
-        else if (width == 2) packed_rows<2>(xr, xs, rows, w_ptr, pairs, group0, orow, N);
-        else packed_rows<1>(xr, xs, rows, w_ptr, pairs, group0, orow, N);
-      }
-    }
-  });
+  packed_kernel(x, packed, is_int8 ? scale->data_ptr<c10::BFloat16>() : nullptr, out);
+#else
+  TORCH_CHECK(false, "packed_mm needs AVX512-BF16");
 #endif
   return out;
 }
@@ -875,8 +922,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("prefill_supported(int head_dim, ScalarType dtype) -> bool", &prefill_supported);  // no tensor: not dispatched by device
   m.def("int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("int8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &int8_mm_supported);
-  m.def("packed_mm(Tensor x, Tensor packed) -> Tensor");
-  m.def("pack_bf16(Tensor weight) -> Tensor");
+  m.def("packed_mm(Tensor x, Tensor packed, Tensor? scale=None) -> Tensor");
+  m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype) -> bool", &packed_mm_supported);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -888,7 +935,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("paged_prefill", &paged_prefill);
   m.impl("int8_mm", &int8_mm);
   m.impl("packed_mm", &packed_mm);
-  m.impl("pack_bf16", &pack_bf16);
+  m.impl("pack_weight", &pack_weight);
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_qk", &rotary_qk);

@@ -149,6 +149,6 @@ class LlamaForCausalLM(nn.Module):
         packed = getattr(self, "logits_packed", None)
         if isinstance(packed, torch.Tensor) and hidden.dtype == packed.dtype:
             rows = hidden.reshape(-1, hidden.shape[-1])
-            logits = torch.ops.tandem.packed_mm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed)
+            logits = torch.ops.tandem.packed_mm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed, None)
             return logits.reshape(*hidden.shape[:-1], logits.shape[-1]).float()
         return F.linear(hidden, self.logits_weight()).float()

@@ -370,7 +370,7 @@ def test_packed_mm_matches_the_float_product_and_a_row_s_bits_are_its_own(out_fe
     try:
         generator = torch.Generator().manual_seed(7)
         weight = (torch.randn(out_features, 576, generator=generator) * 0.05).to(torch.bfloat16)
-        packed = torch.ops.tandem.pack_bf16(weight)
+        packed = torch.ops.tandem.pack_weight(weight)
         x = torch.randn(37, 576, generator=generator).to(torch.bfloat16)
         alone = torch.cat([torch.ops.tandem.packed_mm(x[i : i + 1], packed) for i in range(x.shape[0])])
         for rows in (1, 5, 8, 9, 37):
@@ -384,18 +384,34 @@ def test_packed_mm_matches_the_float_product_and_a_row_s_bits_are_its_own(out_fe
         torch.set_num_threads(previous)
 
 
+@needs_packed_mm
+def test_packed_mm_with_an_int8_weight_scales_each_channel_s_sum() -> None:
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randint(-127, 128, (48, 192), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(48, generator=generator) / 100).to(torch.bfloat16)
+    packed = torch.ops.tandem.pack_weight(weight)
+    x = torch.randn(12, 192, generator=generator).to(torch.bfloat16)
+    out = torch.ops.tandem.packed_mm(x, packed, scale)
+    torch.testing.assert_close(out.float(), x.float() @ (weight.float() * scale.float()[:, None]).T, atol=1e-2, rtol=1e-2)
+    assert torch.equal(out, torch.cat([torch.ops.tandem.packed_mm(x[i : i + 1], packed, scale) for i in range(12)]))
+    with pytest.raises(RuntimeError, match="takes a scale per channel"):
+        torch.ops.tandem.packed_mm(x, packed)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        torch.ops.tandem.packed_mm(x, packed, scale[:16])
+
+
 def test_packed_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
     weight = torch.zeros(32, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="does not serve"):
-        torch.ops.tandem.pack_bf16(torch.zeros(24, 64, dtype=torch.bfloat16))  # not a multiple of 16 channels
+        torch.ops.tandem.pack_weight(torch.zeros(24, 64, dtype=torch.bfloat16))  # not a multiple of 16 channels
     with pytest.raises(RuntimeError, match="does not serve"):
-        torch.ops.tandem.pack_bf16(weight.float())
+        torch.ops.tandem.pack_weight(weight.float())
     if not torch.ops.tandem.packed_mm_supported(32, 64, torch.bfloat16):
         return
-    packed = torch.ops.tandem.pack_bf16(weight)
-    with pytest.raises(RuntimeError, match="pack_bf16's"):
+    packed = torch.ops.tandem.pack_weight(weight)
+    with pytest.raises(RuntimeError, match="pack_weight's"):
         torch.ops.tandem.packed_mm(torch.zeros(2, 62, dtype=torch.bfloat16), packed)
-    with pytest.raises(RuntimeError, match="pack_bf16's"):
+    with pytest.raises(RuntimeError, match="pack_weight's"):
         torch.ops.tandem.packed_mm(torch.zeros(2, 64, dtype=torch.bfloat16), weight)  # not packed
     with pytest.raises(RuntimeError, match="x must be bf16"):
         torch.ops.tandem.packed_mm(torch.zeros(2, 64), packed)

@@ -1,6 +1,7 @@
-"""Packed bf16 projections (models/packed.py): pack_model swaps every bf16 projection and the
-logits onto the CPU's packed kernel and nothing else, a row's bits are its own in a call of any
-size, and the engine's greedy output with a packed model equals the unpacked model's reference."""
+"""Packed projections (models/packed.py): pack_model swaps every bf16 and int8 projection and the
+logits onto the CPU's packed kernel and leaves a float32 model alone, a row's bits are its own in
+a call of any size, and the engine's greedy output with a packed model equals the reference
+forward's."""
 
 from __future__ import annotations
 
@@ -62,13 +63,37 @@ def test_pack_model_packs_every_bf16_projection_and_the_logits_with_the_same_val
     assert (got - expected).abs().max() <= 0.1 and (got - expected).abs().mean() <= 0.02
 
 
-def test_pack_model_leaves_float32_and_int8_projections_alone():
+def test_pack_model_leaves_a_float32_model_alone():
     fp32 = pack_model(random_model(tiny_config(), seed=0, attention=paged_attention_reference))
     assert not any(isinstance(m, PackedLinear) for m in _projections(fp32)) and getattr(fp32, "logits_packed", None) is None
-    bf16 = random_model(tiny_config(), seed=0, attention=paged_attention_reference, dtype=torch.bfloat16)
-    int8 = pack_model(quantize_model(bf16, "int8"))
-    assert all(isinstance(m, Int8Linear) for m in _projections(int8))
-    assert isinstance(int8.logits_packed, torch.Tensor)  # the tied embedding stays bf16: its logits are packed
+
+
+def test_pack_model_packs_int8_projections_with_their_scales_and_the_same_values():
+    bf16 = random_model(tiny_config(attention_bias=True), seed=0, attention=paged_attention_reference, dtype=torch.bfloat16).eval()
+    int8 = quantize_model(bf16, "int8")
+    packed = pack_model(copy.deepcopy(int8))
+    assert all(isinstance(m, PackedLinear) and m.scale is not None and m.weight_packed.dtype == torch.int8 for m in _projections(packed))
+    assert isinstance(packed.logits_packed, torch.Tensor)  # the tied embedding stays bf16: its logits are packed
+    ids = list(range(3, 40))
+    got, expected = reference_logits(packed, ids), reference_logits(int8, ids)
+    assert (got - expected).abs().max() <= 0.1 and (got - expected).abs().mean() <= 0.02
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_packed_int8_layer_computes_the_dequantized_product_with_a_row_s_own_bits(bias):
+    """x @ (w8 * scale).T (+ bias) within bf16 rounding, each row with the bits it gets alone, for
+    calls of up to a tile of rows (widened as loaded) and more (widened once)."""
+    generator = torch.Generator().manual_seed(3)
+    int8 = Int8Linear.from_linear(nn.Linear(576, 960, bias=bias).to(torch.bfloat16))
+    packed = PackedLinear.from_int8(int8)
+    x = torch.randn(40, 576, generator=generator).to(torch.bfloat16)
+    with torch.no_grad():
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(x.shape[0])])
+        for rows in (1, 8, 9, 40):
+            out = packed(x[:rows])
+            expected = x[:rows].float() @ int8.dequantized_weight().float().T + (int8.bias.float() if bias else 0)
+            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+            assert torch.equal(out, alone[:rows]), f"{rows} rows"
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
@@ -92,11 +117,14 @@ def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(n
 
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
 @pytest.mark.parametrize("num_prompts", [3, 24])
-def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, num_prompts):
-    """The engine (chunked prefill, decode batches of up to 24 rows) on a packed bf16 model writes
-    what the naive reference forward writes on the same model packed."""
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, num_prompts, quantization):
+    """The engine (chunked prefill, decode batches of up to 24 rows) on a packed bf16 or int8 model
+    writes what the naive reference forward writes on the same model packed."""
     config = tiny_config(vocab_size=512, max_position_embeddings=1024, **variant)
-    model = pack_model(random_model(config, seed=0, attention=paged_attention_reference, dtype=torch.bfloat16)).eval()
+    plain = random_model(config, seed=0, attention=paged_attention_reference, dtype=torch.bfloat16)
+    model = pack_model(quantize_model(plain, quantization)).eval()
+    assert all(isinstance(m, PackedLinear) for m in _projections(model))
     rng = random.Random(num_prompts)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(num_prompts)]
     expected = [reference_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
