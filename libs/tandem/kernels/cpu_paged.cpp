@@ -5,9 +5,10 @@
 // loaded by cpu_extension.py; registered as torch.ops.tandem.*.
 //
 // Work split of paged_decode: one task per (sequence, kv head); the `group` query heads sharing
-// that kv head are computed together, so each K and V row is read once. Every op's arithmetic for
-// a row is in a fixed order whatever the batch, so a row gets the same bits alone or in any
-// company.
+// that kv head are computed together, so each K and V row is read once: bf16 keys are scored as
+// they are in the cache by bf16 dot products (products exact in float32), and each V row is
+// widened into registers once for the whole group. Every op's arithmetic for a row is in a fixed
+// order whatever the batch, so a row gets the same bits alone or in any company.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -100,6 +101,36 @@ inline void dot_keys(const float* q, const float* keys, int64_t count, float* ou
   }
 }
 
+#if defined(__AVX512BF16__)
+// out[i] = scale * (q . keys[i]) for the `count` bf16 rows `stride` elements apart, read as they
+// are in the cache: per key, HD / 32 bf16 dot products (each product exact in float32) into one
+// vector, then eight keys' horizontal sums at once. A key's score depends on q and the key alone.
+template <int64_t HD>
+inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, int64_t count, int64_t stride, float scale, float* out) {
+  constexpr int64_t chunks = HD / 32;
+  __m512bh qv[chunks];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * c));
+  const __m256 scales = _mm256_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < count; i0 += 8) {
+    __m512 v[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      v[j] = _mm512_setzero_ps();
+      if (i0 + j >= count) continue;
+      const c10::BFloat16* key = keys + (i0 + j) * stride;
+      for (int64_t c = 0; c < chunks; ++c) v[j] = _mm512_dpbf16_ps(v[j], qv[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(key + 32 * c)));
+    }
+    const __m256 sums = _mm256_mul_ps(sum_lanes8(v), scales);
+    if (i0 + 8 <= count) {
+      _mm256_storeu_ps(out + i0, sums);
+    } else {
+      alignas(32) float tail[8];
+      _mm256_store_ps(tail, sums);
+      for (int64_t j = 0; i0 + j < count; ++j) out[i0 + j] = tail[j];
+    }
+  }
+}
+#endif
+
 // Sixteen elements of a cache row as floats (each conversion is exact).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -165,6 +196,42 @@ inline void accumulate_rows(const float* p, const float* rows, int64_t count, fl
   }
   for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
+
+// accumulate_rows for G heads over the same `count` cache rows (`stride` elements apart), each row
+// widened once into registers and never stored: head g's sums are accumulate_rows's, in the same
+// order, so the same bits. p: head g's weights at p + g * p_stride.
+template <int64_t HD, int64_t G, typename T>
+inline void accumulate_block(const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc) {
+  constexpr int64_t chunks = HD / 16;
+  __m512 a[G][chunks];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * HD + 16 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 row[chunks];
+    for (int64_t c = 0; c < chunks; ++c) row[c] = load16(block + i * stride + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 weight = _mm512_set1_ps(p[g * p_stride + i]);
+      for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_fmadd_ps(weight, row[c], a[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[g][c]);
+}
+
+// accumulate_block for a group size known only at run time: the sizes whose sums fit in
+// registers (G x HD / 16 <= 16); false for any other, which the caller then takes row by row.
+template <int64_t HD, typename T>
+inline bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc) {
+  constexpr int64_t chunks = HD / 16;
+  switch (group) {
+    case 1: if constexpr (chunks <= 16) { accumulate_block<HD, 1>(p, p_stride, block, count, stride, acc); return true; } break;
+    case 2: if constexpr (2 * chunks <= 16) { accumulate_block<HD, 2>(p, p_stride, block, count, stride, acc); return true; } break;
+    case 3: if constexpr (3 * chunks <= 16) { accumulate_block<HD, 3>(p, p_stride, block, count, stride, acc); return true; } break;
+    case 4: if constexpr (4 * chunks <= 16) { accumulate_block<HD, 4>(p, p_stride, block, count, stride, acc); return true; } break;
+    default: break;
+  }
+  return false;
+}
 #else
 // Declared for the kernel's discarded `if constexpr (kVectorPath)` branches; never called.
 template <int64_t HD>
@@ -174,6 +241,8 @@ void rows_to_float(const T* src, int64_t count, int64_t stride, float* dst);
 float softmax_numerators(float* scores, int64_t len);
 template <int64_t HD>
 void accumulate_rows(const float* p, const float* rows, int64_t count, float* acc);
+template <int64_t HD, typename T>
+bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc);
 #endif
 
 // HD: the head dimension when known at compile time (the loops over it unroll and a query's
@@ -201,6 +270,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   constexpr bool kVectorPath = HD > 0 && HD % 16 == 0 && !std::is_same_v<T, double>;
 #else
   constexpr bool kVectorPath = false;
+#endif
+#if defined(__AVX512BF16__)
+  // bf16 keys scored as they are in the cache, by bf16 dot products (dot_keys_bf16)
+  constexpr bool kBf16Scores = kVectorPath && HD % 32 == 0 && std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kBf16Scores = false;
 #endif
 
   // Each thread takes the next task until none is left: contexts of mixed lengths spread evenly.
@@ -230,6 +305,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         else
           prefetch_rows(v_ptr + table[0] * vb + h * vh, std::min(block_size, len), vs, row_bytes);
         const T* block = k_ptr + table[first / block_size] * kb + h * kh;
+#if defined(__AVX512BF16__)
+        if constexpr (kBf16Scores) {
+          for (int64_t g = 0; g < group; ++g)
+            dot_keys_bf16<HD>(q_ptr + s * qs + (h * group + g) * qh, block, count, ks, fscale, scores.data() + g * len + first);
+          continue;
+        }
+#endif
         if constexpr (kVectorPath)
           rows_to_float<HD>(block, count, ks, rows.data());
         else
@@ -272,6 +354,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         if (next < num_blocks)
           prefetch_rows(v_ptr + table[next] * vb + h * vh, std::min(block_size, len - next * block_size), vs, row_bytes);
         const T* block = v_ptr + table[first / block_size] * vb + h * vh;
+        if constexpr (kVectorPath)
+          if (accumulate_group<HD>(group, scores.data() + first, len, block, count, vs, acc.data())) continue;
         if constexpr (kVectorPath)
           rows_to_float<HD>(block, count, vs, rows.data());
         else
