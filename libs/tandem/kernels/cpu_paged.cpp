@@ -197,40 +197,50 @@ inline void accumulate_rows(const float* p, const float* rows, int64_t count, fl
   for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
-// accumulate_rows for G heads over the same `count` cache rows (`stride` elements apart), each row
-// widened once into registers and never stored: head g's sums are accumulate_rows's, in the same
-// order, so the same bits. p: head g's weights at p + g * p_stride.
-template <int64_t HD, int64_t G, typename T>
-inline void accumulate_block(const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc) {
+// accumulate_rows for M queries over the same `count` rows (`stride` elements apart; float, or a
+// cache's rows widened as loaded), each row loaded once and kept in registers: query m's sums, at
+// acc[m] with weights p[m], in the same order as accumulate_rows gives them, so the same bits.
+template <int64_t HD, int64_t M, typename T>
+inline void accumulate_rows_shared(const float* const* p, const T* rows, int64_t stride, int64_t count, float* const* acc) {
   constexpr int64_t chunks = HD / 16;
-  __m512 a[G][chunks];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * HD + 16 * c);
+  __m512 a[M][chunks];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_loadu_ps(acc[m] + 16 * c);
   for (int64_t i = 0; i < count; ++i) {
     __m512 row[chunks];
-    for (int64_t c = 0; c < chunks; ++c) row[c] = load16(block + i * stride + 16 * c);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 weight = _mm512_set1_ps(p[g * p_stride + i]);
-      for (int64_t c = 0; c < chunks; ++c) a[g][c] = _mm512_fmadd_ps(weight, row[c], a[g][c]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      row[c] = load16(rows + i * stride + 16 * c);
+      asm("" : "+v"(row[c]));  // kept in a register for the M queries, not loaded again by each FMA
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 weight = _mm512_set1_ps(p[m][i]);
+      for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_fmadd_ps(weight, row[c], a[m][c]);
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[g][c]);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc[m] + 16 * c, a[m][c]);
 }
 
-// accumulate_block for a group size known only at run time: the sizes whose sums fit in
-// registers (G x HD / 16 <= 16); false for any other, which the caller then takes row by row.
+// accumulate_rows_shared for a decode task's `group` heads (weights at p + g * p_stride, sums at
+// acc + g * HD), for the group sizes whose sums fit in registers (group x HD / 16 <= 16); false
+// for any other, which the caller then takes head by head.
 template <int64_t HD, typename T>
 inline bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc) {
   constexpr int64_t chunks = HD / 16;
-  switch (group) {
-    case 1: if constexpr (chunks <= 16) { accumulate_block<HD, 1>(p, p_stride, block, count, stride, acc); return true; } break;
-    case 2: if constexpr (2 * chunks <= 16) { accumulate_block<HD, 2>(p, p_stride, block, count, stride, acc); return true; } break;
-    case 3: if constexpr (3 * chunks <= 16) { accumulate_block<HD, 3>(p, p_stride, block, count, stride, acc); return true; } break;
-    case 4: if constexpr (4 * chunks <= 16) { accumulate_block<HD, 4>(p, p_stride, block, count, stride, acc); return true; } break;
-    default: break;
+  constexpr int64_t kMaxGroup = 4;
+  if (group > kMaxGroup || group * chunks > 16) return false;
+  const float* weights[kMaxGroup];
+  float* sums[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    weights[g] = p + g * p_stride;
+    sums[g] = acc + g * HD;
   }
-  return false;
+  switch (group) {
+    case 1: accumulate_rows_shared<HD, 1>(weights, block, stride, count, sums); return true;
+    case 2: accumulate_rows_shared<HD, 2>(weights, block, stride, count, sums); return true;
+    case 3: if constexpr (3 * chunks <= 16) accumulate_rows_shared<HD, 3>(weights, block, stride, count, sums); return true;
+    default: if constexpr (4 * chunks <= 16) accumulate_rows_shared<HD, 4>(weights, block, stride, count, sums); return true;
+  }
 }
 #else
 // Declared for the kernel's discarded `if constexpr (kVectorPath)` branches; never called.
@@ -420,29 +430,6 @@ inline void score_queries(const float* queries, const float* keys_t, float* out,
     for (int64_t b = 0; b < B; ++b) _mm512_storeu_ps(out + j * out_stride + 16 * b, sums[j][b]);
 }
 
-// accumulate_rows for M queries over the same `count` rows, each row loaded once: query m's sums
-// in the same order as accumulate_rows gives them.
-template <int64_t HD, int64_t M>
-inline void accumulate_rows_shared(const float* const* p, const float* rows, int64_t count, float* const* acc) {
-  constexpr int64_t chunks = HD / 16;
-  __m512 a[M][chunks];
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_loadu_ps(acc[m] + 16 * c);
-  for (int64_t i = 0; i < count; ++i) {
-    __m512 row[chunks];
-    for (int64_t c = 0; c < chunks; ++c) {
-      row[c] = _mm512_loadu_ps(rows + i * HD + 16 * c);
-      asm("" : "+v"(row[c]));  // kept in a register for the M queries, not loaded again by each FMA
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      const __m512 weight = _mm512_set1_ps(p[m][i]);
-      for (int64_t c = 0; c < chunks; ++c) a[m][c] = _mm512_fmadd_ps(weight, row[c], a[m][c]);
-    }
-  }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc[m] + 16 * c, a[m][c]);
-}
-
 // A prefill chunk of one sequence: q (T, heads, HD) are its last T tokens, row j attending to
 // positions 0 .. start + j (start = seq_len - T). One task per (kv head, tile of rows). A block's
 // 16 keys are widened to float and transposed (lane i: key i), so a query's 16 scores are one
@@ -525,7 +512,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             p[m] = scores.data() + (index + m) * padded_len + first;
             a[m] = acc.data() + (index + m) * HD;
           }
-          accumulate_rows_shared<HD, shared>(p, rows.data(), count, a);
+          accumulate_rows_shared<HD, shared>(p, rows.data(), HD, count, a);
         }
         for (; index < num_queries; ++index) {
           const int64_t own = std::min(count, lens[index] - first);  // this query's keys in the block
