@@ -1,8 +1,9 @@
 // Paged attention on the CPU, reading K and V in place through the block table (no gather copy,
 // no padding): decode rows (paged_decode) and prefill chunks (paged_prefill); the KV write of a
 // step's new tokens; RMSNorm and the split and rotation of q and k; an int8 layer's product for a
-// decode step's few rows (int8_mm); and a bf16 layer's product for any rows (packed_mm). Built and
-// loaded by cpu_extension.py; registered as torch.ops.tandem.*.
+// decode step's few rows (int8_mm); and a bf16 or float32 layer's product for any rows, its weight
+// bf16, float32 or int8 (packed_mm). Built and loaded by cpu_extension.py; registered as
+// torch.ops.tandem.*.
 //
 // Work split of paged_decode: one task per (sequence, kv head); the `group` query heads sharing
 // that kv head are computed together, so each K and V row is read once: bf16 keys are scored as
@@ -783,43 +784,187 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
 }
 #endif
 
-// Whether packed_mm serves a weight of this shape and type here (AVX512-BF16; bf16 or int8; N a
-// multiple of 16, K even).
-bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype) {
-#if defined(__AVX512BF16__)
-  return (dtype == at::kBFloat16 || dtype == at::kChar) && out_features > 0 && out_features % kPackedGroup == 0 && in_features > 0 &&
-         in_features % 2 == 0;
-#else
-  return false;
-#endif
+// The float path: x (M, K) float32 @ W.T, W packed once as (N / 16, K, 16) (for each group of 16
+// channels, per input k, the 16 channels' weights side by side): float32, or int8 with a float32
+// scale per channel, widened to float (exact) as loaded for a tile's few rows or once per panel
+// for more. A tile of up to 6 rows keeps its 16 channels' sums in 12 AVX2 registers (up to 2 rows:
+// 3 groups, so that enough chains are in flight); per input k each row's value is broadcast and
+// multiplied into its sums by fused multiply-adds. Every output is again one chain over k in
+// order from zero, times its scale (int8): a row's bits its own in any call.
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kFloatTileRows = 6;
+
+// The 16 channels' weights at packed row k, as two vectors of 8 floats.
+inline void packed_floats(const float* p, __m256& low, __m256& high) {
+  low = _mm256_loadu_ps(p);
+  high = _mm256_loadu_ps(p + 8);
+}
+inline void packed_floats(const int8_t* p, __m256& low, __m256& high) {
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w));
+  high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w, w)));
 }
 
-// (N, K) bf16 or int8 -> (N / 16, K / 2, 32) of the same type, packed_mm's layout.
-at::Tensor pack_weight(const at::Tensor& weight) {
+// Inputs [k0, k1) of a tile: panel holds NR groups of K rows of 16 weights, one group after the
+// other. The sums start from zero at k0 == 0, else from what `out` holds (the chain so far,
+// stored exactly); at k1 == K they are multiplied by `scale` (NR x 16 floats) unless it is null.
+template <int64_t MR, int64_t NR, typename P>
+inline void float_tile(const float* x, int64_t xs, const P* panel, int64_t K, int64_t k0, int64_t k1, const float* scale, float* out,
+                       int64_t os) {
+  // (Every loop over the registers unrolled, so the compiler keeps the sums in registers.)
+  __m256 acc[MR][2 * NR];
+#pragma GCC unroll 8
+  for (int64_t m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < 2 * NR; ++c) acc[m][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * os + 8 * c);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 w[2 * NR];
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < NR; ++j) packed_floats(panel + (j * K + k) * kPackedGroup, w[2 * j], w[2 * j + 1]);
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < MR; ++m) {
+      const __m256 a = _mm256_broadcast_ss(x + m * xs + k);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 2 * NR; ++c) acc[m][c] = _mm256_fmadd_ps(a, w[c], acc[m][c]);
+    }
+  }
+  const bool scales = k1 == K && scale != nullptr;
+#pragma GCC unroll 8
+  for (int64_t m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < 2 * NR; ++c)
+      _mm256_storeu_ps(out + m * os + 8 * c, scales ? _mm256_mul_ps(acc[m][c], _mm256_loadu_ps(scale + 8 * c)) : acc[m][c]);
+}
+
+constexpr int64_t kFloatStep = 128;  // inputs a many-row tile takes before the next tile (its weights and rows stay in L1)
+
+// Rows [0, M) against the panel's `width` groups: up to two rows over three groups at once, all K
+// in one go; more rows six (or fewer) at a time over one group, kFloatStep inputs at a time.
+template <typename P>
+inline void float_panel(const float* x, int64_t xs, int64_t M, int64_t width, const P* panel, int64_t K, const float* scale, float* out,
+                        int64_t os) {
+  if (M <= 2 && width == 3) {
+    if (M == 1) float_tile<1, 3>(x, xs, panel, K, 0, K, scale, out, os);
+    else float_tile<2, 3>(x, xs, panel, K, 0, K, scale, out, os);
+    return;
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    const P* group = panel + j * K * kPackedGroup;
+    const float* group_scale = scale == nullptr ? nullptr : scale + j * kPackedGroup;
+    float* o = out + j * kPackedGroup;
+    for (int64_t k0 = 0; k0 < K; k0 += kFloatStep) {
+      const int64_t k1 = std::min(K, k0 + kFloatStep);
+      for (int64_t m0 = 0; m0 < M; m0 += kFloatTileRows) {
+        const float* xm = x + m0 * xs;
+        float* om = o + m0 * os;
+        switch (std::min(kFloatTileRows, M - m0)) {
+          case 1: float_tile<1, 1>(xm, xs, group, K, k0, k1, group_scale, om, os); break;
+          case 2: float_tile<2, 1>(xm, xs, group, K, k0, k1, group_scale, om, os); break;
+          case 3: float_tile<3, 1>(xm, xs, group, K, k0, k1, group_scale, om, os); break;
+          case 4: float_tile<4, 1>(xm, xs, group, K, k0, k1, group_scale, om, os); break;
+          case 5: float_tile<5, 1>(xm, xs, group, K, k0, k1, group_scale, om, os); break;
+          default: float_tile<6, 1>(xm, xs, group, K, k0, k1, group_scale, om, os); break;
+        }
+      }
+    }
+  }
+}
+
+constexpr int64_t kFloatBlockRows = 96;  // rows a task takes through a panel before the next rows (kept in L2)
+
+void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const float* scale, at::Tensor& out) {
+  const int64_t M = x.size(0), groups = packed.size(0), K = packed.size(1), N = groups * kPackedGroup;
+  const bool is_int8 = packed.scalar_type() == at::kChar;
+  const bool widens_once = is_int8 && M > 2;  // more rows than a tile that reads int8 as it goes
+  const float* x_ptr = x.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(widens_once ? kTileGroups * K * kPackedGroup : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t group0 = t * kTileGroups, width = std::min(kTileGroups, groups - group0);
+      const float* tile_scale = scale == nullptr ? nullptr : scale + group0 * kPackedGroup;
+      const int64_t offset = group0 * K * kPackedGroup;
+      if (!is_int8) {
+        const float* panel = packed.data_ptr<float>() + offset;
+        for (int64_t m0 = 0; m0 < M; m0 += kFloatBlockRows)
+          float_panel(x_ptr + m0 * xs, xs, std::min(kFloatBlockRows, M - m0), width, panel, K, tile_scale, o_ptr + m0 * N + group0 * kPackedGroup, N);
+        continue;
+      }
+      const int8_t* panel = packed.data_ptr<int8_t>() + offset;
+      if (!widens_once) {
+        float_panel(x_ptr, xs, M, width, panel, K, tile_scale, o_ptr + group0 * kPackedGroup, N);
+        continue;
+      }
+      for (int64_t i = 0; i < width * K; ++i) {
+        __m256 low, high;
+        packed_floats(panel + i * kPackedGroup, low, high);
+        _mm256_storeu_ps(widened.data() + i * kPackedGroup, low);
+        _mm256_storeu_ps(widened.data() + i * kPackedGroup + 8, high);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kFloatBlockRows)
+        float_panel(x_ptr + m0 * xs, xs, std::min(kFloatBlockRows, M - m0), width, static_cast<const float*>(widened.data()), K, tile_scale,
+                    o_ptr + m0 * N + group0 * kPackedGroup, N);
+    }
+  });
+}
+#endif
+
+// Whether packed_mm serves a weight of this shape and type for rows of x_dtype here: bf16 rows
+// (AVX512-BF16) with bf16 or int8 weights, K even; float32 rows (AVX2 and FMA) with float32 or
+// int8 weights; N a multiple of 16 either way.
+bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype, at::ScalarType x_dtype) {
+  if (out_features <= 0 || out_features % kPackedGroup != 0 || in_features <= 0) return false;
+#if defined(__AVX512BF16__)
+  if (x_dtype == at::kBFloat16 && (dtype == at::kBFloat16 || dtype == at::kChar) && in_features % 2 == 0) return true;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (x_dtype == at::kFloat && (dtype == at::kFloat || dtype == at::kChar)) return true;
+#endif
+  return false;
+}
+
+// (N, K) weight -> packed_mm's layout for rows of x_dtype, of the weight's type: for bf16 rows
+// (N / 16, K / 2, 32), pairs of inputs side by side; for float32 rows (N / 16, K, 16).
+at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a CPU (out_features, in_features) tensor");
-  TORCH_CHECK(packed_mm_supported(weight.size(0), weight.size(1), weight.scalar_type()), "pack_weight does not serve a ", weight.size(0), "x",
-              weight.size(1), " ", weight.scalar_type(), " weight here");
+  TORCH_CHECK(packed_mm_supported(weight.size(0), weight.size(1), weight.scalar_type(), x_dtype), "pack_weight does not serve a ",
+              weight.size(0), "x", weight.size(1), " ", weight.scalar_type(), " weight for ", x_dtype, " rows here");
   const int64_t N = weight.size(0), K = weight.size(1);
+  if (x_dtype == at::kFloat) return weight.reshape({N / kPackedGroup, kPackedGroup, K}).permute({0, 2, 1}).contiguous();
   return weight.reshape({N / kPackedGroup, kPackedGroup, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().reshape({N / kPackedGroup, K / 2, 2 * kPackedGroup});
 }
 
 at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and the packed weight must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 (rows, in_features) with unit last stride");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kChar) &&
-                  packed.size(2) == 2 * kPackedGroup && packed.size(1) * 2 == x.size(1),
-              "the weight must be pack_weight's (out_features / 16, in_features / 2, 32)");
-  const int64_t N = packed.size(0) * kPackedGroup;
+  const auto x_dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x_dtype == at::kBFloat16 || x_dtype == at::kFloat),
+              "x must be bf16 or float32 (rows, in_features) with unit last stride");
   const bool is_int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(is_int8 == scale.has_value(), "an int8 weight takes a scale per channel, a bf16 one none");
+  const bool floats = x_dtype == at::kFloat;
+  const int64_t per_row = floats ? 1 : 2;  // inputs a packed row holds per channel
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (is_int8 || packed.scalar_type() == x_dtype) &&
+                  packed.size(2) == per_row * kPackedGroup && packed.size(1) * per_row == x.size(1),
+              "the weight must be pack_weight's for ", x_dtype, " rows: (out_features / 16, in_features",
+              floats ? ", 16)" : " / 2, 32)");
+  const int64_t N = packed.size(0) * kPackedGroup;
+  TORCH_CHECK(packed_mm_supported(N, x.size(1), packed.scalar_type(), x_dtype), "packed_mm does not serve ", x_dtype, " rows with a ",
+              packed.scalar_type(), " weight here");
+  TORCH_CHECK(is_int8 == scale.has_value(), "an int8 weight takes a scale per channel, a ", x_dtype, " one none");
   if (is_int8)
-    TORCH_CHECK(scale->device().is_cpu() && scale->dim() == 1 && scale->is_contiguous() && scale->size(0) == N && scale->scalar_type() == at::kBFloat16,
-                "scale must be a contiguous bf16 CPU (out_features,) tensor");
+    TORCH_CHECK(scale->device().is_cpu() && scale->dim() == 1 && scale->is_contiguous() && scale->size(0) == N && scale->scalar_type() == x_dtype,
+                "scale must be a contiguous ", x_dtype, " CPU (out_features,) tensor");
   at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return out;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (floats) {
+    float_packed_kernel(x, packed, is_int8 ? scale->data_ptr<float>() : nullptr, out);
+    return out;
+  }
+#endif
 #if defined(__AVX512BF16__)
   packed_kernel(x, packed, is_int8 ? scale->data_ptr<c10::BFloat16>() : nullptr, out);
-#else
-  TORCH_CHECK(false, "packed_mm needs AVX512-BF16");
 #endif
   return out;
 }
@@ -841,7 +986,6 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   check_cache(v_cache, q, "v_cache");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.sizes() == k_cache.sizes(), "cache shapes must match q's head_dim and each other");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(prefill_supported(q.size(2), q.scalar_type()), "paged_prefill does not serve head_dim ", q.size(2), " in ", q.scalar_type(), " here");
   TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 1 && block_table.is_contiguous(),
               "block_table: one sequence's contiguous int32 CPU row");
   const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
@@ -850,6 +994,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int32_t* table = block_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block ", table[b], " outside the cache's ", num_blocks);
+  // (after the checks of its input, so a malformed call is named as such on every CPU)
+  TORCH_CHECK(prefill_supported(q.size(2), q.scalar_type()), "paged_prefill does not serve head_dim ", q.size(2), " in ", q.scalar_type(), " here");
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
 #if defined(__AVX512F__)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
@@ -994,8 +1140,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("int8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &int8_mm_supported);
   m.def("packed_mm(Tensor x, Tensor packed, Tensor? scale=None) -> Tensor");
-  m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype) -> bool", &packed_mm_supported);
+  m.def("pack_weight(Tensor weight, ScalarType x_dtype) -> Tensor");
+  m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype, ScalarType x_dtype) -> bool", &packed_mm_supported);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor)");

@@ -40,11 +40,18 @@ class LoadedModel:
 
 
 def load_model(
-    path: Path | None, dtype: torch.dtype, device: torch.device | str, attention: AttentionFn, quantization: Quantization = "none"
+    path: Path | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attention: AttentionFn,
+    quantization: Quantization = "none",
+    pack: bool = True,
 ) -> LoadedModel:
     """`path` None means the embedded SmolLM2 GGUF. `quantization` "int8": the attention and MLP
     projections are quantized from the loaded `dtype` weights (models/quant.py); the rest stays `dtype`.
-    On a CPU with AVX512-BF16, bf16 projections and logits are packed for its kernel (models/packed.py)."""
+    On a CPU the projections and logits are packed for the kernels where they serve the dtype
+    (bf16 with AVX512-BF16, float32 with AVX2: models/packed.py); `pack` False keeps them as
+    loaded (nn.Linear or Int8Linear, their weights readable by name)."""
     checkpoint = open_model(path)
     weights: Iterable[tuple[str, torch.Tensor]]
     if checkpoint.format == "gguf":
@@ -63,7 +70,8 @@ def load_model(
         weights = read_safetensors(checkpoint.path)
     model = LlamaForCausalLM.empty(config, attention, dtype, device)
     load_hf_weights(model, weights)
-    return LoadedModel(model=pack_model(quantize_model(model, quantization)).eval(), config=config, tokenizer=tokenizer)
+    model = quantize_model(model, quantization)
+    return LoadedModel(model=(pack_model(model) if pack else model).eval(), config=config, tokenizer=tokenizer)
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

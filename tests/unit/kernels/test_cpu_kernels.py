@@ -106,6 +106,8 @@ def test_decode_and_prefill_read_nothing_past_each_context() -> None:
 def test_a_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(dtype: torch.dtype) -> None:
     """A 300-token prompt whose K and V are cached: its rows computed in one chunk, and in chunks
     that cut across the kernel's 16-row tiles and 16-token blocks, have the same bits."""
+    if not torch.ops.tandem.prefill_supported(64, dtype):
+        pytest.skip("paged_prefill needs AVX-512 (attention_cpu takes torch's path without it)")
     step = make_step([(0, 300)], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=5)
     _, kv_cache = step.run(paged_attention_cpu)  # writes the prompt's K and V
     k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
@@ -352,31 +354,39 @@ def test_int8_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
         torch.ops.tandem.int8_mm(torch.zeros(2, 64), weight, scale.float())  # float32 activations
 
 
-needs_packed_mm = pytest.mark.skipif(
-    not (cpu_extension.load() and torch.ops.tandem.packed_mm_supported(16, 64, torch.bfloat16)),
-    reason="packed_mm needs AVX512-BF16 (bf16 dot products)",
-)
+def _packed_serves(dtype: torch.dtype) -> bool:
+    return cpu_extension.load() and bool(torch.ops.tandem.packed_mm_supported(16, 64, dtype, dtype))
 
 
-@needs_packed_mm
+PACKED_DTYPES = [
+    pytest.param(
+        torch.bfloat16, id="bf16", marks=pytest.mark.skipif(not _packed_serves(torch.bfloat16), reason="bf16 rows need AVX512-BF16 (bf16 dot products)")
+    ),
+    pytest.param(torch.float32, id="fp32", marks=pytest.mark.skipif(not _packed_serves(torch.float32), reason="float32 rows need AVX2 and FMA")),
+]
+# packed_mm against the float64 product: bf16 rows and outputs round at 2^-8, float32 ones at 2^-24.
+PACKED_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("out_features", [16, 32, 48, 64, 960], ids=lambda n: f"{n}-channels")
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_packed_mm_matches_the_float_product_and_a_row_s_bits_are_its_own(out_features: int, num_threads: int) -> None:
-    """bf16 rows against a packed bf16 weight, tiles of 1, 2 and 3 channel groups and 1-8 rows:
-    the float32 product within bf16 rounding, and every row with the bits it gets alone, whatever
-    the number of rows beside it and the threads."""
+def test_packed_mm_matches_the_float_product_and_a_row_s_bits_are_its_own(out_features: int, num_threads: int, dtype: torch.dtype) -> None:
+    """Rows against a packed weight of their dtype, tiles of 1, 2 and 3 channel groups and every
+    tile height: the float64 product within the dtype's rounding, and every row with the bits it
+    gets alone, whatever the number of rows beside it and the threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
         generator = torch.Generator().manual_seed(7)
-        weight = (torch.randn(out_features, 576, generator=generator) * 0.05).to(torch.bfloat16)
-        packed = torch.ops.tandem.pack_weight(weight)
-        x = torch.randn(37, 576, generator=generator).to(torch.bfloat16)
+        weight = (torch.randn(out_features, 576, generator=generator) * 0.05).to(dtype)
+        packed = torch.ops.tandem.pack_weight(weight, dtype)
+        x = torch.randn(37, 576, generator=generator).to(dtype)
         alone = torch.cat([torch.ops.tandem.packed_mm(x[i : i + 1], packed) for i in range(x.shape[0])])
-        for rows in (1, 5, 8, 9, 37):
+        for rows in (1, 2, 3, 5, 6, 7, 8, 9, 37):
             out = torch.ops.tandem.packed_mm(x[:rows], packed)
-            assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-            torch.testing.assert_close(out.float(), x[:rows].float() @ weight.float().T, atol=2e-2, rtol=1e-2)
+            assert out.dtype == dtype and out.shape == (rows, out_features)
+            torch.testing.assert_close(out.double(), x[:rows].double() @ weight.double().T, **PACKED_TOLERANCE[dtype])
             assert torch.equal(out, alone[:rows]), f"{rows} rows"
         strided = torch.ops.tandem.packed_mm(torch.cat([x, x], dim=1)[:, :576], packed)  # rows 1,152 elements apart
         assert torch.equal(strided, alone)
@@ -384,15 +394,15 @@ def test_packed_mm_matches_the_float_product_and_a_row_s_bits_are_its_own(out_fe
         torch.set_num_threads(previous)
 
 
-@needs_packed_mm
-def test_packed_mm_with_an_int8_weight_scales_each_channel_s_sum() -> None:
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_packed_mm_with_an_int8_weight_scales_each_channel_s_sum(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(8)
     weight = torch.randint(-127, 128, (48, 192), generator=generator, dtype=torch.int8)
-    scale = (torch.rand(48, generator=generator) / 100).to(torch.bfloat16)
-    packed = torch.ops.tandem.pack_weight(weight)
-    x = torch.randn(12, 192, generator=generator).to(torch.bfloat16)
+    scale = (torch.rand(48, generator=generator) / 100).to(dtype)
+    packed = torch.ops.tandem.pack_weight(weight, dtype)
+    x = torch.randn(12, 192, generator=generator).to(dtype)
     out = torch.ops.tandem.packed_mm(x, packed, scale)
-    torch.testing.assert_close(out.float(), x.float() @ (weight.float() * scale.float()[:, None]).T, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), x.double() @ (weight.double() * scale.double()[:, None]).T, **PACKED_TOLERANCE[dtype])
     assert torch.equal(out, torch.cat([torch.ops.tandem.packed_mm(x[i : i + 1], packed, scale) for i in range(12)]))
     with pytest.raises(RuntimeError, match="takes a scale per channel"):
         torch.ops.tandem.packed_mm(x, packed)
@@ -401,17 +411,24 @@ def test_packed_mm_with_an_int8_weight_scales_each_channel_s_sum() -> None:
 
 
 def test_packed_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
-    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        with pytest.raises(RuntimeError, match="does not serve"):
+            torch.ops.tandem.pack_weight(torch.zeros(24, 64, dtype=dtype), dtype)  # not a multiple of 16 channels
+        with pytest.raises(RuntimeError, match="does not serve"):
+            torch.ops.tandem.pack_weight(torch.zeros(32, 64, dtype=torch.float16), dtype)  # a weight type neither path takes
     with pytest.raises(RuntimeError, match="does not serve"):
-        torch.ops.tandem.pack_weight(torch.zeros(24, 64, dtype=torch.bfloat16))  # not a multiple of 16 channels
-    with pytest.raises(RuntimeError, match="does not serve"):
-        torch.ops.tandem.pack_weight(weight.float())
-    if not torch.ops.tandem.packed_mm_supported(32, 64, torch.bfloat16):
-        return
-    packed = torch.ops.tandem.pack_weight(weight)
-    with pytest.raises(RuntimeError, match="pack_weight's"):
-        torch.ops.tandem.packed_mm(torch.zeros(2, 62, dtype=torch.bfloat16), packed)
-    with pytest.raises(RuntimeError, match="pack_weight's"):
-        torch.ops.tandem.packed_mm(torch.zeros(2, 64, dtype=torch.bfloat16), weight)  # not packed
-    with pytest.raises(RuntimeError, match="x must be bf16"):
-        torch.ops.tandem.packed_mm(torch.zeros(2, 64), packed)
+        torch.ops.tandem.pack_weight(torch.zeros(32, 64), torch.float16)  # rows of a type neither path takes
+    for dtype in (torch.bfloat16, torch.float32):
+        if not _packed_serves(dtype):
+            continue
+        weight = torch.zeros(32, 64, dtype=dtype)
+        packed = torch.ops.tandem.pack_weight(weight, dtype)
+        with pytest.raises(RuntimeError, match="pack_weight's"):
+            torch.ops.tandem.packed_mm(torch.zeros(2, 62, dtype=dtype), packed)
+        with pytest.raises(RuntimeError, match="pack_weight's"):
+            torch.ops.tandem.packed_mm(torch.zeros(2, 64, dtype=dtype), weight)  # not packed
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        with pytest.raises(RuntimeError, match="pack_weight's"):
+            torch.ops.tandem.packed_mm(torch.zeros(2, 64, dtype=other), packed)  # rows of another type than the weight's
+        with pytest.raises(RuntimeError, match="x must be bf16 or float32"):
+            torch.ops.tandem.packed_mm(torch.zeros(2, 64, dtype=torch.float16), packed)

@@ -1,7 +1,8 @@
-"""Packed projections (models/packed.py): pack_model swaps every bf16 and int8 projection and the
-logits onto the CPU's packed kernel and leaves a float32 model alone, a row's bits are its own in
+"""Packed projections (models/packed.py): pack_model swaps every projection (in the model's dtype
+or int8) and the logits onto the CPU's packed kernel where it serves the dtype (bf16 with
+AVX512-BF16, float32 with AVX2) and leaves the model alone elsewhere, a row's bits are its own in
 a call of any size, and the engine's greedy output with a packed model equals the reference
-forward's."""
+forward's. Each test runs for every dtype the kernel serves on this CPU."""
 
 from __future__ import annotations
 
@@ -29,10 +30,18 @@ from tandem.models.tokenizer import Tokenizer
 NUM_NEW_TOKENS = 12
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_extension.load() and torch.ops.tandem.packed_mm_supported(16, 64, torch.bfloat16)),
-    reason="packed_mm needs the C++ kernels and AVX512-BF16",
-)
+
+
+def _serves(dtype: torch.dtype) -> bool:
+    return cpu_extension.load() and bool(torch.ops.tandem.packed_mm_supported(16, 64, dtype, dtype))
+
+
+DTYPES = [
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(not _serves(torch.bfloat16), reason="bf16 rows need AVX512-BF16")),
+    pytest.param(torch.float32, id="fp32", marks=pytest.mark.skipif(not _serves(torch.float32), reason="float32 rows need AVX2 and FMA")),
+]
+# The product against the float64 one: bf16 rows and outputs round at 2^-8, float32 ones at 2^-24.
+TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}
 
 
 def _projections(model: LlamaForCausalLM) -> list[nn.Module]:
@@ -50,9 +59,10 @@ def _word_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
-def test_pack_model_packs_every_bf16_projection_and_the_logits_with_the_same_values(variant):
-    plain = random_model(tiny_config(**variant), seed=0, attention=paged_attention_reference, dtype=torch.bfloat16).eval()
+def test_pack_model_packs_every_projection_and_the_logits_with_the_same_values(variant, dtype):
+    plain = random_model(tiny_config(**variant), seed=0, attention=paged_attention_reference, dtype=dtype).eval()
     packed = pack_model(copy.deepcopy(plain))
     assert len(_projections(packed)) == 8 and all(isinstance(m, PackedLinear) for m in _projections(packed))
     assert isinstance(packed.logits_packed, torch.Tensor)
@@ -63,41 +73,48 @@ def test_pack_model_packs_every_bf16_projection_and_the_logits_with_the_same_val
     assert (got - expected).abs().max() <= 0.1 and (got - expected).abs().mean() <= 0.02
 
 
-def test_pack_model_leaves_a_float32_model_alone():
-    fp32 = pack_model(random_model(tiny_config(), seed=0, attention=paged_attention_reference))
-    assert not any(isinstance(m, PackedLinear) for m in _projections(fp32)) and getattr(fp32, "logits_packed", None) is None
+def test_pack_model_leaves_a_model_whose_dtype_the_kernel_does_not_serve_alone():
+    for dtype in (torch.float16, torch.float64, torch.bfloat16, torch.float32):
+        if dtype in (torch.bfloat16, torch.float32) and _serves(dtype):
+            continue
+        model = pack_model(random_model(tiny_config(), seed=0, attention=paged_attention_reference, dtype=dtype))
+        assert not any(isinstance(m, PackedLinear) for m in _projections(model)) and getattr(model, "logits_packed", None) is None
 
 
-def test_pack_model_packs_int8_projections_with_their_scales_and_the_same_values():
-    bf16 = random_model(tiny_config(attention_bias=True), seed=0, attention=paged_attention_reference, dtype=torch.bfloat16).eval()
-    int8 = quantize_model(bf16, "int8")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_model_packs_int8_projections_with_their_scales_and_the_same_values(dtype):
+    plain = random_model(tiny_config(attention_bias=True), seed=0, attention=paged_attention_reference, dtype=dtype).eval()
+    int8 = quantize_model(plain, "int8")
     packed = pack_model(copy.deepcopy(int8))
     assert all(isinstance(m, PackedLinear) and m.scale is not None and m.weight_packed.dtype == torch.int8 for m in _projections(packed))
-    assert isinstance(packed.logits_packed, torch.Tensor)  # the tied embedding stays bf16: its logits are packed
+    assert isinstance(packed.logits_packed, torch.Tensor)  # the tied embedding stays in the dtype: its logits are packed
     ids = list(range(3, 40))
     got, expected = reference_logits(packed, ids), reference_logits(int8, ids)
     assert (got - expected).abs().max() <= 0.1 and (got - expected).abs().mean() <= 0.02
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_a_packed_int8_layer_computes_the_dequantized_product_with_a_row_s_own_bits(bias):
-    """x @ (w8 * scale).T (+ bias) within bf16 rounding, each row with the bits it gets alone, for
-    calls of up to a tile of rows (widened as loaded) and more (widened once)."""
+def test_a_packed_int8_layer_computes_the_dequantized_product_with_a_row_s_own_bits(bias, dtype):
+    """x @ (w8 * scale).T (+ bias) within the dtype's rounding, each row with the bits it gets
+    alone, for calls of the rows a tile widens as it loads (up to 8 bf16, 2 float32) and more
+    (widened once)."""
     generator = torch.Generator().manual_seed(3)
-    int8 = Int8Linear.from_linear(nn.Linear(576, 960, bias=bias).to(torch.bfloat16))
+    int8 = Int8Linear.from_linear(nn.Linear(576, 960, bias=bias).to(dtype))
     packed = PackedLinear.from_int8(int8)
-    x = torch.randn(40, 576, generator=generator).to(torch.bfloat16)
+    x = torch.randn(40, 576, generator=generator).to(dtype)
     with torch.no_grad():
         alone = torch.cat([packed(x[i : i + 1]) for i in range(x.shape[0])])
-        for rows in (1, 8, 9, 40):
+        for rows in (1, 2, 3, 8, 9, 40):
             out = packed(x[:rows])
-            expected = x[:rows].float() @ int8.dequantized_weight().float().T + (int8.bias.float() if bias else 0)
-            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+            expected = x[:rows].double() @ int8.dequantized_weight().double().T + (int8.bias.double() if bias else 0)
+            torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
             assert torch.equal(out, alone[:rows]), f"{rows} rows"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_threads):
+def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_threads, dtype):
     """SmolLM2-135M's four projection shapes, 600 rows (a prefill chunk plus decodes) in one call
     against each row alone, as layers.project calls the layer."""
     previous = torch.get_num_threads()
@@ -105,8 +122,8 @@ def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(n
     try:
         generator = torch.Generator().manual_seed(0)
         for out_features, in_features in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
-            linear = PackedLinear.from_linear(nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16))
-            x = torch.randn(600, in_features, generator=generator).to(torch.bfloat16)
+            linear = PackedLinear.from_linear(nn.Linear(in_features, out_features, bias=False).to(dtype))
+            x = torch.randn(600, in_features, generator=generator).to(dtype)
             with torch.no_grad():
                 batched = layers.project(linear, x)
                 alone = torch.cat([layers.project(linear, x[i : i + 1]) for i in range(x.shape[0])])
@@ -115,14 +132,15 @@ def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(n
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
 @pytest.mark.parametrize("num_prompts", [3, 24])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, num_prompts, quantization):
-    """The engine (chunked prefill, decode batches of up to 24 rows) on a packed bf16 or int8 model
-    writes what the naive reference forward writes on the same model packed."""
+def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, num_prompts, quantization, dtype):
+    """The engine (chunked prefill, decode batches of up to 24 rows) on a packed model (in the
+    dtype or int8) writes what the naive reference forward writes on the same model packed."""
     config = tiny_config(vocab_size=512, max_position_embeddings=1024, **variant)
-    plain = random_model(config, seed=0, attention=paged_attention_reference, dtype=torch.bfloat16)
+    plain = random_model(config, seed=0, attention=paged_attention_reference, dtype=dtype)
     model = pack_model(quantize_model(plain, quantization)).eval()
     assert all(isinstance(m, PackedLinear) for m in _projections(model))
     rng = random.Random(num_prompts)

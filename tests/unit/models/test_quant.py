@@ -147,8 +147,8 @@ def test_load_model_quantizes_the_projections_it_loaded_only_when_asked(tmp_path
     original = random_model(tiny_config(), seed=0, attention=paged_attention_reference)
     save_safetensors_folder(original, tmp_path)
     _word_tokenizer(original.config.vocab_size).backend.save(str(tmp_path / "tokenizer.json"))
-    plain = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference)
-    int8 = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference, "int8")
+    plain = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference, pack=False)
+    int8 = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference, "int8", pack=False)  # packing: test_packed.py
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
     assert sum(isinstance(m, Int8Linear) for m in int8.model.modules()) == 4 * int8.config.num_layers
     ids = list(range(3, 40))
