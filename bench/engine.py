@@ -13,7 +13,8 @@ Each `--quantization` variant of the model runs the lot (the first variant gives
 figures; `int8` keeps the projections int8, models/quant.py). In the same run it measures
 transformers `generate` on the same GGUF in the same dtype (static batches of 1, 8 and 32, left
 padded, each on a subset of the requests; the best is the baseline) and this machine's peak
-matmul FLOP/s and copy bandwidth, from which it computes the batch's roofline.
+matmul FLOP/s (torch's matmul or the engine's packed kernel, the faster) and copy bandwidth, from
+which it computes the batch's roofline.
 
 A peer JSON is what ../shared/peers/vllm_same.py writes (tokens_per_s over num_requests prompts,
 tpot_b1_ms); give one per batch size, run on the prompts `--dump-prompts` writes (its first B
@@ -389,7 +390,7 @@ def print_table(r: dict, cost: ModelCost) -> None:
     )
     print(line)
     print("machine, measured in this run")
-    row("peak matmul", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s", f"{env['dtype']} {env['matmul_size']}^2 matmul, best of {env['repeats']}")
+    row("peak matmul", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s", f"{env['dtype']} {env['matmul_size']}^2, torch's or packed_mm, best of {env['repeats']}")
     row("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s", f"{env['copy_mib']} MiB copy, (read+written)/time")
     print(f"{f'tandem engine, {n} concurrent requests':<52}value   target")
     row("output tokens/s", f"{r['tokens_per_s']:.1f}")

@@ -1,4 +1,5 @@
-"""This machine's peaks, measured with torch: copy bandwidth and matmul FLOP/s.
+"""This machine's peaks, measured with torch (and the engine's CPU matmul): copy bandwidth and
+matmul FLOP/s.
 
 `tandem plan --gpu cpu` sizes against them, and bench/roofline.py bounds the engine with them, so
 the worksheet's decode floor and the bench's measured time per output token share one yardstick.
@@ -25,12 +26,21 @@ def best_s(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """FLOP/s of a large square matmul in `dtype` on all torch threads, best of `repeats`."""
+    """FLOP/s of a large square matmul in `dtype` on all torch threads, best of `repeats`: torch's
+    matmul, or the engine's packed CPU kernel where it serves the dtype (models/packed.py) and is
+    the faster, so that no rate the engine reaches is above this peak."""
+    from tandem.models.packed import can_pack, pack_weight  # the engine's kernel: built and loaded only when measured
+
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(dtype)
     b = torch.randn(size, size, generator=generator).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
-    return 2 * size**3 / best_s(lambda: torch.matmul(a, b, out=out), repeats)
+    fastest_s = best_s(lambda: torch.matmul(a, b, out=out), repeats)
+    weight = b.T.contiguous()  # packed_mm multiplies by its weight's transpose
+    if can_pack(weight, dtype):
+        packed = pack_weight(weight, dtype)
+        fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None), repeats))
+    return 2 * size**3 / fastest_s
 
 
 def measure_copy_bandwidth(num_mib: int, repeats: int) -> float:
