@@ -390,7 +390,11 @@ def print_table(r: dict, cost: ModelCost) -> None:
     )
     print(line)
     print("machine, measured in this run")
-    row("peak matmul", f"{r['peak_flops'] / 1e9:.1f} GFLOP/s", f"{env['dtype']} {env['matmul_size']}^2, torch's or packed_mm, best of {env['repeats']}")
+    row(
+        "peak matmul",
+        f"{r['peak_flops'] / 1e9:.1f} GFLOP/s",
+        f"{env['dtype']} {env['matmul_size']}^2, torch's or packed_mm, best of {env['repeats']}",
+    )
     row("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s", f"{env['copy_mib']} MiB copy, (read+written)/time")
     print(f"{f'tandem engine, {n} concurrent requests':<52}value   target")
     row("output tokens/s", f"{r['tokens_per_s']:.1f}")

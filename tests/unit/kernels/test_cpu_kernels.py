@@ -360,9 +360,13 @@ def _packed_serves(dtype: torch.dtype) -> bool:
 
 PACKED_DTYPES = [
     pytest.param(
-        torch.bfloat16, id="bf16", marks=pytest.mark.skipif(not _packed_serves(torch.bfloat16), reason="bf16 rows need AVX512-BF16 (bf16 dot products)")
+        torch.bfloat16,
+        id="bf16",
+        marks=pytest.mark.skipif(not _packed_serves(torch.bfloat16), reason="bf16 rows need AVX512-BF16 (bf16 dot products)"),
     ),
-    pytest.param(torch.float32, id="fp32", marks=pytest.mark.skipif(not _packed_serves(torch.float32), reason="float32 rows need AVX2 and FMA")),
+    pytest.param(
+        torch.float32, id="fp32", marks=pytest.mark.skipif(not _packed_serves(torch.float32), reason="float32 rows need AVX2 and FMA")
+    ),
 ]
 # packed_mm against the float64 product: bf16 rows and outputs round at 2^-8, float32 ones at 2^-24.
 PACKED_TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}

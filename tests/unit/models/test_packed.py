@@ -31,7 +31,6 @@ NUM_NEW_TOKENS = 12
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-
 def _serves(dtype: torch.dtype) -> bool:
     return cpu_extension.load() and bool(torch.ops.tandem.packed_mm_supported(16, 64, dtype, dtype))
 

@@ -16,8 +16,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from tandem.errors import StartupError
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.checkpoint_names import hf_state_dict
-from tandem.models.packed import pack_model
 from tandem.models.loader import load_model
+from tandem.models.packed import pack_model
 from tandem.models.safetensors_weights import SHARD_INDEX
 
 TOKENS = [7, 300, 42, 511, 3, 99, 100]
