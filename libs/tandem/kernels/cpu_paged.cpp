@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -530,6 +530,229 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     }
   });
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// paged_prefill on a CPU with AVX2 but no AVX-512: the kernel above in eight lanes. A tile's
+// queries are scored against 16 transposed keys at a time (per key one chain of fused
+// multiply-adds over d from zero), each query's softmax goes eight lanes at a time in an order
+// fixed by its context's length, and its V rows are summed in key order, read in place from the
+// cache: every step of a query's arithmetic depends on its own row, position and context alone.
+constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with its group's heads)
+constexpr int64_t kScoreQueries = 6;      // queries scored together (12 sums in registers)
+constexpr int64_t kKeysAtOnce = 16;       // keys transposed together: two vectors of 8 per query broadcast
+
+// Eight elements of a cache row as floats (each conversion is exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// out[j][0 .. 16) = the scores of query j (HD floats at queries + j * HD) against 16 transposed
+// keys (keys_t[d * kKeysAtOnce + lane]).
+template <int64_t HD, int64_t N>
+inline void score_queries(const float* queries, const float* keys_t, float* out, int64_t out_stride) {
+  __m256 sums[N][2];
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < N; ++j) sums[j][0] = sums[j][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < HD; ++d) {
+    const __m256 low = _mm256_loadu_ps(keys_t + d * kKeysAtOnce), high = _mm256_loadu_ps(keys_t + d * kKeysAtOnce + 8);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < N; ++j) {
+      const __m256 qd = _mm256_broadcast_ss(queries + j * HD + d);
+      sums[j][0] = _mm256_fmadd_ps(qd, low, sums[j][0]);
+      sums[j][1] = _mm256_fmadd_ps(qd, high, sums[j][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < N; ++j) {
+    _mm256_storeu_ps(out + j * out_stride, sums[j][0]);
+    _mm256_storeu_ps(out + j * out_stride + 8, sums[j][1]);
+  }
+}
+
+// exp_nonpositive on eight lanes: the same steps, each lane's result independent of the others.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.f);
+  const __m256 clamped = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), clamped));
+  __m256 p = _mm256_set1_ps(1.38888889e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// Lanes [0, n) of eight set (all bits), the rest clear.
+inline __m256 first_lanes(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+inline float sum_lanes(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
+// scores[0..len) = e^(score - max score), in place; returns their sum. Eight at a time; the row
+// is padded to a multiple of 8 (its lanes past len are read and written, never used): a score's
+// bits and the order of the sum depend on len alone.
+inline float softmax_numerators8(float* scores, int64_t len) {
+  const __m256 minus_infinity = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 peak = minus_infinity;
+  for (int64_t t = 0; t < len; t += 8)
+    peak = _mm256_max_ps(peak, _mm256_blendv_ps(minus_infinity, _mm256_loadu_ps(scores + t), first_lanes(len - t)));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(half));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 e = _mm256_and_ps(first_lanes(len - t), exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift)));
+    _mm256_storeu_ps(scores + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return sum_lanes(total);
+}
+
+// acc[0 .. HD) += sum over the `count` rows (`stride` elements apart) of p[i] * rows[i], in row
+// order, 64 dimensions at a time in registers.
+template <int64_t HD, typename T>
+inline void accumulate_rows8(const float* p, const T* rows, int64_t stride, int64_t count, float* acc) {
+  for (int64_t d0 = 0; d0 < HD; d0 += 64) {
+    __m256 sums[8];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < 8; ++c) sums[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+    for (int64_t i = 0; i < count; ++i) {
+      const __m256 pi = _mm256_broadcast_ss(p + i);
+      const T* row = rows + i * stride + d0;
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 8; ++c) sums[c] = _mm256_fmadd_ps(pi, load8(row + 8 * c), sums[c]);
+    }
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, sums[c]);
+  }
+}
+
+// accumulate_rows8 for three queries over the same rows (weights p[m], sums at acc[m]), 32
+// dimensions at a time, each V row's part loaded once for the three: the same sums in the same
+// order as accumulate_rows8 gives each, so the same bits.
+template <int64_t HD, typename T>
+inline void accumulate_rows8_shared3(const float* const* p, const T* rows, int64_t stride, int64_t count, float* const* acc) {
+  for (int64_t d0 = 0; d0 < HD; d0 += 32) {
+    __m256 sums[3][4];
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < 3; ++m)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 4; ++c) sums[m][c] = _mm256_loadu_ps(acc[m] + d0 + 8 * c);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* row = rows + i * stride + d0;
+      __m256 v[4];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 4; ++c) v[c] = load8(row + 8 * c);
+#pragma GCC unroll 8
+      for (int64_t m = 0; m < 3; ++m) {
+        const __m256 pi = _mm256_broadcast_ss(p[m] + i);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < 4; ++c) sums[m][c] = _mm256_fmadd_ps(pi, v[c], sums[m][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < 3; ++m)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 4; ++c) _mm256_storeu_ps(acc[m] + d0 + 8 * c, sums[m][c]);
+  }
+}
+
+template <typename T, int64_t HD>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
+                    double scale, at::Tensor& out) {
+  static_assert(HD % 64 == 0, "the V sums go 64 dimensions at a time");
+  const int64_t q_len = q.size(0), num_heads = q.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, start = seq_len - q_len;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  const int64_t os = out.stride(0), oh = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_tiles = (q_len + kPrefillTileRows - 1) / kPrefillTileRows;
+  const int64_t num_tasks = num_tiles * num_kv_heads;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    const int64_t max_queries = kPrefillTileRows * group, padded_len = (seq_len + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce;
+    std::vector<float> queries(max_queries * HD), keys_t(HD * kKeysAtOnce), acc(max_queries * HD), totals(max_queries);
+    std::vector<float> scores(max_queries * padded_len);
+    std::vector<int64_t> lens(max_queries);
+    // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t first_row = tile * kPrefillTileRows, end_row = std::min(q_len, first_row + kPrefillTileRows);
+      const int64_t num_queries = (end_row - first_row) * group, context = start + end_row;  // keys the tile's last row sees
+      for (int64_t r = first_row; r < end_row; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t index = (r - first_row) * group + g;
+          const T* src = q_ptr + r * qs + (h * group + g) * qh;
+          for (int64_t d = 0; d < HD; ++d) queries[index * HD + d] = static_cast<float>(src[d]) * fscale;
+          lens[index] = start + r + 1;
+        }
+      // Scores, 16 keys (one lane each) at a time; keys past `context` are zeros, never read.
+      for (int64_t key0 = 0; key0 < context; key0 += kKeysAtOnce) {
+        const int64_t count = std::min<int64_t>(kKeysAtOnce, context - key0);
+        for (int64_t i = 0; i < kKeysAtOnce; ++i) {
+          if (i < count) {
+            const int64_t position = key0 + i;
+            const T* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
+            for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = static_cast<float>(key[d]);
+          } else {
+            for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = 0.f;
+          }
+        }
+        float* out = scores.data() + key0;
+        int64_t q0 = 0;
+        for (; q0 + kScoreQueries <= num_queries; q0 += kScoreQueries)
+          score_queries<HD, kScoreQueries>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+        for (; q0 < num_queries; ++q0) score_queries<HD, 1>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+      }
+      for (int64_t index = 0; index < num_queries; ++index) totals[index] = softmax_numerators8(scores.data() + index * padded_len, lens[index]);
+      std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
+      for (int64_t first = 0; first < context; first += block_size) {
+        const int64_t count = std::min(block_size, context - first);
+        const T* block = v_ptr + table[first / block_size] * vb + h * vh;
+        int64_t index = 0;
+        for (; index + 3 <= num_queries && lens[index] >= first + count; index += 3) {  // lens grow with index
+          const float* p[3];
+          float* a[3];
+          for (int64_t m = 0; m < 3; ++m) {
+            p[m] = scores.data() + (index + m) * padded_len + first;
+            a[m] = acc.data() + (index + m) * HD;
+          }
+          accumulate_rows8_shared3<HD>(p, block, vs, count, a);
+        }
+        for (; index < num_queries; ++index) {
+          const int64_t own = std::min(count, lens[index] - first);  // this query's keys in the block
+          if (own > 0) accumulate_rows8<HD>(scores.data() + index * padded_len + first, block, vs, own, acc.data() + index * HD);
+        }
+      }
+      for (int64_t r = first_row; r < end_row; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t index = (r - first_row) * group + g;
+          T* dst = out_ptr + r * os + (h * group + g) * oh;
+          const float inverse = 1.f / totals[index];
+          for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<T>(acc[index * HD + d] * inverse);
+        }
+    }
+  });
+}
 #endif
 
 void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name) {
@@ -969,10 +1192,10 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::o
   return out;
 }
 
-// Whether paged_prefill serves q of this head size and dtype here (AVX-512, a multiple of 16, a
-// floating type other than double); the caller takes another path when not.
+// Whether paged_prefill serves q of this head size and dtype here (AVX-512, or AVX2 and FMA; a
+// head size of 64 or 128; a floating type other than double); the caller takes another path when not.
 bool prefill_supported(int64_t head_dim, at::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return (head_dim == 64 || head_dim == 128) && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
 #else
   return false;
@@ -997,7 +1220,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   // (after the checks of its input, so a malformed call is named as such on every CPU)
   TORCH_CHECK(prefill_supported(q.size(2), q.scalar_type()), "paged_prefill does not serve head_dim ", q.size(2), " in ", q.scalar_type(), " here");
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (q.size(2) == 64)
