@@ -1093,7 +1093,10 @@ inline void float_panel(const float* x, int64_t xs, int64_t M, int64_t width, co
   }
 }
 
-constexpr int64_t kFloatBlockRows = 96;  // rows a task takes through a panel before the next rows (kept in L2)
+// Rows a task takes through a panel before the next rows: as many as keep their inputs within
+// kFloatBlockBytes (in L2), a multiple of a tile's, at most kFloatBlockRows.
+constexpr int64_t kFloatBlockRows = 96;
+constexpr int64_t kFloatBlockBytes = 192 * 1024;
 
 void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const float* scale, at::Tensor& out) {
   const int64_t M = x.size(0), groups = packed.size(0), K = packed.size(1), N = groups * kPackedGroup;
@@ -1103,6 +1106,7 @@ void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const fl
   float* o_ptr = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
   const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
+  const int64_t block_rows = std::clamp<int64_t>(kFloatBlockBytes / (K * 4) / kFloatTileRows * kFloatTileRows, kFloatTileRows, kFloatBlockRows);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(widens_once ? kTileGroups * K * kPackedGroup : 0);
     for (int64_t t = begin; t < end; ++t) {
@@ -1111,8 +1115,8 @@ void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const fl
       const int64_t offset = group0 * K * kPackedGroup;
       if (!is_int8) {
         const float* panel = packed.data_ptr<float>() + offset;
-        for (int64_t m0 = 0; m0 < M; m0 += kFloatBlockRows)
-          float_panel(x_ptr + m0 * xs, xs, std::min(kFloatBlockRows, M - m0), width, panel, K, tile_scale, o_ptr + m0 * N + group0 * kPackedGroup, N);
+        for (int64_t m0 = 0; m0 < M; m0 += block_rows)
+          float_panel(x_ptr + m0 * xs, xs, std::min(block_rows, M - m0), width, panel, K, tile_scale, o_ptr + m0 * N + group0 * kPackedGroup, N);
         continue;
       }
       const int8_t* panel = packed.data_ptr<int8_t>() + offset;
@@ -1126,8 +1130,8 @@ void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const fl
         _mm256_storeu_ps(widened.data() + i * kPackedGroup, low);
         _mm256_storeu_ps(widened.data() + i * kPackedGroup + 8, high);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kFloatBlockRows)
-        float_panel(x_ptr + m0 * xs, xs, std::min(kFloatBlockRows, M - m0), width, static_cast<const float*>(widened.data()), K, tile_scale,
+      for (int64_t m0 = 0; m0 < M; m0 += block_rows)
+        float_panel(x_ptr + m0 * xs, xs, std::min(block_rows, M - m0), width, static_cast<const float*>(widened.data()), K, tile_scale,
                     o_ptr + m0 * N + group0 * kPackedGroup, N);
     }
   });
