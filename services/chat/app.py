@@ -49,8 +49,8 @@ def build_app(settings: Settings) -> FastAPI:
         models=ModelsView(),
         difficulty=open_judge(settings.difficulty_classifier, settings.difficulty_timeout_s),  # for `auto`
         summaries=Summaries(SummaryConfig.from_settings(settings)),
-        # Loaded once, before the event loop runs (profanity-check's model takes about a second);
-        # a bad TANDEM_INPUT_MODERATION is a StartupError, one line at start.
+        # Loaded once in a process of its own, before the event loop runs (profanity-check's model
+        # takes about a second); a bad TANDEM_INPUT_MODERATION is a StartupError, one line at start.
         input_check=load_input_check(settings.input_moderation, settings.moderation_threshold),
     )
 
@@ -67,6 +67,8 @@ def build_app(settings: Settings) -> FastAPI:
     async def on_stop() -> None:
         if state.difficulty is not None:
             state.difficulty.close()
+        if state.input_check is not None:
+            state.input_check.close()
         if state.summaries is not None:  # its jobs first: they use the store and the feeds
             await state.summaries.close()
         await state.store.close()

@@ -45,7 +45,7 @@ async def completions(state: State, user: CurrentUser, arrived: Arrived, body: T
     body.refuse_unsupported()
     prompt = body.only_prompt()
     if isinstance(prompt, str):
-        checking = start_input_check(state.input_check, prompt)  # in a thread, while tokenizing
+        checking = start_input_check(state.input_check, prompt)  # in its process, while tokenizing
         prompt_ids = await _prompt_ids(state, prompt)
     else:  # token ids: checked as the text they spell, once they are known to be in the vocabulary
         prompt_ids = await _prompt_ids(state, prompt)

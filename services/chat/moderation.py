@@ -1,7 +1,9 @@
 """The input check: what a user sends is scored by the deployment's safety check (tandem.safety)
-before any quota is reserved or any reply started. The check runs in a thread, started the moment
-the message has passed its size checks, while the caller builds the prompt: it adds to the time
-to first token only what it takes beyond the prompt build, not its whole latency.
+before any quota is reserved or any reply started. The check runs in a process of its own
+(tandem.safety_process: its Python would otherwise hold the GIL that the prompt build needs),
+started the moment the message has passed its size checks, while the caller builds the prompt:
+it adds to the time to first token only what it takes beyond the prompt build, not its whole
+latency. Messages checked at once are scored in one call.
 
 A refused message is answered with one clear, non-judgemental message (an HTTP 400, code
 `moderated` on the product API, which stores the user turn as `moderated` so the conversation
@@ -13,47 +15,69 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.chat import metrics
 from services.chat.errors import Moderated, Unavailable
-from tandem.errors import StartupError
-from tandem.safety import TextCheck, Verdict, judge, load_check
+from tandem.safety import TextCheck, Verdict
+from tandem.safety_process import BatchScorer, CheckProcess
 
 log = logging.getLogger(__name__)
 MODERATED_MESSAGE = "This message can't be answered as written. Please rephrase it and try again."
 OPENAI_CODE = "content_filter"  # what OpenAI's endpoints call a refused prompt
 
 
+MAX_BATCH = 32  # messages scored in one call of the check
+_RUNNING: set[asyncio.Future[Verdict]] = set()  # checks started and not yet ended
+
+
 @dataclass(frozen=True)
 class InputCheck:
-    """The deployment's check on what users send, and the score from which it refuses."""
+    """The deployment's check on what users send (`score`: one text's score, 0 to 1), and the
+    score from which it refuses."""
 
-    check: TextCheck
+    name: str  # the check's, in logs
+    score: Callable[[str], Awaitable[float]]
     threshold: float
+    process: CheckProcess | None = None  # the check's own process, when it runs in one
 
-    def judge_timed(self, text: str) -> Verdict:
+    @classmethod
+    def in_thread(cls, check: TextCheck, threshold: float) -> InputCheck:
+        """A check scored in a thread of this process, one text a call (a check object of its own,
+        as the tests give)."""
+
+        async def score(text: str) -> float:
+            [value] = await asyncio.to_thread(check.score, [text])
+            return float(value)
+
+        return cls(check.name, score, threshold)
+
+    async def judge_timed(self, text: str) -> Verdict:
         started = time.perf_counter()
         try:
-            return judge(self.check, text, self.threshold)
+            score = await self.score(text)
         finally:
             metrics.INPUT_CHECK_SECONDS.observe(time.perf_counter() - started)
+        return Verdict(flagged=score >= self.threshold, score=score, check=self.name)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
 
 
 def load_input_check(spec: str, threshold: float) -> InputCheck | None:
-    """The check `TANDEM_INPUT_MODERATION` names (None for `none`); loading profanity-check's
-    model takes about a second, so the caller runs this in a thread at startup. A spec that
+    """The check `TANDEM_INPUT_MODERATION` names (None for `none`), loaded in its own process now
+    (profanity-check's model takes about a second): the caller runs this at startup. A spec that
     names nothing loadable is a StartupError naming the setting."""
-    try:
-        check = load_check(spec)
-    except ValueError as exc:
-        raise StartupError(f"TANDEM_INPUT_MODERATION: {exc}") from None
-    return None if check is None else InputCheck(check, threshold)
+    process = CheckProcess.start(spec, "TANDEM_INPUT_MODERATION")
+    if process is None:
+        return None
+    return InputCheck(process.name, BatchScorer(process.score, MAX_BATCH).score, threshold, process)
 
 
 class PendingCheck:
-    """An input check already running in a thread; `is_refused` waits for its verdict."""
+    """An input check already running; `is_refused` waits for its verdict."""
 
     def __init__(self, running: asyncio.Future[Verdict] | None) -> None:
         self._running = running
@@ -75,11 +99,13 @@ class PendingCheck:
 
 
 def start_input_check(input_check: InputCheck | None, text: str) -> PendingCheck:
-    """Starts checking `text` in a thread now, so the caller can build the prompt meanwhile. A
-    caller that fails before it asks for the verdict leaves the check to finish unread."""
+    """Starts checking `text` now, so the caller can build the prompt meanwhile. A caller that
+    fails before it asks for the verdict leaves the check to finish unread."""
     if input_check is None or not text.strip():
         return PendingCheck(None)
-    running = asyncio.get_running_loop().run_in_executor(None, input_check.judge_timed, text)
+    running = asyncio.ensure_future(input_check.judge_timed(text))
+    _RUNNING.add(running)  # a task only the loop refers to may be collected before it ends
+    running.add_done_callback(_RUNNING.discard)
     running.add_done_callback(_mark_retrieved)
     return PendingCheck(running)
 

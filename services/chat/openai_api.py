@@ -41,7 +41,7 @@ async def chat_completions(
 ) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     messages = [m.as_template_message() for m in body.messages]
-    checking = start_input_check(state.input_check, last_user_text(messages))  # in a thread, while routing and tokenizing
+    checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
     model = await served_model(state, user, body.model, last_user_text(messages))
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
     await refuse_openai_input(checking, user.tier.value, model.name)

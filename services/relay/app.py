@@ -20,7 +20,6 @@ from redis.exceptions import RedisError
 from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from services.relay.moderation import OutputCheckConfig, OutputModerator
-from services.relay.output_check import CheckProcess
 from services.relay.persist import PersistConfig, persist_reply
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
@@ -30,6 +29,7 @@ from tandem.bus.token_stream import publish_final as publish_final_event
 from tandem.config import Settings
 from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
+from tandem.safety_process import CheckProcess
 from tandem.store import StoreUnavailable, open_store, store_is_available
 from tandem.tokenlog import TokenLogWriter
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -53,7 +53,7 @@ def build_app(settings: Settings) -> FastAPI:
         running_ttl_s=settings.running_reply_ttl_s,
     )
     claims = Claims()
-    output_check = CheckProcess.start(settings.output_moderation)  # loaded once, in a process of its own
+    output_check = CheckProcess.start(settings.output_moderation, "TANDEM_OUTPUT_MODERATION")  # loaded once, in a process of its own
     moderator: OutputModerator | None = None
     quotas = QuotaSettler(redis, TokenBuckets(redis, QuotaConfig.from_settings(settings)))
     tasks: set[asyncio.Task[None]] = set()

@@ -3,7 +3,7 @@
 (tandem.safety); a window that trips it ends the reply as moderated.
 
 - Off the hot path: a token is appended and acknowledged first; its check runs afterwards, in
-  the check's own process (output_check.py), so delivery never waits for a verdict. The final event is the one
+  the check's own process (tandem.safety_process), so delivery never waits for a verdict. The final event is the one
   exception: its window is checked before it is appended, so a reply whose last words trip the
   check ends moderated, never complete.
 - The window is read from the token log, not from what this relay happened to see: the relays
@@ -29,10 +29,10 @@ from redis.exceptions import RedisError
 
 from services.relay import metrics
 from services.relay.consumer import Redeliver
-from services.relay.output_check import BatchScorer, CheckProcess
 from tandem.bus import encode, subjects
 from tandem.bus.events import final_event
 from tandem.config import Settings
+from tandem.safety_process import BatchScorer, CheckProcess
 from tandem.tokenlog import Appended, fence_reply, load_reply, load_reply_states, logged_events
 from tandem.tokenlog.reader import entry_id
 from tandem.v1.common_pb2 import (
@@ -152,7 +152,7 @@ class OutputModerator:
         self._publish_final = publish_final
         self._config = config
         self._windows = LogWindows(redis, config.window_chars, config.max_cached_replies)
-        self._scorer = BatchScorer(check.score, config.max_batch)
+        self._scorer = BatchScorer(check.score, config.max_batch, metrics.OUTPUT_CHECK_SECONDS.observe)
         self._due: dict[str, int] = {}  # reply id -> the newest seq whose window waits for a check
         self._checking: dict[str, asyncio.Task[None]] = {}  # reply id -> its checks in flight
 

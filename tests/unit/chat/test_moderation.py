@@ -5,6 +5,7 @@ than letting a message through unchecked; a bad setting fails the start."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -159,7 +160,7 @@ async def chat_state(store: SqliteStore, tokenizer: Any, input_check: InputCheck
 @pytest.mark.real_model
 async def test_the_check_runs_while_the_prompt_is_built_and_a_refused_turn_is_stored_moderated_with_nothing_started(store, tokenizer):
     rendezvous = Rendezvous()
-    state = await chat_state(store, MeetingTokenizer(tokenizer, rendezvous), InputCheck(MeetingCheck(rendezvous), 0.5))
+    state = await chat_state(store, MeetingTokenizer(tokenizer, rendezvous), InputCheck.in_thread(MeetingCheck(rendezvous), 0.5))
     conversation = Conversation(id="c1", user_id=USER.user_id, title="", model="", created_at_ms=1, updated_at_ms=1)
     await store.create_conversation(conversation)
     before = moderated_count("free", "m1")
@@ -195,7 +196,7 @@ async def test_a_refusal_is_a_400_with_code_moderated_and_a_clear_message():
 
 
 async def test_the_openai_endpoints_refuse_in_openais_shape_with_code_content_filter():
-    check = InputCheck(Blocklist(["idiot"]), 0.5)
+    check = InputCheck.in_thread(Blocklist(["idiot"]), 0.5)
     before = moderated_count("plus", "m1")
     await refuse_openai_input(start_input_check(check, "hello there"), "plus", "m1")  # let through
     with pytest.raises(Moderated) as refused:
@@ -208,7 +209,7 @@ async def test_the_openai_endpoints_refuse_in_openais_shape_with_code_content_fi
 
 async def test_a_check_that_fails_refuses_with_a_503_not_a_message_let_through():
     with pytest.raises(Unavailable) as failed:
-        await start_input_check(InputCheck(FailingCheck(), 0.5), "hello").is_refused("free", "m1")
+        await start_input_check(InputCheck.in_thread(FailingCheck(), 0.5), "hello").is_refused("free", "m1")
     assert failed.value.code == "moderation_unavailable"
     assert "server" not in failed.value.message  # the check's own text goes to the log only
 
@@ -220,11 +221,25 @@ async def test_no_check_configured_refuses_nothing():
 
 async def test_the_default_check_is_profanity_checks_trained_model_and_its_time_is_measured():
     check = load_input_check("profanity-check", 0.5)
-    assert check is not None and check.check.name == "profanity-check"
-    count_before = REGISTRY.get_sample_value("tandem_chat_input_check_seconds_count") or 0.0
-    assert await start_input_check(check, "you are a fucking idiot").is_refused("free", "m1")
-    assert not await start_input_check(check, "What is the capital of France?").is_refused("free", "m1")
-    assert REGISTRY.get_sample_value("tandem_chat_input_check_seconds_count") == count_before + 2
+    assert check is not None and check.name == "profanity-check"
+    try:
+        count_before = REGISTRY.get_sample_value("tandem_chat_input_check_seconds_count") or 0.0
+        assert await start_input_check(check, "you are a fucking idiot").is_refused("free", "m1")
+        assert not await start_input_check(check, "What is the capital of France?").is_refused("free", "m1")
+        assert REGISTRY.get_sample_value("tandem_chat_input_check_seconds_count") == count_before + 2
+    finally:
+        check.close()
+
+
+async def test_a_loaded_check_runs_in_its_process_and_messages_checked_at_once_each_get_their_verdict():
+    check = load_input_check("blocklist:idiot", 0.5)
+    assert check is not None and check.process is not None
+    try:
+        texts = ["hello", "you idiot", "fine words", "IDIOT!", "an idiotic plan"]  # the last: not the whole word
+        refused = await asyncio.gather(*(start_input_check(check, text).is_refused("free", "m1") for text in texts))
+        assert refused == [False, True, False, True, False]
+    finally:
+        check.close()
 
 
 def test_a_setting_that_names_no_check_fails_the_start_naming_the_setting():

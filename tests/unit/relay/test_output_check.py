@@ -15,9 +15,9 @@ import pytest
 from helpers import REPO, wait_until
 
 from services.relay.moderation import crosses_check, newest_chars, tier_of
-from services.relay.output_check import BatchScorer, CheckProcess
 from tandem.errors import StartupError
 from tandem.safety import Blocklist
+from tandem.safety_process import BatchScorer, CheckProcess
 from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_FREE, LANE_PAID
 from tandem.v1.generate_pb2 import GenerateRequest
 
@@ -98,24 +98,24 @@ async def test_a_check_that_fails_fails_the_windows_of_its_call_and_the_next_cal
 
 
 async def test_the_check_loads_once_in_a_process_of_its_own_and_scores_there():
-    check = CheckProcess.start("blocklist:forbidden")
+    check = CheckProcess.start("blocklist:forbidden", "TANDEM_OUTPUT_MODERATION")
     assert check is not None and check.name == "blocklist"
     try:
         assert await check.score(["a forbidden word", "fine"]) == [1.0, 0.0]
     finally:
         check.close()
-    assert CheckProcess.start("none") is None
+    assert CheckProcess.start("none", "TANDEM_OUTPUT_MODERATION") is None
 
 
 def test_a_spec_that_names_no_check_stops_the_relay_at_its_start_naming_the_setting():
     with pytest.raises(StartupError, match="TANDEM_OUTPUT_MODERATION"):
-        CheckProcess.start("no_such_module_here:factory")
+        CheckProcess.start("no_such_module_here:factory", "TANDEM_OUTPUT_MODERATION")
 
 
 # A relay in miniature: its check process started, its pid printed, then waiting to be killed.
 RELAY_WITH_A_CHECK_PROCESS = """
 import os, sys
-from services.relay.output_check import _new_executor
+from tandem.safety_process import _new_executor
 print(_new_executor().submit(os.getpid).result(timeout=60), flush=True)
 sys.stdin.read()
 """

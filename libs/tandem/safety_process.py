@@ -1,12 +1,14 @@
-"""Where the output check runs: in a process of its own, loaded once at the relay's start, with
-the windows due at once scored in one call.
+"""The safety check (tandem.safety) in a process of its own, loaded once at a service's start,
+with the texts due at once scored in one call: the relay's output check and the chat's input check.
 
 Scoring is CPU-bound Python (profanity-check's vectorizer holds the GIL for most of its ~7 ms):
-on a thread of the relay's own process every call stalls the event loop that appends and
-acknowledges tokens (measured at 125 windows/s, i.e. 1,000 tokens/s checked every 8: the loop's
-lag p99 went from 0.3 ms to 8-11 ms on a thread, 3-5 ms in a child process, on 2 busy cores). In a
-child process the relay's loop only waits on a pipe. The trained check costs about as much for 32
-texts as for one, so a busy relay batches instead of queueing calls."""
+on a thread of the service's own process every call stalls its event loop. In the relay, at 125
+windows/s (1,000 tokens/s checked every 8) the loop's lag p99 went from 0.3 ms to 8-11 ms on a
+thread, 3-5 ms in a child process, on 2 busy cores; in the chat, a message's routing and
+tokenizing waited on the GIL while its check ran beside them (12.5 ms from arrival to the reply's
+start, 4.8 of them the tokenizing of 42 tokens). In a child process the service's loop only waits
+on a pipe. The trained check costs about as much for 32 texts as for one, so a busy service
+batches instead of queueing calls."""
 
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from services.relay import metrics
 from tandem.errors import StartupError
 from tandem.safety import TextCheck, load_check
 
@@ -33,18 +34,18 @@ _CHECKS: dict[str, TextCheck | None] = {}  # in the child: the check each spec n
 
 
 def _in_child() -> None:
-    """In the child: Ctrl-C to the process group (make run, tandem up) is the relay's to handle; the
-    relay's stop shuts the child down. A relay that dies without stopping (kill -9, the OOM killer)
-    takes the child with it: the child holds both ends of its call queue's pipe, so it would wait
+    """In the child: Ctrl-C to the process group (make run, tandem up) is the service's to handle;
+    the service's stop shuts the child down. A service that dies without stopping (kill -9, the OOM
+    killer) takes the child with it: the child holds both ends of its call queue's pipe, so it would wait
     on that queue forever, an orphan."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
-        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="exit-with-relay", daemon=True).start()
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="exit-with-parent", daemon=True).start()
 
 
 def _exit_with(parent_sentinel: int) -> None:
-    multiprocessing.connection.wait([parent_sentinel])  # readable once the relay is gone
+    multiprocessing.connection.wait([parent_sentinel])  # readable once the service is gone
     os._exit(0)
 
 
@@ -74,15 +75,16 @@ class CheckProcess:
         self._executor = executor
 
     @classmethod
-    def start(cls, spec: str) -> CheckProcess | None:
-        """Loads the check in its process now (the relay's start waits for it); None for `none`.
-        A spec that names nothing loadable is a StartupError naming the setting."""
+    def start(cls, spec: str, setting: str) -> CheckProcess | None:
+        """Loads the check in its process now (the service's start waits for it); None for `none`.
+        A spec that names nothing loadable is a StartupError naming `setting` (the environment
+        variable the spec came from)."""
         executor = _new_executor()
         try:
             name = executor.submit(_name_in_child, spec).result(timeout=START_TIMEOUT_S)
         except ValueError as exc:
             executor.shutdown(wait=False, cancel_futures=True)
-            raise StartupError(f"TANDEM_OUTPUT_MODERATION: {exc}") from None
+            raise StartupError(f"{setting}: {exc}") from None
         if not name:
             executor.shutdown(wait=False, cancel_futures=True)
             return None
@@ -93,7 +95,7 @@ class CheckProcess:
         try:
             return await loop.run_in_executor(self._executor, _score_in_child, self.spec, texts)
         except BrokenProcessPool:
-            log.error("the output check's process died; starting it again")
+            log.error("the %s check's process died; starting it again", self.name)
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = _new_executor()
             raise
@@ -103,16 +105,20 @@ class CheckProcess:
 
 
 def _new_executor() -> ProcessPoolExecutor:
-    # spawn, not fork: the relay runs threads (its event loop's, redis', NATS'), which a fork would copy mid-step
+    # spawn, not fork: a service runs threads (its event loop's, redis', NATS'), which a fork would copy mid-step
     return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_in_child)
 
 
 class BatchScorer:
-    """Scores texts with `score_batch`, one call at a time, all that wait at once in one call."""
+    """Scores texts with `score_batch`, one call at a time, all that wait at once in one call;
+    `observe` (a histogram's) is given each call's seconds."""
 
-    def __init__(self, score_batch: Callable[[list[str]], Awaitable[list[float]]], max_batch: int) -> None:
+    def __init__(
+        self, score_batch: Callable[[list[str]], Awaitable[list[float]]], max_batch: int, observe: Callable[[float], None] | None = None
+    ) -> None:
         self._score_batch = score_batch
         self._max_batch = max_batch
+        self._observe = observe
         self._waiting: list[tuple[str, asyncio.Future[float]]] = []
         self._scoring: asyncio.Task[None] | None = None
 
@@ -120,7 +126,7 @@ class BatchScorer:
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiting.append((text, future))
         if self._scoring is None:
-            self._scoring = asyncio.create_task(self._drain(), name="output-check")
+            self._scoring = asyncio.create_task(self._drain(), name="text-check")
         return await future
 
     async def _drain(self) -> None:
@@ -130,12 +136,13 @@ class BatchScorer:
                 started_s = time.perf_counter()
                 try:
                     scores = await self._score_batch([text for text, _ in batch])
-                except Exception as exc:  # a deployment's check failing fails these checks, not the relay
+                except Exception as exc:  # a deployment's check failing fails these checks, not the service
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(exc)
                     continue
-                metrics.OUTPUT_CHECK_SECONDS.observe(time.perf_counter() - started_s)
+                if self._observe is not None:
+                    self._observe(time.perf_counter() - started_s)
                 for (_, future), score in zip(batch, scores, strict=True):
                     if not future.done():
                         future.set_result(float(score))
