@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
 
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import hf_state_dict
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tandem.models.tokenizer import Tokenizer
 
 
 def _dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -120,3 +123,10 @@ def save_safetensors_folder(model: LlamaForCausalLM, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
     save_file(hf_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """One word per token id (`w0`, `w1`, ...), enough for an engine to detokenize whatever a
+    random model writes."""
+    backend = BackendTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)

@@ -11,9 +11,7 @@ import random
 
 import pytest
 import torch
-from reference_model import random_model, reference_greedy, reference_logits, tiny_config
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models
+from reference_model import random_model, reference_greedy, reference_logits, tiny_config, word_tokenizer
 from torch import nn
 
 from tandem.engine.engine import Engine, EngineConfig, Request
@@ -25,7 +23,6 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.models.loader import LoadedModel
 from tandem.models.packed import PackedLinear, pack_model
 from tandem.models.quant import Int8Linear, quantize_model
-from tandem.models.tokenizer import Tokenizer
 
 NUM_NEW_TOKENS = 12
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -51,11 +48,6 @@ def _projections(model: LlamaForCausalLM) -> list[nn.Module]:
         for name in PROJECTIONS
         if hasattr(block, name)
     ]
-
-
-def _word_tokenizer(vocab_size: int) -> Tokenizer:
-    backend = BackendTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,7 +139,7 @@ def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, 
     expected = [reference_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
 
     engine = Engine(
-        LoadedModel(model, config, _word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=400, max_num_batched_tokens=64)
+        LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=400, max_num_batched_tokens=64)
     )
     sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     streams = engine.generate([Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])

@@ -9,9 +9,7 @@ import random
 
 import pytest
 import torch
-from reference_model import random_model, reference_greedy, reference_logits, save_safetensors_folder, tiny_config
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models
+from reference_model import random_model, reference_greedy, reference_logits, save_safetensors_folder, tiny_config, word_tokenizer
 from torch import nn
 
 from tandem.engine.engine import Engine, EngineConfig, Request
@@ -21,7 +19,6 @@ from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.loader import LoadedModel, load_model
 from tandem.models.quant import INT8_KERNEL_MAX_ROWS, Int8Linear, quantize_int8, quantize_model
-from tandem.models.tokenizer import Tokenizer
 
 NUM_NEW_TOKENS = 12
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -86,12 +83,6 @@ def _dequantized_copy(quantized: LlamaForCausalLM) -> LlamaForCausalLM:
     return plain
 
 
-def _word_tokenizer(vocab_size: int) -> Tokenizer:
-    """One word per token id, enough for the engine to detokenize whatever the model writes."""
-    backend = BackendTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
-
-
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
 @pytest.mark.parametrize("num_prompts", [3, 24], ids=["kernel-decode", "cast-decode"])
 def test_engine_greedy_output_with_int8_weights_equals_the_dequantized_reference(variant, num_prompts):
@@ -105,7 +96,7 @@ def test_engine_greedy_output_with_int8_weights_equals_the_dequantized_reference
     expected = [reference_greedy(reference, p, NUM_NEW_TOKENS) for p in prompts]
 
     engine = Engine(
-        LoadedModel(model, config, _word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=400, max_num_batched_tokens=64)
+        LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=400, max_num_batched_tokens=64)
     )
     sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     streams = engine.generate([Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
@@ -146,7 +137,7 @@ def test_int8_projection_weights_take_about_half_the_bytes_of_bf16_and_the_rest_
 def test_load_model_quantizes_the_projections_it_loaded_only_when_asked(tmp_path):
     original = random_model(tiny_config(), seed=0, attention=paged_attention_reference)
     save_safetensors_folder(original, tmp_path)
-    _word_tokenizer(original.config.vocab_size).backend.save(str(tmp_path / "tokenizer.json"))
+    word_tokenizer(original.config.vocab_size).backend.save(str(tmp_path / "tokenizer.json"))
     plain = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference, pack=False)
     int8 = load_model(tmp_path, torch.float32, "cpu", paged_attention_reference, "int8", pack=False)  # packing: test_packed.py
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
