@@ -243,6 +243,209 @@ inline bool accumulate_group(int64_t group, const float* p, int64_t p_stride, co
     default: if constexpr (4 * chunks <= 16) accumulate_rows_shared<HD, 4>(weights, block, stride, count, sums); return true;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// On a CPU with AVX2 but no AVX-512: eight-lane helpers for paged_decode's vector path (below) and
+// paged_prefill.
+
+// Eight elements of a cache row as floats (each conversion is exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// exp_nonpositive on eight lanes: the same steps, each lane's result independent of the others.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.f);
+  const __m256 clamped = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), clamped));
+  __m256 p = _mm256_set1_ps(1.38888889e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// Lanes [0, n) of eight set (all bits), the rest clear.
+inline __m256 first_lanes(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+inline float sum_lanes(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
+// scores[0..len) = e^(score - max score), in place; returns their sum. Eight at a time; the row
+// is padded to a multiple of 8 (its lanes past len are read and written, never used): a score's
+// bits and the order of the sum depend on len alone.
+inline float softmax_numerators8(float* scores, int64_t len) {
+  const __m256 minus_infinity = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 peak = minus_infinity;
+  for (int64_t t = 0; t < len; t += 8)
+    peak = _mm256_max_ps(peak, _mm256_blendv_ps(minus_infinity, _mm256_loadu_ps(scores + t), first_lanes(len - t)));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(half));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 e = _mm256_and_ps(first_lanes(len - t), exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift)));
+    _mm256_storeu_ps(scores + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return sum_lanes(total);
+}
+
+// acc[0 .. HD) += sum over the `count` rows (`stride` elements apart) of p[i] * rows[i], in row
+// order, 64 dimensions at a time in registers.
+template <int64_t HD, typename T>
+inline void accumulate_rows8(const float* p, const T* rows, int64_t stride, int64_t count, float* acc) {
+  for (int64_t d0 = 0; d0 < HD; d0 += 64) {
+    __m256 sums[8];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < 8; ++c) sums[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+    for (int64_t i = 0; i < count; ++i) {
+      const __m256 pi = _mm256_broadcast_ss(p + i);
+      const T* row = rows + i * stride + d0;
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 8; ++c) sums[c] = _mm256_fmadd_ps(pi, load8(row + 8 * c), sums[c]);
+    }
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, sums[c]);
+  }
+}
+
+// accumulate_rows8 for three queries over the same rows (weights p[m], sums at acc[m]), 32
+// dimensions at a time, each V row's part loaded once for the three: the same sums in the same
+// order as accumulate_rows8 gives each, so the same bits.
+template <int64_t HD, typename T>
+inline void accumulate_rows8_shared3(const float* const* p, const T* rows, int64_t stride, int64_t count, float* const* acc) {
+  for (int64_t d0 = 0; d0 < HD; d0 += 32) {
+    __m256 sums[3][4];
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < 3; ++m)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 4; ++c) sums[m][c] = _mm256_loadu_ps(acc[m] + d0 + 8 * c);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* row = rows + i * stride + d0;
+      __m256 v[4];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 4; ++c) v[c] = load8(row + 8 * c);
+#pragma GCC unroll 8
+      for (int64_t m = 0; m < 3; ++m) {
+        const __m256 pi = _mm256_broadcast_ss(p[m] + i);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < 4; ++c) sums[m][c] = _mm256_fmadd_ps(pi, v[c], sums[m][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < 3; ++m)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < 4; ++c) _mm256_storeu_ps(acc[m] + d0 + 8 * c, sums[m][c]);
+  }
+}
+
+
+// Lanes [0, n) of eight as an integer mask (all bits set), for masked loads and stores.
+inline __m256i first_lanes_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// {sum of v[0]'s lanes, ..., sum of v[3]'s}: four horizontal sums at once.
+inline __m128 sum_lanes4(const __m256* v) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // per 128-bit half: partial sums of v0..v3
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// paged_decode's vector path on a CPU with AVX2 but no AVX-512: the same functions as the AVX-512
+// ones above, eight lanes at a time, for head sizes that are multiples of 64.
+
+// out[i] = q . keys[i] for the `count` rows of HD floats, four keys a time. Every key goes the
+// same way (a missing fourth is a zero vector), so its score has the same bits wherever it sits.
+template <int64_t HD>
+inline void dot_keys(const float* q, const float* keys, int64_t count, float* out) {
+  constexpr int64_t chunks = HD / 8;
+  for (int64_t i0 = 0; i0 < count; i0 += 4) {
+    __m256 v[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      if (i0 + j >= count) {
+        v[j] = _mm256_setzero_ps();
+        continue;
+      }
+      const float* key = keys + (i0 + j) * HD;
+      v[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
+#pragma GCC unroll 16
+      for (int64_t c = 1; c < chunks; ++c) v[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(key + 8 * c), v[j]);
+    }
+    const __m128 sums = sum_lanes4(v);
+    if (i0 + 4 <= count) {
+      _mm_storeu_ps(out + i0, sums);
+    } else {
+      alignas(16) float tail[4];
+      _mm_store_ps(tail, sums);
+      for (int64_t j = 0; i0 + j < count; ++j) out[i0 + j] = tail[j];
+    }
+  }
+}
+
+// The `count` rows of HD elements at `src`, `stride` elements apart, as floats in `dst`.
+template <int64_t HD, typename T>
+inline void rows_to_float(const T* src, int64_t count, int64_t stride, float* dst) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t c = 0; c < HD / 8; ++c) _mm256_storeu_ps(dst + i * HD + 8 * c, load8(src + i * stride + 8 * c));
+}
+
+// scores[0..len) = e^(score - max score), in place; returns their sum. Eight at a time, the tail
+// under a mask (nothing past len is read or written): a score's bits and the order of the sum
+// depend on len alone.
+inline float softmax_numerators(float* scores, int64_t len) {
+  const __m256 minus_infinity = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 peak = minus_infinity;
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256i m = first_lanes_mask(len - t);
+    peak = _mm256_max_ps(peak, _mm256_blendv_ps(minus_infinity, _mm256_maskload_ps(scores + t, m), _mm256_castsi256_ps(m)));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(half));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256i m = first_lanes_mask(len - t);
+    const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(m), exp_nonpositive8(_mm256_sub_ps(_mm256_maskload_ps(scores + t, m), shift)));
+    _mm256_maskstore_ps(scores + t, m, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return sum_lanes(total);
+}
+
+// acc[0..HD) += sum over the `count` rows of p[i] * rows[i], in row order, in registers.
+template <int64_t HD>
+inline void accumulate_rows(const float* p, const float* rows, int64_t count, float* acc) {
+  accumulate_rows8<HD>(p, rows, HD, count, acc);
+}
+
+// The V sums of a decode task's `group` heads (weights at p + g * p_stride, sums at acc + g * HD),
+// read in place from the block: three heads at a time share each row's load.
+template <int64_t HD, typename T>
+inline bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc) {
+  int64_t g = 0;
+  for (; g + 3 <= group; g += 3) {
+    const float* weights[3] = {p + g * p_stride, p + (g + 1) * p_stride, p + (g + 2) * p_stride};
+    float* sums[3] = {acc + g * HD, acc + (g + 1) * HD, acc + (g + 2) * HD};
+    accumulate_rows8_shared3<HD>(weights, block, stride, count, sums);
+  }
+  for (; g < group; ++g) accumulate_rows8<HD>(p + g * p_stride, block, stride, count, acc + g * HD);
+  return true;
+}
 #else
 // Declared for the kernel's discarded `if constexpr (kVectorPath)` branches; never called.
 template <int64_t HD>
@@ -279,6 +482,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 #if defined(__AVX512F__)
   // intrinsics throughout (rows_to_float ... accumulate_rows); double keeps the plain loops
   constexpr bool kVectorPath = HD > 0 && HD % 16 == 0 && !std::is_same_v<T, double>;
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the same in eight lanes; the V sums go 64 dimensions at a time
+  constexpr bool kVectorPath = HD > 0 && HD % 64 == 0 && !std::is_same_v<T, double>;
 #else
   constexpr bool kVectorPath = false;
 #endif
@@ -540,13 +746,6 @@ constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with 
 constexpr int64_t kScoreQueries = 6;      // queries scored together (12 sums in registers)
 constexpr int64_t kKeysAtOnce = 16;       // keys transposed together: two vectors of 8 per query broadcast
 
-// Eight elements of a cache row as floats (each conversion is exact).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 // out[j][0 .. 16) = the scores of query j (HD floats at queries + j * HD) against 16 transposed
 // keys (keys_t[d * kKeysAtOnce + lane]).
 template <int64_t HD, int64_t N>
@@ -567,105 +766,6 @@ inline void score_queries(const float* queries, const float* keys_t, float* out,
   for (int64_t j = 0; j < N; ++j) {
     _mm256_storeu_ps(out + j * out_stride, sums[j][0]);
     _mm256_storeu_ps(out + j * out_stride + 8, sums[j][1]);
-  }
-}
-
-// exp_nonpositive on eight lanes: the same steps, each lane's result independent of the others.
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(-87.f);
-  const __m256 clamped = _mm256_max_ps(x, low);
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), clamped));
-  __m256 p = _mm256_set1_ps(1.38888889e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
-// Lanes [0, n) of eight set (all bits), the rest clear.
-inline __m256 first_lanes(int64_t n) {
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-inline float sum_lanes(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-// scores[0..len) = e^(score - max score), in place; returns their sum. Eight at a time; the row
-// is padded to a multiple of 8 (its lanes past len are read and written, never used): a score's
-// bits and the order of the sum depend on len alone.
-inline float softmax_numerators8(float* scores, int64_t len) {
-  const __m256 minus_infinity = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 peak = minus_infinity;
-  for (int64_t t = 0; t < len; t += 8)
-    peak = _mm256_max_ps(peak, _mm256_blendv_ps(minus_infinity, _mm256_loadu_ps(scores + t), first_lanes(len - t)));
-  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_max_ss(half, _mm_movehdup_ps(half));
-  const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(half));
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t t = 0; t < len; t += 8) {
-    const __m256 e = _mm256_and_ps(first_lanes(len - t), exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift)));
-    _mm256_storeu_ps(scores + t, e);
-    total = _mm256_add_ps(total, e);
-  }
-  return sum_lanes(total);
-}
-
-// acc[0 .. HD) += sum over the `count` rows (`stride` elements apart) of p[i] * rows[i], in row
-// order, 64 dimensions at a time in registers.
-template <int64_t HD, typename T>
-inline void accumulate_rows8(const float* p, const T* rows, int64_t stride, int64_t count, float* acc) {
-  for (int64_t d0 = 0; d0 < HD; d0 += 64) {
-    __m256 sums[8];
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < 8; ++c) sums[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
-    for (int64_t i = 0; i < count; ++i) {
-      const __m256 pi = _mm256_broadcast_ss(p + i);
-      const T* row = rows + i * stride + d0;
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < 8; ++c) sums[c] = _mm256_fmadd_ps(pi, load8(row + 8 * c), sums[c]);
-    }
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, sums[c]);
-  }
-}
-
-// accumulate_rows8 for three queries over the same rows (weights p[m], sums at acc[m]), 32
-// dimensions at a time, each V row's part loaded once for the three: the same sums in the same
-// order as accumulate_rows8 gives each, so the same bits.
-template <int64_t HD, typename T>
-inline void accumulate_rows8_shared3(const float* const* p, const T* rows, int64_t stride, int64_t count, float* const* acc) {
-  for (int64_t d0 = 0; d0 < HD; d0 += 32) {
-    __m256 sums[3][4];
-#pragma GCC unroll 8
-    for (int64_t m = 0; m < 3; ++m)
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < 4; ++c) sums[m][c] = _mm256_loadu_ps(acc[m] + d0 + 8 * c);
-    for (int64_t i = 0; i < count; ++i) {
-      const T* row = rows + i * stride + d0;
-      __m256 v[4];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < 4; ++c) v[c] = load8(row + 8 * c);
-#pragma GCC unroll 8
-      for (int64_t m = 0; m < 3; ++m) {
-        const __m256 pi = _mm256_broadcast_ss(p[m] + i);
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < 4; ++c) sums[m][c] = _mm256_fmadd_ps(pi, v[c], sums[m][c]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int64_t m = 0; m < 3; ++m)
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < 4; ++c) _mm256_storeu_ps(acc[m] + d0 + 8 * c, sums[m][c]);
   }
 }
 
