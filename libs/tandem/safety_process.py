@@ -100,6 +100,10 @@ class CheckProcess:
             self._executor = _new_executor()
             raise
 
+    async def child_pid(self) -> int:
+        """The pid of the process that scores now (for logs, and the drills that kill it)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, os.getpid)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

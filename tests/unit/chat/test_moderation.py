@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
@@ -238,6 +240,23 @@ async def test_a_loaded_check_runs_in_its_process_and_messages_checked_at_once_e
         texts = ["hello", "you idiot", "fine words", "IDIOT!", "an idiotic plan"]  # the last: not the whole word
         refused = await asyncio.gather(*(start_input_check(check, text).is_refused("free", "m1") for text in texts))
         assert refused == [False, True, False, True, False]
+    finally:
+        check.close()
+
+
+async def test_a_check_process_killed_with_sigkill_is_a_503_for_its_message_and_the_next_is_checked_in_a_new_one():
+    check = load_input_check("blocklist:idiot", 0.5)
+    assert check is not None and check.process is not None
+    try:
+        first_pid = await check.process.child_pid()
+        assert first_pid != os.getpid()
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(Unavailable) as failed:  # never let through unchecked
+            await start_input_check(check, "you idiot").is_refused("free", "m1")
+        assert failed.value.code == "moderation_unavailable"
+        assert await start_input_check(check, "you idiot").is_refused("free", "m1")
+        assert not await start_input_check(check, "hello").is_refused("free", "m1")
+        assert await check.process.child_pid() not in (first_pid, os.getpid())
     finally:
         check.close()
 
