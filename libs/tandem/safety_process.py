@@ -35,9 +35,9 @@ _CHECKS: dict[str, TextCheck | None] = {}  # in the child: the check each spec n
 
 def _in_child() -> None:
     """In the child: Ctrl-C to the process group (make run, tandem up) is the service's to handle;
-    the service's stop shuts the child down. A service that dies without stopping (kill -9, the OOM
-    killer) takes the child with it: the child holds both ends of its call queue's pipe, so it would wait
-    on that queue forever, an orphan."""
+    the service's stop shuts the child down. A service that dies without stopping (kill -9, the
+    OOM killer) takes the child with it: the child holds both ends of its call queue's pipe, so it
+    would wait on that queue forever, an orphan."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:

@@ -353,7 +353,6 @@ inline void accumulate_rows8_shared3(const float* const* p, const T* rows, int64
   }
 }
 
-
 // Lanes [0, n) of eight as an integer mask (all bits set), for masked loads and stores.
 inline __m256i first_lanes_mask(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
