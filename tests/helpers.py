@@ -98,6 +98,15 @@ def interrupt_and_wait(up: ChildProcess, timeout_s: float = 60.0) -> None:
         raise
 
 
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper that a container may not have)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 async def wait_until(check, timeout_s: float = 30.0, interval_s: float = 0.1):
     """Polls an async condition until it returns something truthy (for state another process
     writes, where no event announces it); fails with the last value after `timeout_s`."""

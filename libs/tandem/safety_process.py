@@ -13,6 +13,7 @@ batches instead of queueing calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,6 +31,7 @@ from tandem.safety import TextCheck, load_check
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # spawning the child, importing scikit-learn and loading the model
+CALL_TIMEOUT_S = 5.0  # a call not answered by then fails, and its process is replaced
 _CHECKS: dict[str, TextCheck | None] = {}  # in the child: the check each spec names, loaded once
 
 
@@ -55,54 +57,72 @@ def _check_of(spec: str) -> TextCheck | None:
     return _CHECKS[spec]
 
 
-def _name_in_child(spec: str) -> str:
+def _name_in_child(spec: str) -> tuple[int, str]:
     check = _check_of(spec)
-    return "" if check is None else check.name
+    return os.getpid(), "" if check is None else check.name
 
 
-def _score_in_child(spec: str, texts: list[str]) -> list[float]:
+def _score_in_child(spec: str, texts: list[str]) -> tuple[int, list[float]]:
     check = _check_of(spec)
-    return [0.0] * len(texts) if check is None else [float(score) for score in check.score(texts)]
+    return os.getpid(), [0.0] * len(texts) if check is None else [float(score) for score in check.score(texts)]
 
 
 class CheckProcess:
     """The check a spec names (tandem.safety), loaded in a child process; a child that dies is
-    started again at the next call."""
+    started again at the next call, and one that does not answer a call within `call_timeout_s`
+    (stopped, stuck) is killed and replaced."""
 
-    def __init__(self, spec: str, name: str, executor: ProcessPoolExecutor) -> None:
+    def __init__(self, spec: str, name: str, executor: ProcessPoolExecutor, pid: int, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.spec = spec
         self.name = name
+        self.call_timeout_s = call_timeout_s
         self._executor = executor
+        self._pid: int | None = pid  # the child's, once it answered a call
 
     @classmethod
-    def start(cls, spec: str, setting: str) -> CheckProcess | None:
+    def start(cls, spec: str, setting: str, call_timeout_s: float = CALL_TIMEOUT_S) -> CheckProcess | None:
         """Loads the check in its process now (the service's start waits for it); None for `none`.
         A spec that names nothing loadable is a StartupError naming `setting` (the environment
         variable the spec came from)."""
         executor = _new_executor()
         try:
-            name = executor.submit(_name_in_child, spec).result(timeout=START_TIMEOUT_S)
+            pid, name = executor.submit(_name_in_child, spec).result(timeout=START_TIMEOUT_S)
         except ValueError as exc:
             executor.shutdown(wait=False, cancel_futures=True)
             raise StartupError(f"{setting}: {exc}") from None
         if not name:
             executor.shutdown(wait=False, cancel_futures=True)
             return None
-        return cls(spec, name, executor)
+        return cls(spec, name, executor, pid, call_timeout_s)
 
     async def score(self, texts: list[str]) -> list[float]:
-        loop = asyncio.get_running_loop()
+        call = asyncio.get_running_loop().run_in_executor(self._executor, _score_in_child, self.spec, texts)
         try:
-            return await loop.run_in_executor(self._executor, _score_in_child, self.spec, texts)
+            # a new child (after a replacement) may first take its start's time to spawn and load
+            timeout_s = self.call_timeout_s if self._pid is not None else START_TIMEOUT_S
+            self._pid, scores = await asyncio.wait_for(call, timeout_s)
         except BrokenProcessPool:
             log.error("the %s check's process died; starting it again", self.name)
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = _new_executor()
+            self._replace()
             raise
+        except TimeoutError:
+            log.error("the %s check did not answer within %.1f s; its process is killed and replaced", self.name, timeout_s)
+            if self._pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._pid, signal.SIGKILL)
+            self._replace()
+            raise
+        return scores
 
     async def child_pid(self) -> int:
-        """The pid of the process that scores now (for logs, and the drills that kill it)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, os.getpid)
+        """The pid of the process that scores now (for logs, and the drills that stop or kill it)."""
+        self._pid = await asyncio.get_running_loop().run_in_executor(self._executor, os.getpid)
+        return self._pid
+
+    def _replace(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = _new_executor()
+        self._pid = None  # known again at the new child's first answer
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

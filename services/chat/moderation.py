@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from services.chat import metrics
 from services.chat.errors import Moderated, Unavailable
 from tandem.safety import TextCheck, Verdict
-from tandem.safety_process import BatchScorer, CheckProcess
+from tandem.safety_process import CALL_TIMEOUT_S, BatchScorer, CheckProcess
 
 log = logging.getLogger(__name__)
 MODERATED_MESSAGE = "This message can't be answered as written. Please rephrase it and try again."
@@ -66,11 +66,11 @@ class InputCheck:
             self.process.close()
 
 
-def load_input_check(spec: str, threshold: float) -> InputCheck | None:
+def load_input_check(spec: str, threshold: float, call_timeout_s: float = CALL_TIMEOUT_S) -> InputCheck | None:
     """The check `TANDEM_INPUT_MODERATION` names (None for `none`), loaded in its own process now
     (profanity-check's model takes about a second): the caller runs this at startup. A spec that
     names nothing loadable is a StartupError naming the setting."""
-    process = CheckProcess.start(spec, "TANDEM_INPUT_MODERATION")
+    process = CheckProcess.start(spec, "TANDEM_INPUT_MODERATION", call_timeout_s)
     if process is None:
         return None
     return InputCheck(process.name, BatchScorer(process.score, MAX_BATCH).score, threshold, process)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from helpers import is_running, wait_until
 from prometheus_client import REGISTRY
 
 from services.chat.context import active_history
@@ -233,32 +234,40 @@ async def test_the_default_check_is_profanity_checks_trained_model_and_its_time_
         check.close()
 
 
-async def test_a_loaded_check_runs_in_its_process_and_messages_checked_at_once_each_get_their_verdict():
-    check = load_input_check("blocklist:idiot", 0.5)
+@pytest_asyncio.fixture
+async def blocklist_check() -> AsyncIterator[InputCheck]:
+    """A blocklist check loaded as the chat loads its check, in a process of its own."""
+    check = load_input_check("blocklist:idiot", 0.5, call_timeout_s=3.0)  # a stopped child fails its call after 3 s
     assert check is not None and check.process is not None
-    try:
-        texts = ["hello", "you idiot", "fine words", "IDIOT!", "an idiotic plan"]  # the last: not the whole word
-        refused = await asyncio.gather(*(start_input_check(check, text).is_refused("free", "m1") for text in texts))
-        assert refused == [False, True, False, True, False]
-    finally:
-        check.close()
+    yield check
+    check.close()
 
 
-async def test_a_check_process_killed_with_sigkill_is_a_503_for_its_message_and_the_next_is_checked_in_a_new_one():
-    check = load_input_check("blocklist:idiot", 0.5)
-    assert check is not None and check.process is not None
-    try:
-        first_pid = await check.process.child_pid()
-        assert first_pid != os.getpid()
-        os.kill(first_pid, signal.SIGKILL)
-        with pytest.raises(Unavailable) as failed:  # never let through unchecked
-            await start_input_check(check, "you idiot").is_refused("free", "m1")
-        assert failed.value.code == "moderation_unavailable"
-        assert await start_input_check(check, "you idiot").is_refused("free", "m1")
-        assert not await start_input_check(check, "hello").is_refused("free", "m1")
-        assert await check.process.child_pid() not in (first_pid, os.getpid())
-    finally:
-        check.close()
+async def test_a_loaded_check_runs_in_its_process_and_messages_checked_at_once_each_get_their_verdict(blocklist_check):
+    texts = ["hello", "you idiot", "fine words", "IDIOT!", "an idiotic plan"]  # the last: not the whole word
+    refused = await asyncio.gather(*(start_input_check(blocklist_check, text).is_refused("free", "m1") for text in texts))
+    assert refused == [False, True, False, True, False]
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+async def test_a_check_process_killed_or_stopped_is_a_503_for_its_message_and_the_next_is_checked_in_a_new_one(
+    blocklist_check, signal_number
+):
+    process = blocklist_check.process
+    first_pid = await process.child_pid()
+    assert first_pid != os.getpid()
+    os.kill(first_pid, signal_number)
+    with pytest.raises(Unavailable) as failed:  # never let through unchecked, never waited for forever
+        await start_input_check(blocklist_check, "you idiot").is_refused("free", "m1")
+    assert failed.value.code == "moderation_unavailable"
+    assert await start_input_check(blocklist_check, "you idiot").is_refused("free", "m1")
+    assert not await start_input_check(blocklist_check, "hello").is_refused("free", "m1")
+    assert await process.child_pid() not in (first_pid, os.getpid())
+
+    async def gone() -> bool:
+        return not is_running(first_pid)
+
+    await wait_until(gone, timeout_s=10)  # a stopped child is killed, not left behind
 
 
 def test_a_setting_that_names_no_check_fails_the_start_naming_the_setting():

@@ -9,10 +9,9 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
-from helpers import REPO, wait_until
+from helpers import REPO, is_running, wait_until
 
 from services.relay.moderation import crosses_check, newest_chars, tier_of
 from tandem.errors import StartupError
@@ -119,15 +118,6 @@ from tandem.safety_process import _new_executor
 print(_new_executor().submit(os.getpid).result(timeout=60), flush=True)
 sys.stdin.read()
 """
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for a reaper that a container may not have)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 async def test_a_relay_killed_with_sigkill_takes_its_check_process_with_it():
