@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import logging
 import signal
 import socket
@@ -21,12 +20,10 @@ from fastapi import FastAPI
 from tandem.config import Settings, load_settings
 from tandem.errors import StartupError
 from tandem.runtime.affinity import pin_process
+from tandem.runtime.collector import settle_started_service
 from tandem.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
-# The cyclic collector's thresholds once a service has started: Python's defaults (700, 10, 10)
-# but for full passes (see _DrainingServer.startup).
-GC_YOUNG_THRESHOLD, GC_MIDDLE_THRESHOLD, GC_FULL_THRESHOLD = 700, 10, 100
 
 
 def bind_port(host: str, port: int, setting: str) -> socket.socket:
@@ -64,14 +61,7 @@ class _DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        # What the service holds once started (imported modules, its model, tokenizer, clients)
-        # lives as long as the process: kept out of the cyclic collector, whose full passes would
-        # otherwise walk all of it each time. And a full pass comes after 100 passes of the middle
-        # generation, not 10: a chat holding 3,000 streams tracks about a million objects (some 330
-        # a stream), and its full passes paused the loop 12 times in a 45 s bench, up to 1.1 s.
-        # Both together: 6 passes, up to 0.5 s, and a delay p99 of 0.40 s, not 0.71-0.80 (bench/stream_fanout.py).
-        gc.freeze()
-        gc.set_threshold(GC_YOUNG_THRESHOLD, GC_MIDDLE_THRESHOLD, GC_FULL_THRESHOLD)
+        settle_started_service()  # the cyclic collector: what it holds now frozen, passes timed
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._runtime is not None and not self.should_exit:

@@ -20,6 +20,7 @@ from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.bus.events import now_ms
 from tandem.config import Settings
+from tandem.runtime.loop_lag import watch_loop_lag
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class Runtime:
         self._build_heartbeat = heartbeat or (lambda base: base)
         self._started_unix_ms = now_ms()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
         self.bus.on_connect(self._answer_pings)
 
     async def _answer_pings(self, client: Client) -> None:
@@ -132,6 +134,7 @@ class Runtime:
         metrics.SERVICE_INFO.info({"role": self.config.role, "instance": self.config.instance_id, "version": __version__})
         self.bus.start()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        self._lag_task = asyncio.create_task(watch_loop_lag(), name="loop-lag")
 
     def fail(self, reason: str) -> None:
         """This process cannot serve any more: it stops (as on SIGTERM) and exits 1, so that its
@@ -142,8 +145,9 @@ class Runtime:
 
     async def stop(self) -> None:
         self.is_draining = True
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        for task in (self._heartbeat_task, self._lag_task):
+            if task is not None:
+                task.cancel()
         if self.bus.is_connected:  # a last word: draining, not ready, and (a worker) holding no reply any more
             try:
                 await self._send_heartbeat(self.bus.client)
