@@ -21,6 +21,7 @@ import contextlib
 import copy
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -32,7 +33,7 @@ from services.chat.direct_write import DirectWriter
 from services.chat.sse import Frames, encode_frames
 from services.chat.state import ChatConfig
 from tandem.bus.events import is_final, now_ms
-from tandem.tokenlog import LogTail, TailConfig, attach, detach
+from tandem.tokenlog import LogTail, ReplyMeta, TailConfig, attach, detach
 from tandem.tokenlog.keys import READERS_TTL_S, ReplyKeys
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -54,7 +55,9 @@ class Feed:
         self.is_finished = False  # no event will come: subscribers end after what they have
         self.error: Exception | None = None  # why it finished, if not at its end
         self.is_closed = False  # its last subscriber left
+        self.meta: ReplyMeta | None = None  # the reply's meta as a subscriber read it (owner, model, route)
         self._is_live = False
+        self._prefix, self._prefix_stop = b"", 0  # the bytes of events[0:_prefix_stop], for clients from the start
         self._once: asyncio.Future[None] | None = None
         self._on_read_end = on_read_end
         self._subscribers: set[Subscription] = set()
@@ -117,6 +120,7 @@ class Feed:
         if start == stop:
             return
         self._num_passed, self._passed_at_s = stop, now_s
+        started_s = time.perf_counter()
         frames = self.frames[start:stop]
         # A final event ends each response (its task writes it); an error names each request.
         can_write = not is_final(self.events[stop - 1]) and not any(f.is_per_request for f in frames)
@@ -131,6 +135,10 @@ class Feed:
             subscription.on_more()
         if num_written:
             metrics.STREAM_DIRECT_WRITES.inc(num_written)
+        metrics.STREAM_PASS_SECONDS.observe(time.perf_counter() - started_s)
+        produced_ms = self.events[start].produced_unix_ms
+        if produced_ms and start >= self.num_backlog:  # a live event, not one read from the log's past
+            metrics.STREAM_WRITE_DELAY.observe(max(0.0, time.time() - produced_ms / 1000))
 
     def end(self, error: Exception | None) -> None:
         """The tail's word that reading is over (the final event read, or the log gone)."""
@@ -155,6 +163,10 @@ class Feed:
     def sse_bytes(self, start: int, stop: int, after_id: int, request_id: str) -> bytes:
         """The SSE bytes of events[start:stop], leaving out any SSE id up to `after_id`; an error
         event names `request_id`, the request they are written to (encoded for it, not shared)."""
+        if start == 0 and stop > 0 and self.frames[0].first_id > after_id:
+            prefix = self._prefix_bytes(stop)
+            if prefix is not None:
+                return prefix
         parts: list[bytes] = []
         for index in range(start, stop):
             frames = self.frames[index]
@@ -165,6 +177,18 @@ class Feed:
             else:
                 parts.extend(data for sse_id, data in frames.each if sse_id > after_id)
         return b"".join(parts)
+
+    def _prefix_bytes(self, stop: int) -> bytes | None:
+        """The SSE bytes of events[0:stop], one object for every client that joins at the start
+        (each would otherwise join the same hundreds of frames); None when they hold an event
+        encoded per request, or the prefix kept is already longer."""
+        if self._prefix_stop < stop:
+            frames = self.frames[self._prefix_stop : stop]
+            if any(f.is_per_request for f in frames):
+                return None
+            self._prefix += b"".join(f.blob for f in frames)
+            self._prefix_stop = stop
+        return self._prefix if self._prefix_stop == stop else None
 
 
 class Subscription:
@@ -273,22 +297,42 @@ class FanoutHub:
     def num_feeds(self) -> int:
         return len(self._feeds)
 
+    def running_meta(self, reply_id: str) -> ReplyMeta | None:
+        """The meta of a reply this instance's feed is reading now, as its first client read it
+        (who owns it, its conversation, model and route: fixed for a reply's life); None when no
+        feed reads it, or it has read the final event. A client attaching to a reply others here
+        already stream then costs no Redis read."""
+        feed = self._feeds.get(reply_id)
+        if feed is None or feed.meta is None or not feed.is_reading or feed.is_finished:
+            return None
+        return feed.meta
+
     @property
     def num_reader_connections(self) -> int:
         return self._tail.num_connections
 
     @contextlib.asynccontextmanager
     async def subscribe(
-        self, reply_id: str, *, after_seq: int = 0, max_lag: int | None = None, last_sse_id: int = 0, writer: DirectWriter | None = None
+        self,
+        reply_id: str,
+        *,
+        after_seq: int = 0,
+        max_lag: int | None = None,
+        last_sse_id: int = 0,
+        writer: DirectWriter | None = None,
+        meta: ReplyMeta | None = None,
     ) -> AsyncIterator[Subscription]:
         """A place in the reply's feed (started if this instance has none) from seq > `after_seq`,
-        its client written up to SSE id `last_sse_id`; `writer`: the feed may write it live events."""
+        its client written up to SSE id `last_sse_id`; `writer`: the feed may write it live events;
+        `meta`: the reply's, as the caller read it (kept for running_meta)."""
         feed = self._feeds.get(reply_id)
         is_new = feed is None
         if feed is None:
             feed = Feed(reply_id, f"{self._instance_id}:{uuid.uuid4().hex[:8]}", self._read_ended, self._interval_s)
             self._feeds[reply_id] = feed
             metrics.FEEDS_ACTIVE.set(len(self._feeds))
+        if feed.meta is None and meta is not None and meta.reply_id == reply_id:
+            feed.meta = meta
         subscription = feed.subscribe(after_seq, max_lag, last_sse_id, writer)
         if self.is_draining and max_lag is not None:
             subscription.drop()

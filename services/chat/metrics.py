@@ -12,6 +12,16 @@ READER_CONNECTIONS = Gauge("tandem_chat_stream_reader_connections", "Redis conne
 GENERATE_RESENT = Counter(
     "tandem_chat_generate_resent_total", "Generate requests sent again because no router was subscribed (one restarting)"
 )
+STREAM_PASS_SECONDS = Histogram(
+    "tandem_chat_stream_pass_seconds",
+    "A feed passing a reply's new events to all its streams (written to those waiting, the others woken): one pass's time",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+)
+STREAM_WRITE_DELAY = Histogram(
+    "tandem_chat_stream_write_delay_seconds",
+    "From a worker producing a token (its produced_unix_ms) to this instance's feed passing it to all the reply's streams; one per pass, its oldest event",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed with Last-Event-ID > 0")
 STREAM_DIRECT_WRITES = Counter(
     "tandem_chat_stream_direct_writes_total",

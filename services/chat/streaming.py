@@ -42,11 +42,14 @@ def reply_response(
     num_dropped_turns: int = 0,
     clock: ReplyClock | None = None,
     route: dict[str, object] | None = None,
+    meta: ReplyMeta | None = None,
 ) -> StreamResponse:
     """The SSE response of a reply read from its log, after `last_event_id`; `clock` measures it
-    for the request that started the reply, whose `meta` event says how its model was chosen (`route`)."""
+    for the request that started the reply, whose `meta` event says how its model was chosen
+    (`route`); `meta`: the reply's log meta, when the caller read it."""
     slot = WriterSlot() if clock is None else None
-    response = sse_response(state, sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock, route, slot), reply_id, slot)
+    events = sse_stream(state, reply_id, model, last_event_id, num_dropped_turns, clock, route, slot, meta=meta)
+    response = sse_response(state, events, reply_id, slot)
     if clock is not None:
         response.on_close(clock.close)
     return response
@@ -56,7 +59,7 @@ def logged_reply_response(state: ChatState, meta: ReplyMeta, last_event_id: int 
     """The SSE response of a reply already started (a resumed or attached stream), whose `meta`
     event says what the first stream's said."""
     route = json.loads(meta.route_json) if meta.route_json else None
-    return reply_response(state, meta.reply_id, meta.model, last_event_id, meta.num_dropped_turns, route=route)
+    return reply_response(state, meta.reply_id, meta.model, last_event_id, meta.num_dropped_turns, route=route, meta=meta)
 
 
 async def sse_stream(
@@ -68,6 +71,8 @@ async def sse_stream(
     clock: ReplyClock | None = None,
     route: dict[str, object] | None = None,
     writer_slot: WriterSlot | None = None,
+    *,
+    meta: ReplyMeta | None = None,
 ) -> AsyncIterator[bytes]:
     """The product's SSE events of a reply after `last_event_id`, as bytes. A client that falls
     `stream_buffer_events` live events behind is dropped: its stream ends and it resumes with
@@ -75,7 +80,8 @@ async def sse_stream(
     event, code "reply_expired", and its stored turn, if it has one still running, is settled as
     failed with the text the feed read. Every `error` event names this request's id (its
     X-Request-Id), whoever wrote the failure into the log. `writer_slot`: its response's, whose
-    DirectWriter (if any) the feed may write live events with."""
+    DirectWriter (if any) the feed may write live events with; `meta`: the reply's, for the feed
+    to keep (FanoutHub.running_meta)."""
     request_id = current_request_id()  # the response streams in a task that inherits the request's context
     if last_event_id >= 1:
         metrics.STREAM_RESUMES.inc()
@@ -86,7 +92,9 @@ async def sse_stream(
     after_seq = log_seq_to_resume_after(last_event_id)
     writer = writer_slot.writer if writer_slot is not None else None
     max_lag = state.config.stream_buffer_events
-    async with state.fanout.subscribe(reply_id, after_seq=after_seq, max_lag=max_lag, last_sse_id=last_id, writer=writer) as subscription:
+    async with state.fanout.subscribe(
+        reply_id, after_seq=after_seq, max_lag=max_lag, last_sse_id=last_id, writer=writer, meta=meta
+    ) as subscription:
         feed = subscription.feed
         try:
             async for start, stop in subscription.ranges():

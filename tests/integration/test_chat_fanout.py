@@ -66,9 +66,9 @@ async def state(redis_server, tmp_path) -> AsyncIterator[ChatState]:
 class Client:
     """One SSE client: the events it has received, parsed from the bytes written to it."""
 
-    def __init__(self, state: ChatState, reply_id: str, last_event_id: int = 0) -> None:
+    def __init__(self, state: ChatState, reply_id: str, last_event_id: int = 0, meta: ReplyMeta | None = None) -> None:
         self.events: list[tuple[int, str, str]] = []
-        self.stream = sse_stream(state, reply_id, "m", last_event_id)
+        self.stream = sse_stream(state, reply_id, "m", last_event_id, meta=meta)
 
     async def read_one_write(self) -> None:
         self._parse(await anext(self.stream))
@@ -124,6 +124,27 @@ async def test_many_clients_of_one_reply_get_identical_complete_sequences_from_o
     assert results[0][-1][1] == "done"
     await wait_until(lambda: now(state.fanout.num_feeds == 0))
     await wait_until(lambda: now(state.fanout.num_reader_connections == 0))
+
+
+async def test_a_running_replys_meta_is_kept_by_its_feed_while_it_reads_and_forgotten_at_its_end(state):
+    reply_id, writer = await running_reply(state.redis)
+    meta = ReplyMeta(reply_id=reply_id, model="m", user_id="u1", conversation_id="c1")
+    assert state.fanout.running_meta(reply_id) is None, "no feed reads it yet"
+    first = Client(state, reply_id)  # one that read no meta
+    await first.read_one_write()
+    first_task = asyncio.create_task(first.read_to_end())
+    await write(writer, reply_id, 1, 1)
+    await wait_until(lambda: now(first.last_id >= 2))
+    assert state.fanout.running_meta(reply_id) is None, "nobody gave the feed a meta"
+    second = Client(state, reply_id, meta=meta)
+    await second.read_one_write()
+    second_task = asyncio.create_task(second.read_to_end())
+    await wait_until(lambda: now(second.last_id >= 2))
+    assert state.fanout.running_meta(reply_id) == meta
+    assert state.fanout.running_meta(uuid.uuid4().hex) is None
+    await writer.append(final_event(reply_id, 2, FINISH_REASON_STOP))
+    await asyncio.gather(first_task, second_task)
+    assert state.fanout.running_meta(reply_id) is None, "a reply whose final event was read is not running"
 
 
 async def test_a_client_that_stops_reading_is_dropped_and_resumes_losslessly_while_the_other_gets_everything(state):

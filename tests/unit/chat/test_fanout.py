@@ -9,13 +9,14 @@ import asyncio
 import json
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.chat.direct_write import DirectWriter
 from services.chat.errors import RateLimited, Unavailable
 from services.chat.fanout import Feed, Subscription
 from services.chat.sse import encode_frames, meta_event
 from services.chat.stream_slots import StreamSlots
-from tandem.bus.events import error_event, final_event
+from tandem.bus.events import error_event, final_event, now_ms
 from tandem.config import ApiKey, Tier
 from tandem.tokenlog import ReplyGone
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
@@ -52,6 +53,45 @@ async def test_every_subscriber_takes_the_identical_complete_sequence():
     results = await asyncio.gather(*readers)
     assert set(results) == {expected(events)}
     assert b"event: done" in results[0]
+
+
+async def test_clients_joining_at_the_start_share_one_bytes_object_equal_to_the_events_frames():
+    feed = new_feed()
+    events = tokens(1, 40)
+    feed.deliver(events[:30], is_caught_up=True)
+    first, second = feed.sse_bytes(0, 30, 1, "a"), feed.sse_bytes(0, 30, 1, "b")
+    assert first == expected(events[:30]) and second is first
+    feed.deliver(events[30:], is_caught_up=True)
+    assert feed.sse_bytes(0, 40, 1, "c") == expected(events)
+    assert feed.sse_bytes(0, 30, 1, "d") == expected(events[:30]), "a shorter range than the kept prefix"
+    assert feed.sse_bytes(0, 40, 2, "e") == expected(events, after_id=2), "a client past the first id"
+
+
+async def test_a_client_joining_a_failed_reply_at_the_start_is_told_its_own_request_id():
+    feed = new_feed()
+    events = [*tokens(1, 3), error_event("r", 4, "worker_lost", "gone")]
+    feed.deliver(events, is_caught_up=True)
+    for request_id in ("first", "second"):
+        data = feed.sse_bytes(0, 4, 1, request_id)
+        assert data.startswith(expected(events[:3])) and f'"request_id": "{request_id}"'.encode() in data
+
+
+def write_delays() -> tuple[float, float]:
+    count = REGISTRY.get_sample_value("tandem_chat_stream_write_delay_seconds_count") or 0.0
+    return count, REGISTRY.get_sample_value("tandem_chat_stream_write_delay_seconds_sum") or 0.0
+
+
+async def test_a_live_passs_delay_from_the_tokens_production_is_measured_and_a_catch_ups_is_not():
+    feed = new_feed()
+    subscription = feed.subscribe(0, max_lag=8)
+    count, total = write_delays()
+    old = [TokenEvent(reply_id="r", seq=seq, text="x", produced_unix_ms=now_ms() - 60_000) for seq in (1, 2)]
+    feed.deliver(old, is_caught_up=True)  # the catch-up: read from the log's past
+    assert write_delays() == (count, total)
+    feed.deliver([TokenEvent(reply_id="r", seq=3, text="y", produced_unix_ms=now_ms() - 500)], is_caught_up=True)
+    new_count, new_total = write_delays()
+    assert new_count == count + 1 and 0.5 <= new_total - total < 30.0
+    assert subscription.num_queued == 1
 
 
 class Connection(DirectWriter):
