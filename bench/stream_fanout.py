@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 from common import mark, write_json
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from stream_clients import DELAY_BIN_MS, Job, client_main, expected_chain
 from stream_report import FD_ALLOWANCE, capacity_counts, print_table, stream_counts
@@ -148,6 +149,7 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
         started_s, cpu_before_s = time.time(), probe.cpu_s()
         summaries = [s for part in await ask(conns, jobs) for s in part]
         chat_cpu_s = probe.cpu_s() - cpu_before_s
+        seen = chat_metrics((await http.get("/metrics")).text)
         await asyncio.gather(*replies)
         stop.set()
         await asyncio.gather(*watchers, watcher)
@@ -167,9 +169,49 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
         "streams_attached_while_running": sum(
             1 for s in summaries if s["status"] == 200 and s["attached_s"] < max(written[s["reply_id"]].values(), default=0.0)
         ),
+        "chat_gc": seen.pop("gc"), "chat_metrics": seen,
         "chat_baseline": probe.baseline, "chat_peak": probe.peak, "chat_after": after,
         "rss_bytes_per_stream": (probe.peak["rss_bytes"] - probe.baseline["rss_bytes"]) / max(1, probe.peak["held"]),
     }  # fmt: skip
+
+
+def chat_metrics(metrics_text: str) -> dict[str, Any]:
+    """From the chat's /metrics at the end: its cyclic-collector passes by generation (count,
+    total and longest s, objects collected), and the p50/p99 (a bucket's upper edge) of its event
+    loop's lag, of its feeds' passes (a reply's new events to all its streams), and of the delay
+    from a token's production (the worker's clock) to the end of its pass (the chat's side of the
+    delay, without the clients' reads)."""
+    passes: dict[str, dict[str, float]] = {}
+    buckets: dict[str, list[tuple[float, float]]] = {
+        "tandem_event_loop_lag_seconds": [], "tandem_chat_stream_pass_seconds": [], "tandem_chat_stream_write_delay_seconds": [],
+    }  # fmt: skip
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            name = {"tandem_gc_pause_seconds_count": "count", "tandem_gc_pause_seconds_sum": "total_s"}.get(sample.name)
+            name = "longest_s" if sample.name == "tandem_gc_pause_longest_seconds" else name
+            name = "collected" if sample.name == "python_gc_objects_collected_total" else name
+            if name is not None:
+                passes.setdefault(sample.labels["generation"], {})[name] = sample.value
+            if sample.name.endswith("_bucket") and sample.name[: -len("_bucket")] in buckets:
+                buckets[sample.name[: -len("_bucket")]].append((float(sample.labels["le"]), sample.value))
+    lag, fanout = buckets["tandem_event_loop_lag_seconds"], buckets["tandem_chat_stream_pass_seconds"]
+    written = buckets["tandem_chat_stream_write_delay_seconds"]
+    return {
+        "gc": passes,
+        "loop_lag_p50_ms": bucket_quantile_ms(lag, 0.50), "loop_lag_p99_ms": bucket_quantile_ms(lag, 0.99),
+        "pass_p50_ms": bucket_quantile_ms(fanout, 0.50), "pass_p99_ms": bucket_quantile_ms(fanout, 0.99),
+        "written_p50_ms": bucket_quantile_ms(written, 0.50), "written_p99_ms": bucket_quantile_ms(written, 0.99),
+    }  # fmt: skip
+
+
+def bucket_quantile_ms(cumulative: list[tuple[float, float]], q: float) -> float | None:
+    """The upper edge (ms) of the first bucket holding the q-quantile of a Prometheus histogram's
+    cumulative buckets; None when it saw nothing."""
+    cumulative = sorted(cumulative)
+    total = cumulative[-1][1] if cumulative else 0.0
+    if total == 0:
+        return None
+    return next(1000 * edge for edge, count in cumulative if count >= q * total)
 
 
 async def settled(probe: ChatProbe, timeout_s: float = 15.0) -> dict[str, int]:

@@ -86,6 +86,17 @@ def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[
     row("events/s delivered", f"{result['events_per_s']:.0f}")
     row("s until every stream had its first event", f"{result['all_first_events_s']:.1f}")
     row("chat CPU s while streaming (us per event)", f"{result['chat_cpu_s']:.1f} ({result['chat_cpu_us_per_event']:.1f})")
+    seen = result.get("chat_metrics", {})
+    if seen:
+        row("chat event loop lag p50 / p99 (ms)", f"{_ms(seen['loop_lag_p50_ms'])} / {_ms(seen['loop_lag_p99_ms'])}")
+        row("chat pass of a reply's events p50 / p99 (ms)", f"{_ms(seen['pass_p50_ms'])} / {_ms(seen['pass_p99_ms'])}")
+        row("produced-to-written by the chat p50 / p99 (ms)", f"{_ms(seen['written_p50_ms'])} / {_ms(seen['written_p99_ms'])}")
+    full = result.get("chat_gc", {}).get("2", {})
+    if full:
+        row(
+            "chat full GC passes: count / s / longest s",
+            f"{full.get('count', 0):.0f} / {full.get('total_s', 0):.1f} / {full.get('longest_s', 0):.2f}",
+        )
     row("chat RSS per held stream (KiB)", f"{result['rss_bytes_per_stream'] / 1024:.1f}")
     row("chat RSS MiB: idle / peak / after", f"{base['rss_bytes'] >> 20} / {peak['rss_bytes'] >> 20} / {after['rss_bytes'] >> 20}")
     is_freed = after["fds"] <= base["fds"] + FD_ALLOWANCE
