@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import resource
@@ -35,7 +36,7 @@ from stream_clients import DELAY_BIN_MS, Job, client_main, expected_chain
 from stream_report import FD_ALLOWANCE, capacity_counts, print_table, stream_counts
 
 from services.chat.sse import sse_events
-from tandem.config import ApiKey, Tier
+from tandem.config import ApiKey, Tier, parse_cpu_list
 from tandem.devstack.members import api_keys_spec
 from tandem.devstack.proc import ChildProcess, free_ports
 from tandem.devstack.secrets import local_service_env
@@ -280,6 +281,29 @@ def stack_env(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
     return env
 
 
+def pin(pid: int, cpus: frozenset[int]) -> None:
+    """The process and every thread it has now on `cpus` (threads it starts later inherit it)."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(thread), cpus)
+
+
+def pin_chat_apart(stack: Stack, clients: Sequence[multiprocessing.process.BaseProcess], chat_cpus: frozenset[int]) -> frozenset[int]:
+    """The chat instance on `chat_cpus`; everything else (the other services, redis, nats, the
+    client processes, this one) on the rest. Returns the rest."""
+    rest = frozenset(os.sched_getaffinity(0)) - chat_cpus
+    if not chat_cpus or not rest:
+        raise SystemExit(f"--chat-cpus must leave other CPUs for the rest; this process may use {sorted(os.sched_getaffinity(0))}")
+    for member in stack.members:
+        if member.pid is not None:
+            pin(member.pid, chat_cpus if member.role == "chat" else rest)
+    for client in clients:
+        if client.pid is not None:
+            pin(client.pid, rest)
+    pin(os.getpid(), rest)
+    return rest
+
+
 async def main(args: argparse.Namespace) -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the chat instance inherits it
@@ -301,6 +325,9 @@ async def main(args: argparse.Namespace) -> int:
         async with Stack(config, Console(log)) as stack:
             print(f"stack up (log: {log_path}); opening {args.streams} streams over {args.replies} replies", flush=True)
             result = {"streams_requested": args.streams, "clients": args.clients, "reply_tokens": args.reply_tokens}
+            if args.chat_cpus:
+                rest = pin_chat_apart(stack, processes, parse_cpu_list(args.chat_cpus))
+                result |= {"chat_cpus": sorted(parse_cpu_list(args.chat_cpus)), "other_cpus": sorted(rest)}
             result |= await read_phase(args, stack, conns, num_held)
             if args.capacity:
                 print(f"capacity phase: {2 * args.capacity} streams at TANDEM_MAX_STREAMS={args.capacity}", flush=True)
@@ -326,6 +353,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="smoke sizes: 200 streams, 2 replies of 128 tokens (they outlast the opening of the streams, so some events are timed live), 2 clients, capacity 50",
+    )
+    parser.add_argument(
+        "--chat-cpus",
+        default="",
+        help="the chat instance alone on these CPUs (0, 0-1, 0,2), everything else (workers, redis, nats, the clients) on the rest",
     )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the numbers as JSON here")

@@ -75,6 +75,8 @@ def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[
         print(f"  {name:<44}{value:>16}   {target:<26}{'' if is_met is None else mark(is_met)}")
 
     print(f"\ntandem streams, {requested} on one chat instance over {result['replies']} replies, {result['clients']} client processes")
+    if "chat_cpus" in result:
+        print(f"  the chat on CPUs {result['chat_cpus']}, everything else on {result['other_cpus']}")
     row("streams held at once (peak)", f"{peak['held']}", f">= {HELD_TARGET:,}", peak["held"] >= HELD_TARGET)
     row("streams answered 200", f"{result['streams_answered_200']}/{requested}", "all", result["streams_answered_200"] == requested)
     row("streams with every event of the log", f"{result['streams_complete']}/{requested}", "all", result["streams_complete"] == requested)
