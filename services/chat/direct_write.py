@@ -24,11 +24,17 @@ from starlette.types import Send
 class DirectWriter:
     """One HTTP/1.1 response's connection, for body chunks written while its ASGI task waits."""
 
-    __slots__ = ("_cycle", "_transport")
+    __slots__ = ("_cycle", "_transport", "num_writes")
 
     def __init__(self, cycle: Any, transport: Any) -> None:
         self._cycle = cycle
         self._transport = transport
+        self.num_writes = 0  # chunks written this way so far
+
+    @property
+    def is_paused(self) -> bool:
+        """The client reads slower than the stream: the server holds writes until it catches up."""
+        return bool(self._cycle.flow.write_paused)
 
     @classmethod
     def of(cls, server_send: Send | None) -> DirectWriter | None:
@@ -60,4 +66,5 @@ class DirectWriter:
         if self._transport.is_closing():
             return False
         self._transport.write(chunk)
+        self.num_writes += 1
         return True

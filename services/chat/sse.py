@@ -139,13 +139,18 @@ class WriterSlot:
 class StreamResponse(EventSourceResponse):
     """An EventSourceResponse that runs its `on_close` callbacks however it ends (its body may
     never have started), and ends quietly for a client that stopped taking bytes. With a
-    `writer_slot`, its body's producer may write live events to the connection itself."""
+    `writer_slot`, its body's producer may write live events to the connection itself, and a
+    keep-alive is left out when such writes reached the client since the last one: a chat
+    holding 10,000 streams spent a tenth of its loop on keep-alives of streams busy with events.
+    A keep-alive still goes to a client the server holds writes for (the connection paused): its
+    timed send is what ends the stream of a client that stopped reading."""
 
     def __init__(self, *args: object, writer_slot: WriterSlot | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._on_close: list[Callable[[], None]] = []
         self._server_send: Send | None = None
         self._writer_slot = writer_slot
+        self._writes_at_keepalive = 0  # the writer's count when the last keep-alive was due
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
@@ -158,7 +163,18 @@ class StreamResponse(EventSourceResponse):
         if self._server_send is not None and message.get("more_body") and body[:1] != b":":
             await self._server_send(message)
             return
+        if body[:1] == b":" and self._was_written_since_keepalive():
+            return
         await super()._send_with_timeout(send, message)
+
+    def _was_written_since_keepalive(self) -> bool:
+        """Whether events were written straight to a connection that takes them, since the last
+        keep-alive was due."""
+        writer = self._writer_slot.writer if self._writer_slot is not None else None
+        if writer is None or writer.is_paused:
+            return False
+        previous, self._writes_at_keepalive = self._writes_at_keepalive, writer.num_writes
+        return writer.num_writes != previous
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.ping_interval > 0:  # a client that stops reading is found by a ping's timed send

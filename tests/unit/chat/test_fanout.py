@@ -100,11 +100,11 @@ class Connection(DirectWriter):
     def __init__(self) -> None:
         super().__init__(None, None)
         self.written = bytearray()
-        self.is_paused = False
+        self.refuses = False
         self.wrote = asyncio.Event()
 
     def write(self, chunk: bytes) -> bool:
-        if self.is_paused:
+        if self.refuses:
             return False
         self.written += chunk
         self.wrote.set()
@@ -177,9 +177,9 @@ async def test_a_connection_that_cannot_take_a_write_gets_the_events_from_its_ta
     reader = asyncio.create_task(task_writes())
     await asyncio.sleep(0)
     feed.deliver(tokens(1, 2), is_caught_up=True)  # written by the feed
-    connection.is_paused = True
+    connection.refuses = True
     feed.deliver(tokens(3, 3), is_caught_up=True)  # refused: the task is woken for it
-    connection.is_paused = False
+    connection.refuses = False
     feed.deliver(tokens(4, 4), is_caught_up=True)  # the task has not taken seq 3 yet: not written ahead of it
     await asyncio.sleep(0)
     feed.deliver(tokens(5, 5), is_caught_up=True)  # waiting again: written by the feed
