@@ -7,7 +7,10 @@ from Redis at the end), p50/p99 delay from the relay's log write (seen by one XR
 this process) to delivery (seen by the clients; the same machine clock), events/s delivered, the
 chat process's RSS per stream and file descriptors (peak, and after every stream closed), and a
 2x-capacity phase: a second chat instance with TANDEM_MAX_STREAMS=capacity asked for 2x
-streams answers 200 or 503 (with Retry-After), never 500.
+streams answers 200 or 503 (with Retry-After), never 500. From the chat's /metrics: its event
+loop's lag, its passes' time, the delay from a token's production to its pass (the chat's side
+of the delay, without the clients' reads), and its full GC passes. `--chat-cpus 0` gives the chat
+CPU 0 alone and everything else the rest.
 
     .venv/bin/python bench/stream_fanout.py --out streams.json            # 10,000 streams
     .venv/bin/python bench/stream_fanout.py --streams 200 --reply-tokens 64  # seconds
