@@ -1,7 +1,7 @@
 """Python's cyclic collector in a long-running service. What a service holds once started
 (imported modules, its model, tokenizer, clients) lives as long as the process, so it is frozen
 out of the collector, whose full passes would otherwise walk all of it each time; and a full
-pass comes after 100 passes of the middle generation, not 10. Every pass is timed
+pass comes after 1,000 passes of the middle generation, not 10. Every pass is timed
 (tandem_gc_pause_seconds, by generation, and the longest): the event loop stands still through
 it, so a full pass over a chat holding thousands of streams is a pause every stream feels."""
 
