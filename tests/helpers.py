@@ -7,15 +7,20 @@ import ...` would get whichever conftest was imported first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
+import uvicorn
 from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
@@ -129,3 +134,22 @@ def cassandra_tools_missing() -> str | None:
     except StartupError as exc:
         return str(exc)
     return None
+
+
+@contextlib.contextmanager
+def served_in_thread(app: Any, **config: Any) -> Iterator[int]:
+    """`app` served by uvicorn on a free local port, in a daemon thread (a response stuck in its
+    send cannot hold up the test or its end); yields the port, stops the server after."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start within 10 s"
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

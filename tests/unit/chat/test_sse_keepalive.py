@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import uvicorn
+from helpers import served_in_thread
 
 from services.chat.direct_write import DirectWriter
 from services.chat.sse import StreamResponse, WriterSlot
-from tandem.devstack.proc import free_port
 from tandem.runtime.app import TandemApp
 
 STREAM_S = 2.5  # each stream's length; keep-alives are due every second
@@ -45,17 +43,8 @@ def build_app() -> TandemApp:
 
 @pytest.fixture
 def port() -> Iterator[int]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(), host="127.0.0.1", port=port, log_level="warning", http="httptools"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield port
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served_in_thread(build_app(), http="httptools") as port:
+        yield port
 
 
 def read_stream(port: int, kind: str) -> bytes:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import uvicorn
+from helpers import served_in_thread
 
 from services.chat.sse import StreamResponse
-from tandem.devstack.proc import free_port
 from tandem.runtime.app import TandemApp
 
 CHUNK = b"data: " + b"x" * 65536 + b"\r\n\r\n"
@@ -49,19 +47,9 @@ def build_app(served: Served) -> TandemApp:
 
 @pytest.fixture
 def served() -> Iterator[tuple[int, Served]]:
-    """The server in a daemon thread: a stream stuck in its send cannot hold up the test or its end."""
     served = Served()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield port, served
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served_in_thread(build_app(served)) as port:
+        yield port, served
 
 
 def test_a_client_that_stops_reading_is_ended_by_a_keepalives_timed_send(served):
