@@ -18,7 +18,7 @@ import resource
 import time
 import zlib
 from array import array
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
@@ -56,6 +56,7 @@ class StreamResult:
     is_contiguous: bool = True  # ids 1, 2, 3, ... across resumes
     chain: int = 0  # crc32 over the log-derived events' bytes (id >= 2)
     num_resumes: int = 0
+    num_server_ends: int = 0  # answered 200, then ended before `done` and before the client closed it
     attached_s: float = 0.0  # when its first answer's head arrived (unix time)
     arrivals_s: array = field(default_factory=lambda: array("d"))  # arrival of event id k at index k - 1
 
@@ -211,8 +212,17 @@ def expected_chain(events: list[bytes]) -> int:
 class Streams:
     """Every stream of one job: opened with at most `max_connecting` awaiting their answer."""
 
-    def __init__(self, job: Job, num_held: Synchronized) -> None:  # type: ignore[type-arg]
+    def __init__(
+        self,
+        job: Job,
+        num_held: Synchronized,  # type: ignore[type-arg]
+        all_answered: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """`all_answered`, in capacity mode: awaited once every stream of this job has its answer,
+        before they are closed (so the other client processes' streams are answered while these
+        still hold their slots)."""
         self._job = job
+        self._all_answered_hook = all_answered
         self._num_held = num_held
         self._connecting = asyncio.Semaphore(job.max_connecting)
         self.results = [StreamResult(reply_id) for reply_id in job.reply_ids]
@@ -233,6 +243,8 @@ class Streams:
         if self._job.mode == "capacity":
             with contextlib.suppress(TimeoutError):  # the unanswered count as status 0
                 await asyncio.wait_for(self._all_answered.wait(), max(1.0, deadline - loop.time()))
+            if self._all_answered_hook is not None:
+                await self._all_answered_hook()
             self._is_closing = True
             for stream in list(self._open):
                 stream.close()
@@ -266,6 +278,8 @@ class Streams:
             elif ended.status == 200:
                 with self._num_held.get_lock():
                     self._num_held.value -= 1
+                if not self._is_closing and not result.is_done:
+                    result.num_server_ends += 1
             if self._can_resume(ended, result):
                 result.num_resumes += 1  # dropped before its end: resume after the last event it got
                 self._spawn(self._resume(result))
@@ -333,9 +347,13 @@ def summary(result: StreamResult) -> dict[str, Any]:
         "reply_id": result.reply_id, "status": result.status, "error_code": result.error_code,
         "has_retry_after": result.has_retry_after, "num_events": result.num_events, "is_done": result.is_done,
         "is_contiguous": result.is_contiguous, "chain": result.chain, "num_resumes": result.num_resumes,
+        "num_server_ends": result.num_server_ends,
         "attached_s": result.attached_s, "first_arrival_s": result.arrivals_s[0] if result.arrivals_s else 0.0,
         "last_arrival_s": result.arrivals_s[-1] if result.arrivals_s else 0.0,
     }  # fmt: skip
+
+
+ANSWERED = "answered"  # a capacity job's word to the parent: every stream has its answer, none closed yet
 
 
 def client_main(conn: Connection, num_held: Synchronized) -> None:  # type: ignore[type-arg]
@@ -347,7 +365,12 @@ def client_main(conn: Connection, num_held: Synchronized) -> None:  # type: igno
             job: Job = conn.recv()
         except EOFError:
             return
-        results = asyncio.run(Streams(job, num_held).run())
+
+        async def all_answered() -> None:
+            conn.send(ANSWERED)
+            await asyncio.to_thread(conn.recv)  # the parent's word that every client's streams are answered
+
+        results = asyncio.run(Streams(job, num_held, all_answered if job.mode == "capacity" else None).run())
         conn.send([summary(result) for result in results])
         if job.mode == "read":
             written_s: dict[str, list[float]] = conn.recv()

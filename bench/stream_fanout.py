@@ -27,7 +27,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ import httpx
 from common import mark, write_json
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
-from stream_clients import DELAY_BIN_MS, Job, client_main, expected_chain
+from stream_clients import ANSWERED, DELAY_BIN_MS, Job, client_main, expected_chain
 from stream_report import FD_ALLOWANCE, capacity_counts, print_table, stream_counts
 
 from services.chat.sse import sse_events
@@ -127,9 +127,19 @@ def spread(reply_ids: Sequence[str], num_streams: int, num_clients: int) -> list
     return [streams[c::num_clients] for c in range(num_clients)]
 
 
-async def ask(conns: list[Any], jobs: list[Job]) -> list[Any]:
+async def ask(conns: list[Any], jobs: list[Job], while_held: Callable[[], Awaitable[None]] | None = None) -> list[Any]:
+    """Each client's summaries of its job. Capacity jobs hold their streams until every client
+    has all its answers (a client closing its streams first would free slots for another's);
+    `while_held` is awaited then, before they close."""
     for conn, job in zip(conns, jobs):
         conn.send(job)
+    if any(job.mode == "capacity" for job in jobs):
+        words = await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in conns))
+        assert all(word == ANSWERED for word in words), words
+        if while_held is not None:
+            await while_held()
+        for conn in conns:
+            conn.send("close")
     return await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in conns))
 
 
@@ -251,14 +261,34 @@ async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any
                 Job(HOST, port, API_KEY, part, mode="capacity", max_connecting=args.max_connecting)
                 for part in spread(reply_ids, 2 * args.capacity, args.clients)
             ]
-            summaries = [s for part in await ask(conns, jobs) for s in part]
+            capped_counts: dict[str, float] = {}
+
+            async def count_capped() -> None:
+                capped_counts.update(stream_slot_counts((await http.get(f"http://{HOST}:{port}/metrics")).text))
+
+            summaries = [s for part in await ask(conns, jobs, while_held=count_capped) for s in part]
             replies_running = sum(1 for r in replies if not r.done())
             for reply in replies:
                 reply.cancel()
             await asyncio.gather(*replies, return_exceptions=True)
     finally:
         await asyncio.to_thread(capped.stop, 10.0)
-    return capacity_counts(summaries) | {"capacity": args.capacity, "replies_running_when_answered": replies_running}
+    return capacity_counts(summaries) | {
+        "capacity": args.capacity, "replies_running_when_answered": replies_running, "capped_chat": capped_counts,
+    }  # fmt: skip
+
+
+def stream_slot_counts(metrics_text: str) -> dict[str, float]:
+    """The capped chat's own count of its streams: refused by code, dropped for lag, resumed, open
+    (taken while the phase's streams are all answered and none closed by the clients)."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "tandem_chat_streams_refused_total":
+                counts[f"refused_{sample.labels['code']}"] = sample.value
+            elif sample.name in ("tandem_chat_streams_dropped_total", "tandem_chat_stream_resumes_total", "tandem_chat_streams_open"):
+                counts[sample.name.removeprefix("tandem_chat_").removesuffix("_total")] = sample.value
+    return counts
 
 
 async def wait_ready(http: httpx.AsyncClient, url: str, timeout_s: float = 120.0) -> None:

@@ -63,6 +63,8 @@ def capacity_counts(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "answers": {name: classes.get(name, 0) for name in ("200", "503", "429", "500", "other")},
         "with_retry_after": {str(code): sum(1 for s in summaries if s["status"] == code and s["has_retry_after"]) for code in (503, 429)},
         "error_codes": dict(Counter(s["error_code"] for s in summaries if s["error_code"])),
+        "ended_by_server_200s": sum(1 for s in summaries if s["status"] == 200 and s["num_server_ends"]),
+        "done_200s": sum(1 for s in summaries if s["status"] == 200 and s["is_done"]),
     }
 
 
@@ -111,7 +113,15 @@ def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[
         with_retry = capacity["with_retry_after"]["503"]
         is_clean = answers["500"] == 0 and answers["503"] > 0 and with_retry == answers["503"]
         row("  503s with Retry-After; 500s", f"{with_retry}; {answers['500']}", "all 503s; no 500", is_clean)
-        row("  200s vs capacity", f"{answers['200']}", f"<= {capacity['capacity']}", answers["200"] <= capacity["capacity"])
+        freed = capacity["done_200s"] + capacity["ended_by_server_200s"]  # each freed a slot during the phase
+        row(
+            "  200s vs capacity (+ streams ended early)",
+            f"{answers['200']}",
+            f"<= {capacity['capacity']} + {freed}",
+            answers["200"] <= capacity["capacity"] + freed,
+        )
+        held = capacity["capped_chat"].get("streams_open", 0)
+        row("  held by the capped chat when all answered", f"{held:.0f}", f"<= {capacity['capacity']}", held <= capacity["capacity"])
 
 
 def _ms(value: float | None) -> str:
