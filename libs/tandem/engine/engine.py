@@ -51,6 +51,7 @@ class EngineConfig:
     block_size: int = BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: as many as kv_cache_mib holds
     kv_cache_mib: int = 1024
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's; bf16 under a float32 model (CPU kernels)
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     num_reserved_blocks: int = 4
@@ -140,11 +141,12 @@ class Engine:
         self.config = config
         model_config = loaded.config
         parameter = next(loaded.model.parameters())
-        num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_mib, parameter.dtype)
+        cache_dtype = config.kv_cache_dtype or parameter.dtype
+        num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_mib, cache_dtype)
         self.kv_shape = KvCacheShape(
             num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
-        kv_cache = torch.zeros(self.kv_shape.as_tuple(), dtype=parameter.dtype, device=parameter.device)
+        kv_cache = torch.zeros(self.kv_shape.as_tuple(), dtype=cache_dtype, device=parameter.device)
         self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(

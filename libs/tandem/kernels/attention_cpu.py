@@ -10,7 +10,8 @@ depends on its own position and context alone, so it has the same bits in any co
 decode-only or a mixed step, however its prompt is chunked. Unlike the torch path, nothing past
 a sequence's end is read, so unowned slots may hold anything.
 
-A q whose dtype differs from the cache's (the kernels take one dtype) goes the torch path, and
+The cache holds q's dtype, or bf16 under float32 q (a `kv_cache_dtype` of bfloat16: half the
+bytes for attention to read, float32 arithmetic); any other pair goes the torch path, and
 a chunk whose head size or dtype paged_prefill does not serve here (it needs AVX-512 and a head
 size of 64 or 128) goes attention_torch's prefill_chunk_attention.
 """
@@ -34,12 +35,18 @@ def paged_attention_cpu(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    if not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+    if not (q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype and kernels_take(q.dtype, k_cache.dtype)):
         return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
     torch.ops.tandem.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
         return decode_attention_cpu(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale)
     return mixed_attention(q, k_cache, v_cache, meta, scale, decode=decode_attention_cpu, prefill=prefill_attention_cpu)
+
+
+def kernels_take(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernels serve q of `dtype` over a cache of `cache_dtype`: the same dtype, or a
+    bf16 cache under float32 (its rows widened exactly to float32 as they are read)."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
 
 
 def decode_attention_cpu(

@@ -459,16 +459,17 @@ bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* 
 #endif
 
 // HD: the head dimension when known at compile time (the loops over it unroll and a query's
-// running output stays in registers), 0 for any other.
-template <typename T, int64_t HD>
+// running output stays in registers), 0 for any other. T: q's and out's type; C: the cache's (T,
+// or bf16 under float32 q: rows widened exactly to float as they are read).
+template <typename T, typename C, int64_t HD>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
                    const at::Tensor& block_tables, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = k_cache.data_ptr<C>();
+  const C* v_ptr = v_cache.data_ptr<C>();
   T* out_ptr = out.data_ptr<T>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -489,7 +490,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 #endif
 #if defined(__AVX512BF16__)
   // bf16 keys scored as they are in the cache, by bf16 dot products (dot_keys_bf16)
-  constexpr bool kBf16Scores = kVectorPath && HD % 32 == 0 && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool kBf16Scores = kVectorPath && HD % 32 == 0 && std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
 #else
   constexpr bool kBf16Scores = false;
 #endif
@@ -510,7 +511,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       // scores[g * len + t] = q_g . k_t, a block of K rows at a time
       scores.resize(group * len);
-      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(C));
       const int64_t num_blocks = (len + block_size - 1) / block_size;
       prefetch_rows(k_ptr + table[0] * kb + h * kh, std::min(block_size, len), ks, row_bytes);
       for (int64_t first = 0; first < len; first += block_size) {
@@ -520,7 +521,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           prefetch_rows(k_ptr + table[next] * kb + h * kh, std::min(block_size, len - next * block_size), ks, row_bytes);
         else
           prefetch_rows(v_ptr + table[0] * vb + h * vh, std::min(block_size, len), vs, row_bytes);
-        const T* block = k_ptr + table[first / block_size] * kb + h * kh;
+        const C* block = k_ptr + table[first / block_size] * kb + h * kh;
 #if defined(__AVX512BF16__)
         if constexpr (kBf16Scores) {
           for (int64_t g = 0; g < group; ++g)
@@ -569,7 +570,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t next = first / block_size + 1;
         if (next < num_blocks)
           prefetch_rows(v_ptr + table[next] * vb + h * vh, std::min(block_size, len - next * block_size), vs, row_bytes);
-        const T* block = v_ptr + table[first / block_size] * vb + h * vh;
+        const C* block = v_ptr + table[first / block_size] * vb + h * vh;
         if constexpr (kVectorPath)
           if (accumulate_group<HD>(group, scores.data() + first, len, block, count, vs, acc.data())) continue;
         if constexpr (kVectorPath)
@@ -643,15 +644,15 @@ inline void score_queries(const float* queries, const float* keys_t, float* out,
 // they load; each query then takes its own softmax over its own context (softmax_numerators) and
 // sums the V rows in key order (accumulate_rows). Every step of a query's arithmetic depends on
 // its own row, position and context alone: the same bits however the prompt is chunked or tiled.
-template <typename T, int64_t HD>
+template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
                     double scale, at::Tensor& out) {
   const int64_t q_len = q.size(0), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, start = seq_len - q_len;
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = k_cache.data_ptr<C>();
+  const C* v_ptr = v_cache.data_ptr<C>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
@@ -685,7 +686,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         for (int64_t i = 0; i < kKeysAtOnce; ++i) {
           if (i < count) {
             const int64_t position = key0 + i;
-            const T* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
+            const C* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
             for (int64_t c = 0; c < HD / 16; ++c) _mm512_storeu_ps(rows.data() + 16 * c, load16(key + 16 * c));
             for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = rows[d];
           } else {
@@ -768,7 +769,7 @@ inline void score_queries(const float* queries, const float* keys_t, float* out,
   }
 }
 
-template <typename T, int64_t HD>
+template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
                     double scale, at::Tensor& out) {
   static_assert(HD % 64 == 0, "the V sums go 64 dimensions at a time");
@@ -776,8 +777,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, start = seq_len - q_len;
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = k_cache.data_ptr<C>();
+  const C* v_ptr = v_cache.data_ptr<C>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
@@ -810,7 +811,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         for (int64_t i = 0; i < kKeysAtOnce; ++i) {
           if (i < count) {
             const int64_t position = key0 + i;
-            const T* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
+            const C* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
             for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = static_cast<float>(key[d]);
           } else {
             for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = 0.f;
@@ -826,7 +827,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
       for (int64_t first = 0; first < context; first += block_size) {
         const int64_t count = std::min(block_size, context - first);
-        const T* block = v_ptr + table[first / block_size] * vb + h * vh;
+        const C* block = v_ptr + table[first / block_size] * vb + h * vh;
         int64_t index = 0;
         for (; index + 3 <= num_queries && lens[index] >= first + count; index += 3) {  // lens grow with index
           const float* p[3];
@@ -854,10 +855,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 }
 #endif
 
+// A cache holds q's dtype, or bf16 under float32 q (half the bytes to read; float32 arithmetic).
+bool is_bf16_cache_of_float(const at::Tensor& cache, const at::Tensor& q) {
+  return cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat;
+}
+
 void check_cache(const at::Tensor& cache, const at::Tensor& q, const char* name) {
   TORCH_CHECK(cache.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name, " must be (blocks, block_size, kv_heads, head_dim) with unit last stride");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), name, " dtype must equal q's");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type() || is_bf16_cache_of_float(cache, q), name, " dtype must equal q's (or be bf16 under float32)");
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
@@ -882,16 +888,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block ", block, " outside the cache's ", num_blocks);
     }
   }
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache must share a dtype");
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode",
-                                  [&] {
-                                    if (q.size(2) == 64)
-                                      decode_kernel<scalar_t, 64>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
-                                    else if (q.size(2) == 128)
-                                      decode_kernel<scalar_t, 128>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
-                                    else
-                                      decode_kernel<scalar_t, 0>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
-                                  });
+  const auto run = [&](auto q_type, auto cache_type) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type);
+    if (q.size(2) == 64)
+      decode_kernel<T, C, 64>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+    else if (q.size(2) == 128)
+      decode_kernel<T, C, 128>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+    else
+      decode_kernel<T, C, 0>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+  };
+  if (is_bf16_cache_of_float(k_cache, q))
+    run(float{}, c10::BFloat16{});
+  else
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] { run(scalar_t{}, scalar_t{}); });
   return out;
 }
 
@@ -1322,16 +1334,23 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block ", table[b], " outside the cache's ", num_blocks);
   // (after the checks of its input, so a malformed call is named as such on every CPU)
   TORCH_CHECK(prefill_supported(q.size(2), q.scalar_type()), "paged_prefill does not serve head_dim ", q.size(2), " in ", q.scalar_type(), " here");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache must share a dtype");
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
+  const auto run = [&](auto q_type, auto cache_type) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type);
+    if constexpr (!std::is_same_v<T, double>) {
       if (q.size(2) == 64)
-        prefill_kernel<scalar_t, 64>(q, k_cache, v_cache, table, seq_len, scale, out);
+        prefill_kernel<T, C, 64>(q, k_cache, v_cache, table, seq_len, scale, out);
       else
-        prefill_kernel<scalar_t, 128>(q, k_cache, v_cache, table, seq_len, scale, out);
+        prefill_kernel<T, C, 128>(q, k_cache, v_cache, table, seq_len, scale, out);
     }
-  });
+  };
+  if (is_bf16_cache_of_float(k_cache, q))
+    run(float{}, c10::BFloat16{});
+  else
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] { run(scalar_t{}, scalar_t{}); });
 #endif
   return out;
 }
@@ -1350,7 +1369,25 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   for (int64_t token = 0; token < k.size(0); ++token)
     TORCH_CHECK(slots[token] >= 0 && slots[token] < num_slots, "slot ", slots[token], " outside the cache's ", num_slots);
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have unit last stride");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "k and v, and the caches, must share a dtype");
   const int64_t num_kv_heads = k.size(1), row_bytes = k.size(2) * k.element_size();
+  if (is_bf16_cache_of_float(k_cache, k)) {  // each value rounded to bf16 (to nearest even, as torch's .to())
+    auto round_rows = [&](const at::Tensor& src, at::Tensor& cache) {
+      const float* from = src.data_ptr<float>();
+      c10::BFloat16* to = cache.data_ptr<c10::BFloat16>();
+      for (int64_t token = 0; token < src.size(0); ++token) {
+        const int64_t block = slots[token] / block_size, offset = slots[token] % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const float* row = from + token * src.stride(0) + h * src.stride(1);
+          c10::BFloat16* dst = to + block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2);
+          for (int64_t d = 0; d < src.size(2); ++d) dst[d] = c10::BFloat16(row[d]);
+        }
+      }
+    };
+    round_rows(k, k_cache);
+    round_rows(v, v_cache);
+    return;
+  }
   auto copy_rows = [&](const at::Tensor& src, at::Tensor& cache) {
     const char* from = static_cast<const char*>(src.data_ptr());
     char* to = static_cast<char*>(cache.data_ptr());

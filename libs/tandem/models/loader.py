@@ -110,6 +110,21 @@ def resolve_dtype(dtype: Literal["auto", "bf16", "fp32"], device: str) -> torch.
     return default_dtype(device) if dtype == "auto" else {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: Literal["auto", "bf16", "fp32"], dtype: torch.dtype, device: str, setting: str = "TANDEM_KV_CACHE_DTYPE"
+) -> torch.dtype:
+    """The KV cache's dtype under an engine of `dtype`: "auto" is the engine's; bf16 under a float32
+    engine on the CPU halves what attention reads (the C++ kernels widen its rows exactly to
+    float32). Any other pair no kernel serves is a StartupError naming `setting`."""
+    cache_dtype = dtype if kv_cache_dtype == "auto" else {"bf16": torch.bfloat16, "fp32": torch.float32}[kv_cache_dtype]
+    if cache_dtype != dtype and not (device == "cpu" and dtype == torch.float32 and cache_dtype == torch.bfloat16):
+        raise StartupError(
+            f"{setting}={kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} engine on {device}: "
+            "the cache holds the engine's dtype, or bf16 under fp32 on the CPU; use auto"
+        )
+    return cache_dtype
+
+
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

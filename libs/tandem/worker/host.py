@@ -34,7 +34,7 @@ from tandem.engine.engine import Engine, EngineConfig, ImportReservation, Reques
 from tandem.engine.sequence import Lane
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
-from tandem.models.loader import load_model, resolve_device, resolve_dtype
+from tandem.models.loader import load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tandem.v1.kv_handoff_pb2 import KvLayout
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker import metrics
@@ -64,15 +64,17 @@ class EngineSpec:
     def from_settings(cls, settings: Settings, model: ModelFile) -> EngineSpec:
         """Resolves the device now, so "cuda" without a GPU fails at start (StartupError)."""
         device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
         engine = EngineConfig(
             kv_cache_mib=settings.kv_cache_mib,
+            kv_cache_dtype=None if settings.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype, device),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
         )
         # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
         torch_threads = settings.torch_threads or len(settings.cpus)
-        return cls(model, device, resolve_dtype(settings.dtype, device), engine, torch_threads)
+        return cls(model, device, dtype, engine, torch_threads)
 
 
 class WorkerFailed(Exception):

@@ -149,12 +149,33 @@ def test_a_decode_row_gets_the_same_bits_alone_and_in_any_batch() -> None:
     assert torch.equal(out, batch[order])
 
 
-def test_a_q_in_another_dtype_than_the_cache_goes_the_torch_path() -> None:
-    step = make_step(DECODE_ONLY, num_heads=6, num_kv_heads=2, seed=5)
-    bf16_cache = step.kv_cache.to(torch.bfloat16)
-    expected, _ = dataclasses.replace(step, kv_cache=bf16_cache).run(paged_attention_reference)
-    out, _ = dataclasses.replace(step, kv_cache=bf16_cache).run(paged_attention_cpu)
+@pytest.mark.parametrize("batch", [LONG_DECODE, LONG_MIXED, PREFILL_ONLY], ids=["decode", "mixed", "prefill"])
+def test_a_bf16_cache_under_float32_gives_the_bits_of_its_values_widened(batch: list[tuple[int, int]]) -> None:
+    """kv_cache_dtype bf16 under a float32 engine: the new K and V are rounded into the cache as
+    torch rounds them, and decode rows and prefill chunks read the bf16 rows in place with the
+    bits they get from the same values in a float32 cache; within float32 tolerance of the
+    reference, which widens the cache it gathers."""
+    step = make_step(batch, num_heads=9, num_kv_heads=3, head_dim=64, seed=5)
+    bf16_step = dataclasses.replace(step, kv_cache=step.kv_cache.to(torch.bfloat16))
+    out, kv_cache = bf16_step.run(paged_attention_cpu)
+    expected, expected_cache = bf16_step.run(paged_attention_reference)
+    assert kv_cache.dtype == torch.bfloat16 and torch.equal(kv_cache, expected_cache)
+    rounded = dataclasses.replace(step, k=step.k.bfloat16().float(), v=step.v.bfloat16().float(), kv_cache=kv_cache.float())
+    widened, _ = rounded.run(paged_attention_cpu)  # the same values in a float32 cache
+    assert out.dtype == torch.float32 and torch.equal(out, widened)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
+def test_a_q_in_a_narrower_dtype_than_the_cache_goes_the_torch_path() -> None:
+    """A bf16 q over a float32 cache: no kernel takes it (the engine refuses that setting); the
+    torch path still answers."""
+    step = make_step(DECODE_ONLY, num_heads=6, num_kv_heads=2, dtype=torch.bfloat16, seed=5)
+    fp32_step = dataclasses.replace(step, kv_cache=step.kv_cache.float())
+    expected, _ = fp32_step.run(paged_attention_reference)
+    out, _ = fp32_step.run(paged_attention_cpu)
     torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+    with pytest.raises(RuntimeError, match="dtype must equal q's"):
+        torch.ops.tandem.write_kv(step.k, step.v, fp32_step.kv_cache[:, LAYER, 0], fp32_step.kv_cache[:, LAYER, 1], step.meta.slot_mapping)
 
 
 def test_select_attention_uses_the_cpu_kernels_on_the_cpu() -> None:
@@ -207,6 +228,33 @@ def test_greedy_smollm2_answers_are_token_identical_to_the_reference_attention()
     for layer in loaded.model.model.layers:
         layer.self_attn.attention = paged_attention_reference
     assert ours == answers()
+
+
+@pytest.mark.real_model
+def test_greedy_smollm2_over_a_bf16_cache_answers_as_the_reference_over_the_same_cache() -> None:
+    """A float32 engine with kv_cache_dtype bf16: the embedded SmolLM2's greedy answers through
+    these kernels are the reference attention's over the same bf16 cache, and the engine holds
+    twice the blocks in the same memory."""
+    loaded = load_model(None, torch.float32, "cpu", paged_attention_cpu)
+    tokenizer = loaded.tokenizer
+    questions = ("What is the capital of France?", "Write a haiku about rain.", "List three fruits.")
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+    def answers(kv_cache_dtype: torch.dtype) -> list[list[int]]:
+        engine = Engine(loaded, EngineConfig(kv_cache_mib=16, kv_cache_dtype=kv_cache_dtype))
+        num_blocks[kv_cache_dtype] = engine.kv_shape.num_blocks
+        assert engine.block_view(0).dtype == kv_cache_dtype
+        requests = [Request(f"r{i}", tuple(p), SamplingOptions(max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
+        outputs = engine.generate(requests)
+        return [[t for output in outputs[r.request_id] for t in output.new_token_ids] for r in requests]
+
+    num_blocks: dict[torch.dtype, int] = {}
+    ours = answers(torch.bfloat16)
+    for layer in loaded.model.model.layers:
+        layer.self_attn.attention = paged_attention_reference
+    assert ours == answers(torch.bfloat16)
+    answers(torch.float32)
+    assert num_blocks[torch.bfloat16] // 2 == num_blocks[torch.float32]  # (whole blocks in 16 MiB)
 
 
 def test_rms_norm_gives_the_torch_norms_bits_in_bf16_and_its_values_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,3 +55,19 @@ def test_an_explicit_dtype_is_kept_on_the_cpu(no_gpu):
 def test_a_device_other_than_auto_cpu_or_cuda_is_a_bad_setting():
     with pytest.raises(StartupError, match="^TANDEM_DEVICE: Input should be 'auto', 'cpu' or 'cuda'$"):
         load_settings(device="tpu")
+
+
+def test_the_kv_cache_holds_the_engine_s_dtype_unless_told_bf16_under_fp32_on_the_cpu(no_gpu):
+    assert EngineSpec.from_settings(Settings(device="cpu", dtype="fp32"), MODEL).engine.kv_cache_dtype is None  # the model's
+    spec = EngineSpec.from_settings(Settings(device="cpu", dtype="fp32", kv_cache_dtype="bf16"), MODEL)
+    assert (spec.dtype, spec.engine.kv_cache_dtype) == (torch.float32, torch.bfloat16)
+    assert (
+        EngineSpec.from_settings(Settings(device="cpu", dtype="bf16", kv_cache_dtype="bf16"), MODEL).engine.kv_cache_dtype == torch.bfloat16
+    )
+
+
+@pytest.mark.parametrize(("device", "dtype", "kv_cache_dtype"), [("cpu", "bf16", "fp32"), ("cuda", "fp32", "bf16")])
+def test_a_kv_cache_dtype_no_kernel_serves_stops_the_worker_at_start_in_one_line(monkeypatch, device, dtype, kv_cache_dtype):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+    with pytest.raises(StartupError, match=f"^TANDEM_KV_CACHE_DTYPE={kv_cache_dtype} under a .* engine on {device}: .*; use auto$"):
+        EngineSpec.from_settings(Settings(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype), MODEL)
