@@ -1,7 +1,8 @@
 """What int8 weights cost in quality and buy in speed: SmolLM2-135M in the dtype against the same
-weights kept as int8 (TANDEM_QUANTIZATION=int8, the small model of `tandem up`).
+weights kept as int8 (TANDEM_QUANTIZATION=int8, the small model of `tandem up`); or, with
+`--against bf16kv`, what a bf16 KV cache under the float32 model costs (TANDEM_KV_CACHE_DTYPE=bf16).
 
-    .venv/bin/python bench/quant_quality.py [--quick] [--threads N] [--out results.json]
+    .venv/bin/python bench/quant_quality.py [--quick] [--threads N] [--against int8|bf16kv] [--out results.json]
 
 Quality, on fixed inputs:
 - greedy agreement: the chat set (tandem.ops.chat_prompts) through the engine, `--new-tokens`
@@ -32,7 +33,7 @@ from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
-from tandem.models.loader import LoadedModel, load_model
+from tandem.models.loader import LoadedModel, load_model, resolve_kv_cache_dtype
 from tandem.models.packed import PackedLinear
 from tandem.models.quant import Int8Linear
 from tandem.ops.chat_prompts import chat_set
@@ -56,6 +57,9 @@ def parse_args() -> argparse.Namespace:
         "--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="the unquantized model's dtype and int8's activations"
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--against", choices=("int8", "bf16kv"), default="int8", help="the variant compared: int8 weights, or a bf16 KV cache (fp32 only)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
@@ -68,10 +72,12 @@ def parse_args() -> argparse.Namespace:
 # -- quality ------------------------------------------------------------------------------------
 
 
-def greedy_replies(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> list[tuple[int, ...]]:
+def greedy_replies(
+    loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_cache_dtype: torch.dtype | None
+) -> list[tuple[int, ...]]:
     sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
     blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
-    engine = Engine(loaded, EngineConfig(num_kv_blocks=blocks))
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype))
     timings = run_timed(engine, [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
     return [timings[f"r{i}"].output_token_ids for i in range(len(prompts))]
 
@@ -90,13 +96,13 @@ def agreement(reference: list[tuple[int, ...]], other: list[tuple[int, ...]]) ->
 
 
 @torch.inference_mode()
-def sequence_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+def sequence_logits(loaded: LoadedModel, token_ids: list[int], kv_cache_dtype: torch.dtype | None) -> torch.Tensor:
     """(len, vocab) float32 logits of one sequence, one forward over a fresh paged KV cache."""
     config, block_size = loaded.config, EngineConfig.block_size
     num_blocks = -(-len(token_ids) // block_size)
     weight = loaded.model.model.embed_tokens.weight
     shape = KvCacheShape(num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim)
-    kv_cache = torch.zeros(shape.as_tuple(), dtype=weight.dtype, device=weight.device)
+    kv_cache = torch.zeros(shape.as_tuple(), dtype=kv_cache_dtype or weight.dtype, device=weight.device)
     length = len(token_ids)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(length, device=weight.device),
@@ -120,11 +126,11 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
 # -- speed --------------------------------------------------------------------------------------
 
 
-def decode_step_times_s(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> list[float]:
+def decode_step_times_s(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_cache_dtype: torch.dtype | None) -> list[float]:
     """The time of every engine step after the prompts are read, while all of them decode together."""
     sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
     blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
-    engine = Engine(loaded, EngineConfig(num_kv_blocks=blocks))
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype))
     for i, prompt in enumerate(prompts):
         engine.add(Request(f"r{i}", tuple(prompt), sampling))
     started: set[str] = set()
@@ -162,26 +168,29 @@ def main() -> None:
     num_threads = set_threads(args.threads)
     device, dtype = resolve_engine(args.device, args.dtype)
     attention = select_attention(device)
-    models = {"dtype": load_model(None, dtype, device, attention), "int8": load_model(None, dtype, device, attention, "int8")}
-    assert any(is_int8(m) for m in models["int8"].model.modules())
+    other = args.against
+    base = load_model(None, dtype, device, attention)
+    models = {"dtype": base, other: base if other == "bf16kv" else load_model(None, dtype, device, attention, "int8")}
+    kv_dtypes = {"dtype": None, other: resolve_kv_cache_dtype("bf16", dtype, device, "--against bf16kv") if other == "bf16kv" else None}
+    assert other == "bf16kv" or any(is_int8(m) for m in models["int8"].model.modules())
     tokenizer = models["dtype"].tokenizer
     conversations = chat_set()[: args.prompts]
     prompts = [tokenizer.encode_chat(messages) for messages in conversations]
     text_ids = tokenizer.encode(args.text.read_text())
 
-    replies = {name: greedy_replies(loaded, prompts, args.new_tokens) for name, loaded in models.items()}
-    logits = {name: sequence_logits(loaded, text_ids) for name, loaded in models.items()}
-    top1 = logits["dtype"].argmax(dim=-1) == logits["int8"].argmax(dim=-1)
+    replies = {name: greedy_replies(loaded, prompts, args.new_tokens, kv_dtypes[name]) for name, loaded in models.items()}
+    logits = {name: sequence_logits(loaded, text_ids, kv_dtypes[name]) for name, loaded in models.items()}
+    top1 = logits["dtype"].argmax(dim=-1) == logits[other].argmax(dim=-1)
 
     short = sorted(prompts, key=len)
-    for loaded in models.values():  # warm-up: first calls allocate and pick kernels
-        decode_step_times_s(loaded, short[:2], 4)
+    for name, loaded in models.items():  # warm-up: first calls allocate and pick kernels
+        decode_step_times_s(loaded, short[:2], 4, kv_dtypes[name])
     step_times_s: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in models}
     for batch in args.batches:
         batch_prompts = (short * batch)[:batch]
         for _ in range(args.repeats):
             for name, loaded in models.items():  # alternating: both see the same load
-                step_times_s[name][batch] += decode_step_times_s(loaded, batch_prompts, args.decode_tokens)
+                step_times_s[name][batch] += decode_step_times_s(loaded, batch_prompts, args.decode_tokens, kv_dtypes[name])
 
     def decode_speed(name: str) -> dict[str, dict[str, float]]:
         return {
@@ -198,13 +207,15 @@ def main() -> None:
         "models": {
             name: {
                 "quantization": "int8" if name == "int8" else "none",
+                "kv_cache_dtype": str(kv_dtypes[name] or dtype).removeprefix("torch."),
                 "perplexity": perplexity(logits[name], text_ids),
                 "projection_bytes": projection_bytes(loaded),
                 "decode": decode_speed(name),
             }
             for name, loaded in models.items()
         },
-        "greedy_agreement": agreement(replies["dtype"], replies["int8"]),
+        "against": other,
+        "greedy_agreement": agreement(replies["dtype"], replies[other]),
         "text_top1_agreement": top1.float().mean().item(),
         "workload": {
             "num_prompts": len(prompts),
@@ -231,23 +242,24 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     env, w, m = r["env"], r["workload"], r["models"]
-    dtype, int8 = m["dtype"], m["int8"]
+    other = r["against"]
+    dtype, variant = m["dtype"], m[other]
     g = r["greedy_agreement"]
-    print(f"\nint8 vs {env['dtype']}: SmolLM2-135M-Instruct on {env['device']}, torch threads={env['threads']}, torch {env['torch']}")
+    print(f"\n{other} vs {env['dtype']}: SmolLM2-135M-Instruct on {env['device']}, torch threads={env['threads']}, torch {env['torch']}")
     print("-" * 72)
-    print(f"  {'':<40}{env['dtype']:>14}{'int8':>14}")
+    print(f"  {'':<40}{env['dtype']:>14}{other:>14}")
 
     def row(label: str, a: str, b: str) -> None:
         print(f"  {label:<40}{a:>14}{b:>14}")
 
-    row("projection weights MB", f"{dtype['projection_bytes'] / 1e6:.1f}", f"{int8['projection_bytes'] / 1e6:.1f}")
-    row(f"perplexity ({w['text_tokens']} tokens of text)", f"{dtype['perplexity']:.3f}", f"{int8['perplexity']:.3f}")
+    row("projection weights MB", f"{dtype['projection_bytes'] / 1e6:.1f}", f"{variant['projection_bytes'] / 1e6:.1f}")
+    row(f"perplexity ({w['text_tokens']} tokens of text)", f"{dtype['perplexity']:.3f}", f"{variant['perplexity']:.3f}")
     for batch in w["batches"]:
-        a, b = dtype["decode"][str(batch)], int8["decode"][str(batch)]
+        a, b = dtype["decode"][str(batch)], variant["decode"][str(batch)]
         for kind in ("median", "fastest"):
             key = f"tokens_per_s_{kind}_step"
             row(f"decode tokens/s, batch {batch} ({kind} step)", f"{a[key]:.1f}", f"{b[key]:.1f}")
-    print("agreement with the unquantized model")
+    print(f"agreement with the {env['dtype']} model" + (" over its own cache" if other == "bf16kv" else ""))
     row(f"identical greedy replies ({w['new_tokens']} tokens)", "", f"{g['identical_replies']} / {g['num_replies']}")
     row("tokens before a reply first differs", "", f"{100 * g['tokens_before_first_difference']:.1f}%")
     row("same next-token prediction on the text", "", f"{100 * r['text_top1_agreement']:.1f}%")
