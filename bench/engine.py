@@ -4,7 +4,7 @@
     .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
         [--batches 1,8,32,64] [--quantization none,int8] [--kv-cache-dtype auto,bf16]
         [--peer vllm-64.json --peer vllm-8.json ...]
-    .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's input
+    .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's inputs
 
 64 chat requests (seeded prompts of 40-400 tokens) are submitted at once and each writes exactly
 128 greedy tokens (ignore_eos here, eos disabled in transformers). The same is run on the first B
@@ -201,9 +201,12 @@ def read_peers(paths: list[Path], output_tokens: int) -> dict | None:
 
 
 def dump_prompts(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> None:
-    """The format ../shared/peers/vllm_same.py reads."""
+    """The format ../shared/peers/vllm_same.py reads: every prompt at `path`, and the first B of
+    them beside it (`prompts-b8.json`) for each batch size B between 2 and --requests."""
     lo, hi = args.prompt_tokens
-    write_json(path, {"prompts": prompts, "n": len(prompts), "min": lo, "max": hi, "seed": args.seed})
+    for count in [len(prompts)] + [b for b in args.batches if 1 < b < len(prompts)]:
+        out = path if count == len(prompts) else path.with_name(f"{path.stem}-b{count}{path.suffix}")
+        write_json(out, {"prompts": prompts[:count], "n": count, "min": lo, "max": hi, "seed": args.seed})
 
 
 def load_variant(quantization: Quantization, dtype: torch.dtype, device: str) -> LoadedModel:

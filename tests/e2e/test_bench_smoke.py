@@ -52,13 +52,16 @@ def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(tmp_pat
 
 
 def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_peer_beside_them(tmp_path):
-    """--quick runs batches 1, 4 and 8 on bf16 and int8; a peer JSON (vllm_same.py's shape, for
-    batch 4) is read and each variant's tokens/s set against it."""
+    """--quick runs batches 1, 4 and 8 on bf16 and int8; --dump-prompts writes the peer's input for
+    all and for batch 4; a peer JSON (vllm_same.py's shape, for batch 4) is read and each variant's tokens/s set against it."""
     prompts = tmp_path / "prompts.json"
     dump = subprocess.run([sys.executable, str(REPO / "bench" / "engine.py"), "--quick", "--dump-prompts", str(prompts)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert dump.returncode == 0, dump.stderr[-2000:]
     dumped = json.loads(prompts.read_text())
     assert dumped["n"] == len(dumped["prompts"]) == 8 and all(isinstance(t, int) for t in dumped["prompts"][0])
+    first_four = json.loads((tmp_path / "prompts-b4.json").read_text())  # the peer's input for batch 4
+    assert first_four["n"] == 4 and first_four["prompts"] == dumped["prompts"][:4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts-b4.json", "prompts.json"]  # none for batch 1
     peer = tmp_path / "peer.json"
     peer.write_text(json.dumps({"tokens_per_s": 10.0, "num_requests": 4, "output_tokens": 4 * 16, "tpot_b1_ms": 50.0}))
     result = _bench("engine.py", tmp_path / "engine.json", "--skip-hf", "--peer", str(peer))
