@@ -5,6 +5,7 @@ a batch of prompts is refused, as `n` > 1 is."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -52,8 +53,9 @@ async def completions(state: State, user: CurrentUser, arrived: Arrived, body: T
         checking = start_input_check(state.input_check, state.require_tokenizer().decode(prompt_ids))
     text = prompt if isinstance(prompt, str) else state.require_tokenizer().decode(prompt_ids)
     model = await served_model(state, user, body.model, text)  # for `auto`, by how hard the prompt reads
-    await refuse_openai_input(checking, user.tier.value, model.name)
-    return await answer(state, user, body, model, prompt_ids, TEXT, "prompt", ReplyClock(user.tier.value, model.name, arrived))
+    cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
+    clock = ReplyClock(user.tier.value, model.name, arrived)
+    return await answer(state, user, body, model, prompt_ids, TEXT, "prompt", clock, cleared)
 
 
 async def _prompt_ids(state: ChatState, prompt: str | list[int]) -> list[int]:

@@ -1,9 +1,12 @@
 """The input check: what a user sends is scored by the deployment's safety check (tandem.safety)
-before any quota is reserved or any reply started. The check runs in a process of its own
-(tandem.safety_process: its Python would otherwise hold the GIL that the prompt build needs),
-started the moment the message has passed its size checks, while the caller builds the prompt:
-it adds to the time to first token only what it takes beyond the prompt build, not its whole
-latency. Messages checked at once are scored in one call.
+before any reply is started. The check runs in a process of its own (tandem.safety_process: its
+Python would otherwise hold the GIL that the prompt build needs), started the moment the message
+has passed its size checks, while the caller builds the prompt: it adds to the time to first
+token only what it takes beyond the prompt build, not its whole latency. The product API waits
+for the verdict before it reserves quota or stores the turn (a refused turn is stored as
+moderated); the OpenAI endpoints, which store nothing, wait for it once the reply's quota is
+reserved and its log created, just before the router is asked (both undone when it refuses), so
+that those round trips overlap the check. Messages checked at once are scored in one call.
 
 A refused message is answered with one clear, non-judgemental message (an HTTP 400, code
 `moderated` on the product API, which stores the user turn as `moderated` so the conversation

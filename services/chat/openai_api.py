@@ -5,6 +5,7 @@ the same router and token log as the product API but are not stored as conversat
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -44,8 +45,9 @@ async def chat_completions(
     checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
     model = await served_model(state, user, body.model, last_user_text(messages))
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
-    await refuse_openai_input(checking, user.tier.value, model.name)
-    return await answer(state, user, body, model, prompt_ids, CHAT, "messages", ReplyClock(user.tier.value, model.name, arrived))
+    cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
+    clock = ReplyClock(user.tier.value, model.name, arrived)
+    return await answer(state, user, body, model, prompt_ids, CHAT, "messages", clock, cleared)
 
 
 def _model_object(model: ServedModel) -> dict[str, object]:

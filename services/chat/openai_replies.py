@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -79,10 +79,12 @@ async def answer(
     shape: ReplyShape,
     prompt_param: str,
     clock: ReplyClock,
+    cleared: Callable[[], Awaitable[None]] | None = None,
 ) -> JSONResponse | StreamResponse:
     """Starts the reply to `prompt_ids` and answers it as `body.stream` asks, measured by `clock`; a
     stream takes one of the instance's and the user's stream slots (services.chat.stream_slots)
-    until it ends."""
+    until it ends. `cleared` (the input check's verdict) is awaited before the reply's request is
+    sent (services.chat.replies.ReplyRequest.cleared)."""
     room = model.window_tokens - len(prompt_ids)
     if room < 1:
         raise InvalidRequest(
@@ -94,14 +96,14 @@ async def answer(
     reply_id = f"{shape.id_prefix}{new_reply_id()}"
     head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
     if not body.stream:
-        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared))
         try:
             return await _whole(state, reply_id, head, shape, clock)
         finally:
             clock.close()
     slot = state.stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
     try:
-        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling))
+        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared))
     except BaseException:
         slot.release()
         raise

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
@@ -59,6 +60,11 @@ class ReplyRequest:
     message_id: str = ""  # the assistant message, stored as running, that the reply fills
     num_dropped_turns: int = 0  # older turns of the conversation left out of the prompt
     route: Route | None = None  # how its model was chosen (model auto)
+    # Awaited once the reply is recorded, before its request is sent; raises to refuse it (nothing
+    # of it is kept, its reservation given back): the input check's verdict, which the OpenAI
+    # endpoints wait for here so that its last milliseconds pass with the quota's and the log's
+    # round trips instead of before them.
+    cleared: Callable[[], Awaitable[None]] | None = None
 
 
 def reserve_quota(state: ChatState, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
@@ -101,6 +107,12 @@ async def _begin(state: ChatState, reply: ReplyRequest) -> str:
         num_dropped_turns=reply.num_dropped_turns,
     )
     await create_reply(state.redis, meta, track_readers=True)
+    if reply.cleared is not None:
+        try:
+            await reply.cleared()
+        except BaseException:
+            await forget_reply(state, reply.reply_id)
+            raise
     outcome = await _ask_router(state, request)
     if outcome.WhichOneof("outcome") == "refused":
         await forget_reply(state, reply.reply_id)

@@ -78,17 +78,38 @@ async def test_a_flagged_message_is_refused_stored_as_moderated_and_left_out_of_
         ]
 
 
+async def replies_started(client: httpx.AsyncClient) -> float:
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "tandem_chat_replies_started_total"
+    )
+
+
 async def test_the_openai_sdk_gets_a_bad_request_with_code_content_filter(product_stack):
+    """The OpenAI endpoints wait for the check's verdict once the reply is recorded and its quota
+    reserved (services.chat.replies.ReplyRequest.cleared): a refused one still starts no reply and
+    keeps none of its reservation."""
     client = openai.AsyncOpenAI(base_url=f"{product_stack.url}/v1", api_key="key-alice", max_retries=0, timeout=120)
     model = (await client.models.list()).data[0].id
     earlier = [{"role": "user", "content": PLAIN}, {"role": "assistant", "content": "Paris."}]
-    with pytest.raises(openai.BadRequestError) as refused:
-        await client.chat.completions.create(model=model, messages=[*earlier, {"role": "user", "content": FLAGGED}], **GREEDY)
-    assert (refused.value.status_code, refused.value.code) == (400, "content_filter")
-    assert refused.value.body["message"] == MODERATED_MESSAGE
-    with pytest.raises(openai.BadRequestError) as refused:
-        await client.completions.create(model=model, prompt=FLAGGED, stream=True, **GREEDY)
-    assert refused.value.code == "content_filter"
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as http:
+        started_before = await replies_started(http)
+        level = await http.get("/v1/models", headers=ALICE)
+        remaining_before = int(level.headers["x-ratelimit-remaining-tokens"])
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=model, messages=[*earlier, {"role": "user", "content": FLAGGED}], **GREEDY)
+        assert (refused.value.status_code, refused.value.code) == (400, "content_filter")
+        assert refused.value.body["message"] == MODERATED_MESSAGE
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=model, prompt=FLAGGED, stream=True, **GREEDY)
+        assert refused.value.code == "content_filter"
+        # The bucket only refills meanwhile: a reservation kept would have taken its worst case.
+        assert int(refused.value.response.headers["x-ratelimit-remaining-tokens"]) >= remaining_before
+        assert await replies_started(http) == started_before
 
     plain = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": PLAIN}], **GREEDY)
     assert plain.choices[0].message.content and plain.choices[0].finish_reason in ("stop", "length")
