@@ -25,7 +25,7 @@ from tandem.bus import Bus, BusConfig
 from tandem.bus.events import final_event
 from tandem.devstack.proc import free_port
 from tandem.store.sqlite import SqliteStore
-from tandem.tokenlog import LogTail, LogUnavailable, ReplyKeys, ReplyMeta, TailConfig, TokenLogWriter, create_reply
+from tandem.tokenlog import LogTail, LogUnavailable, ReplyGone, ReplyKeys, ReplyMeta, TailConfig, TokenLogWriter, create_reply
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
 from tandem.v1.tokens_pb2 import TokenEvent
 
@@ -297,6 +297,52 @@ async def test_a_tail_whose_redis_stays_gone_ends_its_logs_with_log_unavailable(
         await tail.close()
         await redis.aclose()
         server.stop()
+
+
+async def test_an_unreadable_entry_ends_its_reply_with_reply_gone_and_the_loop_reads_on(redis_server):
+    """An entry no writer appends (here one without the event field) ends its reply's follow with
+    ReplyGone after what came before it; the other reply on the same loop is still read."""
+    redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    tail = LogTail(TailConfig(redis_server.url, num_readers=1, block_ms=200), redis)
+    broken_id, broken_writer = await running_reply(redis)
+    other_id, other_writer = await running_reply(redis)
+    broken, other = Recorder(), Recorder()
+    try:
+        await write(broken_writer, broken_id, 1, 1)
+        await tail.follow(broken_id, broken)
+        await tail.follow(other_id, other)
+        assert (await asyncio.wait_for(broken.events.get(), timeout=30)).seq == 1
+        await redis.xadd(ReplyKeys(broken_id).log, {"x": "not an event"})
+        await wait_until(lambda: now(bool(broken.ended)), timeout_s=30)
+        assert len(broken.ended) == 1 and isinstance(broken.ended[0], ReplyGone)
+        await write(other_writer, other_id, 1, 2)
+        assert [(await asyncio.wait_for(other.events.get(), timeout=30)).seq for _ in range(2)] == [1, 2]
+        assert other.ended == [] and broken.events.empty()
+    finally:
+        await tail.close()
+        await redis.aclose()
+
+
+async def test_a_loop_that_fails_unexpectedly_ends_its_logs_with_log_unavailable(redis_server):
+    """A read that fails with anything but a lost connection (here Redis's WRONGTYPE: a reply's log
+    key replaced by a string) ends every log of the loop with LogUnavailable instead of leaving its
+    readers waiting for events that no loop will read."""
+    redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    tail = LogTail(TailConfig(redis_server.url, num_readers=1, block_ms=200), redis)
+    first_id, _ = await running_reply(redis)
+    second_id, _ = await running_reply(redis)
+    first, second = Recorder(), Recorder()
+    try:
+        await tail.follow(first_id, first)
+        await tail.follow(second_id, second)
+        await wait_until(lambda: is_blocked_in_xread(redis))
+        await redis.set(ReplyKeys(first_id).log, "not a stream", ex=60)
+        await wait_until(lambda: now(bool(first.ended) and bool(second.ended)), timeout_s=30)
+        assert len(first.ended) == len(second.ended) == 1
+        assert isinstance(first.ended[0], LogUnavailable) and isinstance(second.ended[0], LogUnavailable)
+    finally:
+        await tail.close()
+        await redis.aclose()
 
 
 async def num_leases_is_zero(state: ChatState, reply_id: str) -> bool:

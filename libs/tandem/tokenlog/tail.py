@@ -6,7 +6,10 @@ and leaves it after its final event.
 
 What `read` promises one reply, this promises each followed one: a log that vanishes ends it
 with ReplyGone; a Redis that restarts costs a pause (retries with backoff); a Redis gone for
-longer than the deadline ends every log of the loop with LogUnavailable."""
+longer than the deadline ends every log of the loop with LogUnavailable. A log entry that cannot
+be read ends its reply with ReplyGone; anything else the loop did not expect (a reply's key of
+another type, a bug) is logged and ends every log of the loop with LogUnavailable: its readers get
+an error to act on (a client resumes), never a wait without end."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
+from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -176,6 +180,9 @@ class _ReaderLoop:
                     log.warning("token log unreachable (%s); retrying in %.1f s", exc, delay_s)
                     await asyncio.sleep(delay_s)
                     delay_s = min(delay_s * 2, _MAX_RETRY_S)
+                except Exception as exc:  # the loop's followers must hear of it: nothing else would wake them
+                    log.exception("token log reader %s failed; ending the %d logs it read", self._wake_key, self.num_follows)
+                    self._end_all(LogUnavailable(f"the token log could not be read ({type(exc).__name__}: {exc})"))
         finally:
             self._task = None  # set before any await: a follow added from now on starts a new run
             self._redis = None
@@ -240,22 +247,29 @@ class _ReaderLoop:
     def _deliver(self, follow: _Follow, entries: list[tuple[bytes, dict[bytes, bytes]]], now_s: float) -> None:
         events: list[TokenEvent] = []
         is_caught_up = len(entries) < _ENTRIES_PER_READ
+        unreadable: ReplyGone | None = None
         for item_id, fields in entries:
-            if not fields:
-                raise ValueError("a token log entry without fields")
-            events.append(TokenEvent.FromString(as_bytes(fields[b"e"])))
+            try:
+                events.append(TokenEvent.FromString(as_bytes(fields[b"e"])))
+            except (KeyError, DecodeError) as exc:  # not what a writer appends: the log cannot be followed past it
+                log.error("reply %s: token log entry %r cannot be read (%s: %s)", follow.reply_id, item_id, type(exc).__name__, exc)
+                unreadable = ReplyGone(f"reply {follow.reply_id}'s token log holds an entry that cannot be read")
+                break
             follow.last_id = as_bytes(item_id)
             if is_final(events[-1]):
                 break
-        follow.last_seq = events[-1].seq
-        follow.quiet_since_s = now_s
-        try:
-            follow.sink.deliver(events, is_caught_up)
-        except Exception as exc:  # one sink's fault must not stop the loop every other log is read on
-            log.exception("a sink of reply %s failed", follow.reply_id)
-            self._end(follow, exc)
-            return
-        if is_final(events[-1]):
+        if events:
+            follow.last_seq = events[-1].seq
+            follow.quiet_since_s = now_s
+            try:
+                follow.sink.deliver(events, is_caught_up and unreadable is None)
+            except Exception as exc:  # one sink's fault must not stop the loop every other log is read on
+                log.exception("a sink of reply %s failed", follow.reply_id)
+                self._end(follow, exc)
+                return
+        if unreadable is not None:
+            self._end(follow, unreadable)
+        elif events and is_final(events[-1]):
             self._end(follow, None)
 
     def _end(self, follow: _Follow, error: Exception | None) -> None:
