@@ -16,6 +16,8 @@ from tandem.models.files import open_model
 from tandem.ops import bench_serve, plan, top
 from tandem.runtime import run_service
 
+VIA_BUS_IDLE_S = 300.0  # tandem generate --via-bus gives up when its reply sends nothing for this long
+
 
 def _up(args: argparse.Namespace) -> int:
     """The whole local stack; any setting is also a flag (`--decode-workers 2`), for the stack
@@ -140,10 +142,17 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     if reply.WhichOneof("outcome") == "refused":
         await nc.close()
         raise StartupError(f"refused ({reply.refused.reason}): {reply.refused.message}")
+    loop = asyncio.get_running_loop()
+    deadline_s = loop.time() + VIA_BUS_IDLE_S
     while True:
-        event = await events.get()
+        try:  # a bus that drops (no reconnect here) or a lost event must not leave the command waiting for ever
+            event = await asyncio.wait_for(events.get(), max(0.0, deadline_s - loop.time()))
+        except TimeoutError:
+            await nc.close()
+            raise StartupError(f"reply {reply.reply_id}: nothing came for {VIA_BUS_IDLE_S:.0f} s (lost the bus?)") from None
         if event.reply_id != reply.reply_id:
             continue
+        deadline_s = loop.time() + VIA_BUS_IDLE_S
         print(event.text, end="", flush=True)
         if event.finish == FINISH_REASON_ERROR:
             await nc.close()

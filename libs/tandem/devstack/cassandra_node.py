@@ -31,6 +31,7 @@ CASSANDRA_VERSION = "5.0.8"
 TEMPLATES = Path(__file__).parent / "cassandra"
 STATE_FILE = "node.json"  # pid and ports of a running node, in its folder
 READY_LINE = "Startup complete"  # logged right after the CQL port is bound
+KILLED_EXIT_WAIT_S = 30.0  # how long a SIGKILLed node may take to be gone
 
 # conf/jvm17-server.options of Cassandra 5.0: without them "unable to access required classes".
 _JPMS_OPTIONS = [
@@ -296,11 +297,15 @@ def _stop_pid(pid: int, timeout_s: float) -> None:
         os.kill(pid, signal.SIGKILL if timeout_s <= 0 else signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + timeout_s
+    killed = timeout_s <= 0
+    deadline = time.monotonic() + (KILLED_EXIT_WAIT_S if killed else timeout_s)
     while _pid_alive(pid):
         if time.monotonic() > deadline:
+            if killed:  # in uninterruptible sleep (a hung disk), or not ours any more: say so, do not wait for ever
+                raise TimeoutError(f"process {pid} is still alive {KILLED_EXIT_WAIT_S:.0f} s after SIGKILL")
             os.kill(pid, signal.SIGKILL)
-            deadline = float("inf")
+            killed = True
+            deadline = time.monotonic() + KILLED_EXIT_WAIT_S
         _reap(pid)
         time.sleep(0.1)
     _reap(pid)  # a child of ours killed above is a zombie until reaped
