@@ -26,13 +26,13 @@ def has_cpu_kernels(x: torch.Tensor) -> bool:
     """x is on the CPU and the C++ kernels (tandem.kernels.cpu_extension) serve here: the norm and
     the rotation then take one call each instead of about ten torch ops (56 us a layer at one row,
     1.7 ms of a 22 ms bf16 SmolLM2 decode step, measured before they were fused)."""
-    return x.device.type == "cpu" and cpu_extension.load()
+    return x.is_cpu and cpu_extension.load()
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """linear(x) for x (T, in): on CPU in calls of at least 2 (an nn.Linear's) and at most
     CPU_ROWS_PER_MATMUL rows, unless the layer's kernel gives each row its own bits in any call."""
-    if x.device.type != "cpu" or getattr(linear, "gives_rows_their_own_bits", False):  # models/packed.py's
+    if not x.is_cpu or getattr(linear, "gives_rows_their_own_bits", False):  # models/packed.py's
         return linear(x)
     if x.shape[0] == 1 and isinstance(linear, nn.Linear):  # an Int8Linear's kernel gives one row its batched bits
         return linear(x.expand(2, -1))[:1]

@@ -108,8 +108,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
-        for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[:, index, 0], kv_cache[:, index, 1], meta)
+        # Each layer's K and V caches, views as kv_cache[:, index, 0] and [:, index, 1] are, in two
+        # calls each instead of two indexings a layer.
+        k_caches, v_caches = kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            h = layer(h, cos, sin, k_cache, v_cache, meta)
         return self.norm(h)
 
 
