@@ -32,7 +32,9 @@ def has_cpu_kernels(x: torch.Tensor) -> bool:
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """linear(x) for x (T, in): on CPU in calls of at least 2 (an nn.Linear's) and at most
     CPU_ROWS_PER_MATMUL rows, unless the layer's kernel gives each row its own bits in any call."""
-    if not x.is_cpu or getattr(linear, "gives_rows_their_own_bits", False):  # models/packed.py's
+    if getattr(linear, "gives_rows_their_own_bits", False):  # models/packed.py's, by its forward (see models/llama.py)
+        return linear.forward(x)
+    if not x.is_cpu:
         return linear(x)
     if x.shape[0] == 1 and isinstance(linear, nn.Linear):  # an Int8Linear's kernel gives one row its batched bits
         return linear(x.expand(2, -1))[:1]
