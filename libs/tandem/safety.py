@@ -86,8 +86,12 @@ class CalibratedLinear:
         """The arrays of `model`, or None when it is not exactly that shape (then scikit-learn
         scores it)."""
         import numpy as np
-        from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
 
+        try:  # scikit-learn's own names, private ones among them: another version may lack them
+            from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
+            from sklearn.linear_model._base import LinearClassifierMixin
+        except ImportError:
+            return None
         if not isinstance(model, CalibratedClassifierCV) or list(model.classes_) != [0, 1]:
             return None
         weights, intercepts, slopes, offsets = [], [], [], []
@@ -101,7 +105,7 @@ class CalibratedLinear:
                 or coef.shape[0] != 1
                 or len(calibrators) != 1
                 or type(calibrators[0]) is not _SigmoidCalibration
-                or type(estimator).decision_function is not _linear_decision_function()
+                or type(estimator).decision_function is not LinearClassifierMixin.decision_function
             ):
                 return None
             weights.append(np.asarray(coef[0], dtype=np.float64))
@@ -118,12 +122,6 @@ class CalibratedLinear:
 
         decisions = np.asarray(features @ self.weights) + self.intercepts  # (texts, folds)
         return [float(p) for p in expit(-(self.slopes * decisions + self.offsets)).mean(axis=1)]
-
-
-def _linear_decision_function() -> object:
-    from sklearn.linear_model._base import LinearClassifierMixin
-
-    return LinearClassifierMixin.decision_function
 
 
 class Blocklist:
