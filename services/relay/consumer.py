@@ -3,12 +3,22 @@ relay, so each event reaches one of them and stays in the stream until it is ack
 event is acknowledged only after its append to the token log succeeded; when Redis fails it is
 handed back (nak, redelivered after a short delay); a message that is not a TokenEvent is
 terminated. A relay that dies leaves its unacknowledged events to be redelivered to another
-relay, or to itself once restarted, after the ack wait."""
+relay, or to itself once restarted, after the ack wait.
+
+The relay pulls continuously, as the newer NATS clients' `consume` does: one pull request for
+`batch` events stays open at the server (`expires_s`), and the next is sent when half of it has
+come, so an event costs the bus its delivery and its ack. A fetch per batch (nats-py's `fetch`)
+sends a pull request per event whenever events come one at a time (a lone reply decoding): 41
+for 40 such events, against one here (tests/integration/test_relay_consumer.py). The server's
+idle heartbeats tell a live pull from a lost one (NATS restarted, its store lost, a request
+dropped): when neither an event nor a heartbeat has come for MISSED_HEARTBEATS heartbeats, the
+relay subscribes again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +26,8 @@ from dataclasses import dataclass
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import api
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from redis.exceptions import RedisError
 
@@ -38,16 +50,46 @@ class Redeliver(Exception):
         self.delay_s = delay_s
 
 
+MISSED_HEARTBEATS = 3  # heartbeats without a word from the server before the pull counts as lost
+# The server's status answers on a pull request's inbox (JetStream's pull protocol).
+_HEARTBEAT = "100"
+_REQUEST_EXPIRED = "408"  # its Nats-Pending-Messages header: the events it asked for and did not get
+_PENDING_MESSAGES = "Nats-Pending-Messages"
+
+
 @dataclass(frozen=True)
 class TokenConsumerConfig:
     max_age_s: float  # settings.token_stream_max_age_s
     durable: str = "relay"
-    batch: int = 256
-    fetch_timeout_s: float = 1.0  # how long one fetch waits for events; also how soon a stop is seen
+    batch: int = 256  # events a pull request asks for; the next is sent when half have come
+    expires_s: float = 30.0  # how long a pull request stays open at the server
+    heartbeat_s: float = 1.0  # the server's idle heartbeat on an open pull request
     ack_wait_s: float = 3.0  # an event a relay took and did not acknowledge goes to another after this
     max_ack_pending: int = 100_000
     nak_delay_s: float = 0.5
     retry_s: float = 1.0  # after JetStream failed to answer
+
+
+class _Inbox:
+    """What the server sends to a pull's inbox, gathered as it comes, taken a batch at a time."""
+
+    def __init__(self) -> None:
+        self._messages: list[Msg] = []
+        self._arrived = asyncio.Event()
+
+    async def put(self, message: Msg) -> None:  # the subscription's callback
+        self._messages.append(message)
+        self._arrived.set()
+
+    async def take(self, timeout_s: float) -> list[Msg]:
+        """Everything that came, waiting up to `timeout_s` for something; [] when nothing did."""
+        if not self._messages:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._arrived.wait()
+        self._arrived.clear()
+        messages, self._messages = self._messages, []
+        return messages
 
 
 class TokenConsumer:
@@ -58,13 +100,14 @@ class TokenConsumer:
         self.is_running = False
 
     async def run(self) -> None:
-        """Consumes until cancelled. A fetch that fails for another reason than having nothing to
-        fetch (NATS gone, the consumer or stream lost with a server's store) subscribes again."""
+        """Consumes until cancelled. A pull that is lost or refused (NATS gone, the consumer or
+        stream lost with a server's store) subscribes again."""
         while True:
-            subscription = await self._subscribe()
+            inbox = _Inbox()
+            subscription = await self._subscribe(inbox)
             self.is_running = True
             try:
-                await self._consume(subscription)
+                await self._consume(subscription.subject, inbox)
             except Exception:  # never stop consuming for good
                 log.exception("token stream: consuming failed; subscribing again")
             finally:
@@ -73,20 +116,48 @@ class TokenConsumer:
                     await subscription.unsubscribe()
             await asyncio.sleep(self._config.retry_s)
 
-    async def _consume(self, subscription: nats.js.JetStreamContext.PullSubscription) -> None:
-        """Returns when fetching fails."""
+    async def _consume(self, inbox_subject: str, inbox: _Inbox) -> None:
+        """Returns when the pull is lost: no word from the server for MISSED_HEARTBEATS heartbeats,
+        or a status other than a heartbeat or an expiry (the consumer deleted, a conflict)."""
+        requested = 0  # events asked for by the open pull requests and not yet come
         while True:
-            try:
-                messages = await subscription.fetch(self._config.batch, timeout=self._config.fetch_timeout_s)
-            except TimeoutError:  # nats' own, or asyncio's from inside fetch
-                continue  # nothing to do for a while
-            except nats.errors.Error as exc:
-                log.warning("token stream: fetch failed (%s); subscribing again in %.1f s", exc, self._config.retry_s)
+            if requested <= self._config.batch // 2:
+                await self._pull(inbox_subject, self._config.batch - requested)
+                requested = self._config.batch
+            messages = await inbox.take(MISSED_HEARTBEATS * self._config.heartbeat_s)
+            if not messages:
+                log.warning("token stream: no word from the server for %d heartbeats; subscribing again", MISSED_HEARTBEATS)
                 return
+            events = []
+            for message in messages:
+                status = message.headers.get(api.Header.STATUS) if message.headers else None
+                if status is None:
+                    events.append(message)
+                elif status == _REQUEST_EXPIRED:
+                    unmet = message.headers.get(_PENDING_MESSAGES)  # type: ignore[union-attr]
+                    requested = max(0, requested - int(unmet)) if unmet is not None and unmet.isdigit() else 0
+                elif status != _HEARTBEAT:
+                    description = message.headers.get(api.Header.DESCRIPTION, "")  # type: ignore[union-attr]
+                    log.warning("token stream: the pull was answered %s %s; subscribing again", status, description)
+                    await self._take_all(events)
+                    return
+            requested = max(0, requested - len(events))
             # Each event on its own: the log orders them, whatever order they finish in.
-            await asyncio.gather(*(self._take(message) for message in messages))
+            await self._take_all(events)
 
-    async def _subscribe(self) -> nats.js.JetStreamContext.PullSubscription:
+    async def _take_all(self, events: list[Msg]) -> None:
+        await asyncio.gather(*(self._take(message) for message in events))
+
+    async def _pull(self, inbox_subject: str, batch: int) -> None:
+        request = {
+            "batch": batch,
+            "expires": int(self._config.expires_s * 1e9),
+            "idle_heartbeat": int(self._config.heartbeat_s * 1e9),
+        }
+        subject = f"{api.DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{STREAM}.{self._config.durable}"
+        await self._client.publish(subject, json.dumps(request).encode(), reply=inbox_subject)
+
+    async def _subscribe(self, inbox: _Inbox) -> Subscription:
         config = ConsumerConfig(
             durable_name=self._config.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -100,7 +171,7 @@ class TokenConsumer:
             try:
                 js = await ensure_token_stream(self._client, self._config.max_age_s)
                 await js.add_consumer(STREAM, config)  # creates it, or brings an older one to these subjects
-                return await js.pull_subscribe_bind(durable=self._config.durable, stream=STREAM)
+                return await self._client.subscribe(self._client.new_inbox(), cb=inbox.put)
             except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("token stream: cannot consume yet (%s); retrying in %.1f s", exc, self._config.retry_s)
                 await asyncio.sleep(self._config.retry_s)
