@@ -1575,6 +1575,44 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
   return {q, k};
 }
 
+// A decode step's decoder layers in one call: what models/llama.LlamaModel runs for a step whose
+// every sequence has one new token, on a CPU with these kernels and every projection packed, op
+// for op in the same order (the same kernels, and torch's own add, SiLU and product), so every
+// output has the Python path's bits; without Python between ops (50-90 us a layer of a
+// SmolLM2 batch-1 step). weights: per layer its input norm's weight, packed qkv, packed o, post-
+// attention norm's weight, packed gate_up and packed down; scales: per layer the four
+// projections' int8 scales (or none). Returns the hidden state before the final norm.
+at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                         const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
+  constexpr int64_t kWeights = 6, kScales = 4;
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kWeights;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeights && static_cast<int64_t>(scales.size()) == layers * kScales,
+              "decode_layers takes 6 weights and 4 scales a layer");
+  TORCH_CHECK(hidden.dim() == 2, "hidden must be (tokens, hidden_size)");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == layers && kv_cache.size(2) == 2,
+              "kv_cache must be (blocks, layers, 2, block_size, kv_heads, head_dim) with one layer per 6 weights");
+  const int64_t tokens = hidden.size(0), head_dim = kv_cache.size(5);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const at::Tensor k_caches = kv_cache.select(2, 0), v_caches = kv_cache.select(2, 1);
+  at::Tensor h = hidden;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeights;
+    const auto scale_of = [&](int64_t i) { return scales.get(l * kScales + i); };
+    const at::Tensor qkv = packed_mm(rms_norm(h, w[0], eps), w[1], scale_of(0));
+    auto [q, k] = rotary_qk(qkv, cos, sin, num_heads, num_kv_heads);
+    const at::Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads, head_dim});
+    at::Tensor k_cache = k_caches.select(1, l), v_cache = v_caches.select(1, l);
+    write_kv(k, v, k_cache, v_cache, slot_mapping);
+    const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale);
+    h = at::add(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1)));
+    const at::Tensor gate_up = packed_mm(rms_norm(h, w[3], eps), w[4], scale_of(2));
+    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    h = at::add(h, packed_mm(at::mul(at::silu(halves[0]), halves[1]), w[5], scale_of(3)));
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -1588,6 +1626,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype, ScalarType x_dtype) -> bool", &packed_mm_supported);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] scales, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, "
+      "Tensor seq_lens, Tensor block_tables, int num_heads, int num_kv_heads, float scale, float eps) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor)");
 }
 
@@ -1599,5 +1640,6 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("pack_weight", &pack_weight);
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);
+  m.impl("decode_layers", &decode_layers);
   m.impl("rotary_qk", &rotary_qk);
 }

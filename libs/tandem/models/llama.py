@@ -18,7 +18,7 @@ Python.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -109,10 +109,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # The decoder layers of a decode-only step in one call where that serves (models/packed.py
+        # sets it on a CPU with every projection packed): their output before the final norm, or
+        # None where it does not serve.
+        self.fast_decode: (
+            Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | None] | None
+        ) = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
+        if self.fast_decode is not None and meta.is_decode_only:
+            out = self.fast_decode(h, cos, sin, kv_cache, meta)
+            if out is not None:
+                return self.norm.forward(out)
         # Each layer's K and V caches, views as kv_cache[:, index, 0] and [:, index, 1] are, in two
         # calls each instead of two indexings a layer.
         k_caches, v_caches = kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1)

@@ -17,11 +17,12 @@ from torch import nn
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension
+from tandem.kernels.attention_cpu import paged_attention_cpu
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models import layers
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.loader import LoadedModel
-from tandem.models.packed import PackedLinear, pack_model
+from tandem.models.packed import PackedDecode, PackedLinear, pack_model
 from tandem.models.quant import Int8Linear, quantize_model
 
 NUM_NEW_TOKENS = 12
@@ -144,3 +145,66 @@ def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, 
     sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     streams = engine.generate([Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
     assert [[t for out in streams[f"r{i}"] for t in out.new_token_ids] for i in range(num_prompts)] == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, dtype):
+    """PackedDecode (decode_layers in C++) against the same model's layers run one by one on the
+    same step: every decode step of an engine serving prompts together and one alone has the same
+    hidden state, bit for bit, and the same cache contents; the greedy output is the layers'."""
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024)
+    model = pack_model(quantize_model(random_model(config, seed=1, attention=paged_attention_cpu, dtype=dtype), quantization)).eval()
+    inner = model.model
+    plan = inner.fast_decode
+    assert isinstance(plan, PackedDecode)
+    compared: list[bool] = []
+
+    def both(h, cos, sin, kv_cache, meta):
+        fast = plan(h, cos, sin, kv_cache, meta)
+        assert fast is not None
+        written = kv_cache.clone()
+        slow = h
+        for layer, k_cache, v_cache in zip(inner.layers, kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1), strict=True):
+            slow = layer.forward(slow, cos, sin, k_cache, v_cache, meta)  # writes this step's K and V again
+        compared.append(torch.equal(fast, slow) and torch.equal(written, kv_cache))
+        return fast
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(5)]
+    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+    def answers(fast_decode) -> list[list[int]]:
+        inner.fast_decode = fast_decode
+        engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=200))
+        outputs = [engine.generate([Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])]
+        outputs.append(engine.generate([Request("alone", tuple(prompts[0]), sampling)]))
+        return [[t for out in stream for t in out.new_token_ids] for streams in outputs for stream in streams.values()]
+
+    fused = answers(both)
+    assert len(compared) >= 2 * (NUM_NEW_TOKENS - 1) and all(compared)
+    assert fused == answers(None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_one_call_decode_declines_what_it_does_not_run(dtype):
+    """A projection with a bias, or attention other than the CPU kernels', leaves the step to the
+    layers as written."""
+    config = tiny_config(attention_bias=True)
+    model = pack_model(random_model(config, seed=0, attention=paged_attention_cpu, dtype=dtype)).eval()
+    engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=64))
+    declined: list[bool] = []
+    plan = model.model.fast_decode
+    assert plan is not None
+    model.model.fast_decode = lambda *args: declined.append(plan(*args) is None)  # type: ignore[func-returns-value]
+    engine.generate([Request("r", (5, 6, 7), SamplingOptions(max_tokens=4, ignore_eos=True))])
+    assert declined and all(declined)
+
+    plain = pack_model(random_model(tiny_config(), seed=0, attention=paged_attention_reference, dtype=dtype)).eval()
+    model_plan = plain.model.fast_decode
+    assert model_plan is not None
+    engine = Engine(LoadedModel(plain, tiny_config(), word_tokenizer(512)), EngineConfig(num_kv_blocks=64))
+    declined.clear()
+    plain.model.fast_decode = lambda *args: declined.append(model_plan(*args) is None)  # type: ignore[func-returns-value]
+    engine.generate([Request("r", (5, 6, 7), SamplingOptions(max_tokens=4, ignore_eos=True))])
+    assert declined and all(declined)
