@@ -1494,6 +1494,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   copy_rows(v, v_cache);
 }
 
+#if defined(__AVX512BF16__)
+// 16 bf16 values widened to float32 (exact: a bf16 is a float32's upper half).
+inline __m512 bf16x16_to_float(__m256bh v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(v)), 16));
+}
+#endif
+
 // RMSNorm as models/layers.RMSNorm computes it, one row per token: the row's mean square in
 // float32, the row scaled by its reciprocal root in float32 and rounded to the dtype, then
 // multiplied by the weight (the product rounded to the dtype). A row's bits depend on it alone.
@@ -1513,7 +1520,17 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, 
       for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
       const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + feps);
       T* dst = out_ptr + r * width;
-      for (int64_t i = 0; i < width; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the loop below 16 at a time (one by one, its roundings took ~5 ns an element)
+        const __m512 scaled = _mm512_set1_ps(inverse);
+        for (; i + 16 <= width; i += 16) {
+          const __m512 normed = bf16x16_to_float(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), scaled)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(load16(w_ptr + i), normed))));
+        }
+      }
+#endif
+      for (; i < width; ++i) {
         const T normed = static_cast<T>(row[i] * inverse);
         dst[i] = static_cast<T>(static_cast<float>(w_ptr[i]) * static_cast<float>(normed));
       }
