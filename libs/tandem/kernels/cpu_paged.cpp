@@ -860,10 +860,28 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const float fscale = static_cast<float>(scale);
   const int64_t num_tiles = (q_len + kPrefillTileRows - 1) / kPrefillTileRows;
   const int64_t num_tasks = num_tiles * num_kv_heads;
+  const int64_t padded_len = (seq_len + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce, key_groups = padded_len / kKeysAtOnce;
+  // Every kv head's keys widened and transposed once (lanes past seq_len zero), as above.
+  std::vector<float> all_keys_t(num_kv_heads * key_groups * HD * kKeysAtOnce);
+  at::parallel_for(0, num_kv_heads * key_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / key_groups, key0 = (item % key_groups) * kKeysAtOnce;
+      float* keys_t = all_keys_t.data() + item * HD * kKeysAtOnce;
+      for (int64_t i = 0; i < kKeysAtOnce; ++i) {
+        const int64_t position = key0 + i;
+        if (position < seq_len) {
+          const C* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
+          for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = static_cast<float>(key[d]);
+        } else {
+          for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = 0.f;
+        }
+      }
+    }
+  });
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    const int64_t max_queries = kPrefillTileRows * group, padded_len = (seq_len + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce;
-    std::vector<float> queries(max_queries * HD), keys_t(HD * kKeysAtOnce), acc(max_queries * HD), totals(max_queries);
+    const int64_t max_queries = kPrefillTileRows * group;
+    std::vector<float> queries(max_queries * HD), acc(max_queries * HD), totals(max_queries);
     std::vector<float> scores(max_queries * padded_len);
     std::vector<int64_t> lens(max_queries);
     // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
@@ -878,23 +896,14 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           for (int64_t d = 0; d < HD; ++d) queries[index * HD + d] = static_cast<float>(src[d]) * fscale;
           lens[index] = start + r + 1;
         }
-      // Scores, 16 keys (one lane each) at a time; keys past `context` are zeros, never read.
+      // Scores, 16 keys (one lane each) at a time; the scores of keys past `context` are never read.
       for (int64_t key0 = 0; key0 < context; key0 += kKeysAtOnce) {
-        const int64_t count = std::min<int64_t>(kKeysAtOnce, context - key0);
-        for (int64_t i = 0; i < kKeysAtOnce; ++i) {
-          if (i < count) {
-            const int64_t position = key0 + i;
-            const C* key = k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh;
-            for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = static_cast<float>(key[d]);
-          } else {
-            for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = 0.f;
-          }
-        }
+        const float* keys_t = all_keys_t.data() + (h * key_groups + key0 / kKeysAtOnce) * HD * kKeysAtOnce;
         float* out = scores.data() + key0;
         int64_t q0 = 0;
         for (; q0 + kScoreQueries <= num_queries; q0 += kScoreQueries)
-          score_queries<HD, kScoreQueries>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
-        for (; q0 < num_queries; ++q0) score_queries<HD, 1>(queries.data() + q0 * HD, keys_t.data(), out + q0 * padded_len, padded_len);
+          score_queries<HD, kScoreQueries>(queries.data() + q0 * HD, keys_t, out + q0 * padded_len, padded_len);
+        for (; q0 < num_queries; ++q0) score_queries<HD, 1>(queries.data() + q0 * HD, keys_t, out + q0 * padded_len, padded_len);
       }
       for (int64_t index = 0; index < num_queries; ++index) totals[index] = softmax_numerators8(scores.data() + index * padded_len, lens[index]);
       std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
