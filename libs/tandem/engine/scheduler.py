@@ -120,7 +120,9 @@ class SchedulerStats:
     num_preemptions: int  # total since start
     num_queued_prefill_tokens: int  # tokens still to prefill: waiting sequences' and running prefills'
     num_waiting_prefill_tokens: dict[Lane, int]  # waiting sequences' tokens to compute, by lane
-    num_running_prefill_tokens: int  # running prefills' tokens still to compute (they go before any admission)
+    num_running_prefill_tokens: dict[
+        Lane, int
+    ]  # running prefills' tokens still to compute, by lane (before any admission of their lane or a lower one)
     num_running_blocks: dict[Lane, int]  # KV blocks in running sequences' tables, by lane
     has_idle_capacity: bool  # background work would be admitted now
     num_blocks: int = 0  # the KV pool's blocks, reserved ones included
@@ -266,7 +268,10 @@ class Scheduler:
             running[seq.lane] += 1
             running_blocks[seq.lane] += len(seq.block_table)
         waiting_tokens = {lane: sum(seq.num_uncomputed_tokens for seq in queue) for lane, queue in self._waiting.items()}
-        prefilling_tokens = sum(seq.num_uncomputed_tokens for seq in self._running if seq.num_uncomputed_tokens > 1)
+        prefilling_tokens = dict.fromkeys(Lane, 0)
+        for seq in self._running:
+            if seq.num_uncomputed_tokens > 1:
+                prefilling_tokens[seq.lane] += seq.num_uncomputed_tokens
         return SchedulerStats(
             num_running=running,
             num_waiting={lane: len(queue) for lane, queue in self._waiting.items()},
@@ -275,7 +280,7 @@ class Scheduler:
             num_used_blocks=self.kv.num_used_blocks,
             num_prefix_hit_tokens=self.kv.num_prefix_hit_tokens,
             num_preemptions=self._num_preemptions,
-            num_queued_prefill_tokens=sum(waiting_tokens.values()) + prefilling_tokens,
+            num_queued_prefill_tokens=sum(waiting_tokens.values()) + sum(prefilling_tokens.values()),
             num_waiting_prefill_tokens=waiting_tokens,
             num_running_prefill_tokens=prefilling_tokens,
             num_running_blocks=running_blocks,

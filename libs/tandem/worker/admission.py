@@ -4,10 +4,11 @@ instead of letting it wait behind everyone.
 
 The wait of a request offered now is the longer of two estimates, each from what this worker
 measured:
-- the prefill work that goes before it, at its prefill rate: every running prefill's remaining
-  tokens (they take the step's budget before any admission), plus the waiting tokens of its own
-  lane and of every lane served before it (paid work counts for everyone, free work for free and
-  background requests);
+- the prefill work that goes before it, at its prefill rate: the running prefills' remaining
+  tokens (they take the step's budget before any admission; for a paid request only the paid
+  ones, since while paid work waits a step computes no unpaid rows), plus the waiting tokens of
+  its own lane and of every lane served before it (paid work counts for everyone, free work for
+  free and background requests);
 - the requests queued before it (the same lanes), at the rate its lane's queue drains
   (tandem.engine.admission_rate): when running replies hold the KV blocks or a step's rows,
   a queued request waits for them to end, however short its prompt.
@@ -61,7 +62,7 @@ class QueueState:
 
     prefill_tokens_per_s: float  # measured recently; 0 = not yet
     waiting_prefill_tokens: Mapping[Lane, int]  # queued (in the engine or on their way to it), by lane
-    running_prefill_tokens: int  # running prefills' tokens still to compute
+    running_prefill_tokens: Mapping[Lane, int]  # running prefills' tokens still to compute, by lane
     num_free_blocks: int  # free KV blocks above the reserve (cached ones included: they can be evicted)
     running_blocks: Mapping[Lane, int]  # KV blocks held by running sequences, by lane
     block_size: int
@@ -70,8 +71,11 @@ class QueueState:
     admissions_per_s: Mapping[Lane, float] = field(default_factory=dict)  # how fast each lane's queue drains, once measured
 
     def prefill_tokens_ahead(self, lane: Lane) -> int:
-        """Prefill tokens computed before a request of `lane` offered now."""
-        return self.running_prefill_tokens + sum(n for queued_lane, n in self.waiting_prefill_tokens.items() if queued_lane <= lane)
+        """Prefill tokens computed before a request of `lane` offered now: running prefills (for a
+        paid request only paid ones: while paid work waits, a step computes no unpaid rows) and
+        the waiting ones of its lane and the lanes served before it."""
+        running = sum(n for running_lane, n in self.running_prefill_tokens.items() if lane is not Lane.PAID or running_lane is Lane.PAID)
+        return running + sum(n for queued_lane, n in self.waiting_prefill_tokens.items() if queued_lane <= lane)
 
     def seqs_ahead(self, lane: Lane) -> int:
         """Queued requests admitted before a request of `lane` offered now."""
@@ -98,7 +102,9 @@ class QueueState:
     @property
     def is_empty(self) -> bool:
         """Nothing runs or waits: any request the engine can run at all starts at once."""
-        return not (self.running_prefill_tokens or any(self.waiting_prefill_tokens.values()) or any(self.running_blocks.values()))
+        return not (
+            any(self.running_prefill_tokens.values()) or any(self.waiting_prefill_tokens.values()) or any(self.running_blocks.values())
+        )
 
 
 @dataclass(frozen=True)

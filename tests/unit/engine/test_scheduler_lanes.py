@@ -113,7 +113,7 @@ def test_stats_split_the_queued_prefill_tokens_by_lane_and_running_prefills(make
     engine.scheduler.add(seq("paid", 7, lane=Lane.PAID, first_token=300))
     engine.scheduler.add(seq("background", 9, lane=Lane.BACKGROUND, first_token=500))
     stats = engine.scheduler.stats()
-    assert stats.num_running_prefill_tokens == 24
+    assert stats.num_running_prefill_tokens == {Lane.PAID: 0, Lane.FREE: 24, Lane.BACKGROUND: 0}
     assert stats.num_waiting_prefill_tokens == {Lane.PAID: 7, Lane.FREE: 0, Lane.BACKGROUND: 9}
     assert stats.num_queued_prefill_tokens == 40
 

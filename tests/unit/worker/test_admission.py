@@ -19,7 +19,7 @@ def state(
     paid: int = 0,
     free: int = 0,
     background: int = 0,
-    running_prefill: int = 0,
+    running_prefill: dict[Lane, int] | None = None,
     free_blocks: int = 1000,
     running_blocks: dict[Lane, int] | None = None,
     idle: bool = False,
@@ -27,7 +27,7 @@ def state(
     return QueueState(
         prefill_tokens_per_s=rate,
         waiting_prefill_tokens={Lane.PAID: paid, Lane.FREE: free, Lane.BACKGROUND: background},
-        running_prefill_tokens=running_prefill,
+        running_prefill_tokens=running_prefill or {Lane.PAID: 0, Lane.FREE: 0, Lane.BACKGROUND: 0},
         num_free_blocks=free_blocks,
         running_blocks=running_blocks or {Lane.PAID: 0, Lane.FREE: 0, Lane.BACKGROUND: 0},
         block_size=16,
@@ -36,10 +36,20 @@ def state(
 
 
 def test_paid_work_is_ahead_of_everyone_free_work_only_of_free_and_background():
-    s = state(rate=1000, paid=500, free=3000, background=7000, running_prefill=200)
-    assert s.estimated_wait_s(Lane.PAID) == pytest.approx(0.7)
+    s = state(rate=1000, paid=500, free=3000, background=7000, running_prefill={Lane.PAID: 100, Lane.FREE: 100, Lane.BACKGROUND: 0})
+    assert s.estimated_wait_s(Lane.PAID) == pytest.approx(0.6)  # the running free prefill computes nothing while paid waits
     assert s.estimated_wait_s(Lane.FREE) == pytest.approx(3.7)
     assert s.estimated_wait_s(Lane.BACKGROUND) == pytest.approx(10.7)
+
+
+def test_running_unpaid_prefills_do_not_make_a_paid_request_wait_but_do_make_a_free_one():
+    """Nine free prompts half-prefilled under a cap of unpaid rows a step: a paid request offered
+    now gets the next step to itself, so it is taken; a free one would wait behind them."""
+    s = state(rate=1000, running_prefill={Lane.PAID: 0, Lane.FREE: 4500, Lane.BACKGROUND: 0})
+    assert queue_verdict(s, Lane.PAID, 100, TARGETS) is None
+    assert queue_verdict(s, Lane.FREE, 100, TARGETS) is not None
+    paid_running = state(rate=1000, running_prefill={Lane.PAID: 1500, Lane.FREE: 0, Lane.BACKGROUND: 0})
+    assert queue_verdict(paid_running, Lane.PAID, 100, TARGETS) is not None  # running paid prefills do go first
 
 
 def test_no_wait_is_estimated_before_a_prefill_rate_is_measured():

@@ -36,7 +36,7 @@ def scheduler_stats(**changes: object) -> SchedulerStats:
         num_preemptions=0,
         num_queued_prefill_tokens=0,
         num_waiting_prefill_tokens=lanes,
-        num_running_prefill_tokens=0,
+        num_running_prefill_tokens=lanes,
         num_running_blocks=lanes,
         has_idle_capacity=True,
         num_blocks=100,
