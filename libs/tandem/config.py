@@ -136,6 +136,8 @@ class Settings(BaseSettings):
     """the CPUs this service's process runs on, as `0`, `0-3` or `0,2-3` (Linux); a worker's engine then takes one torch thread per CPU unless torch_threads says otherwise; empty: all the CPUs it is given"""
     ucx_port: int = 0
     """decode workers' UCXX listener for KV handoffs; 0: any free port"""
+    ucx_progress_timeout_ms: Annotated[int, Field(ge=1)] = 50
+    """prefill and decode workers: how long UCXX's progress thread waits for an event before it looks again (ucxx's own 1 ms woke an idle worker 1,000 times a second)"""
     kv_lease_s: float = 30.0
     """decode workers: a reservation whose prefill worker stops renewing it is freed after this"""
     remote_prefill_min_tokens: int = 256

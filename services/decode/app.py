@@ -15,6 +15,7 @@ from services.decode.handoff import KvHandoffService
 from tandem.bus import encode, subjects
 from tandem.config import Settings
 from tandem.kvtransfer.interfaces import restrict_ucx_to_host
+from tandem.kvtransfer.progress import set_progress_timeout
 from tandem.v1.dispatch_pb2 import AssignmentReply
 from tandem.worker.assignments import counted, refusal, screen_assignment, too_busy, unrunnable
 from tandem.worker.parts import build_worker_parts
@@ -27,6 +28,7 @@ class DecodeWorker:
     def __init__(self, settings: Settings) -> None:
         parts = build_worker_parts(ROLE, settings)
         restrict_ucx_to_host(settings.host)  # before ucxx starts: its TCP sockets on our address only
+        set_progress_timeout(settings.ucx_progress_timeout_ms)  # likewise: its progress threads
         self._parts = parts
         self._runtime = parts.runtime
         self._host = parts.host

@@ -29,6 +29,7 @@ from tandem.config import Settings
 from tandem.engine.engine import Request, RequestOutput
 from tandem.kvtransfer import KvSender, KvTransferError
 from tandem.kvtransfer.interfaces import restrict_ucx_to_host
+from tandem.kvtransfer.progress import set_progress_timeout
 from tandem.v1 import kv_handoff_pb2 as pb
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.kv_handoff_pb2_grpc import KvHandoffStub
@@ -73,6 +74,7 @@ class PrefillWorker:
     def __init__(self, settings: Settings) -> None:
         parts = build_worker_parts(ROLE, settings)
         restrict_ucx_to_host(settings.host)  # before ucxx starts: its TCP sockets on our address only
+        set_progress_timeout(settings.ucx_progress_timeout_ms)  # likewise: its progress threads
         self._parts = parts
         self._runtime = parts.runtime
         self._host = parts.host
