@@ -734,9 +734,10 @@ inline int32_t bf16_pair(const c10::BFloat16* p) {
 // fused multiply-adds, dimension by dimension, and the tile's queries share every key they load
 // (bf16 queries over a bf16 cache: keys transposed in bf16 pairs, scored by bf16 dot products of
 // the values as stored, a chain of HD / 2; one layer's 2,000-token prefill attention 25.9 ms
-// against 32.8 with float32 FMAs, the same error against a float64 reference); each query then takes its own softmax over its own context (softmax_numerators) and
-// sums the V rows in key order (accumulate_rows). Every step of a query's arithmetic depends on
-// its own row, position and context alone: the same bits however the prompt is chunked or tiled.
+// against 32.8 with float32 FMAs, the same error against a float64 reference); each query then
+// takes its own softmax over its own context (softmax_numerators) and sums the V rows in key
+// order (accumulate_rows). Every step of a query's arithmetic depends on its own row, position
+// and context alone: the same bits however the prompt is chunked or tiled.
 template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
                     double scale, at::Tensor& out) {
