@@ -120,9 +120,9 @@ class SchedulerStats:
     num_preemptions: int  # total since start
     num_queued_prefill_tokens: int  # tokens still to prefill: waiting sequences' and running prefills'
     num_waiting_prefill_tokens: dict[Lane, int]  # waiting sequences' tokens to compute, by lane
-    num_running_prefill_tokens: dict[
-        Lane, int
-    ]  # running prefills' tokens still to compute, by lane (before any admission of their lane or a lower one)
+    # running prefills' tokens still to compute, by lane: they go before any admission (unpaid
+    # ones compute nothing while paid work waits)
+    num_running_prefill_tokens: dict[Lane, int]
     num_running_blocks: dict[Lane, int]  # KV blocks in running sequences' tables, by lane
     has_idle_capacity: bool  # background work would be admitted now
     num_blocks: int = 0  # the KV pool's blocks, reserved ones included
