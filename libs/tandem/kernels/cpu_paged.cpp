@@ -721,7 +721,8 @@ inline void score_query_pairs(const int32_t* queries, const int32_t* keys_p, flo
     for (int64_t b = 0; b < B; ++b) _mm512_storeu_ps(out + j * out_stride + 16 * b, _mm512_mul_ps(sums[j][b], scaled));
 }
 
-inline int32_t bf16_pair(const c10::BFloat16* p) {
+// Two consecutive bf16 values as one int32 (a pair a bf16 dot product takes).
+inline int32_t pair_at(const c10::BFloat16* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
@@ -778,7 +779,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         const C* key = position < seq_len ? k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh : nullptr;
         if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-          for (int64_t d2 = 0; d2 < HD / 2; ++d2) keys_p[d2 * kKeysAtOnce + i] = key == nullptr ? 0 : bf16_pair(key + 2 * d2);
+          for (int64_t d2 = 0; d2 < HD / 2; ++d2) keys_p[d2 * kKeysAtOnce + i] = key == nullptr ? 0 : pair_at(key + 2 * d2);
 #endif
         } else if (key != nullptr) {
           for (int64_t c = 0; c < HD / 16; ++c) _mm512_storeu_ps(row + 16 * c, load16(key + 16 * c));
@@ -806,7 +807,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           const int64_t index = (r - first_row) * group + g;
           if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-            for (int64_t d2 = 0; d2 < HD / 2; ++d2) query_pairs[index * (HD / 2) + d2] = bf16_pair(q_ptr + r * qs + (h * group + g) * qh + 2 * d2);
+            for (int64_t d2 = 0; d2 < HD / 2; ++d2) query_pairs[index * (HD / 2) + d2] = pair_at(q_ptr + r * qs + (h * group + g) * qh + 2 * d2);
 #endif
           } else {
             float* qg = queries.data() + index * HD;
@@ -1175,12 +1176,6 @@ constexpr int64_t kTileRows = 8;
 constexpr int64_t kTileGroups = 3;
 
 #if defined(__AVX512BF16__)
-inline int32_t pair_at(const c10::BFloat16* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // The 16 channels' pairs at a packed row: bf16 ones as they are, int8 ones widened.
 inline __m512bh packed_pairs(const int32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 inline __m512bh packed_pairs(const int8_t* p) { return int8_to_bf16x32(p); }
