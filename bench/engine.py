@@ -28,6 +28,7 @@ beside the numbers as information; the exit code does not depend on them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -85,6 +86,12 @@ def parse_args() -> argparse.Namespace:
         "--kv-cache-dtype", default="auto", help="KV cache dtypes, each with every quantization (auto: the engine's; bf16; default auto)"
     )
     parser.add_argument("--prefill-tokens", type=int, help=f"the lone prompt prefilled (default {FULL['prefill_tokens']})")
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("on", "off", "both"),
+        default="on",
+        help="on a GPU: decode steps as CUDA graphs, eagerly, or both (default on)",
+    )
     parser.add_argument("--peer", type=Path, action="append", default=[], help="a peer's JSON (vllm_same.py), one per batch size")
     parser.add_argument("--dump-prompts", type=Path, help="write the workload's prompts (token ids) for a peer and exit")
     parser.add_argument("--seed", type=int, default=0)
@@ -106,10 +113,18 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_cache_dtype: torch.dtype | None = None) -> dict:
+def engine_config(num_blocks: int, num_seqs: int, kv_cache_dtype: torch.dtype | None, enforce_eager: bool) -> EngineConfig:
+    # max_num_seqs: every request at once, as the default would, and no CUDA graph captured for
+    # a batch size the run never has
+    return EngineConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, max_num_seqs=num_seqs, enforce_eager=enforce_eager)
+
+
+def run_ours(
+    loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_cache_dtype: torch.dtype | None = None, enforce_eager: bool = False
+) -> dict:
     sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
     num_blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
-    engine = Engine(loaded, EngineConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype))
+    engine = Engine(loaded, engine_config(num_blocks, len(prompts), kv_cache_dtype, enforce_eager))
     requests = [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
     timings = run_timed(engine, requests)
     wrong = {rid: t.num_output_tokens for rid, t in timings.items() if t.num_output_tokens != num_tokens}
@@ -128,12 +143,14 @@ def run_ours(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_
     }
 
 
-def run_prefill(loaded: LoadedModel, prompt: list[int], kv_cache_dtype: torch.dtype | None = None, repeats: int = 2) -> float:
+def run_prefill(
+    loaded: LoadedModel, prompt: list[int], kv_cache_dtype: torch.dtype | None = None, enforce_eager: bool = False, repeats: int = 2
+) -> float:
     """Seconds to the first token of `prompt` alone on a fresh engine (no cached prefix), best of `repeats`."""
     best_s = float("inf")
     for _ in range(repeats):
         num_blocks = kv_blocks_for([len(prompt) + 1], EngineConfig.block_size)
-        engine = Engine(loaded, EngineConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype))
+        engine = Engine(loaded, engine_config(num_blocks, 1, kv_cache_dtype, enforce_eager))
         timing = run_timed(engine, [Request("prefill", tuple(prompt), SamplingOptions(max_tokens=1, ignore_eos=True))])["prefill"]
         best_s = min(best_s, (timing.first_token_s - timing.submit_s))
     return best_s
@@ -148,20 +165,27 @@ def long_prompt(prompts: list[list[int]], num_tokens: int) -> list[int]:
 
 
 def measure_variant(
-    loaded: LoadedModel, prompts: list[list[int]], args: argparse.Namespace, cost: ModelCost, peak_flops: float, kv_cache_dtype: torch.dtype
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    cost: ModelCost,
+    peak_flops: float,
+    kv_cache_dtype: torch.dtype,
+    enforce_eager: bool,
 ) -> dict:
     """The workload at every batch size, batch-1 TPOT and the lone prefill, on one model variant."""
-    run_ours(loaded, prompts[:2], 4, kv_cache_dtype)  # warm-up
+    run_ours(loaded, prompts[:2], 4, kv_cache_dtype, enforce_eager)  # warm-up
     batches = {}
     for batch_size in sorted(args.batches, reverse=True):  # the headline batch first, on the coolest machine
-        run = run_ours(loaded, prompts[:batch_size], args.output_tokens, kv_cache_dtype)
+        run = run_ours(loaded, prompts[:batch_size], args.output_tokens, kv_cache_dtype, enforce_eager)
         batches[batch_size] = run
-    solo = run_ours(loaded, prompts[:1], args.b1_tokens, kv_cache_dtype)
+    solo = run_ours(loaded, prompts[:1], args.b1_tokens, kv_cache_dtype, enforce_eager)
     prefill_ids = long_prompt(prompts, args.prefill_tokens)
-    prefill_s = run_prefill(loaded, prefill_ids, kv_cache_dtype)
+    prefill_s = run_prefill(loaded, prefill_ids, kv_cache_dtype, enforce_eager)
     prefill_flops = cost.flops_per_token * len(prefill_ids) + cost.attention_flops(len(prefill_ids))
     return {
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
+        "cuda_graphs": next(loaded.model.parameters()).device.type == "cuda" and not enforce_eager,
         "headline": batches[args.requests],
         "batches": {
             batch_size: {
@@ -253,19 +277,23 @@ def main() -> None:
     if not args.skip_hf and not is_hf_run:
         print("transformers/accelerate not installed (pip install -e '.[bench]'): no HF baseline", file=sys.stderr)
 
-    peak_flops = measure_peak_flops(dtype, args.matmul_size, args.repeats)
-    bandwidth = measure_copy_bandwidth(args.copy_mib, args.repeats)
+    if device == "cuda":  # sizes that take a GPU well past its launch overhead and its L2
+        args.matmul_size, args.copy_mib = max(args.matmul_size, 8192), max(args.copy_mib, 2048)
+    peak_flops = measure_peak_flops(dtype, args.matmul_size, args.repeats, device)
+    bandwidth = measure_copy_bandwidth(args.copy_mib, args.repeats, device)
+    # on a GPU, decode steps as CUDA graphs and/or eagerly (named "+eager")
+    eager_modes = {"on": [False], "off": [True], "both": [False, True]}[args.cuda_graphs] if device == "cuda" else [False]
 
     kv_dtypes = {name: resolve_kv_cache_dtype(name, dtype, device, "--kv-cache-dtype") for name in args.kv_cache_dtype}
     variants = {}
     for quantization in args.quantization:
         model = loaded if quantization == "none" else load_variant(quantization, dtype, device)
         weight_bytes = ModelCost.of(model).weight_bytes
-        for kv_name, kv_dtype in kv_dtypes.items():
-            name = quantization if kv_dtype == dtype else f"{quantization}+{kv_name}kv"
+        for (kv_name, kv_dtype), enforce_eager in itertools.product(kv_dtypes.items(), eager_modes):
+            name = (quantization if kv_dtype == dtype else f"{quantization}+{kv_name}kv") + ("+eager" if enforce_eager else "")
             if name in variants:  # e.g. auto and an explicit dtype the same as the engine's
                 continue
-            variant = measure_variant(model, prompts, args, cost, peak_flops, kv_dtype)
+            variant = measure_variant(model, prompts, args, cost, peak_flops, kv_dtype, enforce_eager)
             variant |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
             variant["tpot_b1_over_floor"] = variant["tpot_b1_ms"] / variant["memory_floor_ms"]
             variants[name] = variant

@@ -19,6 +19,7 @@ import torch
 
 from tandem.engine.admission_rate import AdmissionRate
 from tandem.engine.block_pool import CachedBlock, KvEvent
+from tandem.engine.decode_graphs import SIZES, DecodeGraphs
 from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
 from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.reply_text import ReplyText
@@ -56,6 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     num_reserved_blocks: int = 4
     max_num_unpaid_tokens: int | None = None  # of max_num_batched_tokens, free and background rows; None: no cap of their own
+    enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,10 @@ class Engine:
         self.kv_shape = KvCacheShape(
             num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
-        kv_cache = torch.zeros(self.kv_shape.as_tuple(), dtype=cache_dtype, device=parameter.device)
+        is_graphed = parameter.device.type == "cuda" and not config.enforce_eager
+        # Graphed decode steps pad their batch with rows in a scratch block past the managed ones.
+        cache_shape = (num_blocks + int(is_graphed), *self.kv_shape.as_tuple()[1:])
+        kv_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=parameter.device)
         self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -158,7 +163,11 @@ class Engine:
             ),
             self.kv,
         )
-        self.runner = Runner(loaded.model, kv_cache, config.block_size, Sampler())
+        graphs = None
+        if is_graphed:
+            max_context = min(model_config.max_position_embeddings, num_blocks * config.block_size)
+            graphs = DecodeGraphs(loaded.model, kv_cache, config.block_size, min(config.max_num_seqs, SIZES[-1]), max_context, capture=True)
+        self.runner = Runner(loaded.model, kv_cache, config.block_size, Sampler(), graphs)
         self._replies: dict[str, ReplyText] = {}  # the text of every request still scheduled
         self._exports: dict[str, Sequence] = {}  # handed off, blocks held until release()
         self._counters = _Counters()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.decode_graphs import DecodeGraphs
 from tandem.engine.sampling import Sampler, token_generator
 from tandem.engine.scheduler import StepPlan
 from tandem.engine.sequence import Sequence
@@ -112,11 +113,15 @@ def build_inputs(rows: SequenceOf[Rows], block_size: int, device: torch.device) 
 
 
 class Runner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler, graphs: DecodeGraphs | None = None
+    ) -> None:
+        """`graphs`: decode-only steps it serves run through it (CUDA graphs, engine/decode_graphs.py)."""
         self._model = model
         self._kv_cache = kv_cache
         self._block_size = block_size
         self._sampler = sampler
+        self._graphs = graphs
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -127,9 +132,14 @@ class Runner:
         """Runs the plan's forward and returns the sampled token of each sequence that samples."""
         if not plan.scheduled:
             return {}
+        passes = forward_passes(plan)
+        if self._graphs is not None and len(passes) == 1 and self._is_graph_step(passes[0]):
+            rows = passes[0]
+            logits = self._graphs.run([r.seq.token_ids[r.start] for r in rows], [r.start for r in rows], [r.seq.block_table for r in rows])
+            return self._sample(logits, [r.seq for r in rows])
         parts: list[torch.Tensor] = []
         sampling_seqs: list[Sequence] = []
-        for rows in forward_passes(plan):
+        for rows in passes:
             inputs = build_inputs(rows, self._block_size, self._kv_cache.device)
             hidden = self._model(inputs.input_ids, inputs.positions, self._kv_cache, inputs.meta)
             parts.append(hidden[inputs.sample_rows])
@@ -142,7 +152,16 @@ class Runner:
             sampling_seqs = plan.sampled_seqs
             order = torch.tensor([row_of[seq.seq_id] for seq in sampling_seqs], device=sampled.device)
             sampled = torch.cat(parts).index_select(0, order)
-        logits = self._model.compute_logits(sampled)
+        return self._sample(self._model.compute_logits(sampled), sampling_seqs)
+
+    def _is_graph_step(self, rows: list[Rows]) -> bool:
+        """Every row one sampled token (decodes, a prompt's last token) and the graphs take the batch."""
+        assert self._graphs is not None
+        if not all(r.end - r.start == 1 and r.is_sampled for r in rows):
+            return False
+        return self._graphs.serves(len(rows), max(len(r.seq.block_table) for r in rows))
+
+    def _sample(self, logits: torch.Tensor, sampling_seqs: list[Sequence]) -> dict[str, int]:
         options = [seq.sampling for seq in sampling_seqs]
         generators = [self._generator(seq) for seq in sampling_seqs]
         tokens = self._sampler.sample(logits, options, generators).tolist()

@@ -14,40 +14,45 @@ from collections.abc import Callable
 import torch
 
 
-def best_s(fn: Callable[[], object], repeats: int) -> float:
-    """The shortest of `repeats` timed calls, after one untimed warm-up (first-touch pages, thread pool start)."""
+def best_s(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float:
+    """The shortest of `repeats` timed calls, after one untimed warm-up (first-touch pages, thread
+    pool start); on a GPU each call's timing waits for its kernels."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fn()
+    sync()
     fastest_s = float("inf")
     for _ in range(repeats):
         start_s = time.perf_counter()
         fn()
+        sync()
         fastest_s = min(fastest_s, time.perf_counter() - start_s)
     return fastest_s
 
 
-def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """FLOP/s of a large square matmul in `dtype` on all torch threads, best of `repeats`: torch's
-    matmul, or the engine's packed CPU kernel where it serves the dtype (models/packed.py) and is
-    the faster, so that no rate the engine reaches is above this peak."""
-    from tandem.models.packed import can_pack, pack_weight  # the engine's kernel: built and loaded only when measured
-
+def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int, device: str = "cpu") -> float:
+    """FLOP/s of a large square matmul in `dtype` on `device` (all torch threads on a CPU), best of
+    `repeats`: torch's matmul, or on a CPU the engine's packed kernel where it serves the dtype
+    (models/packed.py) and is the faster, so that no rate the engine reaches is above this peak."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(dtype)
-    b = torch.randn(size, size, generator=generator).to(dtype)
-    out = torch.empty(size, size, dtype=dtype)
-    fastest_s = best_s(lambda: torch.matmul(a, b, out=out), repeats)
-    weight = b.T.contiguous()  # packed_mm multiplies by its weight's transpose
-    if can_pack(weight, dtype):
-        packed = pack_weight(weight, dtype)
-        fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None), repeats))
+    a = torch.randn(size, size, generator=generator).to(device, dtype)
+    b = torch.randn(size, size, generator=generator).to(device, dtype)
+    out = torch.empty(size, size, dtype=dtype, device=device)
+    fastest_s = best_s(lambda: torch.matmul(a, b, out=out), repeats, device)
+    if torch.device(device).type == "cpu":
+        from tandem.models.packed import can_pack, pack_weight  # the engine's kernel: built and loaded only when measured
+
+        weight = b.T.contiguous()  # packed_mm multiplies by its weight's transpose
+        if can_pack(weight, dtype):
+            packed = pack_weight(weight, dtype)
+            fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None), repeats))
     return 2 * size**3 / fastest_s
 
 
-def measure_copy_bandwidth(num_mib: int, repeats: int) -> float:
-    """Bytes/s of copying a `num_mib` tensor (bytes read + bytes written), best of `repeats`."""
-    src = torch.ones(num_mib * 2**20 // 4, dtype=torch.float32)
+def measure_copy_bandwidth(num_mib: int, repeats: int, device: str = "cpu") -> float:
+    """Bytes/s of copying a `num_mib` tensor on `device` (bytes read + bytes written), best of `repeats`."""
+    src = torch.ones(num_mib * 2**20 // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / best_s(lambda: dst.copy_(src), repeats)
+    return 2 * src.nbytes / best_s(lambda: dst.copy_(src), repeats, device)
 
 
 def physical_memory_bytes() -> int:
