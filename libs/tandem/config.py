@@ -126,8 +126,8 @@ class Settings(BaseSettings):
     # A worker's engine batch; the same defaults as engine.EngineConfig.
     max_num_seqs: Annotated[int, Field(ge=1)] = 256
     """a worker's sequences running at once"""
-    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 512
-    """a worker's tokens computed per engine step, decodes and prefill chunks together"""
+    max_num_batched_tokens: Annotated[int | None, Field(ge=1)] = None
+    """a worker's tokens computed per engine step, decodes and prefill chunks together; unset: 512 on a CPU, 8192 on a GPU"""
     max_num_unpaid_batched_tokens: Annotated[int | None, Field(ge=1)] = None
     """a worker's tokens per engine step for free and background requests together (paid ones take the rest of the step); a short step lets a paid request arriving during one start soon; unset: no cap of their own"""
     torch_threads: Annotated[int, Field(ge=0)] = 0

@@ -53,7 +53,7 @@ def test_serve_help_lists_every_setting_as_a_flag_with_its_default_and_variable(
         assert flag(field) in entries, f"{flag(field)} missing from --help"
         assert entries[flag(field)].endswith(f"[env: TANDEM_{field.upper()}]"), entries[flag(field)]
     assert "a worker's KV cache (default: 1024)" in entries["--kv-cache-mib"]
-    assert "(default: 512)" in entries["--max-num-batched-tokens"]
+    assert "unset: 512 on a CPU, 8192 on a GPU (default: None)" in entries["--max-num-batched-tokens"]
 
 
 def help_entries(help_text: str) -> dict[str, str]:

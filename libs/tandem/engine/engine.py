@@ -53,11 +53,17 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: as many as kv_cache_mib holds
     kv_cache_mib: int = 1024
     kv_cache_dtype: torch.dtype | None = None  # None: the model's; bf16 under a float32 model (CPU kernels)
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # None: 512 on a CPU, 8192 on a GPU (DEFAULT_BATCHED_TOKENS)
     max_num_seqs: int = 256
     num_reserved_blocks: int = 4
     max_num_unpaid_tokens: int | None = None  # of max_num_batched_tokens, free and background rows; None: no cap of their own
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
+
+
+# Tokens an engine step computes unless configured. A CPU step's time is its FLOPs, and 512 rows
+# keep a decode batch's wait behind a prefill chunk short; a GPU step of a few thousand rows takes
+# about as long as one of a few hundred (its host work bounds it), so a long prompt goes in one step.
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class Engine:
         self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(parameter.device.type, 512),
                 max_num_seqs=config.max_num_seqs,
                 num_reserved_blocks=config.num_reserved_blocks,
                 max_num_unpaid_tokens=config.max_num_unpaid_tokens,

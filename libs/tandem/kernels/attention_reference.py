@@ -49,8 +49,8 @@ def paged_attention_reference(
         keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float().repeat_interleave(group, dim=1)
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
-        query_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        key_pos = torch.arange(seq_len).unsqueeze(0)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
     return out

@@ -11,12 +11,12 @@ paged_attention_triton_kernel for the kernel and for how TRITON_INTERPRET=1 runs
 from __future__ import annotations
 
 import functools
-import importlib.util
 from types import ModuleType
 
 import torch
 
-from tandem.kernels.attention_reference import write_kv
+from tandem.kernels import fused_triton
+from tandem.kernels.fused_triton import is_triton_available
 from tandem.kernels.metadata import AttentionMetadata
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,12 +24,6 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _KV_TILE = 64  # keys per kernel loop iteration
 _DECODE_ROWS = 16  # query rows per program in a decode-only step: tl.dot's minimum
 _PREFILL_ROWS = 64  # query rows per program when a step has prefill chunks
-
-
-@functools.cache
-def is_triton_available() -> bool:
-    """Whether triton is installed (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def paged_attention_triton(
@@ -48,7 +42,7 @@ def paged_attention_triton(
             f"tensors are on {q.device}; the kernel needs CUDA tensors"
             " (or TRITON_INTERPRET=1 in the environment when it was first loaded, to run it on CPU)"
         )
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    fused_triton.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_extension
+from tandem.kernels import cpu_extension, fused_triton
 
 # On CPU, oneDNN's bf16 matmul rounds a row differently once a call has enough rows (the
 # SmolLM2 MLP's 1536-wide down projection from 130 rows on, with 2 threads; about 5 % of rows
@@ -81,8 +81,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.is_contiguous() and x.dtype == self.weight.dtype and has_cpu_kernels(x):
-            return torch.ops.tandem.rms_norm(x, self.weight, self.eps)  # the same computation in one call
+        if x.dim() == 2 and x.is_contiguous() and x.dtype == self.weight.dtype:
+            if has_cpu_kernels(x):
+                return torch.ops.tandem.rms_norm(x, self.weight, self.eps)  # the same computation in one call
+            if fused_triton.serves(x):
+                return fused_triton.rms_norm(x, self.weight, self.eps)  # on a GPU: one launch, not eight
         # Statistics in float32 (bf16 sums of squares drift), scaled in the model's dtype as
         # Hugging Face does, so logits match theirs.
         x32 = x.float()
@@ -100,5 +103,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj: nn.Module = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
+        gate_up = project(self.gate_up_proj, x)
+        if fused_triton.serves(gate_up):
+            return project(self.down_proj, fused_triton.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return project(self.down_proj, F.silu(gate) * up)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import fused_triton
 from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.layers import RMSNorm, SwiGLUMLP, has_cpu_kernels, project
@@ -61,6 +62,9 @@ class LlamaAttention(nn.Module):
         qkv = project(self.qkv_proj, x)
         if has_cpu_kernels(qkv):  # split and rotated in one call, the same bits
             q, k = torch.ops.tandem.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads)
+            return q, k, qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+        if fused_triton.serves(qkv):  # on a GPU: one launch, the same bits
+            q, k = fused_triton.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads)
             return q, k, qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
