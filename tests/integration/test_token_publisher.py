@@ -9,6 +9,7 @@ import signal
 import nats
 import pytest
 import pytest_asyncio
+from helpers import freeze
 
 from tandem.bus.token_stream import STREAM, ensure_token_stream
 from tandem.devstack.servers import start_nats
@@ -50,7 +51,7 @@ async def _keep_frozen(pid: int) -> None:
 
 async def test_an_event_published_while_the_server_is_frozen_is_stored_once_it_thaws(own_nats, client):
     js = await ensure_token_stream(client)
-    os.kill(own_nats.pid, signal.SIGSTOP)
+    freeze(own_nats.pid)
     freezer = asyncio.create_task(_keep_frozen(own_nats.pid))
     publishing = asyncio.create_task(
         publish_event(js, TokenEvent(reply_id="r1", seq=1, text="a"), within_s=RETRY_S, bus_is_up=server_answers(client))

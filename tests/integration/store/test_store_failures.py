@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import freeze
 
 from tandem.devstack.cassandra_node import RunningNode, stop_node
 from tandem.devstack.proc import free_port
@@ -44,7 +45,7 @@ async def test_cassandra_store_is_unavailable_while_the_node_is_down_and_recover
         conversation = await store.create_conversation(new_conversation())
         first = await store.append_message("alice", turn(conversation, "before the crash"))
 
-        os.kill(node.pid, signal.SIGSTOP)  # a node that accepts but never answers: the timeout bounds the call
+        freeze(node.pid)  # a node that accepts but never answers: the timeout bounds the call
         try:
             started_s = time.monotonic()
             with pytest.raises(StoreUnavailable, match=f"^cassandra {node.hosts}: "):
