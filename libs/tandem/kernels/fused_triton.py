@@ -1,6 +1,7 @@
-"""A GPU step's small parts in one triton launch each (fused_triton_kernel): RMSNorm, q and k's
-rotation, SiLU-and-mul and the KV cache write. A decode step of a small model is hundreds of
-kernels far too short to fill the GPU, so their number, not their bytes, sets its time.
+"""A GPU step's small parts in one triton launch each (fused_triton_kernel): RMSNorm (alone or
+with the residual add before it), q and k's rotation, SiLU-and-mul and the KV cache write. A
+decode step of a small model is hundreds of kernels far too short to fill the GPU, so their
+number, not their bytes, sets its time.
 
 The models call these on CUDA tensors when triton is installed (`serves`), and torch otherwise.
 Importing this module does not import triton; the first call does. Like the attention kernel,
@@ -38,6 +39,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0]:
         block = triton_next_power_of_2(x.shape[1])
         _kernels().rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK=block, **_EXACT)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`residual += x` in place, then RMSNorm(residual), in one launch: a decoder layer's residual
+    add and the next norm. x and residual (T, hidden) of one dtype, unit-stride rows."""
+    if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype or x.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} for rows of {x.shape[1]}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        _kernels().add_rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), x.shape[1], eps,
+            BLOCK=triton_next_power_of_2(x.shape[1]), **_EXACT,
+        )  # fmt: skip
     return out
 
 

@@ -1,5 +1,5 @@
 """Triton kernels for a GPU step's small element-wise parts, each one launch where torch takes
-several: RMSNorm (eight), q and k's rotation (about twenty), SiLU-and-mul (two) and the KV cache
+several: RMSNorm (eight), the residual add with the next RMSNorm (nine), q and k's rotation (about twenty), SiLU-and-mul (two) and the KV cache
 write (six). Imports triton: load them through tandem.kernels.fused_triton, whose wrappers check
 the inputs and launch them.
 
@@ -23,6 +23,25 @@ def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_stride, out_stride, num_cols, 
     x = tl.load(x_ptr + row * x_stride + cols, mask=is_col, other=0.0).to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / num_cols
     normed = (x * (1.0 / tl.sqrt(mean_square + eps))).to(out_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=is_col, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (weight * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=is_col)
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, out_stride, num_cols, eps, BLOCK: tl.constexpr
+):
+    """residual += x (rounded to its dtype, as torch's add), then out = RMSNorm(residual)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    is_col = cols < num_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=is_col, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + row * residual_stride + cols, mask=is_col, other=0.0).to(tl.float32)
+    summed = (residual + x).to(residual_ptr.dtype.element_ty)
+    tl.store(residual_ptr + row * residual_stride + cols, summed, mask=is_col)
+    h = summed.to(tl.float32)
+    mean_square = tl.sum(h * h, axis=0) / num_cols
+    normed = (h * (1.0 / tl.sqrt(mean_square + eps))).to(out_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=is_col, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (weight * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=is_col)
 

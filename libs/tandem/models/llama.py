@@ -130,9 +130,36 @@ class LlamaModel(nn.Module):
         # Each layer's K and V caches, views as kv_cache[:, index, 0] and [:, index, 1] are, in two
         # calls each instead of two indexings a layer.
         k_caches, v_caches = kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1)
+        if fused_triton.serves(h):
+            return self._forward_fused(h, cos, sin, k_caches, v_caches, meta)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer.forward(h, cos, sin, k_cache, v_cache, meta)
         return self.norm(h)
+
+    def _forward_fused(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: tuple[torch.Tensor, ...],
+        v_caches: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layers on a GPU, each residual add fused with the norm after it (one launch for
+        both, fused_triton.add_rms_norm): the residual stream is updated in place, rounded as
+        `h + x` rounds, so the result is the loop above's."""
+        residual = h  # the embedding's output, this step's own tensor
+        branch: torch.Tensor | None = None  # the last MLP's output, not yet added
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
+            norm = layer.input_layernorm
+            x = norm.forward(residual) if branch is None else fused_triton.add_rms_norm(branch, residual, norm.weight, norm.eps)
+            attended = layer.self_attn.forward(x, cos, sin, k_cache, v_cache, meta)
+            norm = layer.post_attention_layernorm
+            branch = layer.mlp.forward(fused_triton.add_rms_norm(attended, residual, norm.weight, norm.eps))
+        if branch is None:
+            return self.norm.forward(residual)
+        return fused_triton.add_rms_norm(branch, residual, self.norm.weight, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):

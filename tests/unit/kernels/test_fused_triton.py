@@ -23,7 +23,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not is_triton_a
 @needs_triton
 def test_fused_kernels_match_torch_in_the_interpreter() -> None:
     # A subprocess: @triton.jit picks interpreted or compiled when the kernel module is imported.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = str(HERE.parent.parent)  # reference_model's folder
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(
         [sys.executable, str(HERE / "triton_fused_check.py")], cwd=HERE, env=env, capture_output=True, text=True, timeout=300
     )
@@ -31,14 +32,14 @@ def test_fused_kernels_match_torch_in_the_interpreter() -> None:
     assert results, f"no results (exit {run.returncode}):\n{run.stderr[-4000:]}"
     failed = [result for result in results if not result["ok"]]
     assert not failed and run.returncode == 0, f"{failed}\n{run.stderr[-4000:]}"
-    assert len(results) == 10
+    assert len(results) == 15 and results[-1]["case"] == "fused_layers_float32"
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_kernels_match_torch_on_cuda(dtype: torch.dtype) -> None:
     results = list(cases("cuda", dtype))
-    assert len(results) == 5 and all(result["ok"] for result in results), results
+    assert len(results) == 7 and all(result["ok"] for result in results), results
 
 
 def test_the_models_call_them_on_cuda_tensors_only() -> None:

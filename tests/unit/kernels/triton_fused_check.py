@@ -13,9 +13,11 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from reference_model import random_model, tiny_config
 
 from tandem.kernels import fused_triton
-from tandem.kernels.attention_reference import write_kv
+from tandem.kernels.attention_reference import paged_attention_reference, write_kv
+from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 from tandem.models.rotary import apply_rotary
 
 # Tolerances for what may round differently (reductions' order, exp and rsqrt's last bits): a
@@ -54,6 +56,12 @@ def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
     gate, up = gate_up.chunk(2, dim=-1)
     yield _close(f"silu_and_mul_{name}", fused_triton.silu_and_mul(gate_up), F.silu(gate) * up, TOLERANCE[dtype])
 
+    residual = randn(7, 96)
+    summed = residual + x
+    out = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
+    yield _equal(f"add_rms_norm_residual_{name}", residual, summed)
+    yield _close(f"add_rms_norm_{name}", out, torch_rms_norm(summed, weight, 1e-5), TOLERANCE[dtype])
+
     # a layer's strided views of a block-major cache, tokens scattered over its blocks
     cache = randn(6, 3, 2, 8, num_kv_heads, head_dim)
     expected = cache.clone()
@@ -62,6 +70,32 @@ def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
     fused_triton.write_kv(new_k, new_v, cache[:, 1, 0], cache[:, 1, 1], slots)
     write_kv(new_k, new_v, expected[:, 1, 0], expected[:, 1, 1], slots)
     yield _equal(f"write_kv_{name}", cache, expected)
+
+
+def fused_layers_case() -> dict:
+    """A tiny model's layers with the residual adds fused into the norms (LlamaModel's GPU path)
+    against its plain loop, on one 20-token prefill: float32, reference attention."""
+    config = tiny_config(vocab_size=128, max_position_embeddings=64)
+    model = random_model(config, seed=1, attention=paged_attention_reference).model
+    num_tokens, block_size = 20, 16
+    kv_cache = torch.zeros(KvCacheShape(4, config.num_layers, block_size, config.num_kv_heads, config.head_dim).as_tuple())
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.tensor([[2, 0]], dtype=torch.int32),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        is_decode_only=False,
+    )
+    ids, positions = torch.randint(0, 128, (num_tokens,), generator=torch.Generator().manual_seed(2)), torch.arange(num_tokens)
+    with torch.inference_mode():
+        want = model(ids, positions, kv_cache.clone(), meta)
+        h = model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(positions)
+        caches = kv_cache.clone()
+        got = model._forward_fused(h, cos, sin, caches.select(2, 0).unbind(1), caches.select(2, 1).unbind(1), meta)
+    return _close("fused_layers_float32", got, want, TOLERANCE[torch.float32])
 
 
 def _close(case: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> dict:
@@ -80,6 +114,7 @@ def _equal(case: str, got: torch.Tensor, want: torch.Tensor) -> dict:
 
 def main() -> int:
     results = [result for dtype in (torch.float32, torch.float16) for result in cases("cpu", dtype)]
+    results.append(fused_layers_case())
     for result in results:
         print(json.dumps(result))
     return 0 if all(result["ok"] for result in results) else 1
