@@ -2,9 +2,9 @@
 # The GPU path's checks and numbers, on a machine with an NVIDIA GPU and the embedded model
 # installed: the triton kernel and engine tests that skip without CUDA, then bench/engine.py on
 # the GPU with decode steps as CUDA graphs and eagerly, bf16 and int8, and bench/attention.py's
-# kernels on the engine's attention shapes.
+# kernels on the engine's attention shapes, and bench/gpu_step.py's split of a decode step.
 #
-#     bench/gpu_check.sh [OUT_DIR]   # OUT_DIR (default .): pytest.log, attention.json, engine-cuda.json, engine-cuda.log
+#     bench/gpu_check.sh [OUT_DIR]   # OUT_DIR (default .): pytest.log, attention.json, engine-cuda.json/.log, gpu-step.log
 #
 # PYTHON (default .venv/bin/python, else python3) runs it, with PYTEST_ARGS added to pytest's
 # (--noconftest where the session servers' packages are not installed); every part runs whatever
@@ -24,5 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$python" bench/attention.py --rounds 10 --json "$out/attention.json" || status=1
 "$python" bench/engine.py --device cuda --skip-hf --cuda-graphs both --out "$out/engine-cuda.json" 2>&1 | tee "$out/engine-cuda.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+"$python" bench/gpu_step.py 2>&1 | tee "$out/gpu-step.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status

@@ -56,6 +56,10 @@ class DecodeGraphs:
         if capture:
             self._capture_all()
 
+    def graph_for(self, num_seqs: int) -> Any:
+        """The captured graph a step of `num_seqs` rows replays (None when not captured), for benches."""
+        return self._graphs.get(self.sizes[bisect.bisect_left(self.sizes, num_seqs)]) if self.serves(num_seqs, 0) else None
+
     def serves(self, num_seqs: int, max_num_blocks: int) -> bool:
         return 0 < num_seqs <= self._biggest and max_num_blocks <= self.max_blocks
 

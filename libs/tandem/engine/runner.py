@@ -127,6 +127,10 @@ class Runner:
     def kv_cache(self) -> torch.Tensor:
         return self._kv_cache
 
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self._graphs
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Runs the plan's forward and returns the sampled token of each sequence that samples."""

@@ -38,11 +38,11 @@ def test_batched_chunked_steps_on_cuda_equal_the_naive_reference(tiny_cuda: Load
     expected = [reference_greedy(tiny_cuda.model, p, NUM_NEW_TOKENS) for p in prompts]
     config = EngineConfig(num_kv_blocks=400, max_num_batched_tokens=48, enforce_eager=enforce_eager)
     engine = Engine(tiny_cuda, config)
-    assert (engine.runner._graphs is None) == enforce_eager
+    assert (engine.runner.graphs is None) == enforce_eager
     assert greedy_tokens(engine, prompts, NUM_NEW_TOKENS) == expected
     assert greedy_tokens(engine, prompts, NUM_NEW_TOKENS) == expected, "warm: prefix-cache hits"
     if not enforce_eager:
-        graphs = engine.runner._graphs
+        graphs = engine.runner.graphs
         assert graphs is not None and graphs.num_steps >= 2 * (NUM_NEW_TOKENS - 1), "decode steps were replayed graphs"
 
 
