@@ -1,7 +1,7 @@
 """Decode steps replayed as CUDA graphs: one launch a step instead of a few hundred.
 
 A decode-only step of n sequences runs the graph captured for the smallest batch size B >= n
-(DecodeGraphs.SIZES, up to the engine's max_num_seqs). Every input the graph reads lives in a
+(SIZES, up to the engine's max_num_seqs). Every input the graph reads lives in a
 static buffer that a step overwrites: token ids, positions, KV slots, context lengths and block
 tables. The B - n padding rows are sequences of one token at position 0 in a scratch block of
 the KV cache that no sequence owns (the cache's last block, which the engine allocates beside
