@@ -61,8 +61,9 @@ class EngineSpec:
     torch_threads: int = 0  # 0: torch's default (one per core of the machine)
 
     @classmethod
-    def from_settings(cls, settings: Settings, model: ModelFile) -> EngineSpec:
-        """Resolves the device now, so "cuda" without a GPU fails at start (StartupError)."""
+    def from_settings(cls, settings: Settings, model: ModelFile, role: str = "decode") -> EngineSpec:
+        """Resolves the device now, so "cuda" without a GPU fails at start (StartupError). A prefill
+        worker's engine captures no CUDA graphs: they serve decode steps, which it leaves to others."""
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         engine = EngineConfig(
@@ -71,6 +72,7 @@ class EngineSpec:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
+            enforce_eager=role == "prefill",
         )
         # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
         torch_threads = settings.torch_threads or len(settings.cpus)

@@ -80,7 +80,7 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     secret = settings.internal_secret.get_secret_value()
     check_internal_secret(settings.host, secret, is_insecure_allowed=settings.allow_insecure_internal)
     model = open_model(settings.model_path, settings.served_model_name, settings.quantization)
-    spec = EngineSpec.from_settings(settings, model)
+    spec = EngineSpec.from_settings(settings, model, role)
     grpc_port = settings.grpc_port_for(role)
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")
     runtime_config = RuntimeConfig.from_settings(role, settings, uses_redis=False)

@@ -71,3 +71,8 @@ def test_a_kv_cache_dtype_no_kernel_serves_stops_the_worker_at_start_in_one_line
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     with pytest.raises(StartupError, match=f"^TANDEM_KV_CACHE_DTYPE={kv_cache_dtype} under a .* engine on {device}: .*; use auto$"):
         EngineSpec.from_settings(Settings(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype), MODEL)
+
+
+def test_a_prefill_worker_s_engine_captures_no_cuda_graphs_and_a_decode_worker_s_does(no_gpu):
+    assert EngineSpec.from_settings(Settings(), MODEL, "prefill").engine.enforce_eager
+    assert not EngineSpec.from_settings(Settings(), MODEL, "decode").engine.enforce_eager
