@@ -130,6 +130,8 @@ class Settings(BaseSettings):
     """a worker's tokens computed per engine step, decodes and prefill chunks together; unset: 512 on a CPU, 8192 on a GPU"""
     max_num_unpaid_batched_tokens: Annotated[int | None, Field(ge=1)] = None
     """a worker's tokens per engine step for free and background requests together (paid ones take the rest of the step); a short step lets a paid request arriving during one start soon; unset: no cap of their own"""
+    enforce_eager: bool = False
+    """decode workers on a GPU: every step eagerly, no CUDA graphs (captured at start for each batch size up to max_num_seqs: a few seconds and some memory); prefill workers never capture them"""
     torch_threads: Annotated[int, Field(ge=0)] = 0
     """a worker's CPU threads for torch's kernels; 0: torch's default, one per core (workers sharing a machine's cores should split them)"""
     cpu_affinity: str = ""

@@ -72,7 +72,7 @@ class EngineSpec:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
-            enforce_eager=role == "prefill",
+            enforce_eager=settings.enforce_eager or role == "prefill",
         )
         # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
         torch_threads = settings.torch_threads or len(settings.cpus)

@@ -76,3 +76,7 @@ def test_a_kv_cache_dtype_no_kernel_serves_stops_the_worker_at_start_in_one_line
 def test_a_prefill_worker_s_engine_captures_no_cuda_graphs_and_a_decode_worker_s_does(no_gpu):
     assert EngineSpec.from_settings(Settings(), MODEL, "prefill").engine.enforce_eager
     assert not EngineSpec.from_settings(Settings(), MODEL, "decode").engine.enforce_eager
+
+
+def test_enforce_eager_turns_a_decode_worker_s_cuda_graphs_off(no_gpu):
+    assert EngineSpec.from_settings(Settings(enforce_eager=True), MODEL, "decode").engine.enforce_eager
