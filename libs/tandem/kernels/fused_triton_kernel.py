@@ -16,15 +16,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_rms_normed(h, weight_ptr, out_row_ptr, cols, is_col, num_cols, eps):
+    """A row h (float32) normalized, rounded to the output's dtype, times the weight as RMSNorm does."""
+    mean_square = tl.sum(h * h, axis=0) / num_cols
+    normed = (h * (1.0 / tl.sqrt(mean_square + eps))).to(out_row_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=is_col, other=0.0).to(tl.float32)
+    tl.store(out_row_ptr + cols, (weight * normed.to(tl.float32)).to(out_row_ptr.dtype.element_ty), mask=is_col)
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_stride, out_stride, num_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     is_col = cols < num_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=is_col, other=0.0).to(tl.float32)
-    mean_square = tl.sum(x * x, axis=0) / num_cols
-    normed = (x * (1.0 / tl.sqrt(mean_square + eps))).to(out_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=is_col, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (weight * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=is_col)
+    _store_rms_normed(x, weight_ptr, out_ptr + row * out_stride, cols, is_col, num_cols, eps)
 
 
 @triton.jit
@@ -39,11 +45,7 @@ def add_rms_norm_kernel(
     residual = tl.load(residual_ptr + row * residual_stride + cols, mask=is_col, other=0.0).to(tl.float32)
     summed = (residual + x).to(residual_ptr.dtype.element_ty)
     tl.store(residual_ptr + row * residual_stride + cols, summed, mask=is_col)
-    h = summed.to(tl.float32)
-    mean_square = tl.sum(h * h, axis=0) / num_cols
-    normed = (h * (1.0 / tl.sqrt(mean_square + eps))).to(out_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=is_col, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (weight * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=is_col)
+    _store_rms_normed(summed.to(tl.float32), weight_ptr, out_ptr + row * out_stride, cols, is_col, num_cols, eps)
 
 
 @triton.jit
