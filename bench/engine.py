@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
         [--batches 1,8,32,64] [--quantization none,int8] [--kv-cache-dtype auto,bf16]
-        [--peer vllm-64.json --peer vllm-8.json ...]
+        [--peer vllm-64.json --peer vllm-8.json ...] [--device cuda [--cuda-graphs on|off|both]]
     .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's inputs
 
 64 chat requests (seeded prompts of 40-400 tokens) are submitted at once and each writes exactly
@@ -17,7 +17,8 @@ the cache in bf16, attention's reads halved, float32 arithmetic). In the same ru
 transformers `generate` on the same GGUF in the same dtype (static batches of 1, 8 and 32, left
 padded, each on a subset of the requests; the best is the baseline) and this machine's peak
 matmul FLOP/s (torch's matmul or the engine's packed kernel, the faster) and copy bandwidth, from
-which it computes the batch's roofline.
+which it computes the batch's roofline. With `--device cuda` those peaks are the GPU's, and
+`--cuda-graphs both` runs each variant with decode steps as CUDA graphs and eagerly (`+eager`).
 
 A peer JSON is what ../shared/peers/vllm_same.py writes (tokens_per_s over num_requests prompts,
 tpot_b1_ms); give one per batch size, run on the prompts `--dump-prompts` writes (its first B
