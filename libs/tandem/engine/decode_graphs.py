@@ -43,9 +43,12 @@ class DecodeGraphs:
         self.max_blocks = -(-max_context // block_size)
         biggest = self.sizes[-1]
         device = kv_cache.device
-        # [input ids | positions | slots | context lengths] of `biggest` rows each: one copy a step
-        self._host = torch.zeros(4 * biggest, dtype=torch.int64, pin_memory=capture)
-        self._inputs = torch.zeros(4 * biggest, dtype=torch.int64, device=device)
+        # [input ids | positions | slots] of `biggest` rows each (int64), the context lengths
+        # (int32, as AttentionMetadata has them) and the block tables: three copies a step
+        self._host = torch.zeros(3 * biggest, dtype=torch.int64, pin_memory=capture)
+        self._inputs = torch.zeros(3 * biggest, dtype=torch.int64, device=device)
+        self._host_lens = torch.zeros(biggest, dtype=torch.int32, pin_memory=capture)
+        self._lens = torch.zeros(biggest, dtype=torch.int32, device=device)
         self._host_tables = torch.zeros(biggest, self.max_blocks, dtype=torch.int32, pin_memory=capture)
         self._tables = torch.zeros(biggest, self.max_blocks, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=device)  # one token a sequence
@@ -88,11 +91,12 @@ class DecodeGraphs:
         blocks = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
         host[2 * b : 2 * b + n] = blocks * bs + pos % bs
         host[2 * b + n : 2 * b + size] = self._scratch_slot  # padding rows: position 0 of the scratch block
-        host[3 * b : 3 * b + n] = pos + 1
-        host[3 * b + n : 3 * b + size] = 1
+        self._host_lens[:n] = pos + 1
+        self._host_lens[n:size] = 1
         self._host_tables[:n, :widest] = tables
         self._host_tables[n:size, 0] = self._scratch_slot // bs
         self._inputs.copy_(host, non_blocking=True)
+        self._lens.copy_(self._host_lens, non_blocking=True)
         self._tables[:size, : max(widest, 1)].copy_(self._host_tables[:size, : max(widest, 1)], non_blocking=True)
 
     def _forward(self, size: int, max_seq_len: int) -> torch.Tensor:
@@ -102,7 +106,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self._inputs[2 * b : 2 * b + size],
             query_start_loc=self._query_start_loc[: size + 1],
-            seq_lens=self._inputs[3 * b : 3 * b + size],
+            seq_lens=self._lens[:size],
             block_tables=self._tables[:size],
             max_query_len=1,
             max_seq_len=max_seq_len,

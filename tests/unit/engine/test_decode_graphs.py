@@ -14,16 +14,20 @@ from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
 from tandem.engine.sequence import SamplingOptions
+from tandem.kernels import select_attention
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.loader import LoadedModel
 
 NUM_BLOCKS = 200
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
+@pytest.fixture(scope="module", params=["reference", "fastest"])
+def tiny(request: pytest.FixtureRequest) -> LoadedModel:
+    """The reference attention, and this CPU's fastest (its C++ kernels, which hold the metadata's
+    dtypes to the contract)."""
     config = tiny_config(vocab_size=512, max_position_embeddings=1024)
-    model = random_model(config, seed=3, attention=paged_attention_reference)
+    attention = paged_attention_reference if request.param == "reference" else select_attention("cpu")
+    model = random_model(config, seed=3, attention=attention)
     return LoadedModel(model=model.eval(), config=config, tokenizer=byte_level_tokenizer(config.vocab_size))
 
 
