@@ -189,7 +189,7 @@ def measure_variant(
     prefill_flops = cost.flops_per_token * len(prefill_ids) + cost.attention_flops(len(prefill_ids))
     return {
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
-        "cuda_graphs": next(loaded.model.parameters()).device.type == "cuda" and not enforce_eager,
+        "cuda_graphs": is_gpu and not enforce_eager,
         "headline": batches[args.requests],
         "batches": {
             batch_size: {

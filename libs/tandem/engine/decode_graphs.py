@@ -61,7 +61,7 @@ class DecodeGraphs:
 
     def graph_for(self, num_seqs: int) -> Any:
         """The captured graph a step of `num_seqs` rows replays (None when not captured), for benches."""
-        return self._graphs.get(self.sizes[bisect.bisect_left(self.sizes, num_seqs)]) if self.serves(num_seqs, 0) else None
+        return self._graphs.get(self._size_for(num_seqs)) if self.serves(num_seqs, 0) else None
 
     def serves(self, num_seqs: int, max_num_blocks: int) -> bool:
         return 0 < num_seqs <= self._biggest and max_num_blocks <= self.max_blocks
@@ -71,13 +71,17 @@ class DecodeGraphs:
         sequence whose blocks are block_tables[i] (serves() must hold)."""
         n = len(token_ids)
         self.num_steps += 1
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = self._size_for(n)
         self._stage(size, token_ids, positions, block_tables)
         graph = self._graphs.get(size)
         if graph is None:
             return self._forward(size, max(positions) + 1)[:n]
         graph.replay()
         return self._logits[size][:n]
+
+    def _size_for(self, num_seqs: int) -> int:
+        """The smallest captured batch size that holds `num_seqs` rows."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def _stage(self, size: int, token_ids: SequenceOf[int], positions: SequenceOf[int], block_tables: SequenceOf[list[int]]) -> None:
         n, b, bs = len(token_ids), self._biggest, self._block_size
@@ -120,17 +124,18 @@ class DecodeGraphs:
         """Each size's graph, biggest first, in one memory pool; the warm-up and captured runs are
         all padding rows, so they write only the scratch block."""
         pool = torch.cuda.graph_pool_handle()
+        max_seq_len = self.max_blocks * self._block_size  # the tables' width: any context they serve
         for size in reversed(self.sizes):
             self._stage(size, [0], [0], [[self._scratch_slot // self._block_size]])
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # triton's compile, cuBLAS's workspace: not inside the capture
-                    self._forward(size, self.max_blocks * self._block_size)
+                    self._forward(size, max_seq_len)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread of the worker (its bus, UCX) may touch CUDA meanwhile
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._logits[size] = self._forward(size, self.max_blocks * self._block_size)
+                self._logits[size] = self._forward(size, max_seq_len)
             self._graphs[size] = graph
         torch.cuda.synchronize()

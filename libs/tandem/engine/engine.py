@@ -161,7 +161,8 @@ class Engine:
         self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(parameter.device.type, 512),
+                max_num_batched_tokens=config.max_num_batched_tokens
+                or DEFAULT_BATCHED_TOKENS.get(parameter.device.type, DEFAULT_BATCHED_TOKENS["cpu"]),
                 max_num_seqs=config.max_num_seqs,
                 num_reserved_blocks=config.num_reserved_blocks,
                 max_num_unpaid_tokens=config.max_num_unpaid_tokens,

@@ -37,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: x {tuple(x.shape)} (strides {x.stride()}) and weight {tuple(weight.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        block = triton_next_power_of_2(x.shape[1])
+        block = next_power_of_2(x.shape[1])
         _kernels().rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK=block, **_EXACT)
     return out
 
@@ -53,7 +53,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if x.shape[0]:
         _kernels().add_rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), x.shape[1], eps,
-            BLOCK=triton_next_power_of_2(x.shape[1]), **_EXACT,
+            BLOCK=next_power_of_2(x.shape[1]), **_EXACT,
         )  # fmt: skip
     return out
 
@@ -78,7 +78,7 @@ def rotary_qk(
         _kernels().rotary_qk_kernel[(num_tokens,)](
             qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), sin.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            HEADS_PAD=triton_next_power_of_2(num_heads + num_kv_heads), HALF=half, **_EXACT,
+            HEADS_PAD=next_power_of_2(num_heads + num_kv_heads), HALF=half, **_EXACT,
         )  # fmt: skip
     return q, k
 
@@ -90,7 +90,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_cols = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], num_cols), dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0]:
-        block = min(_MLP_COLUMNS, triton_next_power_of_2(num_cols))
+        block = min(_MLP_COLUMNS, next_power_of_2(num_cols))
         grid = (gate_up.shape[0], -(-num_cols // block))
         _kernels().silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), num_cols, BLOCK=block, **_EXACT)
     return out
@@ -112,11 +112,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _kernels().write_kv_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            BLOCK_SIZE=k_cache.shape[1], ROW=row, ROW_PAD=triton_next_power_of_2(row),
+            BLOCK_SIZE=k_cache.shape[1], ROW=row, ROW_PAD=next_power_of_2(row),
         )  # fmt: skip
 
 
-def triton_next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (triton's block shapes), without importing triton."""
     return 1 << (n - 1).bit_length()
 
 

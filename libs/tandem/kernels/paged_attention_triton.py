@@ -47,7 +47,7 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    group_pad = _next_power_of_2(group)
+    group_pad = fused_triton.next_power_of_2(group)
     # A program's rows are query tokens x the group's heads (padded to a power of two): in a
     # decode step one token's heads, padded up to tl.dot's 16 rows; with prefill chunks, as many
     # tokens as fit in 64 rows.
@@ -158,10 +158,6 @@ def _kernel_module() -> ModuleType:
     from tandem.kernels import paged_attention_triton_kernel
 
     return paged_attention_triton_kernel
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
