@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path's checks and numbers, on a machine with an NVIDIA GPU and the embedded model
-# installed: the triton kernel and engine tests that skip without CUDA, then bench/engine.py on
+# installed: the triton kernels' and engine tests that skip without CUDA, then bench/engine.py on
 # the GPU with decode steps as CUDA graphs and eagerly, bf16 and int8, and bench/attention.py's
 # kernels on the engine's attention shapes, and bench/gpu_step.py's split of a decode step.
 #
@@ -19,7 +19,8 @@ status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 "$python" -m pytest -q -p no:cacheprovider --durations=10 \
-    ${PYTEST_ARGS:-} tests/unit/kernels/test_paged_attention_triton.py tests/unit/kernels/test_fused_triton.py tests/unit/engine/test_engine_cuda.py \
+    ${PYTEST_ARGS:-} tests/unit/kernels/test_paged_attention_triton.py tests/unit/kernels/test_fused_triton.py tests/unit/kernels/test_int8_triton.py \
+    tests/unit/engine/test_engine_cuda.py \
     2>&1 | tee "$out/pytest.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$python" bench/attention.py --rounds 10 --json "$out/attention.json" || status=1

@@ -8,6 +8,7 @@ machinery (block tables, slot mapping, chunking, the attention backend), not the
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -17,11 +18,13 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
+from torch import nn
 
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import hf_state_dict
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tandem.models.quant import Int8Linear
 from tandem.models.tokenizer import Tokenizer
 
 
@@ -130,3 +133,19 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
     random model writes."""
     backend = BackendTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
+
+
+def dequantized_copy(quantized: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A plain model (nn.Linear everywhere) whose projections hold int8 * scale: the reference."""
+    plain = copy.deepcopy(quantized)
+    with torch.no_grad():
+        for module in list(plain.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, Int8Linear):
+                    linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                    linear.weight.copy_(child.dequantized_weight())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                    setattr(module, name, linear.to(device=child.scale.device, dtype=child.scale.dtype))
+    assert not any(isinstance(m, Int8Linear) for m in plain.modules())
+    return plain

@@ -5,12 +5,13 @@ Each output channel (row of a Linear's weight) has its own scale, absmax / 127 o
 stored in the model's dtype; the row is round(w / scale), clamped to [-127, 127]. The layer
 computes x @ (w_int8 * scale).T (+ bias) with a fused kernel that dequantizes while it
 multiplies: on a CPU with AVX512-BF16 and bf16 activations, the C++ kernels' int8_mm (bf16 dot
-products, the weight read once for all the rows); elsewhere torch's CPU and CUDA kernel
-`_weight_int8pack_mm`, which pays per row of x: at 1 row it takes about half the time of the
-bf16 matmul, at 4 rows about the same, at 8 rows up to 1.8x more. Above INT8_KERNEL_MAX_ROWS
-rows (prefill chunks, big batches) and on devices without the kernel the layer multiplies by the
-int8 weight cast to the dtype and scales the result instead: the same product, at about 2.4x the
-bf16 matmul's time.
+products, the weight read once for all the rows); on a GPU with triton, up to
+int8_triton.MAX_ROWS rows, a triton kernel that widens the weight as it loads it; elsewhere
+torch's kernel `_weight_int8pack_mm`, which pays per row of x: at 1 row it takes about half the
+time of the bf16 matmul, at 4 rows about the same, at 8 rows up to 1.8x more. Above those bounds
+(prefill chunks, big batches) and on devices without a kernel the layer multiplies by the int8
+weight cast to the dtype and scales the result instead: the same product, at about 2.4x the bf16
+matmul's time on a CPU.
 
 Embeddings, norms and the lm_head stay in the model's dtype: the embedding is a lookup (a decode
 step reads one row), and the logits are where int8 error shows most.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_extension
+from tandem.kernels import cpu_extension, int8_triton
 from tandem.models.files import Quantization
 from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -95,7 +96,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != self.scale.dtype:
             rows = rows.to(self.scale.dtype)
-        if self.has_kernel and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if int8_triton.serves(rows):
+            out = int8_triton.int8_mm(rows.contiguous(), self.weight_int8, self.scale)
+        elif self.has_kernel and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
             if _cpu_int8_kernel_serves(rows):  # for every row count up to the bound alike: a row's bits its own
                 out = torch.ops.tandem.int8_mm(rows.contiguous(), self.weight_int8, self.scale)
             else:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_model import random_model, reference_greedy, tiny_config
+from reference_model import dequantized_copy, random_model, reference_greedy, tiny_config
 from test_engine import byte_level_tokenizer, seeded_prompts
 
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import is_triton_available, paged_attention_triton, select_attention
 from tandem.models.loader import LoadedModel, load_model
+from tandem.models.quant import quantize_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not is_triton_available(), reason="needs a CUDA GPU and triton")
 
@@ -44,6 +45,20 @@ def test_batched_chunked_steps_on_cuda_equal_the_naive_reference(tiny_cuda: Load
     if not enforce_eager:
         graphs = engine.runner.graphs
         assert graphs is not None and graphs.num_steps >= 2 * (NUM_NEW_TOKENS - 1), "decode steps were replayed graphs"
+
+
+@pytest.mark.parametrize(("enforce_eager", "chunk"), [(False, 48), (True, 256)], ids=["cuda_graphs-kernel_prefill", "eager-cast_prefill"])
+def test_int8_weights_on_cuda_give_the_dequantized_reference_tokens(enforce_eager: bool, chunk: int) -> None:
+    """Decode steps multiply through the int8 triton kernel; prefill chunks of 48 rows do too,
+    chunks of 256 through the cast weight. The reference holds int8 * scale in plain Linears."""
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024)
+    model = quantize_model(random_model(config, seed=0, attention=paged_attention_triton), "int8").to("cuda").eval()
+    reference = dequantized_copy(model).eval()
+    prompts = seeded_prompts(20)
+    expected = [reference_greedy(reference, p, NUM_NEW_TOKENS) for p in prompts]
+    loaded = LoadedModel(model=model, config=config, tokenizer=byte_level_tokenizer(config.vocab_size))
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=400, max_num_batched_tokens=chunk, enforce_eager=enforce_eager))
+    assert greedy_tokens(engine, prompts, NUM_NEW_TOKENS) == expected
 
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.", "What is 12 times 7?"]

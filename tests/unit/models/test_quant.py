@@ -9,7 +9,15 @@ import random
 
 import pytest
 import torch
-from reference_model import random_model, reference_greedy, reference_logits, save_safetensors_folder, tiny_config, word_tokenizer
+from reference_model import (
+    dequantized_copy,
+    random_model,
+    reference_greedy,
+    reference_logits,
+    save_safetensors_folder,
+    tiny_config,
+    word_tokenizer,
+)
 from torch import nn
 
 from tandem.engine.engine import Engine, EngineConfig, Request
@@ -67,22 +75,6 @@ def test_int8_linear_takes_3d_and_non_contiguous_input_and_fp32_activations_on_a
     torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=2e-2)
 
 
-def _dequantized_copy(quantized: LlamaForCausalLM) -> LlamaForCausalLM:
-    """A plain model (nn.Linear everywhere) whose projections hold int8 * scale: the reference."""
-    plain = copy.deepcopy(quantized)
-    with torch.no_grad():
-        for module in list(plain.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, Int8Linear):
-                    linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                    linear.weight.copy_(child.dequantized_weight())
-                    if child.bias is not None:
-                        linear.bias.copy_(child.bias)
-                    setattr(module, name, linear.to(child.scale.dtype))
-    assert not any(isinstance(m, Int8Linear) for m in plain.modules())
-    return plain
-
-
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
 @pytest.mark.parametrize("num_prompts", [3, 24], ids=["kernel-decode", "cast-decode"])
 def test_engine_greedy_output_with_int8_weights_equals_the_dequantized_reference(variant, num_prompts):
@@ -90,7 +82,7 @@ def test_engine_greedy_output_with_int8_weights_equals_the_dequantized_reference
     cast path; prefill chunks always take the cast path."""
     config = tiny_config(vocab_size=512, max_position_embeddings=1024, **variant)
     model = quantize_model(random_model(config, seed=0, attention=paged_attention_reference), "int8").eval()
-    reference = _dequantized_copy(model).eval()
+    reference = dequantized_copy(model).eval()
     rng = random.Random(num_prompts)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(num_prompts)]
     expected = [reference_greedy(reference, p, NUM_NEW_TOKENS) for p in prompts]

@@ -1,0 +1,60 @@
+"""The int8 triton kernel (tandem.kernels.int8_triton) against the float64 product.
+
+Run as a script with TRITON_INTERPRET=1 (test_int8_triton.py starts it in a subprocess), it
+checks the kernel in triton's CPU interpreter in float32 and float16 and prints one JSON line per
+case, exit status 1 if any fails; on CUDA the test calls `cases` directly, in bfloat16 too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from tandem.kernels import int8_triton
+
+# One float32 sum per output, rounded once to the dtype: within a unit or two in its last place.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
+    generator = torch.Generator().manual_seed(0)
+    name = str(dtype).removeprefix("torch.")
+    # 80 channels: two full programs and a masked one; 200 inputs: a masked last slice; 40 rows:
+    # two full row tiles and a masked one.
+    weight = torch.randint(-127, 128, (80, 200), generator=generator, dtype=torch.int8).to(device)
+    scale = (torch.rand(80, generator=generator) / 100 + 1e-3).to(device, dtype)
+    x = torch.randn(40, 200, generator=generator).to(device, dtype)
+    out = int8_triton.int8_mm(x, weight, scale)
+    want = x.double() @ (weight.double() * scale.double()[:, None]).T
+    error = (out.double() - want).abs().max().item()
+    yield {
+        "case": f"product_{name}",
+        "ok": out.dtype == dtype and out.shape == (40, 80) and error <= TOLERANCE[dtype] * want.abs().max().item(),
+        "max_err": error,
+    }
+
+    alone = torch.cat([int8_triton.int8_mm(x[i : i + 1], weight, scale) for i in range(x.shape[0])])
+    yield {
+        "case": f"rows_own_bits_{name}",
+        "ok": torch.equal(out, alone) and torch.equal(int8_triton.int8_mm(x[:7], weight, scale), alone[:7]),
+    }
+
+    wide = torch.cat([x, x], dim=1)[:, :200]  # rows 400 elements apart
+    yield {"case": f"strided_rows_{name}", "ok": torch.equal(int8_triton.int8_mm(wide, weight, scale), out)}
+
+    empty = int8_triton.int8_mm(x[:0], weight, scale)
+    yield {"case": f"no_rows_{name}", "ok": empty.shape == (0, 80) and empty.dtype == dtype}
+
+
+def main() -> int:
+    results = [result for dtype in (torch.float32, torch.float16) for result in cases("cpu", dtype)]
+    for result in results:
+        print(json.dumps(result))
+    return 0 if all(result["ok"] for result in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
