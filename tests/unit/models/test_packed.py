@@ -187,6 +187,42 @@ def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_one_call_decode_sees_a_swapped_module_at_the_next_step(dtype):
+    """It keeps the weights list it built; a projection or attention swapped after that is what
+    the next step runs (a stale list would decode with the old projection, or the CPU kernels)."""
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024)
+    model = pack_model(random_model(config, seed=1, attention=paged_attention_cpu, dtype=dtype)).eval()
+    inner = model.model
+    plan = inner.fast_decode
+    assert isinstance(plan, PackedDecode)
+    calls: list[bool] = []
+
+    def counted(*args):
+        out = plan(*args)
+        calls.append(out is not None)
+        return out
+
+    def greedy(fast_decode) -> list[int]:
+        inner.fast_decode = fast_decode
+        engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=64))
+        outputs = engine.generate([Request("r", (5, 6, 7, 8), SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))])
+        return [t for out in outputs["r"] for t in out.new_token_ids]
+
+    before = greedy(counted)
+    assert calls and all(calls), "the one call ran"
+    other = random_model(config, seed=2, attention=paged_attention_cpu, dtype=dtype).model.layers[0].self_attn.o_proj
+    inner.layers[0].self_attn.o_proj = PackedLinear.from_linear(other)
+    swapped = greedy(counted)
+    assert swapped != before, "the swap changes the answer (else this test could not tell)"
+    assert swapped == greedy(None), "the one call ran the swapped projection"
+    calls.clear()
+    for layer in inner.layers:
+        layer.self_attn.attention = paged_attention_reference
+    greedy(counted)
+    assert calls and not any(calls), "declined once attention is not the CPU kernels'"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_one_call_decode_declines_what_it_does_not_run(dtype):
     """A projection with a bias, or attention other than the CPU kernels', leaves the step to the
     layers as written."""
