@@ -3,35 +3,17 @@ they replace gives: in triton's CPU interpreter here, compiled on CUDA where the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from triton_fused_check import cases
+from triton_interpreter import interpreted_results, needs_cuda, needs_triton
 
-from tandem.kernels import fused_triton, is_triton_available
-
-HERE = Path(__file__).resolve().parent
-needs_triton = pytest.mark.skipif(not is_triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not is_triton_available(), reason="needs a CUDA GPU and triton")
+from tandem.kernels import fused_triton
 
 
 @needs_triton
 def test_fused_kernels_match_torch_in_the_interpreter() -> None:
-    # A subprocess: @triton.jit picks interpreted or compiled when the kernel module is imported.
-    tests = str(HERE.parent.parent)  # reference_model's folder
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run(
-        [sys.executable, str(HERE / "triton_fused_check.py")], cwd=HERE, env=env, capture_output=True, text=True, timeout=300
-    )
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert results, f"no results (exit {run.returncode}):\n{run.stderr[-4000:]}"
-    failed = [result for result in results if not result["ok"]]
-    assert not failed and run.returncode == 0, f"{failed}\n{run.stderr[-4000:]}"
+    results = interpreted_results("triton_fused_check.py")
     assert len(results) == 15 and results[-1]["case"] == "fused_layers_float32"
 
 

@@ -4,35 +4,18 @@ for CUDA rows only."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from triton_int8_check import cases
+from triton_interpreter import interpreted_results, needs_cuda, needs_triton
 
-from tandem.kernels import int8_triton, is_triton_available
+from tandem.kernels import int8_triton
 from tandem.models.quant import Int8Linear
-
-HERE = Path(__file__).resolve().parent
-needs_triton = pytest.mark.skipif(not is_triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not is_triton_available(), reason="needs a CUDA GPU and triton")
 
 
 @needs_triton
 def test_int8_kernel_matches_the_product_in_the_interpreter() -> None:
-    # A subprocess: @triton.jit picks interpreted or compiled when the kernel module is imported.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, str(HERE / "triton_int8_check.py")], cwd=HERE, env=env, capture_output=True, text=True, timeout=300
-    )
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert results, f"no results (exit {run.returncode}):\n{run.stderr[-4000:]}"
-    failed = [result for result in results if not result["ok"]]
-    assert not failed and run.returncode == 0, f"{failed}\n{run.stderr[-4000:]}"
+    results = interpreted_results("triton_int8_check.py")
     assert len(results) == 8 and results[-1]["case"] == "no_rows_float16"
 
 

@@ -4,41 +4,18 @@ compiled on CUDA where there is one), and its wrapper refuses what the kernel ca
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from paged_batches import DECODE_ONLY, MIXED, PREFILL_ONLY, PagedStep, make_step
+from triton_interpreter import interpreted_results, needs_cuda, needs_triton
 
-from tandem.kernels import is_triton_available, paged_attention_reference, paged_attention_triton, select_attention
-
-HERE = Path(__file__).resolve().parent
-needs_triton = pytest.mark.skipif(not is_triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not is_triton_available(), reason="needs a CUDA GPU and triton")
+from tandem.kernels import paged_attention_reference, paged_attention_triton, select_attention
 
 
 @needs_triton
 def test_triton_kernel_matches_reference_in_interpreter() -> None:
-    # A subprocess: @triton.jit chooses interpreted or compiled when the kernel module is
-    # imported, so TRITON_INTERPRET=1 must be set before that and must not leak into this process.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, str(HERE / "triton_interpret_check.py")],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert results, f"no results (exit {run.returncode}):\n{run.stderr[-4000:]}"
-    failed = [result for result in results if not result["ok"]]
-    assert not failed and run.returncode == 0, f"{failed}\n{run.stderr[-4000:]}"
-    cases = {result["case"] for result in results}
+    cases = {result["case"] for result in interpreted_results("triton_interpret_check.py")}
     assert {"decode_gqa3_fp32", "mixed_gqa3_fp32", "mixed_gqa3_fp16", "mixed_nan_past_context_fp32"} <= cases
 
 
