@@ -186,7 +186,7 @@ def measure_variant(
     solo = run_ours(loaded, prompts[:1], args.b1_tokens, kv_cache_dtype, enforce_eager)
     prefill_ids = long_prompt(prompts, args.prefill_tokens)
     prefill_s = run_prefill(loaded, prefill_ids, kv_cache_dtype, enforce_eager)
-    prefill_flops = cost.flops_per_token * len(prefill_ids) + cost.attention_flops(len(prefill_ids))
+    prefill_flops = cost.prefill_flops(len(prefill_ids))
     return {
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
         "cuda_graphs": is_gpu and not enforce_eager,

@@ -73,6 +73,11 @@ class ModelCost:
         """One decoded token: every non-embedding weight once (2 FLOPs a multiply-add), plus its logits."""
         return 2 * self.num_non_embedding_params + self.logits_flops
 
+    def prefill_flops(self, num_positions: int) -> int:
+        """One prompt's prefill: every non-embedding weight once a position, causal attention, and
+        the logits of the last position only (the engine samples nothing else)."""
+        return 2 * self.num_non_embedding_params * num_positions + self.logits_flops + self.attention_flops(num_positions)
+
     def attention_flops(self, num_positions: int) -> int:
         """QK^T and PV over causal attention for positions 0..n-1 (position j sees j+1 keys)."""
         return 4 * self.num_layers * self.num_heads * self.head_dim * num_positions * (num_positions + 1) // 2
