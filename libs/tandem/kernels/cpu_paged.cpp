@@ -28,6 +28,7 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include <sleef.h>
 #endif
 
 namespace {
@@ -1741,6 +1742,70 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+#if defined(__AVX512F__)
+// Sixteen floats rounded to bf16 as c10 and torch's vectorized conversion round them: to nearest,
+// ties to even, denormals kept, NaN as 0xffff.
+inline __m256i float_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 is_number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xffff), rounded));
+}
+
+// out = silu(gate) * up, 16 columns a time, as torch computes F.silu(gate) * up with its AVX-512
+// kernels: x / (1 + e^-x) in float32 with SLEEF's e^x (the one torch's vectorized silu calls),
+// rounded to T, then the product in float32 rounded to T.
+template <typename T>
+void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), width = out.size(1), in_stride = gate_up.stride(0);
+  const T* in_ptr = gate_up.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  // torch's grain: below 32,768 elements one thread (a decode step's few rows)
+  at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in_ptr + r * in_stride;
+      const T* up = gate + width;
+      T* dst = out_ptr + r * width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 x = load16(gate + i);
+        __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign))));
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16(silu)), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), float_to_bf16(_mm512_mul_ps(silu, load16(up + i))));
+        } else {
+          _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, load16(up + i)));
+        }
+      }
+    }
+  });
+}
+#endif
+
+// silu(gate) * up for gate_up (tokens, 2 intermediate) = [gate | up] per row (an MLP's fused
+// projection), torch's F.silu(gate) * up bit for bit in one call without its two launches and the
+// SiLU's intermediate tensor. The kernel serves float32 and bf16 rows whose halves are a multiple
+// of 64 wide (where torch's vectorized loops take every element, none its scalar tail) with
+// AVX-512; anything else takes the torch ops themselves.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "gate_up must be a CPU (tokens, 2 * intermediate) tensor");
+  const int64_t width = gate_up.size(1) / 2;
+#if defined(__AVX512F__)
+  const at::ScalarType dtype = gate_up.scalar_type();
+  if ((dtype == at::kFloat || dtype == at::kBFloat16) && width % 64 == 0 && gate_up.stride(1) == 1) {
+    at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+    if (dtype == at::kFloat)
+      silu_mul_kernel<float>(gate_up, out);
+    else
+      silu_mul_kernel<c10::BFloat16>(gate_up, out);
+    return out;
+  }
+#endif
+  return at::mul(at::silu(gate_up.slice(1, 0, width)), gate_up.slice(1, width));
+}
+
 // q and k of a fused qkv projection's output (tokens, (heads + 2 kv_heads) * head_dim), rotated
 // as models/rotary.apply_rotary does ("rotate_half": dimension i pairs with i + head_dim/2, in
 // float32, rounded to the dtype; bit for bit apply_rotary's), each returned contiguous: (tokens,
@@ -1798,7 +1863,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
 
 // A decode step's decoder layers in one call: what models/llama.LlamaModel runs for a step whose
 // every sequence has one new token, on a CPU with these kernels and every projection packed, op
-// for op in the same order (the same kernels, and torch's own add, SiLU and product), so every
+// for op in the same order (the same kernels, silu_mul among them, and torch's own add), so every
 // output has the Python path's bits; without Python between ops (50-90 us a layer of a
 // SmolLM2 batch-1 step). weights: per layer its input norm's weight, packed qkv, packed o, post-
 // attention norm's weight, packed gate_up and packed down; scales: per layer the four
@@ -1828,8 +1893,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const
     const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale);
     h = at::add(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1)));
     const at::Tensor gate_up = packed_mm(rms_norm(h, w[3], eps), w[4], scale_of(2));
-    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
-    h = at::add(h, packed_mm(at::mul(at::silu(halves[0]), halves[1]), w[5], scale_of(3)));
+    h = at::add(h, packed_mm(silu_mul(gate_up), w[5], scale_of(3)));
   }
   return h;
 }
@@ -1847,6 +1911,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype, ScalarType x_dtype) -> bool", &packed_mm_supported);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] scales, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, "
       "Tensor seq_lens, Tensor block_tables, int num_heads, int num_kv_heads, float scale, float eps) -> Tensor");
@@ -1861,6 +1926,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("pack_weight", &pack_weight);
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
   m.impl("decode_layers", &decode_layers);
   m.impl("rotary_qk", &rotary_qk);
 }

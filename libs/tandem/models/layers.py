@@ -104,6 +104,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x)
+        if gate_up.dim() == 2 and has_cpu_kernels(gate_up):
+            return project(self.down_proj, torch.ops.tandem.silu_mul(gate_up))  # torch's bits, one call
         if fused_triton.serves(gate_up):
             return project(self.down_proj, fused_triton.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import wait_until
 from paged_batches import (
     BATCHES,
@@ -30,7 +31,7 @@ from paged_batches import (
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension, paged_attention_cpu, paged_attention_reference, select_attention
-from tandem.models.layers import RMSNorm
+from tandem.models.layers import RMSNorm, SwiGLUMLP
 from tandem.models.loader import load_model
 from tandem.models.quant import Int8Linear
 from tandem.models.rotary import apply_rotary
@@ -283,10 +284,47 @@ def test_rotary_qk_splits_and_rotates_with_apply_rotarys_bits(dtype: torch.dtype
     assert torch.equal(k, apply_rotary(qkv[:, q_size : q_size + kv_size].reshape(tokens, num_kv_heads, head_dim), cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [1536, 64, 100], ids=["smollm2", "one-vector-pair", "torch-path"])
+def test_silu_mul_gives_torchs_silu_times_up_bit_for_bit(width: int, dtype: torch.dtype) -> None:
+    """One row, a decode batch and a prefill chunk (split over threads), values from 0.01 to 300 in
+    size with NaN, infinities and a gate where e^-x overflows: the fused kernel's bits are torch's."""
+    generator = torch.Generator().manual_seed(8)
+    for rows in (1, 7, 300):
+        magnitude = torch.tensor([0.01, 1.0, 4.0, 30.0, 300.0])[torch.randint(0, 5, (rows, 2 * width), generator=generator)]
+        gate_up = (magnitude * torch.randn(rows, 2 * width, generator=generator)).to(dtype)
+        gate_up[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -88.5, -100.0])
+        gate, up = gate_up.chunk(2, dim=-1)
+        fused, plain = torch.ops.tandem.silu_mul(gate_up), F.silu(gate) * up
+        assert fused.shape == plain.shape and fused.is_contiguous()
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # NaN's bits too
+        assert torch.equal(fused.view(bits), plain.view(bits))
+
+
+def test_an_mlp_on_the_cpu_takes_silu_mul_with_the_torch_ops_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(9)
+    mlp = SwiGLUMLP(576, 1536).to(torch.bfloat16)
+    for parameter in mlp.parameters():
+        parameter.data = (0.05 * torch.randn(parameter.shape, generator=generator)).bfloat16()
+    x = torch.randn(40, 576, generator=generator).bfloat16()
+    calls = []
+    silu_mul = torch.ops.tandem.silu_mul
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.ops.tandem, "silu_mul", lambda gate_up: calls.append(gate_up.shape) or silu_mul(gate_up))
+        fused = mlp(x)
+    assert calls == [(40, 3072)]
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_extension, "load", lambda: False)
+        plain = mlp(x)
+    assert torch.equal(fused, plain)
+
+
 def test_the_kernels_refuse_malformed_input_with_an_error_not_a_crash() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.tandem.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        torch.ops.tandem.silu_mul(torch.randn(4, 7))
     with pytest.raises(RuntimeError, match="width must be"):
         torch.ops.tandem.rotary_qk(torch.randn(4, 70), torch.ones(4, 1, 2), torch.ones(4, 1, 2), 2, 1)
     step = make_step(DECODE_ONLY, num_heads=6, num_kv_heads=2)
