@@ -1695,24 +1695,71 @@ inline __m512 bf16x16_to_float(__m256bh v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Sixteen floats rounded to bf16 as c10 and torch's vectorized conversion round them: to nearest,
+// ties to even, denormals kept, NaN as 0xffff.
+inline __m256i float_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 is_number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xffff), rounded));
+}
+#endif
+
+// The sum of a row's squares, in the order the vectorizer picks: one compiled body (never inlined)
+// for every caller, so rms_norm and add_rms_norm sum a row the same way.
+__attribute__((noinline)) float sum_of_squares(const float* row, int64_t width) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
+  return squares;
+}
+
 // RMSNorm as models/layers.RMSNorm computes it, one row per token: the row's mean square in
 // float32, the row scaled by its reciprocal root in float32 and rounded to the dtype, then
-// multiplied by the weight (the product rounded to the dtype). A row's bits depend on it alone.
+// multiplied by the weight (the product rounded to the dtype), into out. A row's bits depend on
+// it alone. With `added` (a tensor like x), the RMSNorm of x + added instead, the sum rounded to
+// T as torch's add rounds it (in float32, to nearest) and written to `sum`.
 template <typename T>
-void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out, const at::Tensor* added = nullptr,
+                     at::Tensor* sum = nullptr) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* x_ptr = x.data_ptr<T>();
+  const T* added_ptr = added == nullptr ? nullptr : added->data_ptr<T>();
+  T* sum_ptr = sum == nullptr ? nullptr : sum->data_ptr<T>();
   const T* w_ptr = weight.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
-      to_float(x_ptr + r * width, row.data(), width);
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
-      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + feps);
+      if (added_ptr != nullptr) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>) {  // the loop below 16 at a time
+          for (; i + 16 <= width; i += 16) {
+            const __m512 total = _mm512_add_ps(load16(x_ptr + r * width + i), load16(added_ptr + r * width + i));
+            if constexpr (std::is_same_v<T, float>) {
+              _mm512_storeu_ps(sum_ptr + r * width + i, total);
+              _mm512_storeu_ps(row.data() + i, total);
+            } else {
+              const __m256i rounded = float_to_bf16(total);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum_ptr + r * width + i), rounded);
+              _mm512_storeu_ps(row.data() + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+            }
+          }
+        }
+#endif
+        for (; i < width; ++i) {
+          const T total = static_cast<T>(static_cast<float>(x_ptr[r * width + i]) + static_cast<float>(added_ptr[r * width + i]));
+          sum_ptr[r * width + i] = total;
+          row[i] = static_cast<float>(total);
+        }
+      } else {
+        to_float(x_ptr + r * width, row.data(), width);
+      }
+      const float inverse = 1.f / std::sqrt(sum_of_squares(row.data(), width) / static_cast<float>(width) + feps);
       T* dst = out_ptr + r * width;
       int64_t i = 0;
 #if defined(__AVX512BF16__)
@@ -1743,16 +1790,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 #if defined(__AVX512F__)
-// Sixteen floats rounded to bf16 as c10 and torch's vectorized conversion round them: to nearest,
-// ties to even, denormals kept, NaN as 0xffff.
-inline __m256i float_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 is_number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xffff), rounded));
-}
-
 // out = silu(gate) * up, 16 columns a time, as torch computes F.silu(gate) * up with its AVX-512
 // kernels: x / (1 + e^-x) in float32 with SLEEF's e^x (the one torch's vectorized silu calls),
 // rounded to T, then the product in float32 rounded to T.
@@ -1804,6 +1841,20 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   }
 #endif
   return at::mul(at::silu(gate_up.slice(1, 0, width)), gate_up.slice(1, width));
+}
+
+// h + added (torch's add, rounded to h's dtype) and that sum's RMSNorm in one call: a residual
+// add and the norm after it, as vLLM's fused_add_rms_norm; the two ops' bits.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& added, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.is_contiguous(), "h must be a contiguous CPU (tokens, hidden) tensor");
+  TORCH_CHECK(added.device().is_cpu() && added.sizes() == h.sizes() && added.is_contiguous() && added.scalar_type() == h.scalar_type(),
+              "added must be a contiguous CPU tensor of h's shape and dtype");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == h.size(1) && weight.scalar_type() == h.scalar_type(),
+              "weight must be a CPU (hidden,) tensor in h's dtype");
+  at::Tensor sum = at::empty_like(h), out = at::empty_like(h);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "add_rms_norm",
+                                  [&] { rms_norm_kernel<scalar_t>(h, weight, eps, out, &added, &sum); });
+  return {sum, out};
 }
 
 // q and k of a fused qkv projection's output (tokens, (heads + 2 kv_heads) * head_dim), rotated
@@ -1863,7 +1914,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Te
 
 // A decode step's decoder layers in one call: what models/llama.LlamaModel runs for a step whose
 // every sequence has one new token, on a CPU with these kernels and every projection packed, op
-// for op in the same order (the same kernels, silu_mul among them, and torch's own add), so every
+// for op in the same order (the same kernels, silu_mul and add_rms_norm among them), so every
 // output has the Python path's bits; without Python between ops (50-90 us a layer of a
 // SmolLM2 batch-1 step). weights: per layer its input norm's weight, packed qkv, packed o, post-
 // attention norm's weight, packed gate_up and packed down; scales: per layer the four
@@ -1881,19 +1932,22 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const
   const int64_t tokens = hidden.size(0), head_dim = kv_cache.size(5);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const at::Tensor k_caches = kv_cache.select(2, 0), v_caches = kv_cache.select(2, 1);
-  at::Tensor h = hidden;
+  at::Tensor h = hidden, normed = layers > 0 ? rms_norm(hidden, weights[0], eps) : hidden;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeights;
     const auto scale_of = [&](int64_t i) { return scales.get(l * kScales + i); };
-    const at::Tensor qkv = packed_mm(rms_norm(h, w[0], eps), w[1], scale_of(0));
+    const at::Tensor qkv = packed_mm(normed, w[1], scale_of(0));
     auto [q, k] = rotary_qk(qkv, cos, sin, num_heads, num_kv_heads);
     const at::Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads, head_dim});
     at::Tensor k_cache = k_caches.select(1, l), v_cache = v_caches.select(1, l);
     write_kv(k, v, k_cache, v_cache, slot_mapping);
     const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale);
-    h = at::add(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1)));
-    const at::Tensor gate_up = packed_mm(rms_norm(h, w[3], eps), w[4], scale_of(2));
-    h = at::add(h, packed_mm(silu_mul(gate_up), w[5], scale_of(3)));
+    std::tie(h, normed) = add_rms_norm(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1)), w[3], eps);
+    const at::Tensor down = packed_mm(silu_mul(packed_mm(normed, w[4], scale_of(2))), w[5], scale_of(3));
+    if (l + 1 < layers)
+      std::tie(h, normed) = add_rms_norm(h, down, weights[(l + 1) * kWeights], eps);  // the next layer's input norm
+    else
+      h = at::add(h, down);
   }
   return h;
 }
@@ -1912,6 +1966,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("add_rms_norm(Tensor h, Tensor added, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] scales, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, "
       "Tensor seq_lens, Tensor block_tables, int num_heads, int num_kv_heads, float scale, float eps) -> Tensor");
@@ -1927,6 +1982,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("decode_layers", &decode_layers);
   m.impl("rotary_qk", &rotary_qk);
 }

@@ -272,6 +272,21 @@ def test_rms_norm_gives_the_torch_norms_bits_in_bf16_and_its_values_in_fp32(monk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rms_norm_gives_the_residual_add_and_the_norm_after_it_their_own_bits(dtype: torch.dtype) -> None:
+    """The residual h + added as torch adds it, and rms_norm's bits on that sum: what the two
+    calls give one after the other, for one row and for rows split over threads."""
+    generator = torch.Generator().manual_seed(10)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    for rows in (1, 300):
+        h = (3 * torch.randn(rows, 576, generator=generator)).to(dtype)
+        added = torch.randn(rows, 576, generator=generator).to(dtype)
+        total, normed = torch.ops.tandem.add_rms_norm(h, added, weight, 1e-5)
+        assert torch.equal(total, h + added)
+        assert torch.equal(normed, torch.ops.tandem.rms_norm(h + added, weight, 1e-5))
+        assert not torch.equal(normed, torch.ops.tandem.rms_norm(h, weight, 1e-5))  # the norm is of the sum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rotary_qk_splits_and_rotates_with_apply_rotarys_bits(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(7)
     num_heads, num_kv_heads, head_dim, tokens = 9, 3, 64, 200
@@ -325,6 +340,8 @@ def test_the_kernels_refuse_malformed_input_with_an_error_not_a_crash() -> None:
         torch.ops.tandem.rms_norm(x, torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="gate_up must be"):
         torch.ops.tandem.silu_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="added must be"):
+        torch.ops.tandem.add_rms_norm(x, torch.randn(4, 7), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="width must be"):
         torch.ops.tandem.rotary_qk(torch.randn(4, 70), torch.ones(4, 1, 2), torch.ones(4, 1, 2), 2, 1)
     step = make_step(DECODE_ONLY, num_heads=6, num_kv_heads=2)
