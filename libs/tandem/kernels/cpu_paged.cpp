@@ -1831,7 +1831,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t width = gate_up.size(1) / 2;
 #if defined(__AVX512F__)
   const at::ScalarType dtype = gate_up.scalar_type();
-  if ((dtype == at::kFloat || dtype == at::kBFloat16) && width % 64 == 0 && gate_up.stride(1) == 1) {
+  if ((dtype == at::kFloat || dtype == at::kBFloat16) && width > 0 && width % 64 == 0 && gate_up.stride(1) == 1) {
     at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
     if (dtype == at::kFloat)
       silu_mul_kernel<float>(gate_up, out);

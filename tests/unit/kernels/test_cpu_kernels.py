@@ -340,6 +340,7 @@ def test_the_kernels_refuse_malformed_input_with_an_error_not_a_crash() -> None:
         torch.ops.tandem.rms_norm(x, torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="gate_up must be"):
         torch.ops.tandem.silu_mul(torch.randn(4, 7))
+    assert torch.ops.tandem.silu_mul(torch.randn(4, 0)).shape == (4, 0)  # no columns: no division by zero width
     with pytest.raises(RuntimeError, match="added must be"):
         torch.ops.tandem.add_rms_norm(x, torch.randn(4, 7), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="width must be"):
