@@ -146,10 +146,9 @@ inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, int
 
 // Sixteen elements of a cache row as floats (each conversion is exact).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(widened, 16));
-}
+// Sixteen bf16 bit patterns as floats (exact: a bf16 is a float32's upper half).
+inline __m512 bf16_bits_to_float(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 load16(const c10::BFloat16* p) { return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // The `count` rows of HD elements at `src`, `stride` elements apart, as floats in `dst`.
@@ -766,17 +765,13 @@ inline void accumulate_pairs(const int32_t* const* weights, const int32_t* value
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc[m] + 16 * c, a[m][c]);
 }
 
-// p[0 .. len) rounded to bf16 (to nearest, ties to even) at out, zeros from len to `end` (even).
-inline void weights_to_bf16(const float* p, int64_t len, int64_t end, c10::BFloat16* out) {
-  int64_t t = 0;
-  for (; t + 16 <= len; t += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t))));
-  if (t < len) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
+// p[0 .. len) rounded to bf16 (to nearest, ties to even) at out, zeros from len to the next
+// multiple of 16 (so the pair holding position len - 1 is whole).
+inline void weights_to_bf16(const float* p, int64_t len, c10::BFloat16* out) {
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 m = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + t))));
-    t += 16;
   }
-  for (int64_t i = len; i < std::max(t, end); ++i) out[i] = c10::BFloat16(0.f);
 }
 #endif
 
@@ -930,7 +925,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         // then summed against the V pairs by bf16 dot products: up to its shortest member's
         // context a group of queries shares every pair it loads, then each goes on alone.
         for (int64_t index = 0; index < num_queries; ++index)
-          weights_to_bf16(scores.data() + index * padded_len, lens[index], (lens[index] + 1) / 2 * 2, weights.data() + index * padded_len);
+          weights_to_bf16(scores.data() + index * padded_len, lens[index], weights.data() + index * padded_len);
         const int32_t* values = all_values_p.data() + h * padded_len * HD / 2;
         const auto pairs_of = [&](int64_t index) { return reinterpret_cast<const int32_t*>(weights.data() + index * padded_len); };
         constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V pair is loaded for (their sums in registers)
@@ -1689,10 +1684,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }
 
 #if defined(__AVX512BF16__)
-// 16 bf16 values widened to float32 (exact: a bf16 is a float32's upper half).
-inline __m512 bf16x16_to_float(__m256bh v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(v)), 16));
-}
+// 16 bf16 values widened to float32.
+inline __m512 bf16x16_to_float(__m256bh v) { return bf16_bits_to_float(reinterpret_cast<__m256i>(v)); }
 #endif
 
 #if defined(__AVX512F__)
@@ -1746,7 +1739,7 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, 
             } else {
               const __m256i rounded = float_to_bf16(total);
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum_ptr + r * width + i), rounded);
-              _mm512_storeu_ps(row.data() + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+              _mm512_storeu_ps(row.data() + i, bf16_bits_to_float(rounded));
             }
           }
         }
@@ -1809,7 +1802,7 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
         const __m512 x = load16(gate + i);
         __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign))));
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16(silu)), 16));
+          silu = bf16_bits_to_float(float_to_bf16(silu));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), float_to_bf16(_mm512_mul_ps(silu, load16(up + i))));
         } else {
           _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, load16(up + i)));
