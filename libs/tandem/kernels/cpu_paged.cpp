@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1278,11 +1279,59 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 constexpr int64_t kPackedGroup = 16;  // channels a packed group holds (one float32 vector of sums)
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kTileGroups = 3;
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+constexpr bool kInt8SignMagnitude = true;  // int8 weights for bf16 rows packed as int8_rows_to_bf16 reads them
+#else
+constexpr bool kInt8SignMagnitude = false;
+#endif
 
 #if defined(__AVX512BF16__)
 // The 16 channels' pairs at a packed row: bf16 ones as they are, int8 ones widened.
 inline __m512bh packed_pairs(const int32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 inline __m512bh packed_pairs(const int8_t* p) { return int8_to_bf16x32(p); }
+
+#if defined(__AVX512VBMI__)
+// With byte permutes (AVX512-VBMI), int8 weights for bf16 rows are packed for a cheaper widening:
+// sign and magnitude (bit 7 the sign, bits 0-6 |w| <= 127), and each two packed rows' 64 bytes in
+// 8-byte chunks taken from one row and the other in turn. Two table lookups give the bf16 bits'
+// low and high bytes of |w| (exact), the sign joins the high byte, and the bytes' interleave
+// within each 128-bit lane gives both rows in order: five operations for 64 weights, against ten
+// through float32 (widening had made a decode step's int8 products compute-bound).
+
+constexpr uint16_t bf16_bits_of_small(int m) {  // bf16 of 0 <= m <= 127: exact, 7 significant bits at most
+  if (m == 0) return 0;
+  int e = 0;
+  while ((2 << e) <= m) ++e;
+  return static_cast<uint16_t>(((127 + e) << 7) | ((m << (7 - e)) & 0x7F));
+}
+
+struct Bf16ByteTables {
+  __m512i low0, low1, high0, high1;  // bytes of bf16(m) for m = 0-63 and 64-127
+};
+
+inline Bf16ByteTables bf16_byte_tables() {
+  alignas(64) static const auto bytes = [] {
+    std::array<uint8_t, 256> t{};
+    for (int m = 0; m < 128; ++m) {
+      t[m] = static_cast<uint8_t>(bf16_bits_of_small(m) & 0xFF);
+      t[128 + m] = static_cast<uint8_t>(bf16_bits_of_small(m) >> 8);
+    }
+    return t;
+  }();
+  return {_mm512_load_si512(bytes.data()), _mm512_load_si512(bytes.data() + 64), _mm512_load_si512(bytes.data() + 128),
+          _mm512_load_si512(bytes.data() + 192)};
+}
+
+// Two packed rows of sign-magnitude int8 weights (64 bytes, pack_weight's chunks) -> their bf16 pairs.
+inline void int8_rows_to_bf16(const int8_t* p, const Bf16ByteTables& t, __m512bh& first, __m512bh& second) {
+  const __m512i w = _mm512_loadu_si512(p);
+  const __m512i low = _mm512_permutex2var_epi8(t.low0, w, t.low1);  // indexes bits 0-6: |w|
+  const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.high0, w, t.high1), w, _mm512_set1_epi8(static_cast<char>(0x80)),
+                                                 0xF8);  // a | (b & c): the sign bit joins
+  first = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(low, high));
+  second = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(low, high));
+}
+#endif
 
 // Packed rows ahead of an int8 tile of 1-2 rows that it asks for its groups' weights (1 KB): it
 // widens them as it reads, slowly enough that the hardware's prefetch falls behind (SmolLM2's 120
@@ -1298,11 +1347,32 @@ inline void packed_tile(const c10::BFloat16* x, int64_t xs, const P* panel, int6
   __m512 acc[MR][NR];
   for (int64_t m = 0; m < MR; ++m)
     for (int64_t j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+#if defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<P, int8_t>) {  // two packed rows at a time (pairs is even)
+    const Bf16ByteTables tables = bf16_byte_tables();
+    for (int64_t p = 0; p < pairs; p += 2) {
+      if constexpr (MR <= 2) {  // past the end of its groups, the next tile's (they follow)
+        const int64_t ahead = p + kInt8PairsAhead;
+        for (int64_t j = 0; j < NR; ++j) __builtin_prefetch(panel + (ahead < pairs ? j * pairs + ahead : (NR + j) * pairs + ahead - pairs) * kRow);
+      }
+      __m512bh first[NR], second[NR];
+      for (int64_t j = 0; j < NR; ++j) int8_rows_to_bf16(panel + (j * pairs + p) * kRow, tables, first[j], second[j]);
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair_at(x + m * xs + 2 * p)));
+        for (int64_t j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, first[j]);
+        const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair_at(x + m * xs + 2 * p + 2)));
+        for (int64_t j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, second[j]);
+      }
+    }
+  } else
+#endif
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh b[NR];
     if constexpr (std::is_same_v<P, int8_t> && MR <= 2) {
-      if (p % 2 == 0)  // a line holds two packed rows
-        for (int64_t j = 0; j < NR; ++j) __builtin_prefetch(panel + (j * pairs + p + kInt8PairsAhead) * kRow);
+      if (p % 2 == 0) {  // a line holds two packed rows; past the end of its groups, the next tile's (they follow)
+        const int64_t ahead = p + kInt8PairsAhead;
+        for (int64_t j = 0; j < NR; ++j) __builtin_prefetch(panel + (ahead < pairs ? j * pairs + ahead : (NR + j) * pairs + ahead - pairs) * kRow);
+      }
     }
     for (int64_t j = 0; j < NR; ++j) b[j] = packed_pairs(panel + (j * pairs + p) * kRow);
     for (int64_t m = 0; m < MR; ++m) {
@@ -1370,8 +1440,18 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
         packed_panel(x_ptr, xs, M, width, panel, pairs, tile_scale, o, N);
         continue;
       }
+#if defined(__AVX512VBMI__)
+      const Bf16ByteTables tables = bf16_byte_tables();
+      for (int64_t i = 0; i < width * pairs; i += 2) {
+        __m512bh first, second;
+        int8_rows_to_bf16(panel + i * 2 * kPackedGroup, tables, first, second);
+        _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(first));
+        _mm512_storeu_si512(widened.data() + (i + 1) * kPackedGroup, reinterpret_cast<__m512i>(second));
+      }
+#else
       for (int64_t i = 0; i < width * pairs; ++i)
         _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(int8_to_bf16x32(panel + i * 2 * kPackedGroup)));
+#endif
       packed_panel(x_ptr, xs, M, width, static_cast<const int32_t*>(widened.data()), pairs, tile_scale, o, N);
     }
   });
@@ -1530,12 +1610,13 @@ void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const fl
 #endif
 
 // Whether packed_mm serves a weight of this shape and type for rows of x_dtype here: bf16 rows
-// (AVX512-BF16) with bf16 or int8 weights, K even; float32 rows (AVX2 and FMA) with float32 or
-// int8 weights; N a multiple of 16 either way.
+// (AVX512-BF16) with bf16 weights, K even, or int8 ones, K a multiple of 4; float32 rows (AVX2
+// and FMA) with float32 or int8 weights; N a multiple of 16 either way.
 bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype, at::ScalarType x_dtype) {
   if (out_features <= 0 || out_features % kPackedGroup != 0 || in_features <= 0) return false;
 #if defined(__AVX512BF16__)
-  if (x_dtype == at::kBFloat16 && (dtype == at::kBFloat16 || dtype == at::kChar) && in_features % 2 == 0) return true;
+  if (x_dtype == at::kBFloat16 && dtype == at::kBFloat16 && in_features % 2 == 0) return true;
+  if (x_dtype == at::kBFloat16 && dtype == at::kChar && in_features % 4 == 0) return true;  // pairs of pairs (int8_rows_to_bf16)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (x_dtype == at::kFloat && (dtype == at::kFloat || dtype == at::kChar)) return true;
@@ -1551,7 +1632,14 @@ at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype) {
               weight.size(0), "x", weight.size(1), " ", weight.scalar_type(), " weight for ", x_dtype, " rows here");
   const int64_t N = weight.size(0), K = weight.size(1);
   if (x_dtype == at::kFloat) return weight.reshape({N / kPackedGroup, kPackedGroup, K}).permute({0, 2, 1}).contiguous();
-  return weight.reshape({N / kPackedGroup, kPackedGroup, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().reshape({N / kPackedGroup, K / 2, 2 * kPackedGroup});
+  const at::Tensor pairs = weight.reshape({N / kPackedGroup, kPackedGroup, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  if (weight.scalar_type() == at::kChar)
+    TORCH_CHECK(weight.min().item<int8_t>() > -128, "an int8 weight for bf16 rows must lie in -127..127 (exact in bf16's 8 bits)");
+  if (weight.scalar_type() != at::kChar || !kInt8SignMagnitude) return pairs.reshape({N / kPackedGroup, K / 2, 2 * kPackedGroup});
+  // int8_rows_to_bf16's packing: sign and magnitude, two packed rows in alternate 8-byte chunks
+  const at::Tensor chunked = pairs.reshape({N / kPackedGroup, K / 4, 2, 4, 8}).permute({0, 1, 3, 2, 4}).contiguous();
+  const at::Tensor magnitude = chunked.abs();
+  return at::where(chunked < 0, magnitude.bitwise_or(-128), magnitude).reshape({N / kPackedGroup, K / 2, 2 * kPackedGroup});
 }
 
 at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale) {

@@ -518,6 +518,27 @@ def test_packed_mm_with_an_int8_weight_scales_each_channel_s_sum(dtype: torch.dt
         torch.ops.tandem.packed_mm(x, packed, scale[:16])
 
 
+@pytest.mark.skipif(not _packed_serves(torch.bfloat16), reason="packed_mm serves bf16 rows on a CPU with AVX512-BF16")
+def test_packed_mm_widens_every_int8_value_exactly() -> None:
+    """An int8 weight under a scale of 1 gives the bits of the same weight as bf16 (each value is
+    exact there): every value from -127 to 127, for the rows of a decode step and of a prefill,
+    whose tiles widen the packed bytes in different places. -128, and an odd number of input
+    pairs, are refused."""
+    generator = torch.Generator().manual_seed(9)
+    values = torch.arange(-127, 128, dtype=torch.int8)
+    weight = values[torch.randperm(48 * 320, generator=generator) % values.numel()].reshape(48, 320)
+    as_bf16 = torch.ops.tandem.pack_weight(weight.to(torch.bfloat16), torch.bfloat16)
+    packed = torch.ops.tandem.pack_weight(weight, torch.bfloat16)
+    ones = torch.ones(48, dtype=torch.bfloat16)
+    x = torch.randn(12, 320, generator=generator).to(torch.bfloat16)
+    for rows in (1, 2, 8, 12):
+        assert torch.equal(torch.ops.tandem.packed_mm(x[:rows], packed, ones), torch.ops.tandem.packed_mm(x[:rows], as_bf16)), f"{rows} rows"
+    with pytest.raises(RuntimeError, match="-127..127"):
+        torch.ops.tandem.pack_weight(torch.full((16, 64), -128, dtype=torch.int8), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not serve"):
+        torch.ops.tandem.pack_weight(torch.zeros(16, 66, dtype=torch.int8), torch.bfloat16)
+
+
 def test_packed_mm_refuses_malformed_input_with_an_error_not_a_crash() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         with pytest.raises(RuntimeError, match="does not serve"):
