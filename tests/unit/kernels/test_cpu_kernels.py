@@ -532,7 +532,9 @@ def test_packed_mm_widens_every_int8_value_exactly() -> None:
     ones = torch.ones(48, dtype=torch.bfloat16)
     x = torch.randn(12, 320, generator=generator).to(torch.bfloat16)
     for rows in (1, 2, 8, 12):
-        assert torch.equal(torch.ops.tandem.packed_mm(x[:rows], packed, ones), torch.ops.tandem.packed_mm(x[:rows], as_bf16)), f"{rows} rows"
+        assert torch.equal(torch.ops.tandem.packed_mm(x[:rows], packed, ones), torch.ops.tandem.packed_mm(x[:rows], as_bf16)), (
+            f"{rows} rows"
+        )
     with pytest.raises(RuntimeError, match="-127..127"):
         torch.ops.tandem.pack_weight(torch.full((16, 64), -128, dtype=torch.int8), torch.bfloat16)
     with pytest.raises(RuntimeError, match="does not serve"):
