@@ -16,6 +16,7 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from tandem.engine.sequence import SamplingOptions
+from tandem.kernels import cpu_extension
 
 _MASK_64 = (1 << 64) - 1
 
@@ -46,7 +47,7 @@ class Sampler:
             raise ValueError(
                 f"logits {tuple(logits.shape)} need one options and one generator per row, got {len(options)} and {len(generators)}"
             )
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
         random_rows = [i for i, option in enumerate(options) if not option.is_greedy]
         if not random_rows:
             return tokens
@@ -59,11 +60,21 @@ class Sampler:
         for j, i in enumerate(random_rows):
             if generators[i] is not None:
                 noise[j].exponential_(generator=generators[i])
-        choice = (probs / noise.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        choice = _argmax(probs / noise.clamp_(min=torch.finfo(torch.float32).tiny))
         if token_of_column is not None:
             choice = token_of_column.gather(1, choice.unsqueeze(1)).squeeze(1)
         tokens[rows] = choice
         return tokens
+
+
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as torch.argmax answers it (the first of equals, a NaN first): on a CPU
+    by the C++ kernels' (a batch-32 step's logits over SmolLM2's 49,152 tokens: 126 us against
+    torch's 673)."""
+    if rows.device.type == "cpu" and cpu_extension.load():
+        tokens: torch.Tensor = torch.ops.tandem.argmax_rows(rows)
+        return tokens
+    return rows.argmax(dim=-1)
 
 
 def _filtered_probs(scaled: torch.Tensor, options: list[SamplingOptions]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -316,6 +316,33 @@ def test_silu_mul_gives_torchs_silu_times_up_bit_for_bit(width: int, dtype: torc
         assert torch.equal(fused.view(bits), plain.view(bits))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64-torch-path"])
+def test_argmax_rows_answers_as_torch_argmax_does(dtype: torch.dtype) -> None:
+    """SmolLM2's vocabulary and lengths around the kernel's 16 lanes and 4 chains, with ties (the
+    first of equal values), rows of -inf, NaN (the first NaN) and infinity, rows apart in memory."""
+    generator = torch.Generator().manual_seed(10)
+    rows = [torch.randn(33, 49152, generator=generator)]
+    for length in (1, 7, 16, 17, 64, 65, 100, 129):
+        rows.append(torch.randint(-3, 3, (9, length), generator=generator).float())  # many ties
+        rows.append(torch.randn(9, length, generator=generator))
+    special = torch.randn(6, 100, generator=generator)
+    special[0] = -float("inf")
+    special[1, 37], special[1, 80], special[1, 90] = float("nan"), float("nan"), float("inf")
+    special[2, 99] = float("nan")
+    special[3, 5], special[3, 70] = float("inf"), float("inf")
+    special[4, 0] = -float("inf")
+    rows.append(special)
+    for logits in rows:
+        logits = logits.to(dtype)
+        assert torch.equal(torch.ops.tandem.argmax_rows(logits), logits.argmax(dim=-1)), logits.shape
+        apart = torch.cat([logits, logits], dim=1)[:, 1:]  # rows twice their length apart, one column in
+        assert torch.equal(torch.ops.tandem.argmax_rows(apart), apart.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="logits must be"):
+        torch.ops.tandem.argmax_rows(torch.zeros(8))
+    with pytest.raises(RuntimeError, match="logits must be"):
+        torch.ops.tandem.argmax_rows(torch.zeros(2, 0))
+
+
 def test_an_mlp_on_the_cpu_takes_silu_mul_with_the_torch_ops_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     generator = torch.Generator().manual_seed(9)
     mlp = SwiGLUMLP(576, 1536).to(torch.bfloat16)
