@@ -249,7 +249,10 @@ async def test_a_cancelled_stream_finishes_with_abort_not_stop(product_stack):
     client = sdk(product_stack)
     model = (await client.models.list()).data[0].id
     long_answer = [{"role": "user", "content": "Write a long story about a dragon."}]
-    stream = await client.chat.completions.create(model=model, messages=long_answer, max_tokens=200, stream=True)
+    # Greedy, so the words are known: a sampled story sometimes trips the output check (the
+    # stack's profanity model) in the tokens written before the cancel lands, and then ends
+    # content_filter, rightly; the greedy one never does in its 200 tokens.
+    stream = await client.chat.completions.create(model=model, messages=long_answer, max_tokens=200, temperature=0, stream=True)
     finishes, num_content_chunks = [], 0
     nc = await nats.connect(product_stack.nats_url)
     try:
