@@ -2,8 +2,8 @@
 // no padding): decode rows (paged_decode) and prefill chunks (paged_prefill); the KV write of a
 // step's new tokens; RMSNorm and the split and rotation of q and k; an int8 layer's product for a
 // decode step's few rows (int8_mm); a bf16 or float32 layer's product for any rows, its weight
-// bf16, float32 or int8 (packed_mm); and greedy sampling's argmax (argmax_rows). Built and loaded by cpu_extension.py; registered as
-// torch.ops.tandem.*.
+// bf16, float32 or int8 (packed_mm); and greedy sampling's argmax (argmax_rows). Built and loaded
+// by cpu_extension.py; registered as torch.ops.tandem.*.
 //
 // Work split of paged_decode: one task per (sequence, kv head); the `group` query heads sharing
 // that kv head are computed together, so each K and V row is read once: bf16 keys are scored as
@@ -1353,7 +1353,8 @@ inline void packed_tile(const c10::BFloat16* x, int64_t xs, const P* panel, int6
     for (int64_t p = 0; p < pairs; p += 2) {
       if constexpr (MR <= 2) {  // past the end of its groups, the next tile's (they follow)
         const int64_t ahead = p + kInt8PairsAhead;
-        for (int64_t j = 0; j < NR; ++j) __builtin_prefetch(panel + (ahead < pairs ? j * pairs + ahead : (NR + j) * pairs + ahead - pairs) * kRow);
+        for (int64_t j = 0; j < NR; ++j)
+          __builtin_prefetch(panel + (ahead < pairs ? j * pairs + ahead : (NR + j) * pairs + ahead - pairs) * kRow);
       }
       __m512bh first[NR], second[NR];
       for (int64_t j = 0; j < NR; ++j) int8_rows_to_bf16(panel + (j * pairs + p) * kRow, tables, first[j], second[j]);
@@ -1371,7 +1372,8 @@ inline void packed_tile(const c10::BFloat16* x, int64_t xs, const P* panel, int6
     if constexpr (std::is_same_v<P, int8_t> && MR <= 2) {
       if (p % 2 == 0) {  // a line holds two packed rows; past the end of its groups, the next tile's (they follow)
         const int64_t ahead = p + kInt8PairsAhead;
-        for (int64_t j = 0; j < NR; ++j) __builtin_prefetch(panel + (ahead < pairs ? j * pairs + ahead : (NR + j) * pairs + ahead - pairs) * kRow);
+        for (int64_t j = 0; j < NR; ++j)
+          __builtin_prefetch(panel + (ahead < pairs ? j * pairs + ahead : (NR + j) * pairs + ahead - pairs) * kRow);
       }
     }
     for (int64_t j = 0; j < NR; ++j) b[j] = packed_pairs(panel + (j * pairs + p) * kRow);
@@ -1901,16 +1903,11 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
 }
 #endif
 
-// silu(gate) * up for gate_up (tokens, 2 intermediate) = [gate | up] per row (an MLP's fused
-// projection), torch's F.silu(gate) * up bit for bit in one call without its two launches and the
-// SiLU's intermediate tensor. The kernel serves float32 and bf16 rows whose halves are a multiple
-// of 64 wide (where torch's vectorized loops take every element, none its scalar tail) with
-// AVX-512; anything else takes the torch ops themselves.
 // Each row's index of its largest value: the first of equal ones, or the first NaN where there is
 // one, as torch.argmax answers; int64 (rows,). Float32 or bf16 rows, sixteen lanes at a time, each
 // lane keeping the first index of its largest value, then the lowest index among the lanes that
 // hold the row's largest (torch's own reduction took 660 us for a batch-32 step's float32 logits
-// over SmolLM2's 49,152 tokens; this one 20-30).
+// over SmolLM2's 49,152 tokens; this one 126).
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
@@ -1984,6 +1981,11 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return at::argmax(logits, 1);
 }
 
+// silu(gate) * up for gate_up (tokens, 2 intermediate) = [gate | up] per row (an MLP's fused
+// projection), torch's F.silu(gate) * up bit for bit in one call without its two launches and the
+// SiLU's intermediate tensor. The kernel serves float32 and bf16 rows whose halves are a multiple
+// of 64 wide (where torch's vectorized loops take every element, none its scalar tail) with
+// AVX-512; anything else takes the torch ops themselves.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "gate_up must be a CPU (tokens, 2 * intermediate) tensor");
