@@ -11,12 +11,29 @@ import json
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from tandem.kernels import int8_triton
 
 # One float32 sum per output, rounded once to the dtype: within a unit or two in its last place.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def numpy_gives_rows_their_own_bits() -> bool:
+    """Whether this host's numpy matmul (the interpreter's tl.dot) gives a tile's row the same bits
+    alone, among zero rows, as among other rows. Not everywhere: OpenBLAS takes a tile's rows in
+    groups and the rest through another kernel (on an AMD EPYC Zen 5, rows 6-11 of a 16-row tile
+    came out an ulp apart), and there the interpreter cannot show the kernel's own row bits."""
+    rng = np.random.default_rng(0)
+    a, b = rng.random((16, 128), dtype=np.float32), rng.random((128, 16), dtype=np.float32)
+    together = a @ b
+    for i in range(16):
+        alone = np.zeros_like(a)
+        alone[0] = a[i]
+        if not np.array_equal((alone @ b)[0], together[i]):
+            return False
+    return True
 
 
 def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
@@ -37,10 +54,13 @@ def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
     }
 
     alone = torch.cat([int8_triton.int8_mm(x[i : i + 1], weight, scale) for i in range(x.shape[0])])
-    yield {
-        "case": f"rows_own_bits_{name}",
-        "ok": torch.equal(out, alone) and torch.equal(int8_triton.int8_mm(x[:7], weight, scale), alone[:7]),
-    }
+    first7 = int8_triton.int8_mm(x[:7], weight, scale)
+    if device != "cpu" or numpy_gives_rows_their_own_bits():
+        same = torch.equal(out, alone) and torch.equal(first7, alone[:7])
+    else:  # the interpreter on such a host: each row within the product's rounding of the others
+        bound = TOLERANCE[dtype] * want.abs().max().item()
+        same = (out - alone).abs().max().item() <= bound and (first7 - alone[:7]).abs().max().item() <= bound
+    yield {"case": f"rows_own_bits_{name}", "ok": same}
 
     wide = torch.cat([x, x], dim=1)[:, :200]  # rows 400 elements apart
     yield {"case": f"strided_rows_{name}", "ok": torch.equal(int8_triton.int8_mm(wide, weight, scale), out)}
