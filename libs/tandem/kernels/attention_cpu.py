@@ -1,4 +1,4 @@
-"""Paged attention on the CPU through the C++ kernels (cpu_paged.cpp, loaded by cpu_extension):
+"""Paged attention on the CPU through the C++ kernels (kernels/cpu/, loaded by cpu_extension):
 the CPU backend when they build on this machine.
 
 Same contract as attention_reference.paged_attention_reference. A step's new K and V go into the

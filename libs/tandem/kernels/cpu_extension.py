@@ -1,15 +1,16 @@
-"""The C++ CPU kernels (cpu_paged.cpp), compiled on this machine once and loaded from the user's
-cache: `torch.ops.tandem.paged_decode`, `write_kv`, `rms_norm` and `rotary_qk`.
+"""The C++ CPU kernels (cpu/, a file an op or shared concept), compiled on this machine once and
+loaded from the user's cache: the `torch.ops.tandem.*` ops that cpu/register.cpp registers
+(`paged_decode`, `write_kv`, `rms_norm`, `rotary_qk`, `packed_mm` and the others).
 
 Built with torch's extension mechanism (torch.utils.cpp_extension, ninja and the system's C++
 compiler) for this CPU's instruction set (-march=native), at install time (`make`, through
 `cpu_extension.main`) or else at the first load. The folder is
-`$XDG_CACHE_HOME/tandem/kernels/cpu_paged-<key>` (`~/.cache/...`), the key a hash of the
-source, the flags, torch's and Python's versions and the CPU's model and flags, so a changed
-source, a new torch or another machine sharing the home folder builds its own copy. Processes
-starting together build once: each loads or builds under an flock on the folder (_build_lock),
-so none loads a library still being written, and a build killed half-way (kill -9) blocks
-nobody: the next process builds afresh.
+`$XDG_CACHE_HOME/tandem/kernels/cpu_kernels-<key>` (`~/.cache/...`), the key a hash of every
+source and header in cpu/, the flags, torch's and Python's versions and the CPU's model and flags,
+so a changed file, a new torch or another machine sharing the home folder builds its own copy.
+Processes starting together build once: each loads or builds under an flock on the folder
+(_build_lock), so none loads a library still being written, and a build killed half-way (kill -9)
+blocks nobody: the next process builds afresh.
 
 A machine without a C++ compiler still serves: `load()` returns False with the reason logged
 once, and select_attention falls back to the torch path. OpenMP comes from torch's own runtime
@@ -38,9 +39,11 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "tandem_cpu_paged"
-SOURCE = Path(__file__).with_name("cpu_paged.cpp")
+# The kernels' sources (*.cpp, each compiled on its own) and the headers they share (*.h).
+SOURCE_DIR = Path(__file__).with_name("cpu")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
-# How long a process waits for another's build of the same kernels (one takes 10-20 s).
+# How long a process waits for another's build of the same kernels (one takes about 25 s on two
+# cores; ninja compiles the files side by side, so less on more).
 BUILD_WAIT_S = 300.0
 
 
@@ -53,11 +56,17 @@ def _cpu_identity() -> str:
     return "\n".join(line for line in first.splitlines() if line.startswith(("model name", "flags")))
 
 
+def _kernel_files() -> list[Path]:
+    """Every source and header in SOURCE_DIR, in name order."""
+    return sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h"))
+
+
 def build_folder(root: Path | None = None) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    parts = (SOURCE.read_bytes().hex(), " ".join(CFLAGS), torch.__version__, sys.version, _cpu_identity())
+    files = tuple(f"{path.name}\0{path.read_bytes().hex()}" for path in _kernel_files())
+    parts = (*files, " ".join(CFLAGS), torch.__version__, sys.version, _cpu_identity())
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
-    return (root or Path(base) / "tandem" / "kernels") / f"cpu_paged-{key}"
+    return (root or Path(base) / "tandem" / "kernels") / f"cpu_kernels-{key}"
 
 
 def is_loaded() -> bool:
@@ -128,7 +137,8 @@ def _build(folder: Path) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its notes on the compiler's ABI and version
-            cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(folder), is_python_module=False)
+            sources = [str(path) for path in _kernel_files() if path.suffix == ".cpp"]  # each finds its headers beside it
+            cpp_extension.load(NAME, sources, extra_cflags=list(CFLAGS), build_directory=str(folder), is_python_module=False)
     finally:
         os.environ["PATH"] = path
 

@@ -1,5 +1,5 @@
 """Projections packed once for the CPU kernel that multiplies any number of rows with every row's
-bits its own (torch.ops.tandem.packed_mm, kernels/cpu_paged.cpp), in the model's dtype: bf16 rows
+bits its own (torch.ops.tandem.packed_mm, kernels/cpu/packed_mm.cpp), in the model's dtype: bf16 rows
 on a CPU with AVX512-BF16 (bf16 dot products), float32 rows on one with AVX2 and FMA; bf16 or
 float32 weights as the rows, and int8 ones with their scales (models/quant.py), widened in the
 kernel a tile at a time.

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (cpu_paged.cpp): paged decode attention agrees with the reference on every
+"""The C++ CPU kernels (kernels/cpu/): paged decode attention agrees with the reference on every
 batch shape the engine makes and gives a decode row the same bits in any company; the KV write
 touches exactly the new slots; the fused RMSNorm and rotation give the torch ops' bits."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 
@@ -183,12 +184,16 @@ def test_select_attention_uses_the_cpu_kernels_on_the_cpu() -> None:
     assert select_attention("cpu") is paged_attention_cpu
 
 
-def test_the_cache_folder_changes_with_the_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An edited kernel is built afresh, not loaded from the old copy."""
+@pytest.mark.parametrize("name", ["decode_attention.cpp", "vector.h"], ids=["a-source", "a-header"])
+def test_the_cache_folder_changes_with_any_kernel_file(tmp_path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """An edited kernel file, a shared header as much as a source, is built afresh, not loaded from
+    the old copy; an unedited copy of the files keeps the key."""
     before = cpu_extension.build_folder(tmp_path)
-    edited = tmp_path / "cpu_paged.cpp"
-    edited.write_bytes(cpu_extension.SOURCE.read_bytes() + b"\n// edited\n")
-    monkeypatch.setattr(cpu_extension, "SOURCE", edited)
+    sources = shutil.copytree(cpu_extension.SOURCE_DIR, tmp_path / "cpu")
+    monkeypatch.setattr(cpu_extension, "SOURCE_DIR", sources)
+    assert cpu_extension.build_folder(tmp_path) == before
+    edited = sources / name
+    edited.write_bytes(edited.read_bytes() + b"\n// edited\n")
     assert cpu_extension.build_folder(tmp_path) != before
     assert before.parent == tmp_path
 

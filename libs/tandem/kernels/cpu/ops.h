@@ -1,0 +1,55 @@
+// The ops of the C++ CPU kernels, registered as torch.ops.tandem.* by register.cpp and defined in
+// the file named above each. Every op's arithmetic for a row is in a fixed order whatever the
+// batch, so a row gets the same bits alone or in any company.
+#pragma once
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace tandem::cpu {
+
+// decode_attention.cpp
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
+                        const at::Tensor& block_tables, double scale);
+
+// prefill_attention.cpp
+bool prefill_supported(int64_t head_dim, at::ScalarType dtype);
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table, int64_t seq_len,
+                         double scale);
+
+// write_kv.cpp
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// rms_norm.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& added, const at::Tensor& weight, double eps);
+
+// rotary_qk.cpp
+std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                                             int64_t num_kv_heads);
+
+// silu_mul.cpp
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// int8_mm.cpp
+bool int8_mm_supported(int64_t rows, int64_t in_features, at::ScalarType dtype);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale);
+
+// packed_mm.cpp
+bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype, at::ScalarType x_dtype);
+at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype);
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale);
+
+// argmax_rows.cpp
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+// decode_layers.cpp
+at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                         const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads, double scale, double eps);
+
+}  // namespace tandem::cpu
