@@ -136,6 +136,8 @@ class Settings(BaseSettings):
     """a worker's CPU threads for torch's kernels; 0: torch's default, one per core (workers sharing a machine's cores should split them)"""
     cpu_affinity: str = ""
     """the CPUs this service's process runs on, as `0`, `0-3` or `0,2-3` (Linux); a worker's engine then takes one torch thread per CPU unless torch_threads says otherwise; empty: all the CPUs it is given"""
+    gil_switch_interval_ms: Annotated[float, Field(ge=0, le=100)] = 0.1
+    """prefill and decode workers: how long one of the process's Python threads may hold the GIL while another waits for it (sys.setswitchinterval), so the engine's thread waits less behind the event loop's work between its kernels; 0: Python's own 5 ms"""
     ucx_port: int = 0
     """decode workers' UCXX listener for KV handoffs; 0: any free port"""
     ucx_progress_timeout_ms: Annotated[int, Field(ge=1)] = 50

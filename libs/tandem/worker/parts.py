@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -79,6 +80,8 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     fails at start in one line."""
     secret = settings.internal_secret.get_secret_value()
     check_internal_secret(settings.host, secret, is_insecure_allowed=settings.allow_insecure_internal)
+    if settings.gil_switch_interval_ms:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     model = open_model(settings.model_path, settings.served_model_name, settings.quantization)
     spec = EngineSpec.from_settings(settings, model, role)
     grpc_port = settings.grpc_port_for(role)
