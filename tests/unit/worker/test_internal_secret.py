@@ -4,6 +4,7 @@ reaches it: it starts that way on a loopback host, elsewhere only when the opera
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,15 @@ from tandem.worker.parts import build_worker_parts
 def no_secret_settings_from_the_environment(monkeypatch):
     for name in ("TANDEM_INTERNAL_SECRET", "TANDEM_ALLOW_INSECURE_INTERNAL", "TANDEM_HOST"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def switch_interval_restored():
+    """build_worker_parts sets the process's GIL switch interval (TANDEM_GIL_SWITCH_INTERVAL_MS):
+    this test process keeps its own for the tests after these."""
+    saved = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(saved)
 
 
 LOOPBACK = ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LOCALHOST"]
