@@ -77,7 +77,7 @@ class DecodeWorker:
             # dropped by the log now, so stop it; the router places the new owner on another try.
             self._host.abort(assignment.reply_id)
             return refusal("superseded", f"an older run of {assignment.reply_id} is still stopping here", retry_after_s=0.5)
-        refused = unrunnable(self._host, request) or too_busy(self._host, request, assignment.epoch)
+        refused = await unrunnable(self._host, request) or too_busy(self._host, request, assignment.epoch)
         if refused is not None:
             return refused  # nothing kept: the router tries another worker
         # Queued without waiting for the engine's step in progress (seconds for a long chunk on a CPU).

@@ -88,7 +88,7 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             log.info("a new reserve for %s replaced its uncommitted reservation", request.reply_id)
         try:
             engine_req = engine_request(request.reply_id, request.request)
-            self._host.check(engine_req)  # token ids in the vocabulary, a prompt that fits
+            await self._host.check(engine_req)  # token ids in the vocabulary, a prompt that fits
         except ValueError as exc:
             return refuse("bad_request", str(exc))
         try:

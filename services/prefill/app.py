@@ -141,7 +141,7 @@ class PrefillWorker:
             return refusal("bad_request", "an assignment to a prefill worker must name its decode worker")
         if assignment.reply_id in self._in_flight:
             return AssignmentReply(accepted=True)
-        refused = unrunnable(self._host, request) or too_busy(self._host, request, assignment.epoch)
+        refused = await unrunnable(self._host, request) or too_busy(self._host, request, assignment.epoch)
         if refused is not None:
             return refused  # nothing kept: the router tries another worker
         state = _Handoff(assignment, request, self._stub(assignment.decode_grpc_address))

@@ -15,6 +15,7 @@ on; one test deletes the token stream):
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -308,6 +309,28 @@ async def test_an_engine_that_dies_makes_the_worker_say_so_and_exit_1(own_nats, 
     assert heartbeats.seen, "it heartbeat before it exited"
     assert not any(hb.service.is_ready or hb.is_engine_ready for hb in heartbeats.seen)
     assert heartbeats.seen[-1].service.is_draining, "its last heartbeat says it is going"
+
+
+async def test_an_engine_process_killed_mid_reply_makes_the_worker_give_up_its_replies_and_exit_1(own_nats, redis_server, bus):
+    child, instance_id = _worker("decode", own_nats, redis_server.url)
+    heartbeats = await _heartbeats(bus, "decode", instance_id)
+    child.start()
+    try:
+        await heartbeats.wait_for(lambda hb: hb.service.is_ready)
+        stream = await _stream(bus, "reply-engine-killed")
+        assignment = Assignment(reply_id="reply-engine-killed", request=_request([1, 2, 3, 4], 2000), first_seq=1)
+        assert (await _assign(bus, instance_id, assignment)).accepted
+        await asyncio.wait_for(stream.first.wait(), 60)
+        engines = [int(pid) for task in Path(f"/proc/{child.pid}/task").iterdir() for pid in (task / "children").read_text().split()]
+        assert len(engines) == 1, f"one engine process under the worker, not {engines}"
+        os.kill(engines[0], signal.SIGKILL)
+        not_ready = await heartbeats.wait_for(lambda hb: not hb.service.is_ready, timeout_s=60)
+        code = await asyncio.wait_for(child.wait_async(), 60)
+    finally:
+        child.stop(timeout_s=5)
+    assert code == 1, child.recent_output()
+    assert not not_ready.reply_ids and not not_ready.is_engine_ready, "it gives the reply up for another worker to continue"
+    assert not stream.done.is_set(), "no final event: the relay continues the reply elsewhere"
 
 
 async def test_token_events_that_cannot_be_published_make_the_worker_give_up_its_replies_and_exit_1(own_nats, redis_server, bus):

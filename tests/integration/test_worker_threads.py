@@ -45,13 +45,20 @@ def test_a_decode_worker_computes_on_the_torch_threads_it_is_given(nats_server, 
 
 
 def cpus_of_every_thread(pid: int) -> set[str]:
-    """Each thread's Cpus_allowed_list, as the kernel reports it."""
+    """Each thread's Cpus_allowed_list, as the kernel reports it, of the process and of its
+    children (the engine process)."""
     lists = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
             status = (task / "status").read_text()
             lists.add(re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.MULTILINE).group(1))
+            for child in (task / "children").read_text().split():
+                lists |= cpus_of_every_thread(int(child))
     return lists
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs and Linux affinity")
@@ -60,4 +67,5 @@ def test_a_decode_worker_pinned_to_one_cpu_runs_every_thread_there_and_computes_
     # no TANDEM_TORCH_THREADS: the thread count comes from the affinity
     with decode_worker(nats_server, redis_server, TANDEM_CPU_AFFINITY=str(cpu), TANDEM_TORCH_THREADS=None) as (child, num_threads):
         assert num_threads == 1
+        assert children_of(child.pid), "the engine runs in a process of its own (TANDEM_ENGINE_PROCESS)"
         assert cpus_of_every_thread(child.pid) == {str(cpu)}

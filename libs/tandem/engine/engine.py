@@ -13,6 +13,7 @@ request prefill-only and export its blocks; reserve blocks, fill them and import
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +34,11 @@ from tandem.models.loader import LoadedModel
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineFacts",
     "EngineStats",
     "Handoff",
     "ImportReservation",  # defined with the KV cache manager, which makes and frees it
+    "KvCacheAllocator",
     "QueueWait",
     "Request",
     "RequestOutput",
@@ -143,8 +146,26 @@ class _Counters:
     num_generated_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine's configuration fixes at load, for whoever drives it from elsewhere."""
+
+    kv_shape: KvCacheShape
+    kv_cache_shape: tuple[int, ...]  # the whole cache tensor's (managed blocks, and a graphs' scratch block)
+    kv_dtype: torch.dtype
+    max_position_embeddings: int
+
+
+# Allocates the zeroed KV cache (shape, dtype, device); the engine's default is torch.zeros.
+KvCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), allocate_kv_cache: KvCacheAllocator | None = None
+    ) -> None:
+        """`allocate_kv_cache`: where the KV cache lives (an engine process puts it in memory its
+        worker shares, tandem.worker.engine_process); zeroed, of the shape and dtype asked."""
         self.loaded = loaded
         self.config = config
         model_config = loaded.config
@@ -157,7 +178,10 @@ class Engine:
         is_graphed = parameter.device.type == "cuda" and not config.enforce_eager
         # Graphed decode steps pad their batch with rows in a scratch block past the managed ones.
         cache_shape = (num_blocks + int(is_graphed), *self.kv_shape.as_tuple()[1:])
-        kv_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=parameter.device)
+        if allocate_kv_cache is None:
+            kv_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=parameter.device)
+        else:
+            kv_cache = allocate_kv_cache(cache_shape, cache_dtype, parameter.device)
         self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -257,6 +281,10 @@ class Engine:
         return self.scheduler.drain_queue_waits()
 
     # -- disaggregation hooks -------------------------------------------------------------------
+
+    def facts(self) -> EngineFacts:
+        kv_cache = self.runner.kv_cache
+        return EngineFacts(self.kv_shape, tuple(kv_cache.shape), kv_cache.dtype, self.loaded.config.max_position_embeddings)
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """One block's K and V for every layer: a contiguous view (num_layers, 2, block_size,

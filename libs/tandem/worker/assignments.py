@@ -13,6 +13,7 @@ from tandem.v1.generate_pb2 import Refusal
 from tandem.worker import metrics
 from tandem.worker.admission import QUEUE_FULL
 from tandem.worker.host import EngineHost
+from tandem.worker.thread import EngineDead
 from tandem.worker.wire import engine_request
 
 
@@ -53,10 +54,12 @@ async def screen_assignment(
     return assignment, request
 
 
-def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | None:
+async def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | None:
     """The refusal for a request this engine could never run, or None."""
     try:
-        host.check(request)
+        await host.check(request)
+    except EngineDead:  # the host has failed, and its worker is going away
+        return refusal("loading", "this worker's engine has stopped", retry_after_s=2.0)
     except PromptTooLong as exc:
         return refusal("prompt_too_long", str(exc))
     except (EmptyPrompt, TokenIdOutOfRange) as exc:

@@ -1,15 +1,16 @@
-"""A worker's engine behind a named async API. The engine steps on a thread of its own (thread.py)
-so the loop stays free for NATS, gRPC and UCX; the host is the only door to it, and its callers
-never see that thread. The host also publishes each reply's outputs as TokenEvents on JetStream
-(contiguous sequence numbers per reply, the assignment's owner epoch), its prefix cache's changes
-as KV events (and its full state on request), applies cancels, keeps the replies this worker
-holds (its heartbeat claims them), reports the engine's load and judges whether a request offered
-now would start within its lane's TTFT target (admission.py). Decode and prefill workers both
-build one.
+"""A worker's engine behind a named async API. The engine steps in a process of its own on a CPU
+(engine_process.py: it never waits for the loop's GIL) or on a thread of its own (thread.py, on a
+GPU or with TANDEM_ENGINE_PROCESS=false), so the loop stays free for NATS, gRPC and UCX; the host is
+the only door to it, and its callers never see which. The host also publishes each reply's outputs
+as TokenEvents on JetStream (contiguous sequence numbers per reply, the assignment's owner epoch),
+its prefix cache's changes as KV events (and its full state on request), applies cancels, keeps the
+replies this worker holds (its heartbeat claims them), reports the engine's load and judges whether
+a request offered now would start within its lane's TTFT target (admission.py). Decode and prefill
+workers both build one.
 
-A host that cannot go on (its engine thread died, its token events cannot be published) is
-failed: `failure` says why, it is not ready, it claims no reply, and `wait_failed` wakes the
-worker, which exits so that its supervisor restarts it.
+A host that cannot go on (its engine died, its token events cannot be published) is failed:
+`failure` says why, it is not ready, it claims no reply, and `wait_failed` wakes the worker, which
+exits so that its supervisor restarts it.
 
 Changes that nobody needs to wait for (an add, an abort, a release) are queued and return at once:
 the engine takes them between two steps, and a step can take seconds on a CPU."""
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from nats.aio.client import Client
@@ -30,16 +32,19 @@ from tandem.bus import Bus, subjects, validate
 from tandem.bus.cancels import RecentCancels
 from tandem.bus.token_stream import DEFAULT_MAX_AGE_S
 from tandem.config import Settings
-from tandem.engine.engine import Engine, EngineConfig, ImportReservation, Request, RequestOutput
+from tandem.engine.block_pool import CachedBlock, KvEvent
+from tandem.engine.engine import Engine, EngineConfig, EngineStats, ImportReservation, KvCacheAllocator, QueueWait, Request, RequestOutput
 from tandem.engine.sequence import Lane
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
 from tandem.models.loader import load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tandem.v1.kv_handoff_pb2 import KvLayout
+from tandem.v1.kv_pb2 import KvState
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker import metrics
 from tandem.worker.admission import Overloaded, QueueState, TtftTargets, queue_verdict
 from tandem.worker.engine_metrics import EngineMetrics
+from tandem.worker.engine_process import EngineProcess
 from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
 from tandem.worker.replies import HeldReplies, ReplyStream
@@ -59,6 +64,8 @@ class EngineSpec:
     dtype: torch.dtype
     engine: EngineConfig
     torch_threads: int = 0  # 0: torch's default (one per core of the machine)
+    engine_process: bool = False  # the engine steps in a process of its own (engine_process.py), else on a thread
+    log_level: str = "INFO"  # the engine process's
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelFile, role: str = "decode") -> EngineSpec:
@@ -76,7 +83,25 @@ class EngineSpec:
         )
         # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
         torch_threads = settings.torch_threads or len(settings.cpus)
-        return cls(model, device, dtype, engine, torch_threads)
+        # An engine process shares its KV cache through a memfd: a CPU's cache only.
+        engine_process = settings.engine_process and device == "cpu"
+        return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level)
+
+
+def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None) -> Engine:
+    """Where the engine steps (its thread, or its process): torch's thread count is set here."""
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
+    log.info(
+        "engine ready: %s, %s (quantization %s) on %s with %d torch threads",
+        spec.model.name,
+        spec.dtype,
+        spec.model.quantization,
+        spec.device,
+        torch.get_num_threads(),
+    )
+    return Engine(loaded, spec.engine, allocate_kv_cache)
 
 
 class WorkerFailed(Exception):
@@ -100,7 +125,7 @@ class EngineHost:
         # ticket: (lane, tokens to compute); forgotten once the stats include them.
         self._posted: dict[int, tuple[Lane, int]] = {}
         self._token_stream_max_age_s = token_stream_max_age_s
-        self._thread: EngineThread | None = None  # from start()
+        self._thread: EngineThread | EngineProcess | None = None  # from start()
         self._kv_events: KvEventPublisher | None = None  # from start()
         self._js: JetStreamContext | None = None  # once the token stream is there
         self._replies = HeldReplies()
@@ -117,15 +142,21 @@ class EngineHost:
         """Starts loading the engine (is_ready tells when it is loaded) and publishing on `bus`."""
         loop = asyncio.get_running_loop()
         self._kv_events = KvEventPublisher(self._worker_id, loop)
-        self._thread = EngineThread(
-            self._build_engine, self._outbox.put_nowait, loop, after_change=self._after_change, on_death=self._on_engine_death
-        )
+        kv_events = self._kv_events
+        if self._spec.engine_process:
+            process = EngineProcess(self._spec, self._outbox.put_nowait, loop, self._on_change, self._on_engine_death, self._spec.log_level)
+            self._thread = process
+            state = partial(_kv_state, process, kv_events)
+        else:
+            thread = EngineThread(self._build_engine, self._outbox.put_nowait, loop, self._after_change, self._on_engine_death)
+            self._thread = thread
+            state = partial(thread.call, kv_events.snapshot)
         self._thread.start()
         publishing = asyncio.create_task(self._publish_outputs(bus), name="publish-tokens")
         publishing.add_done_callback(self._on_publisher_done)
         self._tasks = [
             publishing,
-            asyncio.create_task(self._publish_kv_events(bus, self._kv_events, self._thread), name="publish-kv-events"),
+            asyncio.create_task(self._publish_kv_events(bus, kv_events, state), name="publish-kv-events"),
         ]
 
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -141,20 +172,15 @@ class EngineHost:
             task.cancel()
 
     def _build_engine(self) -> Engine:
-        """On the engine thread, which runs every step: torch's thread count is set here."""
-        spec = self._spec
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
-        loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
-        log.info(
-            "engine ready: %s, %s (quantization %s) on %s with %d torch threads",
-            spec.model.name,
-            spec.dtype,
-            spec.model.quantization,
-            spec.device,
-            torch.get_num_threads(),
-        )
-        return Engine(loaded, spec.engine)
+        """On the engine thread, which runs every step."""
+        return build_engine(self._spec)
+
+    def _on_change(self, stats: EngineStats, events: list[KvEvent], waits: list[QueueWait]) -> None:
+        """On the loop, for each change the engine process reports: _after_change's work."""
+        if self._kv_events is not None:
+            self._kv_events.collect_events(events)
+        if self._engine_metrics is not None:
+            self._engine_metrics.observe(stats, waits)
 
     def _after_change(self, engine: Engine) -> None:
         """On the engine thread after every change: the prefix cache's events collected, and the
@@ -166,7 +192,7 @@ class EngineHost:
             self._engine_metrics.observe(stats, engine.drain_queue_waits())
 
     @property
-    def _engine_thread(self) -> EngineThread:
+    def _engine_thread(self) -> EngineThread | EngineProcess:
         if self._thread is None:
             raise RuntimeError("the engine host is not started")
         return self._thread
@@ -222,8 +248,8 @@ class EngineHost:
         metrics.PREFILL_RATE.set(state.prefill_tokens_per_s)
         return EngineLoad(
             stats,
-            thread.engine.kv_shape.num_blocks,
-            thread.engine.loaded.config.max_position_embeddings,
+            thread.facts.kv_shape.num_blocks,
+            thread.facts.max_position_embeddings,
             mean_step_ms,
             last_kv_event_id=self._kv_events.last_published_event_id if self._kv_events else 0,
             prefill_tokens_per_s=state.prefill_tokens_per_s,
@@ -271,19 +297,19 @@ class EngineHost:
 
     # -- what the loop may ask at once (the engine's configuration, blocks no step touches) -----
 
-    def check(self, request: Request) -> None:
+    async def check(self, request: Request) -> None:
         """Raises PromptTooLong, EmptyPrompt or TokenIdOutOfRange for a request this engine could
         never run; answers without waiting for the step in progress."""
-        self._engine_thread.engine.check(request)
+        await self._engine_thread.check(request)
 
     def kv_layout(self) -> KvLayout:
         """The shape and dtype of this engine's KV blocks, which a handoff's two sides must share."""
-        return kv_layout(self._engine_thread.engine, self._spec.model.name)
+        return kv_layout(self._engine_thread.facts, self._spec.model.name)
 
     def block_views(self, block_ids: Iterable[int]) -> list[torch.Tensor]:
         """Each block's K and V for every layer, to send from or receive into; only for blocks this
         worker holds for a handoff (exported or reserved), which no step reads or writes."""
-        engine = self._engine_thread.engine
+        engine = self._engine_thread
         return [engine.block_view(block_id) for block_id in block_ids]
 
     # -- replies --------------------------------------------------------------------------------
@@ -292,7 +318,7 @@ class EngineHost:
         """Queues `request` and publishes its tokens from sequence number `first_seq` on, stamped
         with the owner `epoch`."""
         self._replies.stream(request.request_id, first_seq, epoch)
-        ticket = self._engine_thread.post(lambda engine: engine.add(request))
+        ticket = self._engine_thread.post(partial(_add, request))
         self._posted[ticket] = (request.lane, _num_tokens(request))
 
     async def prefill_only(self, request: Request, first_seq: int, epoch: int) -> RequestOutput:
@@ -302,7 +328,7 @@ class EngineHost:
         self._replies.stream(request.request_id, first_seq, epoch)
         prefilled = asyncio.get_running_loop().create_future()
         self._handoffs[request.request_id] = prefilled
-        ticket = self._engine_thread.post(lambda engine: engine.add(request, prefill_only=True))
+        ticket = self._engine_thread.post(partial(_add, request, prefill_only=True))
         self._posted[ticket] = (request.lane, _num_tokens(request))
         return await prefilled
 
@@ -334,25 +360,25 @@ class EngineHost:
 
     def abort(self, reply_id: str) -> None:
         """Cancels a running reply; its last output says so."""
-        self._engine_thread.post(lambda engine: engine.abort(reply_id))
+        self._engine_thread.post(partial(_abort, reply_id))
 
     def discard(self, reply_id: str) -> None:
         """Drops a reply wherever it is: aborted while it runs, released once prefilled."""
-        self._engine_thread.post(lambda engine: engine.discard(reply_id))
+        self._engine_thread.post(partial(_discard, reply_id))
 
     def release(self, reply_id: str) -> None:
         """Frees a prefilled reply's blocks once its handoff is over (their content stays cached)."""
-        self._engine_thread.post(lambda engine: engine.release(reply_id))
+        self._engine_thread.post(partial(_release, reply_id))
 
     # -- imports (the decode side of a handoff) -------------------------------------------------
 
     async def reserve_import(self, request: Request, num_blocks: int) -> ImportReservation:
         """Holds `num_blocks` blocks for `request`'s KV: its cached prefix, then fresh blocks for the
         rest; raises NoFreeBlocks when they do not fit."""
-        return await self._engine_thread.call(lambda engine: engine.reserve_import(request, num_blocks))
+        return await self._engine_thread.call(partial(_reserve_import, request, num_blocks))
 
     def cancel_import(self, reservation: ImportReservation) -> None:
-        self._engine_thread.post(lambda engine: engine.cancel_import(reservation))
+        self._engine_thread.post(partial(_cancel_import, reservation))
 
     async def import_sequence(
         self,
@@ -368,7 +394,7 @@ class EngineHost:
         it (the reservation stays the caller's to cancel)."""
         self._replies.stream(request.request_id, first_seq, epoch)
         try:
-            await self._engine_thread.call(lambda engine: engine.import_sequence(request, reservation, first_token_id, num_cached_tokens))
+            await self._engine_thread.call(partial(_import_sequence, request, reservation, first_token_id, num_cached_tokens))
         except (ValueError, EngineDead):
             self.stop_streaming(request.request_id)
             raise
@@ -398,9 +424,9 @@ class EngineHost:
 
     # -- publishing -----------------------------------------------------------------------------
 
-    async def _publish_kv_events(self, bus: Bus, kv_events: KvEventPublisher, thread: EngineThread) -> None:
+    async def _publish_kv_events(self, bus: Bus, kv_events: KvEventPublisher, state: Callable[[], Awaitable[KvState]]) -> None:
         client = await bus.wait_connected()
-        await kv_events.run(client, thread)
+        await kv_events.run(client, lambda: self._thread is not None and self._thread.is_ready, state)
 
     async def publish(self, event: TokenEvent) -> bool:
         """Publishes an event the worker makes itself (a cancelled reply's final event); False, and
@@ -451,3 +477,45 @@ async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], bus_
 def _num_tokens(request: Request) -> int:
     """The tokens a request's prefill computes (a continuation's generated ones too)."""
     return len(request.prompt_token_ids) + len(request.generated_token_ids)
+
+
+# What the host asks of its engine, as module-level functions (functools.partial of them): an
+# engine process receives them pickled, which a closure cannot be.
+
+
+def _add(request: Request, engine: Engine, prefill_only: bool = False) -> None:
+    engine.add(request, prefill_only=prefill_only)
+
+
+def _abort(reply_id: str, engine: Engine) -> None:
+    engine.abort(reply_id)
+
+
+def _discard(reply_id: str, engine: Engine) -> None:
+    engine.discard(reply_id)
+
+
+def _release(reply_id: str, engine: Engine) -> None:
+    engine.release(reply_id)
+
+
+def _reserve_import(request: Request, num_blocks: int, engine: Engine) -> ImportReservation:
+    return engine.reserve_import(request, num_blocks)
+
+
+def _cancel_import(reservation: ImportReservation, engine: Engine) -> None:
+    engine.cancel_import(reservation)
+
+
+def _import_sequence(request: Request, reservation: ImportReservation, first_token_id: int, num_cached_tokens: int, engine: Engine) -> None:
+    engine.import_sequence(request, reservation, first_token_id, num_cached_tokens)
+
+
+def _cached_blocks(engine: Engine) -> list[CachedBlock]:
+    return engine.cached_blocks()
+
+
+async def _kv_state(process: EngineProcess, kv_events: KvEventPublisher) -> KvState:
+    """The engine process's cached blocks, numbered as of the last KV event: the process sends
+    what it recorded before a call's result, and the loop numbers it as it arrives."""
+    return kv_events.state_of(await process.call(_cached_blocks))

@@ -4,9 +4,11 @@
 Event ids run 1, 2, 3, ... per worker process, one per message, without gaps: a router that
 sees a gap (or a heartbeat's kv_event_id ahead of what it has) asks for the full state.
 
-Numbering happens on the engine thread, where the pool's events are drained, so a state taken
-there is exactly "as of" an event id: every message numbered up to it is reflected in the state,
-none after it. The loop only publishes the numbered messages, in order.
+Numbering happens where the pool's events are drained in order with the state, so a state is
+exactly "as of" an event id: every message numbered up to it is reflected in the state, none after
+it. With an engine thread that is the thread itself (`collect`, `snapshot`); with an engine
+process, the loop, which receives the process's events before any call's result
+(`collect_events`, `state_of`). The loop publishes the numbered messages, in order.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import nats.errors
 from nats.aio.client import Client
@@ -25,7 +27,6 @@ from tandem.engine.block_pool import CachedBlock, KvEventKind
 from tandem.engine.block_pool import KvEvent as PoolEvent
 from tandem.engine.engine import Engine
 from tandem.v1.kv_pb2 import BlocksRemoved, BlocksStored, KvEvent, KvState, StoredBlock
-from tandem.worker.thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,9 @@ def kv_state(worker_id: str, event_id: int, blocks: Iterable[CachedBlock]) -> Kv
 
 
 class KvEventPublisher:
-    """One worker's KV events and state. `collect` and `snapshot` run on the engine thread (the
-    EngineThread's after-change hook, and `call`); everything else on the loop."""
+    """One worker's KV events and state. `collect` and `snapshot` run on an engine thread (its
+    after-change hook, and `call`); `collect_events` and `state_of` on the loop of a worker whose
+    engine runs in a process (engine_process.py); the rest on the loop."""
 
     def __init__(self, worker_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self._worker_id = worker_id
@@ -69,11 +71,14 @@ class KvEventPublisher:
         self._outbox: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
         self.last_published_event_id = 0  # loop only; heartbeats carry it
 
-    # -- engine thread --------------------------------------------------------------------------
+    # -- where the events are drained ----------------------------------------------------------
 
     def collect(self, engine: Engine) -> None:
         """Drains the engine's KV events, numbers them and hands them to the loop to publish."""
-        events = engine.drain_kv_events()
+        self.collect_events(engine.drain_kv_events())
+
+    def collect_events(self, events: Sequence[PoolEvent]) -> None:
+        """Numbers drained pool events and hands them to the loop to publish (from any thread)."""
         if not events:
             return
         messages = to_messages(events, self._worker_id, self._num_numbered + 1)
@@ -83,18 +88,23 @@ class KvEventPublisher:
     def snapshot(self, engine: Engine) -> KvState:
         """Every cached block, as of the last event numbered (pending events are numbered first)."""
         self.collect(engine)
-        return kv_state(self._worker_id, self._num_numbered, engine.cached_blocks())
+        return self.state_of(engine.cached_blocks())
+
+    def state_of(self, blocks: Iterable[CachedBlock]) -> KvState:
+        """`blocks`, the engine's cached blocks once every event before them is numbered."""
+        return kv_state(self._worker_id, self._num_numbered, blocks)
 
     # -- loop -----------------------------------------------------------------------------------
 
-    async def run(self, client: Client, thread: EngineThread) -> None:
-        """Answers state requests and publishes the numbered events, in order, until cancelled."""
+    async def run(self, client: Client, is_ready: Callable[[], bool], snapshot: Callable[[], Awaitable[KvState]]) -> None:
+        """Answers state requests (`snapshot` of the engine once `is_ready`) and publishes the
+        numbered events, in order, until cancelled."""
 
         async def on_state_request(msg: Msg) -> None:
             if not msg.reply:
                 return
-            if thread.is_ready:
-                state = await thread.call(self.snapshot)
+            if is_ready():
+                state = await snapshot()
             else:  # no engine, no pool: nothing cached, nothing numbered yet
                 state = kv_state(self._worker_id, 0, ())
             await msg.respond(encode(state))

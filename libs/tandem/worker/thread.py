@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tandem.engine.engine import Engine, EngineStats, RequestOutput
+import torch
+
+from tandem.engine.engine import Engine, EngineFacts, EngineStats, Request, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._is_ready = threading.Event()
         self._engine: Engine | None = None
+        self._facts: EngineFacts | None = None
         self._num_posted = 0  # tickets handed out, on the loop
         self._num_applied = 0  # calls run, on the engine thread
         self._snapshot: tuple[EngineStats, int] | None = None  # latest stats, and how many calls had run then
@@ -88,6 +91,20 @@ class EngineThread:
         if self._engine is None:
             raise RuntimeError("the engine is not loaded yet")
         return self._engine
+
+    @property
+    def facts(self) -> EngineFacts:
+        if self._facts is None:
+            self._facts = self.engine.facts()
+        return self._facts
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """One block's K and V (Engine.block_view): a view no step touches while its block is held for a handoff."""
+        return self.engine.block_view(block_id)
+
+    async def check(self, request: Request) -> None:
+        """Engine.check, which reads only the configuration: answered at once, beside a step."""
+        self.engine.check(request)
 
     def start(self) -> None:
         self._thread.start()

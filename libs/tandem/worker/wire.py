@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from tandem.bus.events import final_event, now_ms
-from tandem.engine.engine import Engine, Request, RequestOutput
+from tandem.engine.engine import EngineFacts, Request, RequestOutput
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
 from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateRequest
@@ -64,11 +64,11 @@ def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int, mod
     return event
 
 
-def kv_layout(engine: Engine, model_name: str) -> KvLayout:
-    shape = engine.kv_shape
+def kv_layout(facts: EngineFacts, model_name: str) -> KvLayout:
+    shape = facts.kv_shape
     return KvLayout(
         model=model_name,
-        dtype=str(engine.block_view(0).dtype).removeprefix("torch."),
+        dtype=str(facts.kv_dtype).removeprefix("torch."),
         block_size=shape.block_size,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,

@@ -1,0 +1,202 @@
+"""The engine in a process of its own (tandem.worker.engine_process), driven as a worker drives
+it: the same greedy tokens as the engine in this process, calls that return and raise what the
+engine does, a KV cache both processes see, and an end that never leaves either side waiting —
+its death (kill -9) is the worker's `on_death`, and its worker's death (kill -9) ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from functools import partial
+from operator import methodcaller
+
+import pytest
+import torch
+
+from tandem.config import Settings
+from tandem.engine.block_pool import NoFreeBlocks
+from tandem.engine.engine import EngineStats, Request, RequestOutput, TokenIdOutOfRange
+from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
+from tandem.engine.sequence import SamplingOptions
+from tandem.models.files import open_model
+from tandem.worker.engine_process import EngineProcess
+from tandem.worker.host import EngineSpec, _add, _reserve_import, build_engine
+from tandem.worker.thread import EngineDead
+
+PROMPT = (1, 9690, 28, 940, 314, 253, 2118, 6128, 30, 2)
+DEADLINE_S = 120.0
+
+
+def spec() -> EngineSpec:
+    settings = Settings(dtype="fp32", kv_cache_mib=16, torch_threads=1)
+    return EngineSpec.from_settings(settings, open_model(settings.model_path, settings.served_model_name, settings.quantization))
+
+
+class Driven:
+    """An EngineProcess with what it reported: outputs per request, changes, its death."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.finished: dict[str, asyncio.Event] = {}
+        self.stats: list[EngineStats] = []
+        self.deaths: list[BaseException] = []
+        self.died = asyncio.Event()
+        self.process = EngineProcess(spec(), self._on_outputs, asyncio.get_running_loop(), self._on_change, self._on_death)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self.outputs.setdefault(output.request_id, []).append(output)
+            if output.is_finished:
+                self.finished.setdefault(output.request_id, asyncio.Event()).set()
+
+    def _on_change(self, stats: EngineStats, events: list, waits: list) -> None:
+        self.stats.append(stats)
+
+    def _on_death(self, exc: BaseException) -> None:
+        self.deaths.append(exc)
+        self.died.set()
+
+    async def ready(self) -> EngineProcess:
+        self.process.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while not self.process.is_ready:
+            assert not self.deaths, self.deaths
+            assert time.monotonic() < deadline, "the engine process never said ready"
+            await asyncio.sleep(0.05)
+        return self.process
+
+    async def run(self, request: Request) -> list[int]:
+        self.finished.setdefault(request.request_id, asyncio.Event())
+        self.process.post(partial(_add, request))
+        await asyncio.wait_for(self.finished[request.request_id].wait(), DEADLINE_S)
+        return [t for output in self.outputs[request.request_id] for t in output.new_token_ids]
+
+
+def greedy(request_id: str, max_tokens: int = 12) -> Request:
+    return Request(request_id, PROMPT, SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+@pytest.fixture
+async def driven():
+    driven = Driven()
+    try:
+        yield driven
+    finally:
+        driven.process.stop(timeout_s=10)
+
+
+async def test_the_engine_process_streams_the_same_greedy_tokens_as_the_engine_here(driven):
+    process = await driven.ready()
+    tokens = await driven.run(greedy("r-1"))
+    here = build_engine(spec())
+    expected = [t for output in here.generate([greedy("r-here")])["r-here"] for t in output.new_token_ids]
+    assert tokens == expected and len(tokens) == 12
+    stats, num_applied = process.snapshot
+    assert num_applied == 1 and stats.num_generated_tokens == 12  # the stats include the posted add
+
+
+async def test_calls_return_and_raise_what_the_engine_does_and_check_answers_at_once(driven):
+    process = await driven.ready()
+    reservation = await process.call(partial(_reserve_import, greedy("r-import"), 2))
+    assert reservation.block_ids
+    with pytest.raises(NoFreeBlocks):
+        await process.call(partial(_reserve_import, greedy("r-huge"), 10**6))
+    await process.check(greedy("r-ok"))
+    with pytest.raises(TokenIdOutOfRange):
+        await process.check(Request("r-bad", (1, 10**9), SamplingOptions()))
+    with pytest.raises(EmptyPrompt):
+        await process.check(Request("r-empty", (), SamplingOptions()))
+    with pytest.raises(PromptTooLong):
+        await process.check(Request("r-long", (1,) * 10**6, SamplingOptions()))
+    # A result that cannot travel back is an error, not a call that never answers.
+    with pytest.raises(RuntimeError, match="could not be sent back"):
+        # Thread(None, None, engine): an unstarted thread named after the engine, which holds a lock
+        await asyncio.wait_for(process.call(partial(threading.Thread, None, None)), 30)
+
+
+async def test_both_processes_see_one_kv_cache(driven):
+    process = await driven.ready()
+    await driven.run(greedy("r-kv", max_tokens=2))
+    written = [b for b in range(process.facts.kv_shape.num_blocks) if process.block_view(b).any()]
+    assert written, "the prefill wrote K and V into blocks this process sees"
+    for block_id in written:  # what the engine process reads is what this one maps
+        assert torch.equal(await process.call(methodcaller("block_view", block_id)), process.block_view(block_id))
+    free_block = next(b for b in range(process.facts.kv_shape.num_blocks) if b not in written)
+    process.block_view(free_block).fill_(0.5)  # as a handoff's receive writes a reserved block
+    assert bool((await process.call(methodcaller("block_view", free_block)) == 0.5).all())
+
+
+async def test_an_engine_process_killed_is_a_death_and_every_call_then_raises_engine_dead(driven):
+    process = await driven.ready()
+    assert process.pid is not None
+    os.kill(process.pid, signal.SIGKILL)
+    await asyncio.wait_for(driven.died.wait(), DEADLINE_S)
+    assert len(driven.deaths) == 1 and isinstance(driven.deaths[0], EngineDead) and not process.is_ready
+    with pytest.raises(EngineDead):
+        await process.call(methodcaller("has_work"))
+    with pytest.raises(EngineDead):
+        await process.check(greedy("r-after"))
+
+
+async def test_stop_ends_the_engine_process():
+    driven = Driven()
+    process = await driven.ready()
+    pid = process.pid
+    process.stop(timeout_s=30)
+    assert process.exit_code == 0 and not driven.deaths
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_the_engine_process_ends_when_its_worker_is_killed(tmp_path):
+    # A worker that starts its engine process, says its pid, and waits to be killed.
+    (tmp_path / "worker.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio, sys, time
+            sys.path.insert(0, sys.argv[1])
+            from test_engine_process import Driven
+
+            async def main():
+                driven = Driven()
+                process = await driven.ready()
+                print("engine-pid", process.pid, flush=True)
+                await asyncio.sleep(600)
+
+            asyncio.run(main())
+            """
+        )
+    )
+    worker = subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        lines: list[str] = []  # the engine process's log lines, then the pid (or nothing: the worker died)
+        while len(lines) < 20 and (not lines or (lines[-1] and not lines[-1].startswith("engine-pid "))):
+            lines.append(worker.stdout.readline())
+        said = [line.split()[1] for line in lines if line.startswith("engine-pid ")]
+        assert said, f"the worker did not start its engine process: {lines!r}"
+        engine_pid = int(said[0])
+        worker.kill()
+        worker.wait(30)
+        deadline = time.monotonic() + 60
+        while _is_running(engine_pid):
+            assert time.monotonic() < deadline, "the engine process outlived its worker by a minute"
+            time.sleep(0.05)
+    finally:
+        worker.kill()
+        worker.wait(30)
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (the killed worker's child is reparented and reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
