@@ -226,7 +226,7 @@ class EngineHost:
         self._failed.set()
 
     def _on_engine_death(self, exc: BaseException) -> None:
-        self._fail(f"the engine thread died: {type(exc).__name__}: {exc}")
+        self._fail(f"the engine died: {type(exc).__name__}: {exc}")
 
     def _on_publisher_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
