@@ -137,7 +137,7 @@ class Settings(BaseSettings):
     cpu_affinity: str = ""
     """the CPUs this service's process runs on, as `0`, `0-3` or `0,2-3` (Linux); a worker's engine then takes one torch thread per CPU unless torch_threads says otherwise; empty: all the CPUs it is given"""
     engine_process: bool = True
-    """prefill and decode workers on a CPU: the engine steps in a process of its own, so it never waits for the GIL behind the worker's event loop (its KV cache shared with the worker through memory); false: on a thread of the worker's process, as on a GPU"""
+    """prefill and decode workers on a CPU (Linux): the engine steps in a process of its own, so it never waits for the GIL behind the worker's event loop (its KV cache shared with the worker through memory); false: on a thread of the worker's process, as on a GPU"""
     gil_switch_interval_ms: Annotated[float, Field(ge=0, le=100)] = 0.1
     """prefill and decode workers: how long one of the process's Python threads may hold the GIL while another waits for it (sys.setswitchinterval), so the engine's thread waits less behind the event loop's work between its kernels; 0: Python's own 5 ms"""
     ucx_port: int = 0

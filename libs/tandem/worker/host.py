@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -83,8 +84,8 @@ class EngineSpec:
         )
         # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
         torch_threads = settings.torch_threads or len(settings.cpus)
-        # An engine process shares its KV cache through a memfd: a CPU's cache only.
-        engine_process = settings.engine_process and device == "cpu"
+        # An engine process shares its KV cache through a memfd: a CPU's cache, on Linux.
+        engine_process = settings.engine_process and device == "cpu" and hasattr(os, "memfd_create")
         return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level)
 
 
