@@ -32,7 +32,7 @@ import torch
 
 from tandem.engine.block_pool import KvEvent
 from tandem.engine.engine import Engine, EngineFacts, EngineStats, QueueWait, Request, RequestOutput
-from tandem.worker.engine_core import receive, send
+from tandem.worker.engine_core import map_kv_cache, receive, send
 from tandem.worker.thread import EngineDead
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,4 @@ class EngineProcess:
 def _map_kv_cache(fd: int | None, facts: EngineFacts) -> torch.Tensor:
     """The engine process's KV cache, mapped from the memfd it sized."""
     assert fd is not None
-    numel = 1
-    for size in facts.kv_cache_shape:
-        numel *= size
-    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=facts.kv_dtype).view(facts.kv_cache_shape)
+    return map_kv_cache(fd, facts.kv_cache_shape, facts.kv_dtype)
