@@ -14,7 +14,6 @@ in a step.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -64,27 +63,6 @@ def forward_passes(plan: StepPlan) -> list[list[Rows]]:
             rows.append(Rows(seq, start, replay_from, chunk.is_sampled and replay_from == end))
         replayed.extend(Rows(seq, position, position + 1, chunk.is_sampled and position + 1 == end) for position in range(replay_from, end))
     return [rows + replayed] if rows or replayed else []
-
-
-# A step with at most this many rows besides its decodes computes its decodes in a forward of their
-# own, where the model runs a decode-only step in one call (LlamaModel.fast_decode: 11 ms for a dozen
-# rows of SmolLM2 on the Zen 5 host, against 30 ms for the same rows beside an 8-token prefill
-# chunk in the layer-by-layer forward); the other rows pay a second pass over the weights (about
-# 6 ms of bf16 SmolLM2 at 45 GB/s), which a large prefill chunk would not win back.
-MAX_ROWS_BESIDE_SPLIT_DECODES = 128
-
-
-def split_decodes(rows: list[Rows]) -> list[list[Rows]]:
-    """One forward's rows as two (the decodes, then the rest) when few rows are not decodes; each
-    row keeps its bits in any company (see the module docstring), so the split changes no output.
-    A decode here is a sequence's only row, one generated token; a continuation's replayed tokens
-    stay with its prompt rows, whose K and V they read in the same forward."""
-    rows_of = Counter(r.seq.seq_id for r in rows)
-    decodes = [r for r in rows if r.end - r.start == 1 and rows_of[r.seq.seq_id] == 1 and r.start >= r.seq.num_prompt_tokens]
-    others = [r for r in rows if not (r.end - r.start == 1 and rows_of[r.seq.seq_id] == 1 and r.start >= r.seq.num_prompt_tokens)]
-    if not decodes or not others or sum(r.end - r.start for r in others) > MAX_ROWS_BESIDE_SPLIT_DECODES:
-        return [rows]
-    return [decodes, others]
 
 
 def build_inputs(rows: SequenceOf[Rows], block_size: int, device: torch.device) -> StepInputs:
@@ -163,8 +141,6 @@ class Runner:
             rows = passes[0]
             logits = self._graphs.run([r.seq.token_ids[r.start] for r in rows], [r.start for r in rows], [r.seq.block_table for r in rows])
             return self._sample(logits, [r.seq for r in rows])
-        if len(passes) == 1 and self._model.model.fast_decode is not None:
-            passes = split_decodes(passes[0])
         parts: list[torch.Tensor] = []
         sampling_seqs: list[Sequence] = []
         for rows in passes:

@@ -12,7 +12,7 @@ import torch
 from reference_model import random_model, tiny_config
 
 from tandem.engine.engine import Engine, EngineConfig, Request
-from tandem.engine.runner import MAX_ROWS_BESIDE_SPLIT_DECODES, Rows, Runner, forward_passes, split_decodes
+from tandem.engine.runner import Rows, Runner, forward_passes
 from tandem.engine.sampling import Sampler
 from tandem.engine.sequence import SamplingOptions, Sequence
 from tandem.engine.step_plan import ScheduledChunk, StepPlan
@@ -70,33 +70,6 @@ def test_generated_tokens_in_a_prefill_chunk_are_one_row_pieces_of_the_step_s_fo
     plan = StepPlan(scheduled=[ScheduledChunk(generated_only, 3)])
     assert forward_passes(plan) == [[Rows(generated_only, p, p + 1, p == 9) for p in (7, 8, 9)]]
     assert forward_passes(StepPlan()) == []
-
-
-def test_a_step_s_decodes_go_in_a_forward_of_their_own_beside_a_few_other_rows_never_a_continuation_s_replayed_ones():
-    decode = sequence("decode", 20, 5, 24)
-    other_decode = sequence("other-decode", 8, 2, 9, first_block=40)
-    partial = sequence("partial", 40, 0, 0, first_block=20)
-    continued = sequence("continued", 10, 3, 0, first_block=10)
-    plan = StepPlan(scheduled=[ScheduledChunk(decode, 1), ScheduledChunk(partial, 16), ScheduledChunk(other_decode, 1)])
-    assert split_decodes(forward_passes(plan)[0]) == [
-        [Rows(decode, 24, 25, True), Rows(other_decode, 9, 10, True)],
-        [Rows(partial, 0, 16, False)],
-    ]
-    # A continuation's replayed tokens read its prompt rows' K and V in the same forward: they stay.
-    plan = StepPlan(scheduled=[ScheduledChunk(decode, 1), ScheduledChunk(continued, 13)])
-    assert split_decodes(forward_passes(plan)[0]) == [
-        [Rows(decode, 24, 25, True)],
-        [Rows(continued, 0, 10, False), Rows(continued, 10, 11, False), Rows(continued, 11, 12, False), Rows(continued, 12, 13, True)],
-    ]
-    # Only decodes, only a prompt, or too many other rows: one forward.
-    for chunks in ([ScheduledChunk(decode, 1), ScheduledChunk(other_decode, 1)], [ScheduledChunk(partial, 16)]):
-        rows = forward_passes(StepPlan(scheduled=chunks))[0]
-        assert split_decodes(rows) == [rows]
-    long_prompt = sequence("long", 400, 0, 0, first_block=60)
-    rows = forward_passes(StepPlan(scheduled=[ScheduledChunk(decode, 1), ScheduledChunk(long_prompt, MAX_ROWS_BESIDE_SPLIT_DECODES + 1)]))[
-        0
-    ]
-    assert split_decodes(rows) == [rows]
 
 
 def run_chunk(runner: Runner, seq: Sequence, num_new_tokens: int) -> int:

@@ -14,7 +14,6 @@ import torch
 from reference_model import random_model, reference_greedy, reference_logits, tiny_config, word_tokenizer
 from torch import nn
 
-from tandem.engine import runner
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension
@@ -245,41 +244,3 @@ def test_the_one_call_decode_declines_what_it_does_not_run(dtype):
     plain.model.fast_decode = lambda *args: declined.append(model_plan(*args) is None)  # type: ignore[func-returns-value]
     engine.generate([Request("r", (5, 6, 7), SamplingOptions(max_tokens=4, ignore_eos=True))])
     assert declined and all(declined)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_mixed_step_s_decodes_run_in_one_call_beside_the_prefill_chunk_and_answer_the_same(dtype, monkeypatch):
-    """A step of decodes and a small prefill chunk computes the decodes in a forward of their own,
-    through the one-call decode (runner.split_decodes), and the prefill rows in another: the same
-    greedy answers as the one forward of before, with more steps taking the one call."""
-    config = tiny_config(vocab_size=512, max_position_embeddings=1024)
-    model = pack_model(random_model(config, seed=3, attention=paged_attention_cpu, dtype=dtype)).eval()
-    inner = model.model
-    plan = inner.fast_decode
-    assert isinstance(plan, PackedDecode)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(20, 60))] for _ in range(4)]
-    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-
-    def run(max_rows_beside: int) -> tuple[list[list[int]], int]:
-        monkeypatch.setattr(runner, "MAX_ROWS_BESIDE_SPLIT_DECODES", max_rows_beside)
-        calls = []
-        inner.fast_decode = lambda *args: calls.append(1) or plan(*args)
-        engine = Engine(
-            LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=200, max_num_batched_tokens=16)
-        )
-        tokens: dict[str, list[int]] = {}
-        for i, prompt in enumerate(prompts):  # each prompt arrives while the earlier ones decode: chunks of 16 beside them
-            engine.add(Request(f"r{i}", tuple(prompt), sampling))
-            for _ in range(3):
-                for output in engine.step():
-                    tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        while engine.has_work():
-            for output in engine.step():
-                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        return [tokens[f"r{i}"] for i in range(len(prompts))], len(calls)
-
-    split, split_calls = run(runner.MAX_ROWS_BESIDE_SPLIT_DECODES)
-    whole, whole_calls = run(0)
-    assert split == whole and all(len(answer) == NUM_NEW_TOKENS for answer in split)
-    assert split_calls > whole_calls, "mixed steps took the one call for their decodes"
