@@ -144,6 +144,18 @@ async def test_an_engine_process_killed_is_a_death_and_every_call_then_raises_en
         await process.check(greedy("r-after"))
 
 
+def _only_importable_here(engine: object) -> int:
+    """A call the engine process cannot unpickle: it cannot import this test module."""
+    return 1
+
+
+async def test_a_call_the_engine_process_cannot_read_ends_it_a_death_and_not_a_call_that_never_answers(driven):
+    process = await driven.ready()
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(process.call(_only_importable_here), DEADLINE_S)
+    assert len(driven.deaths) == 1 and not process.is_ready
+
+
 async def test_stop_ends_the_engine_process():
     driven = Driven()
     process = await driven.ready()

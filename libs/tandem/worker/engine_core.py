@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.engine import Engine
+from tandem.engine.engine import Engine, KvCacheAllocator
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class _Worker:
             self.send(("result", ticket, None, RuntimeError(f"{type(exc or result).__name__} could not be sent back: {error}")))
 
 
-def shared_kv_cache(fd: int) -> Any:
+def shared_kv_cache(fd: int) -> KvCacheAllocator:
     """An allocator (Engine's allocate_kv_cache) of a zeroed CPU KV cache in the memfd `fd`."""
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -138,6 +138,8 @@ def serve(conn: Connection, kv_fd: int) -> None:
 
 
 def _read(conn: Connection, engine: Engine, worker: _Worker, commands: queue.Queue[tuple[Any, ...] | None]) -> None:
+    """Until the socket closes; a message it cannot read ends the engine process too (its worker
+    then fails, loudly, instead of waiting on a call nobody took)."""
     try:
         while True:
             message = receive(conn)
@@ -145,13 +147,17 @@ def _read(conn: Connection, engine: Engine, worker: _Worker, commands: queue.Que
                 _, ticket, request, _ = message
                 try:
                     engine.check(request)
-                except ValueError as exc:  # PromptTooLong, EmptyPrompt, TokenIdOutOfRange
+                except Exception as exc:  # PromptTooLong, EmptyPrompt, TokenIdOutOfRange; anything else goes back too
                     worker.answer(ticket, None, exc)
                 else:
                     worker.answer(ticket, None, None)
             else:
                 commands.put(message)
     except (EOFError, OSError):  # the worker closed the socket, or died
+        pass
+    except Exception:
+        log.exception("the engine process cannot read its worker's message; it stops")
+    finally:
         commands.put(None)
 
 
