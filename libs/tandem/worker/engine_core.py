@@ -12,6 +12,7 @@ the worker numbers KV events and answers state requests in one order. A closed s
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import pickle
@@ -65,10 +66,7 @@ def shared_kv_cache(fd: int) -> KvCacheAllocator:
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
             raise ValueError(f"an engine process shares its KV cache on a CPU only, not on {device}")
-        numel = 1
-        for size in shape:
-            numel *= size
-        num_bytes = numel * dtype.itemsize
+        num_bytes = math.prod(shape) * dtype.itemsize
         # A memfd takes any size and faults pages in as they are touched; refuse what torch.zeros's
         # allocation would (more than the memory and swap there are) now, not at a later step.
         if num_bytes > (limit := _memory_bytes()):
@@ -87,9 +85,7 @@ def map_kv_cache(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     process's maps what is there. Faulted in page by page instead, a handoff's 46 MB (a
     2,000-token prompt) cost the worker and its engine process tens of thousands of page faults on
     the way to the reply's second token (270-290 ms after the first, against 65 with one process)."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     buffer = mmap.mmap(fd, numel * dtype.itemsize, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping
 

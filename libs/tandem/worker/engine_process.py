@@ -33,7 +33,7 @@ import torch
 from tandem.engine.block_pool import KvEvent
 from tandem.engine.engine import Engine, EngineFacts, EngineStats, QueueWait, Request, RequestOutput
 from tandem.worker.engine_core import map_kv_cache, receive, send
-from tandem.worker.thread import EngineDead
+from tandem.worker.thread import EngineDead, EngineDriver
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ T = TypeVar("T")
 OnChange = Callable[[EngineStats, list[KvEvent], list[QueueWait]], None]
 
 
-class EngineProcess:
+class EngineProcess(EngineDriver):
     def __init__(
         self,
         spec: object,
@@ -52,15 +52,14 @@ class EngineProcess:
         log_level: str = "INFO",
     ) -> None:
         """`spec`: the EngineSpec the engine process builds its engine from (tandem.worker.host.build_engine)."""
+        super().__init__()
         self._spec = spec
         self._on_outputs = on_outputs
         self._loop = loop
         self._on_change = on_change
         self._on_death = on_death
         self._log_level = log_level
-        self._death: BaseException | None = None
         self._num_posted = 0
-        self._snapshot: tuple[EngineStats, int] | None = None
         self._facts: EngineFacts | None = None
         self._kv_cache: torch.Tensor | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -69,22 +68,8 @@ class EngineProcess:
         self._child: subprocess.Popen[bytes] | None = None
 
     @property
-    def latest_stats(self) -> EngineStats | None:
-        snapshot = self._snapshot
-        return None if snapshot is None else snapshot[0]
-
-    @property
-    def snapshot(self) -> tuple[EngineStats, int] | None:
-        """The latest stats and the number of calls and posts (tickets) they include; None until loaded."""
-        return self._snapshot
-
-    @property
     def is_ready(self) -> bool:
         return self._facts is not None and self._death is None
-
-    @property
-    def death(self) -> BaseException | None:
-        return self._death
 
     @property
     def pid(self) -> int | None:

@@ -177,20 +177,19 @@ class EngineHost:
         return build_engine(self._spec)
 
     def _on_change(self, stats: EngineStats, events: list[KvEvent], waits: list[QueueWait]) -> None:
-        """On the loop, for each change the engine process reports: _after_change's work."""
+        """For each change: on the loop as the engine process reports it, or on the engine thread
+        (`_after_change`); numbering KV events and observing metrics are safe from either."""
         if self._kv_events is not None:
             self._kv_events.collect_events(events)
         if self._engine_metrics is not None:
             self._engine_metrics.observe(stats, waits)
 
     def _after_change(self, engine: Engine) -> None:
-        """On the engine thread after every change: the prefix cache's events collected, and the
-        fresh stats (the thread took them just before) into the metrics."""
-        if self._kv_events is not None:
-            self._kv_events.collect(engine)
+        """On the engine thread after every change (the thread took fresh stats just before): what
+        the engine recorded goes where an engine process's report goes (`_on_change`)."""
         stats = self._thread.latest_stats if self._thread is not None else None
-        if self._engine_metrics is not None and stats is not None:
-            self._engine_metrics.observe(stats, engine.drain_queue_waits())
+        if stats is not None:
+            self._on_change(stats, engine.drain_kv_events(), engine.drain_queue_waits())
 
     @property
     def _engine_thread(self) -> EngineThread | EngineProcess:

@@ -41,28 +41,12 @@ class _Call:
     done: asyncio.Future[Any] | None  # None: nobody waits for the result
 
 
-class EngineThread:
-    def __init__(
-        self,
-        build_engine: Callable[[], Engine],
-        on_outputs: Callable[[list[RequestOutput]], None],
-        loop: asyncio.AbstractEventLoop,
-        after_change: Callable[[Engine], None] = lambda engine: None,
-        on_death: Callable[[BaseException], None] = lambda exc: None,
-    ) -> None:
-        self._build_engine = build_engine
-        self._on_outputs = on_outputs
-        self._loop = loop
-        self._after_change = after_change
-        self._on_death = on_death
+class EngineDriver:
+    """What the loop reads of an engine it drives on a thread (EngineThread) or in a process
+    (engine_process.EngineProcess): the latest stats, with the tickets they include, and its death."""
+
+    def __init__(self) -> None:
         self._death: BaseException | None = None
-        self._commands: queue.Queue[_Call | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._is_ready = threading.Event()
-        self._engine: Engine | None = None
-        self._facts: EngineFacts | None = None
-        self._num_posted = 0  # tickets handed out, on the loop
-        self._num_applied = 0  # calls run, on the engine thread
         self._snapshot: tuple[EngineStats, int] | None = None  # latest stats, and how many calls had run then
 
     @property
@@ -76,13 +60,37 @@ class EngineThread:
         return self._snapshot
 
     @property
-    def is_ready(self) -> bool:
-        return self._is_ready.is_set() and self._death is None and self._thread.is_alive()
+    def death(self) -> BaseException | None:
+        """What ended the engine, or None while it lives (or stopped cleanly)."""
+        return self._death
+
+
+class EngineThread(EngineDriver):
+    def __init__(
+        self,
+        build_engine: Callable[[], Engine],
+        on_outputs: Callable[[list[RequestOutput]], None],
+        loop: asyncio.AbstractEventLoop,
+        after_change: Callable[[Engine], None] = lambda engine: None,
+        on_death: Callable[[BaseException], None] = lambda exc: None,
+    ) -> None:
+        super().__init__()
+        self._build_engine = build_engine
+        self._on_outputs = on_outputs
+        self._loop = loop
+        self._after_change = after_change
+        self._on_death = on_death
+        self._commands: queue.Queue[_Call | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._is_ready = threading.Event()
+        self._engine: Engine | None = None
+        self._facts: EngineFacts | None = None
+        self._num_posted = 0  # tickets handed out, on the loop
+        self._num_applied = 0  # calls run, on the engine thread
 
     @property
-    def death(self) -> BaseException | None:
-        """What ended the thread, or None while it lives (or stopped cleanly)."""
-        return self._death
+    def is_ready(self) -> bool:
+        return self._is_ready.is_set() and self._death is None and self._thread.is_alive()
 
     @property
     def engine(self) -> Engine:
