@@ -311,6 +311,24 @@ async def test_an_engine_that_dies_makes_the_worker_say_so_and_exit_1(own_nats, 
     assert heartbeats.seen[-1].service.is_draining, "its last heartbeat says it is going"
 
 
+async def test_a_worker_with_its_engine_on_a_thread_serves_a_reply_to_its_end(own_nats, redis_server, bus):
+    # TANDEM_ENGINE_PROCESS=false: the GPU's way, on this CPU: no engine process, the same replies.
+    child, instance_id = _worker("decode", own_nats, redis_server.url, TANDEM_ENGINE_PROCESS="false")
+    heartbeats = await _heartbeats(bus, "decode", instance_id)
+    child.start()
+    try:
+        await heartbeats.wait_for(lambda hb: hb.service.is_ready)
+        stream = await _stream(bus, "reply-on-a-thread")
+        assignment = Assignment(reply_id="reply-on-a-thread", request=_request([1, 2, 3, 4], 6), first_seq=1)
+        assert (await _assign(bus, instance_id, assignment)).accepted
+        await asyncio.wait_for(stream.done.wait(), 60)
+        engines = [pid for task in Path(f"/proc/{child.pid}/task").iterdir() for pid in (task / "children").read_text().split()]
+    finally:
+        child.stop(timeout_s=5)
+    assert not engines, "the engine ran on a thread of the worker"
+    assert [e.seq for e in stream.events] == list(range(1, len(stream.events) + 1)) and len(stream.events) == 6
+
+
 async def test_an_engine_process_killed_mid_reply_makes_the_worker_give_up_its_replies_and_exit_1(own_nats, redis_server, bus):
     child, instance_id = _worker("decode", own_nats, redis_server.url)
     heartbeats = await _heartbeats(bus, "decode", instance_id)
