@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import resource
 import time
@@ -22,7 +23,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
-from typing import Any
+from typing import Any, cast
+
+import uvloop
 
 MAX_RESUMES = 20
 DELAY_BIN_MS = 1
@@ -57,6 +60,7 @@ class StreamResult:
     chain: int = 0  # crc32 over the log-derived events' bytes (id >= 2)
     num_resumes: int = 0
     num_server_ends: int = 0  # answered 200, then ended before `done` and before the client closed it
+    requested_s: float = 0.0  # when its first request was written (unix time)
     attached_s: float = 0.0  # when its first answer's head arrived (unix time)
     arrivals_s: array = field(default_factory=lambda: array("d"))  # arrival of event id k at index k - 1
 
@@ -81,14 +85,15 @@ class SseStream(asyncio.Protocol):
         self.status = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # TCP (uvloop's class is not asyncio.Transport's subclass)
         resume = f"Last-Event-ID: {self._last_event_id}\r\n" if self._last_event_id else ""
         request = (
             f"GET /v1/messages/{self.result.reply_id}/stream HTTP/1.1\r\nHost: {self._job.host}:{self._job.port}\r\n"
             f"Authorization: Bearer {self._job.api_key}\r\nAccept: text/event-stream\r\nConnection: close\r\n{resume}\r\n"
         )
         transport.write(request.encode())
+        if not self.result.requested_s:
+            self.result.requested_s = time.time()
 
     def data_received(self, data: bytes) -> None:
         now_s = time.time()
@@ -233,9 +238,27 @@ class Streams:
         self._all_ended = asyncio.Event()
         self._is_closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self.lags_ms = [0] * (MAX_DELAY_MS // DELAY_BIN_MS + 1)  # the process's event loop lag, sampled
 
     async def run(self) -> list[StreamResult]:
         loop = asyncio.get_running_loop()
+        lag_watch = loop.create_task(self._watch_lag())
+        try:
+            return await self._run(loop)
+        finally:
+            lag_watch.cancel()
+
+    async def _watch_lag(self, every_s: float = 0.02) -> None:
+        """How late this process's loop wakes a timer (a histogram of 1 ms bins): the time a read
+        that arrived waits here before it is timed."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + every_s
+            await asyncio.sleep(every_s)
+            late_ms = int(1000 * max(0.0, loop.time() - due))
+            self.lags_ms[min(late_ms // DELAY_BIN_MS, len(self.lags_ms) - 1)] += 1
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> list[StreamResult]:
         for result in self.results:
             await self._connecting.acquire()
             self._spawn(self._open_stream(result, last_event_id=0))
@@ -348,7 +371,7 @@ def summary(result: StreamResult) -> dict[str, Any]:
         "has_retry_after": result.has_retry_after, "num_events": result.num_events, "is_done": result.is_done,
         "is_contiguous": result.is_contiguous, "chain": result.chain, "num_resumes": result.num_resumes,
         "num_server_ends": result.num_server_ends,
-        "attached_s": result.attached_s, "first_arrival_s": result.arrivals_s[0] if result.arrivals_s else 0.0,
+        "requested_s": result.requested_s, "attached_s": result.attached_s, "first_arrival_s": result.arrivals_s[0] if result.arrivals_s else 0.0,
         "last_arrival_s": result.arrivals_s[-1] if result.arrivals_s else 0.0,
     }  # fmt: skip
 
@@ -358,6 +381,11 @@ ANSWERED = "answered"  # a capacity job's word to the parent: every stream has i
 
 def client_main(conn: Connection, num_held: Synchronized) -> None:  # type: ignore[type-arg]
     """A client process: jobs from the pipe until it closes."""
+    # A session of its own, as the stack's services have: where the kernel groups a session's
+    # processes for the scheduler (autogroup), the clients would otherwise share one group's time
+    # on a CPU, as one process would, beside each service's group.
+    with contextlib.suppress(OSError):
+        os.setsid()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     while True:
@@ -370,8 +398,10 @@ def client_main(conn: Connection, num_held: Synchronized) -> None:  # type: igno
             conn.send(ANSWERED)
             await asyncio.to_thread(conn.recv)  # the parent's word that every client's streams are answered
 
-        results = asyncio.run(Streams(job, num_held, all_answered if job.mode == "capacity" else None).run())
+        # uvloop: a read is one C call into the protocol, where asyncio's loop makes several in Python
+        streams = Streams(job, num_held, all_answered if job.mode == "capacity" else None)
+        results = uvloop.run(streams.run())
         conn.send([summary(result) for result in results])
         if job.mode == "read":
             written_s: dict[str, list[float]] = conn.recv()
-            conn.send(live_delays_ms(results, written_s))
+            conn.send((live_delays_ms(results, written_s), streams.lags_ms))

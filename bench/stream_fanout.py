@@ -36,7 +36,7 @@ from common import mark, write_json
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from stream_clients import ANSWERED, DELAY_BIN_MS, Job, client_main, expected_chain
-from stream_report import FD_ALLOWANCE, capacity_counts, print_table, stream_counts
+from stream_report import FD_ALLOWANCE, capacity_counts, percentile_of, print_table, stream_counts
 
 from services.chat.sse import sse_events
 from tandem.config import ApiKey, Tier, parse_cpu_list
@@ -54,6 +54,26 @@ PROMPT = "Write a very long story about a lighthouse keeper and a storm, chapter
 DELAY_TARGET_MS = 250.0
 
 
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far, user and system (/proc/<pid>/stat); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (a worker's engine process)."""
+    found: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                for child in Path(f"/proc/{pid}/task/{thread}/children").read_text().split():
+                    found += [int(child), *descendants(int(child))]
+    return found
+
+
 class ChatProbe:
     """Samples one chat process's RSS and open file descriptors (/proc) and the bench's count of
     streams held, keeping the peak."""
@@ -69,9 +89,7 @@ class ChatProbe:
         return {"held": num_held, "rss_bytes": 1024 * rss_kib, "fds": len(os.listdir(f"/proc/{self.pid}/fd"))}
 
     def cpu_s(self) -> float:
-        """The process's CPU time so far, user and system (/proc/<pid>/stat)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_s(self.pid)
 
     async def watch(self, num_held: Any, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -143,7 +161,7 @@ async def ask(conns: list[Any], jobs: list[Job], while_held: Callable[[], Awaita
     return await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in conns))
 
 
-async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], num_held: Any) -> dict[str, Any]:
+async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], num_held: Any, client_pids: Sequence[int]) -> dict[str, Any]:
     chat = stack.member("chat")
     assert chat.pid is not None and chat.http_port is not None
     redis = Redis.from_url(stack.redis_url)
@@ -160,9 +178,13 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
             Job(HOST, chat.http_port, API_KEY, part, max_connecting=args.max_connecting)
             for part in spread(reply_ids, args.streams, args.clients)
         ]
+        others = other_processes(stack, client_pids)
         started_s, cpu_before_s = time.time(), probe.cpu_s()
+        others_before_s = {name: sum(cpu_s(pid) for pid in pids) for name, pids in others.items()}
         summaries = [s for part in await ask(conns, jobs) for s in part]
         chat_cpu_s = probe.cpu_s() - cpu_before_s
+        streaming_s = time.time() - started_s
+        others_cpu_s = {name: sum(cpu_s(pid) for pid in pids) - others_before_s[name] for name, pids in others.items()}
         seen = chat_metrics((await http.get("/metrics")).text)
         await asyncio.gather(*replies)
         stop.set()
@@ -174,12 +196,16 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
         after = await settled(probe)
     await redis.aclose()
     wanted = {r: (chain, len(times)) for r, (chain, times) in expected.items()}
-    delays = [sum(column) for column in zip(*histograms)]
+    delays = [sum(column) for column in zip(*(delays for delays, _ in histograms))]
+    client_lags = [sum(column) for column in zip(*(lags for _, lags in histograms))]
     return stream_counts(summaries, wanted, delays, DELAY_BIN_MS, started_s) | {
+        "client_loop_lag_p50_ms": percentile_of(client_lags, DELAY_BIN_MS, 50),
+        "client_loop_lag_p99_ms": percentile_of(client_lags, DELAY_BIN_MS, 99),
         "replies": len(reply_ids), "events_per_reply": {r: n for r, (_, n) in wanted.items()},
-        "chat_cpu_s": chat_cpu_s, "chat_cpu_us_per_event": 1e6 * chat_cpu_s / max(1, sum(s["num_events"] for s in summaries)),
+        "chat_cpu_s": chat_cpu_s, "streaming_s": streaming_s, "others_cpu_s": others_cpu_s, "chat_cpu_us_per_event": 1e6 * chat_cpu_s / max(1, sum(s["num_events"] for s in summaries)),
         "replies_s": max((max(w.values(), default=started_s) for w in written.values()), default=started_s) - started_s,
         "streams_attached_s": sorted(s["attached_s"] - started_s for s in summaries if s["status"] == 200)[:: max(1, len(summaries) // 100)],
+        "stream_answer_s": answer_times(summaries),
         "streams_attached_while_running": sum(
             1 for s in summaries if s["status"] == 200 and s["attached_s"] < max(written[s["reply_id"]].values(), default=0.0)
         ),
@@ -187,6 +213,26 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
         "chat_baseline": probe.baseline, "chat_peak": probe.peak, "chat_after": after,
         "rss_bytes_per_stream": (probe.peak["rss_bytes"] - probe.baseline["rss_bytes"]) / max(1, probe.peak["held"]),
     }  # fmt: skip
+
+
+def answer_times(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """How long the streams answered 200 waited for their answer's head after their request (a
+    stream opens once a client has written its request: these are the chat's and the network's)."""
+    waits = sorted(s["attached_s"] - s["requested_s"] for s in summaries if s["status"] == 200 and s["requested_s"])
+    if not waits:
+        return {}
+    return {f"p{q}": waits[min(len(waits) - 1, int(q / 100 * len(waits)))] for q in (50, 90, 99)} | {"max": waits[-1]}
+
+
+def other_processes(stack: Stack, client_pids: Sequence[int]) -> dict[str, list[int]]:
+    """The processes beside the chat instance whose CPU time the bench reports, by role: the
+    client processes, each worker with its engine process, the relay, and the rest of the stack."""
+    groups: dict[str, list[int]] = {"clients": list(client_pids)}
+    for member in stack.members:
+        if member.pid is not None and member.role != "chat":
+            name = member.role if member.role in ("decode", "relay") else "rest of the stack"
+            groups.setdefault(name, []).extend([member.pid, *descendants(member.pid)])
+    return groups
 
 
 def chat_metrics(metrics_text: str) -> dict[str, Any]:
@@ -314,11 +360,15 @@ def stack_env(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
     return env
 
 
-def pin(pid: int, cpus: frozenset[int]) -> None:
-    """The process and every thread it has now on `cpus` (threads it starts later inherit it)."""
-    for thread in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(thread), cpus)
+def pin(pid: int, cpus: frozenset[int], with_children: bool = True) -> None:
+    """The process, every thread it has now and (`with_children`) every process it started, as a
+    worker's engine process, on `cpus` (threads and processes started later inherit it)."""
+    with contextlib.suppress(FileNotFoundError):
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+                os.sched_setaffinity(int(thread), cpus)
+                for child in Path(f"/proc/{pid}/task/{thread}/children").read_text().split() if with_children else ():
+                    pin(int(child), cpus)
 
 
 def pin_chat_apart(stack: Stack, clients: Sequence[multiprocessing.process.BaseProcess], chat_cpus: frozenset[int]) -> frozenset[int]:
@@ -333,8 +383,22 @@ def pin_chat_apart(stack: Stack, clients: Sequence[multiprocessing.process.BaseP
     for client in clients:
         if client.pid is not None:
             pin(client.pid, rest)
-    pin(os.getpid(), rest)
+    pin(os.getpid(), rest, with_children=False)  # not the stack's members and clients again
     return rest
+
+
+def renice_workers(stack: Stack, niceness: int) -> None:
+    """The workers' processes (each with its engine process and every thread) at `niceness`: on
+    the CPUs they share with the clients, the clients' reads go first and the replies' tokens
+    come from the time left."""
+    for member in stack.members:
+        if member.pid is not None and member.role in ("decode", "prefill"):
+            for pid in (member.pid, *descendants(member.pid)):
+                for thread in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
+                with contextlib.suppress(OSError):  # the session's scheduling group, where the kernel groups sessions
+                    Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -361,7 +425,10 @@ async def main(args: argparse.Namespace) -> int:
             if args.chat_cpus:
                 rest = pin_chat_apart(stack, processes, parse_cpu_list(args.chat_cpus))
                 result |= {"chat_cpus": sorted(parse_cpu_list(args.chat_cpus)), "other_cpus": sorted(rest)}
-            result |= await read_phase(args, stack, conns, num_held)
+            if args.worker_nice:
+                renice_workers(stack, args.worker_nice)
+                result["worker_nice"] = args.worker_nice
+            result |= await read_phase(args, stack, conns, num_held, [p.pid for p in processes if p.pid is not None])
             if args.capacity:
                 print(f"capacity phase: {2 * args.capacity} streams at TANDEM_MAX_STREAMS={args.capacity}", flush=True)
                 result["capacity_phase"] = await capacity_phase(args, stack, conns, env)
@@ -394,6 +461,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--chat-cpus",
         default="",
         help="the chat instance alone on these CPUs (0, 0-1, 0,2), everything else (workers, redis, nats, the clients) on the rest",
+    )
+    parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="the workers' niceness (1-19): with --chat-cpus, the clients on the CPUs the workers use read first",
     )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the numbers as JSON here")

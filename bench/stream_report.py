@@ -87,9 +87,18 @@ def print_table(result: dict[str, Any], delay_target_ms: float, mark: Callable[[
     row("write-to-delivery delay p50 (ms)", _ms(result["delay_p50_ms"]))
     row("write-to-delivery delay p99 (ms)", _ms(p99), f"<= {delay_target_ms:.0f}", p99 is not None and p99 <= delay_target_ms)
     row("  live events timed", f"{result['live_events_timed']}")
+    if result.get("client_loop_lag_p99_ms") is not None:
+        row("  client event loop lag p50 / p99 (ms)", f"{_ms(result['client_loop_lag_p50_ms'])} / {_ms(result['client_loop_lag_p99_ms'])}")
     row("events/s delivered", f"{result['events_per_s']:.0f}")
     row("s until every stream had its first event", f"{result['all_first_events_s']:.1f}")
+    answer = result.get("stream_answer_s", {})
+    if answer:
+        row("  request to answer p50 / p99 / max (s)", f"{answer['p50']:.2f} / {answer['p99']:.2f} / {answer['max']:.2f}")
     row("chat CPU s while streaming (us per event)", f"{result['chat_cpu_s']:.1f} ({result['chat_cpu_us_per_event']:.1f})")
+    others = result.get("others_cpu_s", {})
+    if others:
+        shown = ", ".join(f"{name} {cpu:.0f}" for name, cpu in others.items())
+        row(f"CPU s of the others in {result['streaming_s']:.0f} s", shown)
     seen = result.get("chat_metrics", {})
     if seen:
         row("chat event loop lag p50 / p99 (ms)", f"{_ms(seen['loop_lag_p50_ms'])} / {_ms(seen['loop_lag_p99_ms'])}")
