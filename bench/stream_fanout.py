@@ -363,12 +363,11 @@ def stack_env(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
 def pin(pid: int, cpus: frozenset[int], with_children: bool = True) -> None:
     """The process, every thread it has now and (`with_children`) every process it started, as a
     worker's engine process, on `cpus` (threads and processes started later inherit it)."""
-    with contextlib.suppress(FileNotFoundError):
-        for thread in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-                os.sched_setaffinity(int(thread), cpus)
-                for child in Path(f"/proc/{pid}/task/{thread}/children").read_text().split() if with_children else ():
-                    pin(int(child), cpus)
+    for process in (pid, *(descendants(pid) if with_children else ())):
+        with contextlib.suppress(FileNotFoundError):
+            for thread in os.listdir(f"/proc/{process}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(thread), cpus)
 
 
 def pin_chat_apart(stack: Stack, clients: Sequence[multiprocessing.process.BaseProcess], chat_cpus: frozenset[int]) -> frozenset[int]:
@@ -385,20 +384,6 @@ def pin_chat_apart(stack: Stack, clients: Sequence[multiprocessing.process.BaseP
             pin(client.pid, rest)
     pin(os.getpid(), rest, with_children=False)  # not the stack's members and clients again
     return rest
-
-
-def renice_workers(stack: Stack, niceness: int) -> None:
-    """The workers' processes (each with its engine process and every thread) at `niceness`: on
-    the CPUs they share with the clients, the clients' reads go first and the replies' tokens
-    come from the time left."""
-    for member in stack.members:
-        if member.pid is not None and member.role in ("decode", "prefill"):
-            for pid in (member.pid, *descendants(member.pid)):
-                for thread in os.listdir(f"/proc/{pid}/task"):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
-                with contextlib.suppress(OSError):  # the session's scheduling group, where the kernel groups sessions
-                    Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -425,9 +410,6 @@ async def main(args: argparse.Namespace) -> int:
             if args.chat_cpus:
                 rest = pin_chat_apart(stack, processes, parse_cpu_list(args.chat_cpus))
                 result |= {"chat_cpus": sorted(parse_cpu_list(args.chat_cpus)), "other_cpus": sorted(rest)}
-            if args.worker_nice:
-                renice_workers(stack, args.worker_nice)
-                result["worker_nice"] = args.worker_nice
             result |= await read_phase(args, stack, conns, num_held, [p.pid for p in processes if p.pid is not None])
             if args.capacity:
                 print(f"capacity phase: {2 * args.capacity} streams at TANDEM_MAX_STREAMS={args.capacity}", flush=True)
@@ -461,12 +443,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--chat-cpus",
         default="",
         help="the chat instance alone on these CPUs (0, 0-1, 0,2), everything else (workers, redis, nats, the clients) on the rest",
-    )
-    parser.add_argument(
-        "--worker-nice",
-        type=int,
-        default=0,
-        help="the workers' niceness (1-19): with --chat-cpus, the clients on the CPUs the workers use read first",
     )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the numbers as JSON here")
