@@ -88,9 +88,6 @@ class ChatProbe:
         rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
         return {"held": num_held, "rss_bytes": 1024 * rss_kib, "fds": len(os.listdir(f"/proc/{self.pid}/fd"))}
 
-    def cpu_s(self) -> float:
-        return cpu_s(self.pid)
-
     async def watch(self, num_held: Any, stop: asyncio.Event) -> None:
         while not stop.is_set():
             now = self.sample(num_held.value)
@@ -179,10 +176,10 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
             for part in spread(reply_ids, args.streams, args.clients)
         ]
         others = other_processes(stack, client_pids)
-        started_s, cpu_before_s = time.time(), probe.cpu_s()
+        started_s, cpu_before_s = time.time(), cpu_s(probe.pid)
         others_before_s = {name: sum(cpu_s(pid) for pid in pids) for name, pids in others.items()}
         summaries = [s for part in await ask(conns, jobs) for s in part]
-        chat_cpu_s = probe.cpu_s() - cpu_before_s
+        chat_cpu_s = cpu_s(probe.pid) - cpu_before_s
         streaming_s = time.time() - started_s
         others_cpu_s = {name: sum(cpu_s(pid) for pid in pids) - others_before_s[name] for name, pids in others.items()}
         seen = chat_metrics((await http.get("/metrics")).text)

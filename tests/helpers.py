@@ -112,6 +112,11 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes `pid` started (a worker's engine process), from each of its threads' list."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
+
+
 def freeze(pid: int, timeout_s: float = 10.0) -> None:
     """SIGSTOP, then waits until every thread of the process has stopped. kill() returns once the
     signal is queued; the process's threads stop one by one as the kernel next runs each, so on a

@@ -26,7 +26,7 @@ import nats
 import pytest
 import pytest_asyncio
 import torch
-from helpers import service_env, service_process
+from helpers import children_of, service_env, service_process
 from nats.aio.client import Client
 
 from tandem.bus import decode, encode, subjects
@@ -322,7 +322,7 @@ async def test_a_worker_with_its_engine_on_a_thread_serves_a_reply_to_its_end(ow
         assignment = Assignment(reply_id="reply-on-a-thread", request=_request([1, 2, 3, 4], 6), first_seq=1)
         assert (await _assign(bus, instance_id, assignment)).accepted
         await asyncio.wait_for(stream.done.wait(), 60)
-        engines = [pid for task in Path(f"/proc/{child.pid}/task").iterdir() for pid in (task / "children").read_text().split()]
+        engines = children_of(child.pid)
     finally:
         child.stop(timeout_s=5)
     assert not engines, "the engine ran on a thread of the worker"
@@ -339,7 +339,7 @@ async def test_an_engine_process_killed_mid_reply_makes_the_worker_give_up_its_r
         assignment = Assignment(reply_id="reply-engine-killed", request=_request([1, 2, 3, 4], 2000), first_seq=1)
         assert (await _assign(bus, instance_id, assignment)).accepted
         await asyncio.wait_for(stream.first.wait(), 60)
-        engines = [int(pid) for task in Path(f"/proc/{child.pid}/task").iterdir() for pid in (task / "children").read_text().split()]
+        engines = children_of(child.pid)
         assert len(engines) == 1, f"one engine process under the worker, not {engines}"
         os.kill(engines[0], signal.SIGKILL)
         not_ready = await heartbeats.wait_for(lambda hb: not hb.service.is_ready, timeout_s=60)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import service_env, service_process
+from helpers import children_of, service_env, service_process
 
 from tandem.devstack.proc import ChildProcess
 
@@ -55,10 +55,6 @@ def cpus_of_every_thread(pid: int) -> set[str]:
             for child in (task / "children").read_text().split():
                 lists |= cpus_of_every_thread(int(child))
     return lists
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs and Linux affinity")
