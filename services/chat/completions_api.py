@@ -45,6 +45,7 @@ class TextCompletionBody(GenerationBody):
 async def completions(state: State, user: CurrentUser, arrived: Arrived, body: TextCompletionBody) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     prompt = body.only_prompt()
+    state.door.check_all(user.tier, state.models.models)  # before any work for a prompt that cannot start
     if isinstance(prompt, str):
         checking = start_input_check(state.input_check, prompt)  # in its process, while tokenizing
         prompt_ids = await _prompt_ids(state, prompt)

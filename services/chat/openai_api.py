@@ -42,6 +42,7 @@ async def chat_completions(
 ) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     messages = [m.as_template_message() for m in body.messages]
+    state.door.check_all(user.tier, state.models.models)  # before any work for a message that cannot start
     checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
     model = await served_model(state, user, body.model, last_user_text(messages))
     prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)

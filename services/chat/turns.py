@@ -85,6 +85,7 @@ async def send_message(
     new turn follows (0: it starts a new branch at the root, an edited first message); None: the
     newest message."""
     check_content(state, content)
+    state.door.check_all(user.tier, state.models.models)  # before any work for a message that cannot start
     checking = start_input_check(state.input_check, content)  # in its process, while the prompt is built
     messages = await state.store.list_messages(conversation.id)
     route = await resolve_model(state, user, requested_model, content, conversation_model(messages))

@@ -52,3 +52,27 @@ def test_paid_refusals_and_other_codes_leave_the_door_open():
     door.refused("m", Tier.FREE, "prompt_too_long", 5.0, "long")
     door.refused("m", Tier.FREE, "overloaded", 0.0, "no time given")
     door.check("m", Tier.FREE)
+
+
+def test_a_free_message_is_refused_on_arrival_only_while_every_model_it_could_go_to_is_closed():
+    clock = Clock()
+    door = Door(max_closed_s=2.0, clock=clock)
+    asked: list[int] = []
+
+    def served() -> list[str]:
+        asked.append(1)
+        return ["large", "small"]
+
+    door.check_all(Tier.FREE, served)
+    assert not asked, "nothing closed: the served models are not even listed"
+    door.refused("large", Tier.FREE, "overloaded", 1.5, "the large pool is full")
+    door.check_all(Tier.FREE, served)  # the small model may still take it
+    door.refused("small", Tier.FREE, "overloaded", 0.5, "the small pool is full")
+    with pytest.raises(Unavailable) as refused:
+        door.check_all(Tier.FREE, served)
+    assert refused.value.code == "overloaded" and refused.value.retry_after_s == pytest.approx(0.5)  # the sooner of the two
+    assert "small pool" in refused.value.message
+    door.check_all(Tier.PLUS, served)  # paid goes on
+    door.check_all(Tier.FREE, lambda: [])  # no model known yet: routing decides
+    clock.now_s += 0.6
+    door.check_all(Tier.FREE, served)  # the small model's door has opened
