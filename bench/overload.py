@@ -30,7 +30,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +39,10 @@ import httpx
 import nats
 from drill_stack import DrillStack
 from drills import TOPICS, sse_events
+from procs import CpuMeter, descendants, pin, processes_by_role
 
 from tandem.bus import BadMessage, decode, subjects
-from tandem.config import ApiKey, Tier
+from tandem.config import ApiKey, Tier, parse_cpu_list
 from tandem.ops.top_frame import Metrics, bucket_quantile
 from tandem.v1.worker_pb2 import LadderStatus
 
@@ -57,6 +58,7 @@ class Outcome:
     result: str = "timed_out"  # complete | failed | refused | timed_out | http_error
     finish: str = ""
     ttft_s: float | None = None
+    create_s: float | None = None  # the conversation's creation, part of ttft_s
     detail: str = ""
 
 
@@ -75,6 +77,8 @@ class TierReport:
     timed_out: int = 0
     ttft_p50_s: float | None = None
     ttft_p95_s: float | None = None
+    create_p50_s: float | None = None  # of the admitted: creating the conversation, the first part of their TTFT
+    create_p95_s: float | None = None
     samples: list[str] = field(default_factory=list)
 
 
@@ -91,6 +95,7 @@ async def send_message(http: httpx.AsyncClient, url: str, key: str, tier: str, i
         created = await http.post(f"{url}/v1/conversations", json={}, headers=headers)
         if created.status_code != 201:
             return _refused(outcome, created.status_code, created.headers.get("Retry-After"), created.text)
+        outcome.create_s = time.monotonic() - outcome.sent_s
         conversation_id = created.json()["id"]
         body = {"content": prompt(index), "temperature": 0, "max_tokens": max_tokens}
         request = http.build_request("POST", f"{url}/v1/conversations/{conversation_id}/messages", json=body, headers=headers)
@@ -163,8 +168,34 @@ def summarize(outcomes: list[Outcome], max_tokens: int) -> dict[str, TierReport]
         if ttfts:
             r.ttft_p50_s = round(_percentile(ttfts, 50), 3)
             r.ttft_p95_s = round(_percentile(ttfts, 95), 3)
+        creates = sorted(o.create_s for o in outcomes if o.tier == tier and o.ttft_s is not None and o.create_s is not None)
+        if creates:
+            r.create_p50_s = round(_percentile(creates, 50), 3)
+            r.create_p95_s = round(_percentile(creates, 95), 3)
         r.samples = r.samples[:3]
     return reports
+
+
+def pin_engine_apart(stack: DrillStack, engine_cpus: frozenset[int]) -> None:
+    """The decode worker's engine process on `engine_cpus`, alone; everything else (the worker's
+    own process, the other services, redis, nats, this process) on the rest: the engine's cores
+    to itself, as on a machine of its own, or as vLLM's CPU backend binds its threads apart from
+    its frontend's."""
+    rest = frozenset(os.sched_getaffinity(0)) - engine_cpus
+    if not engine_cpus or not rest:
+        raise SystemExit(f"--engine-cpus must leave other CPUs for the rest; this process may use {sorted(os.sched_getaffinity(0))}")
+    for member in stack.stack.members:
+        if member.pid is not None:
+            pin(member.pid, rest, with_children=False)
+            for child in descendants(member.pid):
+                pin(child, engine_cpus if member.role == "decode" else rest, with_children=False)
+    pin(os.getpid(), rest, with_children=False)
+
+
+def _stage_cells(figures: dict[str, float | None], count_width: int) -> str:
+    mean = "-" if figures["mean_s"] is None else f"{figures['mean_s']:.3f}"
+    p95 = "-" if figures["p95_s"] is None else f"{figures['p95_s']:.3f}"
+    return f"{figures['count'] or 0:>{count_width}.0f}{mean:>9}{p95:>9}"
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -184,13 +215,18 @@ STAGES = (
     ("step, decode only", "decode", "tandem_worker_step_seconds", {"kind": "decode"}),
     ("step, mixed", "decode", "tandem_worker_step_seconds", {"kind": "mixed"}),
     ("step, prefill only", "decode", "tandem_worker_step_seconds", {"kind": "prefill"}),
+    ("token produced to chat's write", "chat", "tandem_chat_stream_write_delay_seconds", {}),
+    ("event loop lag, chat", "chat", "tandem_event_loop_lag_seconds", {}),
+    ("event loop lag, relay", "relay", "tandem_event_loop_lag_seconds", {}),
+    ("event loop lag, router", "router", "tandem_event_loop_lag_seconds", {}),
+    ("event loop lag, decode worker", "decode", "tandem_event_loop_lag_seconds", {}),
 )
 
 
 async def scrape(http: httpx.AsyncClient, stack: DrillStack) -> dict[str, list[Metrics]]:
-    """Every chat, router and decode process's /metrics, by role."""
+    """Every chat, router, relay and decode process's /metrics, by role."""
     snapshot: dict[str, list[Metrics]] = {}
-    for role in ("chat", "router", "decode"):
+    for role in ("chat", "router", "relay", "decode"):
         for member in stack.stack.members_of(role):
             response = await http.get(f"{member.url}/metrics")
             snapshot.setdefault(role, []).append(Metrics.parse(response.text))
@@ -243,6 +279,9 @@ async def main(args: argparse.Namespace) -> int:
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
     async with stack, httpx.AsyncClient(timeout=httpx.Timeout(args.hang_s, connect=30.0), limits=limits) as http:
         await stack.wait_all_ready(timeout_s=300.0)
+        if args.engine_cpus:
+            pin_engine_apart(stack, parse_cpu_list(args.engine_cpus))
+
         url = stack.chat_urls[0]
         nc = await nats.connect(stack.stack.nats_url)
         ladder = LadderWatch()
@@ -297,14 +336,28 @@ async def main(args: argparse.Namespace) -> int:
                     await asyncio.sleep(rng.expovariate(rate))
                 return list(await asyncio.gather(*tasks))
 
+            async def phase(run: Awaitable[list[Outcome]]) -> tuple[list[Outcome], dict[str, dict[str, float | None]], dict[str, float]]:
+                """A phase's outcomes, where its replies spent time, and the CPU seconds each role spent."""
+                meter = CpuMeter({**processes_by_role(stack.stack), "bench (the clients)": [os.getpid()]})
+                before = await scrape(http, stack)
+                meter.start()
+                started_s = time.monotonic()
+                outcomes = await run
+                cpu = meter.stop()
+                cpu["(the phase's wall time)"] = round(time.monotonic() - started_s, 1)
+                return outcomes, stage_breakdown(before, await scrape(http, stack)), cpu
+
             # 3. paid alone, at the rate it arrives at in the overload: what paid's own load costs it
-            alone = summarize(await open_loop(args.paid_alone_s, rate * args.paid_share, 5_000, lambda: "paid"), args.max_tokens)["paid"]
+            alone_outcomes, alone_stages, alone_cpu = await phase(
+                open_loop(args.paid_alone_s, rate * args.paid_share, 5_000, lambda: "paid")
+            )
+            alone = summarize(alone_outcomes, args.max_tokens)["paid"]
             print(f"paid alone at {rate * args.paid_share:.2f}/s: TTFT p50 {alone.ttft_p50_s} s, p95 {alone.ttft_p95_s} s", flush=True)
 
             # 4. overload: open loop
-            before = await scrape(http, stack)
-            outcomes = await open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free")
-            stages = stage_breakdown(before, await scrape(http, stack))
+            outcomes, stages, cpu = await phase(
+                open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free")
+            )
         finally:
             await nc.close()
     reports = summarize(outcomes, args.max_tokens)
@@ -313,22 +366,27 @@ async def main(args: argparse.Namespace) -> int:
     refusals_without = sum(r.refused_without_retry_after for r in reports.values())
     paid_ok = paid.ttft_p95_s is not None and paid.ttft_p95_s <= 2 * unloaded_p95
     print(
-        f"\n{'tier':<6}{'sent':>6}{'admit':>7}{'429':>6}{'503':>6}{'other':>7}{'noRA':>6}{'done':>6}{'capped':>8}{'failed':>8}{'t/out':>7}{'TTFT p50':>10}{'p95':>8}"
+        f"\n{'tier':<6}{'sent':>6}{'admit':>7}{'429':>6}{'503':>6}{'other':>7}{'noRA':>6}{'done':>6}{'capped':>8}{'failed':>8}{'t/out':>7}{'TTFT p50':>10}{'p95':>8}{'of it, create p50':>19}{'p95':>8}"
     )
     for r in reports.values():
         p50 = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}"
         p95 = "-" if r.ttft_p95_s is None else f"{r.ttft_p95_s:.2f}"
+        create_p50 = "-" if r.create_p50_s is None else f"{r.create_p50_s:.3f}"
+        create_p95 = "-" if r.create_p95_s is None else f"{r.create_p95_s:.3f}"
         print(
             f"{r.tier:<6}{r.sent:>6}{r.admitted:>7}{r.refused_429:>6}{r.refused_503:>6}{r.refused_other:>7}{r.refused_without_retry_after:>6}"
-            f"{r.completed:>6}{r.capped:>8}{r.failed:>8}{r.timed_out:>7}{p50:>10}{p95:>8}"
+            f"{r.completed:>6}{r.capped:>8}{r.failed:>8}{r.timed_out:>7}{p50:>10}{p95:>8}{create_p50:>19}{create_p95:>8}"
         )
         for sample in r.samples:
             print(f"{'':<6}sample: {sample}")
-    print(f"\n{'where the admitted replies spent time':<40}{'count':>8}{'mean':>9}{'p95':>9}")
+    print(
+        f"\n{'where the admitted replies spent time':<40}{'overload: count':>16}{'mean':>9}{'p95':>9}{'paid alone: count':>19}{'mean':>9}{'p95':>9}"
+    )
     for row, figures in stages.items():
-        mean = "-" if figures["mean_s"] is None else f"{figures['mean_s']:.3f}"
-        p95 = "-" if figures["p95_s"] is None else f"{figures['p95_s']:.3f}"
-        print(f"{row:<40}{figures['count']:>8.0f}{mean:>9}{p95:>9}")
+        print(f"{row:<40}{_stage_cells(figures, 16)}{_stage_cells(alone_stages[row], 19)}")
+    print(f"\n{'CPU s by process (arrivals, drain)':<40}{'overload':>16}{'paid alone':>19}")
+    for role, spent in cpu.items():
+        print(f"{role:<40}{spent:>16.1f}{alone_cpu.get(role, 0.0):>19.1f}")
     print(f"\nladder: max rung {ladder.max_rung}; (s, rung, busyness): {ladder.statuses[-12:]}")
     print(f"{'PASS' if hung == 0 else 'MISS'} 0 timed out / hung: {hung}")
     print(f"{'PASS' if paid_ok else 'MISS'} paid TTFT p95 {paid.ttft_p95_s} s <= 2 x unloaded {unloaded_p95:.3f} s")
@@ -343,6 +401,8 @@ async def main(args: argparse.Namespace) -> int:
             "seconds": args.seconds,
             "tiers": {tier: asdict(r) for tier, r in reports.items()},
             "stages": stages,
+            "paid_alone_stages": alone_stages,
+            "cpu_s": {"overload": cpu, "paid_alone": alone_cpu},
             "ladder": {"max_rung": ladder.max_rung, "statuses": ladder.statuses},
             "targets": {
                 "no_timeouts": hung == 0,
@@ -371,6 +431,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ladder-interval-s", type=float, default=5.0, help="TANDEM_LADDER_INTERVAL_S for the stack")
     parser.add_argument("--paid-alone-s", type=float, default=30.0, help="how long paid traffic alone runs at its overload rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-cpus",
+        default="",
+        help="the decode worker's engine process alone on these CPUs (`1`, `2-3`), everything else on the others",
+    )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the report as JSON here")
     parser.add_argument("--quick", action="store_true", help="smoke sizes: 8 s of overload at 3x, 4 s of probing with 4 clients")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import os
 import resource
@@ -33,6 +32,7 @@ from typing import Any
 
 import httpx
 from common import mark, write_json
+from procs import CpuMeter, cpu_s, descendants, pin
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from stream_clients import ANSWERED, DELAY_BIN_MS, Job, client_main, expected_chain
@@ -52,26 +52,6 @@ HOST = "127.0.0.1"
 KEYS = {API_KEY: ApiKey(user_id="bencher", tier=Tier.PRO)}
 PROMPT = "Write a very long story about a lighthouse keeper and a storm, chapter by chapter, {index}."
 DELAY_TARGET_MS = 250.0
-
-
-def cpu_s(pid: int) -> float:
-    """A process's CPU time so far, user and system (/proc/<pid>/stat); 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes `pid` started, and theirs (a worker's engine process)."""
-    found: list[int] = []
-    with contextlib.suppress(FileNotFoundError):
-        for thread in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError):
-                for child in Path(f"/proc/{pid}/task/{thread}/children").read_text().split():
-                    found += [int(child), *descendants(int(child))]
-    return found
 
 
 class ChatProbe:
@@ -175,13 +155,13 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
             Job(HOST, chat.http_port, API_KEY, part, max_connecting=args.max_connecting)
             for part in spread(reply_ids, args.streams, args.clients)
         ]
-        others = other_processes(stack, client_pids)
+        others = CpuMeter(other_processes(stack, client_pids))
         started_s, cpu_before_s = time.time(), cpu_s(probe.pid)
-        others_before_s = {name: sum(cpu_s(pid) for pid in pids) for name, pids in others.items()}
+        others.start()
         summaries = [s for part in await ask(conns, jobs) for s in part]
         chat_cpu_s = cpu_s(probe.pid) - cpu_before_s
         streaming_s = time.time() - started_s
-        others_cpu_s = {name: sum(cpu_s(pid) for pid in pids) - others_before_s[name] for name, pids in others.items()}
+        others_cpu_s = others.stop()
         seen = chat_metrics((await http.get("/metrics")).text)
         await asyncio.gather(*replies)
         stop.set()
@@ -355,16 +335,6 @@ def stack_env(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
     }  # fmt: skip
     env.update(dict(item.split("=", 1) for item in args.env))
     return env
-
-
-def pin(pid: int, cpus: frozenset[int], with_children: bool = True) -> None:
-    """The process, every thread it has now and (`with_children`) every process it started, as a
-    worker's engine process, on `cpus` (threads and processes started later inherit it)."""
-    for process in (pid, *(descendants(pid) if with_children else ())):
-        with contextlib.suppress(FileNotFoundError):
-            for thread in os.listdir(f"/proc/{process}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.sched_setaffinity(int(thread), cpus)
 
 
 def pin_chat_apart(stack: Stack, clients: Sequence[multiprocessing.process.BaseProcess], chat_cpus: frozenset[int]) -> frozenset[int]:

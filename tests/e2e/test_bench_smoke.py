@@ -8,6 +8,7 @@ threads than free cores make every torch op wait on a descheduled thread.
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,13 @@ def test_overload_bench_reports_each_tier_and_where_the_admitted_replies_spent_t
     assert stages["chat TTFT, paid"]["count"] >= tiers["paid"]["completed"]
     steps = sum(stages[row]["count"] for row in ("step, decode only", "step, mixed", "step, prefill only"))
     assert steps > 0 and _is_positive(result["unloaded_paid_ttft_p95_s"])
+    # the paid-alone phase is broken down the same way, and each phase's CPU by process: the engine
+    # process (started by the decode worker) computed in both, within what the phase's wall time allows
+    assert result["paid_alone_stages"]["chat TTFT, paid"]["count"] >= result["paid_alone"]["completed"] > 0
+    for phase in ("overload", "paid_alone"):
+        cpu = result["cpu_s"][phase]
+        assert _is_positive(cpu["decode, started by it"]) and cpu["decode, started by it"] <= cpu["(the phase's wall time)"] * os.cpu_count()
+        assert {"chat", "relay", "router", "nats", "redis", "bench (the clients)"} <= set(cpu), cpu
 
 
 def test_stack_overhead_bench_times_the_same_replies_through_the_stack_and_on_the_engine_alone(tmp_path):
