@@ -111,9 +111,8 @@ async def send_message(
         raise Moderated(MODERATED_MESSAGE)
     reply = _reply_request(state, user, conversation, route, prompt, reply_id, sampling)
     async with reserve_quota(state, reply):  # a turn the quota refuses stores nothing
-        user_message = await state.store.append_message(user.user_id, user_turn)
-        if not conversation.title:
-            await state.store.update_conversation(user.user_id, conversation.id, title=_title_of(content))
+        # A conversation's first message names it, in the same write.
+        user_message = await state.store.append_message(user.user_id, user_turn, title=None if conversation.title else _title_of(content))
         started = await _start(state, conversation, user_message.seq, reply, prompt.num_dropped)
     schedule_summary(state, user, conversation.id, model, history[: prompt.num_dropped], started.reply_id)  # in the background
     return replace(started, route=route.answered_by(started.model))

@@ -159,7 +159,9 @@ def test_overload_bench_reports_each_tier_and_where_the_admitted_replies_spent_t
     assert result["paid_alone_stages"]["chat TTFT, paid"]["count"] >= result["paid_alone"]["completed"] > 0
     for phase in ("overload", "paid_alone"):
         cpu = result["cpu_s"][phase]
-        assert _is_positive(cpu["decode, started by it"]) and cpu["decode, started by it"] <= cpu["(the phase's wall time)"] * os.cpu_count()
+        assert (
+            _is_positive(cpu["decode, started by it"]) and cpu["decode, started by it"] <= cpu["(the phase's wall time)"] * os.cpu_count()
+        )
         assert {"chat", "relay", "router", "nats", "redis", "bench (the clients)"} <= set(cpu), cpu
 
 

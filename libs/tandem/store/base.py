@@ -105,10 +105,11 @@ class ConversationStore(Protocol):
         are not found by id, a late finish_message finds nothing and an append raises KeyError.
         Stop its running reply first: a reply appended while the delete runs may outlive it."""
 
-    async def append_message(self, user_id: str, message: NewMessage) -> Message:
-        """Appends with the next seq, bumps the conversation's updated_at_ms and total_tokens.
-        The same message id again returns the stored message. Raises KeyError when the
-        conversation does not exist for this user."""
+    async def append_message(self, user_id: str, message: NewMessage, *, title: str | None = None) -> Message:
+        """Appends with the next seq, bumps the conversation's updated_at_ms and total_tokens,
+        and sets its title when `title` is given, in the same write. The same message id again
+        returns the stored message and writes nothing. Raises KeyError when the conversation does
+        not exist for this user."""
 
     async def finish_message(
         self, conversation_id: str, message_id: str, *, content: str, status: ReplyStatus, tokens: int, model: str = ""

@@ -410,7 +410,7 @@ class CassandraStore:
     # --- messages
 
     @_bounded
-    async def append_message(self, user_id: str, message: NewMessage) -> Message:
+    async def append_message(self, user_id: str, message: NewMessage, *, title: str | None = None) -> Message:
         conversation = await self._conversation_row(message.conversation_id)
         if conversation is None or conversation["user_id"] != user_id:
             raise KeyError(message.conversation_id)
@@ -429,6 +429,8 @@ class CassandraStore:
         batch.add(self._prepared["bump_conversation"], (seq, seq, row["tokens"], updated_at_ms, message.conversation_id))
         batch.add(self._prepared["index_delete"], (user_id, conversation["updated_at_ms"], message.conversation_id))
         batch.add(self._prepared["index_insert"], (user_id, updated_at_ms, message.conversation_id))
+        if title is not None:
+            batch.add(self._prepared["set_title"], (title, message.conversation_id))
         await self._execute(batch, None)
         return _message(row)
 

@@ -196,7 +196,7 @@ class SqliteStore:
 
         return await self._write(delete)
 
-    async def append_message(self, user_id: str, message: NewMessage) -> Message:
+    async def append_message(self, user_id: str, message: NewMessage, *, title: str | None = None) -> Message:
         def append(db: sqlite3.Connection) -> sqlite3.Row:
             owner = db.execute(
                 "SELECT last_seq FROM conversations WHERE id = ? AND user_id = ?", (message.conversation_id, user_id)
@@ -226,8 +226,9 @@ class SqliteStore:
                 ),
             )
             db.execute(
-                "UPDATE conversations SET last_seq = ?, total_tokens = total_tokens + ?, updated_at_ms = max(updated_at_ms, ?) WHERE id = ?",
-                (seq, message.tokens, now_ms(), message.conversation_id),
+                "UPDATE conversations SET last_seq = ?, total_tokens = total_tokens + ?, updated_at_ms = max(updated_at_ms, ?), "
+                "title = coalesce(?, title) WHERE id = ?",
+                (seq, message.tokens, now_ms(), title, message.conversation_id),
             )
             return _the_row(db, f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message.id,))
 

@@ -218,6 +218,19 @@ async def test_an_update_changes_only_the_fields_given(store: ConversationStore)
     assert await store.get_conversation("alice", conversation.id) == renamed
 
 
+async def test_an_append_with_a_title_names_the_conversation_and_its_retry_or_a_plain_append_leaves_the_title(
+    store: ConversationStore,
+) -> None:
+    conversation = await store.create_conversation(new_conversation(title=""))
+    turn = user_turn(conversation, "how do tides work?")
+    first = await store.append_message("alice", turn, title="how do tides work?")
+    assert (await store.get_conversation("alice", conversation.id)).title == "how do tides work?"
+    assert await store.append_message("alice", turn, title="a retry's title") == first  # the same id: nothing written
+    await store.append_message("alice", running_reply(conversation, parent_seq=first.seq))
+    stored = await store.get_conversation("alice", conversation.id)
+    assert stored.title == "how do tides work?" and [m.seq for m in await store.list_messages(conversation.id)] == [1, 2]
+
+
 async def test_open_store_builds_the_store_the_settings_name(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if store_kind == "cassandra":
         hosts = request.getfixturevalue("cassandra_hosts")
