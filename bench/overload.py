@@ -251,6 +251,25 @@ def stage_breakdown(before: dict[str, list[Metrics]], after: dict[str, list[Metr
     return rows
 
 
+ENGINE_COUNTERS = {
+    "prefix_query_tokens": "tandem_worker_prefix_cache_queries_tokens_total",
+    "prefix_hit_tokens": "tandem_worker_prefix_cache_hits_tokens_total",
+    "prompt_tokens_computed": "tandem_worker_prompt_tokens_total",
+    "output_tokens": "tandem_worker_generation_tokens_total",
+}
+
+
+def engine_counts(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]]) -> dict[str, float]:
+    """What the decode workers' engines counted during the phase: prompt tokens looked up in the
+    prefix cache and found there, prompt tokens computed, output tokens."""
+    return {
+        key: sum(
+            (now.total(name) or 0.0) - (earlier.total(name) or 0.0) for earlier, now in zip(before["decode"], after["decode"], strict=True)
+        )
+        for key, name in ENGINE_COUNTERS.items()
+    }
+
+
 class LadderWatch:
     """Every LadderStatus a router publishes during the run."""
 
@@ -337,8 +356,11 @@ async def main(args: argparse.Namespace) -> int:
                     await asyncio.sleep(rng.expovariate(rate))
                 return list(await asyncio.gather(*tasks))
 
-            async def phase(run: Awaitable[list[Outcome]]) -> tuple[list[Outcome], dict[str, dict[str, float | None]], dict[str, float]]:
-                """A phase's outcomes, where its replies spent time, and the CPU seconds each role spent."""
+            async def phase(
+                run: Awaitable[list[Outcome]],
+            ) -> tuple[list[Outcome], dict[str, dict[str, float | None]], dict[str, float], dict[str, float]]:
+                """A phase's outcomes, where its replies spent time, the CPU seconds each role
+                spent and what the engine counted."""
                 meter = CpuMeter({**processes_by_role(stack.stack), "bench (the clients)": [os.getpid()]})
                 before = await scrape(http, stack)
                 meter.start()
@@ -346,17 +368,18 @@ async def main(args: argparse.Namespace) -> int:
                 outcomes = await run
                 cpu = meter.stop()
                 cpu["(the phase's wall time)"] = round(time.monotonic() - started_s, 1)
-                return outcomes, stage_breakdown(before, await scrape(http, stack)), cpu
+                after = await scrape(http, stack)
+                return outcomes, stage_breakdown(before, after), cpu, engine_counts(before, after)
 
             # 3. paid alone, at the rate it arrives at in the overload: what paid's own load costs it
-            alone_outcomes, alone_stages, alone_cpu = await phase(
+            alone_outcomes, alone_stages, alone_cpu, alone_engine = await phase(
                 open_loop(args.paid_alone_s, rate * args.paid_share, 5_000, lambda: "paid")
             )
             alone = summarize(alone_outcomes, args.max_tokens)["paid"]
             print(f"paid alone at {rate * args.paid_share:.2f}/s: TTFT p50 {alone.ttft_p50_s} s, p95 {alone.ttft_p95_s} s", flush=True)
 
             # 4. overload: open loop
-            outcomes, stages, cpu = await phase(
+            outcomes, stages, cpu, engine = await phase(
                 open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free")
             )
         finally:
@@ -385,6 +408,12 @@ async def main(args: argparse.Namespace) -> int:
     )
     for row, figures in stages.items():
         print(f"{row:<40}{_stage_cells(figures, 16)}{_stage_cells(alone_stages[row], 19)}")
+    for name, counts in (("overload", engine), ("paid alone", alone_engine)):
+        hit_share = counts["prefix_hit_tokens"] / counts["prefix_query_tokens"] if counts["prefix_query_tokens"] else 0.0
+        print(
+            f"engine, {name}: {counts['prefix_hit_tokens']:.0f} of {counts['prefix_query_tokens']:.0f} prompt tokens looked up "
+            f"found in the prefix cache ({hit_share:.0%}), {counts['prompt_tokens_computed']:.0f} computed, {counts['output_tokens']:.0f} output"
+        )
     print(f"\n{'CPU s by process (arrivals, drain)':<40}{'overload':>16}{'paid alone':>19}")
     for role, spent in cpu.items():
         print(f"{role:<40}{spent:>16.1f}{alone_cpu.get(role, 0.0):>19.1f}")
@@ -404,6 +433,7 @@ async def main(args: argparse.Namespace) -> int:
             "stages": stages,
             "paid_alone_stages": alone_stages,
             "cpu_s": {"overload": cpu, "paid_alone": alone_cpu},
+            "engine": {"overload": engine, "paid_alone": alone_engine},
             "ladder": {"max_rung": ladder.max_rung, "statuses": ladder.statuses},
             "targets": {
                 "no_timeouts": hung == 0,

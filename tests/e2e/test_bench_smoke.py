@@ -163,6 +163,9 @@ def test_overload_bench_reports_each_tier_and_where_the_admitted_replies_spent_t
             _is_positive(cpu["decode, started by it"]) and cpu["decode, started by it"] <= cpu["(the phase's wall time)"] * os.cpu_count()
         )
         assert {"chat", "relay", "router", "nats", "redis", "bench (the clients)"} <= set(cpu), cpu
+        engine = result["engine"][phase]
+        assert engine["prompt_tokens_computed"] > 0 and engine["output_tokens"] > 0, engine
+        assert 0 <= engine["prefix_hit_tokens"] <= engine["prefix_query_tokens"], engine
 
 
 def test_stack_overhead_bench_times_the_same_replies_through_the_stack_and_on_the_engine_alone(tmp_path):
