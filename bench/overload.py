@@ -238,11 +238,9 @@ def stage_breakdown(before: dict[str, list[Metrics]], after: dict[str, list[Metr
     """Each stage's observations during the phase: count, mean and p95 (from the buckets)."""
     rows: dict[str, dict[str, float | None]] = {}
     for row, role, name, labels in STAGES:
-        count = total = 0.0
+        count, total = grown(before, after, role, f"{name}_count", **labels), grown(before, after, role, f"{name}_sum", **labels)
         buckets: dict[float, float] = {}
         for earlier, now in zip(before.get(role, []), after.get(role, []), strict=True):
-            count += (now.total(f"{name}_count", **labels) or 0.0) - (earlier.total(f"{name}_count", **labels) or 0.0)
-            total += (now.total(f"{name}_sum", **labels) or 0.0) - (earlier.total(f"{name}_sum", **labels) or 0.0)
             earlier_buckets = earlier.buckets(name, **labels)
             for bound, value in now.buckets(name, **labels).items():
                 buckets[bound] = buckets.get(bound, 0.0) + value - earlier_buckets.get(bound, 0.0)
@@ -262,12 +260,15 @@ ENGINE_COUNTERS = {
 def engine_counts(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]]) -> dict[str, float]:
     """What the decode workers' engines counted during the phase: prompt tokens looked up in the
     prefix cache and found there, prompt tokens computed, output tokens."""
-    return {
-        key: sum(
-            (now.total(name) or 0.0) - (earlier.total(name) or 0.0) for earlier, now in zip(before["decode"], after["decode"], strict=True)
-        )
-        for key, name in ENGINE_COUNTERS.items()
-    }
+    return {key: grown(before, after, "decode", name) for key, name in ENGINE_COUNTERS.items()}
+
+
+def grown(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]], role: str, name: str, **labels: str) -> float:
+    """How much a counter (or a histogram's _count or _sum) grew over the phase, summed over the role's processes."""
+    return sum(
+        (now.total(name, **labels) or 0.0) - (earlier.total(name, **labels) or 0.0)
+        for earlier, now in zip(before.get(role, []), after.get(role, []), strict=True)
+    )
 
 
 class LadderWatch:
@@ -301,7 +302,6 @@ async def main(args: argparse.Namespace) -> int:
         await stack.wait_all_ready(timeout_s=300.0)
         if args.engine_cpus:
             pin_engine_apart(stack, parse_cpu_list(args.engine_cpus))
-
         url = stack.chat_urls[0]
         nc = await nats.connect(stack.stack.nats_url)
         ladder = LadderWatch()
