@@ -34,12 +34,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import nats
 import uvloop
+from chat_client import Event, Pool, ProtocolError, read_events
 from drill_stack import DrillStack
-from drills import TOPICS, sse_events
+from drills import TOPICS
 from procs import CpuMeter, descendants, pin, processes_by_role
 
 from tandem.bus import BadMessage, decode, subjects
@@ -87,40 +89,45 @@ def prompt(index: int) -> str:
     return f"Explain {TOPICS[index % len(TOPICS)]} in a few short paragraphs. (message {index})"
 
 
-async def send_message(http: httpx.AsyncClient, url: str, key: str, tier: str, index: int, max_tokens: int, hang_s: float) -> Outcome:
+async def send_message(pool: Pool, key: str, tier: str, index: int, max_tokens: int, hang_s: float) -> Outcome:
     """One message in a new conversation, read to its final event (or to `hang_s` after sending)."""
     headers = {"Authorization": f"Bearer {key}"}
     outcome = Outcome(tier=tier, sent_s=time.monotonic())
-    deadline = outcome.sent_s + hang_s
     try:
-        created = await http.post(f"{url}/v1/conversations", json={}, headers=headers)
-        if created.status_code != 201:
-            return _refused(outcome, created.status_code, created.headers.get("Retry-After"), created.text)
-        outcome.create_s = time.monotonic() - outcome.sent_s
-        conversation_id = created.json()["id"]
-        body = {"content": prompt(index), "temperature": 0, "max_tokens": max_tokens}
-        request = http.build_request("POST", f"{url}/v1/conversations/{conversation_id}/messages", json=body, headers=headers)
-        response = await http.send(request, stream=True)
-        try:
-            outcome.status = response.status_code
-            if response.status_code != 200:
-                return _refused(outcome, response.status_code, response.headers.get("Retry-After"), (await response.aread()).decode()[:200])
-            async for sse in sse_events(response, deadline):
-                if sse.event == "delta" and outcome.ttft_s is None:
+        async with asyncio.timeout(hang_s):
+            connection, created = await pool.request("POST", "/v1/conversations", headers, {})
+            body = await connection.body(created)
+            pool.give(connection)
+            if created.status != 201:
+                return _refused(outcome, created.status, created.headers.get("retry-after"), body.decode(errors="replace"))
+            outcome.create_s = time.monotonic() - outcome.sent_s
+            conversation_id = json.loads(body)["id"]
+            payload = {"content": prompt(index), "temperature": 0, "max_tokens": max_tokens}
+            connection, answer = await pool.request("POST", f"/v1/conversations/{conversation_id}/messages", headers, payload)
+            outcome.status = answer.status
+            if answer.status != 200:
+                body = await connection.body(answer)
+                pool.give(connection)
+                return _refused(outcome, answer.status, answer.headers.get("retry-after"), body.decode(errors="replace"))
+
+            def on_event(event: Event) -> None:
+                if event.name == "delta" and outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - outcome.sent_s
-                elif sse.event == "done":
-                    outcome.result = "complete"
-                    outcome.finish = str(sse.data.get("finish", ""))
-                    outcome.detail = json.dumps(sse.data.get("usage", {}))
-                    return outcome
-                elif sse.event == "error":
-                    outcome.result = "failed"
-                    outcome.detail = str(sse.data)[:200]
-                    return outcome
-        finally:
-            await response.aclose()
-    except (httpx.HTTPError, OSError) as exc:
-        outcome.result = "http_error" if time.monotonic() < deadline else "timed_out"
+                elif event.name == "done" and outcome.result == "timed_out":
+                    data = json.loads(event.data)
+                    outcome.result, outcome.finish = "complete", str(data.get("finish", ""))
+                    outcome.detail = json.dumps(data.get("usage", {}))
+                elif event.name == "error" and outcome.result == "timed_out":
+                    outcome.result, outcome.detail = "failed", event.data.decode(errors="replace")[:200]
+
+            await read_events(connection, answer, on_event)
+            pool.give(connection)
+            if outcome.result == "timed_out":
+                outcome.result, outcome.detail = "http_error", "the stream ended without a final event"
+    except TimeoutError:
+        outcome.result = "timed_out"
+    except (OSError, asyncio.IncompleteReadError, ProtocolError, ValueError) as exc:
+        outcome.result = "http_error"
         outcome.detail = f"{type(exc).__name__}: {exc}"[:200]
     return outcome
 
@@ -302,7 +309,8 @@ async def main(args: argparse.Namespace) -> int:
         await stack.wait_all_ready(timeout_s=300.0)
         if args.engine_cpus:
             pin_engine_apart(stack, parse_cpu_list(args.engine_cpus))
-        url = stack.chat_urls[0]
+        chat = urlsplit(stack.chat_urls[0])
+        pool = Pool(chat.hostname or "127.0.0.1", chat.port or 80)
         nc = await nats.connect(stack.stack.nats_url)
         ladder = LadderWatch()
         await nc.subscribe(subjects.LADDER, cb=ladder.on_status)
@@ -314,9 +322,7 @@ async def main(args: argparse.Namespace) -> int:
                 return f"key-{users[tier][turn[tier] % len(users[tier])]}"
 
             # 1. unloaded paid TTFT
-            unloaded = [
-                await send_message(http, url, next_key("paid"), "paid", i, args.max_tokens, args.hang_s) for i in range(args.baseline)
-            ]
+            unloaded = [await send_message(pool, next_key("paid"), "paid", i, args.max_tokens, args.hang_s) for i in range(args.baseline)]
             unloaded_ttfts = sorted(o.ttft_s for o in unloaded if o.ttft_s is not None)
             if not unloaded_ttfts:
                 print(f"no unloaded reply completed: {[o.detail for o in unloaded]}", file=sys.stderr)
@@ -332,7 +338,7 @@ async def main(args: argparse.Namespace) -> int:
                 nonlocal completed
                 i = 0
                 while time.monotonic() < probe_end:
-                    o = await send_message(http, url, next_key("paid"), "paid", 1000 + 100 * c + i, args.max_tokens, args.hang_s)
+                    o = await send_message(pool, next_key("paid"), "paid", 1000 + 100 * c + i, args.max_tokens, args.hang_s)
                     completed += o.result == "complete"
                     i += 1
 
@@ -351,7 +357,7 @@ async def main(args: argparse.Namespace) -> int:
                 index = first_index
                 while time.monotonic() < load_end:
                     tier = pick_tier()
-                    tasks.append(asyncio.create_task(send_message(http, url, next_key(tier), tier, index, args.max_tokens, args.hang_s)))
+                    tasks.append(asyncio.create_task(send_message(pool, next_key(tier), tier, index, args.max_tokens, args.hang_s)))
                     index += 1
                     await asyncio.sleep(rng.expovariate(rate))
                 return list(await asyncio.gather(*tasks))
@@ -383,6 +389,7 @@ async def main(args: argparse.Namespace) -> int:
                 open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free")
             )
         finally:
+            pool.close()
             await nc.close()
     reports = summarize(outcomes, args.max_tokens)
     paid = reports["paid"]
