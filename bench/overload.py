@@ -220,6 +220,8 @@ STAGES = (
     ("router wait, free", "router", "tandem_router_queue_wait_seconds", {"lane": "free"}),
     ("engine queue, paid", "decode", "tandem_worker_queue_wait_seconds", {"lane": "paid"}),
     ("engine queue, free", "decode", "tandem_worker_queue_wait_seconds", {"lane": "free"}),
+    ("engine TTFT, paid", "decode", "tandem_worker_time_to_first_token_seconds", {"lane": "paid"}),
+    ("engine TTFT, free", "decode", "tandem_worker_time_to_first_token_seconds", {"lane": "free"}),
     ("step, decode only", "decode", "tandem_worker_step_seconds", {"kind": "decode"}),
     ("step, mixed", "decode", "tandem_worker_step_seconds", {"kind": "mixed"}),
     ("step, prefill only", "decode", "tandem_worker_step_seconds", {"kind": "prefill"}),

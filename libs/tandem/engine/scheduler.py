@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.lane_queue import LaneQueue
@@ -99,10 +100,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class QueueWait:
-    """How long a sequence waited from its arrival to its first admission."""
+    """How long a sequence waited from its arrival until it was first admitted, or (`until`
+    "first_token") until its first token was sampled."""
 
     lane: Lane
     wait_s: float
+    until: Literal["admitted", "first_token"] = "admitted"
 
 
 # Queue waits kept until drained (a worker drains them after every step); older ones are dropped.
@@ -253,6 +256,8 @@ class Scheduler:
             if seq.seq_id not in sampled:
                 raise KeyError(f"{seq.seq_id}: its chunk completes the sequence but no token was sampled for it")
             seq.append_token(sampled[seq.seq_id])
+            if seq.num_output_tokens == 1 and seq.arrival_s:  # not an import: its first token came with it
+                self._queue_waits.append(QueueWait(seq.lane, time.monotonic() - seq.arrival_s, until="first_token"))
             reason = self._finish_reason(seq, has_hit_stop_string=seq.seq_id in stopped_ids)
             if reason is not None:
                 self._retire(seq, reason)
@@ -290,8 +295,8 @@ class Scheduler:
         )
 
     def drain_queue_waits(self) -> list[QueueWait]:
-        """The queue waits of sequences first admitted since the last drain (the newest
-        MAX_QUEUE_WAITS of them)."""
+        """The queue waits of sequences first admitted, and the times to first token of those
+        that got one, since the last drain (the newest MAX_QUEUE_WAITS of them)."""
         waits = list(self._queue_waits)
         self._queue_waits.clear()
         return waits

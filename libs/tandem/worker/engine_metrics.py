@@ -84,7 +84,10 @@ class EngineMetrics:
         labels = {"role": role, "model": model}
         self._running = {lane: metrics.REQUESTS_RUNNING.labels(**labels, lane=_name(lane)) for lane in Lane}
         self._waiting = {lane: metrics.REQUESTS_WAITING.labels(**labels, lane=_name(lane)) for lane in Lane}
-        self._queue_wait = {lane: metrics.QUEUE_WAIT.labels(**labels, lane=_name(lane)) for lane in Lane}
+        self._waits = {
+            "admitted": {lane: metrics.QUEUE_WAIT.labels(**labels, lane=_name(lane)) for lane in Lane},
+            "first_token": {lane: metrics.TIME_TO_FIRST_TOKEN.labels(**labels, lane=_name(lane)) for lane in Lane},
+        }
         self._steps = {kind: metrics.STEP_SECONDS.labels(**labels, kind=kind) for kind in ("prefill", "decode", "mixed")}
         self._kv_usage = metrics.KV_CACHE_USAGE.labels(**labels)
         self._kv_prefix_cached = metrics.KV_CACHE_PREFIX_CACHED.labels(**labels)
@@ -112,7 +115,7 @@ class EngineMetrics:
         self._kv_prefix_cached.set(stats.kv_cache_prefix_cached)
         self._queued_prefill_tokens.set(s.num_queued_prefill_tokens)
         for wait in queue_waits:
-            self._queue_wait[wait.lane].observe(wait.wait_s)
+            self._waits[wait.until][wait.lane].observe(wait.wait_s)
         if last is None:
             self._prefix_queries.inc(s.num_prefix_query_tokens)
             self._prefix_hits.inc(s.num_prefix_hit_tokens)

@@ -49,6 +49,12 @@ QUEUE_WAIT = Histogram(
     [*_WORKER, "lane"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tandem_worker_time_to_first_token_seconds",
+    "From a request's arrival in the engine to its first token sampled, by lane (handoff imports, which arrive with it, excluded)",
+    [*_WORKER, "lane"],
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 KV_HANDOFFS = Counter(
     "tandem_worker_kv_handoffs_total", "KV transfers of a handoff, by side (send, receive) and outcome", [*_WORKER, "side", "outcome"]
 )

@@ -48,18 +48,21 @@ def test_generated_tokens_prefix_lookups_and_kv_usage_follow_the_requests(tiny):
     assert again.num_generated_tokens == 24
 
 
-def test_each_request_reports_its_queue_wait_once_in_its_lane(tiny):
+def test_each_request_reports_its_queue_wait_and_time_to_first_token_once_in_its_lane(tiny):
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64, max_num_seqs=1))
     engine.add(Request("paid", (5, 6, 7), SamplingOptions(max_tokens=3), lane=Lane.PAID))
     engine.add(Request("free", (8, 9, 10), SamplingOptions(max_tokens=3), lane=Lane.FREE))
     engine.step()
-    (first,) = engine.drain_queue_waits()
-    assert first.lane is Lane.PAID and first.wait_s >= 0
+    first, first_token = engine.drain_queue_waits()  # admitted, prefilled and sampled in one step
+    assert (first.lane, first.until, first_token.lane, first_token.until) == (Lane.PAID, "admitted", Lane.PAID, "first_token")
+    assert 0 <= first.wait_s <= first_token.wait_s, "its first token came after its admission, in the same step"
     assert engine.drain_queue_waits() == [], "drained once"
     while engine.has_work():
         engine.step()
-    (second,) = engine.drain_queue_waits()
-    assert second.lane is Lane.FREE and second.wait_s > first.wait_s, "it waited for the paid one's seat"
+    second, second_token = engine.drain_queue_waits()  # nothing for the paid one's later tokens
+    assert (second.lane, second.until, second_token.until) == (Lane.FREE, "admitted", "first_token")
+    assert second.wait_s > first.wait_s, "it waited for the paid one's seat"
+    assert second_token.wait_s > first_token.wait_s
 
 
 def test_an_import_reservation_counts_as_a_prefix_lookup_with_its_cached_blocks_as_hits(tiny):

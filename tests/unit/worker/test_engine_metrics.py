@@ -70,7 +70,9 @@ def test_counters_grow_by_what_changed_and_each_step_lands_under_its_kind():
         prefill_time_s=0.5,
         num_generated_tokens=2,
     )
-    engine_metrics.observe(prefilled, [QueueWait(Lane.PAID, 0.2), QueueWait(Lane.PAID, 0.3)])
+    engine_metrics.observe(
+        prefilled, [QueueWait(Lane.PAID, 0.2), QueueWait(Lane.PAID, 0.3), QueueWait(Lane.FREE, 0.7, until="first_token")]
+    )
     decoded = engine_stats(
         replace(prefilled.scheduler, num_preemptions=1),
         num_steps=2,
@@ -97,6 +99,9 @@ def test_counters_grow_by_what_changed_and_each_step_lands_under_its_kind():
     assert value("tandem_worker_step_seconds_count", **labels, kind="mixed") == 0
     assert value("tandem_worker_queue_wait_seconds_count", **labels, lane="paid") == 2
     assert value("tandem_worker_queue_wait_seconds_sum", **labels, lane="paid") == pytest.approx(0.5)
+    assert value("tandem_worker_queue_wait_seconds_count", **labels, lane="free") == 0
+    assert value("tandem_worker_time_to_first_token_seconds_sum", **labels, lane="free") == pytest.approx(0.7)
+    assert value("tandem_worker_time_to_first_token_seconds_count", **labels, lane="paid") == 0
     assert value("tandem_worker_cost_per_hour", **labels) == 2.0
 
 
