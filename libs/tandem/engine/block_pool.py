@@ -5,6 +5,14 @@ to the tail of the free list but keeps its content and its key, so a later reque
 prefix finds it again (`lookup` takes it back out of the free list). Allocation takes from the
 head, the least recently freed block; only then is its key evicted. Every block newly stored in
 the cache and every cached block evicted is recorded as a KvEvent for the router.
+
+A cached block its last holder frees with `keep` (the engine's paid sequences' prompt blocks)
+goes to a second free list, taken from only once the first is empty: under an overload, free
+work reuses its own freed blocks, paid answers' and the uncached ones first, and paid users keep
+their cached prefixes (their conversations' turns, the start of their prompts). With one LRU
+list the free flood evicted them: in bench/overload.py 43 % of paid-alone prompt tokens came
+from the cache and 5 % under the overload. (Keeping paid answers' blocks too gave 8 %: each paid
+reply's own blocks pushed the prompts out.)
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class BlockPool:
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next to reuse
+        self._kept: OrderedDict[int, None] = OrderedDict()  # cached blocks freed with `keep`: reused after every other
         self._entry_of_block: dict[int, CachedBlock] = {}
         self._block_of_hash: dict[int, int] = {}
         self._events: list[KvEvent] = []
@@ -59,11 +68,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now, cached or not."""
-        return len(self._free)
+        return len(self._free) + len(self._kept)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -71,25 +80,27 @@ class BlockPool:
         return len(self._block_of_hash)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` blocks from the head of the free list, evicting their cached keys."""
-        if num_blocks > len(self._free):
-            raise NoFreeBlocks(f"asked for {num_blocks} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        """Take `num_blocks` blocks from the head of the free list (then of the kept one),
+        evicting their cached keys."""
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocks(f"asked for {num_blocks} KV blocks, {self.num_free_blocks} free of {self.num_blocks}")
         block_ids = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            block_id, _ = (self._free or self._kept).popitem(last=False)
             self._evict(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each; blocks reaching zero go to the free list's tail in order."""
+    def free(self, block_ids: Iterable[int], keep: bool = False) -> None:
+        """Drop one reference from each; blocks reaching zero go to the free list's tail in order,
+        or with `keep`, those holding a cached prefix to the kept list's."""
         for block_id in block_ids:
             if self._ref_counts[block_id] < 1:
                 raise RuntimeError(f"KV block {block_id} freed more often than it was taken")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
+                (self._kept if keep and block_id in self._entry_of_block else self._free)[block_id] = None
 
     def lookup(self, block_hashes: SequenceOf[int]) -> list[int]:
         """Blocks of the longest cached prefix of `block_hashes`, each with a reference taken."""
@@ -99,7 +110,7 @@ class BlockPool:
             if block_id is None:
                 break
             if self._ref_counts[block_id] == 0:
-                del self._free[block_id]
+                del (self._free if block_id in self._free else self._kept)[block_id]
             self._ref_counts[block_id] += 1
             block_ids.append(block_id)
         return block_ids

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tandem.engine.block_hash import prefix_block_hashes
 from tandem.engine.block_pool import BlockPool, CachedBlock, KvEvent, NoFreeBlocks
-from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import Lane, Sequence
 from tandem.kernels.metadata import BLOCK_SIZE
 
 
@@ -117,12 +117,16 @@ class KvCacheManager:
             parent = key
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks; its cached blocks stay findable until reused.
+        """Release a sequence's blocks; its cached blocks stay findable until reused, a paid
+        sequence's prompt blocks after every other free block (BlockPool's kept list).
 
         Freed last block first, so a sequence's tail (least likely to be shared) sits nearer
         the free list's head and is reused before its prefix.
         """
-        self._pool.free(reversed(seq.release_blocks()))
+        num_kept = seq.num_prompt_tokens // self.block_size if seq.lane is Lane.PAID else 0
+        block_ids = seq.release_blocks()
+        self._pool.free(reversed(block_ids[num_kept:]))
+        self._pool.free(reversed(block_ids[:num_kept]), keep=True)
 
     # -- imports (decode side of a handoff) -----------------------------------------------------
 

@@ -110,3 +110,21 @@ def test_only_a_block_in_use_can_be_cached():
     pool = BlockPool(2)
     with pytest.raises(RuntimeError, match="not in use"):
         pool.cache_block(0, 1, None)
+
+
+def test_cached_blocks_freed_with_keep_are_reused_only_after_every_other_free_block():
+    pool = BlockPool(4)
+    kept, plain = cached_block(pool, key=11), cached_block(pool, key=12)
+    (uncached,) = pool.allocate(1)
+    pool.free([kept], keep=True)
+    pool.free([plain, uncached], keep=True)  # plain is kept too; an uncached block has nothing to keep
+    assert pool.num_free_blocks == 4 and pool.num_used_blocks == 0
+    assert pool.allocate(2) == [3, uncached]  # the never-used block, then the uncached one
+    assert pool.lookup([11]) == [kept]  # a kept block is found, and taken back out of its list
+    pool.free([kept], keep=True)
+    assert pool.allocate(1) == [plain]  # only the kept blocks are left: least recently freed first
+    removed = [e.block_hash for e in pool.drain_events() if e.kind is KvEventKind.REMOVED]
+    assert removed == [12]
+    assert pool.allocate(1) == [kept] and pool.num_free_blocks == 0
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)

@@ -1,6 +1,6 @@
 from tandem.engine.block_pool import KvEventKind
 from tandem.engine.kv_cache_manager import KvCacheManager
-from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import Lane, Sequence
 
 
 def manager(num_blocks: int = 32) -> KvCacheManager:
@@ -105,3 +105,36 @@ def test_caching_a_prefill_announces_each_block_with_its_parent():
         (KvEventKind.STORED, key, parent) for key, parent in zip(seq.block_hashes, [None, *seq.block_hashes[:-1]])
     ]
     assert len(events) == 3
+
+
+def test_a_paid_sequences_cached_prefix_outlives_free_work_under_pressure():
+    kv = manager(num_blocks=4)
+    paid = Sequence("paid", list(range(32)), tenant="p", lane=Lane.PAID)
+    compute(kv, paid, 32)
+    kv.free(paid)  # two cached blocks, kept
+    for turn in range(3):  # free work, over and over, in the two other blocks
+        free = Sequence(f"free-{turn}", list(range(1000 + 100 * turn, 1032 + 100 * turn)), tenant="f", lane=Lane.FREE)
+        kv.find_cached_prefix(free)
+        compute(kv, free, free.num_uncomputed_tokens)
+        kv.free(free)
+    again = Sequence("paid-again", [*range(32), 7], tenant="p", lane=Lane.PAID)
+    assert kv.find_cached_prefix(again) == 32  # both of its blocks were still cached
+
+
+def test_only_a_paid_sequences_prompt_blocks_are_kept_its_answers_go_first():
+    kv = manager(num_blocks=8)
+    paid = [Sequence(f"paid-{n}", list(range(100 * n, 100 * n + 32)), tenant="p", lane=Lane.PAID) for n in range(2)]
+    for seq in paid:
+        compute(kv, seq, 32)
+        for token in range(17):  # its answer: 16 tokens fill a block, the 17th starts one
+            seq.append_token(token)
+            compute(kv, seq, 1)
+    answers = [block for seq in paid for block in seq.block_table[2:]]
+    for seq in paid:
+        kv.free(seq)  # the first one's prompt was freed before the second one's answer
+    free = Sequence("free", list(range(1000, 1064)), tenant="f", lane=Lane.FREE)
+    compute(kv, free, 64)  # four blocks: both answers', none of the prompts'
+    assert sorted(free.block_table) == sorted(answers)
+    for n in range(2):
+        again = Sequence(f"paid-again-{n}", [*range(100 * n, 100 * n + 32), 7], tenant="p", lane=Lane.PAID)
+        assert kv.find_cached_prefix(again) == 32
