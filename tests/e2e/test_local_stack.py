@@ -259,6 +259,10 @@ async def test_after_one_chat_message_chat_and_its_worker_show_ttft_itl_kv_and_p
     assert grew(worker_before, worker_after, "tandem_worker_generation_tokens_total", **worker) >= usage["output"] > 0
     assert 0 < peak <= 1, "tandem_worker_kv_cache_usage_ratio is above 0 while the reply runs"
     assert 0 < total(worker_after, "tandem_worker_kv_cache_prefix_cached_ratio", **worker) <= 1, "the reply's prefix stays cached"
+    # the worker's time to first token is the inner part of the chat's: from its arrival at the worker
+    assert grew(worker_before, worker_after, "tandem_worker_time_to_first_token_seconds_count", **worker, lane="paid") == 1
+    worker_ttft_s = grew(worker_before, worker_after, "tandem_worker_time_to_first_token_seconds_sum", **worker, lane="paid")
+    assert 0 < worker_ttft_s < grew(chat_before, chat_after, "tandem_chat_time_to_first_token_seconds_sum", **chat)
 
 
 def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind(make_run):

@@ -81,6 +81,9 @@ class Request:
     # A continuation: tokens of this reply generated (and streamed) before, by a worker that died
     # or a handoff that failed. They follow the prompt, count as output, and are not streamed again.
     generated_token_ids: tuple[int, ...] = ()
+    # time.monotonic() when it reached the engine's owner (a worker), so its queue wait and time to
+    # first token count the step it waited for there; 0: when it is added.
+    arrival_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ class Engine:
     def add(self, request: Request, prefill_only: bool = False) -> None:
         """Queues a request; raises PromptTooLong / EmptyPrompt / TokenIdOutOfRange (ValueErrors) for
         one that can never run."""
-        self.scheduler.add(self._sequence(request, is_prefill_only=prefill_only))
+        self.scheduler.add(self._sequence(request, is_prefill_only=prefill_only), arrival_s=request.arrival_s)
         self._replies[request.request_id] = self._reply_text(request)
 
     def check(self, request: Request) -> None:

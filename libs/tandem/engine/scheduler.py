@@ -154,14 +154,15 @@ class Scheduler:
 
     # -- requests in and out --------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; refuses one that could never run."""
+    def add(self, seq: Sequence, arrival_s: float = 0.0) -> None:
+        """Queue a new sequence; refuses one that could never run. `arrival_s`: when it arrived
+        (time.monotonic(), which every process of the machine shares); 0: now."""
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"{seq.seq_id}: only a fresh waiting sequence can be added")
         if seq.seq_id in self._seqs:
             raise ValueError(f"{seq.seq_id}: a sequence with this id is already scheduled")
         self.check(seq)
-        seq.mark_arrived(self._num_arrivals, time.monotonic())
+        seq.mark_arrived(self._num_arrivals, arrival_s or time.monotonic())
         self._num_arrivals += 1
         self._seqs[seq.seq_id] = seq
         self._waiting[seq.lane].append(seq)

@@ -102,7 +102,7 @@ class Sequence:
         # blocks and all, for the engine to export, instead of decoding it.
         self.is_prefill_only = is_prefill_only
         self.arrival_order = 0  # set by the scheduler when added; breaks ties in FIFO and preemption
-        self.arrival_s = 0.0  # time.monotonic() when the scheduler took it, for its queue wait
+        self.arrival_s = 0.0  # time.monotonic() when it arrived (at its worker, or when the scheduler took it)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0

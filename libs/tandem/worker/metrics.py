@@ -45,13 +45,13 @@ STEP_SECONDS = Histogram(
 PREEMPTIONS = Counter("tandem_worker_preemptions_total", "Running requests preempted (to be recomputed) for want of KV blocks", _WORKER)
 QUEUE_WAIT = Histogram(
     "tandem_worker_queue_wait_seconds",
-    "From a request's arrival in the engine to its first admission, by lane",
+    "From a request's arrival at the worker (the step in flight included) to its first admission in the engine, by lane",
     [*_WORKER, "lane"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 TIME_TO_FIRST_TOKEN = Histogram(
     "tandem_worker_time_to_first_token_seconds",
-    "From a request's arrival in the engine to its first token sampled, by lane (handoff imports, which arrive with it, excluded)",
+    "From a request's arrival at the worker to its first token sampled, by lane (handoff imports, which arrive with it, excluded)",
     [*_WORKER, "lane"],
     buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )

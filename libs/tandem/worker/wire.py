@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from tandem.bus.events import final_event, now_ms
 from tandem.engine.engine import EngineFacts, Request, RequestOutput
@@ -21,7 +22,7 @@ FINISH: dict[FinishReason, common_pb2.FinishReason] = {
 
 
 def engine_request(reply_id: str, request: GenerateRequest) -> Request:
-    """The engine's view of a GenerateRequest; raises ValueError for bad sampling."""
+    """The engine's view of a GenerateRequest, arrived now; raises ValueError for bad sampling."""
     p = request.sampling
     sampling = SamplingOptions(
         temperature=p.temperature,
@@ -42,6 +43,7 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         user_id=request.user_id,
         num_public_prefix_tokens=min(request.public_prefix_tokens, len(request.prompt_token_ids)),
         generated_token_ids=tuple(request.generated_token_ids),
+        arrival_s=time.monotonic(),  # its wait counts from here, the step in flight included
     )
 
 

@@ -1,10 +1,11 @@
 """The plain numbers the engine keeps for a worker's metrics: sampled tokens, prefix-cache lookups
 and hits (admissions and import reservations), KV blocks held by requests, and each request's
-wait from arrival to its first admission."""
+wait from arrival to its first admission and to its first token."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from reference_model import random_model, tiny_config
@@ -63,6 +64,15 @@ def test_each_request_reports_its_queue_wait_and_time_to_first_token_once_in_its
     assert (second.lane, second.until, second_token.until) == (Lane.FREE, "admitted", "first_token")
     assert second.wait_s > first.wait_s, "it waited for the paid one's seat"
     assert second_token.wait_s > first_token.wait_s
+
+
+def test_a_request_that_arrived_earlier_at_its_worker_counts_its_wait_from_then(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    arrived_s = time.monotonic() - 0.5  # it reached the worker while a step was in flight
+    engine.add(Request("paid", (5, 6, 7), SamplingOptions(max_tokens=2), lane=Lane.PAID, arrival_s=arrived_s))
+    engine.step()
+    admitted, first_token = engine.drain_queue_waits()
+    assert 0.5 <= admitted.wait_s <= first_token.wait_s <= time.monotonic() - arrived_s
 
 
 def test_an_import_reservation_counts_as_a_prefix_lookup_with_its_cached_blocks_as_hits(tiny):
