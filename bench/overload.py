@@ -263,6 +263,7 @@ ENGINE_COUNTERS = {
     "prefix_hit_tokens": "tandem_worker_prefix_cache_hits_tokens_total",
     "prompt_tokens_computed": "tandem_worker_prompt_tokens_total",
     "output_tokens": "tandem_worker_generation_tokens_total",
+    "steps_cut": "tandem_worker_steps_cut_total",
 }
 
 
@@ -421,7 +422,8 @@ async def main(args: argparse.Namespace) -> int:
         hit_share = counts["prefix_hit_tokens"] / counts["prefix_query_tokens"] if counts["prefix_query_tokens"] else 0.0
         print(
             f"engine, {name}: {counts['prefix_hit_tokens']:.0f} of {counts['prefix_query_tokens']:.0f} prompt tokens looked up "
-            f"found in the prefix cache ({hit_share:.0%}), {counts['prompt_tokens_computed']:.0f} computed, {counts['output_tokens']:.0f} output"
+            f"found in the prefix cache ({hit_share:.0%}), {counts['prompt_tokens_computed']:.0f} computed, {counts['output_tokens']:.0f} output, "
+            f"{counts['steps_cut']:.0f} steps cut for a paid arrival"
         )
     print(f"\n{'CPU s by process (arrivals, drain)':<40}{'overload':>16}{'paid alone':>19}")
     for role, spent in cpu.items():

@@ -12,6 +12,7 @@ request prefill-only and export its blocks; reserve blocks, fill them and import
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import QueueWait, Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
 from tandem.kernels.metadata import BLOCK_SIZE, KvCacheShape
+from tandem.models.llama import StepCut
 from tandem.models.loader import LoadedModel
 
 __all__ = [
@@ -61,6 +63,9 @@ class EngineConfig:
     num_reserved_blocks: int = 4
     max_num_unpaid_tokens: int | None = None  # of max_num_batched_tokens, free and background rows; None: no cap of their own
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
+    # A step computing free or background rows, layer by layer, ends at its next layer when a paid
+    # request arrives (cut_step), and the next step is the paid request's.
+    cut_unpaid_steps: bool = True
 
 
 # Tokens an engine step computes unless configured. A CPU step's time is its FLOPs, and 512 rows
@@ -123,6 +128,7 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled since start (a prefill's first token included)
     # How fast each lane's waiting queue drains (engine.admission_rate); a lane is absent until measured.
     admissions_per_s: dict[Lane, float] = field(default_factory=dict)
+    num_cut_steps: int = 0  # steps cut short for a paid arrival (cut_step) since start, not in num_steps
 
     @property
     def kv_cache_usage(self) -> float:
@@ -147,6 +153,7 @@ class _Counters:
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     num_generated_tokens: int = 0
+    num_cut_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,7 @@ class Engine:
         self._replies: dict[str, ReplyText] = {}  # the text of every request still scheduled
         self._exports: dict[str, Sequence] = {}  # handed off, blocks held until release()
         self._counters = _Counters()
+        self._cut = threading.Event()  # cut_step asked for it
         self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
         self._admission_rate = AdmissionRate()
 
@@ -234,10 +242,26 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def cut_step(self) -> None:
+        """A paid request was just queued (call from any thread): the step in progress, when it
+        computes free or background rows layer by layer, ends at its next layer without a
+        result, and the next step is the paid request's. The cut step's work is lost, and is
+        done again; a paid arrival no longer waits out a step of free work."""
+        self._cut.set()
+
     def step(self) -> list[RequestOutput]:
         started_s = time.perf_counter()
+        self._cut.clear()  # a paid request queued before this step is in its plan
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan)
+        model = self.loaded.model.model
+        model.should_cut = self._cut.is_set if self.config.cut_unpaid_steps and plan.num_unpaid_tokens else None
+        try:
+            sampled = self.runner.execute(plan)
+        except StepCut:  # its sequences keep their blocks and compute the same tokens again
+            self._counters.num_cut_steps += 1
+            return [self._cancelled(seq) for seq in plan.aborted]
+        finally:
+            model.should_cut = None
         texts = {seq_id: self._replies[seq_id].add(token_id) for seq_id, token_id in sampled.items()}
         stopped_ids = {seq_id for seq_id in sampled if self._replies[seq_id].has_hit_stop}
         result = self.scheduler.update(plan, sampled, stopped_ids)
@@ -277,6 +301,7 @@ class Engine:
             prefill_rate,
             c.num_generated_tokens,
             {lane: rate for lane in Lane if (rate := self._admission_rate.per_s(lane, time.monotonic())) is not None},
+            c.num_cut_steps,
         )
 
     def drain_queue_waits(self) -> list[QueueWait]:

@@ -106,6 +106,12 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
+class StepCut(Exception):
+    """A forward ended between layers at its `should_cut`'s asking. The K and V it wrote are for
+    positions no sequence has computed yet: the step that computes them again overwrites them
+    before any attention reads them."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
         super().__init__()
@@ -119,6 +125,9 @@ class LlamaModel(nn.Module):
         self.fast_decode: (
             Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | None] | None
         ) = None
+        # Asked between the layers of a layer-by-layer forward: True ends the forward with StepCut
+        # (the engine's step is cut short for a paid request that arrived during it).
+        self.should_cut: Callable[[], bool] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -132,7 +141,10 @@ class LlamaModel(nn.Module):
         k_caches, v_caches = kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1)
         if fused_triton.serves(h):
             return self._forward_fused(h, cos, sin, k_caches, v_caches, meta)
+        should_cut = self.should_cut
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            if should_cut is not None and should_cut():
+                raise StepCut
             h = layer.forward(h, cos, sin, k_cache, v_cache, meta)
         return self.norm(h)
 

@@ -139,7 +139,9 @@ def _read(conn: Connection, engine: Engine, worker: _Worker, commands: queue.Que
     try:
         while True:
             message = receive(conn)
-            if message[0] == "check":
+            if message[0] == "cut":  # beside the step in progress: the add before it is queued already
+                engine.cut_step()
+            elif message[0] == "check":
                 _, ticket, request, _ = message
                 try:
                     engine.check(request)

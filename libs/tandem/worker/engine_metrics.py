@@ -97,6 +97,7 @@ class EngineMetrics:
         self._prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
         self._generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
         self._preemptions = metrics.PREEMPTIONS.labels(**labels)
+        self._steps_cut = metrics.STEPS_CUT.labels(**labels)
         self._last: EngineStats | None = None
         self._rate = output_rate or OutputRate()
         metrics.COST_PER_HOUR.labels(**labels).set(worker_hour_cost)
@@ -122,6 +123,7 @@ class EngineMetrics:
             self._prompt_tokens.inc(stats.num_prefill_tokens)
             self._generation_tokens.inc(stats.num_generated_tokens)
             self._preemptions.inc(s.num_preemptions)
+            self._steps_cut.inc(stats.num_cut_steps)
             self._rate.add(stats.num_generated_tokens)
             return
         last_scheduler = last.scheduler
@@ -130,6 +132,7 @@ class EngineMetrics:
         _grow(self._prompt_tokens, stats.num_prefill_tokens - last.num_prefill_tokens)
         _grow(self._generation_tokens, stats.num_generated_tokens - last.num_generated_tokens)
         _grow(self._preemptions, s.num_preemptions - last_scheduler.num_preemptions)
+        _grow(self._steps_cut, stats.num_cut_steps - last.num_cut_steps)
         if stats.num_steps > last.num_steps:
             kind = step_kind(stats.num_prefill_tokens - last.num_prefill_tokens, stats.num_decode_tokens - last.num_decode_tokens)
             if kind is not None:

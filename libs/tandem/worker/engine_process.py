@@ -120,6 +120,12 @@ class EngineProcess(EngineDriver):
             self._send(("call", self._num_posted, fn, False))
         return self._num_posted
 
+    def cut_step(self) -> None:
+        """Engine.cut_step in the engine process, beside the step in progress (after posting a
+        paid request's add: the socket keeps their order)."""
+        if self._death is None:
+            self._send(("cut",))
+
     async def check(self, request: Request) -> None:
         """Engine.check in the engine process, answered beside the step in progress."""
         if self._death is not None:

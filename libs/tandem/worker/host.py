@@ -320,6 +320,8 @@ class EngineHost:
         self._replies.stream(request.request_id, first_seq, epoch)
         ticket = self._engine_thread.post(partial(_add, request))
         self._posted[ticket] = (request.lane, _num_tokens(request))
+        if request.lane is Lane.PAID:  # a step of free work in progress ends now, and the next is this request's
+            self._engine_thread.cut_step()
 
     async def prefill_only(self, request: Request, first_seq: int, epoch: int) -> RequestOutput:
         """Prefills `request` here and publishes its first token as `first_seq`; returns the output
@@ -330,6 +332,8 @@ class EngineHost:
         self._handoffs[request.request_id] = prefilled
         ticket = self._engine_thread.post(partial(_add, request, prefill_only=True))
         self._posted[ticket] = (request.lane, _num_tokens(request))
+        if request.lane is Lane.PAID:
+            self._engine_thread.cut_step()
         return await prefilled
 
     def is_streaming(self, reply_id: str) -> bool:

@@ -42,6 +42,11 @@ STEP_SECONDS = Histogram(
     [*_WORKER, "kind"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
 )
+STEPS_CUT = Counter(
+    "tandem_worker_steps_cut_total",
+    "Engine steps of free or background work cut short for a paid request that arrived during them",
+    _WORKER,
+)
 PREEMPTIONS = Counter("tandem_worker_preemptions_total", "Running requests preempted (to be recomputed) for want of KV blocks", _WORKER)
 QUEUE_WAIT = Histogram(
     "tandem_worker_queue_wait_seconds",

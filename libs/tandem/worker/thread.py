@@ -134,6 +134,11 @@ class EngineThread(EngineDriver):
         self._commands.put(_Call(fn, None))
         return self._num_posted
 
+    def cut_step(self) -> None:
+        """Engine.cut_step, now, beside the step in progress (after posting a paid request's add)."""
+        if self._engine is not None:
+            self._engine.cut_step()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._commands.put(None)
         if self._thread.is_alive():

@@ -81,6 +81,7 @@ def test_counters_grow_by_what_changed_and_each_step_lands_under_its_kind():
         prefill_time_s=0.5,
         decode_time_s=0.04,
         num_generated_tokens=4,
+        num_cut_steps=3,
     )
     engine_metrics.observe(decoded)
     engine_metrics.observe(decoded)  # a change without a step: nothing counts twice
@@ -93,6 +94,7 @@ def test_counters_grow_by_what_changed_and_each_step_lands_under_its_kind():
     assert value("tandem_worker_prompt_tokens_total", **labels) == 136
     assert value("tandem_worker_generation_tokens_total", **labels) == 4
     assert value("tandem_worker_preemptions_total", **labels) == 1
+    assert value("tandem_worker_steps_cut_total", **labels) == 3
     assert value("tandem_worker_step_seconds_count", **labels, kind="prefill") == 1
     assert value("tandem_worker_step_seconds_sum", **labels, kind="prefill") == pytest.approx(0.5)
     assert value("tandem_worker_step_seconds_sum", **labels, kind="decode") == pytest.approx(0.04)
