@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 from operator import methodcaller
 
@@ -23,7 +24,7 @@ from tandem.config import Settings
 from tandem.engine.block_pool import NoFreeBlocks
 from tandem.engine.engine import EngineStats, Request, RequestOutput, TokenIdOutOfRange
 from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
-from tandem.engine.sequence import SamplingOptions
+from tandem.engine.sequence import Lane, SamplingOptions
 from tandem.models.files import open_model
 from tandem.worker.engine_process import EngineProcess
 from tandem.worker.host import EngineSpec, _add, _reserve_import, build_engine
@@ -33,21 +34,21 @@ PROMPT = (1, 9690, 28, 940, 314, 253, 2118, 6128, 30, 2)
 DEADLINE_S = 120.0
 
 
-def spec() -> EngineSpec:
-    settings = Settings(dtype="fp32", kv_cache_mib=16, torch_threads=1)
+def spec(**overrides: object) -> EngineSpec:
+    settings = Settings(dtype="fp32", kv_cache_mib=16, torch_threads=1, **overrides)  # type: ignore[arg-type]
     return EngineSpec.from_settings(settings, open_model(settings.model_path, settings.served_model_name, settings.quantization))
 
 
 class Driven:
     """An EngineProcess with what it reported: outputs per request, changes, its death."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_spec: EngineSpec | None = None) -> None:
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.finished: dict[str, asyncio.Event] = {}
         self.stats: list[EngineStats] = []
         self.deaths: list[BaseException] = []
         self.died = asyncio.Event()
-        self.process = EngineProcess(spec(), self._on_outputs, asyncio.get_running_loop(), self._on_change, self._on_death)
+        self.process = EngineProcess(engine_spec or spec(), self._on_outputs, asyncio.get_running_loop(), self._on_change, self._on_death)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -70,6 +71,13 @@ class Driven:
             assert time.monotonic() < deadline, "the engine process never said ready"
             await asyncio.sleep(0.05)
         return self.process
+
+    async def run_with_cut(self, request: Request) -> None:
+        """Adds a paid request as a worker does (the add, then cut_step) and waits for its reply."""
+        self.finished.setdefault(request.request_id, asyncio.Event())
+        self.process.post(partial(_add, request))
+        self.process.cut_step()
+        await asyncio.wait_for(self.finished[request.request_id].wait(), DEADLINE_S)
 
     async def run(self, request: Request) -> list[int]:
         self.finished.setdefault(request.request_id, asyncio.Event())
@@ -118,6 +126,35 @@ async def test_calls_return_and_raise_what_the_engine_does_and_check_answers_at_
     with pytest.raises(RuntimeError, match="could not be sent back"):
         # Thread(None, None, engine): an unstarted thread named after the engine, which holds a lock
         await asyncio.wait_for(process.call(partial(threading.Thread, None, None)), 30)
+
+
+async def test_a_paid_add_cuts_the_step_of_free_work_in_progress_and_every_reply_is_the_engines_here():
+    """As a worker adds a paid request: the add, then cut_step. A step of the free prompt's 4-row
+    chunks in progress ends early, the paid reply runs next, and both replies are the greedy
+    tokens of the engine in this process."""
+    cut_spec = spec(max_num_unpaid_batched_tokens=4)
+    free = Request("free", PROMPT * 20, SamplingOptions(temperature=0.0, max_tokens=4, ignore_eos=True), lane=Lane.FREE)
+    driven = Driven(cut_spec)
+    try:
+        process = await driven.ready()
+        driven.finished["free"] = asyncio.Event()
+        process.post(partial(_add, free))
+        paid_ids: list[str] = []
+        deadline = time.monotonic() + DEADLINE_S
+        while not (driven.stats and driven.stats[-1].num_cut_steps) and not driven.finished["free"].is_set():
+            assert time.monotonic() < deadline, "no step was ever cut"
+            paid = Request(f"paid-{len(paid_ids)}", PROMPT, SamplingOptions(temperature=0.0, max_tokens=4, ignore_eos=True), lane=Lane.PAID)
+            paid_ids.append(paid.request_id)
+            await driven.run_with_cut(paid)
+        assert driven.stats[-1].num_cut_steps >= 1, "a paid add during the free prompt's 50 chunks cut one"
+        await asyncio.wait_for(driven.finished["free"].wait(), DEADLINE_S)
+        here = build_engine(cut_spec)
+        expected = here.generate([free, *(replace(free, request_id=i, prompt_token_ids=PROMPT, lane=Lane.PAID) for i in paid_ids)])
+        for request_id in ["free", *paid_ids]:
+            got = [t for output in driven.outputs[request_id] for t in output.new_token_ids]
+            assert got == [t for output in expected[request_id] for t in output.new_token_ids], request_id
+    finally:
+        driven.process.stop(timeout_s=10)
 
 
 async def test_both_processes_see_one_kv_cache(driven):
