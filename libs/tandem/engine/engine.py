@@ -259,6 +259,10 @@ class Engine:
             sampled = self.runner.execute(plan)
         except StepCut:  # its sequences keep their blocks and compute the same tokens again
             self._counters.num_cut_steps += 1
+            # its admissions stand: they count in how fast the queues drain
+            self._admission_rate.add_step(
+                plan.num_admitted, time.perf_counter() - started_s, self.scheduler.waiting_lanes(), time.monotonic()
+            )
             return [self._cancelled(seq) for seq in plan.aborted]
         finally:
             model.should_cut = None
