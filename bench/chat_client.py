@@ -25,7 +25,6 @@ class ProtocolError(Exception):
 class Answer:
     status: int
     headers: dict[str, str]  # lower-case names
-    reader: asyncio.StreamReader
     is_chunked: bool
     length: int | None
 
@@ -67,17 +66,13 @@ class Connection:
             fields[name.strip().lower()] = value.strip()
         is_chunked = "chunked" in fields.get("transfer-encoding", "").lower()
         length = None if is_chunked or "content-length" not in fields else int(fields["content-length"])
-        return Answer(int(parts[1]), fields, self.reader, is_chunked, length)
+        return Answer(int(parts[1]), fields, is_chunked, length)
 
     async def body(self, answer: Answer) -> bytes:
         """The whole body of an answer that has a length or is chunked."""
-        if answer.length is not None:
-            data = await self.reader.readexactly(answer.length)
-        elif answer.is_chunked:
-            data = b"".join([chunk async for chunk in self.chunks(answer)])
-            return data  # chunks() marked the connection
-        else:
-            data = await self.reader.read()
+        if answer.is_chunked:
+            return b"".join([chunk async for chunk in self.chunks(answer)])  # chunks() marks the connection at the end
+        data = await (self.reader.read() if answer.length is None else self.reader.readexactly(answer.length))
         self._ended(answer)
         return data
 
