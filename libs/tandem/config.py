@@ -129,7 +129,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: Annotated[int | None, Field(ge=1)] = None
     """a worker's tokens computed per engine step, decodes and prefill chunks together; unset: 512 on a CPU, 8192 on a GPU"""
     max_num_unpaid_batched_tokens: Annotated[int | None, Field(ge=1)] = None
-    """a worker's tokens per engine step for free and background requests together (paid ones take the rest of the step); a short step lets a paid request arriving during one start soon; unset: no cap of their own"""
+    """a worker's tokens per engine step for free and background requests together while paid requests run (paid ones take the rest of the step; with none running, the whole step is theirs); a short step lets a paid request arriving during one start soon; unset: 8 on a CPU, no cap of their own on a GPU"""
     enforce_eager: bool = False
     """decode workers on a GPU: every step eagerly, no CUDA graphs (captured at start for each batch size up to max_num_seqs: a few seconds and some memory); prefill workers never capture them"""
     torch_threads: Annotated[int, Field(ge=0)] = 0

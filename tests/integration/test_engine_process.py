@@ -130,9 +130,9 @@ async def test_calls_return_and_raise_what_the_engine_does_and_check_answers_at_
 
 async def test_a_paid_add_cuts_the_step_of_free_work_in_progress_and_every_reply_is_the_engines_here():
     """As a worker adds a paid request: the add, then cut_step. A step of the free prompt's 4-row
-    chunks in progress ends early, the paid reply runs next, and both replies are the greedy
-    tokens of the engine in this process."""
-    cut_spec = spec(max_num_unpaid_batched_tokens=4)
+    chunks (the step's budget) in progress ends early, the paid reply runs next, and both replies
+    are the greedy tokens of the engine in this process."""
+    cut_spec = spec(max_num_batched_tokens=4, max_num_unpaid_batched_tokens=4)
     free = Request("free", PROMPT * 20, SamplingOptions(temperature=0.0, max_tokens=4, ignore_eos=True), lane=Lane.FREE)
     driven = Driven(cut_spec)
     try:

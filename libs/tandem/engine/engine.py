@@ -61,7 +61,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 512 on a CPU, 8192 on a GPU (DEFAULT_BATCHED_TOKENS)
     max_num_seqs: int = 256
     num_reserved_blocks: int = 4
-    max_num_unpaid_tokens: int | None = None  # of max_num_batched_tokens, free and background rows; None: no cap of their own
+    max_num_unpaid_tokens: int | None = None  # of those, free and background rows while paid work runs; None: DEFAULT_UNPAID_TOKENS
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
     # A step computing free or background rows, layer by layer, ends at its next layer when a paid
     # request arrives (cut_step), and the next step is the paid request's.
@@ -72,6 +72,12 @@ class EngineConfig:
 # keep a decode batch's wait behind a prefill chunk short; a GPU step of a few thousand rows takes
 # about as long as one of a few hundred (its host work bounds it), so a long prompt goes in one step.
 DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
+
+# Free and background rows a step computes beside paid work unless configured. On a CPU each row
+# lengthens the step that a paid request arriving during it waits for (about half a millisecond
+# a row here); bench/overload.py's paid TTFT p95 under a 5x overload was 0.34 s without a cap
+# and 0.12-0.16 s at 8. A GPU step's time hardly grows with its rows: no cap there.
+DEFAULT_UNPAID_TOKENS = {"cpu": 8}
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ class Engine:
                 or DEFAULT_BATCHED_TOKENS.get(parameter.device.type, DEFAULT_BATCHED_TOKENS["cpu"]),
                 max_num_seqs=config.max_num_seqs,
                 num_reserved_blocks=config.num_reserved_blocks,
-                max_num_unpaid_tokens=config.max_num_unpaid_tokens,
+                max_num_unpaid_tokens=config.max_num_unpaid_tokens or DEFAULT_UNPAID_TOKENS.get(parameter.device.type),
                 max_model_len=model_config.max_position_embeddings,
             ),
             self.kv,

@@ -21,9 +21,11 @@ Paid work goes first in every step: while a paid sequence waits, free and backgr
 compute nothing (the step is the paid admission's, plus paid decodes), and running decodes and
 prefills take the budget in lane order. (Leaving the paid decodes out of that step too made
 paid replies slower under paid load: every arrival stalled them all, so more ran at once, the
-KV filled with paid replies and new paid requests waited for blocks.) `max_num_unpaid_tokens`
-caps the rows a step gives free and background sequences together, so a step stays short and a
-paid request arriving during one starts soon; paid rows are bounded only by the step budget.
+KV filled with paid replies and new paid requests waited for blocks.) While paid work runs,
+`max_num_unpaid_tokens` caps the rows a step gives free and background sequences together, so a
+step stays short and a paid request arriving during one starts soon; paid rows are bounded only
+by the step budget. With no paid work running or waiting, the unpaid rows take the whole budget:
+idle capacity is theirs, and a paid arrival cuts their step short (the engine's cut_step).
 
 Lanes decide who gives way. When a running sequence cannot get a block, the lowest-lane newest
 running sequence is preempted by recompute (background first, then free, newest first within a
@@ -80,8 +82,8 @@ class SchedulerConfig:
     max_replayed_tokens_per_step: int = 32
     # Background work is admitted only while this share of the usable blocks (above the reserve) is free.
     background_min_free_fraction: float = 0.5
-    # Tokens a step computes for free and background sequences together (decodes and chunks);
-    # None: only max_num_batched_tokens bounds them.
+    # Tokens a step computes for free and background sequences together (decodes and chunks)
+    # while paid work runs; None: only max_num_batched_tokens bounds them.
     max_num_unpaid_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -222,9 +224,8 @@ class Scheduler:
         aborted = self._apply_aborts()
         plan = StepPlan(aborted=aborted, finished_seq_ids=self._finished_ids)
         self._finished_ids = []
-        # While paid work waits, this step is its: unpaid sequences wait one step.
-        unpaid_cap = 0 if self._waiting[Lane.PAID] else self.config.max_num_unpaid_tokens
         running = sorted(self._running, key=lambda s: s.lane)  # stable: oldest first within a lane
+        unpaid_cap = self._unpaid_cap(running)
         decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
         prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
@@ -376,6 +377,17 @@ class Scheduler:
             return False
         num_free_usable = self.kv.num_free_blocks - self.config.num_reserved_blocks
         return num_free_usable >= self.config.background_min_free_fraction * self._num_usable_blocks
+
+    def _unpaid_cap(self, running: list[Sequence]) -> int | None:
+        """The tokens this step may give free and background sequences together. While paid work
+        waits, none: the step is its. While paid work runs, max_num_unpaid_tokens, so its steps
+        stay short. With no paid work, no cap of their own: idle capacity is theirs, and a paid
+        arrival cuts their step short (EngineConfig.cut_unpaid_steps)."""
+        if self._waiting[Lane.PAID]:
+            return 0
+        if running and running[0].lane is Lane.PAID:
+            return self.config.max_num_unpaid_tokens
+        return None
 
     def _budget_left(self, plan: StepPlan, lane: Lane, unpaid_cap: int | None) -> int:
         """The tokens this step can still give a sequence of `lane`."""

@@ -143,22 +143,27 @@ def test_a_paid_arrival_gets_a_step_of_its_own_and_free_sequences_resume_after_i
     assert {chunk.seq.seq_id for chunk in plan.scheduled} == {"paid", *(s.seq_id for s in free)}
 
 
-def test_unpaid_rows_per_step_are_capped_and_paid_rows_are_not(make_engine):
+def test_unpaid_rows_per_step_are_capped_while_paid_work_runs_and_paid_rows_are_not(make_engine):
     engine = make_engine(max_num_batched_tokens=512, max_num_unpaid_tokens=24)
     for i in range(3):
         engine.scheduler.add(seq(f"free{i}", 40, max_tokens=100, first_token=100 * i + 1))
     engine.scheduler.add(seq("background", 40, max_tokens=100, lane=Lane.BACKGROUND, first_token=700))
-    plans = [engine.step()[0] for _ in range(8)]
-    assert all(plan.num_unpaid_tokens <= 24 for plan in plans)
-    assert all(plan.num_prefill_tokens + plan.num_decode_tokens == plan.num_unpaid_tokens for plan in plans)
-    assert plans[0].num_unpaid_tokens == 24  # the cap, not the budget, ended the step
-    paid = seq("paid", 200, max_tokens=100, lane=Lane.PAID, first_token=900)
+    plan, _ = engine.step()
+    assert plan.num_unpaid_tokens == plan.num_prefill_tokens == 160  # nothing paid runs: the budget is theirs
+    paid = seq("paid", 200, max_tokens=4, lane=Lane.PAID, first_token=900)
     engine.scheduler.add(paid)
     plan, _ = engine.step()
     assert [(chunk.seq.seq_id, chunk.num_new_tokens) for chunk in plan.scheduled] == [("paid", 200)]
-    plan, _ = engine.step()
-    paid_rows = sum(chunk.num_new_tokens for chunk in plan.scheduled if chunk.seq is paid)
-    assert paid_rows == 1 and plan.num_unpaid_tokens == 4  # the four unpaid prompts are done: they decode
+    for i in range(3, 6):
+        engine.scheduler.add(seq(f"free{i}", 40, max_tokens=100, first_token=100 * i + 1))
+    plans = [engine.step()[0] for _ in range(3)]  # paid decodes its last three tokens
+    assert paid.status is SequenceStatus.FINISHED
+    assert [sum(chunk.num_new_tokens for chunk in plan.scheduled if chunk.seq is paid) for plan in plans] == [1, 1, 1]
+    assert [plan.num_unpaid_tokens for plan in plans] == [24, 24, 24]  # the cap, not the budget, ended them
+    assert all(plan.num_prefill_tokens + plan.num_decode_tokens == plan.num_unpaid_tokens + 1 for plan in plans)
+    plan, _ = engine.step()  # paid is done: the rest of the new prompts in one step
+    assert plan.num_unpaid_tokens > 24
+    assert all(chunk.seq.num_uncomputed_tokens <= 1 for chunk in plan.scheduled)
 
 
 def test_running_prefills_take_the_budget_in_lane_order(make_engine):

@@ -10,7 +10,7 @@ import pytest
 from reference_model import random_model, reference_greedy, tiny_config
 from test_engine import NUM_NEW_TOKENS, byte_level_tokenizer, greedy, seeded_prompts
 
-from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.engine import DEFAULT_UNPAID_TOKENS, Engine, EngineConfig, Request
 from tandem.engine.sequence import Lane, SamplingOptions
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.loader import LoadedModel
@@ -48,10 +48,10 @@ def test_a_paid_arrival_cuts_a_step_of_free_work_and_every_reply_is_the_referenc
     loaded, arrivals = model_and_arrivals
     prompts = seeded_prompts(12)
     free_prompts, paid_prompt = [prompts[9], prompts[8]], prompts[7]  # 150 and 100 tokens, then 64
-    engine = Engine(loaded, EngineConfig(num_kv_blocks=200, max_num_unpaid_tokens=8))
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=200, max_num_batched_tokens=64, max_num_unpaid_tokens=8))
     for i, prompt in enumerate(free_prompts):
         engine.add(greedy(f"free-{i}", prompt))
-    outputs = engine.step() + engine.step()  # free chunks of 8 rows
+    outputs = engine.step() + engine.step()  # free chunks of the whole budget: nothing paid runs, so no unpaid cap
     assert outputs == [] and engine.stats().num_steps == 2
 
     arrivals.on_layer.append(engine.cut_step)  # the paid request reaches the worker during the next step
@@ -91,3 +91,9 @@ def test_an_engine_configured_not_to_cut_finishes_its_step(model_and_arrivals):
     engine.step()
     assert engine.stats().num_cut_steps == 0 and engine.stats().num_steps == 1
     arrivals.on_layer.clear()
+
+
+def test_an_engine_on_a_cpu_caps_unpaid_rows_beside_paid_work_unless_configured(model_and_arrivals):
+    loaded, _ = model_and_arrivals
+    assert Engine(loaded, EngineConfig(num_kv_blocks=8)).scheduler.config.max_num_unpaid_tokens == DEFAULT_UNPAID_TOKENS["cpu"]
+    assert Engine(loaded, EngineConfig(num_kv_blocks=8, max_num_unpaid_tokens=32)).scheduler.config.max_num_unpaid_tokens == 32
