@@ -19,6 +19,7 @@ from operator import methodcaller
 
 import pytest
 import torch
+import uvloop
 
 from tandem.config import Settings
 from tandem.engine.block_pool import NoFreeBlocks
@@ -249,3 +250,29 @@ def _is_running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_under_uvloop_messages_bigger_than_the_socket_s_buffer_arrive_whole_both_ways():
+    """A worker's event loop is uvloop's (uvicorn's), whose add_reader makes the worker's end of
+    the socket non-blocking: calls and results of a few hundred kB to megabytes still arrive
+    whole and in order, and none is taken for the engine's death (Connection's reads and writes
+    failed there mid-message with BlockingIOError)."""
+
+    async def scenario() -> None:
+        driven = Driven()
+        try:
+            process = await driven.ready()
+            await driven.run(greedy("r-fill"))
+            blocks = range(8)
+            views = await asyncio.gather(*(process.call(methodcaller("block_view", b)) for b in blocks for _ in range(4)))
+            assert views[0].numel() * views[0].element_size() > 200_000, "each result is more than a socket buffer"
+            for index, view in enumerate(views):
+                assert torch.equal(view, process.block_view(blocks[index // 4]))
+            big = {"big": b"x" * 4_000_000}
+            assert await asyncio.gather(*(process.call(partial(dict.get, big)) for _ in range(4))) == [None] * 4
+            assert len(await driven.run(greedy("r-after"))) == 12
+            assert not driven.deaths
+        finally:
+            driven.process.stop(timeout_s=10)
+
+    uvloop.run(scenario())

@@ -21,24 +21,125 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import torch
 
 from tandem.engine.block_pool import KvEvent
 from tandem.engine.engine import Engine, EngineFacts, EngineStats, QueueWait, Request, RequestOutput
-from tandem.worker.engine_core import map_kv_cache, receive, send
+from tandem.worker.engine_core import map_kv_cache
 from tandem.worker.thread import EngineDead, EngineDriver
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 OnChange = Callable[[EngineStats, list[KvEvent], list[QueueWait]], None]
+
+
+class _Channel:
+    """The worker's end of the socket to the engine process, on the event loop and never blocking
+    it: a message in is handed on once all its bytes have arrived, and a message out that the
+    socket cannot take yet waits in a buffer, in order, for the loop to say it can. The frames are
+    multiprocessing.Connection's (a 4-byte length, or -1 and an 8-byte one), which the engine
+    process reads and writes blocking. (Connection's own reads and writes here failed with
+    BlockingIOError mid-message, taken for the engine's death, once the event loop made the socket
+    non-blocking, as uvloop's add_reader does.)"""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[Any], None],
+        on_closed: Callable[[BaseException], None],
+    ) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._loop = loop
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self._inbox = bytearray()
+        self._outbox = bytearray()
+        self.closed = False
+        loop.add_reader(sock.fileno(), self._on_readable)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Pickled whole before a byte is buffered or written; raises OSError when the socket is
+        broken (the engine process is gone)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        header = struct.pack("!i", len(data)) if len(data) <= 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
+        frame = header + data
+        if self._outbox:  # earlier messages wait: this one goes after them
+            self._outbox += frame
+            return
+        try:
+            sent = self._sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(frame):
+            self._outbox += frame[sent:]
+            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_writer(self._sock.fileno())
+            self._sock.close()
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self._sock.send(self._outbox)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(exc)
+            return
+        del self._outbox[:sent]
+        if not self._outbox:
+            self._loop.remove_writer(self._sock.fileno())
+
+    def _on_readable(self) -> None:
+        while not self.closed:
+            try:
+                chunk = self._sock.recv(1 << 20)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                self._fail(exc)
+                return
+            if not chunk:
+                self._fail(EOFError("the engine process closed its socket"))
+                return
+            self._inbox += chunk
+            for message in self._whole_messages():
+                self._on_message(message)
+
+    def _whole_messages(self) -> list[Any]:
+        messages, start, inbox = [], 0, self._inbox
+        while len(inbox) - start >= 4:
+            (size,) = struct.unpack_from("!i", inbox, start)
+            header = 4
+            if size == -1:
+                if len(inbox) - start < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", inbox, start + 4)
+                header = 12
+            if len(inbox) - start < header + size:
+                break
+            messages.append(pickle.loads(inbox[start + header : start + header + size]))
+            start += header + size
+        del inbox[:start]
+        return messages
+
+    def _fail(self, exc: BaseException) -> None:
+        self.close()
+        self._on_closed(exc)
 
 
 class EngineProcess(EngineDriver):
@@ -63,7 +164,7 @@ class EngineProcess(EngineDriver):
         self._facts: EngineFacts | None = None
         self._kv_cache: torch.Tensor | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._conn: Connection | None = None
+        self._channel: _Channel | None = None
         self._kv_fd: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
 
@@ -103,9 +204,8 @@ class EngineProcess(EngineDriver):
             )
         finally:
             theirs.close()
-        self._conn = Connection(ours.detach())
-        send(self._conn, (self._spec, self._log_level))
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._channel = _Channel(ours, self._loop, self._handle, self._on_closed)
+        self._send((self._spec, self._log_level))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Runs fn(engine) in the engine process before its next step; returns or raises what fn does."""
@@ -134,9 +234,8 @@ class EngineProcess(EngineDriver):
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Closes the socket (the engine process ends after its step in progress) and waits for it."""
-        if self._conn is not None and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
-            self._conn.close()
+        if self._channel is not None:
+            self._channel.close()
         if self._kv_fd is not None:
             os.close(self._kv_fd)
             self._kv_fd = None
@@ -158,22 +257,15 @@ class EngineProcess(EngineDriver):
         return await done
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        assert self._conn is not None
+        assert self._channel is not None
         try:
-            send(self._conn, message)
+            self._channel.send(message)
         except OSError as exc:  # the engine process is gone; its EOF tells the reader too
             self._die(EngineDead(f"the engine process is gone: {type(exc).__name__}"))
 
-    def _on_readable(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        try:
-            while conn.poll():
-                self._handle(receive(conn))
-        except (EOFError, OSError) as exc:
-            self._loop.remove_reader(conn.fileno())
-            code = self._child.poll() if self._child is not None else None
-            self._die(EngineDead(f"the engine process ended ({type(exc).__name__}, exit code {code})"))
+    def _on_closed(self, exc: BaseException) -> None:
+        code = self._child.poll() if self._child is not None else None
+        self._die(EngineDead(f"the engine process ended ({type(exc).__name__}, exit code {code})"))
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
