@@ -123,17 +123,22 @@ class LlamaModel(nn.Module):
         # sets it on a CPU with every projection packed): their output before the final norm, or
         # None where it does not serve.
         self.fast_decode: (
-            Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | None] | None
+            Callable[
+                [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, Callable[[], bool] | None],
+                torch.Tensor | None,
+            ]
+            | None
         ) = None
-        # Asked between the layers of a layer-by-layer forward: True ends the forward with StepCut
-        # (the engine's step is cut short for a paid request that arrived during it).
+        # Asked between the layers of a forward (between fast_decode's calls of a few layers):
+        # True ends the forward with StepCut (the engine's step is cut short for a paid request
+        # that arrived during it).
         self.should_cut: Callable[[], bool] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
         if self.fast_decode is not None and meta.is_decode_only:
-            out = self.fast_decode(h, cos, sin, kv_cache, meta)
+            out = self.fast_decode(h, cos, sin, kv_cache, meta, self.should_cut)
             if out is not None:
                 return self.norm.forward(out)
         # Each layer's K and V caches, views as kv_cache[:, index, 0] and [:, index, 1] are, in two

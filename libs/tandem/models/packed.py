@@ -28,6 +28,8 @@ kernels and ops in the same order) instead of a Python call per op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -35,8 +37,14 @@ from tandem.kernels import cpu_extension
 from tandem.kernels.attention_cpu import kernels_take, paged_attention_cpu
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.models.config import ModelConfig
-from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, StepCut
 from tandem.models.quant import Int8Linear
+
+# A decode step that may be cut short (LlamaModel.should_cut, set for a step with free or
+# background rows) runs its layers this many to a call and is asked between calls: a paid request
+# arriving during a step of free decodes waits for at most a fifth of SmolLM2's 30 layers.
+CUT_CHECK_LAYERS = 6
+_WEIGHTS_PER_LAYER, _SCALES_PER_LAYER = 6, 4  # decode_layers' lists
 
 
 def can_pack(weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -148,14 +156,50 @@ class PackedDecode:
         self._built: tuple[tuple[object, ...], torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor | None]] | None] | None = None
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        should_cut: Callable[[], bool] | None = None,
     ) -> torch.Tensor | None:
+        """The layers' output, or None where this does not serve; with `should_cut`, the layers
+        CUT_CHECK_LAYERS to a call, raising StepCut between calls when it says so."""
         if not (h.is_cpu and h.dim() == 2 and kernels_take(h.dtype, kv_cache.dtype) and cpu_extension.load()):
             return None
         served = self._weights(h.dtype)
         if served is None:
             return None
         weights, scales = served
+        if should_cut is None:
+            return self._layers(h, weights, scales, cos, sin, kv_cache, meta)
+        num_layers = len(weights) // _WEIGHTS_PER_LAYER
+        for first in range(0, num_layers, CUT_CHECK_LAYERS):
+            if should_cut():
+                raise StepCut
+            end = min(first + CUT_CHECK_LAYERS, num_layers)
+            h = self._layers(
+                h,
+                weights[first * _WEIGHTS_PER_LAYER : end * _WEIGHTS_PER_LAYER],
+                scales[first * _SCALES_PER_LAYER : end * _SCALES_PER_LAYER],
+                cos,
+                sin,
+                kv_cache.narrow(1, first, end - first),
+                meta,
+            )
+        return h
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        weights: list[torch.Tensor],
+        scales: list[torch.Tensor | None],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         c = self._config
         return torch.ops.tandem.decode_layers(
             h, weights, scales, cos, sin, kv_cache, meta.slot_mapping, meta.seq_lens, meta.block_tables,

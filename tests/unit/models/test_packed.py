@@ -15,14 +15,14 @@ from reference_model import random_model, reference_greedy, reference_logits, ti
 from torch import nn
 
 from tandem.engine.engine import Engine, EngineConfig, Request
-from tandem.engine.sequence import SamplingOptions
+from tandem.engine.sequence import Lane, SamplingOptions
 from tandem.kernels import cpu_extension
 from tandem.kernels.attention_cpu import paged_attention_cpu
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models import layers
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.llama import LlamaForCausalLM, StepCut
 from tandem.models.loader import LoadedModel
-from tandem.models.packed import PackedDecode, PackedLinear, pack_model
+from tandem.models.packed import CUT_CHECK_LAYERS, PackedDecode, PackedLinear, pack_model
 from tandem.models.quant import Int8Linear, quantize_model
 
 NUM_NEW_TOKENS = 12
@@ -160,8 +160,8 @@ def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, d
     assert isinstance(plan, PackedDecode)
     compared: list[bool] = []
 
-    def both(h, cos, sin, kv_cache, meta):
-        fast = plan(h, cos, sin, kv_cache, meta)
+    def both(h, cos, sin, kv_cache, meta, should_cut=None):
+        fast = plan(h, cos, sin, kv_cache, meta, should_cut)
         assert fast is not None
         written = kv_cache.clone()
         slow = h
@@ -184,6 +184,52 @@ def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, d
     fused = answers(both)
     assert len(compared) >= 2 * (NUM_NEW_TOKENS - 1) and all(compared)
     assert fused == answers(None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_step_that_may_be_cut_runs_a_few_layers_a_call_with_the_one_call_s_bits(dtype, monkeypatch):
+    """A decode step of free rows (the engine sets should_cut) runs its layers CUT_CHECK_LAYERS to
+    a call and asks between calls: its hidden state and cache contents are the one call's, bit
+    for bit, and the greedy answers the layers'; a cut asked for after the first call ends the
+    step there with StepCut."""
+    config = tiny_config(vocab_size=512, max_position_embeddings=1024, num_layers=2 * CUT_CHECK_LAYERS + 1)
+    model = pack_model(random_model(config, seed=1, attention=paged_attention_cpu, dtype=dtype)).eval()
+    inner = model.model
+    plan = inner.fast_decode
+    assert isinstance(plan, PackedDecode)
+    compared: list[bool] = []
+    asked: list[int] = []
+    step_args: list[tuple] = []
+
+    def both(h, cos, sin, kv_cache, meta, should_cut=None):
+        assert should_cut is not None, "a step of free rows may be cut"
+        step_args[:] = [(h, cos, sin, kv_cache, meta)]
+        chunked = plan(h, cos, sin, kv_cache, meta, lambda: asked.append(1) or should_cut())
+        written = kv_cache.clone()
+        whole = plan(h, cos, sin, kv_cache, meta)  # writes this step's K and V again
+        assert chunked is not None and whole is not None
+        compared.append(torch.equal(chunked, whole) and torch.equal(written, kv_cache))
+        return chunked
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(3)]
+    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+    def answers(fast_decode) -> list[list[int]]:
+        inner.fast_decode = fast_decode
+        engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=200))
+        streams = engine.generate([Request(f"r{i}", tuple(p), sampling, lane=Lane.FREE) for i, p in enumerate(prompts)])
+        return [[t for out in stream for t in out.new_token_ids] for stream in streams.values()]
+
+    assert answers(both) == answers(None)
+    assert len(compared) == NUM_NEW_TOKENS - 1 and all(compared)
+    assert len(asked) == 3 * len(compared), "13 layers: calls of 6, 6 and 1, asked before each"
+
+    calls: list[int] = []
+    monkeypatch.setattr(plan, "_layers", lambda h, *rest: calls.append(1) or h)
+    with pytest.raises(StepCut):
+        plan(*step_args[0], lambda: len(calls) >= 1)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
