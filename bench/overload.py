@@ -370,7 +370,7 @@ async def main(args: argparse.Namespace) -> int:
                     await send_message(pool, next_key("paid"), "paid", 100 + i, args.max_tokens, args.hang_s) for i in range(args.baseline)
                 ]
 
-            unloaded, _, _, unloaded_engine = await phase(one_at_a_time())
+            unloaded, unloaded_stages, _, unloaded_engine = await phase(one_at_a_time())
             unloaded_ttfts = sorted(o.ttft_s for o in unloaded if o.ttft_s is not None)
             if not unloaded_ttfts:
                 print(f"no unloaded reply completed: {[o.detail for o in unloaded]}", file=sys.stderr)
@@ -444,10 +444,10 @@ async def main(args: argparse.Namespace) -> int:
         for sample in r.samples:
             print(f"{'':<6}sample: {sample}")
     print(
-        f"\n{'where the admitted replies spent time':<40}{'overload: count':>16}{'mean':>9}{'p95':>9}{'paid alone: count':>19}{'mean':>9}{'p95':>9}"
+        f"\n{'where the admitted replies spent time':<40}{'overload: count':>16}{'mean':>9}{'p95':>9}{'paid alone: count':>19}{'mean':>9}{'p95':>9}{'unloaded: count':>17}{'mean':>9}{'p95':>9}"
     )
     for row, figures in stages.items():
-        print(f"{row:<40}{_stage_cells(figures, 16)}{_stage_cells(alone_stages[row], 19)}")
+        print(f"{row:<40}{_stage_cells(figures, 16)}{_stage_cells(alone_stages[row], 19)}{_stage_cells(unloaded_stages[row], 17)}")
     for name, counts in (("overload", engine), ("paid alone", alone_engine), ("unloaded", unloaded_engine)):
         hit_share = counts["prefix_hit_tokens"] / counts["prefix_query_tokens"] if counts["prefix_query_tokens"] else 0.0
         print(
@@ -473,6 +473,7 @@ async def main(args: argparse.Namespace) -> int:
             "tiers": {tier: asdict(r) for tier, r in reports.items()},
             "stages": stages,
             "paid_alone_stages": alone_stages,
+            "unloaded_stages": unloaded_stages,
             "cpu_s": {"overload": cpu, "paid_alone": alone_cpu},
             "engine": {"overload": engine, "paid_alone": alone_engine},
             "ladder": {"max_rung": ladder.max_rung, "statuses": ladder.statuses},
