@@ -63,8 +63,8 @@ class EngineConfig:
     num_reserved_blocks: int = 4
     max_num_unpaid_tokens: int | None = None  # of those, free and background rows while paid work runs; None: DEFAULT_UNPAID_TOKENS
     enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
-    # A step computing free or background rows, layer by layer, ends at its next layer when a paid
-    # request arrives (cut_step), and the next step is the paid request's.
+    # A CPU step computing free or background rows ends at its next layer (a decode step's, its
+    # next call of six layers) when a paid request arrives (cut_step); the next step is the paid request's.
     cut_unpaid_steps: bool = True
 
 
@@ -250,8 +250,9 @@ class Engine:
 
     def cut_step(self) -> None:
         """A paid request was just queued (call from any thread): the step in progress, when it
-        computes free or background rows layer by layer, ends at its next layer without a
-        result, and the next step is the paid request's. The cut step's work is lost, and is
+        computes free or background rows on a CPU, ends at its next layer (a decode step's, at
+        its next call of a few layers: models/packed.py) without a result, and the next step is
+        the paid request's. The cut step's work is lost, and is
         done again; a paid arrival no longer waits out a step of free work."""
         self._cut.set()
 
