@@ -107,7 +107,7 @@ class _Channel:
     def _on_readable(self) -> None:
         while not self.closed:
             try:
-                chunk = self._sock.recv(1 << 20)
+                chunk = self._sock.recv(1 << 16)  # under malloc's mmap threshold: a step's message is a few kB
             except BlockingIOError:
                 break
             except OSError as exc:
