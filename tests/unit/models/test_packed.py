@@ -20,6 +20,7 @@ from tandem.kernels import cpu_extension
 from tandem.kernels.attention_cpu import paged_attention_cpu
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models import layers
+from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM, StepCut
 from tandem.models.loader import LoadedModel
 from tandem.models.packed import CUT_CHECK_LAYERS, PackedDecode, PackedLinear, pack_model
@@ -147,6 +148,19 @@ def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, 
     assert [[t for out in streams[f"r{i}"] for t in out.new_token_ids] for i in range(num_prompts)] == expected
 
 
+def greedy_answers(model: LlamaForCausalLM, config: ModelConfig, fast_decode, batches: list[list[list[int]]]) -> list[list[int]]:
+    """Each batch of prompts generated together (free requests, greedy) on one fresh engine with
+    `fast_decode` as the model's; every reply's tokens, batch by batch."""
+    model.model.fast_decode = fast_decode
+    engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=200))
+    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    answers = []
+    for b, batch in enumerate(batches):
+        streams = engine.generate([Request(f"b{b}-r{i}", tuple(p), sampling, lane=Lane.FREE) for i, p in enumerate(batch)])
+        answers += [[t for out in stream for t in out.new_token_ids] for stream in streams.values()]
+    return answers
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, dtype):
@@ -172,18 +186,9 @@ def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, d
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(5)]
-    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-
-    def answers(fast_decode) -> list[list[int]]:
-        inner.fast_decode = fast_decode
-        engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=200))
-        outputs = [engine.generate([Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)])]
-        outputs.append(engine.generate([Request("alone", tuple(prompts[0]), sampling)]))
-        return [[t for out in stream for t in out.new_token_ids] for streams in outputs for stream in streams.values()]
-
-    fused = answers(both)
+    fused = greedy_answers(model, config, both, [prompts, prompts[:1]])
     assert len(compared) >= 2 * (NUM_NEW_TOKENS - 1) and all(compared)
-    assert fused == answers(None)
+    assert fused == greedy_answers(model, config, None, [prompts, prompts[:1]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -213,15 +218,7 @@ def test_a_decode_step_that_may_be_cut_runs_a_few_layers_a_call_with_the_one_cal
 
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(3)]
-    sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-
-    def answers(fast_decode) -> list[list[int]]:
-        inner.fast_decode = fast_decode
-        engine = Engine(LoadedModel(model, config, word_tokenizer(config.vocab_size)), EngineConfig(num_kv_blocks=200))
-        streams = engine.generate([Request(f"r{i}", tuple(p), sampling, lane=Lane.FREE) for i, p in enumerate(prompts)])
-        return [[t for out in stream for t in out.new_token_ids] for stream in streams.values()]
-
-    assert answers(both) == answers(None)
+    assert greedy_answers(model, config, both, [prompts]) == greedy_answers(model, config, None, [prompts])
     assert len(compared) == NUM_NEW_TOKENS - 1 and all(compared)
     assert len(asked) == 3 * len(compared), "13 layers: calls of 6, 6 and 1, asked before each"
 
