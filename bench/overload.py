@@ -334,7 +334,7 @@ async def main(args: argparse.Namespace) -> int:
         try:
             turn = dict.fromkeys(TIERS, 0)
 
-            def next_key(tier: str) -> Sender:
+            def next_sender(tier: str) -> Sender:
                 turn[tier] += 1
                 number = turn[tier] % len(users[tier])
                 return Sender(f"key-{users[tier][number]}", TOPICS[number % len(TOPICS)])
@@ -359,7 +359,7 @@ async def main(args: argparse.Namespace) -> int:
             for first in range(0, args.users, WARM_UP_AT_ONCE):
                 await asyncio.gather(
                     *(
-                        send_message(pool, next_key("paid"), "paid", i, args.max_tokens, args.hang_s)
+                        send_message(pool, next_sender("paid"), "paid", i, args.max_tokens, args.hang_s)
                         for i in range(first, min(first + WARM_UP_AT_ONCE, args.users))
                     )
                 )
@@ -367,7 +367,8 @@ async def main(args: argparse.Namespace) -> int:
             # 1. unloaded paid TTFT
             async def one_at_a_time() -> list[Outcome]:
                 return [
-                    await send_message(pool, next_key("paid"), "paid", 100 + i, args.max_tokens, args.hang_s) for i in range(args.baseline)
+                    await send_message(pool, next_sender("paid"), "paid", 100 + i, args.max_tokens, args.hang_s)
+                    for i in range(args.baseline)
                 ]
 
             unloaded, unloaded_stages, _, unloaded_engine = await phase(one_at_a_time())
@@ -386,7 +387,7 @@ async def main(args: argparse.Namespace) -> int:
                 nonlocal completed
                 i = 0
                 while time.monotonic() < probe_end:
-                    o = await send_message(pool, next_key("paid"), "paid", 1000 + 100 * c + i, args.max_tokens, args.hang_s)
+                    o = await send_message(pool, next_sender("paid"), "paid", 1000 + 100 * c + i, args.max_tokens, args.hang_s)
                     completed += o.result == "complete"
                     i += 1
 
@@ -405,7 +406,7 @@ async def main(args: argparse.Namespace) -> int:
                 index = first_index
                 while time.monotonic() < load_end:
                     tier = pick_tier()
-                    tasks.append(asyncio.create_task(send_message(pool, next_key(tier), tier, index, args.max_tokens, args.hang_s)))
+                    tasks.append(asyncio.create_task(send_message(pool, next_sender(tier), tier, index, args.max_tokens, args.hang_s)))
                     index += 1
                     await asyncio.sleep(rng.expovariate(rate))
                 return list(await asyncio.gather(*tasks))

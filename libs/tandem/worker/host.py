@@ -318,10 +318,7 @@ class EngineHost:
         """Queues `request` and publishes its tokens from sequence number `first_seq` on, stamped
         with the owner `epoch`."""
         self._replies.stream(request.request_id, first_seq, epoch)
-        ticket = self._engine_thread.post(partial(_add, request))
-        self._posted[ticket] = (request.lane, _num_tokens(request))
-        if request.lane is Lane.PAID:  # a step of free work in progress ends now, and the next is this request's
-            self._engine_thread.cut_step()
+        self._post_add(request)
 
     async def prefill_only(self, request: Request, first_seq: int, epoch: int) -> RequestOutput:
         """Prefills `request` here and publishes its first token as `first_seq`; returns the output
@@ -330,11 +327,14 @@ class EngineHost:
         self._replies.stream(request.request_id, first_seq, epoch)
         prefilled = asyncio.get_running_loop().create_future()
         self._handoffs[request.request_id] = prefilled
-        ticket = self._engine_thread.post(partial(_add, request, prefill_only=True))
-        self._posted[ticket] = (request.lane, _num_tokens(request))
-        if request.lane is Lane.PAID:
-            self._engine_thread.cut_step()
+        self._post_add(request, prefill_only=True)
         return await prefilled
+
+    def _post_add(self, request: Request, prefill_only: bool = False) -> None:
+        ticket = self._engine_thread.post(partial(_add, request, prefill_only=prefill_only))
+        self._posted[ticket] = (request.lane, _num_tokens(request))
+        if request.lane is Lane.PAID:  # a step of free work in progress ends now, and the next is this request's
+            self._engine_thread.cut_step()
 
     def is_streaming(self, reply_id: str) -> bool:
         """This host publishes the reply's tokens (it runs here, or is about to)."""
