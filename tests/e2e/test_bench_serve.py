@@ -12,7 +12,7 @@ import nats
 import pytest
 from helpers import next_heartbeat
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 NUM_PROMPTS = 8
 MAX_TOKENS = 12
 

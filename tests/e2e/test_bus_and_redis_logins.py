@@ -20,7 +20,6 @@ from tandem.tokenlog.keys import ReplyKeys
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
 from tandem.v1.tokens_pb2 import TokenEvent
 
-pytestmark = pytest.mark.e2e
 REFUSED_WITHIN_S = 10.0
 
 

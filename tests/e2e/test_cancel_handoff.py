@@ -23,7 +23,7 @@ from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 FP32_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M: layers, K/V, tokens, KV heads, head dim, fp32
 BLOCKS_PER_S = 25
 

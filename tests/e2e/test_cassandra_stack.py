@@ -20,7 +20,7 @@ from product_stack import ALICE, SseReader, read_stream, start_product_stack, te
 from tandem.devstack.cassandra_node import NodeConfig, start_node, stop_node
 from tandem.devstack.servers import start_nats, start_redis
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 STORE_TIMEOUT_S = 3.0
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from product_stack import ALICE, SseReader, own_product_stack, read_stream, text_of
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 ROLES = ("router", "decode", "relay", "chat", "chat")
 
 

@@ -36,7 +36,7 @@ from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 MAX_TOKENS = 24
 REMOTE_PREFILL_MIN_TOKENS = 96
 WORDS = [

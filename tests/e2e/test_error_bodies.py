@@ -17,7 +17,7 @@ import httpx
 import pytest
 from product_stack import ALICE, ProductStack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 
 INTERNAL_WORDS = ("nats", "sqlite", "redis", "cassandra", "locked", "Error", "Exception", "Traceback", "StoreUnavailable")
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from product_stack import ALICE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 DECLARED_BYTES = 2 << 20  # twice the default max_body_bytes
 ANSWER_TIMEOUT_S = 15.0

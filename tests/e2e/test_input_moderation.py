@@ -16,7 +16,7 @@ from test_web_page import browser, context, expect, send, signed_in_page  # noqa
 
 from services.chat.moderation import MODERATED_MESSAGE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 FLAGGED = "you are a fucking idiot"  # profanity-check scores it 1.0
 PLAIN = "What is the capital of France?"
 GREEDY = {"temperature": 0, "max_tokens": 8}

@@ -14,12 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 from helpers import REPO, interrupt_and_wait
 
 from tandem.devstack.proc import ChildProcess, free_port
-
-pytestmark = pytest.mark.e2e
 
 UP_TIMEOUT_S = 180
 LONG_PROMPT = " ".join(f"item {i} is a word;" for i in range(120))  # well over the 256 tokens that go to a prefill worker

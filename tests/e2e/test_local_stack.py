@@ -31,8 +31,6 @@ from tandem.models.files import EMBEDDED_MODEL_NAME
 from tandem.models.loader import resolve_dtype
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
-pytestmark = pytest.mark.e2e
-
 UP_TIMEOUT_S = 180
 ROLES = ("router", "relay", "prefill", "decode", "chat")
 SMALL_WORKER = "small-decode-0"

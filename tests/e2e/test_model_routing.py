@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import start_nats, start_redis
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 LARGE, SMALL = "smollm-large", "smollm-small"
 ANSWER = {"temperature": 0, "max_tokens": 4}
 GREETING = "Hello! How are you today?"

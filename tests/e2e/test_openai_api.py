@@ -17,7 +17,7 @@ from tandem.bus import encode, subjects
 from tandem.models.loader import load_tokenizer
 from tandem.v1.tokens_pb2 import Cancel
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -22,7 +22,7 @@ import pytest_asyncio
 from helpers import wait_until
 from product_stack import ALICE, own_product_stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 
 BLOCKED = "kumquat"
 PROMPT = "Repeat after me: The kumquat tree is green, the sea is calm today, the sky is blue and the birds are singing in the old garden."

@@ -18,7 +18,7 @@ from tandem.models.loader import load_tokenizer
 from tandem.tokenlog import load_reply
 from tandem.v1.generate_pb2 import GenerateRequest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 GREEDY = {"temperature": 0, "max_tokens": 24}
 
 

@@ -27,7 +27,7 @@ from product_stack import BOB, ProductStack, own_product_stack, read_stream
 
 from tandem.quota import reservation_key
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 QUOTA_FREE = 6000
 MAX_ANSWER_TOKENS = 16
 PROMPT = "apple " * 880  # 881 tokens; with the system prompt and the template about 905

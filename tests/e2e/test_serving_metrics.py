@@ -20,7 +20,7 @@ from product_stack import ALICE, ProductStack, read_stream
 from prometheus_client.parser import text_string_to_metric_families
 from scraped_metrics import grew, scrape, total
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "tandem.json"
 STORY = {"temperature": 0, "max_tokens": 24}
 POLL_S = 0.05  # between scrapes while a reply runs: a tighter loop would slow the worker it watches

@@ -10,14 +10,11 @@ import io
 import signal
 
 import httpx
-import pytest
 
 from tandem.config import ApiKey, Tier
 from tandem.devstack.members import StackConfig
 from tandem.devstack.proc import free_port
 from tandem.devstack.stack import Console, Stack
-
-pytestmark = pytest.mark.e2e
 
 KEY = "key-drill"
 READY_S = 240.0

@@ -9,7 +9,7 @@ import pytest
 from helpers import wait_until
 from product_stack import ALICE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 
 
 async def test_the_status_is_public_and_shows_the_ladder_and_the_models_served(product_stack):

@@ -26,7 +26,7 @@ from scraped_metrics import grew, scrape
 from services.chat.sse import sse_events as sse_of_log
 from tandem.tokenlog import load_reply, logged_events
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 NARROW_MAX_STREAMS = 12
 FREE_STREAM_LIMIT = 3
 

@@ -19,7 +19,7 @@ from tandem.models.loader import load_tokenizer
 from tandem.tokenlog import load_reply
 from tandem.v1.generate_pb2 import GenerateRequest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 PROMPT_BUDGET_FREE = 300
 MAX_ANSWER_TOKENS = 24  # a free prompt of 276 tokens
 SUMMARY_MAX_TOKENS = 40

@@ -54,7 +54,7 @@ NO_BROWSER = "" if CHROMIUM else f"no chromium (or no playwright) for the browse
 if NO_BROWSER and not IS_BROWSER_REQUIRED:
     pytest.skip(NO_BROWSER, allow_module_level=True)
 expect = async_api.expect if async_api else None
-pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+pytestmark = pytest.mark.real_model
 
 REPLY_TIMEOUT_MS = 90_000
 LONG_PROMPT = "Count from 1 to 200, separated by commas."
