@@ -55,7 +55,7 @@ from tandem.models.loader import LoadedModel, load_model
 from tandem.ops.bench_client import OpenAIChat, send
 from tandem.ops.top_frame import Metrics
 from tandem.ops.workload import BenchRequest
-from tandem.worker.host import EngineSpec
+from tandem.worker.engine_spec import EngineSpec
 
 USER = "bencher-overhead"
 KEY = "bench-stack-overhead"

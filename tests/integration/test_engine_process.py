@@ -27,8 +27,9 @@ from tandem.engine.engine import EngineStats, Request, RequestOutput, TokenIdOut
 from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
 from tandem.engine.sequence import Lane, SamplingOptions
 from tandem.models.files import open_model
+from tandem.worker.engine_calls import add, reserve_import
 from tandem.worker.engine_process import EngineProcess
-from tandem.worker.host import EngineSpec, _add, _reserve_import, build_engine
+from tandem.worker.engine_spec import EngineSpec, build_engine
 from tandem.worker.thread import EngineDead
 
 PROMPT = (1, 9690, 28, 940, 314, 253, 2118, 6128, 30, 2)
@@ -76,13 +77,13 @@ class Driven:
     async def run_with_cut(self, request: Request) -> None:
         """Adds a paid request as a worker does (the add, then cut_step) and waits for its reply."""
         self.finished.setdefault(request.request_id, asyncio.Event())
-        self.process.post(partial(_add, request))
+        self.process.post(partial(add, request))
         self.process.cut_step()
         await asyncio.wait_for(self.finished[request.request_id].wait(), DEADLINE_S)
 
     async def run(self, request: Request) -> list[int]:
         self.finished.setdefault(request.request_id, asyncio.Event())
-        self.process.post(partial(_add, request))
+        self.process.post(partial(add, request))
         await asyncio.wait_for(self.finished[request.request_id].wait(), DEADLINE_S)
         return [t for output in self.outputs[request.request_id] for t in output.new_token_ids]
 
@@ -112,10 +113,10 @@ async def test_the_engine_process_streams_the_same_greedy_tokens_as_the_engine_h
 
 async def test_calls_return_and_raise_what_the_engine_does_and_check_answers_at_once(driven):
     process = await driven.ready()
-    reservation = await process.call(partial(_reserve_import, greedy("r-import"), 2))
+    reservation = await process.call(partial(reserve_import, greedy("r-import"), 2))
     assert reservation.block_ids
     with pytest.raises(NoFreeBlocks):
-        await process.call(partial(_reserve_import, greedy("r-huge"), 10**6))
+        await process.call(partial(reserve_import, greedy("r-huge"), 10**6))
     await process.check(greedy("r-ok"))
     with pytest.raises(TokenIdOutOfRange):
         await process.check(Request("r-bad", (1, 10**9), SamplingOptions()))
@@ -139,7 +140,7 @@ async def test_a_paid_add_cuts_the_step_of_free_work_in_progress_and_every_reply
     try:
         process = await driven.ready()
         driven.finished["free"] = asyncio.Event()
-        process.post(partial(_add, free))
+        process.post(partial(add, free))
         paid_ids: list[str] = []
         deadline = time.monotonic() + DEADLINE_S
         while not (driven.stats and driven.stats[-1].num_cut_steps) and not driven.finished["free"].is_set():

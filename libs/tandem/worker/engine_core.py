@@ -2,44 +2,34 @@
 SOCKET_FD KV_FD`, started by its worker only.
 
 It builds the engine from the spec the worker sends first (its KV cache in the memfd KV_FD, which
-the worker maps too), says "ready", then steps while there is work. A reader thread takes the
-worker's messages: `check` is answered at once (Engine.check reads only the configuration), calls
-queue for the engine between two steps. After every change (a batch of calls, a step) one message
-carries the step's outputs, the fresh stats, how many calls they include, and the KV events and
-queue waits recorded since the last; a call's result follows what the engine recorded before it, so
-the worker numbers KV events and answers state requests in one order. A closed socket ends it."""
+the worker maps too), says it is ready, then steps while there is work. A reader thread takes the
+worker's messages (engine_wire.py): a check is answered at once (Engine.check reads only the
+configuration), a cut cuts the step in progress, calls queue for the engine between two steps.
+After every change (a batch of calls, a step) one message carries the step's outputs, the fresh
+stats, how many calls they include, and the KV events and queue waits recorded since the last; a
+call's result follows what the engine recorded before it, so the worker numbers KV events and
+answers state requests in one order. A closed socket ends it.
+
+It imports nothing NATS-facing (the spec, the wire, the shared KV cache, the engine calls it
+unpickles): the worker's bus stays in the worker."""
 
 from __future__ import annotations
 
 import logging
-import math
-import mmap
-import os
 import pickle
 import queue
 import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any
 
-import torch
-
-from tandem.engine.engine import Engine, KvCacheAllocator
+from tandem.engine.engine import Engine, RequestOutput
+from tandem.worker import engine_wire
+from tandem.worker.engine_spec import build_engine
+from tandem.worker.engine_wire import Call, Change, Check, Cut, Died, Ready, Result, Start, ToWorker
+from tandem.worker.shared_kv import shared_kv_cache
 
 log = logging.getLogger(__name__)
-
-
-def send(conn: Connection, message: tuple[Any, ...]) -> None:
-    """One message, pickled whole before a byte is written (a result that does not pickle leaves
-    the stream intact). Plain pickle, not Connection.send's: torch makes that one share a
-    tensor's memory through a file descriptor instead of copying it."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def receive(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
 
 
 class _Worker:
@@ -49,114 +39,82 @@ class _Worker:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: ToWorker) -> None:
         with self._lock:
-            send(self._conn, message)
+            engine_wire.send(self._conn, message)
 
     def answer(self, ticket: int, result: object, exc: BaseException | None) -> None:
         try:
-            self.send(("result", ticket, result, exc))
+            self.send(Result(ticket, result, exc))
         except (pickle.PicklingError, TypeError, AttributeError) as error:  # nothing was written: pickling comes first
-            self.send(("result", ticket, None, RuntimeError(f"{type(exc or result).__name__} could not be sent back: {error}")))
+            self.send(Result(ticket, None, RuntimeError(f"{type(exc or result).__name__} could not be sent back: {error}")))
 
-
-def shared_kv_cache(fd: int) -> KvCacheAllocator:
-    """An allocator (Engine's allocate_kv_cache) of a zeroed CPU KV cache in the memfd `fd`."""
-
-    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
-            raise ValueError(f"an engine process shares its KV cache on a CPU only, not on {device}")
-        num_bytes = math.prod(shape) * dtype.itemsize
-        # A memfd takes any size and faults pages in as they are touched; refuse what torch.zeros's
-        # allocation would (more than the memory and swap there are) now, not at a later step.
-        if num_bytes > (limit := _memory_bytes()):
-            raise MemoryError(
-                f"a KV cache of {num_bytes / 2**30:.1f} GiB does not fit in this machine's {limit / 2**30:.1f} GiB of memory and swap"
-            )
-        os.ftruncate(fd, num_bytes)  # a memfd grows zero-filled
-        return map_kv_cache(fd, shape, dtype)
-
-    return allocate
-
-
-def map_kv_cache(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The memfd `fd` (sized already) as a KV cache tensor, every page mapped now (MAP_POPULATE):
-    the first mapping allocates the cache's memory at start, as a GPU engine does, and the other
-    process's maps what is there. Faulted in page by page instead, a handoff's 46 MB (a
-    2,000-token prompt) cost the worker and its engine process tens of thousands of page faults on
-    the way to the reply's second token (270-290 ms after the first, against 65 with one process)."""
-    numel = math.prod(shape)
-    buffer = mmap.mmap(fd, numel * dtype.itemsize, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping
-
-
-def _memory_bytes() -> int:
-    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-    return sum(int(fields.get(name, "0 kB").split()[0]) * 1024 for name in ("MemTotal", "SwapTotal"))
+    def report_change(self, engine: Engine, outputs: list[RequestOutput], num_applied: int) -> None:
+        self.send(Change(outputs, engine.stats(), num_applied, engine.drain_kv_events(), engine.drain_queue_waits()))
 
 
 def serve(conn: Connection, kv_fd: int) -> None:
-    from tandem.worker.host import build_engine  # the worker's own builder, torch threads and all
-
-    spec, log_level = receive(conn)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    start = engine_wire.receive(conn)
+    if not isinstance(start, Start):
+        raise TypeError(f"the engine process's first message is a start, not a {start.kind.name.lower()}")
+    logging.basicConfig(level=start.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     worker = _Worker(conn)
-    engine = build_engine(spec, shared_kv_cache(kv_fd))
-    worker.send(("ready", engine.facts(), engine.stats()))
-    commands: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
-    threading.Thread(target=_read, args=(conn, engine, worker, commands), name="engine-commands", daemon=True).start()
+    engine = build_engine(start.spec, shared_kv_cache(kv_fd))
+    worker.send(Ready(engine.facts(), engine.stats()))
+    calls: queue.Queue[Call | None] = queue.Queue()
+    threading.Thread(target=_read, args=(conn, engine, worker, calls), name="engine-commands", daemon=True).start()
     num_applied = 0
     while True:
-        batch = [commands.get()] if not engine.has_work() else []  # block only with nothing to step
+        batch = [calls.get()] if not engine.has_work() else []  # block only with nothing to step
         while True:
             try:
-                batch.append(commands.get_nowait())
+                batch.append(calls.get_nowait())
             except queue.Empty:
                 break
         if None in batch:
             return
-        for command in batch:
-            assert command is not None
-            _, ticket, fn, wants_result = command
-            num_applied = ticket
+        for call in batch:
+            assert call is not None
+            num_applied = call.ticket
             try:
-                result, exc = fn(engine), None
+                result, exc = call.fn(engine), None
             except Exception as error:
                 result, exc = None, error
-                if not wants_result:
+                if not call.wants_result:
                     log.warning("engine call failed: %s", error)
-            if wants_result:  # what the engine recorded so far goes first
-                worker.send(("change", [], engine.stats(), num_applied, engine.drain_kv_events(), engine.drain_queue_waits()))
-                worker.answer(ticket, result, exc)
+            if call.wants_result:  # what the engine recorded so far goes first
+                worker.report_change(engine, [], num_applied)
+                worker.answer(call.ticket, result, exc)
         outputs = engine.step() if engine.has_work() else []
         if batch or outputs:
-            worker.send(("change", outputs, engine.stats(), num_applied, engine.drain_kv_events(), engine.drain_queue_waits()))
+            worker.report_change(engine, outputs, num_applied)
 
 
-def _read(conn: Connection, engine: Engine, worker: _Worker, commands: queue.Queue[tuple[Any, ...] | None]) -> None:
+def _read(conn: Connection, engine: Engine, worker: _Worker, calls: queue.Queue[Call | None]) -> None:
     """Until the socket closes; a message it cannot read ends the engine process too (its worker
     then fails, loudly, instead of waiting on a call nobody took)."""
     try:
         while True:
-            message = receive(conn)
-            if message[0] == "cut":  # beside the step in progress: the add before it is queued already
+            message = engine_wire.receive(conn)
+            if isinstance(message, Cut):  # beside the step in progress: the add before it is queued already
                 engine.cut_step()
-            elif message[0] == "check":
-                _, ticket, request, _ = message
+            elif isinstance(message, Check):
                 try:
-                    engine.check(request)
+                    engine.check(message.request)
                 except Exception as exc:  # PromptTooLong, EmptyPrompt, TokenIdOutOfRange; anything else goes back too
-                    worker.answer(ticket, None, exc)
+                    worker.answer(message.ticket, None, exc)
                 else:
-                    worker.answer(ticket, None, None)
+                    worker.answer(message.ticket, None, None)
+            elif isinstance(message, Call):
+                calls.put(message)
             else:
-                commands.put(message)
+                raise TypeError(f"a {message.kind.name.lower()} message after the engine started")
     except (EOFError, OSError):  # the worker closed the socket, or died
         pass
     except Exception:
         log.exception("the engine process cannot read its worker's message; it stops")
     finally:
-        commands.put(None)
+        calls.put(None)
 
 
 def main(argv: list[str]) -> None:
@@ -170,10 +128,10 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         log.exception("the engine process died")
         try:
-            send(conn, ("died", exc))
+            engine_wire.send(conn, Died(exc))
         except Exception:  # an exception that does not pickle: its words, then
             try:
-                send(conn, ("died", RuntimeError(f"{type(exc).__name__}: {exc}")))
+                engine_wire.send(conn, Died(RuntimeError(f"{type(exc).__name__}: {exc}")))
             except OSError:
                 pass
         raise SystemExit(1) from exc

@@ -7,11 +7,12 @@ process.
 The surface is EngineThread's: `call` and `post` run a function on the engine between two steps
 (in order, by ticket); each step's outputs, the fresh stats and what the engine recorded (its KV
 events, its queue waits) come back as one message to `on_change` and `on_outputs`; `check` answers
-at once, beside a step in progress. The functions and their arguments travel pickled, so they are
-module-level functions (functools.partial of them), not closures.
+at once, beside a step in progress. The messages are engine_wire's, on an EngineChannel; the
+functions and their arguments travel pickled, so they are module-level functions (engine_calls.py,
+functools.partial of them), not closures.
 
-The KV cache lives in a memfd that both processes map, so the worker reads and writes a handoff's
-blocks (`block_view`) without a copy through the socket. The engine process ignores SIGINT and
+The KV cache lives in a memfd that both processes map (shared_kv.py), so the worker reads and
+writes a handoff's blocks (`block_view`) without a copy through the socket. The engine process ignores SIGINT and
 SIGTERM (the worker drains on them, and the engine must serve the drain) and ends when its socket
 closes: at `stop`, or when the worker dies however it dies. Its death (a crash, kill -9, a failed
 load) is the worker's `on_death`, as the engine thread's is."""
@@ -21,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import socket
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -33,7 +32,10 @@ import torch
 
 from tandem.engine.block_pool import KvEvent
 from tandem.engine.engine import Engine, EngineFacts, EngineStats, QueueWait, Request, RequestOutput
-from tandem.worker.engine_core import map_kv_cache
+from tandem.worker.engine_channel import EngineChannel
+from tandem.worker.engine_spec import EngineSpec
+from tandem.worker.engine_wire import Call, Change, Check, Cut, Died, Ready, Result, Start, ToEngine, ToWorker
+from tandem.worker.shared_kv import create_kv_memfd, map_kv_cache
 from tandem.worker.thread import EngineDead, EngineDriver
 
 log = logging.getLogger(__name__)
@@ -42,117 +44,17 @@ T = TypeVar("T")
 OnChange = Callable[[EngineStats, list[KvEvent], list[QueueWait]], None]
 
 
-class _Channel:
-    """The worker's end of the socket to the engine process, on the event loop and never blocking
-    it: a message in is handed on once all its bytes have arrived, and a message out that the
-    socket cannot take yet waits in a buffer, in order, for the loop to say it can. The frames are
-    multiprocessing.Connection's (a 4-byte length, or -1 and an 8-byte one), which the engine
-    process reads and writes blocking. (Connection's own reads and writes here failed with
-    BlockingIOError mid-message, taken for the engine's death, once the event loop made the socket
-    non-blocking, as uvloop's add_reader does.)"""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        loop: asyncio.AbstractEventLoop,
-        on_message: Callable[[Any], None],
-        on_closed: Callable[[BaseException], None],
-    ) -> None:
-        sock.setblocking(False)
-        self._sock = sock
-        self._loop = loop
-        self._on_message = on_message
-        self._on_closed = on_closed
-        self._inbox = bytearray()
-        self._outbox = bytearray()
-        self.closed = False
-        loop.add_reader(sock.fileno(), self._on_readable)
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        """Pickled whole before a byte is buffered or written; raises OSError when the socket is
-        broken (the engine process is gone)."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        header = struct.pack("!i", len(data)) if len(data) <= 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
-        frame = header + data
-        if self._outbox:  # earlier messages wait: this one goes after them
-            self._outbox += frame
-            return
-        try:
-            sent = self._sock.send(frame)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(frame):
-            self._outbox += frame[sent:]
-            self._loop.add_writer(self._sock.fileno(), self._on_writable)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._loop.remove_reader(self._sock.fileno())
-            self._loop.remove_writer(self._sock.fileno())
-            self._sock.close()
-
-    def _on_writable(self) -> None:
-        try:
-            sent = self._sock.send(self._outbox)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self._fail(exc)
-            return
-        del self._outbox[:sent]
-        if not self._outbox:
-            self._loop.remove_writer(self._sock.fileno())
-
-    def _on_readable(self) -> None:
-        while not self.closed:
-            try:
-                chunk = self._sock.recv(1 << 16)  # under malloc's mmap threshold: a step's message is a few kB
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                self._fail(exc)
-                return
-            if not chunk:
-                self._fail(EOFError("the engine process closed its socket"))
-                return
-            self._inbox += chunk
-            for message in self._whole_messages():
-                self._on_message(message)
-
-    def _whole_messages(self) -> list[Any]:
-        messages, start, inbox = [], 0, self._inbox
-        while len(inbox) - start >= 4:
-            (size,) = struct.unpack_from("!i", inbox, start)
-            header = 4
-            if size == -1:
-                if len(inbox) - start < 12:
-                    break
-                (size,) = struct.unpack_from("!Q", inbox, start + 4)
-                header = 12
-            if len(inbox) - start < header + size:
-                break
-            messages.append(pickle.loads(inbox[start + header : start + header + size]))
-            start += header + size
-        del inbox[:start]
-        return messages
-
-    def _fail(self, exc: BaseException) -> None:
-        self.close()
-        self._on_closed(exc)
-
-
 class EngineProcess(EngineDriver):
     def __init__(
         self,
-        spec: object,
+        spec: EngineSpec,
         on_outputs: Callable[[list[RequestOutput]], None],
         loop: asyncio.AbstractEventLoop,
         on_change: OnChange = lambda stats, events, waits: None,
         on_death: Callable[[BaseException], None] = lambda exc: None,
         log_level: str = "INFO",
     ) -> None:
-        """`spec`: the EngineSpec the engine process builds its engine from (tandem.worker.host.build_engine)."""
+        """`spec`: what the engine process builds its engine from (engine_spec.build_engine)."""
         super().__init__()
         self._spec = spec
         self._on_outputs = on_outputs
@@ -164,7 +66,7 @@ class EngineProcess(EngineDriver):
         self._facts: EngineFacts | None = None
         self._kv_cache: torch.Tensor | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._channel: _Channel | None = None
+        self._channel: EngineChannel | None = None
         self._kv_fd: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
 
@@ -196,7 +98,7 @@ class EngineProcess(EngineDriver):
 
     def start(self) -> None:
         ours, theirs = socket.socketpair()
-        self._kv_fd = os.memfd_create("tandem-kv-cache")
+        self._kv_fd = create_kv_memfd()
         try:
             self._child = subprocess.Popen(
                 [sys.executable, "-m", "tandem.worker.engine_core", str(theirs.fileno()), str(self._kv_fd)],
@@ -204,33 +106,33 @@ class EngineProcess(EngineDriver):
             )
         finally:
             theirs.close()
-        self._channel = _Channel(ours, self._loop, self._handle, self._on_closed)
-        self._send((self._spec, self._log_level))
+        self._channel = EngineChannel(ours, self._loop, self._handle, self._on_closed)
+        self._send(Start(self._spec, self._log_level))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Runs fn(engine) in the engine process before its next step; returns or raises what fn does."""
         if self._death is not None:
             raise EngineDead("the engine process has died") from self._death
-        return await self._ask("call", fn)
+        return await self._ask(Call(self._next_ticket(), fn, wants_result=True))
 
     def post(self, fn: Callable[[Engine], object]) -> int:
         """Like `call`, without waiting (an abort, a release); returns its ticket."""
-        self._num_posted += 1
+        ticket = self._next_ticket()
         if self._death is None:
-            self._send(("call", self._num_posted, fn, False))
-        return self._num_posted
+            self._send(Call(ticket, fn, wants_result=False))
+        return ticket
 
     def cut_step(self) -> None:
         """Engine.cut_step in the engine process, beside the step in progress (after posting a
         paid request's add: the socket keeps their order)."""
         if self._death is None:
-            self._send(("cut",))
+            self._send(Cut())
 
     async def check(self, request: Request) -> None:
         """Engine.check in the engine process, answered beside the step in progress."""
         if self._death is not None:
             raise EngineDead("the engine process has died") from self._death
-        await self._ask("check", request)
+        await self._ask(Check(self._next_ticket(), request))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Closes the socket (the engine process ends after its step in progress) and waits for it."""
@@ -249,14 +151,18 @@ class EngineProcess(EngineDriver):
 
     # -- internals ------------------------------------------------------------------------------
 
-    async def _ask(self, kind: str, what: object) -> Any:
+    def _next_ticket(self) -> int:
         self._num_posted += 1
+        return self._num_posted
+
+    async def _ask(self, message: Call | Check) -> Any:
+        """Sends `message` and waits for the result with its ticket."""
         done = self._loop.create_future()
-        self._pending[self._num_posted] = done
-        self._send((kind, self._num_posted, what, True))
+        self._pending[message.ticket] = done
+        self._send(message)
         return await done
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: ToEngine) -> None:
         assert self._channel is not None
         try:
             self._channel.send(message)
@@ -267,29 +173,25 @@ class EngineProcess(EngineDriver):
         code = self._child.poll() if self._child is not None else None
         self._die(EngineDead(f"the engine process ended ({type(exc).__name__}, exit code {code})"))
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "change":
-            _, outputs, stats, num_applied, events, waits = message
-            self._snapshot = (stats, num_applied)
-            self._on_change(stats, events, waits)
-            if outputs:
-                self._on_outputs(outputs)
-        elif kind == "result":
-            _, ticket, result, exc = message
-            done = self._pending.pop(ticket, None)
+    def _handle(self, message: ToWorker) -> None:
+        if isinstance(message, Change):
+            self._snapshot = (message.stats, message.num_applied)
+            self._on_change(message.stats, message.kv_events, message.queue_waits)
+            if message.outputs:
+                self._on_outputs(message.outputs)
+        elif isinstance(message, Result):
+            done = self._pending.pop(message.ticket, None)
             if done is not None and not done.done():
-                if exc is None:
-                    done.set_result(result)
+                if message.exc is None:
+                    done.set_result(message.result)
                 else:
-                    done.set_exception(exc)
-        elif kind == "ready":
-            _, facts, stats = message
-            self._kv_cache = _map_kv_cache(self._kv_fd, facts)
-            self._facts = facts
-            self._snapshot = (stats, 0)
-        elif kind == "died":
-            self._die(message[1])
+                    done.set_exception(message.exc)
+        elif isinstance(message, Ready):
+            self._kv_cache = _map_kv_cache(self._kv_fd, message.facts)
+            self._facts = message.facts
+            self._snapshot = (message.stats, 0)
+        elif isinstance(message, Died):
+            self._die(message.exc)
 
     def _die(self, exc: BaseException) -> None:
         if self._death is not None:

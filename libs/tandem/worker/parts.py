@@ -24,8 +24,9 @@ from tandem.runtime import Runtime, RuntimeConfig, check_port_free, create_app
 from tandem.worker.admission import TtftTargets
 from tandem.worker.control import ControlServer, WorkerControl
 from tandem.worker.engine_metrics import EngineMetrics, HandoffMetrics
+from tandem.worker.engine_spec import EngineSpec
 from tandem.worker.heartbeat import WorkerHeartbeats
-from tandem.worker.host import EngineHost, EngineSpec
+from tandem.worker.host import EngineHost
 from tandem.worker.internal_grpc import check_internal_secret
 
 log = logging.getLogger(__name__)

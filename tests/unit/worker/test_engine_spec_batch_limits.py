@@ -13,7 +13,7 @@ from tandem.config import Settings, load_settings
 from tandem.engine.engine import EngineConfig
 from tandem.errors import StartupError
 from tandem.models.files import ModelFile
-from tandem.worker.host import EngineSpec
+from tandem.worker.engine_spec import EngineSpec
 
 MODEL = ModelFile(Path("model.gguf"), "model", "gguf")
 

@@ -1,0 +1,69 @@
+"""What a worker's engine is built from (EngineSpec) and the one place it is built (build_engine),
+on the engine's own thread or in the engine process. The engine process imports this module, so
+it imports nothing NATS-facing: the spec travels to that process pickled, and what unpickles it
+must not drag the worker's bus along."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import Settings
+from tandem.engine.engine import Engine, EngineConfig, KvCacheAllocator
+from tandem.kernels import select_attention
+from tandem.models.files import ModelFile
+from tandem.models.loader import load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker's engine is built from."""
+
+    model: ModelFile
+    device: str
+    dtype: torch.dtype
+    engine: EngineConfig
+    torch_threads: int = 0  # 0: torch's default (one per core of the machine)
+    engine_process: bool = False  # the engine steps in a process of its own (engine_process.py), else on a thread
+    log_level: str = "INFO"  # the engine process's
+
+    @classmethod
+    def from_settings(cls, settings: Settings, model: ModelFile, role: str = "decode") -> EngineSpec:
+        """Resolves the device now, so "cuda" without a GPU fails at start (StartupError). A prefill
+        worker's engine captures no CUDA graphs: they serve decode steps, which it leaves to others."""
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        engine = EngineConfig(
+            kv_cache_mib=settings.kv_cache_mib,
+            kv_cache_dtype=None if settings.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype, device),
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
+            enforce_eager=settings.enforce_eager or role == "prefill",
+        )
+        # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
+        torch_threads = settings.torch_threads or len(settings.cpus)
+        # An engine process shares its KV cache through a memfd: a CPU's cache, on Linux.
+        engine_process = settings.engine_process and device == "cpu" and hasattr(os, "memfd_create")
+        return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level)
+
+
+def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None) -> Engine:
+    """Where the engine steps (its thread, or its process): torch's thread count is set here."""
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
+    log.info(
+        "engine ready: %s, %s (quantization %s) on %s with %d torch threads",
+        spec.model.name,
+        spec.dtype,
+        spec.model.quantization,
+        spec.device,
+        torch.get_num_threads(),
+    )
+    return Engine(loaded, spec.engine, allocate_kv_cache)

@@ -1,0 +1,88 @@
+"""The engine's outputs on the bus: each step's outputs become TokenEvents on JetStream, numbered
+per reply from its stream (HeldReplies: contiguous sequence numbers, the assignment's owner epoch).
+A step's events go out together, replies side by side but each reply's in order (and the next
+step's after them); a reply stops being held once its final event (or its handoff's first token)
+is stored, and a prefill waiting for its handoff gets the output that carries it then.
+
+`run` ends only by raising (CannotPublish: the host fails) or by being cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.js import JetStreamContext
+
+from tandem.bus import Bus
+from tandem.engine.engine import RequestOutput
+from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.worker.replies import HeldReplies, ReplyStream
+from tandem.worker.token_publisher import BusProbe, open_token_stream, publish_event, server_answers
+from tandem.worker.wire import token_event
+
+
+class OutputPublisher:
+    def __init__(self, replies: HeldReplies, worker_id: str, model_name: str, token_stream_max_age_s: float) -> None:
+        self._replies = replies
+        self._worker_id = worker_id
+        self._model_name = model_name
+        self._token_stream_max_age_s = token_stream_max_age_s
+        self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
+        self._js: JetStreamContext | None = None  # once the token stream is there
+
+    @property
+    def is_open(self) -> bool:
+        """The token stream is there: events can be published."""
+        return self._js is not None
+
+    def put(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, on the loop, to publish after those put before."""
+        self._outbox.put_nowait(outputs)
+
+    def expect_handoff(self, request_id: str) -> asyncio.Future[RequestOutput]:
+        """Settled with the request's output that carries its handoff (or its last), once published."""
+        prefilled = asyncio.get_running_loop().create_future()
+        self._handoffs[request_id] = prefilled
+        return prefilled
+
+    def fail_handoffs(self, exc: BaseException) -> None:
+        """Every handoff still expected raises `exc`: no output will come for them."""
+        for prefilled in self._handoffs.values():
+            if not prefilled.done():
+                prefilled.set_exception(exc)
+        self._handoffs.clear()
+
+    async def publish(self, event: TokenEvent) -> None:
+        """An event the worker makes itself; raises CannotPublish."""
+        assert self._js is not None, "the token stream is not open yet"
+        await publish_event(self._js, event)
+
+    async def run(self, bus: Bus) -> None:
+        client = await bus.wait_connected()
+        js = self._js = await open_token_stream(client, self._token_stream_max_age_s)
+        while True:
+            outputs = await self._outbox.get()
+            by_reply: dict[str, list[TokenEvent]] = {}
+            ended: list[tuple[str, ReplyStream]] = []
+            for output in outputs:
+                stream = self._replies.stream_of(output.request_id)
+                if stream is None:
+                    continue
+                event = token_event(output, stream.next_seq, self._worker_id, stream.epoch, self._model_name)
+                by_reply.setdefault(output.request_id, []).append(event)
+                stream.next_seq += 1
+                if output.is_finished or output.handoff is not None:
+                    ended.append((output.request_id, stream))
+            bus_is_up = server_answers(client)
+            await asyncio.gather(*(_publish_in_order(js, events, bus_is_up) for events in by_reply.values()))
+            for reply_id, stream in ended:
+                self._replies.end_stream(reply_id, stream)
+            for output in outputs:
+                handoff = self._handoffs.pop(output.request_id, None) if output.is_finished or output.handoff is not None else None
+                if handoff is not None and not handoff.done():
+                    handoff.set_result(output)
+
+
+async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], bus_is_up: BusProbe) -> None:
+    for event in events:
+        await publish_event(js, event, bus_is_up=bus_is_up)
