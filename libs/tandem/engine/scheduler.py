@@ -21,11 +21,9 @@ Paid work goes first in every step: while a paid sequence waits, free and backgr
 compute nothing (the step is the paid admission's, plus paid decodes), and running decodes and
 prefills take the budget in lane order. (Leaving the paid decodes out of that step too made
 paid replies slower under paid load: every arrival stalled them all, so more ran at once, the
-KV filled with paid replies and new paid requests waited for blocks.) While paid work runs,
-`max_num_unpaid_tokens` caps the rows a step gives free and background sequences together, so a
-step stays short and a paid request arriving during one starts soon; paid rows are bounded only
-by the step budget. With no paid work running or waiting, the unpaid rows take the whole budget:
-idle capacity is theirs, and a paid arrival cuts their step short (the engine's cut_step).
+KV filled with paid replies and new paid requests waited for blocks.) While paid work runs, a
+cap on free and background rows keeps each step short; with no paid work, idle capacity is
+theirs (step_budget.py).
 
 Lanes decide who gives way. When a running sequence cannot get a block, the lowest-lane newest
 running sequence is preempted by recompute (background first, then free, newest first within a
@@ -41,12 +39,13 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from typing import Literal
 
 from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.lane_queue import LaneQueue
+from tandem.engine.scheduler_config import SchedulerConfig
+from tandem.engine.scheduler_stats import MAX_QUEUE_WAITS, QueueWait, SchedulerStats
 from tandem.engine.sequence import FinishReason, Lane, Sequence, SequenceStatus
+from tandem.engine.step_budget import StepBudget, max_chunk
 from tandem.engine.step_plan import ScheduledChunk, StepPlan, UpdateResult
 
 __all__ = [
@@ -68,70 +67,6 @@ class PromptTooLong(ValueError):
 
 class EmptyPrompt(ValueError):
     """A prompt with no tokens gives the model nothing to continue."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512  # tokens computed per step, decodes and prefill chunks together
-    max_num_seqs: int = 256  # running sequences at once
-    num_reserved_blocks: int = 4  # admissions leave this many blocks free for running sequences to grow
-    max_model_len: int | None = None  # context window in tokens; None = only the KV pool limits it
-    # Generated tokens a prefill chunk recomputes (a continuation's, a preempted sequence's) are
-    # computed as decodes, each attending over its whole context (tandem.engine.runner); at most
-    # this many per sequence per step, so a long replay does not stall the step's other sequences.
-    max_replayed_tokens_per_step: int = 32
-    # Background work is admitted only while this share of the usable blocks (above the reserve) is free.
-    background_min_free_fraction: float = 0.5
-    # Tokens a step computes for free and background sequences together (decodes and chunks)
-    # while paid work runs; None: only max_num_batched_tokens bounds them.
-    max_num_unpaid_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if (
-            self.max_num_batched_tokens < 1
-            or self.max_num_seqs < 1
-            or self.num_reserved_blocks < 0
-            or self.max_replayed_tokens_per_step < 1
-            or not 0.0 <= self.background_min_free_fraction <= 1.0
-            or (self.max_num_unpaid_tokens is not None and self.max_num_unpaid_tokens < 1)
-        ):
-            raise ValueError(f"invalid scheduler config: {self}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-
-
-@dataclass(frozen=True)
-class QueueWait:
-    """How long a sequence waited from its arrival until it was first admitted, or (`until`
-    "first_token") until its first token was sampled."""
-
-    lane: Lane
-    wait_s: float
-    until: Literal["admitted", "first_token"] = "admitted"
-
-
-# Queue waits kept until drained (a worker drains them after every step); older ones are dropped.
-MAX_QUEUE_WAITS = 4096
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: dict[Lane, int]
-    num_waiting: dict[Lane, int]
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_used_blocks: int
-    num_prefix_hit_tokens: int  # total since start, recomputes included
-    num_preemptions: int  # total since start
-    num_queued_prefill_tokens: int  # tokens still to prefill: waiting sequences' and running prefills'
-    num_waiting_prefill_tokens: dict[Lane, int]  # waiting sequences' tokens to compute, by lane
-    # running prefills' tokens still to compute, by lane: they go before any admission (unpaid
-    # ones compute nothing while paid work waits)
-    num_running_prefill_tokens: dict[Lane, int]
-    num_running_blocks: dict[Lane, int]  # KV blocks in running sequences' tables, by lane
-    has_idle_capacity: bool  # background work would be admitted now
-    num_blocks: int = 0  # the KV pool's blocks, reserved ones included
-    num_prefix_query_tokens: int = 0  # tokens looked up in the prefix cache since start (admissions, imports)
 
 
 class Scheduler:
@@ -225,19 +160,24 @@ class Scheduler:
         plan = StepPlan(aborted=aborted, finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         running = sorted(self._running, key=lambda s: s.lane)  # stable: oldest first within a lane
-        unpaid_cap = self._unpaid_cap(running)
+        budget = StepBudget.for_step(
+            self.config.max_num_batched_tokens,
+            self.config.max_num_unpaid_tokens,
+            is_paid_waiting=bool(self._waiting[Lane.PAID]),
+            is_paid_running=any(seq.lane is Lane.PAID for seq in running),
+        )
         decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
         prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            budget = self._budget_left(plan, seq.lane, unpaid_cap)
-            if budget == 0:
+            num_tokens_left = budget.left(plan, seq.lane)
+            if num_tokens_left == 0:
                 continue  # a paid sequence after it may still fit
-            num_new_tokens = self._make_room(seq, min(self._max_chunk(seq), budget), plan)
+            num_new_tokens = self._make_room(seq, min(max_chunk(seq, self.config.max_replayed_tokens_per_step), num_tokens_left), plan)
             if num_new_tokens:
-                self._add_chunk(plan, seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
-        self._admit(plan, unpaid_cap)
+                plan.add_chunk(seq, num_new_tokens, is_decode=seq.num_uncomputed_tokens == 1)
+        self._admit(plan, budget)
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], stopped_ids: Collection[str] = ()) -> UpdateResult:
@@ -321,7 +261,7 @@ class Scheduler:
         self.kv.allocate_slots(seq, num_tokens)
         return num_tokens
 
-    def _admit(self, plan: StepPlan, unpaid_cap: int | None) -> None:
+    def _admit(self, plan: StepPlan, budget: StepBudget) -> None:
         """Admissions by lane, round-robin by user within one, while blocks, seats and budget last.
         A waiting sequence without a seat or blocks takes them from lower-lane running ones; once
         it did, no lower lane is admitted this step (the preempted would come straight back). A
@@ -331,7 +271,7 @@ class Scheduler:
             if any(victim.lane <= lane for victim in plan.preempted):
                 return
             queue = self._waiting[lane]
-            while (seq := queue.peek()) is not None and self._budget_left(plan, lane, unpaid_cap) > 0:
+            while (seq := queue.peek()) is not None and budget.left(plan, lane) > 0:
                 if lane is Lane.BACKGROUND and not self._has_idle_capacity():
                     return  # checked before each: the previous admission took blocks
                 if not self._find_seat(seq, plan):
@@ -340,7 +280,7 @@ class Scheduler:
                 num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
                 while num_fitting < 1 and self._preempt_below(seq.lane, plan):
                     num_fitting = self.kv.max_new_tokens(seq, self.config.num_reserved_blocks)
-                num_new_tokens = min(self._max_chunk(seq), self._budget_left(plan, lane, unpaid_cap), num_fitting)
+                num_new_tokens = min(max_chunk(seq, self.config.max_replayed_tokens_per_step), budget.left(plan, lane), num_fitting)
                 if num_new_tokens < 1:
                     self.kv.free(seq)  # give the prefix back; it stays cached
                     return  # out of blocks: lower lanes must not overtake this one
@@ -352,7 +292,7 @@ class Scheduler:
                 plan.num_admitted[lane] = plan.num_admitted.get(lane, 0) + 1
                 bisect.insort(self._running, seq, key=lambda s: s.arrival_order)
                 self.kv.count_prefix_lookup(seq.num_tokens, num_hit_tokens)
-                self._add_chunk(plan, seq, num_new_tokens, is_decode=False)
+                plan.add_chunk(seq, num_new_tokens, is_decode=False)
             if any(victim.lane > lane for victim in plan.preempted):
                 return
 
@@ -378,54 +318,9 @@ class Scheduler:
         num_free_usable = self.kv.num_free_blocks - self.config.num_reserved_blocks
         return num_free_usable >= self.config.background_min_free_fraction * self._num_usable_blocks
 
-    def _unpaid_cap(self, running: list[Sequence]) -> int | None:
-        """The tokens this step may give free and background sequences together. While paid work
-        waits, none: the step is its. While paid work runs, max_num_unpaid_tokens, so its steps
-        stay short. With no paid work, no cap of their own: idle capacity is theirs, and a paid
-        arrival cuts their step short (EngineConfig.cut_unpaid_steps)."""
-        if self._waiting[Lane.PAID]:
-            return 0
-        if running and running[0].lane is Lane.PAID:
-            return self.config.max_num_unpaid_tokens
-        return None
-
-    def _budget_left(self, plan: StepPlan, lane: Lane, unpaid_cap: int | None) -> int:
-        """The tokens this step can still give a sequence of `lane`."""
-        budget = self.config.max_num_batched_tokens - plan.num_prefill_tokens - plan.num_decode_tokens
-        if lane is Lane.PAID or unpaid_cap is None:
-            return budget
-        return max(0, min(budget, unpaid_cap - plan.num_unpaid_tokens))
-
-    def _max_chunk(self, seq: Sequence) -> int:
-        """The sequence's uncomputed tokens, of them at most max_replayed_tokens_per_step generated ones."""
-        num_prompt_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
-        return min(seq.num_uncomputed_tokens, num_prompt_left + self.config.max_replayed_tokens_per_step)
-
-    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> None:
-        plan.scheduled.append(ScheduledChunk(seq, num_new_tokens))
-        if seq.lane is not Lane.PAID:
-            plan.num_unpaid_tokens += num_new_tokens
-        if is_decode:
-            plan.num_decode_tokens += num_new_tokens
-        else:
-            plan.num_prefill_tokens += num_new_tokens
-
-    def _withdraw(self, plan: StepPlan, seq: Sequence) -> None:
-        """Takes back the chunk `seq` got this step, if any (the blocks allocated for it stay its own)."""
-        for i, chunk in enumerate(plan.scheduled):
-            if chunk.seq is seq:
-                del plan.scheduled[i]
-                if seq.lane is not Lane.PAID:
-                    plan.num_unpaid_tokens -= chunk.num_new_tokens
-                if seq.num_uncomputed_tokens == 1:  # as _add_chunk counted it: a decode
-                    plan.num_decode_tokens -= chunk.num_new_tokens
-                else:
-                    plan.num_prefill_tokens -= chunk.num_new_tokens
-                return
-
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Back to the front of its lane, to be recomputed; a chunk it got this step is withdrawn."""
-        self._withdraw(plan, seq)
+        plan.withdraw(seq)
         self.kv.free(seq)
         seq.preempt()
         self._running.remove(seq)

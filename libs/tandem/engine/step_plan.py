@@ -55,6 +55,30 @@ class StepPlan:
     # off); the runner forgets them before it runs this plan, as vLLM v1's finished_req_ids.
     finished_seq_ids: list[str] = field(default_factory=list)
 
+    def add_chunk(self, seq: Sequence, num_new_tokens: int, *, is_decode: bool) -> None:
+        """Schedule `num_new_tokens` of `seq`, counted as decode or prefill tokens and, for a
+        free or background sequence, as unpaid ones."""
+        self.scheduled.append(ScheduledChunk(seq, num_new_tokens))
+        if seq.lane is not Lane.PAID:
+            self.num_unpaid_tokens += num_new_tokens
+        if is_decode:
+            self.num_decode_tokens += num_new_tokens
+        else:
+            self.num_prefill_tokens += num_new_tokens
+
+    def withdraw(self, seq: Sequence) -> None:
+        """Take back the chunk `seq` got in this plan, if any."""
+        for i, chunk in enumerate(self.scheduled):
+            if chunk.seq is seq:
+                del self.scheduled[i]
+                if seq.lane is not Lane.PAID:
+                    self.num_unpaid_tokens -= chunk.num_new_tokens
+                if seq.num_uncomputed_tokens == 1:  # as add_chunk counted it: a decode
+                    self.num_decode_tokens -= chunk.num_new_tokens
+                else:
+                    self.num_prefill_tokens -= chunk.num_new_tokens
+                return
+
     @property
     def num_replayed_tokens(self) -> int:
         """Generated tokens that prefill chunks recompute: the runner computes each as a decode
