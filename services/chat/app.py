@@ -12,18 +12,22 @@ from sse_starlette.sse import AppStatus
 
 from services.chat import completions_api, conversations_api, errors, messages_api, openai_api, quotas, tokenize_api, web
 from services.chat.body_limit import BodyLimit
+from services.chat.config import ChatConfig
 from services.chat.difficulty import open_judge
 from services.chat.fanout import open_fanout
 from services.chat.latency import StampArrival
 from services.chat.models_view import ModelsView
 from services.chat.moderation import load_input_check
-from services.chat.state import ChatConfig, ChatState
+from services.chat.prompt import LoadedTokenizer
+from services.chat.state import ChatState
 from services.chat.status_api import LadderView, status_router
 from services.chat.stream_slots import StreamSlots
-from services.chat.summaries import Summaries, SummaryConfig
+from services.chat.summaries import Summaries, SummaryConfig, SummaryWriter
+from services.chat.summary_reply import SummaryAsker
 from tandem.bus import subjects
 from tandem.config import Settings
 from tandem.models.loader import load_tokenizer
+from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.store import open_store, store_is_available
 
@@ -37,18 +41,25 @@ def build_app(settings: Settings) -> FastAPI:
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=True))
     assert runtime.redis is not None
     config = ChatConfig.from_settings(settings)
+    redis, store, tokenizer = runtime.redis, open_store(settings), LoadedTokenizer()
+    fanout = open_fanout(config, settings.redis_url, redis, runtime.config.instance_id)
+    summary_config = SummaryConfig.from_settings(settings)
+    asker = SummaryAsker(redis, runtime.bus, fanout, config.generate_timeout_s)
+    writer = SummaryWriter(summary_config, config, redis, store, tokenizer, asker)
     state = ChatState(
         config=config,
         instance_id=runtime.config.instance_id,
         api_keys=settings.api_keys,
-        store=open_store(settings),
-        redis=runtime.redis,
-        fanout=open_fanout(config, settings.redis_url, runtime.redis, runtime.config.instance_id),
+        store=store,
+        redis=redis,
+        fanout=fanout,
         stream_slots=StreamSlots(config.max_streams, config.stream_limits()),
         bus=runtime.bus,
         models=ModelsView(),
+        tokenizer=tokenizer,
+        quotas=TokenBuckets(redis, QuotaConfig.from_settings(settings)),
         difficulty=open_judge(settings.difficulty_classifier, settings.difficulty_timeout_s),  # for `auto`
-        summaries=Summaries(SummaryConfig.from_settings(settings)),
+        summaries=Summaries(summary_config, writer.write),
         # Loaded once in a process of its own, before the event loop runs (profanity-check's model
         # takes about a second); a bad TANDEM_INPUT_MODERATION is a StartupError, one line at start.
         input_check=load_input_check(settings.input_moderation, settings.moderation_threshold),
@@ -61,7 +72,7 @@ def build_app(settings: Settings) -> FastAPI:
         await client.subscribe(subjects.LADDER, cb=ladder.on_status)
 
     async def on_start() -> None:
-        state.tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+        state.tokenizer.load(await asyncio.to_thread(load_tokenizer, settings.model_path))
         await state.store.start()
 
     async def on_stop() -> None:
@@ -75,7 +86,7 @@ def build_app(settings: Settings) -> FastAPI:
         await state.fanout.close()
 
     async def tokenizer_loaded() -> bool:
-        return state.tokenizer is not None
+        return state.tokenizer.is_loaded
 
     async def store_answers() -> bool:
         return await store_is_available(state.store)
@@ -104,7 +115,7 @@ def build_app(settings: Settings) -> FastAPI:
     )
     app.state.chat = state
     errors.install(app)
-    quotas.install(app, state, settings)
+    quotas.install(app)
     app.add_middleware(StampArrival)  # a request's arrival, for the latency its client sees
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)  # added last: the outermost
     return app

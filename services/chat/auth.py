@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import Depends, Request
+from fastapi import Request
 
 from services.chat.errors import Unauthenticated
 from tandem.config import ApiKey
@@ -18,12 +16,3 @@ def caller(request: Request) -> ApiKey:
     if key is None:
         raise Unauthenticated("a valid API key is required: send Authorization: Bearer <key>")
     return key
-
-
-async def current_user(request: Request) -> ApiKey:
-    """The dependency: async, so FastAPI calls it on the event loop, not in its thread pool (a
-    thread hop per request costs a GIL handoff, milliseconds when the loop is busy streaming)."""
-    return caller(request)
-
-
-CurrentUser = Annotated[ApiKey, Depends(current_user)]

@@ -11,13 +11,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from services.chat.auth import CurrentUser
+from services.chat.deps import Answers, Arrived, Chat, CurrentUser, Router
 from services.chat.errors import InvalidRequest
-from services.chat.latency import Arrived, ReplyClock
+from services.chat.latency import ReplyClock
 from services.chat.moderation import refuse_openai_input, start_input_check
-from services.chat.openai_replies import TEXT, answer, served_model
+from services.chat.openai_replies import TEXT, served_model
 from services.chat.openai_schemas import GenerationBody
-from services.chat.state import ChatState, State
+from tandem.models.tokenizer import Tokenizer
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -42,27 +42,29 @@ class TextCompletionBody(GenerationBody):
 
 
 @router.post("/completions", response_model=None)
-async def completions(state: State, user: CurrentUser, arrived: Arrived, body: TextCompletionBody) -> JSONResponse | EventSourceResponse:
+async def completions(
+    state: Chat, router: Router, answers: Answers, user: CurrentUser, arrived: Arrived, body: TextCompletionBody
+) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     prompt = body.only_prompt()
     state.door.check_all(user.tier, state.models.models)  # before any work for a prompt that cannot start
+    tokenizer = state.tokenizer.get()
     if isinstance(prompt, str):
         checking = start_input_check(state.input_check, prompt)  # in its process, while tokenizing
-        prompt_ids = await _prompt_ids(state, prompt)
+        prompt_ids = await _prompt_ids(tokenizer, prompt)
     else:  # token ids: checked as the text they spell, once they are known to be in the vocabulary
-        prompt_ids = await _prompt_ids(state, prompt)
-        checking = start_input_check(state.input_check, state.require_tokenizer().decode(prompt_ids))
-    text = prompt if isinstance(prompt, str) else state.require_tokenizer().decode(prompt_ids)
-    model = await served_model(state, user, body.model, text)  # for `auto`, by how hard the prompt reads
+        prompt_ids = await _prompt_ids(tokenizer, prompt)
+        checking = start_input_check(state.input_check, tokenizer.decode(prompt_ids))
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+    model = await served_model(router, tokenizer, user, body.model, text)  # for `auto`, by how hard the prompt reads
     cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
     clock = ReplyClock(user.tier.value, model.name, arrived)
-    return await answer(state, user, body, model, prompt_ids, TEXT, "prompt", clock, cleared)
+    return await answers.answer(user, body, model, prompt_ids, TEXT, "prompt", clock, cleared)
 
 
-async def _prompt_ids(state: ChatState, prompt: str | list[int]) -> list[int]:
+async def _prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
     """A text prompt is encoded with the model's BOS, as vLLM does; token ids are checked against
     the vocabulary and sent as they are."""
-    tokenizer = state.require_tokenizer()
     if isinstance(prompt, str):
         return await asyncio.to_thread(tokenizer.encode, prompt, True)
     outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)

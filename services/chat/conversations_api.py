@@ -7,39 +7,37 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
+from redis.asyncio import Redis
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
-from services.chat.auth import CurrentUser
 from services.chat.context import active_branch, parent_seqs
+from services.chat.deps import Arrived, Chat, ChatTurns, CurrentUser, StreamAdmission, Streams
 from services.chat.errors import Conflict, InvalidRequest, NotFound
-from services.chat.latency import Arrived, ReplyClock
+from services.chat.latency import ReplyClock
 from services.chat.limits import INT64_LIMIT
 from services.chat.replies import cancel_reply, new_reply_id
 from services.chat.schemas import ConversationChangeBody, MessageBody, NewConversationBody, conversation_summary, message_view, summary_view
-from services.chat.state import State
-from services.chat.stream_slots import StreamAdmission
-from services.chat.streaming import logged_reply_response, reply_response
-from services.chat.streams import as_logged, finished_message_response
-from services.chat.turns import inflight_key, send_message
+from services.chat.streaming import ReplyStreams
+from services.chat.turns import inflight_key
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.config import ApiKey
-from tandem.store import Conversation, Role
+from tandem.store import Conversation, ConversationStore, Role
 from tandem.tokenlog import as_text, load_reply
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 MAX_PAGE_CONVERSATIONS = 200
 
 
-async def owned_conversation(state: State, user: ApiKey, conversation_id: str) -> Conversation:
-    conversation = await state.store.get_conversation(user.user_id, conversation_id)
+async def owned_conversation(store: ConversationStore, user: ApiKey, conversation_id: str) -> Conversation:
+    conversation = await store.get_conversation(user.user_id, conversation_id)
     if conversation is None:
         raise NotFound(f"conversation {conversation_id} not found", code="conversation_not_found")
     return conversation
 
 
 @router.post("", status_code=201)
-async def create_conversation(state: State, user: CurrentUser, body: NewConversationBody | None = None) -> dict[str, str]:
+async def create_conversation(state: Chat, user: CurrentUser, body: NewConversationBody | None = None) -> dict[str, str]:
     body = body or NewConversationBody()
     now = now_ms()
     conversation = Conversation(
@@ -51,7 +49,7 @@ async def create_conversation(state: State, user: CurrentUser, body: NewConversa
 
 @router.get("")
 async def list_conversations(
-    state: State,
+    state: Chat,
     user: CurrentUser,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_CONVERSATIONS)] = 50,
     before_ms: Annotated[int | None, Query(ge=0, lt=INT64_LIMIT)] = None,
@@ -61,17 +59,17 @@ async def list_conversations(
 
 
 @router.get("/{conversation_id}")
-async def get_conversation(state: State, user: CurrentUser, conversation_id: str) -> dict[str, object]:
+async def get_conversation(state: Chat, streams: Streams, user: CurrentUser, conversation_id: str) -> dict[str, object]:
     """`messages`: the active branch (root to the newest message), each with its parent_id;
     `tree`: every message (every regenerated answer and edited message), in seq order, for
     switching between branches."""
-    conversation = await owned_conversation(state, user, conversation_id)
+    conversation = await owned_conversation(state.store, user, conversation_id)
     messages = await state.store.list_messages(conversation_id)
     parents = parent_seqs(messages)
     id_of_seq = {m.seq: m.id for m in messages}
     views = {}
     for m in messages:
-        shown = await as_logged(state, m) if m.status == ReplyStatus.RUNNING else m
+        shown = await streams.as_logged(m) if m.status == ReplyStatus.RUNNING else m
         views[m.seq] = message_view(shown, id_of_seq.get(parents[m.seq]))
     branch = [views[m.seq] for m in active_branch(messages)]
     tree = [views[m.seq] for m in messages]
@@ -86,7 +84,7 @@ async def get_conversation(state: State, user: CurrentUser, conversation_id: str
 
 
 @router.patch("/{conversation_id}")
-async def change_conversation(state: State, user: CurrentUser, conversation_id: str, body: ConversationChangeBody) -> dict[str, object]:
+async def change_conversation(state: Chat, user: CurrentUser, conversation_id: str, body: ConversationChangeBody) -> dict[str, object]:
     changed = await state.store.update_conversation(user.user_id, conversation_id, title=body.title)
     if changed is None:
         raise NotFound(f"conversation {conversation_id} not found", code="conversation_not_found")
@@ -94,14 +92,14 @@ async def change_conversation(state: State, user: CurrentUser, conversation_id: 
 
 
 @router.delete("/{conversation_id}", status_code=204)
-async def delete_conversation(state: State, user: CurrentUser, conversation_id: str) -> Response:
+async def delete_conversation(state: Chat, user: CurrentUser, conversation_id: str) -> Response:
     """Stops its running reply (the relay's final write then finds nothing), then deletes it."""
-    await owned_conversation(state, user, conversation_id)
+    await owned_conversation(state.store, user, conversation_id)
     running = [m.id for m in await state.store.list_messages(conversation_id) if m.status == ReplyStatus.RUNNING]
     for reply_id in running:
         meta = await load_reply(state.redis, reply_id)
         if meta is not None and meta.is_running:
-            await cancel_reply(state, reply_id, "deleted")
+            await cancel_reply(state.bus, reply_id, "deleted")
     await state.redis.delete(inflight_key(conversation_id))
     if not await state.store.delete_conversation(user.user_id, conversation_id):
         raise NotFound(f"conversation {conversation_id} not found", code="conversation_not_found")
@@ -115,7 +113,9 @@ def idempotency_key(user: ApiKey, conversation_id: str, key: str) -> str:
 
 @router.post("/{conversation_id}/messages")
 async def post_message(
-    state: State,
+    state: Chat,
+    turns: ChatTurns,
+    streams: Streams,
     user: CurrentUser,
     slot: StreamAdmission,  # an open stream's slot, taken before the reply starts (503/429 past a limit)
     arrived: Arrived,
@@ -124,8 +124,8 @@ async def post_message(
     idempotency: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
     last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, lt=INT64_LIMIT)] = 0,
 ) -> EventSourceResponse:
-    conversation = await owned_conversation(state, user, conversation_id)
-    after_seq = await branch_point(state, conversation_id, body)
+    conversation = await owned_conversation(state.store, user, conversation_id)
+    after_seq = await branch_point(state.store, conversation_id, body)
     reply_id = new_reply_id()
     if idempotency:
         key = idempotency_key(user, conversation_id, idempotency)
@@ -133,29 +133,29 @@ async def post_message(
         if not is_first:
             metrics.IDEMPOTENT_REPEATS.inc()
             earlier = as_text(await state.redis.get(key) or b"")
-            return await attach_stream(state, earlier, last_event_id)
+            return await attach_stream(state.redis, state.store, streams, earlier, last_event_id)
         try:
             # The user turn's id comes from the key: a retry after a refusal never stores it twice.
             user_message_id = key.rsplit(":", 1)[-1]
-            started = await send_message(
-                state, user, conversation, body.content, body.model, reply_id, body.sampling(), user_message_id, after_seq
+            started = await turns.send_message(
+                user, conversation, body.content, body.model, reply_id, body.sampling(), user_message_id, after_seq
             )
         except BaseException:
             await state.redis.delete(key)  # nothing started: a retry may try again
             raise
     else:
-        started = await send_message(state, user, conversation, body.content, body.model, reply_id, body.sampling(), after_seq=after_seq)
+        started = await turns.send_message(user, conversation, body.content, body.model, reply_id, body.sampling(), after_seq=after_seq)
     clock = ReplyClock(user.tier.value, started.model, arrived)
     route = started.route.as_dict() if started.route is not None else None
-    return reply_response(state, started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock, route=route)
+    return streams.response(started.reply_id, started.model, num_dropped_turns=started.num_dropped_turns, clock=clock, route=route)
 
 
-async def branch_point(state: State, conversation_id: str, body: MessageBody) -> int | None:
+async def branch_point(store: ConversationStore, conversation_id: str, body: MessageBody) -> int | None:
     """The seq the new user turn follows: the answer `parent_id`, or the parent of the user
     message `edit_of` (0: the root); None when the body names neither (after the newest message)."""
     if body.parent_id is None and body.edit_of is None:
         return None
-    messages = await state.store.list_messages(conversation_id)
+    messages = await store.list_messages(conversation_id)
     by_id = {m.id: m for m in messages}
     if body.edit_of is not None:
         edited = by_id.get(body.edit_of)
@@ -168,12 +168,14 @@ async def branch_point(state: State, conversation_id: str, body: MessageBody) ->
     return parent.seq
 
 
-async def attach_stream(state: State, reply_id: str, last_event_id: int) -> EventSourceResponse:
+async def attach_stream(
+    redis: Redis, store: ConversationStore, streams: ReplyStreams, reply_id: str, last_event_id: int
+) -> EventSourceResponse:
     """The stream of a reply already started: from its log while kept, else from the store."""
-    meta = await load_reply(state.redis, reply_id)
+    meta = await load_reply(redis, reply_id)
     if meta is not None:
-        return logged_reply_response(state, meta, last_event_id)
-    message = await state.store.get_message(reply_id)
+        return streams.logged_response(meta, last_event_id)
+    message = await store.get_message(reply_id)
     if message is None:
         raise Conflict("this Idempotency-Key was used for a request that is still starting; retry shortly", code="idempotency_key_in_use")
-    return finished_message_response(state, message, last_event_id)
+    return streams.finished_response(message, last_event_id)

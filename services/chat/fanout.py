@@ -29,9 +29,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.chat import metrics
+from services.chat.config import ChatConfig
 from services.chat.direct_write import DirectWriter
 from services.chat.sse import Frames, encode_frames
-from services.chat.state import ChatConfig
 from tandem.bus.events import is_final, now_ms
 from tandem.tokenlog import LogTail, ReplyMeta, TailConfig, attach, detach
 from tandem.tokenlog.keys import READERS_TTL_S, ReplyKeys

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.chat import metrics
@@ -42,12 +41,9 @@ class StampArrival:
         await self.app(scope, receive, send)
 
 
-async def arrival_s(request: Request) -> float:
+def arrival_s(request: Request) -> float:
     """When the request arrived (now, for an app built without StampArrival)."""
     return float(request.scope.get("state", {}).get(_ARRIVED, time.perf_counter()))
-
-
-Arrived = Annotated[float, Depends(arrival_s)]
 
 
 class ReplyClock:

@@ -23,10 +23,10 @@ from enum import Enum
 from typing import NamedTuple
 
 from services.chat import metrics
-from services.chat.difficulty import NONE, Scored, fallback_is_small
+from services.chat.config import ChatConfig
+from services.chat.difficulty import NONE, DifficultyJudge, Scored, fallback_is_small
 from services.chat.errors import NotFound, Unavailable
-from services.chat.models_view import ServedModel, most_served
-from services.chat.state import ChatState
+from services.chat.models_view import ModelsView, ServedModel, most_served
 from tandem.config import ApiKey, Tier
 from tandem.runtime.request_id import current_request_id
 from tandem.store import Message, Role
@@ -85,31 +85,71 @@ def conversation_model(messages: Sequence[Message]) -> str:
     return next((m.model for m in reversed(messages) if m.role == Role.USER and m.model), "")
 
 
-async def route_model(
-    state: ChatState, user: ApiKey, requested: str, text: str, count_tokens: Callable[[str], int], on_model: str = ""
-) -> Route:
-    """The route for a message `text` from `user`, who asked for `requested`, in a conversation on
-    the model `on_model` ("" for a new one or none). `count_tokens` counts for the fallback rule.
-    Raises UnknownModel for a name nothing serves or configures, Unavailable when no model is served."""
-    served = await _served_soon(state)
-    config = state.config
-    small = config.small_model
-    large = config.large_model or _name(most_served(served.values(), excluding=small))
-    if requested not in AUTO and requested not in served and requested not in (large, small):
-        raise UnknownModel(f"model {requested!r} is not served; GET /v1/models lists those that are")
-    if requested not in AUTO and user.tier != Tier.FREE:
-        decided = _Decided(requested, Decision.PICKED, DecidedBy.USER)
-    elif on_model and (on_model in served or on_model in (large, small)):
-        decided = _Decided(on_model, Decision.CONVERSATION, DecidedBy.CONVERSATION)
-    elif not small or small == large:
-        decided = _Decided(large, Decision.LARGE, DecidedBy.SINGLE_MODEL)
-    else:
-        decided = await _by_difficulty(state, text, count_tokens, large, small)
-    model = _served_or_other(served, decided.name, large, small)
-    instead_of = decided.name if model.name != decided.name else ""
-    route = Route(model, decided.decision, decided.decided_by, decided.score, instead_of)
-    _record(route, user)
-    return route
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The two models' served ids (an empty large one: the most served; an empty small one: auto
+    is the large one), the classifier's threshold and the fallback rule's length."""
+
+    large_model: str = ""
+    small_model: str = ""
+    difficulty_threshold: float = 0.5
+    fallback_small_max_tokens: int = 200
+
+    @classmethod
+    def of(cls, config: ChatConfig) -> RoutingConfig:
+        return cls(config.large_model, config.small_model, config.difficulty_threshold, config.fallback_small_max_tokens)
+
+
+class ModelRouter:
+    """Decides the model of each message from the served `models`, by `difficulty` (None: the
+    fallback rule decides)."""
+
+    def __init__(self, config: RoutingConfig, models: ModelsView, difficulty: DifficultyJudge | None = None) -> None:
+        self._config = config
+        self._models = models
+        self._difficulty = difficulty
+
+    async def route(self, user: ApiKey, requested: str, text: str, count_tokens: Callable[[str], int], on_model: str = "") -> Route:
+        """The route for a message `text` from `user`, who asked for `requested`, in a conversation on
+        the model `on_model` ("" for a new one or none). `count_tokens` counts for the fallback rule.
+        Raises UnknownModel for a name nothing serves or configures, Unavailable when no model is served."""
+        served = await self._served_soon()
+        small = self._config.small_model
+        large = self._config.large_model or _name(most_served(served.values(), excluding=small))
+        if requested not in AUTO and requested not in served and requested not in (large, small):
+            raise UnknownModel(f"model {requested!r} is not served; GET /v1/models lists those that are")
+        if requested not in AUTO and user.tier != Tier.FREE:
+            decided = _Decided(requested, Decision.PICKED, DecidedBy.USER)
+        elif on_model and (on_model in served or on_model in (large, small)):
+            decided = _Decided(on_model, Decision.CONVERSATION, DecidedBy.CONVERSATION)
+        elif not small or small == large:
+            decided = _Decided(large, Decision.LARGE, DecidedBy.SINGLE_MODEL)
+        else:
+            decided = await self._by_difficulty(text, count_tokens, large, small)
+        model = _served_or_other(served, decided.name, large, small)
+        instead_of = decided.name if model.name != decided.name else ""
+        route = Route(model, decided.decision, decided.decided_by, decided.score, instead_of)
+        _record(route, user)
+        return route
+
+    async def _served_soon(self) -> dict[str, ServedModel]:
+        """The served models; right after a start, when none is known yet, after waiting for one."""
+        if not self._models.models():
+            await self._models.resolve_soon("auto", MODEL_WAIT_S)
+        return self._models.models()
+
+    async def _by_difficulty(self, text: str, count_tokens: Callable[[str], int], large: str, small: str) -> _Decided:
+        scored = await self._difficulty.score(text) if self._difficulty is not None else Scored(None, NONE)
+        if scored.score is not None:
+            metrics.DIFFICULTY_SCORES.observe(scored.score)
+            if scored.score >= self._config.difficulty_threshold:
+                return _Decided(large, Decision.LARGE, DecidedBy.CLASSIFIER, scored.score)
+            return _Decided(small, Decision.SMALL, DecidedBy.CLASSIFIER, scored.score)
+        metrics.DIFFICULTY_FALLBACKS.labels(reason=scored.why_not).inc()
+        num_tokens = await asyncio.to_thread(count_tokens, text)
+        if fallback_is_small(text, num_tokens, self._config.fallback_small_max_tokens):
+            return _Decided(small, Decision.SMALL, DecidedBy.FALLBACK)
+        return _Decided(large, Decision.LARGE, DecidedBy.FALLBACK)
 
 
 class _Decided(NamedTuple):
@@ -117,27 +157,6 @@ class _Decided(NamedTuple):
     decision: Decision
     decided_by: DecidedBy
     score: float | None = None
-
-
-async def _served_soon(state: ChatState) -> dict[str, ServedModel]:
-    """The served models; right after a start, when none is known yet, after waiting for one."""
-    if not state.models.models():
-        await state.models.resolve_soon("auto", MODEL_WAIT_S)
-    return state.models.models()
-
-
-async def _by_difficulty(state: ChatState, text: str, count_tokens: Callable[[str], int], large: str, small: str) -> _Decided:
-    scored = await state.difficulty.score(text) if state.difficulty is not None else Scored(None, NONE)
-    if scored.score is not None:
-        metrics.DIFFICULTY_SCORES.observe(scored.score)
-        if scored.score >= state.config.difficulty_threshold:
-            return _Decided(large, Decision.LARGE, DecidedBy.CLASSIFIER, scored.score)
-        return _Decided(small, Decision.SMALL, DecidedBy.CLASSIFIER, scored.score)
-    metrics.DIFFICULTY_FALLBACKS.labels(reason=scored.why_not).inc()
-    num_tokens = await asyncio.to_thread(count_tokens, text)
-    if fallback_is_small(text, num_tokens, state.config.fallback_small_max_tokens):
-        return _Decided(small, Decision.SMALL, DecidedBy.FALLBACK)
-    return _Decided(large, Decision.LARGE, DecidedBy.FALLBACK)
 
 
 def _served_or_other(served: dict[str, ServedModel], name: str, large: str, small: str) -> ServedModel:

@@ -11,25 +11,24 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from services.chat.auth import CurrentUser
+from services.chat.deps import Answers, Arrived, Chat, CurrentUser, Router
 from services.chat.errors import NotFound
-from services.chat.latency import Arrived, ReplyClock
+from services.chat.latency import ReplyClock
 from services.chat.models_view import ServedModel
 from services.chat.moderation import last_user_text, refuse_openai_input, start_input_check
-from services.chat.openai_replies import CHAT, answer, served_model
+from services.chat.openai_replies import CHAT, served_model
 from services.chat.openai_schemas import ChatCompletionBody
-from services.chat.state import State
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
 @router.get("/models")
-async def list_models(state: State, user: CurrentUser) -> dict[str, object]:
+async def list_models(state: Chat, user: CurrentUser) -> dict[str, object]:
     return {"object": "list", "data": [_model_object(m) for m in state.models.models().values()]}
 
 
 @router.get("/models/{model}")
-async def retrieve_model(state: State, user: CurrentUser, model: str) -> dict[str, object]:
+async def retrieve_model(state: Chat, user: CurrentUser, model: str) -> dict[str, object]:
     served = state.models.models().get(model)
     if served is None:
         raise NotFound(f"The model `{model}` does not exist or is not served.", code="model_not_found", param="model")
@@ -38,17 +37,18 @@ async def retrieve_model(state: State, user: CurrentUser, model: str) -> dict[st
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
-    state: State, user: CurrentUser, arrived: Arrived, body: ChatCompletionBody
+    state: Chat, router: Router, answers: Answers, user: CurrentUser, arrived: Arrived, body: ChatCompletionBody
 ) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     messages = [m.as_template_message() for m in body.messages]
     state.door.check_all(user.tier, state.models.models)  # before any work for a message that cannot start
     checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
-    model = await served_model(state, user, body.model, last_user_text(messages))
-    prompt_ids = await asyncio.to_thread(state.require_tokenizer().encode_chat, messages)
+    tokenizer = state.tokenizer.get()
+    model = await served_model(router, tokenizer, user, body.model, last_user_text(messages))
+    prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
     cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
     clock = ReplyClock(user.tier.value, model.name, arrived)
-    return await answer(state, user, body, model, prompt_ids, CHAT, "messages", clock, cleared)
+    return await answers.answer(user, body, model, prompt_ids, CHAT, "messages", clock, cleared)
 
 
 def _model_object(model: ServedModel) -> dict[str, object]:

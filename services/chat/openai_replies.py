@@ -14,18 +14,21 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse
 
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
+from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
-from services.chat.model_routing import UnknownModel, route_model
+from services.chat.model_routing import ModelRouter, UnknownModel
 from services.chat.models_view import ServedModel
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.prompt import PromptCounter
-from services.chat.replies import ReplyRequest, begin_reply, cancel_reply, new_reply_id
+from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.sse import StreamResponse, sse_response
-from services.chat.state import ChatState
+from services.chat.stream_slots import StreamSlots
 from services.chat.streaming import log_events
 from tandem import __version__
+from tandem.bus import Bus
 from tandem.bus.events import is_final
 from tandem.config import ApiKey
+from tandem.models.tokenizer import Tokenizer
 from tandem.runtime.request_id import error_body
 from tandem.tokenlog import ReplyGone
 from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR, Usage
@@ -60,118 +63,145 @@ CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_ch
 TEXT = ReplyShape("cmpl-", "text_completion", "text_completion", is_chat=False)
 
 
-async def served_model(state: ChatState, user: ApiKey, requested: str, text: str) -> ServedModel:
+async def served_model(router: ModelRouter, tokenizer: Tokenizer, user: ApiKey, requested: str, text: str) -> ServedModel:
     """The model that answers `text` (the request's last user message, or its prompt), as for the
     product API (services.chat.model_routing) but with no conversation to stay on."""
     try:
-        route = await route_model(state, user, requested, text, PromptCounter(state.require_tokenizer()).count)
+        route = await router.route(user, requested, text, PromptCounter(tokenizer).count)
     except UnknownModel:
         raise NotFound(f"The model `{requested}` does not exist or is not served.", code="model_not_found", param="model") from None
     return route.model
 
 
-async def answer(
-    state: ChatState,
-    user: ApiKey,
-    body: GenerationBody,
-    model: ServedModel,
-    prompt_ids: list[int],
-    shape: ReplyShape,
-    prompt_param: str,
-    clock: ReplyClock,
-    cleared: Callable[[], Awaitable[None]] | None = None,
-) -> JSONResponse | StreamResponse:
-    """Starts the reply to `prompt_ids` and answers it as `body.stream` asks, measured by `clock`; a
-    stream takes one of the instance's and the user's stream slots (services.chat.stream_slots)
-    until it ends. `cleared` (the input check's verdict) is awaited before the reply's request is
-    sent (services.chat.replies.ReplyRequest.cleared)."""
-    room = model.window_tokens - len(prompt_ids)
-    if room < 1:
-        raise InvalidRequest(
-            f"This model's maximum context length is {model.window_tokens} tokens; the {prompt_param} have {len(prompt_ids)}.",
-            code="context_length_exceeded",
-            param=prompt_param,
-        )
-    sampling = body.sampling(state.config.max_answer_tokens, room)
-    reply_id = f"{shape.id_prefix}{new_reply_id()}"
-    head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
-    if not body.stream:
-        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared))
+class OpenAIAnswers:
+    """Starts the OpenAI endpoints' replies (`starter`) and answers them, whole or streamed (taking
+    a stream slot of `stream_slots`), read through `fanout`; a reply whose client goes away is
+    cancelled over `bus`."""
+
+    def __init__(
+        self, starter: ReplyStarter, stream_slots: StreamSlots, fanout: FanoutHub, bus: Bus, *, max_answer_tokens: int, keepalive_s: float
+    ) -> None:
+        self._starter = starter
+        self._stream_slots = stream_slots
+        self._fanout = fanout
+        self._bus = bus
+        self._max_answer_tokens = max_answer_tokens
+        self._keepalive_s = keepalive_s
+
+    async def answer(
+        self,
+        user: ApiKey,
+        body: GenerationBody,
+        model: ServedModel,
+        prompt_ids: list[int],
+        shape: ReplyShape,
+        prompt_param: str,
+        clock: ReplyClock,
+        cleared: Callable[[], Awaitable[None]] | None = None,
+    ) -> JSONResponse | StreamResponse:
+        """Starts the reply to `prompt_ids` and answers it as `body.stream` asks, measured by `clock`; a
+        stream takes one of the instance's and the user's stream slots (services.chat.stream_slots)
+        until it ends. `cleared` (the input check's verdict) is awaited before the reply's request is
+        sent (services.chat.replies.ReplyRequest.cleared)."""
+        room = model.window_tokens - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {model.window_tokens} tokens; the {prompt_param} have {len(prompt_ids)}.",
+                code="context_length_exceeded",
+                param=prompt_param,
+            )
+        sampling = body.sampling(self._max_answer_tokens, room)
+        reply_id = f"{shape.id_prefix}{new_reply_id()}"
+        head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
+        reply = ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared)
+        if not body.stream:
+            head["model"] = await self._starter.start_reply(reply)
+            try:
+                return await self._whole(reply_id, head, shape, clock)
+            finally:
+                clock.close()
+        slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
         try:
-            return await _whole(state, reply_id, head, shape, clock)
-        finally:
-            clock.close()
-    slot = state.stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
-    try:
-        head["model"] = await begin_reply(state, ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared))
-    except BaseException:
-        slot.release()
-        raise
-    response = sse_response(state, reply_chunks(state, reply_id, head, shape, body.wants_usage_chunk, clock))
-    response.on_close(slot.release)
-    response.on_close(clock.close)
-    return response
+            head["model"] = await self._starter.start_reply(reply)
+        except BaseException:
+            slot.release()
+            raise
+        response = sse_response(self.reply_chunks(reply_id, head, shape, body.wants_usage_chunk, clock), self._keepalive_s)
+        response.on_close(slot.release)
+        response.on_close(clock.close)
+        return response
 
-
-async def _whole(state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock) -> JSONResponse:
-    parts: list[str] = []
-    last = TokenEvent()
-    async with _cancel_unless_finished(state, reply_id) as finished:
-        try:
-            async for event in log_events(state, reply_id):
-                parts.append(event.text)
-                last = event
-        except ReplyGone:
-            clock.close("expired")
-            raise Unavailable(REPLY_LOST, code="reply_expired") from None
-        finished.append(True)
-    clock.final(last)  # the whole answer goes out now
-    if last.finish == FINISH_REASON_ERROR:
-        raise Unavailable(last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s)
-    # A reply the output check withdrew (finish content_filter) answers with none of its text.
-    text = "" if last.finish == FINISH_REASON_CONTENT_FILTER else "".join(parts)
-    choice = shape.choice(text, openai_finish_reason(last.finish))
-    return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
-
-
-async def reply_chunks(
-    state: ChatState, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool, clock: ReplyClock
-) -> AsyncIterator[dict[str, str]]:
-    """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
-    or whose log vanishes before its end, gives an `error` chunk instead of the rest."""
-
-    def data(body: dict[str, object]) -> dict[str, str]:
-        return {"data": json.dumps(body, ensure_ascii=False)}
-
-    def chunk(choices: list[dict[str, object]], **extra: object) -> dict[str, str]:
-        return data({**head, "object": shape.chunk_object, "choices": choices, **extra})
-
-    def error(message: str, code: str) -> dict[str, str]:
-        return data(error_body(code, message))
-
-    if shape.is_chat:  # OpenAI's first chat chunk names the role
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-    async with _cancel_unless_finished(state, reply_id) as finished:
-        try:
-            async for event in log_events(state, reply_id):
-                if event.finish == FINISH_REASON_ERROR:
-                    yield error(event.error.message, event.error.code)
-                    clock.final(event)
-                    break
-                if event.text:
-                    yield chunk([shape.chunk_choice(event.text, None)])
-                    clock.content()
-                if is_final(event):
-                    yield chunk([shape.chunk_choice("", openai_finish_reason(event.finish))])
-                    clock.final(event)
-                    if include_usage:
-                        yield chunk([], usage=_usage(event.usage))
-        except ReplyGone:
-            clock.close("expired")
-            yield error(REPLY_LOST, "reply_expired")
-        else:
+    async def _whole(self, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock) -> JSONResponse:
+        parts: list[str] = []
+        last = TokenEvent()
+        async with self._cancel_unless_finished(reply_id) as finished:
+            try:
+                async for event in log_events(self._fanout, reply_id):
+                    parts.append(event.text)
+                    last = event
+            except ReplyGone:
+                clock.close("expired")
+                raise Unavailable(REPLY_LOST, code="reply_expired") from None
             finished.append(True)
-    yield {"data": "[DONE]"}
+        clock.final(last)  # the whole answer goes out now
+        if last.finish == FINISH_REASON_ERROR:
+            raise Unavailable(
+                last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s
+            )
+        # A reply the output check withdrew (finish content_filter) answers with none of its text.
+        text = "" if last.finish == FINISH_REASON_CONTENT_FILTER else "".join(parts)
+        choice = shape.choice(text, openai_finish_reason(last.finish))
+        return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
+
+    async def reply_chunks(
+        self, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool, clock: ReplyClock
+    ) -> AsyncIterator[dict[str, str]]:
+        """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
+        or whose log vanishes before its end, gives an `error` chunk instead of the rest."""
+
+        def data(body: dict[str, object]) -> dict[str, str]:
+            return {"data": json.dumps(body, ensure_ascii=False)}
+
+        def chunk(choices: list[dict[str, object]], **extra: object) -> dict[str, str]:
+            return data({**head, "object": shape.chunk_object, "choices": choices, **extra})
+
+        def error(message: str, code: str) -> dict[str, str]:
+            return data(error_body(code, message))
+
+        if shape.is_chat:  # OpenAI's first chat chunk names the role
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        async with self._cancel_unless_finished(reply_id) as finished:
+            try:
+                async for event in log_events(self._fanout, reply_id):
+                    if event.finish == FINISH_REASON_ERROR:
+                        yield error(event.error.message, event.error.code)
+                        clock.final(event)
+                        break
+                    if event.text:
+                        yield chunk([shape.chunk_choice(event.text, None)])
+                        clock.content()
+                    if is_final(event):
+                        yield chunk([shape.chunk_choice("", openai_finish_reason(event.finish))])
+                        clock.final(event)
+                        if include_usage:
+                            yield chunk([], usage=_usage(event.usage))
+            except ReplyGone:
+                clock.close("expired")
+                yield error(REPLY_LOST, "reply_expired")
+            else:
+                finished.append(True)
+        yield {"data": "[DONE]"}
+
+    @contextlib.asynccontextmanager
+    async def _cancel_unless_finished(self, reply_id: str) -> AsyncIterator[list[bool]]:
+        """An OpenAI client that goes away cannot resume: its reply is cancelled at once."""
+        finished: list[bool] = []
+        try:
+            yield finished
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await cancel_reply(self._bus, reply_id, "client_gone")
 
 
 def _usage(usage: Usage) -> dict[str, object]:
@@ -181,15 +211,3 @@ def _usage(usage: Usage) -> dict[str, object]:
         "total_tokens": usage.input_tokens + usage.output_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-@contextlib.asynccontextmanager
-async def _cancel_unless_finished(state: ChatState, reply_id: str) -> AsyncIterator[list[bool]]:
-    """An OpenAI client that goes away cannot resume: its reply is cancelled at once."""
-    finished: list[bool] = []
-    try:
-        yield finished
-    finally:
-        if not finished:
-            with contextlib.suppress(Exception):
-                await cancel_reply(state, reply_id, "client_gone")

@@ -5,10 +5,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.chat.context import Turn
+from services.chat.errors import Unavailable
 from tandem.models.tokenizer import Tokenizer
 
 _PROBE_SYSTEM = "s"
 _PROBE_TEXT = "a"
+
+
+class LoadedTokenizer:
+    """The model's tokenizer, loaded once the process has started (it takes a while, and the
+    server answers meanwhile): made empty at build time and handed to every part that encodes."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._tokenizer is not None
+
+    def load(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def get(self) -> Tokenizer:
+        """The tokenizer; a request that needs it before it has loaded is told to retry."""
+        if self._tokenizer is None:
+            raise Unavailable("the service is still starting (loading the tokenizer); try again shortly", code="starting")
+        return self._tokenizer
 
 
 class PromptCounter:

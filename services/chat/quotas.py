@@ -19,33 +19,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.chat import metrics
 from services.chat.auth import caller
 from services.chat.errors import InvalidRequest, RateLimited, Unauthenticated
-from services.chat.state import ChatState
-from tandem.config import ApiKey, Settings
-from tandem.quota import ExceedsCapacity, QuotaConfig, TokenBuckets, worst_case_units
+from tandem.config import ApiKey
+from tandem.quota import ExceedsCapacity, TokenBuckets, worst_case_units
 
 log = logging.getLogger(__name__)
 
 
-def install(app: FastAPI, state: ChatState, settings: Settings) -> None:
-    """Gives the chat its buckets and adds the rate-limit headers to every authenticated answer."""
-    state.quotas = TokenBuckets(state.redis, QuotaConfig.from_settings(settings))
+def install(app: FastAPI) -> None:
+    """Adds the rate-limit headers to every authenticated answer (the chat's state holds the buckets)."""
     app.add_middleware(QuotaHeaders)
 
 
-def buckets_of(state: ChatState) -> TokenBuckets | None:
-    """The chat's buckets; None for a state built without them (no quotas apply)."""
-    return state.quotas
-
-
 @contextlib.asynccontextmanager
-async def reserved(state: ChatState, user: ApiKey, reply_id: str, num_prompt_tokens: int, max_tokens: int) -> AsyncIterator[None]:
+async def reserved(buckets: TokenBuckets, user: ApiKey, reply_id: str, num_prompt_tokens: int, max_tokens: int) -> AsyncIterator[None]:
     """Reserves the reply's worst case for the block, and gives it all back if the block raises
-    (the reply never started). Reserving a reply id again takes nothing more, so nested blocks
-    (a turn reserves before storing anything; begin_reply reserves every reply) cost it once."""
-    buckets = buckets_of(state)
-    if buckets is None:
-        yield
-        return
+    (the reply never started): one reservation, one Redis round trip, per reply."""
     worst_case = worst_case_units(num_prompt_tokens, max_tokens)
     try:
         admission = await buckets.reserve(user.user_id, user.tier, worst_case, reply_id, num_prompt_tokens)
@@ -112,7 +100,7 @@ class QuotaHeaders:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        buckets = buckets_of(request.app.state.chat)
+        buckets: TokenBuckets | None = request.app.state.chat.quotas  # None: no quotas apply
         try:
             user = caller(request)
         except Unauthenticated:

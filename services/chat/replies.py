@@ -5,22 +5,26 @@ read back from the log (services.chat.streaming) by whichever chat instance the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
+from redis.asyncio import Redis
 
 from services.chat import metrics, quotas
+from services.chat.door import Door
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.model_routing import Route
-from services.chat.state import ChatState
-from tandem.bus import encode, subjects, validate
+from tandem.bus import Bus, encode, subjects, validate
 from tandem.config import ApiKey, Tier
+from tandem.quota import TokenBuckets
 from tandem.runtime.request_id import current_request_id
 from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, create_reply, set_answered
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
@@ -67,130 +71,156 @@ class ReplyRequest:
     cleared: Callable[[], Awaitable[None]] | None = None
 
 
-def reserve_quota(state: ChatState, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
-    """The reply's worst case reserved in its user's quota for a block, given back if the block
-    raises (see quotas.reserved): a caller that stores something first reserves around it."""
-    return quotas.reserved(state, reply.user, reply.reply_id, len(reply.prompt_ids), reply.sampling.max_tokens)
+class StoredTurn(Protocol):
+    """The stored turn a product reply fills (an OpenAI reply has none)."""
+
+    async def store(self) -> None:
+        """Writes the turn: after the reply's quota is reserved, before the reply is recorded or asked for."""
+
+    async def refuse(self, error: ChatError) -> None:
+        """The reply will never run (the router refused it, or none answered): the turn is settled."""
 
 
-async def begin_reply(state: ChatState, reply: ReplyRequest) -> str:
-    """Reserves the reply's worst case in the user's quota, records the reply and asks a router for
-    it; returns the model the router admitted it for (another pool's when the asked one is down or
-    full: services.router.pools). Raises a ChatError (RateLimited when the quota cannot afford it
-    yet; the router's reason as its code when the router refuses it or none answers), and then
-    nothing of it is kept and its reservation is given back."""
-    state.door.check(reply.model, reply.user.tier)
-    async with reserve_quota(state, reply):
-        return await _begin(state, reply)
+class ReplyStarter:
+    """The one way a reply starts, for the product and the OpenAI endpoints alike: the overload
+    door, the quota reservation and the router's request, each once, in that order."""
 
+    def __init__(self, redis: Redis, bus: Bus, door: Door, quotas: TokenBuckets | None, generate_timeout_s: float) -> None:
+        self._redis = redis
+        self._bus = bus
+        self._door = door
+        self._quotas = quotas  # None: no quotas apply
+        self._generate_timeout_s = generate_timeout_s
 
-async def _begin(state: ChatState, reply: ReplyRequest) -> str:
-    request = GenerateRequest(
-        request_id=reply.reply_id,
-        reply_id=reply.reply_id,
-        model=reply.model,
-        user_id=reply.user.user_id,
-        tenant=reply.user.user_id,
-        conversation_id=reply.conversation_id,
-        lane=LANE_FREE if reply.user.tier == Tier.FREE else LANE_PAID,
-        prompt_token_ids=reply.prompt_ids,
-        public_prefix_tokens=reply.public_prefix_tokens,
-        sampling=reply.sampling,
-    )
-    meta = ReplyMeta(
-        reply_id=reply.reply_id,
-        user_id=reply.user.user_id,
-        conversation_id=reply.conversation_id,
-        message_id=reply.message_id,
-        model=reply.model,
-        request=request.SerializeToString(),
-        num_dropped_turns=reply.num_dropped_turns,
-    )
-    await create_reply(state.redis, meta, track_readers=True)
-    if reply.cleared is not None:
-        try:
-            await reply.cleared()
-        except BaseException:
-            await forget_reply(state, reply.reply_id)
-            raise
-    outcome = await _ask_router(state, request)
-    if outcome.WhichOneof("outcome") == "refused":
-        await forget_reply(state, reply.reply_id)
-        refusal = outcome.refused
-        metrics.REPLIES_REFUSED.labels(code=refusal.reason).inc()
-        state.door.refused(reply.model, reply.user.tier, refusal.reason, refusal.retry_after_s, refusal.message)
-        kind = REFUSALS.get(refusal.reason, Unavailable)
-        raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
-    metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
-    model = outcome.model or reply.model
-    route = reply.route.answered_by(model) if reply.route is not None else None
-    if model != reply.model or route is not None:  # a stream attached later says what the first one said
-        await set_answered(state.redis, reply.reply_id, model, json.dumps(route.as_dict()) if route is not None else "")
-    return model
-
-
-async def _ask_router(state: ChatState, request: GenerateRequest) -> GenerateReply:
-    """The router's answer; raises Unavailable (503 with Retry-After) when none came. A request
-    that may have reached a router (it timed out, or the connection failed meanwhile) is
-    cancelled too, so no generation runs that nobody tracks."""
-    timeout_s = state.config.generate_timeout_s
-    if not state.bus.is_connected:  # reconnecting: nothing is sent, so nothing to cancel
-        await forget_reply(state, request.reply_id)
-        raise Unavailable("the message bus is reconnecting; try again shortly", code="bus_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S)
-    try:
-        answer = await _request_a_router(state, encode(request), timeout_s)
-        return validate.generate_reply(answer.data)
-    except nats.errors.NoRespondersError:
-        message = f"no router is running (none came within {timeout_s:g} s); try again shortly"
-        error = Unavailable(message, code="no_router", retry_after_s=ROUTER_RETRY_AFTER_S)
-    except nats.errors.TimeoutError:
-        message = f"no router answered within {timeout_s:g} s; try again shortly"
-        error = Unavailable(message, code="router_timeout", retry_after_s=ROUTER_RETRY_AFTER_S)
-        await _cancel_untracked(state, request.reply_id)
-    except (nats.errors.Error, validate.Invalid) as exc:  # what went wrong is the log's, not the client's
-        why = f"{type(exc).__name__}: {exc}"
-        log.warning("request %s: reply %s: the router could not be asked: %s", current_request_id(), request.reply_id, why)
-        if isinstance(exc, validate.Invalid):
-            validate.drop("generate_reply", subjects.GENERATE, exc)
-        error = Unavailable(
-            "the router could not be asked; try again shortly", code="router_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S
-        )
-        await _cancel_untracked(state, request.reply_id)
-    await forget_reply(state, request.reply_id)
-    metrics.REPLIES_REFUSED.labels(code=error.code).inc()
-    raise error
-
-
-async def _request_a_router(state: ChatState, data: bytes, timeout_s: float) -> Msg:
-    """The generate request's answer within `timeout_s`. While no router is subscribed (the only
-    one is restarting: a rolling upgrade) the request reached none, so it is sent again, after
-    a short backoff, until `timeout_s` is spent; then NoRespondersError."""
-    loop = asyncio.get_running_loop()
-    deadline_s = loop.time() + timeout_s
-    delay_s = NO_ROUTER_FIRST_RETRY_S
-    while True:
-        try:
-            return await state.bus.client.request(subjects.GENERATE, data, timeout=max(0.01, deadline_s - loop.time()))
-        except nats.errors.NoRespondersError:
-            if loop.time() + delay_s >= deadline_s:
+    async def start_reply(self, reply: ReplyRequest, turn: StoredTurn | None = None) -> str:
+        """Refuses it at the door while its model's free lane is closed; reserves its worst case in
+        the user's quota; stores `turn`; records the reply and asks a router for it. Returns the
+        model the router admitted it for (another pool's when the asked one is down or full:
+        services.router.pools). Raises a ChatError (RateLimited when the quota cannot afford it
+        yet; the router's reason as its code when the router refuses it or none answers), and then
+        nothing of the reply is kept, its reservation is given back and `turn`, if stored, refused."""
+        self._door.check(reply.model, reply.user.tier)
+        async with self._reserved(reply):
+            if turn is None:
+                return await self._begin(reply)
+            await turn.store()
+            try:
+                return await self._begin(reply)
+            except ChatError as exc:
+                await turn.refuse(exc)
                 raise
-        metrics.GENERATE_RESENT.inc()
-        await asyncio.sleep(delay_s)
-        delay_s = min(2 * delay_s, NO_ROUTER_MAX_RETRY_S)
+
+    def _reserved(self, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
+        if self._quotas is None:
+            return contextlib.nullcontext()
+        return quotas.reserved(self._quotas, reply.user, reply.reply_id, len(reply.prompt_ids), reply.sampling.max_tokens)
+
+    async def _begin(self, reply: ReplyRequest) -> str:
+        request = GenerateRequest(
+            request_id=reply.reply_id,
+            reply_id=reply.reply_id,
+            model=reply.model,
+            user_id=reply.user.user_id,
+            tenant=reply.user.user_id,
+            conversation_id=reply.conversation_id,
+            lane=LANE_FREE if reply.user.tier == Tier.FREE else LANE_PAID,
+            prompt_token_ids=reply.prompt_ids,
+            public_prefix_tokens=reply.public_prefix_tokens,
+            sampling=reply.sampling,
+        )
+        meta = ReplyMeta(
+            reply_id=reply.reply_id,
+            user_id=reply.user.user_id,
+            conversation_id=reply.conversation_id,
+            message_id=reply.message_id,
+            model=reply.model,
+            request=request.SerializeToString(),
+            num_dropped_turns=reply.num_dropped_turns,
+        )
+        await create_reply(self._redis, meta, track_readers=True)
+        if reply.cleared is not None:
+            try:
+                await reply.cleared()
+            except BaseException:
+                await forget_reply(self._redis, reply.reply_id)
+                raise
+        outcome = await self._ask_router(request)
+        if outcome.WhichOneof("outcome") == "refused":
+            await forget_reply(self._redis, reply.reply_id)
+            refusal = outcome.refused
+            metrics.REPLIES_REFUSED.labels(code=refusal.reason).inc()
+            self._door.refused(reply.model, reply.user.tier, refusal.reason, refusal.retry_after_s, refusal.message)
+            kind = REFUSALS.get(refusal.reason, Unavailable)
+            raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
+        metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
+        model = outcome.model or reply.model
+        route = reply.route.answered_by(model) if reply.route is not None else None
+        if model != reply.model or route is not None:  # a stream attached later says what the first one said
+            await set_answered(self._redis, reply.reply_id, model, json.dumps(route.as_dict()) if route is not None else "")
+        return model
+
+    async def _ask_router(self, request: GenerateRequest) -> GenerateReply:
+        """The router's answer; raises Unavailable (503 with Retry-After) when none came. A request
+        that may have reached a router (it timed out, or the connection failed meanwhile) is
+        cancelled too, so no generation runs that nobody tracks."""
+        timeout_s = self._generate_timeout_s
+        if not self._bus.is_connected:  # reconnecting: nothing is sent, so nothing to cancel
+            await forget_reply(self._redis, request.reply_id)
+            raise Unavailable(
+                "the message bus is reconnecting; try again shortly", code="bus_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S
+            )
+        try:
+            answer = await self._request_a_router(encode(request), timeout_s)
+            return validate.generate_reply(answer.data)
+        except nats.errors.NoRespondersError:
+            message = f"no router is running (none came within {timeout_s:g} s); try again shortly"
+            error = Unavailable(message, code="no_router", retry_after_s=ROUTER_RETRY_AFTER_S)
+        except nats.errors.TimeoutError:
+            message = f"no router answered within {timeout_s:g} s; try again shortly"
+            error = Unavailable(message, code="router_timeout", retry_after_s=ROUTER_RETRY_AFTER_S)
+            await self._cancel_untracked(request.reply_id)
+        except (nats.errors.Error, validate.Invalid) as exc:  # what went wrong is the log's, not the client's
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("request %s: reply %s: the router could not be asked: %s", current_request_id(), request.reply_id, why)
+            if isinstance(exc, validate.Invalid):
+                validate.drop("generate_reply", subjects.GENERATE, exc)
+            error = Unavailable(
+                "the router could not be asked; try again shortly", code="router_unavailable", retry_after_s=ROUTER_RETRY_AFTER_S
+            )
+            await self._cancel_untracked(request.reply_id)
+        await forget_reply(self._redis, request.reply_id)
+        metrics.REPLIES_REFUSED.labels(code=error.code).inc()
+        raise error
+
+    async def _request_a_router(self, data: bytes, timeout_s: float) -> Msg:
+        """The generate request's answer within `timeout_s`. While no router is subscribed (the only
+        one is restarting: a rolling upgrade) the request reached none, so it is sent again, after
+        a short backoff, until `timeout_s` is spent; then NoRespondersError."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+        delay_s = NO_ROUTER_FIRST_RETRY_S
+        while True:
+            try:
+                return await self._bus.client.request(subjects.GENERATE, data, timeout=max(0.01, deadline_s - loop.time()))
+            except nats.errors.NoRespondersError:
+                if loop.time() + delay_s >= deadline_s:
+                    raise
+            metrics.GENERATE_RESENT.inc()
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, NO_ROUTER_MAX_RETRY_S)
+
+    async def _cancel_untracked(self, reply_id: str) -> None:
+        try:
+            await cancel_reply(self._bus, reply_id, "generate_timeout")
+        except nats.errors.Error as exc:  # NATS is down: nothing reaches a router either
+            log.warning("could not cancel reply %s after its generate request failed: %s", reply_id, exc or type(exc).__name__)
 
 
-async def _cancel_untracked(state: ChatState, reply_id: str) -> None:
-    try:
-        await cancel_reply(state, reply_id, "generate_timeout")
-    except nats.errors.Error as exc:  # NATS is down: nothing reaches a router either
-        log.warning("could not cancel reply %s after its generate request failed: %s", reply_id, exc or type(exc).__name__)
-
-
-async def forget_reply(state: ChatState, reply_id: str) -> None:
+async def forget_reply(redis: Redis, reply_id: str) -> None:
     """A reply that never started: nothing to keep."""
-    await state.redis.srem(RUNNING, reply_id)
-    await state.redis.delete(*ReplyKeys(reply_id).all())
+    await redis.srem(RUNNING, reply_id)
+    await redis.delete(*ReplyKeys(reply_id).all())
 
 
-async def cancel_reply(state: ChatState, reply_id: str, reason: str) -> None:
-    await state.bus.client.publish(subjects.cancel(reply_id), encode(Cancel(reply_id=reply_id, reason=reason)))
+async def cancel_reply(bus: Bus, reply_id: str, reason: str) -> None:
+    await bus.client.publish(subjects.cancel(reply_id), encode(Cancel(reply_id=reply_id, reason=reason)))

@@ -25,7 +25,6 @@ from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.types import Message, Receive, Scope, Send
 
 from services.chat.direct_write import DirectWriter
-from services.chat.state import ChatState
 from tandem.bus.events import finish_name, is_final
 from tandem.runtime.request_id import SERVER_SEND
 from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR
@@ -191,15 +190,14 @@ class StreamResponse(EventSourceResponse):
 
 
 def sse_response(
-    state: ChatState,
     events: AsyncIterator[dict[str, str]] | AsyncIterator[bytes],
+    keepalive_s: float,
     message_id: str = "",
     writer_slot: WriterSlot | None = None,
 ) -> StreamResponse:
-    """An SSE response with the configured keep-alive; `message_id` as X-Message-Id, so a client
-    that loses the stream before the `meta` event still knows what to resume."""
+    """An SSE response with a keep-alive every `keepalive_s`; `message_id` as X-Message-Id, so a
+    client that loses the stream before the `meta` event still knows what to resume."""
     headers = {"X-Message-Id": message_id} if message_id else {}
-    keepalive_s = state.config.keepalive_s
     return StreamResponse(
         events, ping=int(keepalive_s), headers=headers, send_timeout=SEND_TIMEOUT_KEEPALIVES * keepalive_s, writer_slot=writer_slot
     )

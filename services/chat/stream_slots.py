@@ -3,21 +3,16 @@ capacity is refused with 503 (`streams_full`), one past the user's tier limit wi
 (`too_many_streams`), both with Retry-After, before the response starts (so they are real HTTP
 statuses) and before any reply is begun. A slot is held until the stream ends, for any reason.
 
-Routes take a slot as a dependency (`StreamAdmission`): FastAPI resolves it before the route
-runs and releases it after the response has been sent, or when the route raises."""
+Routes take a slot as a dependency (services.chat.deps.StreamAdmission): FastAPI resolves it
+before the route runs and releases it after the response has been sent, or when the route raises."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
-from typing import Annotated
-
-from fastapi import Depends
+from collections.abc import Mapping
 
 from services.chat import metrics
-from services.chat.auth import CurrentUser
 from services.chat.errors import RateLimited, Unavailable
-from services.chat.state import State
 from tandem.config import ApiKey, Tier
 
 RETRY_AFTER_S = 2.0
@@ -73,14 +68,3 @@ class StreamSlots:
             del self._num_of_user[slot.user_id]
         self.num_open -= 1
         metrics.STREAMS_OPEN.set(self.num_open)
-
-
-async def admit_stream(state: State, user: CurrentUser) -> AsyncIterator[StreamSlot]:
-    slot = state.stream_slots.admit(user)
-    try:
-        yield slot
-    finally:
-        slot.release()
-
-
-StreamAdmission = Annotated[StreamSlot, Depends(admit_stream)]

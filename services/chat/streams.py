@@ -9,28 +9,28 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from redis.asyncio import Redis
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.errors import Gone, Unavailable
 from services.chat.sse import SseEvent, error_data, meta_event, moderated_event, sse_response
-from services.chat.state import ChatState
 from tandem.bus.events import ReplyStatus, finish_name, finish_of_status, now_ms
 from tandem.runtime.request_id import current_request_id
-from tandem.store import Message
+from tandem.store import ConversationStore, Message
 from tandem.tokenlog import load_reply, logged_events
 
 log = logging.getLogger(__name__)
 REPLY_FAILED = "the reply failed before it finished; the text it had is kept; regenerate it to try again"
 
 
-async def as_logged(state: ChatState, message: Message) -> Message:
+async def as_logged(redis: Redis, store: ConversationStore, message: Message, grace_s: float) -> Message:
     """A message the store still has as running, as its token log has it now: the text so far,
     or its final text, status and tokens when the reply ended before the relay stored it; failed
-    (settled in the store) when its log is gone."""
-    meta = await load_reply(state.redis, message.id)
+    (settled in the store) when its log is gone (see `is_starting` for `grace_s`)."""
+    meta = await load_reply(redis, message.id)
     if meta is None:
-        return await settle_lost_reply(state, message)
-    events = await logged_events(state.redis, message.id)
+        return await settle_lost_reply(store, message, grace_s)
+    events = await logged_events(redis, message.id)
     text = "".join(event.text for event in events)
     if meta.is_running:
         return replace(message, content=text)
@@ -40,20 +40,20 @@ async def as_logged(state: ChatState, message: Message) -> Message:
     return replace(message, content=text, status=meta.status, tokens=tokens)
 
 
-def is_starting(state: ChatState, message: Message) -> bool:
+def is_starting(message: Message, grace_s: float) -> bool:
     """A running turn stored moments ago may not have its log yet (chat stores the turn, then
-    records the reply in Redis): within the grace it is not lost."""
-    return now_ms() - message.created_at_ms < 1000 * state.config.lost_reply_grace_s
+    records the reply in Redis): within `grace_s` it is not lost."""
+    return now_ms() - message.created_at_ms < 1000 * grace_s
 
 
-async def settle_lost_reply(state: ChatState, message: Message, text: str | None = None) -> Message:
+async def settle_lost_reply(store: ConversationStore, message: Message, grace_s: float, text: str | None = None) -> Message:
     """Stores a running turn whose log is gone as failed, with `text` (default: what the store
     has); the store keeps the first final write, so a turn the relay stored meanwhile stays as it
     was. Returns the turn as stored; a turn still starting comes back unchanged."""
-    if message.status != ReplyStatus.RUNNING or is_starting(state, message):
+    if message.status != ReplyStatus.RUNNING or is_starting(message, grace_s):
         return message
     content = message.content if text is None else text
-    settled = await state.store.finish_message(
+    settled = await store.finish_message(
         message.conversation_id, message.id, content=content, status=ReplyStatus.FAILED, tokens=message.tokens
     )
     log.warning("reply %s: its log is gone while its turn was running; stored as failed", message.id)
@@ -77,10 +77,12 @@ def _final_event(message: Message, event_id: int) -> dict[str, str]:
     return SseEvent(event_id, "error", error_data(message.status.value, message_text, current_request_id())).as_dict()
 
 
-async def _lost_reply_events(state: ChatState, message: Message, last_event_id: int) -> AsyncIterator[dict[str, str]]:
+async def _lost_reply_events(
+    store: ConversationStore, message: Message, last_event_id: int, grace_s: float
+) -> AsyncIterator[dict[str, str]]:
     """A running turn whose log is gone: settled, then its final state (the whole of it, or only
     the final event after the events a resuming client has)."""
-    settled = await settle_lost_reply(state, message)
+    settled = await settle_lost_reply(store, message, grace_s)
     if last_event_id > 0:
         yield _final_event(settled, last_event_id + 1)
         return
@@ -88,13 +90,15 @@ async def _lost_reply_events(state: ChatState, message: Message, last_event_id: 
         yield event
 
 
-def finished_message_response(state: ChatState, message: Message, last_event_id: int) -> EventSourceResponse:
+def finished_message_response(
+    store: ConversationStore, message: Message, last_event_id: int, *, grace_s: float, keepalive_s: float
+) -> EventSourceResponse:
     """A message whose token log is gone: a finished one as stored; a running one (lost) settled
     as failed; one still starting is worth a retry in a moment."""
     if message.status == ReplyStatus.RUNNING:
-        if is_starting(state, message):
+        if is_starting(message, grace_s):
             raise Unavailable("the reply is starting; retry shortly", code="reply_unreadable", retry_after_s=1.0)
-        return sse_response(state, _lost_reply_events(state, message, last_event_id), message.id)
+        return sse_response(_lost_reply_events(store, message, last_event_id, grace_s), keepalive_s, message.id)
     if last_event_id > 0:
         raise Gone("the reply's event log has expired: GET its conversation for the stored text", code="reply_expired")
-    return sse_response(state, _stored_events(message), message.id)
+    return sse_response(_stored_events(message), keepalive_s, message.id)

@@ -21,19 +21,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import nats.errors
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.chat import metrics
+from services.chat.config import ChatConfig
 from services.chat.context import Budget
 from services.chat.models_view import ServedModel
-from services.chat.state import ChatState
+from services.chat.prompt import LoadedTokenizer
 from services.chat.summary_prompt import covers, fit_prompt, max_words_of, source_of
-from services.chat.summary_reply import NoSummary, SummaryRequest, ask_summary, wait_for_turn
+from services.chat.summary_reply import NoSummary, SummaryAsker, SummaryRequest
 from tandem.config import ApiKey, Settings
 from tandem.store import ConversationStore, Message, StoreUnavailable
 
@@ -90,17 +92,19 @@ def job_key(conversation_id: str) -> str:
 
 
 class Summaries:
-    """This process's summary jobs: scheduled without waiting, bounded, cancelled at shutdown."""
+    """This process's summary jobs: scheduled without waiting, bounded, cancelled at shutdown;
+    `write` does a job's work (SummaryWriter.write) and tells how it went."""
 
-    def __init__(self, config: SummaryConfig) -> None:
+    def __init__(self, config: SummaryConfig, write: Callable[[SummaryJob], Awaitable[Outcome]]) -> None:
         self.config = config
+        self._write = write
         self._tasks: set[asyncio.Task[Outcome]] = set()
 
     @property
     def num_running(self) -> int:
         return len(self._tasks)
 
-    def schedule(self, state: ChatState, job: SummaryJob) -> None:
+    def schedule(self, job: SummaryJob) -> None:
         """Starts the job (none when its prompt left nothing out); never raises."""
         if not self.config.is_enabled or not job.dropped:
             return
@@ -108,7 +112,7 @@ class Summaries:
             log.info("conversation %s: no summary now, %d jobs are running already", job.conversation_id, len(self._tasks))
             metrics.SUMMARIES.labels(outcome=Outcome.SKIPPED.value).inc()
             return
-        task = asyncio.create_task(self._run(state, job), name=f"summary:{job.conversation_id}")
+        task = asyncio.create_task(self._run(job), name=f"summary:{job.conversation_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -121,9 +125,9 @@ class Summaries:
             task.cancel()
         await self.wait()
 
-    async def _run(self, state: ChatState, job: SummaryJob) -> Outcome:
+    async def _run(self, job: SummaryJob) -> Outcome:
         try:
-            outcome = await write_summary(state, job, self.config)
+            outcome = await self._write(job)
         except SummaryFailed as exc:
             log.warning("conversation %s: no summary (%s): %s", job.conversation_id, exc.outcome.value, exc)
             outcome = exc.outcome
@@ -137,52 +141,71 @@ class Summaries:
         return outcome
 
 
-async def write_summary(state: ChatState, job: SummaryJob, config: SummaryConfig) -> Outcome:
-    """Writes and stores the summary of `job`'s turns within the job's deadline, holding its
-    conversation's key meanwhile; raises SummaryFailed when the model gave none."""
-    key, token = job_key(job.conversation_id), uuid.uuid4().hex
-    if not await state.redis.set(key, token, nx=True, ex=int(config.timeout_s + config.key_margin_s)):
-        return Outcome.SKIPPED  # another job is summarising this conversation
-    deadline = asyncio.get_running_loop().time() + config.timeout_s
-    try:
-        async with asyncio.timeout_at(deadline):
-            return await _summarise(state, job, config, deadline)
-    except TimeoutError:
-        raise SummaryFailed(Outcome.FAILED, f"no summary within {config.timeout_s:g} s") from None
-    except NoSummary as exc:
-        raise SummaryFailed(Outcome.REFUSED if exc.is_refused else Outcome.FAILED, str(exc)) from None
-    finally:
-        await state.redis.eval(_RELEASE, 1, key, token)
+class SummaryWriter:
+    """Writes one job's summary: holds its conversation's key, asks the model (`asker`) and stores
+    the summary in `store`. `chat` bounds a summary by the tier's prompt budget."""
 
+    def __init__(
+        self,
+        config: SummaryConfig,
+        chat: ChatConfig,
+        redis: Redis,
+        store: ConversationStore,
+        tokenizer: LoadedTokenizer,
+        asker: SummaryAsker,
+    ) -> None:
+        self.config = config
+        self._chat = chat
+        self._redis = redis
+        self._store = store
+        self._tokenizer = tokenizer
+        self._asker = asker
 
-async def _summarise(state: ChatState, job: SummaryJob, config: SummaryConfig, deadline: float) -> Outcome:
-    if job.after_reply_id:
-        await wait_for_turn(state, job.after_reply_id)
-    conversation = await state.store.get_conversation(job.user.user_id, job.conversation_id)
-    messages = await state.store.list_messages(job.conversation_id)
-    source = source_of(conversation, job.dropped, messages) if conversation is not None else None
-    if source is None:
-        return Outcome.SKIPPED  # gone, or summarised up to these turns already
-    max_tokens = summary_tokens_for(state, job, config)
-    room_tokens = job.model.window_tokens - max_tokens
-    prompt = await asyncio.to_thread(fit_prompt, state.require_tokenizer(), source, room_tokens, max_words_of(max_tokens))
-    if prompt is None:
-        raise SummaryFailed(Outcome.FAILED, f"the summary so far leaves no room in {job.model.name}'s window")
-    request = SummaryRequest(job.user, job.conversation_id, job.model.name, prompt.ids, max_tokens)
-    text = await ask_summary(state, request, deadline)
-    is_stored = await store_if_newer(state.store, job.user.user_id, job.conversation_id, text, prompt.upto_seq)
-    return Outcome.WRITTEN if is_stored else Outcome.SKIPPED
+    async def write(self, job: SummaryJob) -> Outcome:
+        """Writes and stores the summary of `job`'s turns within the job's deadline, holding its
+        conversation's key meanwhile; raises SummaryFailed when the model gave none."""
+        config = self.config
+        key, token = job_key(job.conversation_id), uuid.uuid4().hex
+        if not await self._redis.set(key, token, nx=True, ex=int(config.timeout_s + config.key_margin_s)):
+            return Outcome.SKIPPED  # another job is summarising this conversation
+        deadline = asyncio.get_running_loop().time() + config.timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._summarise(job, deadline)
+        except TimeoutError:
+            raise SummaryFailed(Outcome.FAILED, f"no summary within {config.timeout_s:g} s") from None
+        except NoSummary as exc:
+            raise SummaryFailed(Outcome.REFUSED if exc.is_refused else Outcome.FAILED, str(exc)) from None
+        finally:
+            await self._redis.eval(_RELEASE, 1, key, token)
 
+    async def _summarise(self, job: SummaryJob, deadline: float) -> Outcome:
+        if job.after_reply_id:
+            await self._asker.wait_for_turn(job.after_reply_id)
+        conversation = await self._store.get_conversation(job.user.user_id, job.conversation_id)
+        messages = await self._store.list_messages(job.conversation_id)
+        source = source_of(conversation, job.dropped, messages) if conversation is not None else None
+        if source is None:
+            return Outcome.SKIPPED  # gone, or summarised up to these turns already
+        max_tokens = self.summary_tokens_for(job)
+        room_tokens = job.model.window_tokens - max_tokens
+        prompt = await asyncio.to_thread(fit_prompt, self._tokenizer.get(), source, room_tokens, max_words_of(max_tokens))
+        if prompt is None:
+            raise SummaryFailed(Outcome.FAILED, f"the summary so far leaves no room in {job.model.name}'s window")
+        request = SummaryRequest(job.user, job.conversation_id, job.model.name, prompt.ids, max_tokens)
+        text = await self._asker.ask(request, deadline)
+        is_stored = await store_if_newer(self._store, job.user.user_id, job.conversation_id, text, prompt.upto_seq)
+        return Outcome.WRITTEN if is_stored else Outcome.SKIPPED
 
-def summary_tokens_for(state: ChatState, job: SummaryJob, config: SummaryConfig) -> int:
-    """The summary's bound: the setting, but at most a quarter of the prompt the user's tier may
-    send, so a summary never crowds the new message out of it."""
-    budget = Budget(
-        window_tokens=job.model.window_tokens,
-        tier_prompt_tokens=state.config.prompt_budget_for(job.user.tier),
-        answer_tokens=min(state.config.max_answer_tokens, job.model.window_tokens // 2),
-    )
-    return max(1, min(config.max_tokens, budget.prompt_tokens // 4))
+    def summary_tokens_for(self, job: SummaryJob) -> int:
+        """The summary's bound: the setting, but at most a quarter of the prompt the user's tier may
+        send, so a summary never crowds the new message out of it."""
+        budget = Budget(
+            window_tokens=job.model.window_tokens,
+            tier_prompt_tokens=self._chat.prompt_budget_for(job.user.tier),
+            answer_tokens=min(self._chat.max_answer_tokens, job.model.window_tokens // 2),
+        )
+        return max(1, min(self.config.max_tokens, budget.prompt_tokens // 4))
 
 
 async def store_if_newer(store: ConversationStore, user_id: str, conversation_id: str, text: str, upto_seq: int) -> bool:
@@ -199,9 +222,9 @@ async def store_if_newer(store: ConversationStore, user_id: str, conversation_id
 
 
 def schedule_summary(
-    state: ChatState, user: ApiKey, conversation_id: str, model: ServedModel, dropped: Sequence[Message], reply_id: str
+    summaries: Summaries | None, user: ApiKey, conversation_id: str, model: ServedModel, dropped: Sequence[Message], reply_id: str
 ) -> None:
     """For a turn (its reply `reply_id`) whose prompt left `dropped` out, oldest first: a summary
-    job, unless none is needed or this chat writes none. Returns at once; never raises."""
-    if state.summaries is not None:
-        state.summaries.schedule(state, SummaryJob(user, conversation_id, model, tuple(dropped), reply_id))
+    job, unless none is needed or this chat writes none (`summaries` None). Returns at once; never raises."""
+    if summaries is not None:
+        summaries.schedule(SummaryJob(user, conversation_id, model, tuple(dropped), reply_id))

@@ -9,11 +9,11 @@ import asyncio
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.chat.auth import CurrentUser
+from services.chat.deps import Chat, CurrentUser
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.limits import MAX_MESSAGES, ModelName
+from services.chat.models_view import ModelsView
 from services.chat.openai_schemas import ChatMessage
-from services.chat.state import ChatState, State
 from tandem import __version__
 
 router = APIRouter(tags=["openai"])
@@ -38,9 +38,9 @@ class DetokenizeBody(BaseModel):
 
 
 @router.post("/tokenize")
-async def tokenize(state: State, user: CurrentUser, body: TokenizeBody) -> dict[str, object]:
-    window_tokens = _window_of(state, body.model)
-    tokenizer = state.require_tokenizer()
+async def tokenize(state: Chat, user: CurrentUser, body: TokenizeBody) -> dict[str, object]:
+    window_tokens = _window_of(state.models, body.model)
+    tokenizer = state.tokenizer.get()
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send either `prompt` or `messages`", param="prompt")
     if body.messages is not None:
@@ -53,9 +53,9 @@ async def tokenize(state: State, user: CurrentUser, body: TokenizeBody) -> dict[
 
 
 @router.post("/detokenize")
-async def detokenize(state: State, user: CurrentUser, body: DetokenizeBody) -> dict[str, str]:
-    _window_of(state, body.model)
-    tokenizer = state.require_tokenizer()
+async def detokenize(state: Chat, user: CurrentUser, body: DetokenizeBody) -> dict[str, str]:
+    _window_of(state.models, body.model)
+    tokenizer = state.tokenizer.get()
     outside = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
     if outside is not None:
         raise InvalidRequest(f"token id {outside} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})", param="tokens")
@@ -68,17 +68,17 @@ async def version() -> dict[str, str]:
 
 
 @router.get("/health")
-async def health(state: State) -> dict[str, str]:
-    state.require_tokenizer()
+async def health(state: Chat) -> dict[str, str]:
+    state.tokenizer.get()
     if state.models.resolve("auto") is None:
         raise Unavailable("no model is being served yet; try again shortly", code="no_workers", retry_after_s=2.0)
     return {"status": "ok"}
 
 
-def _window_of(state: ChatState, model: str | None) -> int | None:
+def _window_of(models: ModelsView, model: str | None) -> int | None:
     """The named model's context window (any served model's when none is named); 404 for a model
     that is not served."""
-    served = state.models.resolve(model or "auto")
+    served = models.resolve(model or "auto")
     if served is None and model not in (None, "", "auto"):
         raise NotFound(f"The model `{model}` does not exist or is not served.", code="model_not_found", param="model")
     return served.window_tokens if served is not None else None

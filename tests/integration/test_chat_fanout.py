@@ -16,11 +16,12 @@ import redis.asyncio as aioredis
 from helpers import wait_until
 from tokenlog.durable_redis import DurableRedis
 
+from services.chat.config import ChatConfig
 from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView
-from services.chat.state import ChatConfig, ChatState
+from services.chat.state import ChatState
 from services.chat.stream_slots import StreamSlots
-from services.chat.streaming import sse_stream
+from services.chat.streaming import ReplyStreams
 from tandem.bus import Bus, BusConfig
 from tandem.bus.events import final_event
 from tandem.devstack.proc import free_port
@@ -68,7 +69,9 @@ class Client:
 
     def __init__(self, state: ChatState, reply_id: str, last_event_id: int = 0, meta: ReplyMeta | None = None) -> None:
         self.events: list[tuple[int, str, str]] = []
-        self.stream = sse_stream(state, reply_id, "m", last_event_id, meta=meta)
+        self.stream = ReplyStreams.of(state.fanout, state.redis, state.store, state.config).sse_stream(
+            reply_id, "m", last_event_id, meta=meta
+        )
 
     async def read_one_write(self) -> None:
         self._parse(await anext(self.stream))

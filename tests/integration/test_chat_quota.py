@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from services.chat.door import Door
 from services.chat.errors import InvalidRequest, RateLimited, Unavailable, answer
-from services.chat.replies import ReplyRequest, begin_reply
+from services.chat.replies import ReplyRequest, ReplyStarter
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.config import ApiKey, Tier
 from tandem.quota import QuotaConfig, TokenBuckets, reservation_key
@@ -30,14 +30,14 @@ QUOTA = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000
 
 @pytest_asyncio.fixture
 async def state(redis_server, nats_server) -> AsyncIterator[types.SimpleNamespace]:
-    """What begin_reply reads of the chat's state: Redis, the bus, the generate timeout, the buckets."""
+    """What starts a reply: Redis, the bus, the door, the buckets, the generate timeout."""
     bus = Bus(BusConfig(url=nats_server.url, name="test-chat-quota"))
     bus.start()
     await bus.wait_connected()
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
-    yield types.SimpleNamespace(
-        redis=redis, bus=bus, config=types.SimpleNamespace(generate_timeout_s=2.0), quotas=TokenBuckets(redis, QUOTA), door=Door()
-    )
+    quotas = TokenBuckets(redis, QUOTA)
+    starter = ReplyStarter(redis, bus, Door(), quotas, generate_timeout_s=2.0)
+    yield types.SimpleNamespace(redis=redis, bus=bus, quotas=quotas, starter=starter)
     await redis.aclose()
     await bus.close()
 
@@ -55,7 +55,7 @@ async def test_a_reply_the_bucket_cannot_afford_is_429_with_retry_after_and_noth
     await state.quotas.reserve(user.user_id, Tier.FREE, 5500, uuid.uuid4().hex)  # 500 left, 10 units a second
     reply = reply_request(user, 900, 48)  # up to 1092
     with pytest.raises(RateLimited) as refused:
-        await begin_reply(state, reply)
+        await state.starter.start_reply(reply)
     assert refused.value.code == "quota_exceeded"
     wait_s = refused.value.retry_after_s
     assert 55 <= wait_s <= 60  # (1092 - 500) / 10, rounded up, less what refilled meanwhile
@@ -68,7 +68,7 @@ async def test_a_reply_the_bucket_cannot_afford_is_429_with_retry_after_and_noth
 
 async def test_a_reply_larger_than_the_whole_bucket_is_a_400_naming_max_tokens(state):
     with pytest.raises(InvalidRequest) as refused:
-        await begin_reply(state, reply_request(free_user(), 900, 1300))  # 6100 > 6000
+        await state.starter.start_reply(reply_request(free_user(), 900, 1300))  # 6100 > 6000
     assert (refused.value.code, refused.value.param) == ("exceeds_quota", "max_tokens")
 
 
@@ -80,7 +80,7 @@ async def test_a_reply_the_router_refuses_gets_its_reservation_back(state):
     user = free_user()
     try:
         with pytest.raises(Unavailable):
-            await begin_reply(state, reply_request(user, 900, 48))
+            await state.starter.start_reply(reply_request(user, 900, 48))
     finally:
         await router.unsubscribe()
     assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == 6000
@@ -89,7 +89,7 @@ async def test_a_reply_the_router_refuses_gets_its_reservation_back(state):
 async def test_a_reply_no_router_answers_gets_its_reservation_back(state):
     user = free_user()
     with pytest.raises(Unavailable) as refused:
-        await begin_reply(state, reply_request(user, 900, 48))
+        await state.starter.start_reply(reply_request(user, 900, 48))
     assert refused.value.code == "no_router"
     assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == 6000
 
@@ -102,7 +102,7 @@ async def test_an_accepted_reply_keeps_its_reservation_for_the_relay_to_settle(s
     user = free_user()
     reply = reply_request(user, 900, 48)
     try:
-        await begin_reply(state, reply)
+        await state.starter.start_reply(reply)
     finally:
         await router.unsubscribe()
     assert (await state.quotas.reservation(reply.reply_id)).units == 1092
@@ -120,11 +120,11 @@ async def test_after_an_overload_refusal_free_replies_are_refused_at_the_door_an
     first, second = free_user(), free_user()
     try:
         with pytest.raises(Unavailable):
-            await begin_reply(state, reply_request(first, 900, 48))
+            await state.starter.start_reply(reply_request(first, 900, 48))
         with pytest.raises(Unavailable) as at_door:
-            await begin_reply(state, reply_request(second, 900, 48))
+            await state.starter.start_reply(reply_request(second, 900, 48))
         with pytest.raises(Unavailable):
-            await begin_reply(state, reply_request(ApiKey(user_id=f"p-{uuid.uuid4().hex[:6]}", tier=Tier.PLUS), 900, 48))
+            await state.starter.start_reply(reply_request(ApiKey(user_id=f"p-{uuid.uuid4().hex[:6]}", tier=Tier.PLUS), 900, 48))
     finally:
         await router.unsubscribe()
     assert asked == [LANE_FREE, LANE_PAID], "the second free reply never reached a router"

@@ -24,17 +24,17 @@ from fastapi import FastAPI
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
+from services.chat.config import ChatConfig
 from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
 from services.chat.latency import ReplyClock
 from services.chat.models_view import ModelsView
-from services.chat.openai_replies import CHAT, reply_chunks
-from services.chat.replies import ReplyRequest, begin_reply
+from services.chat.openai_replies import CHAT, OpenAIAnswers
+from services.chat.replies import ReplyRequest, ReplyStarter
 from services.chat.sse import StreamResponse
-from services.chat.state import ChatConfig, ChatState
+from services.chat.state import ChatState
 from services.chat.stream_slots import StreamSlots
-from services.chat.streaming import reply_response, sse_stream
-from services.chat.streams import as_logged, finished_message_response
+from services.chat.streaming import ReplyStreams
 from services.router.dispatch import REFUSED, Attempt, DispatchConfig, DispatchResult, failure_event
 from tandem.bus import Bus, BusConfig, decode, encode, subjects
 from tandem.bus.events import ReplyStatus, final_event, now_ms
@@ -84,6 +84,20 @@ async def state(redis_server, nats_server, tmp_path) -> AsyncIterator[ChatState]
     await bus.close()
 
 
+def streams_of(state: ChatState) -> ReplyStreams:
+    return ReplyStreams.of(state.fanout, state.redis, state.store, state.config)
+
+
+def starter_of(state: ChatState) -> ReplyStarter:
+    return ReplyStarter(state.redis, state.bus, state.door, state.quotas, state.config.generate_timeout_s)
+
+
+def answers_of(state: ChatState) -> OpenAIAnswers:
+    return OpenAIAnswers(
+        starter_of(state), state.stream_slots, state.fanout, state.bus, max_answer_tokens=16, keepalive_s=state.config.keepalive_s
+    )
+
+
 def parsed(chunk: bytes) -> list[dict[str, str]]:
     """The SSE events in one written chunk (a stream writes several at once when it has them)."""
     events = []
@@ -125,7 +139,7 @@ async def nothing_left_of(state: ChatState, reply_id: str) -> bool:
 
 async def test_a_log_that_vanishes_mid_stream_ends_the_product_stream_with_a_reply_expired_error(state):
     reply_id = await started_reply(state, 2)
-    stream = sse_stream(state, reply_id, "m")
+    stream = streams_of(state).sse_stream(reply_id, "m")
     head = await take(stream, 3)
     await vanish(state, reply_id)  # the reader now waits on a log that no longer exists
     rest = await rest_of(stream)
@@ -137,7 +151,7 @@ async def test_a_log_that_vanishes_mid_stream_ends_the_product_stream_with_a_rep
 
 async def test_a_resumed_stream_whose_log_is_gone_gives_the_error_as_the_next_event(state):
     reply_id = uuid.uuid4().hex  # its log expired between the route's check and the first read
-    events = await rest_of(sse_stream(state, reply_id, "m", last_event_id=7))
+    events = await rest_of(streams_of(state).sse_stream(reply_id, "m", last_event_id=7))
     assert [(e["id"], e["event"]) for e in events] == [("8", "error")]
     assert json.loads(events[0]["data"])["code"] == "reply_expired"
     assert await nothing_left_of(state, reply_id)
@@ -147,7 +161,7 @@ async def test_a_log_that_vanishes_mid_stream_ends_the_openai_stream_with_an_err
     reply_id = await started_reply(state, 1)
     cancels = await state.bus.client.subscribe(subjects.cancel(reply_id))
     clock = ReplyClock("plus", "m", arrived_s=0.0)
-    chunks = reply_chunks(state, reply_id, {"id": reply_id, "created": 0, "model": "m"}, CHAT, include_usage=False, clock=clock)
+    chunks = answers_of(state).reply_chunks(reply_id, {"id": reply_id, "created": 0, "model": "m"}, CHAT, include_usage=False, clock=clock)
     head = [json.loads((await anext(chunks))["data"]) for _ in range(2)]
     await vanish(state, reply_id)
     rest = [chunk["data"] async for chunk in chunks]
@@ -161,7 +175,7 @@ async def test_a_log_that_vanishes_mid_stream_ends_the_openai_stream_with_an_err
 async def test_a_log_read_to_its_final_event_ends_with_done_not_an_error(state):
     reply_id = await started_reply(state, 2)
     await TokenLogWriter(state.redis, ttl_s=60).append(final_event(reply_id, 3, FINISH_REASON_STOP))
-    events = await rest_of(sse_stream(state, reply_id, "m"))
+    events = await rest_of(streams_of(state).sse_stream(reply_id, "m"))
     assert [e["event"] for e in events] == ["meta", "delta", "delta", "done"]
     await vanish(state, reply_id)
 
@@ -203,14 +217,14 @@ async def body_of(response) -> list[dict[str, str]]:
 
 async def test_a_running_turn_whose_log_is_gone_is_read_as_failed_and_stored_so(state):
     turn = await running_turn(state, content="partial")
-    shown = await as_logged(state, turn)
+    shown = await streams_of(state).as_logged(turn)
     assert (shown.status, shown.content) == (ReplyStatus.FAILED, "partial")
     assert (await stored(state, turn)).status == ReplyStatus.FAILED, "settled in the store, not only in the view"
 
 
 async def test_streaming_a_lost_running_turn_gives_its_text_and_a_final_error_not_a_503(state):
     turn = await running_turn(state, content="partial")
-    events = await body_of(finished_message_response(state, turn, last_event_id=0))
+    events = await body_of(streams_of(state).finished_response(turn, last_event_id=0))
     assert [(e["id"], e["event"]) for e in events] == [("1", "meta"), ("2", "delta"), ("3", "error")]
     assert json.loads(events[1]["data"]) == {"text": "partial"}
     assert json.loads(events[2]["data"])["code"] == "failed"
@@ -219,7 +233,7 @@ async def test_streaming_a_lost_running_turn_gives_its_text_and_a_final_error_no
 
 async def test_a_client_resuming_a_lost_running_turn_gets_the_final_error_as_its_next_event(state):
     turn = await running_turn(state)
-    events = await body_of(finished_message_response(state, turn, last_event_id=5))
+    events = await body_of(streams_of(state).finished_response(turn, last_event_id=5))
     assert [(e["id"], e["event"]) for e in events] == [("6", "error")]
     assert (await stored(state, turn)).status == ReplyStatus.FAILED
 
@@ -227,9 +241,9 @@ async def test_a_client_resuming_a_lost_running_turn_gets_the_final_error_as_its
 async def test_a_turn_stored_a_moment_ago_without_its_log_yet_is_not_settled(state):
     turn = await running_turn(state, age_ms=0)
     with pytest.raises(Unavailable) as refused:
-        finished_message_response(state, turn, last_event_id=0)
+        streams_of(state).finished_response(turn, last_event_id=0)
     assert refused.value.code == "reply_unreadable" and refused.value.retry_after_s > 0
-    assert (await as_logged(state, turn)).status == ReplyStatus.RUNNING
+    assert (await streams_of(state).as_logged(turn)).status == ReplyStatus.RUNNING
     assert (await stored(state, turn)).status == ReplyStatus.RUNNING
 
 
@@ -239,7 +253,7 @@ async def test_a_log_that_vanishes_mid_stream_settles_its_stored_turn_as_failed_
     writer = TokenLogWriter(state.redis, ttl_s=60)
     for seq in (1, 2):
         await writer.append(TokenEvent(reply_id=turn.id, seq=seq, text=f"t{seq} "))
-    stream = sse_stream(state, turn.id, "m")
+    stream = streams_of(state).sse_stream(turn.id, "m")
     head = await take(stream, 3)
     await vanish(state, turn.id)
     rest = await rest_of(stream)
@@ -273,7 +287,7 @@ async def test_a_generate_no_router_answers_in_time_is_cancelled_and_answered_50
     await client.flush()
     try:
         with pytest.raises(Unavailable) as refused:
-            await begin_reply(state, reply)
+            await starter_of(state).start_reply(reply)
         assert await asyncio.wait_for(heard.get(), 5) == subjects.GENERATE, "the request did reach a router"
         cancel = decode((await cancels.next_msg(timeout=5)).data, Cancel)
         assert cancel.reply_id == reply.reply_id, "the reply a slow router may still start is cancelled"
@@ -292,7 +306,7 @@ async def test_a_generate_with_no_router_running_is_503_once_the_generate_timeou
     resent = metrics.GENERATE_RESENT._value.get()
     reply = reply_request()
     with pytest.raises(Unavailable) as refused:
-        await begin_reply(state, reply)
+        await starter_of(state).start_reply(reply)
     assert refused.value.code == "no_router" and refused.value.retry_after_s > 0
     assert metrics.GENERATE_RESENT._value.get() > resent, "it was sent again before giving up"
     assert await nothing_left_of(state, reply.reply_id)
@@ -303,7 +317,7 @@ async def test_a_generate_sent_while_no_router_runs_reaches_the_router_that_come
     client = state.bus.client
     resent = metrics.GENERATE_RESENT._value.get()
     reply = reply_request()
-    begun = asyncio.create_task(begin_reply(state, reply))
+    begun = asyncio.create_task(starter_of(state).start_reply(reply))
     try:
         while metrics.GENERATE_RESENT._value.get() == resent:  # it found no router at least once
             assert not begun.done(), begun
@@ -331,7 +345,7 @@ async def test_a_reply_the_router_admits_for_another_model_is_recorded_with_that
     await client.flush()
     reply = dataclasses.replace(reply_request(), model="small")
     try:
-        assert await begin_reply(state, reply) == "large"
+        assert await starter_of(state).start_reply(reply) == "large"
     finally:
         await answering.unsubscribe()
     meta = await load_reply(state.redis, reply.reply_id)
@@ -345,13 +359,13 @@ def request_id_app(state: ChatState) -> RequestIds:
 
     @app.get("/live/{reply_id}")
     async def live(reply_id: str) -> StreamResponse:
-        return reply_response(state, reply_id, "m")
+        return streams_of(state).response(reply_id, "m")
 
     @app.get("/stored/{message_id}")
     async def stored_turn(message_id: str) -> EventSourceResponse:
         message = await state.store.get_message(message_id)
         assert message is not None
-        return finished_message_response(state, message, last_event_id=0)
+        return streams_of(state).finished_response(message, last_event_id=0)
 
     return RequestIds(app)
 

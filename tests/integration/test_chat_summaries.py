@@ -19,11 +19,14 @@ import redis.asyncio as aioredis
 from helpers import wait_until
 from prometheus_client import REGISTRY
 
+from services.chat.config import ChatConfig
 from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView, ServedModel
-from services.chat.state import ChatConfig, ChatState
+from services.chat.prompt import LoadedTokenizer
+from services.chat.state import ChatState
 from services.chat.stream_slots import StreamSlots
-from services.chat.summaries import Outcome, Summaries, SummaryConfig, SummaryFailed, SummaryJob, job_key, store_if_newer, write_summary
+from services.chat.summaries import Outcome, Summaries, SummaryConfig, SummaryFailed, SummaryJob, SummaryWriter, job_key, store_if_newer
+from services.chat.summary_reply import SummaryAsker
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.bus.events import error_event, final_event, now_ms
 from tandem.config import ApiKey, Tier
@@ -73,7 +76,7 @@ async def state(redis_server, nats_server, tmp_path, tokenizer) -> AsyncIterator
         stream_slots=StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         bus=bus,
         models=ModelsView(),
-        tokenizer=tokenizer,
+        tokenizer=LoadedTokenizer(tokenizer),
     )
     yield state
     await state.fanout.close()
@@ -156,15 +159,25 @@ async def stored_conversation(state: ChatState, conversation: Conversation) -> C
     return found
 
 
-def summaries(**changes) -> Summaries:
-    return Summaries(SummaryConfig(is_enabled=True, max_tokens=200, **changes))
+def writer_of(state: ChatState, config: SummaryConfig) -> SummaryWriter:
+    asker = SummaryAsker(state.redis, state.bus, state.fanout, state.config.generate_timeout_s)
+    return SummaryWriter(config, state.config, state.redis, state.store, state.tokenizer, asker)
+
+
+async def write_summary(state: ChatState, job: SummaryJob, config: SummaryConfig) -> Outcome:
+    return await writer_of(state, config).write(job)
+
+
+def summaries(state: ChatState, **changes) -> Summaries:
+    config = SummaryConfig(is_enabled=True, max_tokens=200, **changes)
+    return Summaries(config, writer_of(state, config).write)
 
 
 async def test_a_summary_of_the_dropped_turns_is_asked_on_the_background_lane_and_stored_up_to_the_newest_of_them(state, tokenizer):
     conversation, messages = await long_conversation(state)
-    jobs, written_before = summaries(), counted(Outcome.WRITTEN)
+    jobs, written_before = summaries(state), counted(Outcome.WRITTEN)
     async with RouterStandIn(state) as router:
-        jobs.schedule(state, job_of(conversation, messages[:4]))
+        jobs.schedule(job_of(conversation, messages[:4]))
         await jobs.wait()
     stored = await stored_conversation(state, conversation)
     assert (stored.summary, stored.summary_upto_seq) == (SUMMARY, messages[3].seq)
@@ -188,7 +201,7 @@ async def test_the_next_summary_extends_the_stored_one_with_the_turns_it_does_no
     conversation, messages = await long_conversation(state)
     await state.store.update_conversation(USER.user_id, conversation.id, summary="Ada lives in Paris.", summary_upto_seq=messages[1].seq)
     async with RouterStandIn(state) as router:
-        outcome = await write_summary(state, job_of(conversation, messages[:6]), summaries().config)
+        outcome = await write_summary(state, job_of(conversation, messages[:6]), summaries(state).config)
     assert outcome == Outcome.WRITTEN
     prompt = tokenizer.decode(router.requests[0].prompt_token_ids)
     assert "Ada lives in Paris." in prompt, "the summary so far"
@@ -205,7 +218,7 @@ async def test_a_job_never_moves_the_summary_backwards(state):
     conversation, messages = await long_conversation(state)
     await state.store.update_conversation(USER.user_id, conversation.id, summary="newer", summary_upto_seq=messages[5].seq)
     async with RouterStandIn(state) as router:
-        outcome = await write_summary(state, job_of(conversation, messages[:4]), summaries().config)
+        outcome = await write_summary(state, job_of(conversation, messages[:4]), summaries(state).config)
     assert outcome == Outcome.SKIPPED and router.requests == [], "nothing new to cover: the model is not asked"
     assert not await store_if_newer(state.store, USER.user_id, conversation.id, "older", messages[3].seq)
     assert not await store_if_newer(state.store, USER.user_id, conversation.id, "same", messages[5].seq)
@@ -221,7 +234,7 @@ async def test_a_summary_stored_while_a_job_ran_that_covers_more_is_kept(state):
         await state.store.update_conversation(USER.user_id, conversation.id, summary="wider", summary_upto_seq=messages[6].seq)
 
     async with RouterStandIn(state, before_answer=another_lands) as router:
-        outcome = await write_summary(state, job_of(conversation, messages[:4]), summaries().config)
+        outcome = await write_summary(state, job_of(conversation, messages[:4]), summaries(state).config)
     assert len(router.requests) == 1
     assert outcome == Outcome.SKIPPED
     stored = await stored_conversation(state, conversation)
@@ -232,7 +245,7 @@ async def test_one_job_per_conversation_a_held_key_skips_the_job_and_stays_its_h
     conversation, messages = await long_conversation(state)
     await state.redis.set(job_key(conversation.id), "another-instance", ex=60)
     async with RouterStandIn(state) as router:
-        outcome = await write_summary(state, job_of(conversation, messages[:4]), summaries().config)
+        outcome = await write_summary(state, job_of(conversation, messages[:4]), summaries(state).config)
     assert outcome == Outcome.SKIPPED and router.requests == []
     assert await state.redis.get(job_key(conversation.id)) == b"another-instance"
     assert 0 < await state.redis.ttl(job_key(conversation.id)) <= 60
@@ -241,11 +254,11 @@ async def test_one_job_per_conversation_a_held_key_skips_the_job_and_stays_its_h
 
 async def test_a_refused_summary_stores_nothing_keeps_no_reply_and_is_counted_as_refused(state):
     conversation, messages = await long_conversation(state)
-    jobs, refused_before = summaries(timeout_s=3), counted(Outcome.REFUSED)  # the refusal's retry time (10 s) is past it
+    jobs, refused_before = summaries(state, timeout_s=3), counted(Outcome.REFUSED)  # the refusal's retry time (10 s) is past it
     async with RouterStandIn(state, "refuse") as router:
         with pytest.raises(SummaryFailed) as failure:
             await write_summary(state, job_of(conversation, messages[:4]), jobs.config)
-        jobs.schedule(state, job_of(conversation, messages[:4]))
+        jobs.schedule(job_of(conversation, messages[:4]))
         await jobs.wait()  # the scheduled one ends without raising
     assert failure.value.outcome == Outcome.REFUSED
     assert counted(Outcome.REFUSED) == refused_before + 1
@@ -257,8 +270,8 @@ async def test_a_refused_summary_stores_nothing_keeps_no_reply_and_is_counted_as
 
 async def test_a_job_no_router_answers_fails_without_raising(state):
     conversation, messages = await long_conversation(state)
-    jobs, failed_before = summaries(), counted(Outcome.FAILED)
-    jobs.schedule(state, job_of(conversation, messages[:4]))
+    jobs, failed_before = summaries(state), counted(Outcome.FAILED)
+    jobs.schedule(job_of(conversation, messages[:4]))
     await jobs.wait()
     assert counted(Outcome.FAILED) == failed_before + 1
     assert (await stored_conversation(state, conversation)).summary == ""
@@ -269,7 +282,7 @@ async def test_a_summary_past_its_deadline_fails_and_its_reply_is_cancelled(stat
     cancels = await state.bus.client.subscribe(subjects.CANCEL_ALL)
     async with RouterStandIn(state, "silent") as router:
         with pytest.raises(SummaryFailed) as failure:
-            await write_summary(state, job_of(conversation, messages[:4]), summaries(timeout_s=0.5).config)
+            await write_summary(state, job_of(conversation, messages[:4]), summaries(state, timeout_s=0.5).config)
     assert failure.value.outcome == Outcome.FAILED
     cancel = await cancels.next_msg(timeout=5)
     assert cancel.subject == subjects.cancel(router.requests[0].reply_id), "the worker stops writing it"
@@ -280,10 +293,10 @@ async def test_a_summary_past_its_deadline_fails_and_its_reply_is_cancelled(stat
 async def test_a_process_runs_at_most_its_bound_of_jobs_and_counts_the_rest_as_skipped(state):
     first, first_messages = await long_conversation(state)
     second, second_messages = await long_conversation(state)
-    jobs, skipped_before = summaries(max_jobs=1), counted(Outcome.SKIPPED)
+    jobs, skipped_before = summaries(state, max_jobs=1), counted(Outcome.SKIPPED)
     async with RouterStandIn(state):
-        jobs.schedule(state, job_of(first, first_messages[:4]))
-        jobs.schedule(state, job_of(second, second_messages[:4]))
+        jobs.schedule(job_of(first, first_messages[:4]))
+        jobs.schedule(job_of(second, second_messages[:4]))
         assert jobs.num_running == 1
         await jobs.wait()
     assert counted(Outcome.SKIPPED) == skipped_before + 1
@@ -293,18 +306,19 @@ async def test_a_process_runs_at_most_its_bound_of_jobs_and_counts_the_rest_as_s
 
 async def test_no_job_when_summaries_are_off_or_nothing_was_dropped(state):
     conversation, messages = await long_conversation(state)
-    off = Summaries(SummaryConfig(is_enabled=False, max_tokens=200))
-    off.schedule(state, job_of(conversation, messages[:4]))
-    on = summaries()
-    on.schedule(state, job_of(conversation, []))
+    off_config = SummaryConfig(is_enabled=False, max_tokens=200)
+    off = Summaries(off_config, writer_of(state, off_config).write)
+    off.schedule(job_of(conversation, messages[:4]))
+    on = summaries(state)
+    on.schedule(job_of(conversation, []))
     assert off.num_running == on.num_running == 0
 
 
 async def test_closing_cancels_running_jobs_and_releases_their_keys(state):
     conversation, messages = await long_conversation(state)
-    jobs = summaries()
+    jobs = summaries(state)
     async with RouterStandIn(state, "silent") as router:
-        jobs.schedule(state, job_of(conversation, messages[:4]))
+        jobs.schedule(job_of(conversation, messages[:4]))
         await wait_until(lambda: asyncio.sleep(0, router.requests), timeout_s=10)  # the job reads its (silent) reply
         await jobs.close()
     assert jobs.num_running == 0
@@ -314,7 +328,7 @@ async def test_closing_cancels_running_jobs_and_releases_their_keys(state):
 async def test_a_refusal_is_asked_again_after_its_retry_time_within_the_deadline(state):
     conversation, messages = await long_conversation(state)
     async with RouterStandIn(state, "refuse_briefly", "worker_busy", "answer") as router:
-        config = Summaries(SummaryConfig(is_enabled=True, max_tokens=200, timeout_s=30)).config
+        config = SummaryConfig(is_enabled=True, max_tokens=200, timeout_s=30)
         outcome = await write_summary(state, job_of(conversation, messages[:4]), config)
     assert outcome == Outcome.WRITTEN
     assert len(router.requests) == 3, "the ladder's refusal, then the worker's, then the summary"
@@ -326,7 +340,7 @@ async def test_a_worker_that_refuses_the_background_lane_counts_as_a_refusal(sta
     conversation, messages = await long_conversation(state)
     async with RouterStandIn(state, "worker_busy"):
         with pytest.raises(SummaryFailed) as failure:
-            await write_summary(state, job_of(conversation, messages[:4]), summaries(timeout_s=3).config)
+            await write_summary(state, job_of(conversation, messages[:4]), summaries(state, timeout_s=3).config)
     assert failure.value.outcome == Outcome.REFUSED
     assert (await stored_conversation(state, conversation)).summary == ""
 
@@ -337,10 +351,10 @@ async def test_a_job_asks_only_once_its_turns_answer_has_ended(state):
     await create_reply(state.redis, ReplyMeta(reply_id=turn_reply, model="m"), track_readers=True)
     async with RouterStandIn(state) as router:
         with pytest.raises(SummaryFailed) as failure:
-            await write_summary(state, job_of(conversation, messages[:4], turn_reply), summaries(timeout_s=2).config)
+            await write_summary(state, job_of(conversation, messages[:4], turn_reply), summaries(state, timeout_s=2).config)
         assert failure.value.outcome == Outcome.FAILED and router.requests == [], "never asked beside a running answer"
         await TokenLogWriter(state.redis, ttl_s=60).append(final_event(turn_reply, 1, FINISH_REASON_STOP))
-        outcome = await write_summary(state, job_of(conversation, messages[:4], turn_reply), summaries(timeout_s=10).config)
+        outcome = await write_summary(state, job_of(conversation, messages[:4], turn_reply), summaries(state, timeout_s=10).config)
     assert outcome == Outcome.WRITTEN and len(router.requests) == 1
 
 

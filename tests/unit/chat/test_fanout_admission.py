@@ -17,9 +17,10 @@ from fastapi import FastAPI
 from helpers import wait_until
 
 from services.chat import errors
+from services.chat.config import ChatConfig
+from services.chat.deps import Chat, StreamAdmission
 from services.chat.sse import StreamResponse, sse_response
-from services.chat.state import ChatConfig, State
-from services.chat.stream_slots import StreamAdmission, StreamSlots
+from services.chat.stream_slots import StreamSlots
 from tandem.config import ApiKey, Tier
 
 CONFIG = ChatConfig("", 16, 512, 512, 1000, 60, max_streams=3, stream_limit_free=2)
@@ -32,13 +33,13 @@ def build_app(slots: StreamSlots) -> FastAPI:
     errors.install(app)
 
     @app.get("/stream")
-    async def stream(state: State, slot: StreamAdmission) -> StreamResponse:
+    async def stream(state: Chat, slot: StreamAdmission) -> StreamResponse:
         async def endless() -> AsyncIterator[bytes]:
             yield b"event: open\r\ndata: {}\r\n\r\n"
             await asyncio.Event().wait()  # until the client goes away
             yield b""
 
-        return sse_response(state, endless())
+        return sse_response(endless(), state.config.keepalive_s)
 
     return app
 

@@ -19,8 +19,11 @@ import pytest_asyncio
 from helpers import is_running, wait_until
 from prometheus_client import REGISTRY
 
+from services.chat.config import ChatConfig
 from services.chat.context import active_history
+from services.chat.door import Door
 from services.chat.errors import Moderated, Unavailable, answer
+from services.chat.model_routing import ModelRouter, RoutingConfig
 from services.chat.models_view import ModelsView
 from services.chat.moderation import (
     MODERATED_MESSAGE,
@@ -29,8 +32,9 @@ from services.chat.moderation import (
     refuse_openai_input,
     start_input_check,
 )
-from services.chat.state import ChatConfig, ChatState
-from services.chat.turns import SamplingChoice, send_message
+from services.chat.prompt import LoadedTokenizer
+from services.chat.replies import ReplyStarter
+from services.chat.turns import SamplingChoice, Turns
 from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey, Tier
 from tandem.errors import StartupError
@@ -140,22 +144,21 @@ async def store(tmp_path) -> AsyncIterator[SqliteStore]:
     await store.close()
 
 
-async def chat_state(store: SqliteStore, tokenizer: Any, input_check: InputCheck) -> ChatState:
-    """No Redis, no bus, no fanout: a refused message must not reach any of them (reserving a
-    quota or starting a reply on None fails the test)."""
+async def chat_turns(store: SqliteStore, tokenizer: Any, input_check: InputCheck) -> Turns:
+    """No Redis, no bus: a refused message must not reach either (starting a reply on None fails the test)."""
     models = ModelsView()
     await models.on_heartbeat(heartbeat("m1", 2048))
-    return ChatState(
+    door = Door()
+    return Turns(
         config=CONFIG,
-        instance_id="test-chat",
-        api_keys={},
         store=store,
         redis=None,  # type: ignore[arg-type]
-        fanout=None,  # type: ignore[arg-type]
-        stream_slots=None,  # type: ignore[arg-type]
         bus=None,  # type: ignore[arg-type]
         models=models,
-        tokenizer=tokenizer,
+        door=door,
+        tokenizer=LoadedTokenizer(tokenizer),
+        router=ModelRouter(RoutingConfig.of(CONFIG), models),
+        starter=ReplyStarter(None, None, door, None, CONFIG.generate_timeout_s),  # type: ignore[arg-type]
         input_check=input_check,
     )
 
@@ -163,13 +166,13 @@ async def chat_state(store: SqliteStore, tokenizer: Any, input_check: InputCheck
 @pytest.mark.real_model
 async def test_the_check_runs_while_the_prompt_is_built_and_a_refused_turn_is_stored_moderated_with_nothing_started(store, tokenizer):
     rendezvous = Rendezvous()
-    state = await chat_state(store, MeetingTokenizer(tokenizer, rendezvous), InputCheck.in_thread(MeetingCheck(rendezvous), 0.5))
+    turns = await chat_turns(store, MeetingTokenizer(tokenizer, rendezvous), InputCheck.in_thread(MeetingCheck(rendezvous), 0.5))
     conversation = Conversation(id="c1", user_id=USER.user_id, title="", model="", created_at_ms=1, updated_at_ms=1)
     await store.create_conversation(conversation)
     before = moderated_count("free", "m1")
 
     with pytest.raises(Moderated) as refused:
-        await send_message(state, USER, conversation, "some words", "m1", "r1", SamplingChoice())
+        await turns.send_message(USER, conversation, "some words", "m1", "r1", SamplingChoice())
 
     assert rendezvous.check_saw_build and rendezvous.build_saw_check  # they overlapped
     assert (refused.value.code, refused.value.message) == ("moderated", MODERATED_MESSAGE)
