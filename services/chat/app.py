@@ -60,8 +60,8 @@ def build_app(settings: Settings) -> FastAPI:
         quotas=TokenBuckets(redis, QuotaConfig.from_settings(settings)),
         difficulty=open_judge(settings.difficulty_classifier, settings.difficulty_timeout_s),  # for `auto`
         summaries=Summaries(summary_config, writer.write),
-        # Loaded once in a process of its own, before the event loop runs (profanity-check's model
-        # takes about a second); a bad TANDEM_INPUT_MODERATION is a StartupError, one line at start.
+        # Loaded once in a process of its own, before the event loop runs (loading profanity-check's
+        # model is slow); a bad TANDEM_INPUT_MODERATION is a StartupError, one line at start.
         input_check=load_input_check(settings.input_moderation, settings.moderation_threshold),
     )
 

@@ -161,7 +161,7 @@ class Weights:
 
 
 class FeatureClassifier:
-    """The built-in classifier: a logistic model over `Features` (microseconds per message)."""
+    """The built-in classifier: a logistic model over `Features` (arithmetic on a few counts: cheap enough for the event loop)."""
 
     def __init__(self, weights: Weights | None = None) -> None:
         self.weights = weights or Weights()

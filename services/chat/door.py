@@ -4,8 +4,9 @@ A router that refuses a free reply for want of capacity (`overloaded`: every wor
 make it wait past the lane's target, or the ladder's top rung) says when to retry. For a short
 while after (the retry time, at most `max_closed_s`), this instance refuses the same model's free
 messages at once, with 503 `overloaded` and the time left to the router's retry time, before it
-stores, tokenizes, reserves quota or asks a router anything; while every served model's door is
-closed, as the message arrives, before its input check, store reads or routing classifier too.
+reserves quota, stores or asks a router anything (services.chat.replies.ReplyStarter, the one
+place a reply starts); while every served model's door is closed, as the message arrives, before
+its input check, store reads, routing classifier or tokenizer too.
 Under an overload that is most of what arrives, and all of it shares the cores with the replies
 being served. Paid messages always go to the router: their lane is never closed here."""
 

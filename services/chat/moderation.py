@@ -71,7 +71,7 @@ class InputCheck:
 
 def load_input_check(spec: str, threshold: float, call_timeout_s: float = CALL_TIMEOUT_S) -> InputCheck | None:
     """The check `TANDEM_INPUT_MODERATION` names (None for `none`), loaded in its own process now
-    (profanity-check's model takes about a second): the caller runs this at startup. A spec that
+    (loading profanity-check's model is slow): the caller runs this at startup. A spec that
     names nothing loadable is a StartupError naming the setting."""
     process = CheckProcess.start(spec, "TANDEM_INPUT_MODERATION", call_timeout_s)
     if process is None:

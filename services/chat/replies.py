@@ -66,8 +66,8 @@ class ReplyRequest:
     route: Route | None = None  # how its model was chosen (model auto)
     # Awaited once the reply is recorded, before its request is sent; raises to refuse it (nothing
     # of it is kept, its reservation given back): the input check's verdict, which the OpenAI
-    # endpoints wait for here so that its last milliseconds pass with the quota's and the log's
-    # round trips instead of before them.
+    # endpoints wait for here so that the rest of its wait overlaps the quota's and the log's
+    # round trips instead of coming before them.
     cleared: Callable[[], Awaitable[None]] | None = None
 
 

@@ -139,8 +139,8 @@ class StreamResponse(EventSourceResponse):
     """An EventSourceResponse that runs its `on_close` callbacks however it ends (its body may
     never have started), and ends quietly for a client that stopped taking bytes. With a
     `writer_slot`, its body's producer may write live events to the connection itself, and a
-    keep-alive is left out when such writes reached the client since the last one: a chat
-    holding 10,000 streams spent a tenth of its loop on keep-alives of streams busy with events.
+    keep-alive is left out when such writes reached the client since the last one: with thousands
+    of streams, keep-alives to streams busy with events are loop time spent for nothing.
     A keep-alive still goes to a client the server holds writes for (the connection paused): its
     timed send is what ends the stream of a client that stopped reading."""
 
