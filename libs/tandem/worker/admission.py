@@ -17,7 +17,7 @@ Background work is taken only on idle capacity (nothing paid or free waits, KV b
 Free KV blocks are reported (`can_hold`, the heartbeat's kv_blocks_free) but are no reason to
 refuse a paid or free request: blocks come back within seconds as running replies end, and
 refusing whenever the queued prompts outgrow the free blocks refused short queues that start well
-within their targets (six 900-token prompts on a 2,900-token CPU worker). A queue that cannot
+within their targets (a few long prompts on a small CPU worker). A queue that cannot
 start in time shows in the wait; sustained KV pressure is the router's ladder's to act on.
 
 Until the worker has measured either rate it does not refuse on wait: it has nothing to

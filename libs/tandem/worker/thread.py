@@ -93,9 +93,9 @@ class EngineThread(EngineDriver):
         return self._is_ready.is_set() and self._death is None and self._thread.is_alive()
 
     @property
-    def engine(self) -> Engine:
-        """The engine itself, for what the loop may read while it steps (its shape, views of blocks
-        no step touches); every change goes through `call` or `post`."""
+    def _loaded(self) -> Engine:
+        """The engine itself, for what the loop may read while it steps (its facts, views of blocks
+        no step touches, its configuration's checks); every change goes through `call` or `post`."""
         if self._engine is None:
             raise RuntimeError("the engine is not loaded yet")
         return self._engine
@@ -103,16 +103,16 @@ class EngineThread(EngineDriver):
     @property
     def facts(self) -> EngineFacts:
         if self._facts is None:
-            self._facts = self.engine.facts()
+            self._facts = self._loaded.facts()
         return self._facts
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """One block's K and V (Engine.block_view): a view no step touches while its block is held for a handoff."""
-        return self.engine.block_view(block_id)
+        return self._loaded.block_view(block_id)
 
     async def check(self, request: Request) -> None:
         """Engine.check, which reads only the configuration: answered at once, beside a step."""
-        self.engine.check(request)
+        self._loaded.check(request)
 
     def start(self) -> None:
         self._thread.start()
