@@ -170,7 +170,7 @@ async def test_cassandra_append_that_died_after_taking_its_seq_is_finished_by_it
         interrupted = turn(conversation, "the writer died after taking seq 2")
         # The first two steps of append_message, as a writer that then crashed would have left them:
         # the id claimed, the seq row written, but neither the id's seq nor the conversation updated.
-        await store._run("claim_id", interrupted.id, conversation.id)
+        await store._session.run("claim_id", interrupted.id, conversation.id)
         await store._take_seq(interrupted, 2)
         assert await store.get_message(interrupted.id) is None
         retried = await store.append_message("alice", interrupted)

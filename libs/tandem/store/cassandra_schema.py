@@ -1,0 +1,104 @@
+"""The Cassandra store's tables, their migrations, and the statements it prepares.
+
+The schema version and the message bucket size live in `schema_version`; a keyspace made by
+newer code, or with another bucket size, is refused rather than written.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tandem.bus.events import ReplyStatus, now_ms
+from tandem.store.base import Conversation, Message, Role, StoreUnavailable
+from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession
+
+SCHEMA_VERSION = 1
+DEFAULT_BUCKET_SIZE = 1000
+
+MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE IF NOT EXISTS conversations (
+            id text PRIMARY KEY, user_id text, title text, model text, created_at_ms bigint, updated_at_ms bigint,
+            summary text, summary_upto_seq int, token_counts map<int, int>, last_seq int)""",
+        # Left-behind entries are filtered on read, so a short gc_grace only risks harmless ones.
+        """CREATE TABLE IF NOT EXISTS conversations_by_user (
+            user_id text, updated_at_ms bigint, conversation_id text,
+            PRIMARY KEY ((user_id), updated_at_ms, conversation_id))
+            WITH CLUSTERING ORDER BY (updated_at_ms DESC, conversation_id DESC) AND gc_grace_seconds = 3600""",
+        """CREATE TABLE IF NOT EXISTS messages (
+            conversation_id text, bucket int, seq int, id text, parent_seq int, role text, content text,
+            tokens int, model text, status text, created_at_ms bigint,
+            PRIMARY KEY ((conversation_id, bucket), seq)) WITH CLUSTERING ORDER BY (seq ASC)""",
+        "CREATE TABLE IF NOT EXISTS messages_by_id (id text PRIMARY KEY, conversation_id text, seq int)",
+    ],
+}
+MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
+_CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms, summary, summary_upto_seq, token_counts, last_seq"
+QUERIES = {
+    "get_conversation": f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ?",
+    "create_conversation": f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+    "set_title": "UPDATE conversations SET title = ? WHERE id = ?",
+    "set_summary": "UPDATE conversations SET summary = ?, summary_upto_seq = ? WHERE id = ?",
+    "count_tokens": "UPDATE conversations SET token_counts[?] = ? WHERE id = ?",
+    "bump_conversation": "UPDATE conversations SET last_seq = ?, token_counts[?] = ?, updated_at_ms = ? WHERE id = ?",
+    "index_insert": "INSERT INTO conversations_by_user (user_id, updated_at_ms, conversation_id) VALUES (?, ?, ?)",
+    "index_delete": "DELETE FROM conversations_by_user WHERE user_id = ? AND updated_at_ms = ? AND conversation_id = ?",
+    "index_page": "SELECT updated_at_ms, conversation_id FROM conversations_by_user WHERE user_id = ? AND updated_at_ms < ?",
+    "claim_id": "INSERT INTO messages_by_id (id, conversation_id) VALUES (?, ?) IF NOT EXISTS",
+    "set_id_seq": "UPDATE messages_by_id SET seq = ? WHERE id = ?",
+    "get_id": "SELECT conversation_id, seq FROM messages_by_id WHERE id = ?",
+    "claim_seq": f"INSERT INTO messages ({MESSAGE_COLUMNS}, bucket) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+    "finish": "UPDATE messages SET content = ?, status = ?, tokens = ? WHERE conversation_id = ? AND bucket = ? AND seq = ? IF status = 'running'",
+    "finish_model": "UPDATE messages SET content = ?, status = ?, tokens = ?, model = ? "
+    "WHERE conversation_id = ? AND bucket = ? AND seq = ? IF status = 'running'",
+    "get_message": f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq = ?",
+    "messages_after": f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND bucket = ? AND seq > ?",
+    "message_ids": "SELECT id FROM messages WHERE conversation_id = ? AND bucket = ?",
+    "delete_bucket": "DELETE FROM messages WHERE conversation_id = ? AND bucket = ?",
+    "delete_id": "DELETE FROM messages_by_id WHERE id = ?",
+    "delete_conversation": "DELETE FROM conversations WHERE id = ?",
+}
+_GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE component = 'conversations'"
+_SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
+
+
+def in_keyspace(query: str, keyspace: str) -> str:
+    """The query with its table named as keyspace.table: Cassandra warns about prepared
+    statements that rely on a session keyspace (USE)."""
+    return re.sub(r"\b(FROM|INTO|UPDATE) (?=[a-z_]+\b)", rf"\1 {keyspace}.", query)
+
+
+async def migrate(session: CassandraSession, keyspace: str, replication: str, bucket_size: int) -> None:
+    """Creates the keyspace and brings its tables up to SCHEMA_VERSION, one recorded step at a time."""
+    ks = keyspace
+    await _ddl(session, f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {replication}")
+    await _ddl(
+        session,
+        f"CREATE TABLE IF NOT EXISTS {ks}.schema_version (component text PRIMARY KEY, version int, bucket_size int, applied_at_ms bigint)",
+    )
+    # No `USE`: statements name their keyspace (Cassandra warns about USE with prepared statements).
+    rows = (await session.execute(_GET_SCHEMA.format(ks=ks), ())).current_rows
+    version, stored_bucket_size = (rows[0]["version"], rows[0]["bucket_size"]) if rows else (0, bucket_size)
+    if version > SCHEMA_VERSION:
+        raise StoreUnavailable(f"cassandra keyspace {ks} has schema version {version}, newer than this code ({SCHEMA_VERSION})")
+    if stored_bucket_size != bucket_size:
+        raise ValueError(f"keyspace {ks} buckets messages by {stored_bucket_size}, not {bucket_size}: it cannot change")
+    for step in range(version + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS[step]:
+            await _ddl(session, statement.replace("CREATE TABLE IF NOT EXISTS ", f"CREATE TABLE IF NOT EXISTS {ks}.", 1))
+        await session.execute(_SET_SCHEMA.format(ks=ks), (step, bucket_size, now_ms()))
+
+
+async def _ddl(session: CassandraSession, statement: str) -> None:
+    await session.execute(statement, (), timeout_s=DDL_TIMEOUT_S)
+
+
+def message_from_row(row: dict[str, Any]) -> Message:
+    fields = {key: row[key] for key in MESSAGE_COLUMNS.split(", ")}
+    return Message(**fields | {"role": Role(fields["role"]), "status": ReplyStatus(fields["status"])})
+
+
+def conversation_from_row(row: dict[str, Any]) -> Conversation:
+    fields = {key: row[key] for key in _CONVERSATION_COLUMNS.split(", ")[:-2]}
+    return Conversation(**fields, total_tokens=sum((row["token_counts"] or {}).values()))
