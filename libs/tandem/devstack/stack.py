@@ -39,59 +39,26 @@ operator's login for tools, and <work folder>/operator.env holds it as settings 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import httpx
-
 from tandem.bus.permissions import OPERATOR
-from tandem.config import Settings
-from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, dev_api_keys, service_member
-from tandem.devstack.proc import ChildProcess, describe_exit
+from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, service_member
+from tandem.devstack.proc import ChildProcess
 from tandem.devstack.secrets import env_file_text, write_private
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
+from tandem.devstack.stack_settings import stack_config_from
+from tandem.devstack.supervisor import signal_child, supervise
 from tandem.errors import StartupError
-from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
 
-BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-# Settings the stack sets for each service itself; any other setting given to `tandem up` as a
-# flag reaches every service as its variable.
-_STACK_OWNED_SETTINGS = frozenset(
-    {
-        "host",
-        "http_port",
-        "grpc_port",
-        "ucx_port",
-        "instance_id",
-        "nats_url",
-        "redis_url",
-        "api_keys",
-        "decode_workers",
-        "prefill_workers",
-        "chat_instances",
-        "nats_user",
-        "nats_password",
-        "redis_username",
-        "redis_password",
-        "internal_secret",
-        "small_decode_workers",
-        "small_model_path",
-        "small_model_quantization",
-        "large_model",
-        "small_model",
-    }
-)
 OPERATOR_FILE = "operator.env"
 
 
@@ -141,7 +108,13 @@ class Stack:
         for role, index, pool in self._config.planned():
             member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool)
             self._members.append(member)
-        self._supervisors = [asyncio.create_task(self._supervise(m), name=f"supervise:{m.name}") for m in self._members]
+        self._supervisors = [
+            asyncio.create_task(
+                supervise(m, stopping=self._stopping, say=self._console.say, stable_after_s=self._config.stable_after_s),
+                name=f"supervise:{m.name}",
+            )
+            for m in self._members
+        ]
         problem = await self._wait_all_ready()
         if problem:
             await self.stop()
@@ -158,8 +131,8 @@ class Stack:
         for group in (services, servers):
             running = [m.child for m in group if m.child is not None and m.child.poll() is None]
             for child in running:
-                _send(child.pid, signal.SIGCONT)  # a SIGSTOPped member hears its SIGTERM too
-                _send(child.pid, signal.SIGTERM)
+                signal_child(child.pid, signal.SIGCONT)  # a SIGSTOPped member hears its SIGTERM too
+                signal_child(child.pid, signal.SIGTERM)
             await asyncio.gather(*(self._reap(child) for child in running))
         await asyncio.gather(*self._supervisors, return_exceptions=True)
         self._supervisors, self._members = [], []
@@ -209,14 +182,14 @@ class Stack:
         member.is_held = True
         member.wake.set()
         if member.pid is not None:
-            _send(member.pid, signal.SIGCONT)  # a SIGSTOPped process would never act on the signal
-            _send(member.pid, signum)
+            signal_child(member.pid, signal.SIGCONT)  # a SIGSTOPped process would never act on the signal
+            signal_child(member.pid, signum)
         try:
             await asyncio.wait_for(member.is_parked.wait(), self._config.stop_timeout_s)
         except TimeoutError:
             self._console.say(f"{name} did not stop in {self._config.stop_timeout_s:.0f} s; killing it")
             if member.pid is not None:
-                _send(member.pid, signal.SIGKILL)
+                signal_child(member.pid, signal.SIGKILL)
             await asyncio.wait_for(member.is_parked.wait(), self._config.stop_timeout_s)
 
     async def release(self, name: str, timeout_s: float | None = None) -> None:
@@ -263,80 +236,6 @@ class Stack:
         self._console.say(f"{role} started (pid {server.pid}) at {server.address}")
         return server
 
-    # -- supervision -------------------------------------------------------------------------
-
-    async def _supervise(self, member: Member) -> None:
-        """Keeps `member` running (a member already started, a server, is watched first), except
-        while it is held."""
-        while not self._stopping.is_set():
-            if member.is_held:
-                member.is_parked.set()
-                await self._sleep_unless_woken(member, None)
-                continue
-            member.is_parked.clear()
-            started_s = time.monotonic()
-            try:
-                if member.child is None or member.child.poll() is not None:
-                    member.child = await asyncio.to_thread(member.launch)
-                    self._console.say(f"{member.name} started (pid {member.child.pid})")
-            except StartupError as exc:
-                outcome = f"failed to start: {exc}"
-            else:
-                if member.is_held or self._stopping.is_set():  # held, or the stack stopping, while it started
-                    _send(member.child.pid, signal.SIGTERM)
-                outcome = await self._watch(member)
-            if self._stopping.is_set():
-                return
-            if member.is_held:
-                self._console.say(f"{member.name} {outcome}; held down until released")
-                continue
-            if time.monotonic() - started_s >= self._config.stable_after_s:
-                member.num_quick_restarts = 0
-            delay_s = BACKOFF_S[min(member.num_quick_restarts, len(BACKOFF_S) - 1)]
-            member.num_quick_restarts += 1
-            self._console.say(f"{member.name} {outcome}; restarting in {delay_s:.0f} s")
-            await self._sleep_unless_woken(member, delay_s)
-
-    async def _sleep_unless_woken(self, member: Member, delay_s: float | None) -> None:
-        """Waits `delay_s` (None: for ever), cut short by a stop or by hold/release."""
-        woken = asyncio.ensure_future(member.wake.wait())
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({woken, stopping}, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            stopping.cancel()
-            member.wake.clear()
-
-    async def _watch(self, member: Member) -> str:
-        """Waits for the member's exit, announcing readiness meanwhile; says how it ended."""
-        assert member.child is not None
-        readiness = None
-        if member.readyz_url is None:
-            member.is_ready.set()
-        else:
-            readiness = asyncio.create_task(self._await_ready(member))
-        try:
-            returncode = await member.child.wait_async()
-        finally:
-            member.is_ready.clear()
-            if readiness is not None:
-                readiness.cancel()
-        return f"exited ({describe_exit(returncode)})"
-
-    async def _await_ready(self, member: Member) -> None:
-        assert member.readyz_url is not None
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                try:
-                    if (await client.get(member.readyz_url)).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.25)
-        member.is_ready.set()
-        self._console.say(f"{member.name} ready")
-
     async def _wait_all_ready(self) -> str:
         """ "" once every member is ready; else what went wrong."""
         everyone = asyncio.gather(*(m.is_ready.wait() for m in self._members))
@@ -360,7 +259,7 @@ class Stack:
         else:
             for member in self._members:
                 if member.pid is not None:
-                    _send(member.pid, signal.SIGKILL)
+                    signal_child(member.pid, signal.SIGKILL)
 
     def _announce(self) -> None:
         host, port = self._config.host, self._config.chat_port
@@ -392,71 +291,3 @@ class Stack:
             self._console.say(f"{child.name} did not stop in {self._config.stop_timeout_s:.0f} s; killing it")
             child.process.kill()
             await child.wait_async()
-
-
-def _send(pid: int, signum: int) -> None:
-    """A signal to a child that may have exited a moment ago (its pid is not reaped, so not reused)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signum)
-
-
-def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str, str] | None = None) -> StackConfig:
-    """`flags`: the settings given to `tandem up` as flags (name -> value as typed); each reaches
-    every service as its TANDEM_ variable, except those the stack sets per member."""
-    extra_env: dict[str, str] = {"TANDEM_LOG_LEVEL": settings.log_level}
-    if settings.model_path is not None:
-        extra_env["TANDEM_MODEL_PATH"] = str(settings.model_path)
-    for name, value in (flags or {}).items():
-        if name not in _STACK_OWNED_SETTINGS:
-            extra_env[f"TANDEM_{name.upper()}"] = str(value)
-    small_worker_env: dict[str, str] = {}
-    if settings.small_decode_workers:
-        pools = model_pools(settings)
-        extra_env.update({"TANDEM_LARGE_MODEL": pools.large, "TANDEM_SMALL_MODEL": pools.small})
-        small_worker_env = {"TANDEM_QUANTIZATION": settings.small_model_quantization, "TANDEM_SERVED_MODEL_NAME": pools.small}
-        small_path = settings.small_model_path or settings.model_path
-        if small_path is not None:
-            small_worker_env["TANDEM_MODEL_PATH"] = str(small_path)
-    return StackConfig(
-        host=settings.host,
-        chat_port=settings.http_port_for("chat") if chat_port is None else chat_port,
-        api_keys=settings.api_keys or dev_api_keys(),
-        extra_env=extra_env,
-        num_decode_workers=settings.decode_workers,
-        num_prefill_workers=settings.prefill_workers,
-        num_chat_instances=settings.chat_instances,
-        num_small_decode_workers=settings.small_decode_workers,
-        small_worker_env=small_worker_env,
-    )
-
-
-@dataclass(frozen=True)
-class ModelNames:
-    large: str
-    small: str
-
-
-def model_pools(settings: Settings) -> ModelNames:
-    """The served ids of the two models `tandem up` serves: large_model and small_model when set,
-    else named as a worker names its model (tandem.models.files): the served_model_name or the
-    file's, and the small one's file name with its quantization ("SmolLM2-135M-Instruct" and
-    "SmolLM2-135M-Instruct-int8" by default). Raises StartupError when both would be one model."""
-    large = settings.large_model or settings.served_model_name or _file_model_name(settings.model_path)
-    small = settings.small_model
-    if not small:
-        small = large if settings.small_model_path is None else _file_model_name(settings.small_model_path)
-        if settings.small_model_quantization != "none":
-            small = f"{small}-{settings.small_model_quantization}"
-    if small == large:
-        raise StartupError(
-            f"the small model would be {large} again (the same weights, not quantized): set TANDEM_SMALL_MODEL_PATH, "
-            "TANDEM_SMALL_MODEL_QUANTIZATION=int8, or TANDEM_SMALL_DECODE_WORKERS=0 for one model"
-        )
-    return ModelNames(large=large, small=small)
-
-
-def _file_model_name(path: Path | None) -> str:
-    """The served id a worker derives from `path` (None: the embedded model); a path that is no model fails here."""
-    if path is None:
-        return EMBEDDED_MODEL_NAME
-    return open_model(path).name
