@@ -48,7 +48,6 @@ def build_app(settings: Settings) -> FastAPI:
     writer = SummaryWriter(summary_config, config, redis, store, tokenizer, asker)
     state = ChatState(
         config=config,
-        instance_id=runtime.config.instance_id,
         api_keys=settings.api_keys,
         store=store,
         redis=redis,

@@ -26,7 +26,6 @@ from tandem.store import ConversationStore
 @dataclass
 class ChatState:
     config: ChatConfig
-    instance_id: str
     api_keys: dict[str, ApiKey]
     store: ConversationStore
     redis: Redis  # short commands, from a bounded pool

@@ -49,7 +49,6 @@ async def state(redis_server, tmp_path) -> AsyncIterator[ChatState]:
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
     state = ChatState(
         config=CONFIG,
-        instance_id="test-fanout",
         api_keys={},
         store=store,
         redis=redis,

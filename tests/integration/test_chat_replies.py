@@ -68,7 +68,6 @@ async def state(redis_server, nats_server, tmp_path) -> AsyncIterator[ChatState]
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
     state = ChatState(
         config=CONFIG,
-        instance_id="test-chat",
         api_keys={},
         store=store,
         redis=redis,
