@@ -40,7 +40,7 @@ class MessageKind(enum.Enum):
 # -- to the engine process ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Start:
     """The engine to build, and the engine process's log level."""
 
@@ -49,7 +49,7 @@ class Start:
     log_level: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Call:
     """fn(engine) between two steps, in ticket order; a `Result` answers it when `wants_result`.
     `fn` travels pickled: a module-level function (engine_calls.py), or a functools.partial of one."""
@@ -60,7 +60,7 @@ class Call:
     wants_result: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Check:
     """Engine.check(request), answered at once by a `Result`, beside the step in progress."""
 
@@ -69,7 +69,7 @@ class Check:
     request: Request
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Cut:
     """Engine.cut_step, beside the step in progress (after a paid request's add: the socket keeps their order)."""
 
@@ -79,7 +79,7 @@ class Cut:
 # -- to the worker --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ready:
     """The engine is built; its KV cache is in the memfd now."""
 
@@ -88,7 +88,7 @@ class Ready:
     stats: EngineStats
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Change:
     """After a batch of calls or a step: its outputs, the fresh stats, how many calls (tickets) they
     include, and what the engine recorded since the last change."""
@@ -101,7 +101,7 @@ class Change:
     queue_waits: list[QueueWait]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Result:
     """What the call or check with `ticket` returned (`result`) or raised (`exc`)."""
 
@@ -111,7 +111,7 @@ class Result:
     exc: BaseException | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Died:
     """What ended the engine process (the exception, or its words when it does not pickle)."""
 
@@ -121,8 +121,6 @@ class Died:
 
 ToEngine = Start | Call | Check | Cut
 ToWorker = Ready | Change | Result | Died
-_TO_ENGINE = (Start, Call, Check, Cut)
-_TO_WORKER = (Ready, Change, Result, Died)
 
 
 # -- the engine process's side: blocking --------------------------------------------------------
@@ -134,7 +132,7 @@ def send(conn: Connection, message: ToWorker) -> None:
 
 def receive(conn: Connection) -> ToEngine:
     message = pickle.loads(conn.recv_bytes())
-    if not isinstance(message, _TO_ENGINE):
+    if not isinstance(message, ToEngine):
         raise TypeError(f"not a message to the engine process: {type(message).__name__}")
     return message
 
@@ -165,7 +163,7 @@ def take_messages(inbox: bytearray) -> list[ToWorker]:
         if len(inbox) - start < header + size:
             break
         message = pickle.loads(inbox[start + header : start + header + size])
-        if not isinstance(message, _TO_WORKER):
+        if not isinstance(message, ToWorker):
             raise TypeError(f"not a message to the worker: {type(message).__name__}")
         messages.append(message)
         start += header + size

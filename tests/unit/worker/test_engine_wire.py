@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import socket
 from multiprocessing.connection import Connection
+from typing import get_args
 
 import pytest
 
@@ -28,7 +29,7 @@ def pair():
 
 
 def test_every_kind_has_one_message_class():
-    classes = [*engine_wire._TO_ENGINE, *engine_wire._TO_WORKER]
+    classes = [*get_args(engine_wire.ToEngine), *get_args(engine_wire.ToWorker)]
     assert sorted(c.kind.name for c in classes) == sorted(kind.name for kind in MessageKind)
 
 
