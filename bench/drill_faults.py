@@ -1,0 +1,98 @@
+"""The drills: the fault each causes mid-stream on the stack, how many streams it runs, and its
+target (printed beside the numbers as PASS/MISS, never an exit code)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from drill_report import DrillReport
+from drill_stack import DrillStack
+
+Fault = Callable[[DrillStack], Awaitable[str]]
+
+
+async def kill_decode(stack: DrillStack) -> str:
+    name = stack.busiest("decode")
+    pid = stack.signal(name, signal.SIGKILL)
+    return f"kill -9 {name} (pid {pid})"
+
+
+async def kill_prefill(stack: DrillStack) -> str:
+    name = stack.members("prefill")[0]
+    pid = stack.signal(name, signal.SIGKILL)
+    return f"kill -9 {name} (pid {pid})"
+
+
+async def kill_relay(stack: DrillStack) -> str:
+    name = stack.members("relay")[0]
+    pid = stack.signal(name, signal.SIGKILL)
+    return f"kill -9 {name} (pid {pid})"
+
+
+async def restart_redis(stack: DrillStack) -> str:
+    old_pid = stack.stack.member("redis").pid
+    await stack.stack.restart("redis", signal.SIGTERM, timeout_s=60.0)
+    return f"SIGTERM redis-server (pid {old_pid}), started again on the same port (pid {stack.stack.member('redis').pid})"
+
+
+async def pause_nats(stack: DrillStack) -> str:
+    pid = stack.signal("nats", signal.SIGSTOP)
+    await asyncio.sleep(10.0)  # the fault itself lasts 10 s
+    stack.signal("nats", signal.SIGCONT)
+    return f"SIGSTOP nats-server (pid {pid}) for 10 s"
+
+
+async def rolling(stack: DrillStack) -> str:
+    done = []
+    for name in stack.service_members():
+        pid = stack.signal(name, signal.SIGTERM)
+        await stack.wait_restarted(name, pid, timeout_s=180.0)
+        done.append(name)
+    return "SIGTERM in turn: " + ", ".join(done)
+
+
+@dataclass(frozen=True)
+class DrillPlan:
+    name: str
+    fault: Fault | None
+    num_streams: int
+    target: str
+    long_prompts: bool = False
+    disconnects: int = 0
+    check_texts: bool = True
+    steady: bool = False  # the load lasts as long as the fault: each reply is sent again once it ends
+
+
+def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
+    n = args.streams
+    return {
+        "kill_decode": DrillPlan("kill_decode", kill_decode, n, f"{n}/{n} complete, texts identical, longest pause <= 3 s"),
+        "kill_prefill": DrillPlan(
+            "kill_prefill", kill_prefill, max(1, n // 2), f"{max(1, n // 2)}/{max(1, n // 2)} complete", long_prompts=True
+        ),
+        "kill_relay": DrillPlan("kill_relay", kill_relay, n, f"{n}/{n} complete, every stored turn complete"),
+        "restart_redis": DrillPlan("restart_redis", restart_redis, n, f"{n}/{n} complete, every stored turn complete"),
+        "pause_nats": DrillPlan("pause_nats", pause_nats, n, "every reply completes or errors clearly; 0 hung", check_texts=False),
+        "rolling": DrillPlan("rolling", rolling, max(1, n // 2), "0 replies lost (0 hung, 0 errors)", steady=True),
+        "resume": DrillPlan(
+            "resume", None, args.resume_streams, "every text identical, event ids contiguous", disconnects=args.resume_drops
+        ),
+    }
+
+
+def met(report: DrillReport, plan: DrillPlan) -> bool:
+    n = report.num_replies
+    identical = report.texts_identical == n if report.texts_identical is not None else True
+    if plan.name == "kill_decode":
+        return report.completed == n and identical and report.longest_pause_s <= 3.0
+    if plan.name in ("kill_relay", "restart_redis"):
+        return report.completed == n and report.stored.get("complete", 0) == n
+    if plan.name == "pause_nats":
+        return report.hung == 0
+    if plan.name == "resume":
+        return report.completed == n and identical and report.ids_contiguous
+    return report.completed == n

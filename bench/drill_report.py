@@ -1,0 +1,58 @@
+"""A drill's report: what its replies did, against its target, and the table the drills print."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DrillReport:
+    name: str
+    fault: str
+    num_replies: int
+    fault_unix_s: float = 0.0  # when the fault was caused (wall clock)
+    longest_pause_ended_unix_s: float = 0.0
+    longest_ttft_s: float = 0.0  # a reply lost before its first token waits here, not in a pause
+    completed: int = 0
+    errors: int = 0
+    hung: int = 0
+    refused: int = 0
+    longest_pause_s: float = 0.0
+    # the longest pause in the undisturbed run of the same prompts (same stack, same run): what
+    # the load alone costs on this machine; None when the drill had no undisturbed run
+    undisturbed_longest_pause_s: float | None = None
+    texts_identical: int | None = None  # of the completed greedy replies, how many match the undisturbed run
+    texts_differing: list[int] = field(default_factory=list)  # prompt indices of completed replies that do not
+    texts_without_baseline: list[int] = field(default_factory=list)  # completed here, not in the undisturbed run
+    ids_contiguous: bool = True
+    stored: dict[str, int] = field(default_factory=dict)  # stored assistant turn statuses
+    target: str = ""
+    met: bool = False
+    seconds: float = 0.0
+    error_samples: list[str] = field(default_factory=list)
+
+
+def print_row(report: DrillReport) -> None:
+    print(
+        f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, {report.refused} refused, "
+        f"pause {report.longest_pause_s} s, TTFT max {report.longest_ttft_s} s, identical {report.texts_identical} "
+        f"(differing {report.texts_differing}, no baseline {report.texts_without_baseline}), stored {report.stored} "
+        f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
+        flush=True,
+    )
+
+
+def print_table(reports: list[DrillReport]) -> None:
+    header = f"{'drill':<14}{'replies':>8}{'done':>6}{'error':>6}{'hung':>6}{'pause s':>9}{'base s':>8}{'same':>6}  stored / target"
+    print("\n" + header)
+    for r in reports:
+        same = "-" if r.texts_identical is None else str(r.texts_identical)
+        base = "-" if r.undisturbed_longest_pause_s is None else str(r.undisturbed_longest_pause_s)
+        stored = ",".join(f"{k}:{v}" for k, v in sorted(r.stored.items()))
+        print(
+            f"{r.name:<14}{r.num_replies:>8}{r.completed:>6}{r.errors:>6}{r.hung:>6}{r.longest_pause_s:>9}{base:>8}{same:>6}  "
+            f"{stored} / {'PASS' if r.met else 'MISS'} {r.target}"
+        )
+        print(f"{'':<14}fault: {r.fault}")
+        if r.error_samples:
+            print(f"{'':<14}errors: {'; '.join(r.error_samples)}")
