@@ -31,171 +31,25 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import nats
 import uvloop
-from chat_client import Event, Pool, ProtocolError, read_events
+from chat_client import Pool
+from drill_client import TOPICS
 from drill_stack import DrillStack
-from drills import TOPICS
+from overload_client import Outcome, Sender, send_message
+from overload_metrics import LadderWatch, engine_counts, scrape, stage_breakdown
+from overload_report import TIERS, Phase, percentile, print_tables, summarize
 from procs import CpuMeter, descendants, pin, processes_by_role
 
-from tandem.bus import BadMessage, decode, subjects
+from tandem.bus import subjects
 from tandem.config import ApiKey, Tier, parse_cpu_list
-from tandem.ops.top_frame import Metrics, bucket_quantile
-from tandem.v1.worker_pb2 import LadderStatus
 
-TIERS = ("paid", "free")
 WARM_UP_AT_ONCE = 8  # paid users sending their first, unmeasured message together
-
-
-@dataclass
-class Outcome:
-    tier: str
-    sent_s: float
-    status: int = 0  # HTTP status of the message POST (0: no answer)
-    retry_after: str | None = None
-    result: str = "timed_out"  # complete | failed | refused | timed_out | http_error
-    finish: str = ""
-    ttft_s: float | None = None
-    create_s: float | None = None  # the conversation's creation, part of ttft_s
-    detail: str = ""
-
-
-@dataclass
-class TierReport:
-    tier: str
-    sent: int = 0
-    admitted: int = 0
-    refused_429: int = 0
-    refused_503: int = 0
-    refused_other: int = 0
-    refused_without_retry_after: int = 0
-    completed: int = 0
-    capped: int = 0  # completed with finish "length" below the requested max_tokens
-    failed: int = 0
-    timed_out: int = 0
-    ttft_p50_s: float | None = None
-    ttft_p95_s: float | None = None
-    create_p50_s: float | None = None  # of the admitted: creating the conversation, the first part of their TTFT
-    create_p95_s: float | None = None
-    samples: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Sender:
-    """A user's key and their subject: each user asks about a topic of their own, so a user's
-    prompts share their first KV blocks (a tenant's own prefix cache), as a conversation's turns
-    share its history, and do so alike in every phase. (A topic drawn from the message's index
-    gave users 16 and 32 apart a fixed topic while only paid messages were sent, and a random one
-    in the mixed overload: 47 % and 17 % of paid prompt tokens from the cache, so the bar and the
-    overload measured different prompts.)"""
-
-    key: str
-    topic: str
-
-
-def prompt(sender: Sender, index: int) -> str:
-    return f"Explain {sender.topic} in a few short paragraphs. (message {index})"
-
-
-async def send_message(pool: Pool, sender: Sender, tier: str, index: int, max_tokens: int, hang_s: float) -> Outcome:
-    """One message in a new conversation, read to its final event (or to `hang_s` after sending)."""
-    headers = {"Authorization": f"Bearer {sender.key}"}
-    outcome = Outcome(tier=tier, sent_s=time.monotonic())
-    try:
-        async with asyncio.timeout(hang_s):
-            connection, created = await pool.request("POST", "/v1/conversations", headers, {})
-            body = await connection.body(created)
-            pool.give(connection)
-            if created.status != 201:
-                return _refused(outcome, created.status, created.headers.get("retry-after"), body.decode(errors="replace"))
-            outcome.create_s = time.monotonic() - outcome.sent_s
-            conversation_id = json.loads(body)["id"]
-            payload = {"content": prompt(sender, index), "temperature": 0, "max_tokens": max_tokens}
-            connection, answer = await pool.request("POST", f"/v1/conversations/{conversation_id}/messages", headers, payload)
-            outcome.status = answer.status
-            if answer.status != 200:
-                body = await connection.body(answer)
-                pool.give(connection)
-                return _refused(outcome, answer.status, answer.headers.get("retry-after"), body.decode(errors="replace"))
-
-            def on_event(event: Event) -> None:
-                if event.name == "delta" and outcome.ttft_s is None:
-                    outcome.ttft_s = time.monotonic() - outcome.sent_s
-                elif event.name == "done" and outcome.result == "timed_out":
-                    data = json.loads(event.data)
-                    outcome.result, outcome.finish = "complete", str(data.get("finish", ""))
-                    outcome.detail = json.dumps(data.get("usage", {}))
-                elif event.name == "error" and outcome.result == "timed_out":
-                    outcome.result, outcome.detail = "failed", event.data.decode(errors="replace")[:200]
-
-            await read_events(connection, answer, on_event)
-            pool.give(connection)
-            if outcome.result == "timed_out":
-                outcome.result, outcome.detail = "http_error", "the stream ended without a final event"
-    except TimeoutError:
-        outcome.result = "timed_out"
-    except (OSError, asyncio.IncompleteReadError, ProtocolError, ValueError) as exc:
-        outcome.result = "http_error"
-        outcome.detail = f"{type(exc).__name__}: {exc}"[:200]
-    return outcome
-
-
-def _refused(outcome: Outcome, status: int, retry_after: str | None, text: str) -> Outcome:
-    outcome.status = status
-    outcome.retry_after = retry_after
-    outcome.result = "refused"
-    outcome.detail = f"{status}: {text[:160]}"
-    return outcome
-
-
-def summarize(outcomes: list[Outcome], max_tokens: int) -> dict[str, TierReport]:
-    reports = {tier: TierReport(tier) for tier in TIERS}
-    for o in outcomes:
-        r = reports[o.tier]
-        r.sent += 1
-        if o.result == "refused":
-            if o.status == 429:
-                r.refused_429 += 1
-            elif o.status == 503:
-                r.refused_503 += 1
-            else:
-                r.refused_other += 1
-                r.samples.append(o.detail)
-            if not o.retry_after and o.status in (429, 503):
-                r.refused_without_retry_after += 1
-            continue
-        if o.status == 200:
-            r.admitted += 1
-        if o.result == "complete":
-            r.completed += 1
-            usage = json.loads(o.detail or "{}")
-            if o.finish == "length" and usage.get("output", max_tokens) < max_tokens:
-                r.capped += 1
-        elif o.result == "failed":
-            r.failed += 1
-            r.samples.append(o.detail)
-        elif o.result == "timed_out":
-            r.timed_out += 1
-        else:
-            r.failed += 1
-            r.samples.append(o.detail)
-    for tier, r in reports.items():
-        ttfts = sorted(o.ttft_s for o in outcomes if o.tier == tier and o.ttft_s is not None)
-        if ttfts:
-            r.ttft_p50_s = round(_percentile(ttfts, 50), 3)
-            r.ttft_p95_s = round(_percentile(ttfts, 95), 3)
-        creates = sorted(o.create_s for o in outcomes if o.tier == tier and o.ttft_s is not None and o.create_s is not None)
-        if creates:
-            r.create_p50_s = round(_percentile(creates, 50), 3)
-            r.create_p95_s = round(_percentile(creates, 95), 3)
-        r.samples = r.samples[:3]
-    return reports
 
 
 def pin_engine_apart(stack: DrillStack, engine_cpus: frozenset[int]) -> None:
@@ -212,106 +66,6 @@ def pin_engine_apart(stack: DrillStack, engine_cpus: frozenset[int]) -> None:
             for child in descendants(member.pid):
                 pin(child, engine_cpus if member.role == "decode" else rest, with_children=False)
     pin(os.getpid(), rest, with_children=False)
-
-
-def _stage_cells(figures: dict[str, float | None], count_width: int) -> str:
-    mean = "-" if figures["mean_s"] is None else f"{figures['mean_s']:.3f}"
-    p95 = "-" if figures["p95_s"] is None else f"{figures['p95_s']:.3f}"
-    return f"{figures['count'] or 0:>{count_width}.0f}{mean:>9}{p95:>9}"
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-# Where an admitted reply's time goes, from the services' histograms over the overload phase:
-# (row name, process role, histogram, labels).
-STAGES = (
-    ("chat TTFT, paid", "chat", "tandem_chat_time_to_first_token_seconds", {"tier": "plus"}),
-    ("chat TTFT, free", "chat", "tandem_chat_time_to_first_token_seconds", {"tier": "free"}),
-    ("router wait, paid", "router", "tandem_router_queue_wait_seconds", {"lane": "paid"}),
-    ("router wait, free", "router", "tandem_router_queue_wait_seconds", {"lane": "free"}),
-    ("engine queue, paid", "decode", "tandem_worker_queue_wait_seconds", {"lane": "paid"}),
-    ("engine queue, free", "decode", "tandem_worker_queue_wait_seconds", {"lane": "free"}),
-    ("engine TTFT, paid", "decode", "tandem_worker_time_to_first_token_seconds", {"lane": "paid"}),
-    ("engine TTFT, free", "decode", "tandem_worker_time_to_first_token_seconds", {"lane": "free"}),
-    ("step, decode only", "decode", "tandem_worker_step_seconds", {"kind": "decode"}),
-    ("step, mixed", "decode", "tandem_worker_step_seconds", {"kind": "mixed"}),
-    ("step, prefill only", "decode", "tandem_worker_step_seconds", {"kind": "prefill"}),
-    ("token produced to chat's write", "chat", "tandem_chat_stream_write_delay_seconds", {}),
-    ("event loop lag, chat", "chat", "tandem_event_loop_lag_seconds", {}),
-    ("event loop lag, relay", "relay", "tandem_event_loop_lag_seconds", {}),
-    ("event loop lag, router", "router", "tandem_event_loop_lag_seconds", {}),
-    ("event loop lag, decode worker", "decode", "tandem_event_loop_lag_seconds", {}),
-)
-
-
-async def scrape(http: httpx.AsyncClient, stack: DrillStack) -> dict[str, list[Metrics]]:
-    """Every chat, router, relay and decode process's /metrics, by role."""
-    snapshot: dict[str, list[Metrics]] = {}
-    for role in ("chat", "router", "relay", "decode"):
-        for member in stack.stack.members_of(role):
-            response = await http.get(f"{member.url}/metrics")
-            snapshot.setdefault(role, []).append(Metrics.parse(response.text))
-    return snapshot
-
-
-def stage_breakdown(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]]) -> dict[str, dict[str, float | None]]:
-    """Each stage's observations during the phase: count, mean and p95 (from the buckets)."""
-    rows: dict[str, dict[str, float | None]] = {}
-    for row, role, name, labels in STAGES:
-        count, total = grown(before, after, role, f"{name}_count", **labels), grown(before, after, role, f"{name}_sum", **labels)
-        buckets: dict[float, float] = {}
-        for earlier, now in zip(before.get(role, []), after.get(role, []), strict=True):
-            earlier_buckets = earlier.buckets(name, **labels)
-            for bound, value in now.buckets(name, **labels).items():
-                buckets[bound] = buckets.get(bound, 0.0) + value - earlier_buckets.get(bound, 0.0)
-        p95 = bucket_quantile(0.95, buckets) if count else None
-        rows[row] = {"count": count, "mean_s": round(total / count, 4) if count else None, "p95_s": None if p95 is None else round(p95, 4)}
-    return rows
-
-
-ENGINE_COUNTERS = {
-    "prefix_query_tokens": "tandem_worker_prefix_cache_queries_tokens_total",
-    "prefix_hit_tokens": "tandem_worker_prefix_cache_hits_tokens_total",
-    "prompt_tokens_computed": "tandem_worker_prompt_tokens_total",
-    "output_tokens": "tandem_worker_generation_tokens_total",
-    "steps_cut": "tandem_worker_steps_cut_total",
-}
-
-
-def engine_counts(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]]) -> dict[str, float]:
-    """What the decode workers' engines counted during the phase: prompt tokens looked up in the
-    prefix cache and found there, prompt tokens computed, output tokens."""
-    return {key: grown(before, after, "decode", name) for key, name in ENGINE_COUNTERS.items()}
-
-
-def grown(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]], role: str, name: str, **labels: str) -> float:
-    """How much a counter (or a histogram's _count or _sum) grew over the phase, summed over the role's processes."""
-    return sum(
-        (now.total(name, **labels) or 0.0) - (earlier.total(name, **labels) or 0.0)
-        for earlier, now in zip(before.get(role, []), after.get(role, []), strict=True)
-    )
-
-
-class LadderWatch:
-    """Every LadderStatus a router publishes during the run."""
-
-    def __init__(self) -> None:
-        self.statuses: list[tuple[float, int, float]] = []  # (seconds since start, rung, busyness)
-        self._start_s = time.monotonic()
-
-    async def on_status(self, msg: Any) -> None:
-        try:
-            status = decode(msg.data, LadderStatus)
-        except BadMessage:
-            return
-        self.statuses.append((round(time.monotonic() - self._start_s, 1), status.rung, round(status.busyness, 3)))
-
-    @property
-    def max_rung(self) -> int:
-        return max((rung for _, rung, _ in self.statuses), default=0)
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -339,9 +93,7 @@ async def main(args: argparse.Namespace) -> int:
                 number = turn[tier] % len(users[tier])
                 return Sender(f"key-{users[tier][number]}", TOPICS[number % len(TOPICS)])
 
-            async def phase(
-                run: Awaitable[list[Outcome]],
-            ) -> tuple[list[Outcome], dict[str, dict[str, float | None]], dict[str, float], dict[str, float]]:
+            async def phase(run: Awaitable[list[Outcome]]) -> Phase:
                 """A phase's outcomes, where its replies spent time, the CPU seconds each role
                 spent and what the engine counted."""
                 meter = CpuMeter({**processes_by_role(stack.stack), "bench (the clients)": [os.getpid()]})
@@ -352,7 +104,7 @@ async def main(args: argparse.Namespace) -> int:
                 cpu = meter.stop()
                 cpu["(the phase's wall time)"] = round(time.monotonic() - started_s, 1)
                 after = await scrape(http, stack)
-                return outcomes, stage_breakdown(before, after), cpu, engine_counts(before, after)
+                return Phase(outcomes, stage_breakdown(before, after), cpu, engine_counts(before, after))
 
             # 0. every paid user's first message, unmeasured: the bar is measured as warm as the
             # loaded phases' prompts are
@@ -371,13 +123,13 @@ async def main(args: argparse.Namespace) -> int:
                     for i in range(args.baseline)
                 ]
 
-            unloaded, unloaded_stages, _, unloaded_engine = await phase(one_at_a_time())
-            unloaded_ttfts = sorted(o.ttft_s for o in unloaded if o.ttft_s is not None)
+            unloaded = await phase(one_at_a_time())
+            unloaded_ttfts = sorted(o.ttft_s for o in unloaded.outcomes if o.ttft_s is not None)
             if not unloaded_ttfts:
-                print(f"no unloaded reply completed: {[o.detail for o in unloaded]}", file=sys.stderr)
+                print(f"no unloaded reply completed: {[o.detail for o in unloaded.outcomes]}", file=sys.stderr)
                 return 1
-            unloaded_p95 = _percentile(unloaded_ttfts, 95)
-            print(f"unloaded paid TTFT p50 {_percentile(unloaded_ttfts, 50):.3f} s, p95 {unloaded_p95:.3f} s", flush=True)
+            unloaded_p95 = percentile(unloaded_ttfts, 95)
+            print(f"unloaded paid TTFT p50 {percentile(unloaded_ttfts, 50):.3f} s, p95 {unloaded_p95:.3f} s", flush=True)
 
             # 2. capacity: closed loop
             completed = 0
@@ -412,53 +164,21 @@ async def main(args: argparse.Namespace) -> int:
                 return list(await asyncio.gather(*tasks))
 
             # 3. paid alone, at the rate it arrives at in the overload: what paid's own load costs it
-            alone_outcomes, alone_stages, alone_cpu, alone_engine = await phase(
-                open_loop(args.paid_alone_s, rate * args.paid_share, 5_000, lambda: "paid")
-            )
-            alone = summarize(alone_outcomes, args.max_tokens)["paid"]
+            paid_alone = await phase(open_loop(args.paid_alone_s, rate * args.paid_share, 5_000, lambda: "paid"))
+            alone = summarize(paid_alone.outcomes, args.max_tokens)["paid"]
             print(f"paid alone at {rate * args.paid_share:.2f}/s: TTFT p50 {alone.ttft_p50_s} s, p95 {alone.ttft_p95_s} s", flush=True)
 
             # 4. overload: open loop
-            outcomes, stages, cpu, engine = await phase(
-                open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free")
-            )
+            overload = await phase(open_loop(args.seconds, rate, 10_000, lambda: "paid" if rng.random() < args.paid_share else "free"))
         finally:
             pool.close()
             await nc.close()
-    reports = summarize(outcomes, args.max_tokens)
+    reports = summarize(overload.outcomes, args.max_tokens)
     paid = reports["paid"]
     hung = sum(r.timed_out for r in reports.values())
     refusals_without = sum(r.refused_without_retry_after for r in reports.values())
     paid_ok = paid.ttft_p95_s is not None and paid.ttft_p95_s <= 2 * unloaded_p95
-    print(
-        f"\n{'tier':<6}{'sent':>6}{'admit':>7}{'429':>6}{'503':>6}{'other':>7}{'noRA':>6}{'done':>6}{'capped':>8}{'failed':>8}{'t/out':>7}{'TTFT p50':>10}{'p95':>8}{'of it, create p50':>19}{'p95':>8}"
-    )
-    for r in reports.values():
-        p50 = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}"
-        p95 = "-" if r.ttft_p95_s is None else f"{r.ttft_p95_s:.2f}"
-        create_p50 = "-" if r.create_p50_s is None else f"{r.create_p50_s:.3f}"
-        create_p95 = "-" if r.create_p95_s is None else f"{r.create_p95_s:.3f}"
-        print(
-            f"{r.tier:<6}{r.sent:>6}{r.admitted:>7}{r.refused_429:>6}{r.refused_503:>6}{r.refused_other:>7}{r.refused_without_retry_after:>6}"
-            f"{r.completed:>6}{r.capped:>8}{r.failed:>8}{r.timed_out:>7}{p50:>10}{p95:>8}{create_p50:>19}{create_p95:>8}"
-        )
-        for sample in r.samples:
-            print(f"{'':<6}sample: {sample}")
-    print(
-        f"\n{'where the admitted replies spent time':<40}{'overload: count':>16}{'mean':>9}{'p95':>9}{'paid alone: count':>19}{'mean':>9}{'p95':>9}{'unloaded: count':>17}{'mean':>9}{'p95':>9}"
-    )
-    for row, figures in stages.items():
-        print(f"{row:<40}{_stage_cells(figures, 16)}{_stage_cells(alone_stages[row], 19)}{_stage_cells(unloaded_stages[row], 17)}")
-    for name, counts in (("overload", engine), ("paid alone", alone_engine), ("unloaded", unloaded_engine)):
-        hit_share = counts["prefix_hit_tokens"] / counts["prefix_query_tokens"] if counts["prefix_query_tokens"] else 0.0
-        print(
-            f"engine, {name}: {counts['prefix_hit_tokens']:.0f} of {counts['prefix_query_tokens']:.0f} prompt tokens looked up "
-            f"found in the prefix cache ({hit_share:.0%}), {counts['prompt_tokens_computed']:.0f} computed, {counts['output_tokens']:.0f} output, "
-            f"{counts['steps_cut']:.0f} steps cut for a paid arrival"
-        )
-    print(f"\n{'CPU s by process (arrivals, drain)':<40}{'overload':>16}{'paid alone':>19}")
-    for role, spent in cpu.items():
-        print(f"{role:<40}{spent:>16.1f}{alone_cpu.get(role, 0.0):>19.1f}")
+    print_tables(reports, overload, paid_alone, unloaded)
     print(f"\nladder: max rung {ladder.max_rung}; (s, rung, busyness): {ladder.statuses[-12:]}")
     print(f"{'PASS' if hung == 0 else 'MISS'} 0 timed out / hung: {hung}")
     print(f"{'PASS' if paid_ok else 'MISS'} paid TTFT p95 {paid.ttft_p95_s} s <= 2 x unloaded {unloaded_p95:.3f} s")
@@ -472,11 +192,11 @@ async def main(args: argparse.Namespace) -> int:
             "offered_per_s": round(rate, 3),
             "seconds": args.seconds,
             "tiers": {tier: asdict(r) for tier, r in reports.items()},
-            "stages": stages,
-            "paid_alone_stages": alone_stages,
-            "unloaded_stages": unloaded_stages,
-            "cpu_s": {"overload": cpu, "paid_alone": alone_cpu},
-            "engine": {"overload": engine, "paid_alone": alone_engine},
+            "stages": overload.stages,
+            "paid_alone_stages": paid_alone.stages,
+            "unloaded_stages": unloaded.stages,
+            "cpu_s": {"overload": overload.cpu_s, "paid_alone": paid_alone.cpu_s},
+            "engine": {"overload": overload.engine, "paid_alone": paid_alone.engine},
             "ladder": {"max_rung": ladder.max_rung, "statuses": ladder.statuses},
             "targets": {
                 "no_timeouts": hung == 0,
