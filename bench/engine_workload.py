@@ -1,0 +1,117 @@
+"""The engine bench's workload on our engine: the batch of requests at once, timed, and one
+prompt prefilled alone, on each model variant."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import kv_blocks_for, percentile, run_timed
+from roofline import ModelCost
+
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import SamplingOptions
+from tandem.kernels import select_attention
+from tandem.models.files import Quantization
+from tandem.models.loader import LoadedModel, load_model
+
+
+def engine_config(num_blocks: int, num_seqs: int, kv_cache_dtype: torch.dtype | None, enforce_eager: bool) -> EngineConfig:
+    # max_num_seqs: every request at once, as the default would, and no CUDA graph captured for
+    # a batch size the run never has
+    return EngineConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, max_num_seqs=num_seqs, enforce_eager=enforce_eager)
+
+
+def run_ours(
+    loaded: LoadedModel, prompts: list[list[int]], num_tokens: int, kv_cache_dtype: torch.dtype | None = None, enforce_eager: bool = False
+) -> dict:
+    sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
+    num_blocks = kv_blocks_for((len(p) + num_tokens for p in prompts), EngineConfig.block_size)
+    engine = Engine(loaded, engine_config(num_blocks, len(prompts), kv_cache_dtype, enforce_eager))
+    requests = [Request(f"r{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
+    timings = run_timed(engine, requests)
+    wrong = {rid: t.num_output_tokens for rid, t in timings.items() if t.num_output_tokens != num_tokens}
+    if len(timings) != len(requests) or wrong:
+        raise RuntimeError(f"expected {num_tokens} tokens from each of {len(requests)} requests; got {wrong}")
+    start_s = min(t.submit_s for t in timings.values())
+    elapsed_s = max(t.last_token_s for t in timings.values()) - start_s
+    ordered = [timings[r.request_id] for r in requests]
+    return {
+        "elapsed_s": elapsed_s,
+        "tokens_per_s": len(requests) * num_tokens / elapsed_s,
+        "ttft_ms": [t.ttft_ms for t in ordered],
+        "tpot_ms": [t.tpot_ms for t in ordered],
+        "num_preemptions": engine.stats().scheduler.num_preemptions,
+        "num_steps": engine.stats().num_steps,
+    }
+
+
+def run_prefill(
+    loaded: LoadedModel, prompt: list[int], kv_cache_dtype: torch.dtype | None = None, enforce_eager: bool = False, repeats: int = 2
+) -> float:
+    """Seconds to the first token of `prompt` alone on a fresh engine (no cached prefix), best of `repeats`."""
+    best_s = float("inf")
+    for _ in range(repeats):
+        num_blocks = kv_blocks_for([len(prompt) + 1], EngineConfig.block_size)
+        engine = Engine(loaded, engine_config(num_blocks, 1, kv_cache_dtype, enforce_eager))
+        timing = run_timed(engine, [Request("prefill", tuple(prompt), SamplingOptions(max_tokens=1, ignore_eos=True))])["prefill"]
+        best_s = min(best_s, (timing.first_token_s - timing.submit_s))
+    return best_s
+
+
+def long_prompt(prompts: list[list[int]], num_tokens: int) -> list[int]:
+    """`num_tokens` token ids: the workload's prompts end to end (the content does not change the work)."""
+    ids = [token for prompt in prompts for token in prompt]
+    while len(ids) < num_tokens:
+        ids += ids
+    return ids[:num_tokens]
+
+
+def measure_variant(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    cost: ModelCost,
+    peak_flops: float,
+    kv_cache_dtype: torch.dtype,
+    enforce_eager: bool,
+) -> dict:
+    """The workload at every batch size, batch-1 TPOT and the lone prefill, on one model variant."""
+    # Warm-up. On a GPU with every prompt, so the big prefill steps' first-use costs (triton's
+    # compiles, cuBLAS's choices for their shapes) fall here, not in the first variant's batch.
+    is_gpu = next(loaded.model.parameters()).device.type == "cuda"
+    run_ours(loaded, prompts if is_gpu else prompts[:2], 4, kv_cache_dtype, enforce_eager)
+    batches = {}
+    for batch_size in sorted(args.batches, reverse=True):  # the headline batch first, on the coolest machine
+        run = run_ours(loaded, prompts[:batch_size], args.output_tokens, kv_cache_dtype, enforce_eager)
+        batches[batch_size] = run
+    solo = run_ours(loaded, prompts[:1], args.b1_tokens, kv_cache_dtype, enforce_eager)
+    prefill_ids = long_prompt(prompts, args.prefill_tokens)
+    prefill_s = run_prefill(loaded, prefill_ids, kv_cache_dtype, enforce_eager)
+    prefill_flops = cost.prefill_flops(len(prefill_ids))
+    return {
+        "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
+        "cuda_graphs": is_gpu and not enforce_eager,
+        "headline": batches[args.requests],
+        "batches": {
+            batch_size: {
+                "tokens_per_s": run["tokens_per_s"],
+                "elapsed_s": run["elapsed_s"],
+                "tpot_p50_ms": percentile(run["tpot_ms"], 50),
+                "ttft_p50_ms": percentile(run["ttft_ms"], 50),
+            }
+            for batch_size, run in sorted(batches.items())
+        },
+        "tpot_b1_ms": solo["tpot_ms"][0],
+        "prefill": {
+            "num_tokens": len(prefill_ids),
+            "ttft_ms": 1e3 * prefill_s,
+            "tokens_per_s": len(prefill_ids) / prefill_s,
+            "flops_per_s": prefill_flops / prefill_s,
+            "of_peak": prefill_flops / prefill_s / peak_flops,
+        },
+    }
+
+
+def load_variant(quantization: Quantization, dtype: torch.dtype, device: str) -> LoadedModel:
+    return load_model(None, dtype, device, select_attention(device), quantization)
