@@ -1,7 +1,7 @@
 """The overload bench's client: the chat API over raw HTTP/1.1 on asyncio streams, with a small
 keep-alive pool. The bench's clients share the machine's cores with the stack they measure, and
-they time what they read: httpx's per-request and per-line work (12-19 s of CPU in a 90 s
-overload phase) took a core share from the stack and delayed the reads being timed.
+they time what they read: httpx's per-request and per-line work (a large share of a core over an
+overload phase) took CPU from the stack and delayed the reads being timed.
 
 Only what the bench needs: a request with a JSON body; an answer with Content-Length or a
 chunked body; SSE events cut at blank lines, each event's name and data read when it is whole."""

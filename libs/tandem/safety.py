@@ -52,8 +52,8 @@ class ProfanityCheck:
     Its classifier (scikit-learn's CalibratedClassifierCV: five sigmoid-calibrated linear SVMs,
     averaged) is applied as the arithmetic it is, from the fitted model's own arrays: one sparse
     product with the five weight vectors, then the five sigmoids' mean. scikit-learn's
-    `predict_proba` validates its input once per fold, 3.3 ms of Python for one short text against
-    the product's microseconds; the result is the same (tests/unit/test_safety.py compares them).
+    `predict_proba` validates its input once per fold, milliseconds of Python for one short text
+    against the product's microseconds; the result is the same (tests/unit/test_safety.py compares them).
     A model of another shape is scored by `predict_proba` itself."""
 
     name = PROFANITY_CHECK

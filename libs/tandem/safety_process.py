@@ -1,15 +1,13 @@
 """The safety check (tandem.safety) in a process of its own, loaded once at a service's start,
 with the texts due at once scored in one call: the relay's output check and the chat's input check.
 
-Scoring is CPU-bound Python (profanity-check's took ~7 ms a call with scikit-learn's
-`predict_proba`, ~0.5 ms now that tandem.safety applies its arrays itself; a deployment's own
-check may take any time): on a thread of the service's own process every call stalls its event
-loop. In the relay, at 125
-windows/s (1,000 tokens/s checked every 8) the loop's lag p99 went from 0.3 ms to 8-11 ms on a
-thread, 3-5 ms in a child process, on 2 busy cores; in the chat, a message's routing and
-tokenizing waited on the GIL while its check ran beside them (12.5 ms from arrival to the reply's
-start, 4.8 of them the tokenizing of 42 tokens). In a child process the service's loop only waits
-on a pipe. The trained check costs about as much for 32 texts as for one, so a busy service
+Scoring is CPU-bound Python (profanity-check's took milliseconds a call with scikit-learn's
+`predict_proba`, a fraction of that now that tandem.safety applies its arrays itself; a
+deployment's own check may take any time): on a thread of the service's own process every call
+stalls its event loop. In the relay, checking a busy stream of windows, the loop's lag p99 grew
+many times on a thread, less in a child process, on 2 busy cores; in the chat, a message's
+routing and tokenizing waited on the GIL while its check ran beside them. In a child process the
+service's loop only waits on a pipe. The trained check costs about as much for 32 texts as for one, so a busy service
 batches instead of queueing calls."""
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ WORKER_ROLES = ("decode", "prefill")
 def torch_threads_per_worker(num_workers: int, num_cores: int | None = None) -> int:
     """The torch threads each of `num_workers` workers computing on one machine's cores gets: an
     equal share of all cores but one, at least one thread. Each taking torch's default (one per
-    core) oversubscribes the cores; here, with two decode workers and a prefill worker on two
-    cores, sixteen streamed replies took 38.7 s that way and 9.9 s at one thread each
-    (bench/drills.py, one sitting). The core left over is the stack's services' (chat, relay,
-    router, NATS, Redis), as vLLM's CPU backend keeps one for its serving frontend: a lone
-    decode worker on two cores computing on both stalled in every step the services took one
-    of them (bench/overload.py, paid TTFT p95 1.3-7.5 s at two threads, 0.47 s at one)."""
+    core) oversubscribes the cores: with two decode workers and a prefill worker on two cores,
+    bench/drills.py's streamed replies took several times longer that way than at one thread
+    each. The core left over is the stack's services' (chat, relay, router, NATS, Redis), as
+    vLLM's CPU backend keeps one for its serving frontend: a lone decode worker on two cores
+    computing on both stalled in every step the services took one of them (bench/overload.py's
+    paid TTFT p95 was far worse at two threads than at one)."""
     cores = num_cores if num_cores is not None else len(os.sched_getaffinity(0))
     return max(1, (cores - 1) // max(1, num_workers))
 

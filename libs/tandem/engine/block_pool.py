@@ -10,9 +10,9 @@ A cached block its last holder frees with `keep` (the engine's paid sequences' p
 goes to a second free list, taken from only once the first is empty: under an overload, free
 work reuses its own freed blocks, paid answers' and the uncached ones first, and paid users keep
 their cached prefixes (their conversations' turns, the start of their prompts). With one LRU
-list the free flood evicted them: in bench/overload.py 43 % of paid-alone prompt tokens came
-from the cache and 5 % under the overload. (Keeping paid answers' blocks too gave 8 %: each paid
-reply's own blocks pushed the prompts out.)
+list the free flood evicted them: in bench/overload.py far fewer paid prompt tokens came from
+the cache under the overload than with paid alone. (Keeping paid answers' blocks too hardly
+helped: each paid reply's own blocks pushed the prompts out.)
 """
 
 from __future__ import annotations

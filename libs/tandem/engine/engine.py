@@ -74,9 +74,9 @@ class EngineConfig:
 DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 
 # Free and background rows a step computes beside paid work unless configured. On a CPU each row
-# lengthens the step that a paid request arriving during it waits for (about half a millisecond
-# a row here); bench/overload.py's paid TTFT p95 under a 5x overload was 0.34 s without a cap
-# and 0.12-0.16 s at 8. A GPU step's time hardly grows with its rows: no cap there.
+# lengthens the step that a paid request arriving during it waits for, and under bench/overload.py's
+# overload paid TTFT p95 was far lower with this cap than without one. A GPU step's time hardly
+# grows with its rows: no cap there.
 DEFAULT_UNPAID_TOKENS = {"cpu": 8}
 
 
@@ -431,7 +431,7 @@ class Engine:
         c.num_decode_tokens += num_decode_tokens
         # A step that replays generated tokens (a continuation's) computes each as a decode over its
         # whole context: its time says nothing of a prompt's prefill rate (when replays took a
-        # forward each, a drill's continuations made the rate read 25 tokens/s, refusing work
+        # forward each, a drill's continuations made the rate read far too low, refusing work
         # that would have started at once).
         if not plan.num_replayed_tokens:
             self._prefill_rate.add_step(num_prefill_tokens, elapsed_s, num_decode_tokens)

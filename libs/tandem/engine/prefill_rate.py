@@ -9,9 +9,9 @@ step stalled by another process on the same cores moves nothing.
 
 Small steps say nothing about it: each pays a fixed cost (Python, one kernel launch per layer
 and op) for few rows. Rating every prefilling step by its prefill tokens over its whole time
-(what this measured before) read 45-78 tokens/s in the drill stack, where the engine alone
-computes about 900 a second in full steps on one thread, and workers refused bursts they start
-within two seconds; a line fitted to small steps and extrapolated to the budget read 15.
+(what this measured before) read a small fraction of what the engine computes in full steps, and
+workers refused bursts they would have started soon after; a line fitted to small steps and
+extrapolated to the budget read lower still.
 
 Until a large step has been measured the rate is 0 (unknown), and admission does not refuse on
 wait (tandem.worker.admission). The first prefilling step is not measured at all: it pays for

@@ -69,8 +69,7 @@ class Sampler:
 
 def _argmax(rows: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, as torch.argmax answers it (the first of equals, a NaN first): on a CPU
-    by the C++ kernels' (a batch-32 step's logits over SmolLM2's 49,152 tokens: 126 us against
-    torch's 673)."""
+    by the C++ kernels', much faster than torch's on a batch's logits over a whole vocabulary."""
     if rows.device.type == "cpu" and cpu_extension.load():
         tokens: torch.Tensor = torch.ops.tandem.argmax_rows(rows)
         return tokens

@@ -68,7 +68,7 @@ def decode_attention(
         return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale)
     # On CPU, a few sequences at a time: a chunk's gathered K and V stay in cache between the
     # gather and SDPA, and no allocation is big enough to be fresh pages every call (one padded
-    # gather of 256 x 600 tokens is 3-4x slower). The lengths are host memory here, so reading
+    # gather of a whole large batch is several times slower). The lengths are host memory here, so reading
     # them costs nothing.
     num_seqs = q.shape[0]
     bytes_per_seq = 2 * max_seq_len * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
@@ -169,7 +169,7 @@ def prefill_chunk_attention(
     keys = _padded_context(_gather(k_cache, block_ids, q.dtype), seq_len, padded_len, num_kv_heads, head_dim)
     values = _padded_context(_gather(v_cache, block_ids, q.dtype), seq_len, padded_len, num_kv_heads, head_dim)
     # 4-D inputs and kv heads expanded (a copy the size of this chunk's context): CPU SDPA runs
-    # its flash kernel only so; 3-D inputs or enable_gqa fall back to the math path, 3-10x slower.
+    # its flash kernel only so; 3-D inputs or enable_gqa fall back to the much slower math path.
     keys, values = _expand_kv_heads(keys, num_heads)[None], _expand_kv_heads(values, num_heads)[None]
     positions = torch.arange(padded_len, device=q.device)
     out = torch.empty_like(q)

@@ -42,8 +42,8 @@ NAME = "tandem_cpu_paged"
 # The kernels' sources (*.cpp, each compiled on its own) and the headers they share (*.h).
 SOURCE_DIR = Path(__file__).with_name("cpu")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
-# How long a process waits for another's build of the same kernels (one takes about 25 s on two
-# cores; ninja compiles the files side by side, so less on more).
+# How long a process waits for another's build of the same kernels (well above what a build takes
+# on two cores; ninja compiles the files side by side, so less on more).
 BUILD_WAIT_S = 300.0
 
 

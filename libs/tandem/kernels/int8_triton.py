@@ -1,8 +1,8 @@
 """An int8 weight-only product on a GPU in one triton launch (int8_triton_kernel): x @ (w8 *
 scale).T, each int8 weight widened as it is loaded, so a decode step reads the int8 bytes and no
 widened copy of the weight is made. Without it a CUDA decode step took torch's
-_weight_int8pack_mm, whose CUDA kernel made SmolLM2's batch-1 step 4x slower than bf16 (5.01 ms
-against 1.24 on an H200, graphs on both).
+_weight_int8pack_mm, whose CUDA kernel made SmolLM2's batch-1 step several times slower than bf16
+(on an H200, CUDA graphs on both).
 
 Int8Linear calls it for CUDA rows up to MAX_ROWS when triton is installed (`serves`); more rows
 (prefill chunks, big decode batches) multiply by the weight cast to the dtype, where cuBLAS's
@@ -24,9 +24,9 @@ MAX_ROWS = 64  # rows up to which Int8Linear takes the kernel on a GPU
 # One launch configuration for every row count, so a row's sums are the same whatever the rows
 # beside it. Chosen on an H200 over SmolLM2's four projection shapes, a layer's four calls as a
 # decode step meets them (30 layers' weights in turn, from memory, replayed from a CUDA graph):
-# 16.8 us at 1 row against 24.1 for 32 channels by 64 inputs with 4 warps (the first choice) and
-# 15.4 for cuBLAS's bf16 product; 18.7 / 25.8 / 16.4 at 8 rows; 19.1 / 25.1 / 17.2 at 64. (256
-# inputs a step measured 2-5 % faster again, untested on a GPU so far.)
+# faster at 1, 8 and 64 rows than 32 channels by 64 inputs with 4 warps (the first choice), and
+# close to cuBLAS's bf16 product. (256 inputs a step measured a little faster again, untested on
+# a GPU so far.)
 _BLOCK_M = 16  # rows per program: tl.dot's minimum
 _BLOCK_N = 16  # output channels per program: more programs for the few channels of a projection
 _BLOCK_K = 128  # inputs per loop iteration: fewer dependent loads along a row

@@ -2,8 +2,7 @@
 
 ucxx's default progress mode runs a thread per process that waits on the UCX worker's event file
 descriptor for at most 1 ms before looking again: an idle worker process wakes 1,000 times a second
-(30 ms of CPU a second measured here, three such processes beside every engine on a 2-vCPU
-machine). UCX wakes that thread through the descriptor when an event arrives, so a longer wait
+(CPU that adds up, with three such processes beside every engine on a 2-vCPU machine). UCX wakes that thread through the descriptor when an event arrives, so a longer wait
 only matters for an event that does not signal it; set_progress_timeout lengthens it. ucxx takes
 the value as a fixed argument of its private ThreadMode, so this wraps that class's constructor;
 where ucxx's layout differs, the default stays and a warning says so.

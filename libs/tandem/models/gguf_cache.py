@@ -1,7 +1,7 @@
 """A GGUF checkpoint read once: its metadata as JSON and its weights dequantized to float32
 safetensors, in the user's cache folder, found again by the file's path, size and mtime.
 
-Reading the embedded SmolLM2 GGUF costs about 6 s of CPU: the gguf reader walks its ~150,000
+Reading the embedded SmolLM2 GGUF costs seconds of CPU: the gguf reader walks its ~150,000
 metadata parts (the vocabulary and merges) one numpy view at a time, and 135 M weights are
 dequantized in numpy. Every worker and chat instance start paid it, and on a shared machine a
 restarting worker took it from the workers still serving. The converted copy is read in a

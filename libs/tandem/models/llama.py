@@ -11,8 +11,7 @@ Parameter names follow Hugging Face Llama except two fusions that save matmuls o
 
 Within a step, a layer's parts are called by their `forward` (layers.project does the same for a
 packed projection): nn.Module's `__call__` looks for hooks first, which nothing here registers,
-and its ~2 us a call, nine calls a layer, weighed about a tenth of a batch-1 CPU decode step's
-Python.
+and its cost, nine calls a layer, weighed noticeably in a batch-1 CPU decode step's Python.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from tandem.models.rotary import RotaryEmbedding, apply_rotary
 @contextlib.contextmanager
 def _random_init_skipped() -> Iterator[None]:
     """nn.Linear's and nn.Embedding's random init made no-ops. On meta tensors it computes
-    nothing anyway, but its first call imports torch's reference decompositions (~2.5 s of a
+    nothing anyway, but its first call imports torch's reference decompositions (seconds of a
     worker's start)."""
     names = ("kaiming_uniform_", "uniform_", "normal_")
     saved = {name: getattr(nn.init, name) for name in names}

@@ -4,12 +4,10 @@ on a CPU with AVX512-BF16 (bf16 dot products), float32 rows on one with AVX2 and
 float32 weights as the rows, and int8 ones with their scales (models/quant.py), widened in the
 kernel a tile at a time.
 
-On SmolLM2-135M's 120 projections (2 threads, weights from memory), bf16 on an AVX512-BF16 Xeon:
-7.2 ms at 1 row against 25.5 ms for torch's bf16 matmul, 8.2 against 27.6 at 8, 22 against 41 at
-32 and 74 against 104 at 128 (oneDNN reads a bf16 weight for a few rows at a third of the
-memory's rate). float32 on an AVX2 EPYC: 21 ms at 1 row and 22 at 2 against torch's 48 and 68,
-31 against 71 at 8, 113 against 178 at 64, 756 against 957 at 512; int8 weights 6.7 ms at 1 row.
-Its sums are also one chain per output in k order, so a row gets the same bits alone, among a
+On SmolLM2-135M's projections it is faster than torch's matmul at every row count measured, in
+bf16 on an AVX512-BF16 Xeon (most of all for a few rows: oneDNN reads a bf16 weight for a few
+rows at a fraction of the memory's rate) and in float32 on an AVX2 EPYC; int8 weights faster
+still at one row. Its sums are also one chain per output in k order, so a row gets the same bits alone, among a
 decode batch or a prefill chunk's rows (no splitting of long calls and no doubled single rows, as
 layers.project does for torch's matmul).
 
@@ -140,14 +138,13 @@ class PackedDecode:
     """A decode-only step's decoder layers in one call of torch.ops.tandem.decode_layers, where
     every layer's projections are bias-free PackedLinears of the step's dtype and its attention
     the CPU kernels': the same ops in the same order as LlamaModel's layers, so the same bits,
-    without Python between them (a SmolLM2 batch-1 step, alternated in one process: bf16
-    10.5-13.5 ms against 12.1-15.7, int8 8.6 against 9.9). None where it does not serve, and the
-    layers run as written.
+    without Python between them (a SmolLM2 batch-1 step was faster so, bf16 and int8, alternated
+    in one process). None where it does not serve, and the layers run as written.
 
     The list of weights the call takes is built once and kept while every layer has the modules,
     attention and norm weights it was built from; tests and backends swap those, and a swap is
-    seen at the next step. Building it took 0.58 ms of Python per step for SmolLM2's 30 layers
-    (4-6 % of a batch-1 step on a CPU), checking it is a few microseconds."""
+    seen at the next step. Building it every step cost a visible share of a batch-1 step on a
+    CPU; checking it is a few microseconds."""
 
     def __init__(self, model: LlamaModel, config: ModelConfig) -> None:
         self._model = model

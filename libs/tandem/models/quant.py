@@ -7,11 +7,10 @@ computes x @ (w_int8 * scale).T (+ bias) with a fused kernel that dequantizes wh
 multiplies: on a CPU with AVX512-BF16 and bf16 activations, the C++ kernels' int8_mm (bf16 dot
 products, the weight read once for all the rows); on a GPU with triton, up to
 int8_triton.MAX_ROWS rows, a triton kernel that widens the weight as it loads it; elsewhere
-torch's kernel `_weight_int8pack_mm`, which pays per row of x: at 1 row it takes about half the
-time of the bf16 matmul, at 4 rows about the same, at 8 rows up to 1.8x more. Above those bounds
-(prefill chunks, big batches) and on devices without a kernel the layer multiplies by the int8
-weight cast to the dtype and scales the result instead: the same product, at about 2.4x the bf16
-matmul's time on a CPU.
+torch's kernel `_weight_int8pack_mm`, which pays per row of x: faster than the bf16 matmul at one
+row, slower after a few. Above those bounds (prefill chunks, big batches) and on devices without a
+kernel the layer multiplies by the int8 weight cast to the dtype and scales the result instead:
+the same product, slower than the bf16 matmul on a CPU.
 
 Embeddings, norms and the lm_head stay in the model's dtype: the embedding is a lookup (a decode
 step reads one row), and the logits are where int8 error shows most.
@@ -35,8 +34,7 @@ from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 INT8_MAX = 127
 # Rows of x up to which the fused kernel beats casting the weight for a dense matmul. Its cost grows
 # with the rows; the cast's hardly does. Measured on the SmolLM2 shapes (bf16, AVX512-BF16 CPU,
-# 1 and 2 threads, fastest of 300): 3072x576 takes 116 us at 1 row, 452 at 8, against 602 and 650
-# for the cast (bf16 weights: 255 and 264); the two meet near 12 rows for every shape.
+# 1 and 2 threads), the two meet near 12 rows for every shape.
 INT8_KERNEL_MAX_ROWS = 12
 KERNEL_OP = "aten::_weight_int8pack_mm"
 

@@ -53,7 +53,7 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self) -> torch.Tensor:
         # On the CPU even inside `torch.device("meta")` (LlamaForCausalLM.empty): meta tensors
-        # would carry no values, and their first ops import torch's decompositions (~2.5 s).
+        # would carry no values, and their first ops import torch's decompositions (seconds).
         with torch.device("cpu"):
             positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float64)
             angles = torch.outer(positions, inverse_frequencies(self.config))

@@ -14,12 +14,12 @@ from typing import Any
 from tandem import metrics
 
 # Python's defaults (700, 10, 10) but for full passes, which come after 1,000 passes of the middle
-# generation. A chat holding 3,000 streams tracks about a million objects (some 330 a stream),
-# and its full passes paused the loop 12 times in a 45 s bench, up to 1.1 s; frozen, and after
-# 100 middle passes: 6, up to 0.5 s. Holding 10,000 streams (bench/stream_fanout.py --chat-cpus 0),
-# after 100: 4 full passes in 280 s, of 1.7-2.0 s each, which together collected some 30 objects
-# (the young and middle passes some 9,500), and the delay from a token's production to its
-# write reached 250-500 ms at p99; after 1,000: no full pass in the same run, p99 100-150 ms.
+# generation. A chat holding thousands of streams tracks hundreds of objects a stream, and each
+# full pass walks them all while the loop stands still. Frozen and after 100 middle passes, a
+# chat holding many streams (bench/stream_fanout.py) still paused for full passes that collected
+# almost nothing (the young and middle passes collect the garbage), and they showed in the delay
+# from a token's production to its write; after 1,000, no full pass came in the same run and the
+# delay's p99 fell.
 YOUNG_THRESHOLD, MIDDLE_THRESHOLD, FULL_THRESHOLD = 700, 10, 1000
 
 

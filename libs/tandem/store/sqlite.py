@@ -61,8 +61,8 @@ class SqliteStore:
     """Every call is one function on the store's own thread, its whole transaction there: one hop
     off the event loop and back per call, where a statement at a time (aiosqlite's way) took two
     or more per statement and let the loop's other work in between. Under load the hops were the
-    cost: a first message's append and title took 17 and 13 ms at p95 in bench/overload.py while
-    the machine was busy, for writes of well under a millisecond. One thread also serializes the
+    cost: in bench/overload.py, with the machine busy, a first message's append and title took many
+    times longer at p95 than their writes did. One thread also serializes the
     transactions of this process, so no lock is needed for them."""
 
     def __init__(self, path: Path, *, timeout_s: float = 5.0) -> None:

@@ -3,8 +3,8 @@
 // Each row's index of its largest value: the first of equal ones, or the first NaN where there is
 // one, as torch.argmax answers; int64 (rows,). Float32 or bf16 rows, sixteen lanes at a time, each
 // lane keeping the first index of its largest value, then the lowest index among the lanes that
-// hold the row's largest (torch's own reduction took 660 us for a batch-32 step's float32 logits
-// over SmolLM2's 49,152 tokens; this one 126).
+// hold the row's largest (several times faster than torch's own reduction over a batch's logits
+// across SmolLM2's whole vocabulary).
 
 #include "ops.h"
 

@@ -30,9 +30,8 @@ namespace {
 // the cache: the next block of a context is anywhere in the cache (the block table's choice), so
 // the hardware prefetcher cannot guess it. Without AVX-512 (measured on an AMD EPYC with AVX2),
 // into L2 (prefetcht1): a block's 64 lines asked for into L1 at once outrun its miss buffers, and
-// SmolLM2's decode attention over 8 contexts of 100-460 tokens took 0.25-0.30 ms a layer (float32
-// cache, 2 threads, cold) against 0.19-0.20 asked for into L2; 0.15-0.16 against 0.10-0.12 over a
-// bf16 cache, at 32 contexts 1.03-1.17 against 0.73-0.84. An AVX-512 build keeps prefetcht0, as
+// SmolLM2's decode attention was clearly slower that way than asked for into L2, over float32 and
+// bf16 caches and at small and large batches alike. An AVX-512 build keeps prefetcht0, as
 // measured there.
 #if defined(__AVX512F__)
 constexpr int kPrefetchLocality = 3;

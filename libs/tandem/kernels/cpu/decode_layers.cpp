@@ -13,8 +13,8 @@ namespace tandem::cpu {
 // A decode step's decoder layers in one call: what models/llama.LlamaModel runs for a step whose
 // every sequence has one new token, on a CPU with these kernels and every projection packed, op
 // for op in the same order (the same kernels, silu_mul and add_rms_norm among them), so every
-// output has the Python path's bits; without Python between ops (50-90 us a layer of a
-// SmolLM2 batch-1 step). weights: per layer its input norm's weight, packed qkv, packed o, post-
+// output has the Python path's bits; without Python between ops (a visible share of a SmolLM2
+// batch-1 step's layer). weights: per layer its input norm's weight, packed qkv, packed o, post-
 // attention norm's weight, packed gate_up and packed down; scales: per layer the four
 // projections' int8 scales (or none). Returns the hidden state before the final norm.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales, const at::Tensor& cos,

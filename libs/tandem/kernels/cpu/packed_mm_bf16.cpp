@@ -77,9 +77,9 @@ inline void int8_rows_to_bf16(const int8_t* p, const Bf16ByteTables& t, __m512bh
 #endif
 
 // Packed rows ahead of an int8 tile of 1-2 rows that it asks for its groups' weights (1 KB): it
-// widens them as it reads, slowly enough that the hardware's prefetch falls behind (SmolLM2's 120
-// int8 projections at 1 row, alternated in one process on an AMD EPYC with AVX512-BF16: 4.8-5.4
-// ms against 5.3-6.0 at 16 or 32 rows ahead, even at 64; bf16 weights gained nothing).
+// widens them as it reads, slowly enough that the hardware's prefetch falls behind (SmolLM2's
+// int8 projections at 1 row, alternated in one process on an AMD EPYC with AVX512-BF16, were
+// faster so than at 16 rows ahead, even at 64; bf16 weights gained nothing).
 constexpr int64_t kInt8PairsAhead = 32;
 
 // panel: NR groups of `pairs` rows of 16 channels' pairs (an int32 or 32 int8 each), one group

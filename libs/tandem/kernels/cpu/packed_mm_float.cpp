@@ -29,20 +29,20 @@ namespace {
 constexpr int64_t kFloatTileRows = 6;
 // Inputs ahead of a one-group tile whose weights it prefetches (32 cache lines, 2 KB): that tile
 // meets each weight first, from memory, and multiplies at the rate the lines arrive unless asked for
-// early (SmolLM2's float32 projections and logits at 8 rows: 24-25 ms against 33, at 4 rows 16-17
-// against 23, at 64 rows 120-123 against 131; at 1 and 2 rows, three groups in one pass, the
-// hardware's own prefetch keeps up and asking changed nothing measurable).
+// early (SmolLM2's float32 projections and logits at 4, 8 and 64 rows were faster so; at 1 and 2
+// rows, three groups in one pass, the hardware's own prefetch keeps up and asking changed nothing
+// measurable).
 constexpr int64_t kFloatPrefetch = 32;
 // Inputs ahead of an int8 tile of 1-2 rows over three groups that it asks for its weights (each
 // group's line, 1 KB ahead, once per line): widening int8 to float makes such a tile slow enough
-// that the hardware's prefetch falls behind, as it does not for float32 (SmolLM2's 120 int8
-// projections at 1 row: 4.9-5.3 ms against 5.7-6.3, at 2 rows 5.9 against 6.9, alternated in one
-// process; 32 to 256 inputs ahead all gained 12-16 %).
+// that the hardware's prefetch falls behind, as it does not for float32 (SmolLM2's int8
+// projections at 1 and 2 rows were faster so, alternated in one process; 32 to 256 inputs ahead
+// all gained about as much).
 constexpr int64_t kInt8Prefetch = 64;
 
 // The 16 channels' weights at packed row k, as two vectors of 8 floats (int8 ones widened from two
-// 8-byte loads, which fold into the widening instruction: 6 % faster at 1 row than one 16-byte
-// load split by a shuffle).
+// 8-byte loads, which fold into the widening instruction: faster at 1 row than one 16-byte load
+// split by a shuffle).
 inline void packed_floats(const float* p, __m256& low, __m256& high) {
   low = _mm256_loadu_ps(p);
   high = _mm256_loadu_ps(p + 8);
