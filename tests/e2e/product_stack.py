@@ -22,6 +22,13 @@ ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
 READER_IDLE_TIMEOUT_S = 4.0
 
+# The lean stack's settings (tests/e2e/conftest.py), which the modules that use it read as well.
+LEAN_ROLES = ("router", "decode", "relay", "chat")
+BLOCKED = "kumquat"  # its output check's one word: SmolLM2 repeats it when asked to; nothing else says it
+LEAN_PROMPT_BUDGET_FREE = 300
+LEAN_MAX_ANSWER_TOKENS = 24  # a free prompt of 276 tokens
+LEAN_SUMMARY_MAX_TOKENS = 40
+
 
 @dataclass
 class ProductStack:

@@ -3,12 +3,12 @@ streams. The web page (chromium, Playwright) shows the first words, then hides t
 the official OpenAI SDK's stream ends with finish_reason "content_filter", and a whole answer
 comes back with no text; the stored turn is moderated without its text.
 
-A lean stack of its own (router, decode worker, relay, chat, on servers of its own) whose relay's
-check is a blocklist of one word, "kumquat": asked to repeat a sentence that starts with it,
-SmolLM2 writes it within its first tokens (greedy: "The kumquat tree is green, the sea is calm
-today, ..."), long before the answer ends, so the check at the 8th token trips mid-stream. No
-other e2e prompt or answer mentions it, but a stack of its own keeps it certain: the shared
-product stack keeps the default check, and no other test's answer can be withdrawn. The page
+The lean stack (tests/e2e/conftest.py: router, decode worker, relay, chat, on servers of their
+own), whose relay's check is a blocklist of one word, "kumquat": asked to repeat a sentence that
+starts with it, SmolLM2 writes it within its first tokens (greedy: "The kumquat tree is green, the
+sea is calm today, ..."), long before the answer ends, so the check at the 8th token trips
+mid-stream. No other e2e prompt or answer mentions it, and the product stack keeps the default
+check, so no other test's answer can be withdrawn. The page
 sends temperature 0 (its request is rewritten on the way out) so the answer is the greedy one."""
 
 from __future__ import annotations
@@ -18,23 +18,18 @@ import json
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 from helpers import wait_until
-from product_stack import ALICE, own_product_stack
+from product_stack import ALICE, BLOCKED
 
 pytestmark = pytest.mark.real_model
 
-BLOCKED = "kumquat"
 PROMPT = "Repeat after me: The kumquat tree is green, the sea is calm today, the sky is blue and the birds are singing in the old garden."
 REPLY_TIMEOUT_MS = 90_000
 
 
-@pytest_asyncio.fixture(scope="module")
-async def stack(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("output-moderation")
-    env = {"TANDEM_OUTPUT_MODERATION": f"blocklist:{BLOCKED}"}
-    async with own_product_stack(workdir, roles=("router", "decode", "relay", "chat"), **env) as stack:
-        yield stack
+@pytest.fixture
+def stack(lean_stack):
+    return lean_stack
 
 
 async def served_model(url: str) -> str:

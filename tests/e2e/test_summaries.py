@@ -1,41 +1,29 @@
-"""Conversation summaries against the whole stack as processes (a lean stack of its own whose free
-tier may send prompts of 300 tokens): a free user's conversation that outgrows that budget gets a
-summary of the turns that fell out, written in the background on the background lane; the
+"""Conversation summaries against the whole stack as processes (the lean stack of
+tests/e2e/conftest.py, whose free tier may send prompts of 300 tokens): a free user's
+conversation that outgrows that budget gets a summary of the turns that fell out, written in the background on the background lane; the
 conversation view shows it (and no extra message); and the next turn's prompt, as sent to the
 router and kept in its reply's token-log record, carries the summary in place of those turns."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import wait_until
-from product_stack import BOB, ProductStack, own_product_stack, read_stream
+from product_stack import BOB, LEAN_PROMPT_BUDGET_FREE, ProductStack, read_stream
 
 from tandem.models.loader import load_tokenizer
 from tandem.tokenlog import load_reply
 from tandem.v1.generate_pb2 import GenerateRequest
 
 pytestmark = pytest.mark.real_model
-PROMPT_BUDGET_FREE = 300
-MAX_ANSWER_TOKENS = 24  # a free prompt of 276 tokens
-SUMMARY_MAX_TOKENS = 40
 MAX_TURNS = 8  # the conversation outgrows the budget well before
 SUMMARY_WAIT_S = 120  # a summary of 40 tokens on the CPU, on a lane that waits for idle capacity
 
 
-@pytest_asyncio.fixture(scope="module")
-async def summary_stack(tmp_path_factory) -> AsyncIterator[ProductStack]:
-    env = {
-        "TANDEM_PROMPT_BUDGET_FREE": str(PROMPT_BUDGET_FREE),
-        "TANDEM_MAX_ANSWER_TOKENS": str(MAX_ANSWER_TOKENS),
-        "TANDEM_SUMMARY_MAX_TOKENS": str(SUMMARY_MAX_TOKENS),
-    }
-    async with own_product_stack(tmp_path_factory.mktemp("summaries"), roles=("router", "decode", "relay", "chat"), **env) as stack:
-        yield stack
+@pytest.fixture
+def summary_stack(lean_stack: ProductStack) -> ProductStack:
+    return lean_stack
 
 
 def question(number: int) -> str:
@@ -79,7 +67,7 @@ async def test_a_conversation_longer_than_the_free_budget_gets_a_summary_that_th
             num_turns = number
             if meta["dropped_turns"] > 0:
                 break
-        assert meta["dropped_turns"] > 0, f"{MAX_TURNS} turns never outgrew a free prompt of {PROMPT_BUDGET_FREE} tokens"
+        assert meta["dropped_turns"] > 0, f"{MAX_TURNS} turns never outgrew a free prompt of {LEAN_PROMPT_BUDGET_FREE} tokens"
         dropped_prompt = await prompt_of(redis, meta["message_id"])
         assert question(1) not in dropped_prompt, "the oldest turn fell out of the prompt"
 
