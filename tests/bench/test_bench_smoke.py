@@ -39,8 +39,21 @@ def _is_positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(tmp_path):
-    result = _bench("engine.py", tmp_path / "engine.json", "--skip-hf")
+PEER = {"tokens_per_s": 10.0, "num_requests": 4, "output_tokens": 4 * 16, "tpot_b1_ms": 50.0}  # vllm_same.py's shape, for batch 4
+
+
+@pytest.fixture(scope="module")
+def engine_report(tmp_path_factory) -> dict:
+    """One --quick --skip-hf run of the engine bench, with a peer's JSON beside it, for the tests
+    below to read (a run is most of a minute here: one, not one per test)."""
+    folder = tmp_path_factory.mktemp("engine-bench")
+    peer = folder / "peer.json"
+    peer.write_text(json.dumps(PEER))
+    return _bench("engine.py", folder / "engine.json", "--skip-hf", "--peer", str(peer))
+
+
+def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(engine_report):
+    result = engine_report
     assert set(ENGINE_KEYS) <= result.keys()
     for key in ("tokens_per_s", "roofline_tokens_per_s", "roofline_fraction", "tpot_b1_ms", "memory_floor_ms",
                 "ttft_p50_ms", "tpot_p50_ms", "peak_flops", "copy_bandwidth_bytes_per_s", "weight_bytes"):  # fmt: skip
@@ -52,9 +65,7 @@ def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(tmp_pat
     assert result["engine_preemptions"] == 0  # the KV cache is sized to hold the whole batch
 
 
-def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_peer_beside_them(tmp_path):
-    """--quick runs batches 1, 4 and 8 on bf16 and int8; --dump-prompts writes the peer's input for
-    all and for batch 4; a peer JSON (vllm_same.py's shape, for batch 4) is read and each variant's tokens/s set against it."""
+def test_engine_bench_dumps_the_peers_input_for_all_and_for_batch_4(tmp_path):
     prompts = tmp_path / "prompts.json"
     dump = subprocess.run([sys.executable, str(REPO / "bench" / "engine.py"), "--quick", "--dump-prompts", str(prompts)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert dump.returncode == 0, dump.stderr[-2000:]
@@ -63,9 +74,12 @@ def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_pe
     first_four = json.loads((tmp_path / "prompts-b4.json").read_text())  # the peer's input for batch 4
     assert first_four["n"] == 4 and first_four["prompts"] == dumped["prompts"][:4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts-b4.json", "prompts.json"]  # none for batch 1
-    peer = tmp_path / "peer.json"
-    peer.write_text(json.dumps({"tokens_per_s": 10.0, "num_requests": 4, "output_tokens": 4 * 16, "tpot_b1_ms": 50.0}))
-    result = _bench("engine.py", tmp_path / "engine.json", "--skip-hf", "--peer", str(peer))
+
+
+def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_peer_beside_them(engine_report):
+    """--quick runs batches 1, 4 and 8 on bf16 and int8; the peer's JSON (for batch 4) is read and
+    each variant's tokens/s set against it."""
+    result = engine_report
     assert set(result["variants"]) == {"none", "int8"}
     for name, variant in result["variants"].items():
         assert sorted(int(b) for b in variant["batches"]) == [1, 4, 8], name
@@ -73,8 +87,8 @@ def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_pe
         prefill = variant["prefill"]
         assert prefill["num_tokens"] == 256 and prefill["of_peak"] == pytest.approx(prefill["flops_per_s"] / result["peak_flops"])
         ratio = result["targets"][f"{name}_vs_peer_b4"]["ratio"]
-        assert ratio == pytest.approx(variant["batches"]["4"]["tokens_per_s"] / 10.0)
-        assert result["targets"][f"{name}_tpot_b1_vs_peer"]["ratio"] == pytest.approx(variant["tpot_b1_ms"] / 50.0)
+        assert ratio == pytest.approx(variant["batches"]["4"]["tokens_per_s"] / PEER["tokens_per_s"])
+        assert result["targets"][f"{name}_tpot_b1_vs_peer"]["ratio"] == pytest.approx(variant["tpot_b1_ms"] / PEER["tpot_b1_ms"])
     assert result["variants"]["int8"]["weight_bytes"] < result["variants"]["none"]["weight_bytes"]
     assert result["batches"]["8"]["tokens_per_s"] == pytest.approx(result["tokens_per_s"])  # the headline is the batch of all
 
