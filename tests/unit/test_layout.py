@@ -52,12 +52,15 @@ def source_files() -> list[Path]:
 MODULES = {module_name(path): path for path in source_files()}
 
 
-def as_module(name: str) -> str:
+def as_module(name: str) -> str | None:
     """`tandem.engine.scheduler.Scheduler` -> `tandem.engine.scheduler`: the longest prefix that is a
-    module. `from tandem.kvtransfer import wire` names the module wire, not the package."""
-    while name not in MODULES:
+    module. `from tandem.kvtransfer import wire` names the module wire, not the package. None for
+    the generated code (tandem.v1), which imports nothing of ours."""
+    if name.startswith("tandem.v1.") or name == "tandem.v1":
+        return None
+    while name and name not in MODULES:
         name = name.rpartition(".")[0]
-    return name
+    return name or None
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -65,8 +68,8 @@ def module_graph() -> dict[str, set[str]]:
     for module, path in MODULES.items():
         names = imported_modules(path)
         # `from package import module`: both names are found; the module alone is what is used.
-        graph[module] = {as_module(name) for name in names if not any(other.startswith(name + ".") for other in names)}
-        graph[module].discard(module)
+        used = {as_module(name) for name in names if not any(other.startswith(name + ".") for other in names)}
+        graph[module] = {name for name in used if name is not None and name != module}
     return graph
 
 
