@@ -45,10 +45,10 @@ def test_the_worker_takes_the_engine_process_s_messages_only_once_whole(pair):
     worker, conn = pair
     engine_wire.send(conn, Result(7, {"big": b"x" * 100_000}, None))
     engine_wire.send(conn, Died(RuntimeError("boom")))
+    worker.settimeout(5)  # every read below has a way out: a recv that waits longer raises
     data = b""
     while len(data) < 100_000:
         data += worker.recv(1 << 16)
-    worker.settimeout(5)
     inbox = bytearray()
     taken = []
     for byte in range(len(data)):  # a byte at a time, as a slow socket might hand them over
