@@ -96,10 +96,11 @@ class CheckProcess:
         return cls(spec, name, executor, pid, call_timeout_s)
 
     async def score(self, texts: list[str]) -> list[float]:
-        call = asyncio.get_running_loop().run_in_executor(self._executor, _score_in_child, self.spec, texts)
+        # a new child (after a replacement) may first take its start's time to spawn and load
+        timeout_s = self.call_timeout_s if self._pid is not None else START_TIMEOUT_S
         try:
-            # a new child (after a replacement) may first take its start's time to spawn and load
-            timeout_s = self.call_timeout_s if self._pid is not None else START_TIMEOUT_S
+            # the submit itself raises BrokenProcessPool when the pool saw its child die before this call
+            call = asyncio.get_running_loop().run_in_executor(self._executor, _score_in_child, self.spec, texts)
             self._pid, scores = await asyncio.wait_for(call, timeout_s)
         except BrokenProcessPool:
             log.error("the %s check's process died; starting it again", self.name)

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from types import SimpleNamespace
 from typing import Any
 
@@ -271,6 +272,27 @@ async def test_a_check_process_killed_or_stopped_is_a_503_for_its_message_and_th
         return not is_running(first_pid)
 
     await wait_until(gone, timeout_s=10)  # a stopped child is killed, not left behind
+
+
+async def test_a_check_process_that_died_between_calls_is_a_503_once_and_the_next_call_is_checked_in_a_new_one(blocklist_check):
+    """The pool may see its child die before the next call is made: then the call's submit itself
+    raises, and that too replaces the process (before, every later call failed)."""
+    process = blocklist_check.process
+    first_pid = await process.child_pid()
+    os.kill(first_pid, signal.SIGKILL)
+
+    async def pool_saw_it() -> bool:
+        try:
+            process._executor.submit(os.getpid)
+        except BrokenProcessPool:
+            return True
+        return False
+
+    await wait_until(pool_saw_it, timeout_s=10)
+    with pytest.raises(Unavailable):
+        await start_input_check(blocklist_check, "you idiot").is_refused("free", "m1")
+    assert await start_input_check(blocklist_check, "you idiot").is_refused("free", "m1")
+    assert await process.child_pid() not in (first_pid, os.getpid())
 
 
 def test_a_setting_that_names_no_check_fails_the_start_naming_the_setting():
