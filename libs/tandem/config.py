@@ -119,8 +119,14 @@ class Settings(BaseSettings):
     """where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)"""
     dtype: DtypeSetting = "auto"
     """a worker's engine dtype; auto: bf16 where the device computes it natively"""
-    kv_cache_mib: Annotated[int, Field(ge=1)] = 1024
-    """a worker's KV cache"""
+    kv_cache_mib: Annotated[int | None, Field(ge=1)] = None
+    """a worker's KV cache in MiB, an explicit override; unset: sized by gpu_memory_utilization where that applies (a GPU, or a CPU where it is set), else 1024"""
+    gpu_memory_utilization: Annotated[float | None, Field(gt=0, le=1)] = None
+    """the share of the device's memory a worker's engine may use for its weights, activations and KV cache (on a CPU, the share of RAM); the KV cache gets what the weights and a profiled activation peak leave; unset: 0.9 on a GPU, and on a CPU kv_cache_mib decides"""
+    max_model_len: Annotated[int | None, Field(ge=1)] = None
+    """the longest sequence (prompt and answer) a worker serves; a start whose KV cache cannot hold one such sequence fails; unset: the model's context window (capped to what the KV cache holds, with a warning, where the cache size is given in MiB)"""
+    tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
+    """prefill and decode workers: ranks one engine spans, one process each (gloo on a CPU, NCCL on GPUs); the model's heads, MLP and vocabulary are split over them"""
     kv_cache_dtype: DtypeSetting = "auto"
     """a worker's KV cache dtype; auto: the engine's; bf16 under an fp32 engine on the CPU halves the bytes attention reads and the cache's memory per token (prefill and decode workers must agree)"""
     # A worker's engine batch; the same defaults as engine.EngineConfig.

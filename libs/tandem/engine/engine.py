@@ -56,7 +56,7 @@ class TokenIdOutOfRange(ValueError):
 class EngineConfig:
     block_size: int = BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: as many as kv_cache_mib holds
-    kv_cache_mib: int = 1024
+    kv_cache_mib: int | None = None  # None: 1024
     kv_cache_dtype: torch.dtype | None = None  # None: the model's; bf16 under a float32 model (CPU kernels)
     max_num_batched_tokens: int | None = None  # None: 512 on a CPU, 8192 on a GPU (DEFAULT_BATCHED_TOKENS)
     max_num_seqs: int = 256
@@ -222,10 +222,10 @@ class Engine:
         self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
         self._admission_rate = AdmissionRate()
 
-    def _blocks_for(self, kv_cache_mib: int, dtype: torch.dtype) -> int:
+    def _blocks_for(self, kv_cache_mib: int | None, dtype: torch.dtype) -> int:
         c = self.loaded.config
         bytes_per_block = c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
-        return max(1, kv_cache_mib * 2**20 // bytes_per_block)
+        return max(1, (kv_cache_mib or 1024) * 2**20 // bytes_per_block)
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.layers import RMSNorm, SwiGLUMLP, has_cpu_kernels, project
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
+from tandem.models.tensor_parallel import SINGLE, TensorParallel
 
 
 @contextlib.contextmanager
@@ -47,10 +48,12 @@ def _random_init_skipped() -> Iterator[None]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
+        """`config`: this rank's (its heads: tensor_parallel.Shard.local_config)."""
         super().__init__()
         self.config = config
         self.attention = attention
+        self.tp = tp
         # nn.Module, not nn.Linear: quant.quantize_model may swap in an Int8Linear
         self.qkv_proj: nn.Module = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj: nn.Module = nn.Linear(config.q_size, config.hidden_size, bias=False)
@@ -81,14 +84,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
         out = self.attention(q, k, v, k_cache, v_cache, meta, self.config.attention_scale)
-        return project(self.o_proj, out.reshape(x.shape[0], self.config.q_size))
+        return self.tp.all_reduce(project(self.o_proj, out.reshape(x.shape[0], self.config.q_size)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention)
+        self.self_attn = LlamaAttention(config, attention, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
@@ -102,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, k_cache, v_cache, meta)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        return h + self.tp.all_reduce(self.mlp.forward(self.post_attention_layernorm.forward(h)))
 
 
 class StepCut(Exception):
@@ -112,10 +116,12 @@ class StepCut(Exception):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.tp = tp
+        self.vocab_start, self.vocab_end = tp.shard.vocab(config)  # the token ids this rank's embedding rows are
+        self.embed_tokens = nn.Embedding(tp.shard.vocab_rows(config), config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         # The decoder layers of a decode-only step in one call where that serves (models/packed.py
@@ -133,8 +139,16 @@ class LlamaModel(nn.Module):
         # that arrived during it).
         self.should_cut: Callable[[], bool] | None = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids it holds, zero rows for the rest; the sum is exact.
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        h = self.embed_tokens((input_ids - self.vocab_start) * held)
+        return self.tp.all_reduce(h * held.unsqueeze(-1).to(h.dtype))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions)
         if self.fast_decode is not None and meta.is_decode_only:
             out = self.fast_decode(h, cos, sin, kv_cache, meta, self.should_cut)
@@ -172,27 +186,32 @@ class LlamaModel(nn.Module):
             x = norm.forward(residual) if branch is None else fused_triton.add_rms_norm(branch, residual, norm.weight, norm.eps)
             attended = layer.self_attn.forward(x, cos, sin, k_cache, v_cache, meta)
             norm = layer.post_attention_layernorm
-            branch = layer.mlp.forward(fused_triton.add_rms_norm(attended, residual, norm.weight, norm.eps))
+            branch = self.tp.all_reduce(layer.mlp.forward(fused_triton.add_rms_norm(attended, residual, norm.weight, norm.eps)))
         if branch is None:
             return self.norm.forward(residual)
         return fused_triton.add_rms_norm(branch, residual, self.norm.weight, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
+        """`config`: this rank's (tensor_parallel.Shard.local_config); `tp`: its rank and groups."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention)
+        self.tp = tp
+        self.model = LlamaModel(config, attention, tp)
         # Tied models have no lm_head module: a second reference to the embedding would come
         # apart under `to_empty` (each reference gets its own new tensor).
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab_rows = tp.shard.vocab_rows(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
     @classmethod
-    def empty(cls, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    def empty(
+        cls, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
+    ) -> LlamaForCausalLM:
         """Uninitialised parameters of `dtype` on `device`, for a loader to fill: skips the random
         init of ~all the weights it is about to overwrite."""
         with torch.device("meta"), _random_init_skipped():
-            model = cls(config, attention).to(dtype)
+            model = cls(config, attention, tp).to(dtype)
         return model.to_empty(device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -210,10 +229,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("logits_packed", weight_packed, persistent=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden_size) -> (N, vocab_size) float32; call it on the rows you sample from only."""
+        """(N, hidden_size) -> (N, vocab_size) float32; call it on the rows you sample from only
+        (under tensor parallelism on every rank, with the same rows: the columns are gathered)."""
         packed = getattr(self, "logits_packed", None)
         if isinstance(packed, torch.Tensor) and hidden.dtype == packed.dtype:
             rows = hidden.reshape(-1, hidden.shape[-1])
             logits = torch.ops.tandem.packed_mm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed, None)
-            return logits.reshape(*hidden.shape[:-1], logits.shape[-1]).float()
-        return F.linear(hidden, self.logits_weight()).float()
+            logits = logits.reshape(*hidden.shape[:-1], logits.shape[-1]).float()
+        else:
+            logits = F.linear(hidden, self.logits_weight()).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_columns(logits)[..., : self.config.vocab_size]

@@ -130,7 +130,8 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     logits_weight = model.logits_weight()
     if can_pack(logits_weight, logits_weight.dtype):
         model.pack_logits(pack_weight(logits_weight, logits_weight.dtype))
-    model.model.fast_decode = PackedDecode(model.model, model.config)
+    if model.tp.size == 1:  # decode_layers runs every layer in one call: no all-reduce between them
+        model.model.fast_decode = PackedDecode(model.model, model.config)
     return model
 
 
