@@ -170,6 +170,7 @@ class EngineFacts:
     kv_cache_shape: tuple[int, ...]  # the whole cache tensor's (managed blocks, and a graphs' scratch block)
     kv_dtype: torch.dtype
     max_position_embeddings: int
+    tensor_parallel_size: int = 1  # ranks, each with a KV cache of kv_cache_shape holding its heads
 
 
 # Allocates the zeroed KV cache (shape, dtype, device); the engine's default is torch.zeros.
@@ -184,14 +185,15 @@ class Engine:
         worker shares, tandem.worker.engine_process); zeroed, of the shape and dtype asked."""
         self.loaded = loaded
         self.config = config
-        model_config = loaded.config
+        model_config = loaded.model.config  # this rank's: its KV heads under tensor parallelism
         parameter = next(loaded.model.parameters())
         cache_dtype = config.kv_cache_dtype or parameter.dtype
         num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_mib, cache_dtype)
         self.kv_shape = KvCacheShape(
             num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
-        is_graphed = parameter.device.type == "cuda" and not config.enforce_eager
+        # No CUDA graphs under tensor parallelism yet: every rank would capture its step with the all-reduces.
+        is_graphed = parameter.device.type == "cuda" and not config.enforce_eager and loaded.model.tp.size == 1
         # Graphed decode steps pad their batch with rows in a scratch block past the managed ones.
         cache_shape = (num_blocks + int(is_graphed), *self.kv_shape.as_tuple()[1:])
         if allocate_kv_cache is None:
@@ -223,7 +225,7 @@ class Engine:
         self._admission_rate = AdmissionRate()
 
     def _blocks_for(self, kv_cache_mib: int | None, dtype: torch.dtype) -> int:
-        c = self.loaded.config
+        c = self.loaded.model.config
         bytes_per_block = c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         return max(1, (kv_cache_mib or 1024) * 2**20 // bytes_per_block)
 
@@ -261,7 +263,9 @@ class Engine:
         self._cut.clear()  # a paid request queued before this step is in its plan
         plan = self.scheduler.schedule()
         model = self.loaded.model.model
-        model.should_cut = self._cut.is_set if self.config.cut_unpaid_steps and plan.num_unpaid_tokens else None
+        # A step cut on rank 0 alone would leave the other ranks of a tensor-parallel engine in its collectives.
+        can_cut = self.config.cut_unpaid_steps and plan.num_unpaid_tokens and model.tp.size == 1
+        model.should_cut = self._cut.is_set if can_cut else None
         try:
             sampled = self.runner.execute(plan)
         except StepCut:  # its sequences keep their blocks and compute the same tokens again
@@ -323,7 +327,13 @@ class Engine:
 
     def facts(self) -> EngineFacts:
         kv_cache = self.runner.kv_cache
-        return EngineFacts(self.kv_shape, tuple(kv_cache.shape), kv_cache.dtype, self.loaded.config.max_position_embeddings)
+        return EngineFacts(
+            self.kv_shape, tuple(kv_cache.shape), kv_cache.dtype, self.loaded.config.max_position_embeddings, self.loaded.model.tp.size
+        )
+
+    def close(self) -> None:
+        """Ends the other ranks' part of a tensor-parallel engine (nothing to do with one rank)."""
+        self.runner.stop_peers()
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """One block's K and V for every layer: a contiguous view (num_layers, 2, block_size,

@@ -28,6 +28,18 @@ from tandem.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
+class RankStep:
+    """What rank 0 broadcasts to the other ranks of a tensor-parallel engine for each forward: its
+    inputs, and whether logits follow (every rank computes its columns, gathered on all)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    wants_logits: bool
+
+
+@dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -143,8 +155,12 @@ class Runner:
             return self._sample(logits, [r.seq for r in rows])
         parts: list[torch.Tensor] = []
         sampling_seqs: list[Sequence] = []
+        tp = self._model.tp
         for rows in passes:
             inputs = build_inputs(rows, self._block_size, self._kv_cache.device)
+            if tp.size > 1:  # forward_passes gives one pass: the peers compute its logits with rank 0
+                step = RankStep(inputs.input_ids, inputs.positions, inputs.meta, inputs.sample_rows, bool(inputs.sampling_seqs))
+                tp.broadcast(step)
             hidden = self._model(inputs.input_ids, inputs.positions, self._kv_cache, inputs.meta)
             parts.append(hidden[inputs.sample_rows])
             sampling_seqs.extend(inputs.sampling_seqs)
@@ -157,6 +173,21 @@ class Runner:
             order = torch.tensor([row_of[seq.seq_id] for seq in sampling_seqs], device=sampled.device)
             sampled = torch.cat(parts).index_select(0, order)
         return self._sample(self._model.compute_logits(sampled), sampling_seqs)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """On a tensor-parallel engine's other ranks: computes each forward rank 0 broadcasts (its
+        own heads' share, the all-reduces with the other ranks) until rank 0 says stop."""
+        tp = self._model.tp
+        while (step := tp.broadcast()) is not None:
+            hidden = self._model(step.input_ids, step.positions, self._kv_cache, step.meta)
+            if step.wants_logits:
+                self._model.compute_logits(hidden[step.sample_rows])
+
+    def stop_peers(self) -> None:
+        """On rank 0: the other ranks' `follow` returns (their processes then end)."""
+        if self._model.tp.size > 1:
+            self._model.tp.broadcast(None)
 
     def _is_graph_step(self, rows: list[Rows]) -> bool:
         """Every row one sampled token (decodes, a prompt's last token) and the graphs take the batch."""
