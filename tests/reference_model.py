@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 
 from tandem.kernels.metadata import AttentionFn
@@ -149,3 +149,21 @@ def dequantized_copy(quantized: LlamaForCausalLM) -> LlamaForCausalLM:
                     setattr(module, name, linear.to(device=child.scale.device, dtype=child.scale.dtype))
     assert not any(isinstance(m, Int8Linear) for m in plain.modules())
     return plain
+
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE trained on the spot, saved the way transformers saves one."""
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    backend.save(str(folder / "tokenizer.json"))
+    settings = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))

@@ -52,20 +52,47 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     if args.via_bus:
         return asyncio.run(_generate_via_bus(args, sampling))
-    import time
+    import dataclasses
+    import os
     from pathlib import Path
 
-    from tandem.engine.engine import Engine, EngineConfig, Request
-    from tandem.kernels import select_attention
-    from tandem.models.loader import load_model, resolve_device, resolve_dtype
+    from tandem.engine.engine import EngineConfig, Request
+    from tandem.models.loader import resolve_device, resolve_dtype
+    from tandem.worker.engine_ranks import PeerRanks
+    from tandem.worker.engine_spec import EngineSpec, build_engine
 
     device = resolve_device(args.device, setting="--device")
-    loaded = load_model(Path(args.model) if args.model else None, resolve_dtype(args.dtype, device), device, select_attention(device))
-    tokenizer = loaded.tokenizer
-    prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
-    engine = Engine(loaded, EngineConfig(kv_cache_mib=256))
+    config = EngineConfig(kv_cache_mib=256, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
+    if args.gpu_memory_utilization is not None:  # a share of memory sizes the cache instead
+        config = dataclasses.replace(config, kv_cache_mib=None)
+    spec = EngineSpec(
+        open_model(Path(args.model) if args.model else None),
+        device,
+        resolve_dtype(args.dtype, device),
+        config,
+        torch_threads=max(1, len(os.sched_getaffinity(0)) // args.tensor_parallel_size) if args.tensor_parallel_size > 1 else 0,
+        tensor_parallel_size=args.tensor_parallel_size,
+        log_level="WARNING",
+    )
+    peers = PeerRanks.start(spec) if spec.tensor_parallel_size > 1 else None
     try:
-        engine.add(Request("cli", tuple(prompt_ids), sampling))
+        engine = build_engine(peers.spec if peers is not None else spec)
+        try:
+            return _generate_with(engine, args, sampling, Request)
+        finally:
+            engine.close()
+    finally:
+        if peers is not None:
+            peers.stop()
+
+
+def _generate_with(engine, args: argparse.Namespace, sampling, request_type) -> int:  # -> the exit code
+    import time
+
+    tokenizer = engine.loaded.tokenizer
+    prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
+    try:
+        engine.add(request_type("cli", tuple(prompt_ids), sampling))
     except ValueError as exc:  # a prompt that can never fit, or an empty one
         raise StartupError(str(exc)) from None
     started_s = time.perf_counter()
@@ -182,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-workers N and --prefill-workers M (or TANDEM_DECODE_WORKERS, TANDEM_PREFILL_WORKERS) set how many "
         "worker processes run, --chat-instances K (TANDEM_CHAT_INSTANCES) how many chat instances, on consecutive ports "
         "from the chat port; any other (--stall-timeout-s 1, ...) reaches every service. "
+        "--tensor-parallel-size N makes each of the large model's prefill and decode workers N ranks (the small model's "
+        "stay at 1); with --gpu-memory-utilization F and --max-model-len L they size its KV cache. On a host with GPUs each "
+        "rank gets one of its own (CUDA_VISIBLE_DEVICES: prefill 0..N-1, decode N..2N-1, ...; too few is an error before "
+        "anything starts); on a CPU the ranks share the cores (TANDEM_TORCH_THREADS each). "
         "tandem serve <role> --help lists them.",
     )
     up.add_argument("--host", help="address to serve on (default TANDEM_HOST or 127.0.0.1)")
@@ -202,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (the default): the GPU when torch sees one"
     )
+    generate.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks the engine spans, one process each (gloo on a CPU, NCCL on GPUs)"
+    )
+    generate.add_argument(
+        "--gpu-memory-utilization", type=float, help="the share of the device's memory (a CPU's: of RAM) for weights, activations and KV"
+    )
+    generate.add_argument("--max-model-len", type=int, help="the longest sequence served (default: the model's context window)")
     generate.add_argument("--via-bus", action="store_true", help="ask the running stack over NATS (TANDEM_NATS_URL)")
     generate.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
     generate.set_defaults(run=_generate)

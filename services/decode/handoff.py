@@ -189,5 +189,5 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
 def _show(layout: pb.KvLayout) -> str:
     return (
         f"{layout.model} {layout.dtype} block {layout.block_size} x {layout.num_layers} layers x "
-        f"{layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.byte_order}-endian)"
+        f"{layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.byte_order}-endian) on {max(1, layout.tensor_parallel_size)} ranks"
     )

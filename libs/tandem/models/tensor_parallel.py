@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -155,6 +156,8 @@ def join(rank: int, size: int, rendezvous: str, device: str) -> TensorParallel:
     if size == 1:
         return SINGLE
     backend = "nccl" if device == "cuda" else "gloo"
+    # The ranks of one engine share a host: gloo's sockets stay on its loopback unless told otherwise.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)

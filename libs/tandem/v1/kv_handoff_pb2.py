@@ -26,7 +26,7 @@ from tandem.v1 import dispatch_pb2 as tandem_dot_v1_dot_dispatch__pb2
 from tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/kv_handoff.proto\x12\ttandem.v1\x1a\x18tandem/v1/dispatch.proto\x1a\x18tandem/v1/generate.proto\"\x8c\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nbyte_order\x18\x07 \x01(\t\"\x88\x01\n\x0eReserveRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12+\n\x07request\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\"\x88\x01\n\x0bReservation\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x10\n\x08ucx_host\x18\x02 \x01(\t\x12\x10\n\x08ucx_port\x18\x03 \x01(\r\x12\x0f\n\x07lease_s\x18\x04 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x16\n\x0etransfer_token\x18\x06 \x01(\x0c\"o\n\x0cReserveReply\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x16.tandem.v1.ReservationH\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x42\t\n\x07outcome\"\x7f\n\rCommitRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12)\n\nassignment\x18\x02 \x01(\x0b\x32\x15.tandem.v1.Assignment\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"S\n\x0b\x43ommitReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x42\t\n\x07outcome\"\"\n\x0eReleaseRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\"$\n\x0cReleaseReply\x12\x14\n\x0cwas_reserved\x18\x01 \x01(\x08\" \n\x0cRenewRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\"2\n\nRenewReply\x12\x13\n\x0bis_reserved\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x02\x32\xfe\x01\n\tKvHandoff\x12=\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x17.tandem.v1.ReserveReply\x12:\n\x06\x43ommit\x12\x18.tandem.v1.CommitRequest\x1a\x16.tandem.v1.CommitReply\x12=\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x17.tandem.v1.ReleaseReply\x12\x37\n\x05Renew\x12\x17.tandem.v1.RenewRequest\x1a\x15.tandem.v1.RenewReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/kv_handoff.proto\x12\ttandem.v1\x1a\x18tandem/v1/dispatch.proto\x1a\x18tandem/v1/generate.proto\"\xaa\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nbyte_order\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\"\x88\x01\n\x0eReserveRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12+\n\x07request\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\"\x88\x01\n\x0bReservation\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x10\n\x08ucx_host\x18\x02 \x01(\t\x12\x10\n\x08ucx_port\x18\x03 \x01(\r\x12\x0f\n\x07lease_s\x18\x04 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x16\n\x0etransfer_token\x18\x06 \x01(\x0c\"o\n\x0cReserveReply\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x16.tandem.v1.ReservationH\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x42\t\n\x07outcome\"\x7f\n\rCommitRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12)\n\nassignment\x18\x02 \x01(\x0b\x32\x15.tandem.v1.Assignment\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"S\n\x0b\x43ommitReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x42\t\n\x07outcome\"\"\n\x0eReleaseRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\"$\n\x0cReleaseReply\x12\x14\n\x0cwas_reserved\x18\x01 \x01(\x08\" \n\x0cRenewRequest\x12\x10\n\x08reply_id\x18\x01 \x01(\t\"2\n\nRenewReply\x12\x13\n\x0bis_reserved\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x02\x32\xfe\x01\n\tKvHandoff\x12=\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x17.tandem.v1.ReserveReply\x12:\n\x06\x43ommit\x12\x18.tandem.v1.CommitRequest\x1a\x16.tandem.v1.CommitReply\x12=\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x17.tandem.v1.ReleaseReply\x12\x37\n\x05Renew\x12\x17.tandem.v1.RenewRequest\x1a\x15.tandem.v1.RenewReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_handoff_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=94
-  _globals['_KVLAYOUT']._serialized_end=234
-  _globals['_RESERVEREQUEST']._serialized_start=237
-  _globals['_RESERVEREQUEST']._serialized_end=373
-  _globals['_RESERVATION']._serialized_start=376
-  _globals['_RESERVATION']._serialized_end=512
-  _globals['_RESERVEREPLY']._serialized_start=514
-  _globals['_RESERVEREPLY']._serialized_end=625
-  _globals['_COMMITREQUEST']._serialized_start=627
-  _globals['_COMMITREQUEST']._serialized_end=754
-  _globals['_COMMITREPLY']._serialized_start=756
-  _globals['_COMMITREPLY']._serialized_end=839
-  _globals['_RELEASEREQUEST']._serialized_start=841
-  _globals['_RELEASEREQUEST']._serialized_end=875
-  _globals['_RELEASEREPLY']._serialized_start=877
-  _globals['_RELEASEREPLY']._serialized_end=913
-  _globals['_RENEWREQUEST']._serialized_start=915
-  _globals['_RENEWREQUEST']._serialized_end=947
-  _globals['_RENEWREPLY']._serialized_start=949
-  _globals['_RENEWREPLY']._serialized_end=999
-  _globals['_KVHANDOFF']._serialized_start=1002
-  _globals['_KVHANDOFF']._serialized_end=1256
+  _globals['_KVLAYOUT']._serialized_end=264
+  _globals['_RESERVEREQUEST']._serialized_start=267
+  _globals['_RESERVEREQUEST']._serialized_end=403
+  _globals['_RESERVATION']._serialized_start=406
+  _globals['_RESERVATION']._serialized_end=542
+  _globals['_RESERVEREPLY']._serialized_start=544
+  _globals['_RESERVEREPLY']._serialized_end=655
+  _globals['_COMMITREQUEST']._serialized_start=657
+  _globals['_COMMITREQUEST']._serialized_end=784
+  _globals['_COMMITREPLY']._serialized_start=786
+  _globals['_COMMITREPLY']._serialized_end=869
+  _globals['_RELEASEREQUEST']._serialized_start=871
+  _globals['_RELEASEREQUEST']._serialized_end=905
+  _globals['_RELEASEREPLY']._serialized_start=907
+  _globals['_RELEASEREPLY']._serialized_end=943
+  _globals['_RENEWREQUEST']._serialized_start=945
+  _globals['_RENEWREQUEST']._serialized_end=977
+  _globals['_RENEWREPLY']._serialized_start=979
+  _globals['_RENEWREPLY']._serialized_end=1029
+  _globals['_KVHANDOFF']._serialized_start=1032
+  _globals['_KVHANDOFF']._serialized_end=1286
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "byte_order")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "byte_order", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KvLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BYTE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -24,7 +25,8 @@ class KvLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     byte_order: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("reply_id", "layout", "num_blocks", "request")

@@ -72,6 +72,7 @@ def serve(conn: Connection, kv_fd: int) -> None:
             except queue.Empty:
                 break
         if None in batch:
+            engine.close()  # the other ranks of a tensor-parallel engine end too
             return
         for call in batch:
             assert call is not None

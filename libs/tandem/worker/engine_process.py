@@ -33,6 +33,7 @@ import torch
 from tandem.engine.block_pool import KvEvent
 from tandem.engine.engine import Engine, EngineFacts, EngineStats, QueueWait, Request, RequestOutput
 from tandem.worker.engine_channel import EngineChannel
+from tandem.worker.engine_ranks import PeerRanks
 from tandem.worker.engine_spec import EngineSpec
 from tandem.worker.engine_wire import Call, Change, Check, Cut, Died, Ready, Result, Start, ToEngine, ToWorker
 from tandem.worker.shared_kv import create_kv_memfd, map_kv_cache
@@ -64,11 +65,12 @@ class EngineProcess(EngineDriver):
         self._log_level = log_level
         self._num_posted = 0
         self._facts: EngineFacts | None = None
-        self._kv_cache: torch.Tensor | None = None
+        self._kv_caches: list[torch.Tensor] = []  # each rank's, once loaded
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._channel: EngineChannel | None = None
-        self._kv_fd: int | None = None
+        self._kv_fds: list[int] = []  # each rank's memfd
         self._child: subprocess.Popen[bytes] | None = None
+        self._peers: PeerRanks | None = None  # ranks 1..N-1 of a tensor-parallel engine
 
     @property
     def is_ready(self) -> bool:
@@ -90,24 +92,35 @@ class EngineProcess(EngineDriver):
             raise RuntimeError("the engine is not loaded yet")
         return self._facts
 
-    def block_view(self, block_id: int) -> torch.Tensor:
-        """One block of the shared KV cache, as Engine.block_view gives it in the engine process."""
-        if self._kv_cache is None:
+    @property
+    def rank_pids(self) -> list[int]:
+        """The other ranks' processes of a tensor-parallel engine (rank 1 first); none with one rank."""
+        return [] if self._peers is None else self._peers.pids
+
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One block of each rank's shared KV cache (rank 0's first), as Engine.block_view gives it
+        in that rank's process."""
+        if not self._kv_caches:
             raise RuntimeError("the engine is not loaded yet")
-        return self._kv_cache[block_id]
+        return [kv_cache[block_id] for kv_cache in self._kv_caches]
 
     def start(self) -> None:
         ours, theirs = socket.socketpair()
-        self._kv_fd = create_kv_memfd()
+        self._kv_fds = [create_kv_memfd() for _ in range(self._spec.tensor_parallel_size)]
+        spec = self._spec
+        if spec.tensor_parallel_size > 1:
+            self._peers = PeerRanks.start(spec, self._kv_fds)
+            spec = self._peers.spec
+            self._peers.watch(self._on_rank_death)
         try:
             self._child = subprocess.Popen(
-                [sys.executable, "-m", "tandem.worker.engine_core", str(theirs.fileno()), str(self._kv_fd)],
-                pass_fds=(theirs.fileno(), self._kv_fd),
+                [sys.executable, "-m", "tandem.worker.engine_core", str(theirs.fileno()), str(self._kv_fds[0])],
+                pass_fds=(theirs.fileno(), self._kv_fds[0]),
             )
         finally:
             theirs.close()
         self._channel = EngineChannel(ours, self._loop, self._handle, self._on_closed)
-        self._send(Start(self._spec, self._log_level))
+        self._send(Start(spec, self._log_level))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Runs fn(engine) in the engine process before its next step; returns or raises what fn does."""
@@ -138,9 +151,9 @@ class EngineProcess(EngineDriver):
         """Closes the socket (the engine process ends after its step in progress) and waits for it."""
         if self._channel is not None:
             self._channel.close()
-        if self._kv_fd is not None:
-            os.close(self._kv_fd)
-            self._kv_fd = None
+        for fd in self._kv_fds:
+            os.close(fd)
+        self._kv_fds = []
         if self._child is not None:
             try:
                 self._child.wait(timeout_s)
@@ -148,6 +161,8 @@ class EngineProcess(EngineDriver):
                 log.warning("the engine process did not end within %.0f s of its stop; killing it", timeout_s)
                 self._child.kill()
                 self._child.wait()
+        if self._peers is not None:
+            self._peers.stop(timeout_s)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -187,16 +202,24 @@ class EngineProcess(EngineDriver):
                 else:
                     done.set_exception(message.exc)
         elif isinstance(message, Ready):
-            self._kv_cache = _map_kv_cache(self._kv_fd, message.facts)
+            self._kv_caches = [map_kv_cache(fd, message.facts.kv_cache_shape, message.facts.kv_dtype) for fd in self._kv_fds]
             self._facts = message.facts
             self._snapshot = (message.stats, 0)
         elif isinstance(message, Died):
             self._die(message.exc)
 
+    def _on_rank_death(self, rank: int, code: int) -> None:
+        """From a rank's watcher thread: one rank's death is the whole engine's."""
+        self._loop.call_soon_threadsafe(self._die, EngineDead(f"rank {rank} of the tensor-parallel engine ended (exit code {code})"))
+
     def _die(self, exc: BaseException) -> None:
         if self._death is not None:
             return
         self._death = exc
+        if self._peers is not None:  # the group lives and dies together
+            if self._child is not None and self._child.poll() is None:
+                self._child.kill()
+            self._peers.kill()
         pending, self._pending = self._pending, {}
         for done in pending.values():
             if not done.done():
@@ -204,9 +227,3 @@ class EngineProcess(EngineDriver):
                 dead.__cause__ = exc
                 done.set_exception(dead)
         self._on_death(exc)
-
-
-def _map_kv_cache(fd: int | None, facts: EngineFacts) -> torch.Tensor:
-    """The engine process's KV cache, mapped from the memfd it sized."""
-    assert fd is not None
-    return map_kv_cache(fd, facts.kv_cache_shape, facts.kv_dtype)

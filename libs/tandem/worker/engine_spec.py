@@ -16,6 +16,7 @@ from tandem.engine.engine import Engine, EngineConfig, KvCacheAllocator
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
 from tandem.models.loader import load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from tandem.models.tensor_parallel import join
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ class EngineSpec:
     torch_threads: int = 0  # 0: torch's default (one per core of the machine)
     engine_process: bool = False  # the engine steps in a process of its own (engine_process.py), else on a thread
     log_level: str = "INFO"  # the engine process's
+    tensor_parallel_size: int = 1  # ranks, one process each beside rank 0 (engine_ranks.py)
+    rendezvous: str = ""  # where the ranks meet (a file:// URL), set when they are started
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelFile, role: str = "decode") -> EngineSpec:
@@ -46,20 +49,27 @@ class EngineSpec:
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
             enforce_eager=settings.enforce_eager or role == "prefill",
         )
-        # One thread per CPU of the process's affinity unless set: torch counts the machine's cores.
-        torch_threads = settings.torch_threads or len(settings.cpus)
+        # One thread per CPU of the process's affinity unless set (torch counts the machine's cores),
+        # shared by the ranks of a tensor-parallel engine.
+        torch_threads = settings.torch_threads or max(1, len(settings.cpus) // settings.tensor_parallel_size)
         # An engine process shares its KV cache through a memfd: a CPU's cache, on Linux.
-        engine_process = settings.engine_process and device == "cpu" and hasattr(os, "memfd_create")
-        return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level)
+        # The ranks of a tensor-parallel engine on a CPU share their KV caches so too (the worker reads every rank's blocks).
+        wants_process = settings.engine_process or settings.tensor_parallel_size > 1
+        engine_process = wants_process and device == "cpu" and hasattr(os, "memfd_create")
+        return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level, settings.tensor_parallel_size)
 
 
-def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None) -> Engine:
-    """Where the engine steps (its thread, or its process): torch's thread count is set here."""
+def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None, rank: int = 0) -> Engine:
+    """Where the engine steps (its thread, or its process), or, with `rank` > 0, where one of the
+    other ranks of a tensor-parallel engine follows it: torch's thread count is set here, and a
+    rank joins its group (spec.rendezvous) before it loads its shard."""
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization)
+    tp = join(rank, spec.tensor_parallel_size, spec.rendezvous, spec.device)
+    loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization, tp=tp)
     log.info(
-        "engine ready: %s, %s (quantization %s) on %s with %d torch threads",
+        "engine %s: %s, %s (quantization %s) on %s with %d torch threads",
+        "ready" if tp.size == 1 else f"rank {rank} of {tp.size} ready",
         spec.model.name,
         spec.dtype,
         spec.model.quantization,

@@ -38,6 +38,7 @@ from tandem.worker import engine_calls, metrics
 from tandem.worker.admission import Overloaded, QueueState, TtftTargets, queue_verdict
 from tandem.worker.engine_metrics import EngineMetrics
 from tandem.worker.engine_process import EngineProcess
+from tandem.worker.engine_ranks import PeerRanks
 from tandem.worker.engine_spec import EngineSpec, build_engine
 from tandem.worker.heartbeat import EngineLoad
 from tandem.worker.kv_events import KvEventPublisher
@@ -70,6 +71,7 @@ class EngineHost:
         self._targets = targets
         self._posted = PostedWork()
         self._driver: EngineThread | EngineProcess | None = None  # from start()
+        self._peers: PeerRanks | None = None  # the other ranks of a tensor-parallel engine on a thread
         self._kv_events: KvEventPublisher | None = None  # from start()
         self._replies = HeldReplies()
         self._outputs = OutputPublisher(self._replies, worker_id, spec.model.name, token_stream_max_age_s)
@@ -90,6 +92,10 @@ class EngineHost:
             self._driver = process
             state = partial(_kv_state, process, kv_events)
         else:
+            if self._spec.tensor_parallel_size > 1:  # rank 0 on the engine thread, the others beside it
+                self._peers = PeerRanks.start(self._spec)
+                self._spec = self._peers.spec
+                self._peers.watch(lambda rank, code: loop.call_soon_threadsafe(self._on_rank_death, rank, code))
             thread = EngineThread(self._build_engine, self._outputs.put, loop, self._after_change, self._on_engine_death)
             self._driver = thread
             state = partial(thread.call, kv_events.snapshot)
@@ -110,6 +116,8 @@ class EngineHost:
         self._replies.release_all()
         if self._driver is not None:
             await asyncio.to_thread(self._driver.stop)
+        if self._peers is not None:
+            await asyncio.to_thread(self._peers.stop)
         for task in self._tasks:
             task.cancel()
 
@@ -168,6 +176,9 @@ class EngineHost:
 
     def _on_engine_death(self, exc: BaseException) -> None:
         self._fail(f"the engine died: {type(exc).__name__}: {exc}")
+
+    def _on_rank_death(self, rank: int, code: int) -> None:
+        self._fail(f"rank {rank} of the tensor-parallel engine ended (exit code {code})")
 
     def _on_publisher_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -233,7 +244,7 @@ class EngineHost:
         """Each block's K and V for every layer, to send from or receive into; only for blocks this
         worker holds for a handoff (exported or reserved), which no step reads or writes."""
         engine = self._engine_driver
-        return [engine.block_view(block_id) for block_id in block_ids]
+        return [view for block_id in block_ids for view in engine.block_views(block_id)]
 
     # -- replies --------------------------------------------------------------------------------
 

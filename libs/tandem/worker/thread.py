@@ -106,9 +106,16 @@ class EngineThread(EngineDriver):
             self._facts = self._loaded.facts()
         return self._facts
 
-    def block_view(self, block_id: int) -> torch.Tensor:
-        """One block's K and V (Engine.block_view): a view no step touches while its block is held for a handoff."""
-        return self._loaded.block_view(block_id)
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One block's K and V (Engine.block_view): a view no step touches while its block is held
+        for a handoff. The other ranks of a tensor-parallel engine keep theirs on their own devices,
+        out of this process's reach: such an engine hands off no KV."""
+        engine = self._loaded
+        if engine.facts().tensor_parallel_size > 1:
+            raise RuntimeError(
+                "a tensor-parallel engine on its worker's thread hands off no KV: its other ranks' blocks are on their devices"
+            )
+        return [engine.block_view(block_id)]
 
     async def check(self, request: Request) -> None:
         """Engine.check, which reads only the configuration: answered at once, beside a step."""

@@ -76,4 +76,5 @@ def kv_layout(facts: EngineFacts, model_name: str) -> KvLayout:
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         byte_order=sys.byteorder,
+        tensor_parallel_size=facts.tensor_parallel_size,
     )

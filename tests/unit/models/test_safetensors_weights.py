@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_model import random_model, reference_logits, save_safetensors_folder, tiny_config
+from reference_model import random_model, reference_logits, save_safetensors_folder, tiny_config, write_tokenizer
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tandem.errors import StartupError
 from tandem.kernels.attention_reference import paged_attention_reference
@@ -21,24 +19,6 @@ from tandem.models.packed import pack_model
 from tandem.models.safetensors_weights import SHARD_INDEX
 
 TOKENS = [7, 300, 42, 511, 3, 99, 100]
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-
-
-def write_tokenizer(folder: Path) -> None:
-    """A small byte-level BPE trained on the spot, saved the way transformers saves one."""
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    backend.save(str(folder / "tokenizer.json"))
-    settings = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_saved_folder_loads_back_to_the_same_logits(tmp_path: Path, tied: bool):
     original = random_model(tiny_config(tie_word_embeddings=tied), seed=5, attention=paged_attention_reference)

@@ -1,0 +1,136 @@
+"""Tensor parallelism end to end on the CPU: rank 0 in this process, the other ranks in processes of
+their own (worker/engine_ranks.py), gloo between them. In float32 a TP engine's greedy answers are
+token for token those of one rank, on Llama- and Qwen2-style checkpoints written here (Qwen2's qkv
+biases split with their rows; fewer KV heads than ranks: KV heads replicated; a vocabulary that
+does not divide: the last rank's rows padded)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import is_running, wait_until
+from reference_model import random_model, save_safetensors_folder, tiny_config, write_tokenizer
+
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.sequence import SamplingOptions
+from tandem.errors import StartupError
+from tandem.kernels import select_attention
+from tandem.models.files import open_model
+from tandem.models.tensor_parallel import Shard
+from tandem.worker.engine_ranks import PeerRanks
+from tandem.worker.engine_spec import EngineSpec, build_engine
+
+PROMPTS = [[5, 17, 200, 31, 8, 99, 143, 250, 7], [400, 3, 3, 12], list(range(40, 90))]  # the last: several blocks
+MAX_TOKENS = 20
+
+
+def _checkpoint(folder: Path, seed: int, **config: object) -> Path:
+    model = random_model(tiny_config(**config), seed, select_attention("cpu"))
+    save_safetensors_folder(model, folder)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 8 heads, 2 KV heads (replicated over 4 ranks), vocabulary 510 (not a multiple of 4), untied head
+    return _checkpoint(
+        tmp_path_factory.mktemp("llama"), 1, num_heads=8, num_kv_heads=2, vocab_size=510, intermediate_size=192, tie_word_embeddings=False
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _checkpoint(tmp_path_factory.mktemp("qwen2"), 2, num_heads=4, num_kv_heads=4, attention_bias=True)
+
+
+def _spec(path: Path, size: int) -> EngineSpec:
+    config = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32)  # prompts in chunks: several steps of mixed work
+    return EngineSpec(open_model(path), "cpu", torch.float32, config, torch_threads=1, tensor_parallel_size=size)
+
+
+@dataclasses.dataclass
+class Group:
+    engine: Engine
+    peers: PeerRanks | None
+
+
+def _start(path: Path, size: int) -> Iterator[Group]:
+    spec = _spec(path, size)
+    peers = PeerRanks.start(spec) if size > 1 else None
+    engine = build_engine(peers.spec if peers else spec)
+    try:
+        yield Group(engine, peers)
+    finally:
+        engine.close()
+        engine.loaded.model.tp.close()
+        if peers is not None:
+            peers.stop()
+
+
+def _answers(engine: Engine) -> list[list[int]]:
+    requests = [
+        Request(f"r{i}", tuple(prompt), SamplingOptions(max_tokens=MAX_TOKENS, ignore_eos=True)) for i, prompt in enumerate(PROMPTS)
+    ]
+    streams = engine.generate(requests)
+    return [[token for output in streams[r.request_id] for token in output.new_token_ids] for r in requests]
+
+
+def _greedy(path: Path, size: int) -> list[list[int]]:
+    for group in _start(path, size):
+        return _answers(group.engine)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_llama_engine_over_ranks_answers_what_one_rank_does(llama: Path, size: int):
+    expected = _greedy(llama, 1)
+    assert all(len(answer) == MAX_TOKENS for answer in expected)
+    assert _greedy(llama, size) == expected
+
+
+def test_a_qwen2_engine_over_two_ranks_answers_what_one_rank_does(qwen2: Path):
+    assert _greedy(qwen2, 2) == _greedy(qwen2, 1)
+
+
+def test_each_rank_holds_its_heads_only(llama: Path):
+    for group in _start(llama, 4):
+        engine = group.engine
+        local = engine.loaded.model.config
+        assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 48)
+        assert engine.facts().kv_shape.num_kv_heads == 1 and engine.facts().tensor_parallel_size == 4
+        assert engine.loaded.model.model.embed_tokens.weight.shape[0] == Shard(0, 4).vocab_rows(engine.loaded.config) == 128
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused_naming_the_setting(llama: Path):
+    with pytest.raises(StartupError, match="TANDEM_TENSOR_PARALLEL_SIZE=3"):
+        Shard(0, 3).local_config(tiny_config(num_heads=8, num_kv_heads=2, intermediate_size=192))
+
+
+def test_a_rank_killed_ends_its_group_and_is_reported(llama: Path):
+    """Any rank's death is the group's: the watcher reports it, and rank 0's next step fails instead of waiting."""
+    deaths: list[tuple[int, int]] = []
+    for group in _start(llama, 2):
+        assert group.peers is not None
+        group.peers.watch(lambda rank, code: deaths.append((rank, code)))
+        (pid,) = group.peers.pids
+        os.kill(pid, signal.SIGKILL)
+
+        async def reported() -> bool:
+            return bool(deaths)
+
+        import asyncio
+
+        asyncio.run(wait_until(reported, timeout_s=10))
+        assert deaths == [(1, -signal.SIGKILL)]
+        assert not is_running(pid)
+        group.engine.add(Request("after", (5, 6, 7), SamplingOptions(max_tokens=2)))
+        with pytest.raises(RuntimeError):  # gloo's error: the peer's connection is closed
+            group.engine.step()
+        group.engine.close = lambda: None  # type: ignore[method-assign]  # nothing to stop: the group is gone
