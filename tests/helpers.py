@@ -25,7 +25,7 @@ from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
 from tandem.devstack.cassandra_node import find_java17
-from tandem.devstack.members import torch_threads_per_worker
+from tandem.devstack.devices import torch_threads_per_rank
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, local_service_env, login_of
 from tandem.errors import StartupError
@@ -63,7 +63,7 @@ def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[
     if role in WORKER_ROLES:
         env["TANDEM_GRPC_PORT"] = str(free_port())
         # A test runs up to about four workers, and its own engine, on this machine's cores.
-        env["TANDEM_TORCH_THREADS"] = str(torch_threads_per_worker(TEST_WORKERS_SHARING_CORES))
+        env["TANDEM_TORCH_THREADS"] = str(torch_threads_per_rank(TEST_WORKERS_SHARING_CORES))
     env.update(extra)
     return env
 

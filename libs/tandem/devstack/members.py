@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Tier
+from tandem.devstack.devices import assign_gpus, torch_threads_per_rank
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets
 from tandem.errors import StartupError
@@ -24,19 +25,8 @@ SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
 NAME_WIDTH = 15  # "small-decode-0" and a space
 SMALL_POOL = "small"  # the small model's decode workers: small-decode-0, small-decode-1, ...
 WORKER_ROLES = ("decode", "prefill")
-
-
-def torch_threads_per_worker(num_workers: int, num_cores: int | None = None) -> int:
-    """The torch threads each of `num_workers` workers computing on one machine's cores gets: an
-    equal share of all cores but one, at least one thread. Each taking torch's default (one per
-    core) oversubscribes the cores: with two decode workers and a prefill worker on two cores,
-    bench/drills.py's streamed replies took several times longer that way than at one thread
-    each. The core left over is the stack's services' (chat, relay, router, NATS, Redis), as
-    vLLM's CPU backend keeps one for its serving frontend: a lone decode worker on two cores
-    computing on both stalled in every step the services took one of them (bench/overload.py's
-    paid TTFT p95 was far worse at two threads than at one)."""
-    cores = num_cores if num_cores is not None else len(os.sched_getaffinity(0))
-    return max(1, (cores - 1) // max(1, num_workers))
+# The large model's settings the small model's workers do not take: they keep its own window.
+LARGE_MODEL_ONLY = ("TANDEM_MAX_MODEL_LEN",)
 
 
 @dataclass(frozen=True)
@@ -52,6 +42,11 @@ class StackConfig:
     # `small_worker_env` over extra_env (its weights, quantization and served name).
     num_small_decode_workers: int = 0
     small_worker_env: dict[str, str] = field(default_factory=dict)
+    # The large model's prefill and decode workers: ranks each (TANDEM_TENSOR_PARALLEL_SIZE, set
+    # per worker); the small model's workers run one.
+    tensor_parallel_size: int = 1
+    # The host's GPUs the workers take, one per rank (assign_gpus); empty: they compute on the CPU.
+    gpus: tuple[str, ...] = ()
     roles: tuple[str, ...] = SERVICE_ROLES  # the services to run; () runs the servers alone
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
@@ -71,11 +66,28 @@ class StackConfig:
                 planned += [(role, index, SMALL_POOL) for index in range(self.num_small_decode_workers)]
         return planned
 
+    def __post_init__(self) -> None:
+        if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead
+            raise ValueError("set StackConfig.tensor_parallel_size, not TANDEM_TENSOR_PARALLEL_SIZE in extra_env")
+
+    def worker_ranks(self) -> dict[str, int]:
+        """Each worker's instance id -> its tensor-parallel ranks, in start order."""
+        return {
+            instance_id_of(role, index, pool): 1 if pool == SMALL_POOL else self.tensor_parallel_size
+            for role, index, pool in self.planned()
+            if role in WORKER_ROLES
+        }
+
+    def visible_gpus(self) -> dict[str, str]:
+        """Each worker's CUDA_VISIBLE_DEVICES by instance id (none on a CPU); NotEnoughGpus when
+        the host has fewer GPUs than the workers have ranks."""
+        return assign_gpus(self.worker_ranks(), self.gpus) if self.gpus else {}
+
     @property
     def torch_threads(self) -> int:
-        """Each worker's torch threads unless TANDEM_TORCH_THREADS says otherwise: the workers
-        share this machine's cores."""
-        return torch_threads_per_worker(sum(role in WORKER_ROLES for role, _, _ in self.planned()))
+        """Each worker rank's torch threads unless TANDEM_TORCH_THREADS says otherwise: every
+        rank of every worker shares this machine's cores."""
+        return torch_threads_per_rank(sum(self.worker_ranks().values()))
 
     @property
     def chat_ports(self) -> list[int]:
@@ -136,6 +148,10 @@ class Member:
         return self.role in SERVER_ROLES
 
 
+def instance_id_of(role: str, index: int, pool: str = "") -> str:
+    return f"{pool}-{role}-{index}" if pool else f"{role}-{index}"
+
+
 def member_name(role: str, index: int, num_instances: int) -> str:
     return role if num_instances == 1 else f"{role}-{index}"
 
@@ -161,6 +177,15 @@ def dev_api_keys() -> dict[str, ApiKey]:
     return {f"tdm-dev-{secrets.token_urlsafe(12)}": ApiKey(user_id="dev", tier=Tier.PLUS)}
 
 
+def _worker_env(config: StackConfig, instance_id: str, is_small: bool) -> dict[str, str]:
+    """A worker's ranks, and on a host with GPUs the GPUs they compute on."""
+    env = {"TANDEM_TENSOR_PARALLEL_SIZE": "1" if is_small else str(config.tensor_parallel_size)}
+    gpus = config.visible_gpus()
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[instance_id]
+    return env
+
+
 def service_member(
     config: StackConfig,
     role: str,
@@ -179,7 +204,7 @@ def service_member(
     host = config.host
     http_port = config.chat_port + index if role == "chat" else free_port(host)
     # Kept across restarts: the router sees the same worker come back.
-    instance_id = f"{pool}-{role}-{index}" if pool else f"{role}-{index}"
+    instance_id = instance_id_of(role, index, pool)
     env = {
         **os.environ,
         **config.extra_env,
@@ -195,8 +220,11 @@ def service_member(
         **secrets.service_env(role),
         **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
-    if role in WORKER_ROLES:  # a count set in the environment, or as a flag, is kept
-        env.setdefault("TANDEM_TORCH_THREADS", str(config.torch_threads))
+    if role in WORKER_ROLES:
+        env.update(_worker_env(config, instance_id, is_small=pool == SMALL_POOL))
+        for name in LARGE_MODEL_ONLY if pool == SMALL_POOL else ():
+            env.pop(name, None)
+        env.setdefault("TANDEM_TORCH_THREADS", str(config.torch_threads))  # a count set in the environment, or as a flag, is kept
     grpc_port = None
     if role in DEFAULT_GRPC_PORTS:
         grpc_port = free_port(host)

@@ -276,6 +276,7 @@ class Stack:
             self._console.say(
                 f'models: {env["TANDEM_LARGE_MODEL"]} (large), {env["TANDEM_SMALL_MODEL"]} (small, {small}); "auto" picks one'
             )
+        self._announce_ranks()
         self._console.say(f"try: curl -s http://{host}:{port}/readyz")
         routers = self.members_of("router")
         if routers:  # its port is a free one: top needs to be told
@@ -283,6 +284,15 @@ class Stack:
         self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} tandem generate --via-bus "Hello"')
         self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")
         self._console.say("Ctrl-C stops everything")
+
+    def _announce_ranks(self) -> None:
+        config = self._config
+        if config.tensor_parallel_size > 1:
+            self._console.say(f"the large model's prefill and decode workers: {config.tensor_parallel_size} tensor-parallel ranks each")
+        gpus = config.visible_gpus()
+        for member in self._members:
+            if member.instance_id in gpus:
+                self._console.say(f"{member.name} computes on GPUs {gpus[member.instance_id]} (its CUDA_VISIBLE_DEVICES)")
 
     async def _reap(self, child: ChildProcess) -> None:
         try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.config import Settings
+from tandem.devstack.devices import host_gpus
 from tandem.devstack.members import StackConfig, dev_api_keys
 from tandem.errors import StartupError
 from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
@@ -36,13 +37,16 @@ _STACK_OWNED_SETTINGS = frozenset(
         "small_model_quantization",
         "large_model",
         "small_model",
+        "tensor_parallel_size",  # the small model's workers run one rank
     }
 )
 
 
 def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str, str] | None = None) -> StackConfig:
     """`flags`: the settings given to `tandem up` as flags (name -> value as typed); each reaches
-    every service as its TANDEM_ variable, except those the stack sets per member."""
+    every service as its TANDEM_ variable, except those the stack sets per member. On a host with
+    GPUs (unless TANDEM_DEVICE is cpu) each worker rank gets one of its own: NotEnoughGpus here,
+    before anything starts, when there are too few."""
     extra_env: dict[str, str] = {"TANDEM_LOG_LEVEL": settings.log_level}
     if settings.model_path is not None:
         extra_env["TANDEM_MODEL_PATH"] = str(settings.model_path)
@@ -57,7 +61,7 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
         small_path = settings.small_model_path or settings.model_path
         if small_path is not None:
             small_worker_env["TANDEM_MODEL_PATH"] = str(small_path)
-    return StackConfig(
+    config = StackConfig(
         host=settings.host,
         chat_port=settings.http_port_for("chat") if chat_port is None else chat_port,
         api_keys=settings.api_keys or dev_api_keys(),
@@ -67,7 +71,18 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
         num_chat_instances=settings.chat_instances,
         num_small_decode_workers=settings.small_decode_workers,
         small_worker_env=small_worker_env,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        gpus=_worker_gpus(settings.device),
     )
+    config.visible_gpus()  # fails now, not in each worker, when the host has too few GPUs
+    return config
+
+
+def _worker_gpus(device: str) -> tuple[str, ...]:
+    gpus = host_gpus(device)
+    if device == "cuda" and not gpus:
+        raise StartupError("TANDEM_DEVICE=cuda (or --device cuda), but torch sees no CUDA GPU here: use cpu or auto")
+    return gpus
 
 
 @dataclass(frozen=True)

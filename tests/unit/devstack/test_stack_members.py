@@ -12,7 +12,8 @@ import socket
 import pytest
 
 from tandem.config import ApiKey, Tier, load_settings, settings_flags
-from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member, torch_threads_per_worker
+from tandem.devstack.devices import torch_threads_per_rank
+from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member
 from tandem.devstack.proc import free_ports
 from tandem.devstack.secrets import StackSecrets
 from tandem.devstack.stack import Stack, stack_config_from
@@ -20,6 +21,12 @@ from tandem.errors import StartupError
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
 SECRETS = StackSecrets.generate()
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu(monkeypatch):
+    """The host's GPUs play no part here (test_worker_ranks.py gives the stack some)."""
+    monkeypatch.setenv("TANDEM_DEVICE", "cpu")
 
 
 def members(config: StackConfig):
@@ -87,10 +94,10 @@ def test_workers_split_the_cores_unless_torch_threads_is_set(monkeypatch):
 
 
 def test_workers_share_all_cores_but_one_which_the_services_keep_and_get_at_least_one_thread():
-    assert [torch_threads_per_worker(n, num_cores=16) for n in (0, 1, 3, 4, 15, 40)] == [15, 15, 5, 3, 1, 1]
-    assert torch_threads_per_worker(1, num_cores=2) == 1
-    assert torch_threads_per_worker(3, num_cores=2) == 1
-    assert torch_threads_per_worker(1, num_cores=1) == 1
+    assert [torch_threads_per_rank(n, num_cores=16) for n in (0, 1, 3, 4, 15, 40)] == [15, 15, 5, 3, 1, 1]
+    assert torch_threads_per_rank(1, num_cores=2) == 1
+    assert torch_threads_per_rank(3, num_cores=2) == 1
+    assert torch_threads_per_rank(1, num_cores=1) == 1
 
 
 def config_of(*args: str):
