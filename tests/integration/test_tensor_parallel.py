@@ -50,7 +50,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _checkpoint(tmp_path_factory.mktemp("qwen2"), 2, num_heads=4, num_kv_heads=4, attention_bias=True)
 
 
-def _spec(path: Path, size: int) -> EngineSpec:
+def _spec(path: Path | None, size: int) -> EngineSpec:
     config = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32)  # prompts in chunks: several steps of mixed work
     return EngineSpec(open_model(path), "cpu", torch.float32, config, torch_threads=1, tensor_parallel_size=size)
 
@@ -134,3 +134,27 @@ def test_a_rank_killed_ends_its_group_and_is_reported(llama: Path):
         with pytest.raises(RuntimeError):  # gloo's error: the peer's connection is closed
             group.engine.step()
         group.engine.close = lambda: None  # type: ignore[method-assign]  # nothing to stop: the group is gone
+
+
+def test_smollm2_over_three_ranks_answers_what_one_rank_does():
+    """9 heads and 3 KV heads: one KV head a rank. The embedded GGUF, each rank dequantizing its slices."""
+    spec = _spec(None, 1)
+    answers = []
+    for size in (1, 3):
+        peers = PeerRanks.start(dataclasses.replace(spec, tensor_parallel_size=size)) if size > 1 else None
+        engine = build_engine(peers.spec if peers else spec)
+        try:
+            tokenizer = engine.loaded.tokenizer
+            prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in SMOLLM2_PROMPTS]
+            requests = [Request(f"s{i}", tuple(p), SamplingOptions(max_tokens=16)) for i, p in enumerate(prompts)]
+            streams = engine.generate(requests)
+            answers.append([[t for output in streams[r.request_id] for t in output.new_token_ids] for r in requests])
+        finally:
+            engine.close()
+            engine.loaded.model.tp.close()
+            if peers is not None:
+                peers.stop()
+    assert answers[1] == answers[0]
+
+
+SMOLLM2_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
