@@ -22,20 +22,24 @@ import torch
 from tandem.engine.admission_rate import AdmissionRate
 from tandem.engine.block_pool import CachedBlock, KvEvent
 from tandem.engine.decode_graphs import SIZES, DecodeGraphs
+from tandem.engine.engine_config import DEFAULT_BATCHED_TOKENS, DEFAULT_UNPAID_TOKENS, EngineConfig
 from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
+from tandem.engine.memory_budget import KvPlan, plan_kv_cache
 from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner
 from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import QueueWait, Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
-from tandem.kernels.metadata import BLOCK_SIZE, KvCacheShape
+from tandem.kernels.metadata import KvCacheShape
 from tandem.models.llama import StepCut
 from tandem.models.loader import LoadedModel
 
 __all__ = [
+    "DEFAULT_BATCHED_TOKENS",  # defined with EngineConfig
+    "DEFAULT_UNPAID_TOKENS",
     "Engine",
-    "EngineConfig",
+    "EngineConfig",  # defined in engine_config.py, which memory_budget.py reads too
     "EngineFacts",
     "EngineStats",
     "Handoff",
@@ -50,34 +54,6 @@ __all__ = [
 
 class TokenIdOutOfRange(ValueError):
     """A request names a token id the model's vocabulary lacks (its embedding lookup would fail)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = BLOCK_SIZE
-    num_kv_blocks: int | None = None  # None: as many as kv_cache_mib holds
-    kv_cache_mib: int | None = None  # None: 1024
-    kv_cache_dtype: torch.dtype | None = None  # None: the model's; bf16 under a float32 model (CPU kernels)
-    max_num_batched_tokens: int | None = None  # None: 512 on a CPU, 8192 on a GPU (DEFAULT_BATCHED_TOKENS)
-    max_num_seqs: int = 256
-    num_reserved_blocks: int = 4
-    max_num_unpaid_tokens: int | None = None  # of those, free and background rows while paid work runs; None: DEFAULT_UNPAID_TOKENS
-    enforce_eager: bool = False  # on a GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
-    # A CPU step computing free or background rows ends at its next layer (a decode step's, its
-    # next call of six layers) when a paid request arrives (cut_step); the next step is the paid request's.
-    cut_unpaid_steps: bool = True
-
-
-# Tokens an engine step computes unless configured. A CPU step's time is its FLOPs, and 512 rows
-# keep a decode batch's wait behind a prefill chunk short; a GPU step of a few thousand rows takes
-# about as long as one of a few hundred (its host work bounds it), so a long prompt goes in one step.
-DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
-
-# Free and background rows a step computes beside paid work unless configured. On a CPU each row
-# lengthens the step that a paid request arriving during it waits for, and under bench/overload.py's
-# overload paid TTFT p95 was far lower with this cap than without one. A GPU step's time hardly
-# grows with its rows: no cap there.
-DEFAULT_UNPAID_TOKENS = {"cpu": 8}
 
 
 @dataclass(frozen=True)
@@ -169,7 +145,7 @@ class EngineFacts:
     kv_shape: KvCacheShape
     kv_cache_shape: tuple[int, ...]  # the whole cache tensor's (managed blocks, and a graphs' scratch block)
     kv_dtype: torch.dtype
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest sequence served: the resolved max_model_len (memory_budget.py), not the model's window
     tensor_parallel_size: int = 1  # ranks, each with a KV cache of kv_cache_shape holding its heads
 
 
@@ -188,7 +164,9 @@ class Engine:
         model_config = loaded.model.config  # this rank's: its KV heads under tensor parallelism
         parameter = next(loaded.model.parameters())
         cache_dtype = config.kv_cache_dtype or parameter.dtype
-        num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_mib, cache_dtype)
+        # How many blocks, and the longest sequence served (memory_budget.py; a TP peer rank calls it too).
+        self.kv_plan: KvPlan = plan_kv_cache(loaded.model, config, cache_dtype, parameter.device)
+        num_blocks = self.kv_plan.num_blocks
         self.kv_shape = KvCacheShape(
             num_blocks, model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
@@ -203,18 +181,17 @@ class Engine:
         self.kv = KvCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens
-                or DEFAULT_BATCHED_TOKENS.get(parameter.device.type, DEFAULT_BATCHED_TOKENS["cpu"]),
+                max_num_batched_tokens=config.batched_tokens_on(parameter.device.type),
                 max_num_seqs=config.max_num_seqs,
                 num_reserved_blocks=config.num_reserved_blocks,
                 max_num_unpaid_tokens=config.max_num_unpaid_tokens or DEFAULT_UNPAID_TOKENS.get(parameter.device.type),
-                max_model_len=model_config.max_position_embeddings,
+                max_model_len=self.kv_plan.max_model_len,
             ),
             self.kv,
         )
         graphs = None
         if is_graphed:
-            max_context = min(model_config.max_position_embeddings, num_blocks * config.block_size)
+            max_context = min(self.kv_plan.max_model_len, num_blocks * config.block_size)
             graphs = DecodeGraphs(loaded.model, kv_cache, config.block_size, min(config.max_num_seqs, SIZES[-1]), max_context, capture=True)
         self.runner = Runner(loaded.model, kv_cache, config.block_size, Sampler(), graphs)
         self._replies: dict[str, ReplyText] = {}  # the text of every request still scheduled
@@ -327,9 +304,7 @@ class Engine:
 
     def facts(self) -> EngineFacts:
         kv_cache = self.runner.kv_cache
-        return EngineFacts(
-            self.kv_shape, tuple(kv_cache.shape), kv_cache.dtype, self.loaded.config.max_position_embeddings, self.loaded.model.tp.size
-        )
+        return EngineFacts(self.kv_shape, tuple(kv_cache.shape), kv_cache.dtype, self.kv_plan.max_model_len, self.loaded.model.tp.size)
 
     def close(self) -> None:
         """Ends the other ranks' part of a tensor-parallel engine (nothing to do with one rank)."""
