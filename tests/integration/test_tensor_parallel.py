@@ -95,6 +95,25 @@ def test_a_llama_engine_over_ranks_answers_what_one_rank_does(llama: Path, size:
     assert _greedy(llama, size) == expected
 
 
+def test_in_bf16_an_answer_over_four_ranks_is_the_same_alone_or_batched(llama: Path):
+    """The all-reduce sums in rank order whatever the batch (tensor_parallel.py): a row's bits are its
+    own, so a continuation on another worker finds the uninterrupted answer."""
+    spec = dataclasses.replace(_spec(llama, 4), dtype=torch.bfloat16)
+    peers = PeerRanks.start(spec)
+    engine = build_engine(peers.spec)
+    try:
+        together = _answers(engine)
+        alone = []
+        for i, prompt in enumerate(PROMPTS):
+            stream = engine.generate([Request(f"a{i}", tuple(prompt), SamplingOptions(max_tokens=MAX_TOKENS, ignore_eos=True))])[f"a{i}"]
+            alone.append([token for output in stream for token in output.new_token_ids])
+    finally:
+        engine.close()
+        engine.loaded.model.tp.close()
+        peers.stop()
+    assert alone == together
+
+
 def test_a_qwen2_engine_over_two_ranks_answers_what_one_rank_does(qwen2: Path):
     assert _greedy(qwen2, 2) == _greedy(qwen2, 1)
 

@@ -112,10 +112,22 @@ class TensorParallel:
         return self.shard.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x`, in place."""
-        if self.size > 1:
+        """The sum of every rank's `x`, in place. On a CPU it is gathered and summed here in rank
+        order, in float32, rounded once: gloo's ring sums each chunk of a tensor starting at a
+        different rank, and where the chunks fall depends on the tensor's size, so a row's bits would
+        depend on the rows batched with it (and a continuation on another worker could part from the
+        uninterrupted answer). NCCL's all-reduce on GPUs as it is."""
+        if self.size == 1:
+            return x
+        if x.is_cuda:
             dist.all_reduce(x, group=self._device_group)
-        return x
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self._device_group)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part
+        return x.copy_(total)
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """(rows, c) on every rank -> (rows, size * c), rank 0's columns first."""
