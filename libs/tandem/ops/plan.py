@@ -4,7 +4,8 @@
         --gpus-per-replica 4 --context-tokens 2000 --output-tokens-per-s 50e6 --prompt-tokens-per-s 100e6 [--json]
     tandem plan --model [PATH] --gpu cpu --measure-bandwidth --measure-flops
 
-The flag and JSON key names are an interface: scripts depend on them.
+The flag and JSON key names are an interface: scripts depend on them. The worksheet ends with the
+settings that deploy its replica as one worker (plan_deploy; JSON `deploy`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from tandem.errors import StartupError
 from tandem.ops.gpus import GPU_CHOICES, Gpu, GpuOverrides, resolve_gpu
 from tandem.ops.model_shape import DTYPE_BYTES, ModelShape, read_model_shape
+from tandem.ops.plan_deploy import replica_settings
 from tandem.ops.plan_inputs import Assumptions, Deployment, Traffic
 from tandem.ops.plan_text import render
 from tandem.ops.worksheet import compute
@@ -123,7 +125,8 @@ def _run(args: argparse.Namespace) -> int:
             "traffic": dataclasses.asdict(traffic),
             "assumptions": dataclasses.asdict(assumptions),
         }
-        print(json.dumps({**inputs, **worksheet.values(), "formulas": worksheet.formulas()}, indent=2))
+        deploy = dataclasses.asdict(replica_settings(deployment, assumptions, worksheet))
+        print(json.dumps({**inputs, **worksheet.values(), "formulas": worksheet.formulas(), "deploy": deploy}, indent=2))
     else:
         print(render(model, gpu, deployment, traffic, assumptions, worksheet))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tandem.ops.gpus import Gpu
 from tandem.ops.model_shape import ModelShape
+from tandem.ops.plan_deploy import render_replica_settings, replica_settings
 from tandem.ops.plan_inputs import Assumptions, Deployment, Traffic
 from tandem.ops.units import fmt_bytes, fmt_count, fmt_flops, fmt_pct, fmt_rate
 from tandem.ops.worksheet import Worksheet
@@ -41,6 +42,7 @@ def render(model: ModelShape, gpu: Gpu, deployment: Deployment, traffic: Traffic
             titles.add(SECTIONS[line.key])
             out += ["", SECTIONS[line.key]]
         out.append(f"  {line.label:<{label_width}}  {line.shown:>{shown_width}}  = {line.formula}")
+    out += ["", *render_replica_settings(replica_settings(deployment, assumptions, worksheet), assumptions)]
     out += ["", _assumptions(assumptions, deployment), *_left_out(gpu, traffic, assumptions, worksheet)]
     return "\n".join(out)
 

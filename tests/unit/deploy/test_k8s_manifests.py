@@ -167,12 +167,13 @@ def test_every_container_requests_cpu_and_memory(rendered: list[Object]) -> None
         assert "memory" in container(deployment)["resources"]["limits"], role
 
 
-def test_gpu_workers_get_one_gpu_each_and_the_rest_none(base: list[Object], gpu: list[Object]) -> None:
+def test_gpu_workers_get_a_gpu_per_rank_and_the_rest_none(base: list[Object], gpu: list[Object]) -> None:
     for role, deployment in by_kind(gpu, "Deployment").items():
         resources = container(deployment)["resources"]
         if role in WORKERS:
-            assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1, role
             env = {item["name"]: item.get("value") for item in container(deployment)["env"]}
+            num_ranks = int(env["TANDEM_TENSOR_PARALLEL_SIZE"])
+            assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == num_ranks, role
             assert env["TANDEM_DEVICE"] == "cuda"
             assert float(env["TANDEM_WORKER_HOUR_COST"]) > 0  # the dashboard's cost per Mtok
         else:

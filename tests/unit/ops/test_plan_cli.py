@@ -172,3 +172,10 @@ def test_model_reads_a_safetensors_folder_shape_dtype_and_parameter_count(capsys
     }  # fmt: skip
     # 2 x 2 layers x 2 KV heads x 16 head dim x 2 B (fp16) = 256 B
     assert (result["deployment"]["weight_dtype"], result["kv_bytes_per_token"]) == ("fp16", 256)
+
+
+def test_the_replica_is_deployed_with_its_gpus_as_ranks_and_what_the_reserve_leaves_as_memory_share(capsys):
+    result = plan_json(capsys, *SEVENTY_B[:-4], "--gpus-per-replica", "8", "--context-tokens", "2000", "--runtime-reserve", "0.2")
+    # KV: 8 x 80e9 x 80 % - 140e9 = 372e9 B / 327,680 = 1,135,253 tokens
+    assert result["deploy"] == {"tensor_parallel_size": 8, "gpu_memory_utilization": 0.8, "max_model_len_at_most": 1_135_253}
+    assert result["deploy"]["max_model_len_at_most"] == result["kv_tokens_per_replica"]
