@@ -52,7 +52,8 @@ def test_serve_help_lists_every_setting_as_a_flag_with_its_default_and_variable(
     for field in Settings.model_fields:
         assert flag(field) in entries, f"{flag(field)} missing from --help"
         assert entries[flag(field)].endswith(f"[env: TANDEM_{field.upper()}]"), entries[flag(field)]
-    assert "a worker's KV cache (default: 1024)" in entries["--kv-cache-mib"]
+    assert "an explicit override; unset: sized by gpu_memory_utilization" in entries["--kv-cache-mib"]
+    assert entries["--kv-cache-mib"].endswith("else 1024 (default: None) [env: TANDEM_KV_CACHE_MIB]")
     assert "unset: 512 on a CPU, 8192 on a GPU (default: None)" in entries["--max-num-batched-tokens"]
 
 

@@ -72,10 +72,10 @@ class KvBudget:
     def describe(self) -> str:
         if self.source is BudgetSource.UTILIZATION:
             return (
-                f"{self.source.value} {self.utilization:g}: total {_gib(self.total_bytes)}, weights {_gib(self.weights_bytes)}, "
-                f"activations {_gib(self.activation_bytes)}, KV {_gib(self.kv_bytes)}"
+                f"{self.source.value} {self.utilization:g}: total {_size(self.total_bytes)}, weights {_size(self.weights_bytes)}, "
+                f"activations {_size(self.activation_bytes)}, KV {_size(self.kv_bytes)}"
             )
-        return f"{self.source.value}: {_gib(self.kv_bytes)}"
+        return f"{self.source.value}: {_size(self.kv_bytes)}"
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ def profile_activation_bytes(
         peak = _gpu_peak_bytes(device, step)
         torch.cuda.empty_cache()  # the KV cache, one large tensor, is allocated next
         return peak
-    return _cpu_peak_bytes(step)
+    return cpu_peak_bytes(step)
 
 
 def _gpu_peak_bytes(device: torch.device, step: Callable[[], object]) -> int:
@@ -235,7 +235,8 @@ def _gpu_peak_bytes(device: torch.device, step: Callable[[], object]) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def _cpu_peak_bytes(step: Callable[[], object]) -> int:
+def cpu_peak_bytes(step: Callable[[], object]) -> int:
+    """The process's peak resident memory while `step` runs, above what it held before."""
     gc.collect()
     status = Path("/proc/self/status")
     try:  # "5" resets the peak resident set (VmHWM) to the current one (proc(5), clear_refs)
@@ -260,5 +261,5 @@ def _proc_bytes(path: Path, field: str) -> int:
     raise StartupError(f"{path} has no {field} line: this host's memory cannot be read")
 
 
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if abs(num_bytes) >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"

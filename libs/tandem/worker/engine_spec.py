@@ -43,6 +43,8 @@ class EngineSpec:
         dtype = resolve_dtype(settings.dtype, device)
         engine = EngineConfig(
             kv_cache_mib=settings.kv_cache_mib,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len,
             kv_cache_dtype=None if settings.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype, device),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
