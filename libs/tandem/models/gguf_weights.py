@@ -1,5 +1,7 @@
-"""Reading a GGUF checkpoint: its metadata as plain Python values, and its tensors dequantized,
-un-permuted and renamed to Hugging Face names.
+"""Reading a GGUF checkpoint: its metadata as plain Python values, and its tensors renamed to
+Hugging Face names, each dequantized when the loader reads it (only the rows a rank holds, where it
+slices rows) and un-permuted. Nothing is converted ahead: a tensor's float32 values live while the
+loader copies them into the model's dtype.
 
 Two llama.cpp conventions are undone here:
 - GGUF lists a tensor's shape fastest dimension first (ggml's `ne`), the reverse of torch's; the
@@ -87,19 +89,39 @@ class GgufCheckpoint:
     def config(self) -> ModelConfig:
         return ModelConfig.from_gguf(self.metadata, self.tensors.keys(), self.rope_freq_factors())
 
-    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor) one at a time, so peak memory is one tensor's."""
+    def weights(self, config: ModelConfig) -> Iterator[tuple[str, GgufTensor]]:
+        """(Hugging Face name, tensor not yet read), one at a time."""
         is_permuted = self.architecture in PERMUTED_ARCHITECTURES
         for gguf_name, tensor in self.tensors.items():
             if gguf_name == ROPE_FREQS_TENSOR:
                 continue  # part of the config (rotary frequencies), not a parameter
-            weight = _dequantized(tensor)
             name = hf_name(gguf_name)
-            if is_permuted and ".self_attn.q_proj." in name:
-                weight = unpermute_rotary(weight, config.num_heads)
-            elif is_permuted and ".self_attn.k_proj." in name:
-                weight = unpermute_rotary(weight, config.num_kv_heads)
-            yield name, weight
+            is_rotary = is_permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+            yield name, GgufTensor(tensor, config.head_dim if is_rotary else 0)
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of a GGUF (checkpoint_names.TensorSource). `rotary_head_dim`: its rows are
+    llama.cpp-permuted Q or K heads of that size (0: not permuted)."""
+
+    tensor: ReaderTensor
+    rotary_head_dim: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self.tensor.shape))
+
+    def read(self, dim: int, start: int, end: int) -> torch.Tensor:
+        """A row slice dequantizes those rows alone (GGUF blocks never cross a row); a column
+        slice dequantizes the whole tensor first. Q and K rows slice at whole heads."""
+        if dim == 1:
+            return _dequantized(self.tensor)[:, start:end]
+        rows = self.tensor.data[start:end] if len(self.shape) > 1 else None
+        values = _dequantized(self.tensor)[start:end] if rows is None else _dequantized(self.tensor, rows, end - start)
+        if self.rotary_head_dim:
+            values = unpermute_rotary(values, (end - start) // self.rotary_head_dim)
+        return values
 
 
 def read_gguf(path: Path) -> GgufCheckpoint:
@@ -108,9 +130,12 @@ def read_gguf(path: Path) -> GgufCheckpoint:
     return GgufCheckpoint(reader=reader, metadata=metadata, tensors={t.name: t for t in reader.tensors})
 
 
-def _dequantized(tensor: ReaderTensor) -> torch.Tensor:
+def _dequantized(tensor: ReaderTensor, rows: np.ndarray | None = None, num_rows: int = 0) -> torch.Tensor:
+    """The tensor's float32 values; `rows`: those of its data rows only (`num_rows` of them)."""
     torch_shape = tuple(int(n) for n in reversed(tensor.shape))
-    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if rows is not None:
+        torch_shape = (num_rows, *torch_shape[1:])
+    values = np.asarray(dequantize(tensor.data if rows is None else rows, tensor.tensor_type), dtype=np.float32)
     if not values.flags.writeable:  # float32 tensors come back as views of the read-only file map
         values = values.copy()
     return torch.from_numpy(values.reshape(torch_shape))

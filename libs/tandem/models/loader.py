@@ -12,15 +12,15 @@ import torch
 
 from tandem.errors import StartupError
 from tandem.kernels.metadata import AttentionFn
-from tandem.models import gguf_cache
-from tandem.models.checkpoint_names import load_hf_weights
+from tandem.models.checkpoint_names import TensorSource, load_tensors
 from tandem.models.config import ModelConfig
 from tandem.models.files import Quantization, open_model
 from tandem.models.gguf_weights import read_gguf
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.packed import pack_model
-from tandem.models.quant import quantize_model
+from tandem.models.quant import quantized_empty
 from tandem.models.safetensors_weights import read_hf_config, read_safetensors
+from tandem.models.tensor_parallel import SINGLE, TensorParallel
 from tandem.models.tokenizer import Tokenizer
 
 # /proc/cpuinfo flags of CPUs with native bf16 matmul (x86 AVX512-BF16 or AMX, Arm BF16)
@@ -30,7 +30,7 @@ CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 @dataclass(frozen=True)
 class LoadedModel:
     model: LlamaForCausalLM
-    config: ModelConfig
+    config: ModelConfig  # the whole model's (model.config is this rank's under tensor parallelism)
     tokenizer: Tokenizer
 
     @property
@@ -46,31 +46,29 @@ def load_model(
     attention: AttentionFn,
     quantization: Quantization = "none",
     pack: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """`path` None means the embedded SmolLM2 GGUF. `quantization` "int8": the attention and MLP
-    projections are quantized from the loaded `dtype` weights (models/quant.py); the rest stays `dtype`.
+    """`path` None means the embedded SmolLM2 GGUF. The model of rank `tp.shard` is built empty on
+    `device` and filled tensor by tensor with the slices that rank holds (checkpoint_names.py), so
+    no process holds the whole model, nor a whole tensor a safetensors checkpoint slices.
+    `quantization` "int8": the attention and MLP projections are Int8Linear from the start, each
+    slice quantized as it is read (models/quant.py); the rest stays `dtype`.
     On a CPU the projections and logits are packed for the kernels where they serve the dtype
     (bf16 with AVX512-BF16, float32 with AVX2: models/packed.py); `pack` False keeps them as
     loaded (nn.Linear or Int8Linear, their weights readable by name)."""
     checkpoint = open_model(path)
-    weights: Iterable[tuple[str, torch.Tensor]]
+    tensors: Iterable[tuple[str, TensorSource]]
     if checkpoint.format == "gguf":
-        converted = gguf_cache.read_converted(checkpoint.path)
-        if converted is None:
-            gguf = read_gguf(checkpoint.path)
-            converted = gguf_cache.convert(checkpoint.path, gguf, gguf.config())
-        if converted is not None:
-            config, tokenizer, weights = converted.config(), Tokenizer.from_gguf(converted.metadata), converted.weights()
-        else:  # no copy could be written: straight from the GGUF
-            config = gguf.config()
-            tokenizer, weights = Tokenizer.from_gguf(gguf.metadata), gguf.weights(config)
+        gguf = read_gguf(checkpoint.path)
+        config, tokenizer = gguf.config(), Tokenizer.from_gguf(gguf.metadata)
+        tensors = gguf.weights(config)
     else:
         config = read_hf_config(checkpoint.path)
         tokenizer = Tokenizer.from_hf_folder(checkpoint.path)
-        weights = read_safetensors(checkpoint.path)
-    model = LlamaForCausalLM.empty(config, attention, dtype, device)
-    load_hf_weights(model, weights)
-    model = quantize_model(model, quantization)
+        tensors = read_safetensors(checkpoint.path, device)
+    empty = LlamaForCausalLM.empty(tp.shard.local_config(config), attention, dtype, "meta", tp)
+    model = quantized_empty(empty, quantization, device)
+    load_tensors(model, config, tensors)
     return LoadedModel(model=(pack_model(model) if pack else model).eval(), config=config, tokenizer=tokenizer)
 
 
@@ -78,8 +76,7 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
     """The checkpoint's tokenizer alone (no weights), for clients that only encode prompts."""
     checkpoint = open_model(path)
     if checkpoint.format == "gguf":
-        converted = gguf_cache.read_converted(checkpoint.path)
-        return Tokenizer.from_gguf(converted.metadata if converted is not None else read_gguf(checkpoint.path).metadata)
+        return Tokenizer.from_gguf(read_gguf(checkpoint.path).metadata)
     return Tokenizer.from_hf_folder(checkpoint.path)
 
 

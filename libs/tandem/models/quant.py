@@ -15,8 +15,11 @@ the same product, slower than the bf16 matmul on a CPU.
 Embeddings, norms and the lm_head stay in the model's dtype: the embedding is a lookup (a decode
 step reads one row), and the logits are where int8 error shows most.
 
-A transformation of a loaded plain model (quantize_model), not a model variant: the forward code
-is unchanged, only its Linear modules are swapped.
+A transformation of a plain model, not a model variant: the forward code is unchanged, only its
+Linear modules are swapped. The loader swaps them while the model is still empty
+(quantized_empty) and quantizes each slice of the checkpoint as it reads it
+(checkpoint_names.load_tensors), so no process holds the model's projections in its dtype;
+quantize_model does the same to a model already loaded.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def has_int8_kernel(device: torch.device) -> bool:
+    if device.type == "meta":  # an empty model's layer: asked again once it is on its device (quantized_empty)
+        return False
     return torch._C._dispatch_has_kernel_for_dispatch_key(KERNEL_OP, device.type.upper())
 
 
@@ -131,3 +136,30 @@ def _int8(module: nn.Module) -> Int8Linear:
     if not isinstance(module, nn.Linear):
         raise TypeError(f"expected an nn.Linear to quantize, got {type(module).__name__}")
     return Int8Linear.from_linear(module)
+
+
+def quantized_empty(model: LlamaForCausalLM, quantization: Quantization, device: torch.device | str) -> LlamaForCausalLM:
+    """`model` built on the meta device (LlamaForCausalLM.empty(..., "meta", ...)) made empty on
+    `device`, with every attention and MLP Linear an empty Int8Linear ("int8") for the loader to
+    fill: nothing is allocated for the projections but their int8 rows and scales."""
+    if quantization != "none":
+        for layer in model.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = _empty_int8(attn.qkv_proj)
+            attn.o_proj = _empty_int8(attn.o_proj)
+            mlp.gate_up_proj = _empty_int8(mlp.gate_up_proj)
+            mlp.down_proj = _empty_int8(mlp.down_proj)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.has_kernel = has_int8_kernel(torch.device(device))
+    return model
+
+
+def _empty_int8(module: nn.Module) -> Int8Linear:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected an nn.Linear to quantize, got {type(module).__name__}")
+    weight = module.weight
+    weight_int8 = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    return Int8Linear(weight_int8, torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device), module.bias)

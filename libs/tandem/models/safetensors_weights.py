@@ -1,6 +1,6 @@
 """A Hugging Face model folder: config.json plus *.safetensors (one file, or shards listed in
-model.safetensors.index.json). Reading yields Hugging Face-named tensors one at a time; writing
-produces a folder this module (and Hugging Face) reads back.
+model.safetensors.index.json). Reading yields Hugging Face-named tensors not yet read, of which
+the loader reads only its rank's slices (`get_slice`: the bytes of those rows or columns, no more).
 """
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,8 +41,26 @@ def safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def read_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class SafetensorsSlice:
+    """One tensor of an open safetensors file (checkpoint_names.TensorSource)."""
+
+    tensor: Any  # safetensors' PySafeSlice
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.get_shape())
+
+    def read(self, dim: int, start: int, end: int) -> torch.Tensor:
+        if len(self.shape) == 1 or dim == 0:
+            return self.tensor[start:end]
+        return self.tensor[:, start:end]
+
+
+def read_safetensors(folder: Path, device: torch.device | str = "cpu") -> Iterator[tuple[str, SafetensorsSlice]]:
+    """Every tensor of the folder, unread, file by file; a slice read from one lands on `device`.
+    Use each before asking for the next: its file closes when the iteration moves on."""
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt") as shard:
+        with safe_open(file, framework="pt", device=str(device)) as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, shard.get_tensor(name)
+                yield name, SafetensorsSlice(shard.get_slice(name))
