@@ -17,7 +17,9 @@ from tandem.devstack.devices import NotEnoughGpus, assign_gpus, host_gpus
 from tandem.devstack.members import Member, StackConfig, service_member
 from tandem.devstack.secrets import StackSecrets
 from tandem.devstack.stack import stack_config_from
+from tandem.devstack.stack_settings import check_tensor_parallel_split
 from tandem.errors import StartupError
+from tandem.models.files import open_model
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
 SECRETS = StackSecrets.generate()
@@ -152,3 +154,11 @@ def test_device_cuda_without_a_gpu_is_refused_before_anything_starts(monkeypatch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(StartupError, match="torch sees no CUDA GPU here"):
         config_of("--device", "cuda")
+
+
+def test_up_refuses_a_size_the_model_does_not_split_over_before_anything_starts(capsys):
+    # SmolLM2: 9 attention heads, 3 KV heads, an MLP of 1,536 rows
+    assert cli.main(["up", "--tensor-parallel-size", "2", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("tandem up: error: TANDEM_TENSOR_PARALLEL_SIZE=2 does not split this model's 9 attention heads"), error
+    check_tensor_parallel_split(open_model(None), 3)  # 3 heads each, one KV head each
