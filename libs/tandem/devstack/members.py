@@ -52,6 +52,10 @@ class StackConfig:
     stop_timeout_s: float = 10.0
     stable_after_s: float = 30.0  # a member that ran this long restarts from the first backoff step
 
+    def __post_init__(self) -> None:
+        if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead
+            raise ValueError("set StackConfig.tensor_parallel_size, not TANDEM_TENSOR_PARALLEL_SIZE in extra_env")
+
     def num_instances(self, role: str) -> int:
         counts = {"decode": self.num_decode_workers, "prefill": self.num_prefill_workers, "chat": self.num_chat_instances}
         return counts.get(role, 1)
@@ -65,10 +69,6 @@ class StackConfig:
             if role == "decode":
                 planned += [(role, index, SMALL_POOL) for index in range(self.num_small_decode_workers)]
         return planned
-
-    def __post_init__(self) -> None:
-        if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead
-            raise ValueError("set StackConfig.tensor_parallel_size, not TANDEM_TENSOR_PARALLEL_SIZE in extra_env")
 
     def worker_ranks(self) -> dict[str, int]:
         """Each worker's instance id -> its tensor-parallel ranks, in start order."""
@@ -177,13 +177,18 @@ def dev_api_keys() -> dict[str, ApiKey]:
     return {f"tdm-dev-{secrets.token_urlsafe(12)}": ApiKey(user_id="dev", tier=Tier.PLUS)}
 
 
-def _worker_env(config: StackConfig, instance_id: str, is_small: bool) -> dict[str, str]:
-    """A worker's ranks, and on a host with GPUs the GPUs they compute on."""
-    env = {"TANDEM_TENSOR_PARALLEL_SIZE": "1" if is_small else str(config.tensor_parallel_size)}
+def _set_worker_env(env: dict[str, str], config: StackConfig, instance_id: str, is_small: bool) -> None:
+    """A worker's ranks, on a host with GPUs the GPUs they compute on, and each rank's torch threads
+    (a count set in the environment, or as a flag, is kept); the small model's workers run one
+    rank in their own window."""
+    env["TANDEM_TENSOR_PARALLEL_SIZE"] = "1" if is_small else str(config.tensor_parallel_size)
+    if is_small:
+        for name in LARGE_MODEL_ONLY:
+            env.pop(name, None)
     gpus = config.visible_gpus()
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[instance_id]
-    return env
+    env.setdefault("TANDEM_TORCH_THREADS", str(config.torch_threads))
 
 
 def service_member(
@@ -221,10 +226,7 @@ def service_member(
         **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
     if role in WORKER_ROLES:
-        env.update(_worker_env(config, instance_id, is_small=pool == SMALL_POOL))
-        for name in LARGE_MODEL_ONLY if pool == SMALL_POOL else ():
-            env.pop(name, None)
-        env.setdefault("TANDEM_TORCH_THREADS", str(config.torch_threads))  # a count set in the environment, or as a flag, is kept
+        _set_worker_env(env, config, instance_id, is_small=pool == SMALL_POOL)
     grpc_port = None
     if role in DEFAULT_GRPC_PORTS:
         grpc_port = free_port(host)

@@ -7,6 +7,9 @@ dtype) on those workers, and a small one on `small_decode_workers` more decode w
 ("small-decode-0", ...; no prefill workers: they prefill locally) that keep the weights as int8
 (small_model_quantization) from small_model_path, or the large model's file. Chat and router are
 told both names (TANDEM_LARGE_MODEL, TANDEM_SMALL_MODEL) for `auto` and the pools' fallbacks.
+With --tensor-parallel-size N the large model's prefill and decode workers are N ranks each (the
+small model's one): on a host with GPUs each worker takes N of its own, else every rank a share of
+the cores (tandem.devstack.devices).
 
 The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
 
