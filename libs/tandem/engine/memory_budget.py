@@ -118,7 +118,8 @@ def plan_kv_cache(model: LlamaForCausalLM, config: EngineConfig, cache_dtype: to
     num_blocks = model.tp.min_int(num_blocks)
     max_model_len = _fit_max_model_len(config, window, num_blocks, budget)
     plan = KvPlan(num_blocks, config.block_size, max_model_len, bytes_per_block, budget)
-    log.log(logging.INFO if model.tp.rank == 0 else logging.DEBUG, plan.describe())
+    group = f"; blocks: the least of {model.tp.size} ranks' counts, the figures rank {model.tp.rank}'s" if model.tp.size > 1 else ""
+    log.log(logging.INFO if model.tp.rank == 0 else logging.DEBUG, plan.describe() + group)
     return plan
 
 
@@ -156,16 +157,18 @@ def _fit_max_model_len(config: EngineConfig, window: int, num_blocks: int, budge
     if config.max_model_len is None and budget.source is not BudgetSource.UTILIZATION and capacity > 0:
         log.warning(
             "max_model_len capped to %d tokens, what one sequence can hold in the KV cache (budget from %s), below the model's "
-            "%d-token context window; raise TANDEM_KV_CACHE_MIB to serve longer sequences, or set TANDEM_MAX_MODEL_LEN to say so",
+            "%d-token context window; raise TANDEM_KV_CACHE_MIB for longer sequences, or set TANDEM_MAX_MODEL_LEN (at most %d) to choose the length",
             capacity,
             budget.describe(),
             window,
+            capacity,
         )
         return capacity
+    which = "" if config.max_model_len else " (the model's context window)"
     raise StartupError(
         f"the KV cache holds {capacity} tokens per sequence ({num_blocks} blocks of {config.block_size} tokens, "
         f"{config.num_reserved_blocks} of them kept in reserve; budget from {budget.describe()}), fewer than max_model_len "
-        f"{wanted}{'' if config.max_model_len else ' (the model context window)'}: raise TANDEM_GPU_MEMORY_UTILIZATION "
+        f"{wanted}{which}: raise TANDEM_GPU_MEMORY_UTILIZATION "
         "or TANDEM_KV_CACHE_MIB, or lower TANDEM_MAX_MODEL_LEN"
     )
 
