@@ -5,7 +5,8 @@ The first of these that is given sets the KV cache's size (EngineConfig):
 - kv_cache_mib: that many MiB (TANDEM_KV_CACHE_MIB, an explicit override);
 - gpu_memory_utilization, or a GPU (0.9 there): that share of the device's memory (a GPU's total;
   a CPU's RAM, or its cgroup's limit where lower, split over the tensor-parallel ranks, which share
-  one host's RAM), less this rank's weights and the activation peak of a profiled step;
+  one host's RAM), less this rank's weights and the activation peak of a profiled step (on a GPU
+  that share must be free at start, or this process's already, as vLLM checks);
 - else, on a CPU: 1024 MiB.
 
 The profiled step is the largest the scheduler plans: max_num_batched_tokens dummy prompt tokens
@@ -139,9 +140,13 @@ def kv_budget(model: LlamaForCausalLM, config: EngineConfig, cache_dtype: torch.
     if utilization is None:
         return KvBudget(BudgetSource.CPU_DEFAULT, CPU_DEFAULT_KV_CACHE_MIB * 2**20)
     total = device_memory_bytes(device, model.tp.size)
+    if device.type == "cuda":
+        _check_gpu_is_free_enough(device, utilization, total)
     weights = weights_bytes(model)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     activations = profile_activation_bytes(model, config, cache_dtype, device, max_model_len)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the profile's scratch and activations: the KV cache, one large tensor, is allocated next
     kv_bytes = int(utilization * total) - weights - activations
     return KvBudget(BudgetSource.UTILIZATION, kv_bytes, utilization, total, weights, activations)
 
@@ -189,6 +194,18 @@ def device_memory_bytes(device: torch.device, tp_size: int = 1) -> int:
     return total // tp_size
 
 
+def _check_gpu_is_free_enough(device: torch.device, utilization: float, total: int) -> None:
+    """vLLM's check: the share asked for must be free now, or held by this process (its weights),
+    else other processes hold part of it and the KV cache would not fit."""
+    free, _ = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device)
+    if available < utilization * total:
+        raise StartupError(
+            f"TANDEM_GPU_MEMORY_UTILIZATION={utilization:g} asks for {_size(int(utilization * total))} of the GPU's {_size(total)}, "
+            f"but only {_size(available)} is free or this process's (other processes hold the rest): lower it, or set TANDEM_KV_CACHE_MIB"
+        )
+
+
 def weights_bytes(model: torch.nn.Module) -> int:
     """The bytes of the model's parameters and buffers, each storage once (tied weights, views)."""
     storages = {}
@@ -222,11 +239,7 @@ def profile_activation_bytes(
         hidden = model(inputs.input_ids, inputs.positions, kv_cache, inputs.meta)
         return hidden, model.compute_logits(hidden[:num_rows])
 
-    if device.type == "cuda":
-        peak = _gpu_peak_bytes(device, step)
-        torch.cuda.empty_cache()  # the KV cache, one large tensor, is allocated next
-        return peak
-    return cpu_peak_bytes(step)
+    return _gpu_peak_bytes(device, step) if device.type == "cuda" else cpu_peak_bytes(step)
 
 
 def _gpu_peak_bytes(device: torch.device, step: Callable[[], object]) -> int:

@@ -19,6 +19,7 @@ from tandem.config import load_settings
 from tandem.engine.engine import Engine, EngineConfig
 from tandem.engine.memory_budget import BudgetSource, KvPlan, cpu_peak_bytes, device_memory_bytes, kv_bytes_per_block, plan_kv_cache
 from tandem.errors import StartupError
+from tandem.kernels import is_triton_available, paged_attention_triton
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.files import ModelFile
 from tandem.models.llama import LlamaForCausalLM
@@ -117,3 +118,19 @@ def test_a_workers_settings_reach_the_engines_sizing(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_MAX_MODEL_LEN", "2048")
     engine = EngineSpec.from_settings(load_settings(device="cpu"), ModelFile(Path("model.gguf"), "model", "gguf")).engine
     assert (engine.kv_cache_mib, engine.gpu_memory_utilization, engine.max_model_len) == (None, 0.5, 2048)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not is_triton_available(), reason="needs a CUDA GPU and triton")
+def test_on_a_gpu_nine_tenths_of_its_memory_less_weights_and_activations_is_the_kv_cache():
+    cuda = torch.device("cuda")
+    model = random_model(tiny_config(max_position_embeddings=WINDOW), seed=0, attention=paged_attention_triton).to(cuda).eval()
+    small = plan_kv_cache(model, EngineConfig(max_num_batched_tokens=256), torch.float32, cuda)
+    large = plan_kv_cache(model, EngineConfig(max_num_batched_tokens=4096), torch.float32, cuda)
+    for kv in (small, large):
+        budget = kv.budget
+        assert budget.source is BudgetSource.UTILIZATION and budget.utilization == 0.9
+        assert budget.total_bytes == torch.cuda.mem_get_info(cuda)[1]
+        assert budget.weights_bytes == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        assert budget.kv_bytes == int(0.9 * budget.total_bytes) - budget.weights_bytes - budget.activation_bytes
+        assert kv.num_blocks == budget.kv_bytes // kv.bytes_per_block and kv.max_model_len == WINDOW
+    assert large.budget.activation_bytes > small.budget.activation_bytes > 0, "a larger step's peak is larger"
