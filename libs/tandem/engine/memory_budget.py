@@ -160,7 +160,10 @@ def _fit_max_model_len(config: EngineConfig, window: int, num_blocks: int, budge
     if wanted <= capacity:
         return wanted
     if config.max_model_len is None and budget.source is not BudgetSource.UTILIZATION and capacity > 0:
-        log.warning(
+        # Blocks given outright are a test's or a bench's sizing: the start-up line says the length, no warning.
+        level = logging.DEBUG if budget.source is BudgetSource.NUM_KV_BLOCKS else logging.WARNING
+        log.log(
+            level,
             "max_model_len capped to %d tokens, what one sequence can hold in the KV cache (budget from %s), below the model's "
             "%d-token context window; raise TANDEM_KV_CACHE_MIB for longer sequences, or set TANDEM_MAX_MODEL_LEN (at most %d) to choose the length",
             capacity,

@@ -134,3 +134,10 @@ def test_on_a_gpu_nine_tenths_of_its_memory_less_weights_and_activations_is_the_
         assert budget.kv_bytes == int(0.9 * budget.total_bytes) - budget.weights_bytes - budget.activation_bytes
         assert kv.num_blocks == budget.kv_bytes // kv.bytes_per_block and kv.max_model_len == WINDOW
     assert large.budget.activation_bytes > small.budget.activation_bytes > 0, "a larger step's peak is larger"
+
+
+def test_blocks_given_outright_cap_the_length_without_a_warning(tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="tandem.engine.memory_budget"):
+        kv = plan(tiny.model, num_kv_blocks=8)
+    assert (kv.num_blocks, kv.max_model_len) == (8, 64)  # 4 blocks above the reserve
+    assert [r.levelno for r in caplog.records] == [logging.INFO], "only the start-up line"
