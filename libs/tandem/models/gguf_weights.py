@@ -13,7 +13,9 @@ Two llama.cpp conventions are undone here:
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+from tandem.errors import StartupError
 from tandem.models.config import ModelConfig
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -71,10 +73,24 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class GgufTensorInfo:
+    """A tensor of the file: `data` a read-only view of its bytes, as values (float types) or as
+    (rows, bytes per row) of quantized blocks, as gguf's dequantize takes them."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: fastest dimension first
+    data: np.ndarray
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
 class GgufCheckpoint:
-    reader: GGUFReader
     metadata: dict[str, Any]
-    tensors: dict[str, ReaderTensor]
+    tensors: dict[str, GgufTensorInfo]
 
     @property
     def architecture(self) -> str:
@@ -105,7 +121,7 @@ class GgufTensor:
     """One tensor of a GGUF (checkpoint_names.TensorSource). `rotary_head_dim`: its rows are
     llama.cpp-permuted Q or K heads of that size (0: not permuted)."""
 
-    tensor: ReaderTensor
+    tensor: GgufTensorInfo
     rotary_head_dim: int = 0
 
     @property
@@ -125,12 +141,87 @@ class GgufTensor:
 
 
 def read_gguf(path: Path) -> GgufCheckpoint:
-    reader = GGUFReader(path)
-    metadata = {name: _field_value(field) for name, field in reader.fields.items()}
-    return GgufCheckpoint(reader=reader, metadata=metadata, tensors={t.name: t for t in reader.tensors})
+    """The file's metadata and its tensors' places, read from its header (the tensors stay mapped,
+    unread). Written out rather than gguf's GGUFReader, which makes a numpy view of every part of
+    every value (seconds for a vocabulary's 100,000 strings: at every worker's start)."""
+    data = np.memmap(path, mode="r")
+    header = _Header(memoryview(data))
+    if header.take("<4s")[0] != b"GGUF":
+        raise StartupError(f"{path}: not a GGUF file")
+    version, num_tensors, num_values = header.take("<IQQ")
+    if not 2 <= version <= 3:
+        raise StartupError(f"{path}: GGUF version {version} is not supported (2 and 3 are; a big-endian file reads as another version)")
+    metadata = {header.string(): header.value(GGUFValueType(header.take("<I")[0])) for _ in range(num_values)}
+    infos = []
+    for _ in range(num_tensors):
+        name = header.string()
+        (num_dims,) = header.take("<I")
+        shape = header.take(f"<{num_dims}Q")
+        tensor_type, offset = header.take("<IQ")
+        infos.append((name, GGMLQuantizationType(tensor_type), tuple(int(n) for n in shape), offset))
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-header.pos // alignment) * alignment
+    tensors = {}
+    for name, tensor_type, shape, offset in infos:
+        rows_shape = tuple(reversed(shape))
+        values = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(tensor_type)
+        if values is None:  # quantized blocks: bytes, a row of blocks per row
+            block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+            count, dtype, rows_shape = (
+                math.prod(shape) * type_size // block_size,
+                np.uint8,
+                quant_shape_to_byte_shape(rows_shape, tensor_type),
+            )
+        else:
+            count, dtype = math.prod(shape), values
+        view = np.frombuffer(data, dtype=dtype, count=count, offset=start + offset).reshape(rows_shape)
+        tensors[name] = GgufTensorInfo(name, tensor_type, shape, view)
+    return GgufCheckpoint(metadata=metadata, tensors=tensors)
 
 
-def _dequantized(tensor: ReaderTensor, rows: np.ndarray | None = None, num_rows: int = 0) -> torch.Tensor:
+_SCALARS = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}  # fmt: skip
+
+
+class _Header:
+    """Reads a GGUF header's values in order, as plain Python values."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+        self.pos = 0
+
+    def take(self, fmt: str) -> tuple[Any, ...]:
+        values = struct.unpack_from(fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = struct.unpack_from("<Q", self.buffer, self.pos)
+        start = self.pos + 8
+        self.pos = start + length
+        return bytes(self.buffer[start : self.pos]).decode("utf-8")
+
+    def value(self, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            item_kind, count = self.take("<IQ")
+            item_kind = GGUFValueType(item_kind)
+            if item_kind in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+                return [self.value(item_kind) for _ in range(count)]
+            dtype = np.dtype("<" + _SCALARS[item_kind])
+            items = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos)
+            self.pos += count * dtype.itemsize
+            return items.tolist()
+        (value,) = self.take("<" + _SCALARS[kind])
+        # float32 1e-5 widened is 9.99999974e-06; its shortest float32 repr is what was written
+        return float(str(np.float32(value))) if kind == GGUFValueType.FLOAT32 else value
+
+
+def _dequantized(tensor: GgufTensorInfo, rows: np.ndarray | None = None, num_rows: int = 0) -> torch.Tensor:
     """The tensor's float32 values; `rows`: those of its data rows only (`num_rows` of them)."""
     torch_shape = tuple(int(n) for n in reversed(tensor.shape))
     if rows is not None:
@@ -139,22 +230,3 @@ def _dequantized(tensor: ReaderTensor, rows: np.ndarray | None = None, num_rows:
     if not values.flags.writeable:  # float32 tensors come back as views of the read-only file map
         values = values.copy()
     return torch.from_numpy(values.reshape(torch_shape))
-
-
-def _field_value(field: ReaderField) -> Any:
-    """A metadata value as Python data (str, int, float, bool, or a list of them); written out
-    rather than `ReaderField.contents()`, which older gguf releases lack."""
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        if not field.data:
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    value = field.parts[field.data[0]][0]
-    if kind == GGUFValueType.FLOAT32:
-        # float32 1e-5 widened is 9.99999974e-06; its shortest float32 repr is what was written
-        return float(str(value))
-    return value.item()

@@ -10,7 +10,6 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,24 +42,26 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class SafetensorsSlice:
-    """One tensor of an open safetensors file (checkpoint_names.TensorSource)."""
+    """One tensor of a safetensors file (checkpoint_names.TensorSource). Each read opens the file
+    anew: safetensors maps the file, and the pages a read touched stay in the process's resident
+    memory until the file closes, so a file kept open while a layer's slices are read would hold
+    the layer's bytes beside the model (measured with bench/big_model.py)."""
 
-    tensor: Any  # safetensors' PySafeSlice
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.get_shape())
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    device: str
 
     def read(self, dim: int, start: int, end: int) -> torch.Tensor:
-        if len(self.shape) == 1 or dim == 0:
-            return self.tensor[start:end]
-        return self.tensor[:, start:end]
+        with safe_open(self.file, framework="pt", device=self.device) as shard:
+            tensor = shard.get_slice(self.name)
+            return tensor[start:end] if len(self.shape) == 1 or dim == 0 else tensor[:, start:end]
 
 
 def read_safetensors(folder: Path, device: torch.device | str = "cpu") -> Iterator[tuple[str, SafetensorsSlice]]:
-    """Every tensor of the folder, unread, file by file; a slice read from one lands on `device`.
-    Use each before asking for the next: its file closes when the iteration moves on."""
+    """Every tensor of the folder, unread, file by file; a slice read from one lands on `device`."""
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt", device=str(device)) as shard:
-            for name in shard.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, SafetensorsSlice(shard.get_slice(name))
+        with safe_open(file, framework="pt") as shard:
+            shapes = {name: tuple(shard.get_slice(name).get_shape()) for name in shard.keys()}  # noqa: SIM118 (no __iter__)
+        for name, shape in shapes.items():
+            yield name, SafetensorsSlice(file, name, shape, str(device))

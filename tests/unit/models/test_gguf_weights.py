@@ -1,11 +1,18 @@
-"""GGUF tensors come back in Hugging Face's layout and names."""
+"""A GGUF's header reads as gguf's own reader reads it; its tensors come back in Hugging Face's
+layout and names."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 
-from tandem.models.gguf_weights import hf_name, unpermute_rotary
+from tandem.models.gguf_weights import hf_name, read_gguf, unpermute_rotary
 
 
 def llama_cpp_permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -53,3 +60,46 @@ def test_unpermuted_rows_pair_i_with_i_plus_half_head():
 )
 def test_gguf_names_map_to_hugging_face_names(gguf, hf):
     assert hf_name(gguf) == hf
+
+
+def _gguf_reader_value(field: ReaderField) -> object:
+    """A metadata value as gguf's own reader gives it (what read_gguf's header reading replaced)."""
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    value = field.parts[field.data[0]][0]
+    return float(str(value)) if kind == GGUFValueType.FLOAT32 else value.item()
+
+
+def test_the_header_reads_as_gguf_s_reader_reads_it(tmp_path: Path):
+    """Every metadata value (strings, arrays, floats, bools) and every tensor's type, shape and bytes
+    (float32, float16 and quantized blocks), on a file written by gguf's writer."""
+    path = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_token_list(["<s>", "héllo", ""])
+    writer.add_token_scores([0.5, -1.25, 3.0])
+    writer.add_bool("test.flag", True)
+    writer.add_array("test.ints", [1, -2, 3])
+    rows = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor("a.weight", rows)
+    writer.add_tensor("b.weight", rows.astype(np.float16))
+    writer.add_tensor("c.weight", gguf.quants.quantize(rows, GGMLQuantizationType.Q4_1), raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("d.weight", rows[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = read_gguf(path), GGUFReader(path)
+    expected = {name: _gguf_reader_value(field) for name, field in theirs.fields.items() if not name.startswith("GGUF.")}
+    assert ours.metadata == expected and [type(v) for v in ours.metadata.values()] == [type(v) for v in expected.values()]
+    assert list(ours.tensors) == [t.name for t in theirs.tensors]
+    for tensor in theirs.tensors:
+        mine = ours.tensors[tensor.name]
+        assert (mine.tensor_type, mine.shape, mine.n_elements) == (tensor.tensor_type, tuple(tensor.shape.tolist()), tensor.n_elements)
+        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data), tensor.name

@@ -1,0 +1,297 @@
+"""A checkpoint with Llama-3-70B's layer shapes, loaded by tensor-parallel ranks: each rank's peak
+resident memory against its share of the weights.
+
+    python bench/big_model.py [--tensor-parallel-size 4] [--dtype bf16|fp32] [--sequential]
+        [--layers 2] [--hidden 8192] [--heads 64] [--kv-heads 8] [--intermediate 28672]
+        [--vocab 32000] [--checkpoint DIR] [--out results.json]
+
+The checkpoint (random bf16 weights, one safetensors file per layer and one for the rest, as
+Hugging Face shards a big model) is written to --checkpoint, or a temporary folder. Then N
+processes, one per rank, join a gloo group (tensor_parallel.join, a file:// rendezvous) and each
+calls load_model for its shard on the CPU. A rank's figures:
+- peak: VmHWM of /proc/self/status after loading; baseline: VmHWM before (the interpreter, torch
+  and the group: the same whatever the model's size);
+- share: the bytes of the rank's model (its parameters and buffers in the serving dtype);
+- (peak - baseline) / share: what loading cost over what it had to hold (target <= 1.3x), and
+  peak / share, which for a model of two layers is mostly the baseline.
+--sequential: the ranks load one after another (a barrier between turns), so one rank's load is
+not slowed by the others' on a small machine, and only one rank reads at a time.
+
+Where the engine's tensor-parallel runner lands, a rank's greedy tokens against TP=1's belong after
+`load_rank` in `rank_main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import mark, write_json
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
+
+from tandem.kernels import select_attention
+from tandem.models.config import ModelConfig
+from tandem.models.loader import LoadedModel, load_model
+from tandem.models.safetensors_weights import SHARD_INDEX
+from tandem.models.tensor_parallel import TensorParallel, join
+
+TARGET_RATIO = 1.3  # (peak - baseline) / share
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensor-parallel-size", type=int, default=4)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the serving dtype (the checkpoint is bf16)")
+    parser.add_argument("--sequential", action="store_true", help="ranks load one after another")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=28672)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--threads", type=int, help="torch threads per rank (default: torch's)")
+    parser.add_argument("--checkpoint", type=Path, help="write (or reuse, when its config matches) the checkpoint here")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    return parser.parse_args()
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+
+
+# -- the checkpoint -----------------------------------------------------------------------------
+
+
+def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    p, h = f"model.layers.{layer}", config.hidden_size
+    return {
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.post_attention_layernorm.weight": (h,),
+        f"{p}.self_attn.q_proj.weight": (config.q_size, h),
+        f"{p}.self_attn.k_proj.weight": (config.kv_size, h),
+        f"{p}.self_attn.v_proj.weight": (config.kv_size, h),
+        f"{p}.self_attn.o_proj.weight": (h, config.q_size),
+        f"{p}.mlp.gate_proj.weight": (config.intermediate_size, h),
+        f"{p}.mlp.up_proj.weight": (config.intermediate_size, h),
+        f"{p}.mlp.down_proj.weight": (h, config.intermediate_size),
+    }
+
+
+def write_checkpoint(folder: Path, config: ModelConfig, seed: int = 0) -> int:
+    """Random bf16 weights, one file per layer and one for the rest; returns the weights' bytes.
+    A folder whose config.json is this config's already is reused."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {f"model-layer-{i:03d}.safetensors": layer_shapes(config, i) for i in range(config.num_layers)}
+    h = config.hidden_size
+    files["model-rest.safetensors"] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "lm_head.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    num_bytes = 2 * sum(torch.Size(shape).numel() for shapes in files.values() for shape in shapes.values())
+    hf_config = json.dumps(config.to_hf(), indent=2)
+    if (folder / "config.json").is_file() and (folder / "config.json").read_text() == hf_config:
+        return num_bytes
+    generator = torch.Generator().manual_seed(seed)
+    for file, shapes in files.items():
+        tensors = {}
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:  # std 1/sqrt(fan_in), drawn in bf16 (no float32 copy of a 470 MB matrix)
+                tensors[name] = torch.randn(shape, generator=generator, dtype=torch.bfloat16).mul_(shape[-1] ** -0.5)
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        del tensors
+    weight_map = {name: file for file, shapes in files.items() for name in shapes}
+    (folder / SHARD_INDEX).write_text(json.dumps({"metadata": {"total_size": num_bytes}, "weight_map": weight_map}))
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    BackendTokenizer(models.WordLevel(vocab=vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(hf_config)  # last: a folder with it is whole
+    return num_bytes
+
+
+# -- one rank -----------------------------------------------------------------------------------
+
+
+def vm_kib(field: str) -> int:
+    """A VmHWM / VmRSS line of /proc/self/status, in KiB."""
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def load_rank(folder: Path, dtype: torch.dtype, tp: TensorParallel) -> tuple[LoadedModel, dict[str, Any]]:
+    """This rank's model and its figures: peak memory against its share, load time."""
+    attention = select_attention("cpu")  # its kernels loaded before the baseline
+    baseline_kib = vm_kib("VmHWM")
+    start_s = time.perf_counter()
+    loaded = load_model(folder, dtype, "cpu", attention, pack=False, tp=tp)
+    load_s = time.perf_counter() - start_s
+    peak_kib = vm_kib("VmHWM")
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    share = sum(t.numel() * t.element_size() for t in tensors)
+    return loaded, {
+        "rank": tp.rank,
+        "loaded": True,
+        "load_s": load_s,
+        "share_bytes": share,
+        "baseline_bytes": 1024 * baseline_kib,
+        "peak_bytes": 1024 * peak_kib,
+        "ratio": 1024 * peak_kib / share,
+        "ratio_over_baseline": 1024 * (peak_kib - baseline_kib) / share,
+    }
+
+
+def rank_main(
+    rank: int, size: int, rendezvous: str, folder: Path, dtype_name: str, threads: int | None, is_sequential: bool, reports: Any
+) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if threads:
+        torch.set_num_threads(threads)
+    tp = join(rank, size, rendezvous, "cpu")
+    try:
+        for turn in range(size if is_sequential else 1):
+            if not is_sequential or turn == rank:
+                _, figures = load_rank(folder, DTYPES[dtype_name], tp)
+                reports.put(figures)
+            if size > 1:
+                dist.barrier()
+    except Exception as exc:  # the parent reports it; a rank that dies silently would leave it waiting
+        reports.put({"rank": rank, "loaded": False, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        tp.close()
+
+
+def run_ranks(folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    spawn = multiprocessing.get_context("spawn")  # fresh interpreters: each VmHWM is its own
+    reports = spawn.Queue()
+    with tempfile.TemporaryDirectory(prefix="tandem-big-model-") as scratch:
+        rendezvous = f"file://{scratch}/rendezvous"
+        size = args.tensor_parallel_size
+        procs = [
+            spawn.Process(target=rank_main, args=(r, size, rendezvous, folder, args.dtype, args.threads, args.sequential, reports))
+            for r in range(size)
+        ]
+        for proc in procs:
+            proc.start()
+        results: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 3600
+        while len(results) < size and time.monotonic() < deadline:
+            try:
+                results.append(reports.get(timeout=5))
+            except queue.Empty:  # is every rank still there?
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    missing = sorted(set(range(size)) - {r["rank"] for r in results})
+    results += [{"rank": r, "loaded": False, "error": "the rank ended without a report"} for r in missing]
+    return sorted(results, key=lambda r: r["rank"])
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def cpu_host() -> dict[str, Any]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    first = text.split("\n\n", 1)[0]
+    model = next((line.split(":", 1)[1].strip() for line in first.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in first.splitlines() if line.startswith("flags")), [])
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "cpus": os.cpu_count()}
+
+
+def main() -> None:
+    args = parse_args()
+    config = model_config(args)
+    with tempfile.TemporaryDirectory(prefix="tandem-big-checkpoint-") as scratch:
+        folder = args.checkpoint or Path(scratch)
+        start_s = time.perf_counter()
+        checkpoint_bytes = write_checkpoint(folder, config)
+        write_s = time.perf_counter() - start_s
+        ranks = run_ranks(folder, args)
+    loaded = [r for r in ranks if r["loaded"]]
+    worst = max((r["ratio_over_baseline"] for r in loaded), default=float("inf"))
+    result = {
+        "ranks": ranks,
+        "all_loaded": len(loaded) == len(ranks),
+        "max_ratio_over_baseline": worst,
+        "max_ratio": max((r["ratio"] for r in loaded), default=float("inf")),
+        "target": {"ratio_over_baseline": TARGET_RATIO, "met": len(loaded) == len(ranks) and worst <= TARGET_RATIO},
+        "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_write_s": write_s,
+        "config": config.to_hf(),
+        "env": {
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "dtype": args.dtype,
+            "sequential": args.sequential,
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "cpu": cpu_host(),
+        },
+    }
+    print_table(result)
+    write_json(args.out, result)
+
+
+def print_table(r: dict[str, Any]) -> None:
+    c, env = r["config"], r["env"]
+    gib = 2**30
+    print(
+        f"\nLoading by rank: {c['num_hidden_layers']} layers of hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+        f"({c['num_key_value_heads']} KV), MLP {c['intermediate_size']}, vocab {c['vocab_size']}; "
+        f"{r['checkpoint_bytes'] / gib:.2f} GiB bf16 checkpoint, served {env['dtype']}, TP={env['tensor_parallel_size']}"
+        f"{', ranks one at a time' if env['sequential'] else ''}"
+    )
+    print(
+        f"CPU: {env['cpu']['model']} ({env['cpu']['cpus']} CPUs), flags: {' '.join(env['cpu']['flags']) or '(none of ' + ' '.join(CPU_FLAGS) + ')'}"
+    )
+    print("-" * 86)
+    print(f"  {'rank':<6}{'share GiB':>10}{'baseline GiB':>14}{'peak GiB':>10}{'peak/share':>12}{'(peak-base)/share':>19}{'load s':>9}")
+    for rank in r["ranks"]:
+        if not rank["loaded"]:
+            print(f"  {rank['rank']:<6}failed: {rank['error']}")
+            continue
+        print(
+            f"  {rank['rank']:<6}{rank['share_bytes'] / gib:>10.3f}{rank['baseline_bytes'] / gib:>14.3f}{rank['peak_bytes'] / gib:>10.3f}"
+            f"{rank['ratio']:>11.2f}x{rank['ratio_over_baseline']:>18.2f}x{rank['load_s']:>9.1f}"
+        )
+    target = r["target"]
+    print(
+        f"  worst (peak - baseline) / share {r['max_ratio_over_baseline']:.2f}x, target <= {target['ratio_over_baseline']}x  {mark(target['met'])}"
+    )
+    print("-" * 86)
+
+
+if __name__ == "__main__":
+    main()
