@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from drill_report import DrillReport
 from drill_stack import DrillStack
@@ -19,6 +21,34 @@ async def kill_decode(stack: DrillStack) -> str:
     name = stack.busiest("decode")
     pid = stack.signal(name, signal.SIGKILL)
     return f"kill -9 {name} (pid {pid})"
+
+
+async def kill_decode_rank(stack: DrillStack) -> str:
+    """kill -9 the last rank of the busiest decode worker's tensor-parallel engine (the stack runs
+    with TANDEM_TENSOR_PARALLEL_SIZE > 1): the group ends, and its replies continue elsewhere."""
+    name = stack.busiest("decode")
+    worker_pid = stack.stack.member(name).pid
+    ranks = rank_pids(worker_pid) if worker_pid is not None else []
+    if not ranks:
+        raise RuntimeError(f"{name} runs no tensor-parallel ranks: run the drills with --tensor-parallel-size N (N > 1)")
+    os.kill(ranks[-1], signal.SIGKILL)
+    return f"kill -9 rank {len(ranks)} (pid {ranks[-1]}) of {name}'s engine"
+
+
+def rank_pids(worker_pid: int) -> list[int]:
+    """The processes of ranks 1..N-1 a worker started (`python -m tandem.worker.engine_rank RANK`), by rank."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if ppid == worker_pid and b"tandem.worker.engine_rank" in argv:
+            found[int(argv[argv.index(b"tandem.worker.engine_rank") + 1])] = int(entry.name)
+    return [found[rank] for rank in sorted(found)]
 
 
 async def kill_prefill(stack: DrillStack) -> str:
@@ -71,6 +101,7 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
     n = args.streams
     return {
         "kill_decode": DrillPlan("kill_decode", kill_decode, n, f"{n}/{n} complete, texts identical, longest pause <= 3 s"),
+        "kill_decode_rank": DrillPlan("kill_decode_rank", kill_decode_rank, n, f"{n}/{n} complete, texts identical, longest pause <= 3 s"),
         "kill_prefill": DrillPlan(
             "kill_prefill", kill_prefill, max(1, n // 2), f"{max(1, n // 2)}/{max(1, n // 2)} complete", long_prompts=True
         ),
@@ -87,7 +118,7 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
 def met(report: DrillReport, plan: DrillPlan) -> bool:
     n = report.num_replies
     identical = report.texts_identical == n if report.texts_identical is not None else True
-    if plan.name == "kill_decode":
+    if plan.name in ("kill_decode", "kill_decode_rank"):
         return report.completed == n and identical and report.longest_pause_s <= 3.0
     if plan.name in ("kill_relay", "restart_redis"):
         return report.completed == n and report.stored.get("complete", 0) == n

@@ -34,6 +34,7 @@ class DrillStack:
         chat_instances: int = 2,
         extra_env: dict[str, str] | None = None,
         api_keys: dict[str, ApiKey] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-drills-"))
         self.log_path = self._workdir / "stack.log"
@@ -46,6 +47,7 @@ class DrillStack:
             num_decode_workers=decode_workers,
             num_prefill_workers=prefill_workers,
             num_chat_instances=chat_instances,
+            tensor_parallel_size=tensor_parallel_size,
             stable_after_s=5.0,  # drills kill the same member again soon: restart it after 1 s each time
         )
         self._log = self.log_path.open("w")

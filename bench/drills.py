@@ -11,6 +11,7 @@ and what the store holds afterwards.
 
 Drills (names for --drills):
   kill_decode    kill -9 one decode worker with N replies streaming
+  kill_decode_rank  kill -9 one rank of a decode worker's tensor-parallel engine (--tensor-parallel-size N)
   kill_prefill   kill -9 the prefill worker with long prompts (remote prefill) in flight
   kill_relay     kill -9 the relay during N streams
   restart_redis  stop redis-server (SIGTERM) and start it again during N streams
@@ -145,7 +146,9 @@ async def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown drill(s) {', '.join(unknown)}; choose from {', '.join(every)}", file=sys.stderr)
         return 2
-    stack = DrillStack(decode_workers=2, prefill_workers=1, chat_instances=2, extra_env=_stack_env(args))
+    stack = DrillStack(
+        decode_workers=2, prefill_workers=1, chat_instances=2, extra_env=_stack_env(args), tensor_parallel_size=args.tensor_parallel_size
+    )
     reports: list[DrillReport] = []
     async with stack:
         client = Client(urls=stack.chat_urls, key=stack.api_key, max_tokens=args.max_tokens, hang_s=args.hang_s)
@@ -209,6 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume-drops", type=int, default=5, help="disconnects per reply in the resume drill")
     parser.add_argument("--hang-s", type=float, default=HANG_S, help="a reply with no final event by then is hung")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks of each prefill and decode worker's engine (kill_decode_rank needs 2 or more)",
+    )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the reports as JSON here")
     parser.add_argument("--log", default="", help="copy the stack's log (every process's output) here")

@@ -161,6 +161,8 @@ class Engine:
         worker shares, tandem.worker.engine_process); zeroed, of the shape and dtype asked."""
         self.loaded = loaded
         self.config = config
+        if loaded.model.tp.size > 1 and loaded.model.tp.rank == 0:  # the other ranks build theirs alike (rank_follower.py)
+            loaded.model.tp.broadcast(config)
         model_config = loaded.model.config  # this rank's: its KV heads under tensor parallelism
         parameter = next(loaded.model.parameters())
         cache_dtype = config.kv_cache_dtype or parameter.dtype

@@ -175,14 +175,12 @@ class Runner:
         return self._sample(self._model.compute_logits(sampled), sampling_seqs)
 
     @torch.inference_mode()
-    def follow(self) -> None:
-        """On a tensor-parallel engine's other ranks: computes each forward rank 0 broadcasts (its
-        own heads' share, the all-reduces with the other ranks) until rank 0 says stop."""
-        tp = self._model.tp
-        while (step := tp.broadcast()) is not None:
-            hidden = self._model(step.input_ids, step.positions, self._kv_cache, step.meta)
-            if step.wants_logits:
-                self._model.compute_logits(hidden[step.sample_rows])
+    def compute(self, step: RankStep) -> None:
+        """On a tensor-parallel engine's other ranks: one forward rank 0 broadcast (this rank's heads'
+        share, the all-reduces with the other ranks), and its logits' columns where it samples."""
+        hidden = self._model(step.input_ids, step.positions, self._kv_cache, step.meta)
+        if step.wants_logits:
+            self._model.compute_logits(hidden[step.sample_rows])
 
     def stop_peers(self) -> None:
         """On rank 0: the other ranks' `follow` returns (their processes then end)."""

@@ -1,4 +1,4 @@
-"""One of ranks 1..N-1 of a tensor-parallel engine: `python -m tandem.worker.engine_rank`, started
+"""One of ranks 1..N-1 of a tensor-parallel engine: `python -m tandem.worker.engine_rank RANK`, started
 by engine_ranks.PeerRanks only, which writes (spec, rank, KV memfd or None) pickled to its stdin.
 
 It joins the group, loads its shard of the model, builds its engine (the same sizing as rank 0's,
@@ -15,7 +15,7 @@ import pickle
 import signal
 import sys
 
-from tandem.worker.engine_spec import build_engine
+from tandem.worker.engine_spec import follow_engine
 from tandem.worker.shared_kv import shared_kv_cache
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec, rank, kv_fd = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
-    engine = build_engine(spec, None if kv_fd is None else shared_kv_cache(kv_fd), rank=rank)
-    engine.runner.follow()
+    follow_engine(spec, rank, None if kv_fd is None else shared_kv_cache(kv_fd))
 
 
 if __name__ == "__main__":

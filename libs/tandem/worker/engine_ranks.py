@@ -47,7 +47,7 @@ class PeerRanks:
             for rank in range(1, spec.tensor_parallel_size):
                 kv_fd = kv_fds[rank] if rank < len(kv_fds) else None
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "tandem.worker.engine_rank"],
+                    [sys.executable, "-m", "tandem.worker.engine_rank", str(rank)],  # the rank for `ps`; the spec comes on stdin
                     stdin=subprocess.PIPE,
                     pass_fds=() if kv_fd is None else (kv_fd,),
                 )

@@ -13,9 +13,10 @@ import torch
 
 from tandem.config import Settings
 from tandem.engine.engine import Engine, EngineConfig, KvCacheAllocator
+from tandem.engine.rank_follower import follow
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
-from tandem.models.loader import load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from tandem.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tandem.models.tensor_parallel import join
 
 log = logging.getLogger(__name__)
@@ -61,21 +62,30 @@ class EngineSpec:
         return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level, settings.tensor_parallel_size)
 
 
-def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None, rank: int = 0) -> Engine:
-    """Where the engine steps (its thread, or its process), or, with `rank` > 0, where one of the
-    other ranks of a tensor-parallel engine follows it: torch's thread count is set here, and a
-    rank joins its group (spec.rendezvous) before it loads its shard."""
+def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None) -> Engine:
+    """Where the engine steps (its thread, or its process): rank 0 of a tensor-parallel engine."""
+    return Engine(load_rank(spec, 0), spec.engine, allocate_kv_cache)
+
+
+def follow_engine(spec: EngineSpec, rank: int, allocate_kv_cache: KvCacheAllocator | None = None) -> None:
+    """Ranks 1..N-1 of a tensor-parallel engine (engine_rank.py): loads this rank's shard, then
+    builds and steps what rank 0 does (engine/rank_follower.py) until rank 0 stops."""
+    follow(load_rank(spec, rank), allocate_kv_cache)
+
+
+def load_rank(spec: EngineSpec, rank: int) -> LoadedModel:
+    """Sets torch's thread count, joins the rank's group (spec.rendezvous) and loads its shard."""
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     tp = join(rank, spec.tensor_parallel_size, spec.rendezvous, spec.device)
     loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization, tp=tp)
     log.info(
         "engine %s: %s, %s (quantization %s) on %s with %d torch threads",
-        "ready" if tp.size == 1 else f"rank {rank} of {tp.size} ready",
+        "ready" if tp.size == 1 else f"rank {rank} of {tp.size} loaded",
         spec.model.name,
         spec.dtype,
         spec.model.quantization,
         spec.device,
         torch.get_num_threads(),
     )
-    return Engine(loaded, spec.engine, allocate_kv_cache)
+    return loaded
