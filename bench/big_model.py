@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import mark, write_json
+from common import cpu_host, cpu_line, mark, write_json
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
@@ -48,7 +48,6 @@ from tandem.models.safetensors_weights import SHARD_INDEX
 from tandem.models.tensor_parallel import TensorParallel, join
 
 TARGET_RATIO = 1.3  # (peak - baseline) / share
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -223,14 +222,6 @@ def run_ranks(folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 # -- the report ---------------------------------------------------------------------------------
 
 
-def cpu_host() -> dict[str, Any]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    first = text.split("\n\n", 1)[0]
-    model = next((line.split(":", 1)[1].strip() for line in first.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in first.splitlines() if line.startswith("flags")), [])
-    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "cpus": os.cpu_count()}
-
-
 def main() -> None:
     args = parse_args()
     config = model_config(args)
@@ -273,9 +264,7 @@ def print_table(r: dict[str, Any]) -> None:
         f"{r['checkpoint_bytes'] / gib:.2f} GiB bf16 checkpoint, served {env['dtype']}, TP={env['tensor_parallel_size']}"
         f"{', ranks one at a time' if env['sequential'] else ''}"
     )
-    print(
-        f"CPU: {env['cpu']['model']} ({env['cpu']['cpus']} CPUs), flags: {' '.join(env['cpu']['flags']) or '(none of ' + ' '.join(CPU_FLAGS) + ')'}"
-    )
+    print(cpu_line(env["cpu"]))
     print("-" * 86)
     print(f"  {'rank':<6}{'share GiB':>10}{'baseline GiB':>14}{'peak GiB':>10}{'peak/share':>12}{'(peak-base)/share':>19}{'load s':>9}")
     for rank in r["ranks"]:

@@ -6,6 +6,7 @@ Run as scripts (`python bench/engine.py`), the benches import this module from t
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -175,6 +176,23 @@ def kv_blocks_for(token_counts: Iterable[int], block_size: int, num_spare: int =
 
 
 # -- output -------------------------------------------------------------------------------------
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # the ones torch's CPU kernels choose by
+
+
+def cpu_host() -> dict[str, Any]:
+    """This host's CPU: its model name, how many CPUs, and which of CPU_FLAGS it has."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    first = text.split("\n\n", 1)[0]
+    model = next((line.split(":", 1)[1].strip() for line in first.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in first.splitlines() if line.startswith("flags")), [])
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "cpus": os.cpu_count()}
+
+
+def cpu_line(cpu: dict[str, Any]) -> str:
+    """cpu_host() as the benches print it."""
+    flags = " ".join(cpu["flags"]) or "(none of " + " ".join(CPU_FLAGS) + ")"
+    return f"CPU: {cpu['model']} ({cpu['cpus']} CPUs), flags: {flags}"
 
 
 def percentile(values: Iterable[float], q: float) -> float:

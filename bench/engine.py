@@ -4,6 +4,7 @@
     .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
         [--batches 1,8,32,64] [--quantization none,int8] [--kv-cache-dtype auto,bf16]
         [--peer vllm-64.json --peer vllm-8.json ...] [--device cuda [--cuda-graphs on|off|both]]
+        [--tensor-parallel-size N]
     .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's inputs
 
 64 chat requests (seeded prompts of 40-400 tokens) are submitted at once and each writes exactly
@@ -20,6 +21,12 @@ matmul FLOP/s (torch's matmul or the engine's packed kernel, the faster) and cop
 which it computes the batch's roofline. With `--device cuda` those peaks are the GPU's, and
 `--cuda-graphs both` runs each variant with decode steps as CUDA graphs and eagerly (`+eager`).
 
+`--tensor-parallel-size N`: the engine's model is loaded over N ranks, this process rank 0 and the
+others processes of their own (worker/engine_ranks.py), each with max(1, threads // N) torch
+threads; every engine the bench builds runs over the group. The peaks, the roofline and the memory
+floor stay the machine's and the whole model's (measured with every thread), and the transformers
+baseline stays one process with every thread, so the figures compare with a run at N = 1.
+
 A peer JSON is what ../shared/peers/vllm_same.py writes (tokens_per_s over num_requests prompts,
 tpot_b1_ms); give one per batch size, run on the prompts `--dump-prompts` writes (its first B
 for batch B), minutes apart from this bench with nothing else busy. The targets are printed
@@ -29,16 +36,18 @@ beside the numbers as information; the exit code does not depend on them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from common import chat_prompts, load_ours, percentile, resolve_engine, set_threads, write_json
+from common import chat_prompts, cpu_host, load_ours, percentile, resolve_engine, set_threads, write_json
 from engine_report import (
     TARGET_PREFILL_OF_PEAK,
     TARGET_RATIO_VS_HF,
@@ -47,11 +56,12 @@ from engine_report import (
     peer_targets,
     print_table,
 )
-from engine_workload import load_variant, measure_variant
+from engine_workload import load_variant, measure_variant, rank_group
 from hf_baseline import hf_generate, hf_version, is_hf_available, load_hf
 from roofline import ModelCost, batch_roofline, decode_roofline_tokens_per_s, measure_copy_bandwidth, measure_peak_flops
 
-from tandem.models.loader import resolve_kv_cache_dtype
+from tandem.models.files import Quantization
+from tandem.models.loader import LoadedModel, resolve_kv_cache_dtype
 
 FULL = dict(
     requests=64, output_tokens=128, hf_batches="1:4,8:16,32:32", b1_tokens=64, matmul_size=2048, copy_mib=256, repeats=5,
@@ -91,6 +101,12 @@ def parse_args() -> argparse.Namespace:
         choices=("on", "off", "both"),
         default="on",
         help="on a GPU: decode steps as CUDA graphs, eagerly, or both (default on)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the engine's model is loaded over (SmolLM2 splits over 1 or 3; default 1)",
     )
     parser.add_argument("--peer", type=Path, action="append", default=[], help="a peer's JSON (vllm_same.py), one per batch size")
     parser.add_argument("--dump-prompts", type=Path, help="write the workload's prompts (token ids) for a peer and exit")
@@ -139,6 +155,22 @@ def dump_prompts(path: Path, prompts: list[list[int]], args: argparse.Namespace)
         write_json(out, {"prompts": prompts[:count], "n": count, "min": lo, "max": hi, "seed": args.seed})
 
 
+@contextlib.contextmanager
+def variant_model(
+    quantization: Quantization, loaded: LoadedModel, dtype: torch.dtype, device: str, size: int, threads: int
+) -> Iterator[tuple[LoadedModel, int]]:
+    """The model a variant's engines run on (rank 0's under tensor parallelism) and the bytes of
+    the whole model's weights (its memory floor's)."""
+    whole = loaded if quantization == "none" else load_variant(quantization, dtype, device)
+    weight_bytes = ModelCost.of(whole).weight_bytes
+    if size == 1:
+        yield whole, weight_bytes
+        return
+    del whole
+    with rank_group(quantization, dtype, device, size, threads) as rank0:
+        yield rank0, weight_bytes
+
+
 def run_hf(dtype: torch.dtype, prompts: list[list[int]], num_tokens: int, plan: list[tuple[int, int]], pad_id: int) -> list:
     model = load_hf(dtype)
     hf_generate(model, prompts[:1], 1, 4, pad_id)  # warm-up
@@ -149,6 +181,8 @@ def main() -> None:
     args = parse_args()
     bench_start_s = time.perf_counter()
     num_threads = set_threads(args.threads)
+    tp_size = args.tensor_parallel_size
+    rank_threads = max(1, num_threads // tp_size)
     device, dtype = resolve_engine(args.device, args.dtype)
     loaded = load_ours(dtype, device)
     cost = ModelCost.of(loaded)
@@ -171,17 +205,18 @@ def main() -> None:
     kv_dtypes = {name: resolve_kv_cache_dtype(name, dtype, device, "--kv-cache-dtype") for name in args.kv_cache_dtype}
     variants = {}
     for quantization in args.quantization:
-        model = loaded if quantization == "none" else load_variant(quantization, dtype, device)
-        weight_bytes = ModelCost.of(model).weight_bytes
-        for (kv_name, kv_dtype), enforce_eager in itertools.product(kv_dtypes.items(), eager_modes):
-            name = (quantization if kv_dtype == dtype else f"{quantization}+{kv_name}kv") + ("+eager" if enforce_eager else "")
-            if name in variants:  # e.g. auto and an explicit dtype the same as the engine's
-                continue
-            variant = measure_variant(model, prompts, args, cost, peak_flops, kv_dtype, enforce_eager)
-            variant |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
-            variant["tpot_b1_over_floor"] = variant["tpot_b1_ms"] / variant["memory_floor_ms"]
-            variants[name] = variant
-        del model
+        with variant_model(quantization, loaded, dtype, device, tp_size, rank_threads) as (model, weight_bytes):
+            for (kv_name, kv_dtype), enforce_eager in itertools.product(kv_dtypes.items(), eager_modes):
+                name = (quantization if kv_dtype == dtype else f"{quantization}+{kv_name}kv") + ("+eager" if enforce_eager else "")
+                if name in variants:  # e.g. auto and an explicit dtype the same as the engine's
+                    continue
+                variant = measure_variant(model, prompts, args, cost, peak_flops, kv_dtype, enforce_eager)
+                variant |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
+                variant["tpot_b1_over_floor"] = variant["tpot_b1_ms"] / variant["memory_floor_ms"]
+                variants[name] = variant
+            del model
+    if tp_size > 1:
+        torch.set_num_threads(num_threads)  # rank 0 ran on its share; transformers on every thread
     first = next(iter(variants.values()))
     ours = first["headline"]
     hf_runs = run_hf(dtype, prompts, args.output_tokens, args.hf_batches, loaded.tokenizer.eos_token_ids[0]) if is_hf_run else []
@@ -195,6 +230,7 @@ def main() -> None:
     roofline_fraction = ours["tokens_per_s"] / roofline.tokens_per_s
     lens = [len(p) for p in prompts]
     result = {
+        "tensor_parallel_size": tp_size,
         "tokens_per_s": ours["tokens_per_s"],
         "hf_tokens_per_s": best_hf.tokens_per_s if best_hf else None,
         "ratio_vs_hf": ratio_vs_hf,
@@ -248,6 +284,8 @@ def main() -> None:
             "dtype": str(dtype).removeprefix("torch."),
             "device": device,
             "threads": num_threads,
+            "threads_per_rank": rank_threads,
+            "cpu": cpu_host(),
             "torch": torch.__version__,
             "transformers": hf_version() if is_hf_run else None,
             "machine": platform.machine(),

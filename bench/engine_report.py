@@ -3,7 +3,7 @@ table it prints."""
 
 from __future__ import annotations
 
-from common import mark
+from common import cpu_line, mark
 from roofline import ModelCost
 
 TARGET_RATIO_VS_HF = 5.0
@@ -89,9 +89,14 @@ def print_table(r: dict, cost: ModelCost) -> None:
     def row(label: str, value: str, target: str = "", status: str = "") -> None:
         print(f"  {label:<34}{value:>16}   {target:<9}{status}")
 
+    tp_size = r["tensor_parallel_size"]
     print(
         f"\nTandem engine bench: SmolLM2-135M-Instruct, {env['dtype']} on {env['device']}, torch threads={env['threads']}, torch {env['torch']}"
         + (f", transformers {env['transformers']}" if env["transformers"] else "")
+    )
+    print(
+        cpu_line(env["cpu"])
+        + (f"; tensor parallel over {tp_size} ranks, torch threads per rank={env['threads_per_rank']}" if tp_size > 1 else "; one rank")
     )
     print(
         f"workload: {n} requests submitted at once, chat prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens "
@@ -105,7 +110,7 @@ def print_table(r: dict, cost: ModelCost) -> None:
         f"{env['dtype']} {env['matmul_size']}^2, torch's or packed_mm, best of {env['repeats']}",
     )
     row("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s", f"{env['copy_mib']} MiB copy, (read+written)/time")
-    print(f"{f'tandem engine, {n} concurrent requests':<52}value   target")
+    print(f"{f'tandem engine, {n} concurrent requests' + (f', TP={tp_size}' if tp_size > 1 else ''):<52}value   target")
     row("output tokens/s", f"{r['tokens_per_s']:.1f}")
     row("TTFT p50 / p95 ms", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f}")
     row("TPOT p50 / p95 ms", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p95_ms']:.1f}")

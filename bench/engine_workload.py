@@ -1,9 +1,11 @@
 """The engine bench's workload on our engine: the batch of requests at once, timed, and one
-prompt prefilled alone, on each model variant."""
+prompt prefilled alone, on each model variant; under tensor parallelism, on rank 0 of a group."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from common import kv_blocks_for, percentile, run_timed
@@ -12,8 +14,10 @@ from roofline import ModelCost
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
-from tandem.models.files import Quantization
+from tandem.models.files import Quantization, open_model
 from tandem.models.loader import LoadedModel, load_model
+from tandem.worker.engine_ranks import PeerRanks
+from tandem.worker.engine_spec import EngineSpec, load_rank
 
 
 def engine_config(num_blocks: int, num_seqs: int, kv_cache_dtype: torch.dtype | None, enforce_eager: bool) -> EngineConfig:
@@ -115,3 +119,22 @@ def measure_variant(
 
 def load_variant(quantization: Quantization, dtype: torch.dtype, device: str) -> LoadedModel:
     return load_model(None, dtype, device, select_attention(device), quantization)
+
+
+@contextlib.contextmanager
+def rank_group(quantization: Quantization, dtype: torch.dtype, device: str, size: int, threads: int) -> Iterator[LoadedModel]:
+    """Rank 0's model of the embedded SmolLM2 loaded over `size` ranks (ranks 1..N-1 processes of
+    their own, `threads` torch threads each, rank 0 too). Every Engine built on it is built on the
+    other ranks as well (engine/rank_follower.py), so the workload runs on it unchanged."""
+    spec = EngineSpec(open_model(None, quantization=quantization), device, dtype, EngineConfig(), threads, tensor_parallel_size=size)
+    peers = PeerRanks.start(spec)
+    try:
+        loaded = load_rank(peers.spec, 0)
+        yield loaded
+    except BaseException:
+        peers.kill()  # a rank may be inside a collective that will never complete
+        raise
+    # Engine.close stops the other ranks' engines: one more engine, never stepped, to close
+    Engine(loaded, EngineConfig(num_kv_blocks=8)).close()
+    loaded.model.tp.close()
+    peers.stop()

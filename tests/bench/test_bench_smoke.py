@@ -63,6 +63,23 @@ def test_engine_bench_without_hf_reports_throughput_latency_and_roofline(engine_
     assert result["roofline_fraction"] == pytest.approx(result["tokens_per_s"] / result["roofline_tokens_per_s"])
     assert result["workload"]["num_requests"] == 8 and result["workload"]["num_output_tokens"] == 16
     assert result["engine_preemptions"] == 0  # the KV cache is sized to hold the whole batch
+    assert result["tensor_parallel_size"] == 1 and result["env"]["threads_per_rank"] == result["env"]["threads"] == 1
+    assert result["env"]["cpu"]["cpus"] > 0 and isinstance(result["env"]["cpu"]["flags"], list)
+
+
+def test_engine_bench_over_three_ranks_reports_its_size_and_its_figures(tmp_path):
+    """SmolLM2 splits over 3 ranks (9 heads, 3 KV heads): rank 0 here, two rank processes, one
+    torch thread each; smaller than --quick (one variant, one batch size) to stay seconds."""
+    result = _bench(
+        "engine.py", tmp_path / "tp3.json", "--skip-hf", "--tensor-parallel-size", "3", "--quantization", "none",
+        "--requests", "4", "--batches", "4", "--output-tokens", "8", "--b1-tokens", "4", "--prefill-tokens", "64",
+        "--prompt-tokens", "40", "80",
+    )  # fmt: skip
+    assert result["tensor_parallel_size"] == 3 and result["env"]["threads_per_rank"] == 1
+    for key in ("tokens_per_s", "tpot_b1_ms", "ttft_p50_ms", "tpot_p50_ms", "roofline_fraction", "weight_bytes"):
+        assert _is_positive(result[key]), (key, result[key])
+    assert set(result["variants"]) == {"none"} and result["workload"]["num_requests"] == 4
+    assert _is_positive(result["prefill"]["tokens_per_s"]) and result["engine_preemptions"] == 0
 
 
 def test_engine_bench_dumps_the_peers_input_for_all_and_for_batch_4(tmp_path):
