@@ -38,6 +38,7 @@ class ProductStack:
     nats_url: str
     redis_url: str
     children: list[ChildProcess] = field(default_factory=list)
+    urls: dict[str, str] = field(default_factory=dict)  # each instance's HTTP base URL (health, metrics, API)
     nats_server: EmbeddedServer | None = None  # its log says what the server refused
 
     @property
@@ -72,6 +73,7 @@ async def start_product_stack(
         child.start()
         stack.children.append(child)
         stack.ids.setdefault(role, []).append(env["TANDEM_INSTANCE_ID"])
+        stack.urls[env["TANDEM_INSTANCE_ID"]] = f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}"
         if role == "chat":
             stack.chat_urls.append(f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}")
     for role, instance_ids in stack.ids.items():
