@@ -24,13 +24,13 @@ def _up(args: argparse.Namespace) -> int:
     (how many workers and chat instances) and, as its TANDEM_ variable, for every service it starts."""
     from tandem.devstack.members import check_chat_ports_free
     from tandem.devstack.stack import Stack, stack_config_from
-    from tandem.devstack.stack_settings import check_tensor_parallel_split
+    from tandem.models.tensor_parallel import check_split
 
     settings = load_settings(args.settings, prog="tandem up", **({"host": args.host} if args.host else {}))
     flags = settings_flags(args.settings, prog="tandem up")() if args.settings else {}
     config = stack_config_from(settings, chat_port=args.port, flags={name: str(value) for name, value in flags.items()})
     # Fail before anything starts when the stack could not come up anyway.
-    check_tensor_parallel_split(open_model(settings.model_path), settings.tensor_parallel_size)
+    check_split(open_model(settings.model_path), settings.tensor_parallel_size)
     check_chat_ports_free(config)  # every chat instance's: chat_port, chat_port + 1, ...
     return asyncio.run(Stack(config).run())
 

@@ -20,3 +20,17 @@ def test_bad_sampling_is_one_clear_line():
     result = _generate("Hi", "--top-p", "0")
     assert result.returncode == 2
     assert result.stderr.strip() == "tandem generate: error: top_p must be in (0, 1], got 0.0"
+
+
+def test_over_three_ranks_stdout_holds_the_answer_one_rank_gives_and_nothing_else():
+    """fp32, where three ranks answer as one; gloo's own chatter stays off stdout."""
+    one = _generate("What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32")
+    three = _generate("What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32", "--tensor-parallel-size", "3")
+    assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
+    assert three.stdout == one.stdout and "Paris" in one.stdout
+
+
+def test_a_size_the_model_does_not_split_over_is_one_clear_line():
+    result = _generate("Hi", "--tensor-parallel-size", "2")
+    assert result.returncode == 2
+    assert "TANDEM_TENSOR_PARALLEL_SIZE=2" in result.stderr and "Traceback" not in result.stderr

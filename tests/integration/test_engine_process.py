@@ -162,12 +162,12 @@ async def test_a_paid_add_cuts_the_step_of_free_work_in_progress_and_every_reply
 async def test_both_processes_see_one_kv_cache(driven):
     process = await driven.ready()
     await driven.run(greedy("r-kv", max_tokens=2))
-    written = [b for b in range(process.facts.kv_shape.num_blocks) if process.block_view(b).any()]
+    written = [b for b in range(process.facts.kv_shape.num_blocks) if process.block_views(b)[0].any()]
     assert written, "the prefill wrote K and V into blocks this process sees"
     for block_id in written:  # what the engine process reads is what this one maps
-        assert torch.equal(await process.call(methodcaller("block_view", block_id)), process.block_view(block_id))
+        assert torch.equal(await process.call(methodcaller("block_view", block_id)), process.block_views(block_id)[0])
     free_block = next(b for b in range(process.facts.kv_shape.num_blocks) if b not in written)
-    process.block_view(free_block).fill_(0.5)  # as a handoff's receive writes a reserved block
+    process.block_views(free_block)[0].fill_(0.5)  # as a handoff's receive writes a reserved block
     assert bool((await process.call(methodcaller("block_view", free_block)) == 0.5).all())
 
 
@@ -268,7 +268,7 @@ def test_under_uvloop_messages_bigger_than_the_socket_s_buffer_arrive_whole_both
             views = await asyncio.gather(*(process.call(methodcaller("block_view", b)) for b in blocks for _ in range(4)))
             assert views[0].numel() * views[0].element_size() > 200_000, "each result is more than a socket buffer"
             for index, view in enumerate(views):
-                assert torch.equal(view, process.block_view(blocks[index // 4]))
+                assert torch.equal(view, process.block_views(blocks[index // 4])[0])
             big = {"big": b"x" * 4_000_000}
             assert await asyncio.gather(*(process.call(partial(dict.get, big)) for _ in range(4))) == [None] * 4
             assert len(await driven.run(greedy("r-after"))) == 12

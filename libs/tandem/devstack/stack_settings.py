@@ -10,7 +10,7 @@ from tandem.config import Settings
 from tandem.devstack.devices import host_gpus
 from tandem.devstack.members import StackConfig, dev_api_keys
 from tandem.errors import StartupError
-from tandem.models.files import EMBEDDED_MODEL_NAME, ModelFile, open_model
+from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
 
 # Settings the stack sets for each service itself; any other setting given to `tandem up` as a
 # flag reaches every service as its variable.
@@ -115,17 +115,3 @@ def _file_model_name(path: Path | None) -> str:
     if path is None:
         return EMBEDDED_MODEL_NAME
     return open_model(path).name
-
-
-def check_tensor_parallel_split(model: ModelFile, tensor_parallel_size: int) -> None:
-    """A StartupError (the engine's own: Shard.check) when the large model does not split over
-    tensor_parallel_size ranks; else every worker would fail at its start, and restart, for ever."""
-    if tensor_parallel_size == 1:
-        return
-    # imported here: the readers and torch.distributed are needed for this check only
-    from tandem.models.gguf_weights import read_gguf
-    from tandem.models.safetensors_weights import read_hf_config
-    from tandem.models.tensor_parallel import Shard
-
-    config = read_gguf(model.path).config() if model.format == "gguf" else read_hf_config(model.path)
-    Shard(size=tensor_parallel_size).check(config)

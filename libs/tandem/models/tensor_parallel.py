@@ -18,9 +18,12 @@ a CPU, NCCL on GPUs) and a gloo group on the CPU for the step's inputs, which ar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,6 +33,9 @@ import torch.distributed as dist
 
 from tandem.errors import StartupError
 from tandem.models.config import ModelConfig
+from tandem.models.files import ModelFile
+from tandem.models.gguf_weights import read_gguf
+from tandem.models.safetensors_weights import read_hf_config
 
 # A rank waits for rank 0's next step as long as the engine is idle: a collective timeout would end
 # an idle group. A dead rank is seen at once (its sockets close), not by this timeout.
@@ -93,6 +99,15 @@ class Shard:
         k0, k1 = self.kv_heads(config)
         m0, m1 = self.intermediate(config)
         return dataclasses.replace(config, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=m1 - m0)
+
+
+def check_split(model: ModelFile, size: int) -> None:
+    """A StartupError (Shard.check's) when `model` does not split over `size` ranks, read from its
+    header before any rank starts: else each would fail at its load, and a worker restart for ever."""
+    if size == 1:
+        return
+    config = read_gguf(model.path).config() if model.format == "gguf" else read_hf_config(model.path)
+    Shard(size=size).check(config)
 
 
 class TensorParallel:
@@ -172,7 +187,21 @@ def join(rank: int, size: int, rendezvous: str, device: str) -> TensorParallel:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
-    device_group = dist.group.WORLD
-    cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    with _stdout_to_stderr():  # gloo says it connected on stdout, which `tandem generate` keeps for the answer
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+        device_group = dist.group.WORLD
+        cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TensorParallel(Shard(rank, size), device_group, cpu_group)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 pointed at 2 for the block (what C++ code prints goes to stderr too)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

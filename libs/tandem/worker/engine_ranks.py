@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tandem.models.tensor_parallel import check_split
 from tandem.worker.engine_spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class PeerRanks:
     def start(cls, spec: EngineSpec, kv_fds: Sequence[int | None] = ()) -> PeerRanks:
         """Starts ranks 1..N-1 of `spec`'s engine; `kv_fds[r]`: the memfd rank r allocates its KV
         cache in (an engine process's), none: its own memory."""
+        check_split(spec.model, spec.tensor_parallel_size)  # one clear error here, not one traceback a rank
         folder = Path(tempfile.mkdtemp(prefix="tandem-tp-"))
         spec = dataclasses.replace(spec, rendezvous=f"file://{folder / 'rendezvous'}")
         processes: list[subprocess.Popen[bytes]] = []

@@ -14,6 +14,7 @@ import torch
 from tandem.config import Settings
 from tandem.engine.engine import Engine, EngineConfig, KvCacheAllocator
 from tandem.engine.rank_follower import follow
+from tandem.errors import StartupError
 from tandem.kernels import select_attention
 from tandem.models.files import ModelFile
 from tandem.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -52,13 +53,21 @@ class EngineSpec:
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
             enforce_eager=settings.enforce_eager or role == "prefill",
         )
-        # One thread per CPU of the process's affinity unless set (torch counts the machine's cores),
-        # shared by the ranks of a tensor-parallel engine.
-        torch_threads = settings.torch_threads or max(1, len(settings.cpus) // settings.tensor_parallel_size)
+        # One thread per CPU of the process's affinity unless set (torch counts the machine's cores);
+        # the ranks of a tensor-parallel engine share them (of the machine's, with no affinity set).
+        num_ranks = settings.tensor_parallel_size
+        cpus = len(settings.cpus) or (len(os.sched_getaffinity(0)) if num_ranks > 1 else 0)
+        torch_threads = settings.torch_threads or (max(1, cpus // num_ranks) if cpus else 0)
         # An engine process shares its KV cache through a memfd: a CPU's cache, on Linux.
         # The ranks of a tensor-parallel engine on a CPU share their KV caches so too (the worker reads every rank's blocks).
         wants_process = settings.engine_process or settings.tensor_parallel_size > 1
         engine_process = wants_process and device == "cpu" and hasattr(os, "memfd_create")
+        if num_ranks > 1 and not engine_process and role == "prefill":
+            # Its other ranks' KV blocks are on their own devices, out of the worker's reach (no CUDA IPC yet).
+            raise StartupError(
+                f"TANDEM_TENSOR_PARALLEL_SIZE={num_ranks}: a prefill worker on {device} hands off its KV only with one rank "
+                "(tensor-parallel handoffs run on CPUs, where every rank's cache is shared memory); use 1 for prefill workers here"
+            )
         return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level, settings.tensor_parallel_size)
 
 

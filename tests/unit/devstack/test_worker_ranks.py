@@ -17,9 +17,9 @@ from tandem.devstack.devices import NotEnoughGpus, assign_gpus, host_gpus
 from tandem.devstack.members import Member, StackConfig, service_member
 from tandem.devstack.secrets import StackSecrets
 from tandem.devstack.stack import stack_config_from
-from tandem.devstack.stack_settings import check_tensor_parallel_split
 from tandem.errors import StartupError
 from tandem.models.files import open_model
+from tandem.models.tensor_parallel import check_split
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
 SECRETS = StackSecrets.generate()
@@ -161,4 +161,4 @@ def test_up_refuses_a_size_the_model_does_not_split_over_before_anything_starts(
     assert cli.main(["up", "--tensor-parallel-size", "2", "--device", "cpu"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("tandem up: error: TANDEM_TENSOR_PARALLEL_SIZE=2 does not split this model's 9 attention heads"), error
-    check_tensor_parallel_split(open_model(None), 3)  # 3 heads each, one KV head each
+    check_split(open_model(None), 3)  # 3 heads each, one KV head each
