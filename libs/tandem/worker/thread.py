@@ -165,6 +165,8 @@ class EngineThread(EngineDriver):
         except BaseException as exc:
             log.exception("the engine thread died")
             self._die(exc)
+            return
+        engine.close()  # a tensor-parallel engine's other ranks end too
 
     def _die(self, exc: BaseException) -> None:
         self._death = exc
