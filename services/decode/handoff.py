@@ -81,8 +81,10 @@ class KvHandoffService(kv_handoff_pb2_grpc.KvHandoffServicer):
             return refuse("draining", "this decode worker is draining", 1.0)
         if not await self._host.is_ready():
             return refuse("loading", "this decode worker's engine is still loading", 2.0)
-        ours = self._host.kv_layout()
-        if request.layout != ours:
+        ours, theirs = self._host.kv_layout(), pb.KvLayout()
+        theirs.CopyFrom(request.layout)
+        theirs.tensor_parallel_size = max(1, theirs.tensor_parallel_size)  # 0: a sender that does not say, one rank
+        if theirs != ours:
             return refuse("layout_mismatch", f"KV layout differs: sender {_show(request.layout)}, this worker {_show(ours)}")
         if self._free(request.reply_id):  # a retry of this reply (its prefill worker died) supersedes the old one
             log.info("a new reserve for %s replaced its uncommitted reservation", request.reply_id)

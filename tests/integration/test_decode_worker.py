@@ -306,6 +306,12 @@ async def test_a_reserve_holds_the_cached_prefix_and_returns_only_the_blocks_to_
     )
     async with internal_channel(idle.grpc_address, SECRET) as channel:
         stub = KvHandoffStub(channel)
+        # A prefill group of another size holds other heads in each rank's blocks: refused, saying so.
+        grouped = KvLayout()
+        grouped.CopyFrom(layout)
+        grouped.num_kv_heads, grouped.tensor_parallel_size = 1, 3
+        refused = await stub.Reserve(ReserveRequest(reply_id="reply-tp", layout=grouped, num_blocks=1, request=_request(prompt, 4)))
+        assert refused.refused.reason == "layout_mismatch" and "on 3 ranks" in refused.refused.message, refused
         reserve = ReserveRequest(reply_id="reply-reserve", layout=layout, num_blocks=num_blocks, request=_request(prompt, 4))
         reserved = await stub.Reserve(reserve, timeout=10)
         assert reserved.WhichOneof("outcome") == "reservation", reserved
