@@ -1,7 +1,7 @@
 """A checkpoint with Llama-3-70B's layer shapes, loaded by tensor-parallel ranks: each rank's peak
 resident memory against its share of the weights.
 
-    python bench/big_model.py [--tensor-parallel-size 4] [--dtype bf16|fp32] [--sequential]
+    python bench/big_model.py [--tensor-parallel-size 4] [--dtype bf16|fp32] [--sequential] [--greedy]
         [--layers 2] [--hidden 8192] [--heads 64] [--kv-heads 8] [--intermediate 28672]
         [--vocab 32000] [--checkpoint DIR] [--out results.json]
 
@@ -17,8 +17,13 @@ calls load_model for its shard on the CPU. A rank's figures:
 --sequential: the ranks load one after another (a barrier between turns), so one rank's load is
 not slowed by the others' on a small machine, and only one rank reads at a time.
 
-Where the engine's tensor-parallel runner lands, a rank's greedy tokens against TP=1's belong after
-`load_rank` in `rank_main`.
+--greedy: the same greedy tokens at TP=N as at TP=1? First one process loads the whole model
+alone (TP=1) and an engine on it answers --greedy-prompts seeded random-token prompts of 8 tokens,
+--greedy-tokens tokens each (ignore_eos); it ends, freeing its memory, and then the N ranks load
+and rank 0's engine answers the same prompts while the others follow its steps
+(engine/rank_follower.py). Both answers and their generate times are reported; in float32 they are
+expected identical (the all-reduce sums the ranks' partial products in float32 in rank order: not
+one rank's order, but far from a tie between random logits). The peaks are read before the engine.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
+from tandem.engine.engine import Engine, EngineConfig, Request
+from tandem.engine.rank_follower import follow
+from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.models.config import ModelConfig
 from tandem.models.loader import LoadedModel, load_model
@@ -63,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--intermediate", type=int, default=28672)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--greedy", action="store_true", help="compare greedy tokens at TP=N with TP=1's (run first)")
+    parser.add_argument("--greedy-prompts", type=int, default=3, help="random-token prompts of 8 tokens (default 3)")
+    parser.add_argument("--greedy-tokens", type=int, default=8, help="greedy tokens each (default 8)")
     parser.add_argument("--threads", type=int, help="torch threads per rank (default: torch's)")
     parser.add_argument("--checkpoint", type=Path, help="write (or reuse, when its config matches) the checkpoint here")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
@@ -169,54 +180,119 @@ def load_rank(folder: Path, dtype: torch.dtype, tp: TensorParallel) -> tuple[Loa
     }
 
 
+def greedy_prompts(args: argparse.Namespace, seed: int = 0) -> list[list[int]]:
+    """Seeded random token ids, 8 a prompt, clear of the special ids below 3."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, args.vocab, (args.greedy_prompts, 8), generator=generator).tolist()
+
+
+def greedy(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], float]:
+    """On rank 0: the greedy answers of an engine on `loaded` (the other ranks follow its steps) and
+    the seconds generate took."""
+    blocks_each = -(-(8 + num_tokens) // EngineConfig.block_size)
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=len(prompts) * blocks_each + 8, max_num_seqs=len(prompts)))
+    sampling = SamplingOptions(max_tokens=num_tokens, ignore_eos=True)
+    requests = [Request(f"g{i}", tuple(prompt), sampling) for i, prompt in enumerate(prompts)]
+    start_s = time.perf_counter()
+    streams = engine.generate(requests)
+    elapsed_s = time.perf_counter() - start_s
+    engine.close()  # the other ranks' follow returns
+    return [[t for output in streams[r.request_id] for t in output.new_token_ids] for r in requests], elapsed_s
+
+
 def rank_main(
-    rank: int, size: int, rendezvous: str, folder: Path, dtype_name: str, threads: int | None, is_sequential: bool, reports: Any
+    rank: int,
+    size: int,
+    rendezvous: str,
+    folder: Path,
+    dtype_name: str,
+    threads: int | None,
+    is_sequential: bool,
+    prompts: list[list[int]],
+    num_tokens: int,
+    reports: Any,
 ) -> None:
+    """Loads this rank's shard and reports its figures; with `prompts`, then answers them (rank 0)
+    or follows rank 0's engine (the others)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if threads:
         torch.set_num_threads(threads)
     tp = join(rank, size, rendezvous, "cpu")
+    is_loaded = False
     try:
+        loaded = None
         for turn in range(size if is_sequential else 1):
             if not is_sequential or turn == rank:
-                _, figures = load_rank(folder, DTYPES[dtype_name], tp)
+                loaded, figures = load_rank(folder, DTYPES[dtype_name], tp)
                 reports.put(figures)
+                is_loaded = True
             if size > 1:
                 dist.barrier()
+        assert loaded is not None
+        if prompts and rank == 0:
+            answers, elapsed_s = greedy(loaded, prompts, num_tokens)
+            reports.put({"greedy_tokens": answers, "generate_s": elapsed_s})
+        elif prompts:
+            follow(loaded)
     except Exception as exc:  # the parent reports it; a rank that dies silently would leave it waiting
-        reports.put({"rank": rank, "loaded": False, "error": f"{type(exc).__name__}: {exc}"})
+        error = f"{type(exc).__name__}: {exc}"
+        reports.put({"greedy_tokens": None, "error": error} if is_loaded else {"rank": rank, "loaded": False, "error": error})
         raise
     finally:
         tp.close()
 
 
-def run_ranks(folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_ranks(folder: Path, args: argparse.Namespace, size: int, prompts: list[list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every rank's figures, and rank 0's greedy answers ({} without prompts, or when it failed)."""
     spawn = multiprocessing.get_context("spawn")  # fresh interpreters: each VmHWM is its own
     reports = spawn.Queue()
     with tempfile.TemporaryDirectory(prefix="tandem-big-model-") as scratch:
         rendezvous = f"file://{scratch}/rendezvous"
-        size = args.tensor_parallel_size
         procs = [
-            spawn.Process(target=rank_main, args=(r, size, rendezvous, folder, args.dtype, args.threads, args.sequential, reports))
+            spawn.Process(
+                target=rank_main,
+                args=(r, size, rendezvous, folder, args.dtype, args.threads, args.sequential, prompts, args.greedy_tokens, reports),
+            )
             for r in range(size)
         ]
         for proc in procs:
             proc.start()
         results: list[dict[str, Any]] = []
+        answers: dict[str, Any] = {}
         deadline = time.monotonic() + 3600
-        while len(results) < size and time.monotonic() < deadline:
+        while (len(results) < size or (prompts and not answers)) and time.monotonic() < deadline:
             try:
-                results.append(reports.get(timeout=5))
+                report = reports.get(timeout=5)
             except queue.Empty:  # is every rank still there?
-                if any(p.exitcode not in (None, 0) for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
                     break
+                continue
+            if "greedy_tokens" in report:
+                answers = report
+            else:
+                results.append(report)
         for proc in procs:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
     missing = sorted(set(range(size)) - {r["rank"] for r in results})
     results += [{"rank": r, "loaded": False, "error": "the rank ended without a report"} for r in missing]
-    return sorted(results, key=lambda r: r["rank"])
+    return sorted(results, key=lambda r: r["rank"]), answers
+
+
+def compare_greedy(prompts: list[list[int]], one: dict[str, Any], many: dict[str, Any]) -> dict[str, Any]:
+    """TP=1's answers against TP=N's."""
+    tokens_one, tokens_many = one.get("greedy_tokens"), many.get("greedy_tokens")
+    return {
+        "errors": [side["error"] for side in (one, many) if "error" in side],
+        "prompts": prompts,
+        "tokens_tp1": tokens_one,
+        "tokens_tp": tokens_many,
+        "generate_s_tp1": one.get("generate_s"),
+        "generate_s_tp": many.get("generate_s"),
+        "is_identical": tokens_one is not None and tokens_one == tokens_many,
+        "num_identical": sum(a == b for a, b in zip(tokens_one or [], tokens_many or [], strict=False)),
+    }
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -230,7 +306,10 @@ def main() -> None:
         start_s = time.perf_counter()
         checkpoint_bytes = write_checkpoint(folder, config)
         write_s = time.perf_counter() - start_s
-        ranks = run_ranks(folder, args)
+        prompts = greedy_prompts(args) if args.greedy else []
+        # TP=1 first, alone, its process ended (its memory freed) before the N ranks load
+        tp1_ranks, answers_one = run_ranks(folder, args, 1, prompts) if prompts else ([], {})
+        ranks, answers = run_ranks(folder, args, args.tensor_parallel_size, prompts)
     loaded = [r for r in ranks if r["loaded"]]
     worst = max((r["ratio_over_baseline"] for r in loaded), default=float("inf"))
     result = {
@@ -239,6 +318,7 @@ def main() -> None:
         "max_ratio_over_baseline": worst,
         "max_ratio": max((r["ratio"] for r in loaded), default=float("inf")),
         "target": {"ratio_over_baseline": TARGET_RATIO, "met": len(loaded) == len(ranks) and worst <= TARGET_RATIO},
+        "greedy": compare_greedy(prompts, answers_one, answers) | {"tp1_load": tp1_ranks[0]} if prompts else None,
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_write_s": write_s,
         "config": config.to_hf(),
@@ -279,6 +359,13 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"  worst (peak - baseline) / share {r['max_ratio_over_baseline']:.2f}x, target <= {target['ratio_over_baseline']}x  {mark(target['met'])}"
     )
+    if (g := r["greedy"]) is not None:
+        n = env["tensor_parallel_size"]
+        times = f"generate {g['generate_s_tp1'] or float('nan'):.1f} s at TP=1, {g['generate_s_tp'] or float('nan'):.1f} s at TP={n}"
+        print(
+            f"  greedy, {len(g['prompts'])} random-token prompts: TP={n} answers {g['num_identical']}/{len(g['prompts'])} "
+            f"as TP=1 does ({times})  {mark(g['is_identical'])}"
+        )
     print("-" * 86)
 
 
