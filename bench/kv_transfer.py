@@ -2,7 +2,7 @@
 against raw UCXX bandwidth for the same bytes between the same processes, in the same run.
 
     .venv/bin/python bench/kv_transfer.py [--quick] [--threads N] [--progress-mode M] [--skip-ttft]
-        [--worker-cpus PREFILL DECODE] [--out results.json]
+        [--worker-cpus PREFILL DECODE] [--tensor-parallel-size 1,3] [--out results.json]
 
 The prefill side (this process) holds a bf16 KV pool laid out like the engine's cache; the decode
 side (a child process) holds another, and reserves scattered blocks for the reply. The handoff is
@@ -12,11 +12,18 @@ block, acknowledgement. The baseline moves the same number of bytes as one conti
 a plain UCXX endpoint between the same two processes (same UCX context, same transport) and waits
 for a one-byte acknowledgement. The two alternate over 20 repeats; medians are reported, and the
 child checks that the destination blocks hold the sent bytes. Target: handoff >= 70% of raw
-(information, not an exit code). Then the whole service path: a prefill and a decode worker
+(information, not an exit code).
+
+Between tensor-parallel groups (`--tensor-parallel-size`, sizes that divide SmolLM2's 3 KV heads;
+default 1 and 3, side by side): each side holds one pool per rank, of num_kv_heads / N heads, and a
+block is N views, one per rank, sent in one KvSender.send with every rank's view of each block in
+turn, as a worker sends them (worker/host.py block_views). The same bytes in N times the messages,
+each 1/N of a block. Every size's handoff runs in each repeat beside the same raw transfer; the
+top-level figures are the first size's. Then the whole service path: a prefill and a decode worker
 process on a nats-server, the same 2,000-token prompt prefilled remotely and locally, alternating
 (bench/handoff_ttft.py): `remote_minus_local_ttft_ms` is the difference of the median TTFTs, and
 `remote_minus_local_second_token_ms` the same for the second token (which waits for the transfer
-and the commit). `--skip-ttft` leaves them null. `--worker-cpus 0 1` gives each worker a CPU of
+and the commit). `--skip-ttft` leaves them null (the workers run one rank each). `--worker-cpus 0 1` gives each worker a CPU of
 its own (TANDEM_CPU_AFFINITY, one torch thread each), so the two do not take turns on the same
 cores; the table sets the difference against the target, remote within 10% of local.
 
@@ -44,7 +51,7 @@ import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # read when UCX loads: ucxx sets one UCX_* variable itself
 import ucxx
-from common import mark, set_threads, write_json
+from common import cpu_host, cpu_line, mark, set_threads, write_json
 from handoff_ttft import measure_ttft
 
 from tandem.kvtransfer import Destination, KvReceiver, KvSender, new_token
@@ -81,13 +88,49 @@ def parse_args() -> argparse.Namespace:
         metavar=("PREFILL", "DECODE"),
         help="the TTFT comparison's workers on CPUs of their own (TANDEM_CPU_AFFINITY, one torch thread per CPU), e.g. 0 1",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        default="1,3",
+        help="ranks of each side, comma-separated, each measured (sizes that divide SmolLM2's 3 KV heads; default 1,3)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.tensor_parallel_size = list(dict.fromkeys(int(n) for n in args.tensor_parallel_size.split(",")))
+    if bad := [n for n in args.tensor_parallel_size if n < 1 or BLOCK_SHAPE[3] % n]:
+        parser.error(f"--tensor-parallel-size: {bad} do not divide SmolLM2's {BLOCK_SHAPE[3]} KV heads")
     return args
+
+
+def rank_shape(size: int) -> tuple[int, ...]:
+    """One rank's view of a block in a group of `size`: its share of the KV heads."""
+    layers, kv, tokens, heads, head_dim = BLOCK_SHAPE
+    return (layers, kv, tokens, heads // size, head_dim)
+
+
+def rank_pools(size: int, num_pool_blocks: int, seed: int | None) -> list[torch.Tensor]:
+    """Every rank's KV pool of a group of `size` (random contents when seeded, else zeros)."""
+    if seed is None:
+        return [torch.zeros((num_pool_blocks, *rank_shape(size)), dtype=DTYPE) for _ in range(size)]
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn((num_pool_blocks, *rank_shape(size)), generator=generator).to(DTYPE) for _ in range(size)]
+
+
+def block_views(pools: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    """Every rank's view of each block in turn, as worker/host.py block_views orders them."""
+    return [pool[b] for b in ids for pool in pools]
+
+
+def group_key(size: int) -> str:
+    return f"tp{size}"
+
+
+def reply_id(size: int, name: str) -> str:
+    """The group size travels in the reply id: the decode side picks that group's destination by it."""
+    return f"{group_key(size)}:{name}"
 
 
 def block_ids(num_pool_blocks: int, num_blocks: int, seed: int) -> list[int]:
@@ -110,18 +153,18 @@ def init_ucx(progress_mode: str | None) -> None:
 # -- the decode process ---------------------------------------------------------------------------
 
 
-def decode_main(conn: Connection, num_pool_blocks: int, dest_ids: list[int], progress_mode: str | None) -> None:
-    asyncio.run(decode(conn, num_pool_blocks, dest_ids, progress_mode))
+def decode_main(conn: Connection, num_pool_blocks: int, dest_ids: list[int], progress_mode: str | None, sizes: list[int]) -> None:
+    asyncio.run(decode(conn, num_pool_blocks, dest_ids, progress_mode, sizes))
     ucxx.reset()
 
 
-async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], progress_mode: str | None) -> None:
+async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], progress_mode: str | None, sizes: list[int]) -> None:
     init_ucx(progress_mode)
-    pool = torch.zeros((num_pool_blocks, *BLOCK_SHAPE), dtype=DTYPE)
+    groups = {group_key(size): rank_pools(size, num_pool_blocks, None) for size in sizes}  # each group size's pools
     token = new_token()  # the reservation's, handed to the sender as Reserve would
-    receiver = KvReceiver(HOST, 0, resolve=lambda reply_id: Destination([pool[b] for b in dest_ids], token))
+    receiver = KvReceiver(HOST, 0, resolve=lambda reply: Destination(block_views(groups[reply.partition(":")[0]], dest_ids), token))
     await receiver.start()
-    raw_buffer = np.empty(len(dest_ids) * pool[0].numel() * pool.element_size(), np.uint8)
+    raw_buffer = np.empty(len(dest_ids) * torch.Size(BLOCK_SHAPE).numel() * DTYPE.itemsize, np.uint8)
     raw_handlers: list[asyncio.Task] = []
 
     async def raw_handler(endpoint) -> None:
@@ -137,7 +180,7 @@ async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], pr
     raw_listener = ucxx.create_listener(raw_handler, port=0)
     conn.send({"token": token, "kv_port": receiver.port, "raw_port": raw_listener.port, "transports": sorted(ucxx.get_active_transports())})
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the prefill side is done
-    conn.send(digest([pool[b] for b in dest_ids]))
+    conn.send({key: digest(block_views(pools, dest_ids)) for key, pools in groups.items()})
     await receiver.stop()
     await asyncio.gather(*raw_handlers, return_exceptions=True)
     while raw_listener.active_clients:
@@ -148,9 +191,11 @@ async def decode(conn: Connection, num_pool_blocks: int, dest_ids: list[int], pr
 # -- the prefill process (this one) ---------------------------------------------------------------
 
 
-async def prefill(args: argparse.Namespace, ports: dict, source: list[torch.Tensor]) -> dict:
+async def prefill(args: argparse.Namespace, ports: dict, sources: dict[int, list[torch.Tensor]]) -> dict:
+    """Raw and each group size's handoff in turn, --repeats times: seconds of each."""
     init_ucx(args.progress_mode)
-    raw = torch.stack(source).view(torch.uint8).reshape(-1).numpy()  # the same bytes, one buffer
+    first = sources[args.tensor_parallel_size[0]]
+    raw = torch.cat([view.reshape(-1) for view in first]).view(torch.uint8).numpy()  # the same bytes, one buffer
     raw_ack = np.empty(1, np.uint8)
     raw_endpoint = await ucxx.create_endpoint(HOST, ports["raw_port"])
     sender = KvSender()
@@ -161,16 +206,20 @@ async def prefill(args: argparse.Namespace, ports: dict, source: list[torch.Tens
         await raw_endpoint.recv(raw_ack, tag=RAW_ACK_TAG)
         return time.perf_counter() - started
 
-    async def handoff_once(reply_id: str) -> float:
+    async def handoff_once(size: int, name: str) -> float:
         started = time.perf_counter()
-        await sender.send(HOST, ports["kv_port"], reply_id, source, TIMEOUT_S, token=ports["token"])
+        await sender.send(HOST, ports["kv_port"], reply_id(size, name), sources[size], TIMEOUT_S, token=ports["token"])
         return time.perf_counter() - started
 
-    await raw_once(), await handoff_once("warm-up")  # connections, and pages touched once
-    raw_s, handoff_s = [], []
+    await raw_once()  # connections, and pages touched once
+    for size in sources:
+        await handoff_once(size, "warm-up")
+    raw_s: list[float] = []
+    handoff_s: dict[int, list[float]] = {size: [] for size in sources}
     for i in range(args.repeats):
         raw_s.append(await raw_once())
-        handoff_s.append(await handoff_once(f"reply-{i}"))
+        for size in sources:
+            handoff_s[size].append(await handoff_once(size, f"reply-{i}"))
     await sender.close()
     raw_endpoint.abort()
     return {"raw_s": raw_s, "handoff_s": handoff_s}
@@ -181,45 +230,62 @@ def main() -> None:
     bench_start_s = time.perf_counter()
     num_threads = set_threads(args.threads)
     num_pool_blocks = 2 * args.num_blocks + 16
-    prefill_pool = torch.randn((num_pool_blocks, *BLOCK_SHAPE), generator=torch.Generator().manual_seed(args.seed)).to(DTYPE)
-    source = [prefill_pool[b] for b in block_ids(num_pool_blocks, args.num_blocks, args.seed + 1)]
+    source_ids = block_ids(num_pool_blocks, args.num_blocks, args.seed + 1)
+    sources = {size: block_views(rank_pools(size, num_pool_blocks, args.seed), source_ids) for size in args.tensor_parallel_size}
     dest_ids = block_ids(num_pool_blocks, args.num_blocks, args.seed + 2)
 
     spawn = multiprocessing.get_context("spawn")  # UCX state must not be forked
     conn, child_conn = spawn.Pipe()
-    child = spawn.Process(target=decode_main, args=(child_conn, num_pool_blocks, dest_ids, args.progress_mode), daemon=True)
+    child = spawn.Process(
+        target=decode_main, args=(child_conn, num_pool_blocks, dest_ids, args.progress_mode, args.tensor_parallel_size), daemon=True
+    )
     child.start()
     try:
         ports = conn.recv()
-        runs = asyncio.run(prefill(args, ports, source))
+        runs = asyncio.run(prefill(args, ports, sources))
         ucxx.reset()
         conn.send("done")
-        is_verified = conn.recv() == digest(source)
+        digests = conn.recv()
     finally:
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
 
-    bytes_per_block = source[0].numel() * source[0].element_size()
+    bytes_per_block = torch.Size(BLOCK_SHAPE).numel() * DTYPE.itemsize
     num_bytes = args.num_blocks * bytes_per_block
     raw_bps = num_bytes / statistics.median(runs["raw_s"])
-    handoff_bps = num_bytes / statistics.median(runs["handoff_s"])
+    groups = {}
+    for size, handoff_s in runs["handoff_s"].items():
+        handoff_bps = num_bytes / statistics.median(handoff_s)
+        groups[size] = {
+            "num_views": size * args.num_blocks,
+            "bytes_per_view": bytes_per_block // size,
+            "handoff_bytes_per_s": handoff_bps,
+            "handoff_ms": 1e3 * statistics.median(handoff_s),
+            "ratio": handoff_bps / raw_bps,
+            "ratio_of_best": min(runs["raw_s"]) / min(handoff_s),  # less sensitive to other work on the machine
+            "is_verified": digests[group_key(size)] == digest(sources[size]),
+            "handoff_runs_ms": [1e3 * s for s in handoff_s],
+        }
+    first = groups[args.tensor_parallel_size[0]]
     result = {
-        "handoff_bytes_per_s": handoff_bps,
+        "handoff_bytes_per_s": first["handoff_bytes_per_s"],
         "raw_ucxx_bytes_per_s": raw_bps,
-        "ratio": handoff_bps / raw_bps,
-        "target": {"ratio": TARGET_RATIO, "met": handoff_bps / raw_bps >= TARGET_RATIO},
-        "handoff_ms": 1e3 * statistics.median(runs["handoff_s"]),
+        "ratio": first["ratio"],
+        "target": {"ratio": TARGET_RATIO, "met": first["ratio"] >= TARGET_RATIO},
+        "handoff_ms": first["handoff_ms"],
         "raw_ucxx_ms": 1e3 * statistics.median(runs["raw_s"]),
-        "ratio_of_best": min(runs["raw_s"]) / min(runs["handoff_s"]),  # less sensitive to other work on the machine
-        "is_verified": is_verified,
+        "ratio_of_best": first["ratio_of_best"],
+        "is_verified": all(group["is_verified"] for group in groups.values()),
+        "tensor_parallel_size": args.tensor_parallel_size[0],
+        "by_tensor_parallel_size": groups,
         "remote_minus_local_ttft_ms": None,
         "remote_minus_local_second_token_ms": None,
         "num_blocks": args.num_blocks,
         "num_tokens": args.num_blocks * BLOCK_SHAPE[2],
         "bytes_per_block": bytes_per_block,
         "num_bytes": num_bytes,
-        "runs": {"raw_ms": [1e3 * s for s in runs["raw_s"]], "handoff_ms": [1e3 * s for s in runs["handoff_s"]]},
+        "runs": {"raw_ms": [1e3 * s for s in runs["raw_s"]], "handoff_ms": first["handoff_runs_ms"]},
         "env": {
             "dtype": str(DTYPE).removeprefix("torch."),
             "block_shape": list(BLOCK_SHAPE),
@@ -230,6 +296,7 @@ def main() -> None:
             "ucx": ".".join(map(str, ucxx.get_ucx_version())),
             "ucxx": ucxx.__version__,
             "torch": torch.__version__,
+            "cpu": cpu_host(),
             "quick": args.quick,
         },
     }
@@ -250,16 +317,31 @@ def print_table(r: dict) -> None:
         f"UCX {env['ucx']}, ucxx {env['ucxx']}, progress mode {env['progress_mode']}, "
         f"context transports {','.join(env['transports'])}, UCX_TLS={env['ucx_tls'] or '(default)'}"
     )
+    print(cpu_line(env["cpu"]))
     print("-" * 78)
     print(f"  {'':<36}{'median':>10}{'GB/s':>8}   runs (ms)")
-    for label, ms, bps, runs in (
-        ("raw UCXX, one contiguous buffer", r["raw_ucxx_ms"], r["raw_ucxx_bytes_per_s"], r["runs"]["raw_ms"]),
-        ("KV handoff, block by block", r["handoff_ms"], r["handoff_bytes_per_s"], r["runs"]["handoff_ms"]),
-    ):
-        print(f"  {label:<36}{ms:>7.1f} ms{bps / 1e9:>8.2f}   " + " ".join(f"{run:.1f}" for run in runs))
-    print(f"  {'handoff / raw':<36}{100 * r['ratio']:>9.1f}%   target >= {100 * TARGET_RATIO:.0f}%  {mark(r['target']['met'])}")
-    print(f"  {'handoff / raw, best runs':<36}{100 * r['ratio_of_best']:>9.1f}%")
-    print(f"  {'destination bytes equal the source':<36}{'yes' if r['is_verified'] else 'NO':>10}")
+    print(
+        f"  {'raw UCXX, one contiguous buffer':<36}{r['raw_ucxx_ms']:>7.1f} ms{r['raw_ucxx_bytes_per_s'] / 1e9:>8.2f}   "
+        + " ".join(f"{run:.1f}" for run in r["runs"]["raw_ms"])
+    )
+    groups = r["by_tensor_parallel_size"]
+    for size, g in groups.items():
+        label = "KV handoff, block by block" if int(size) == 1 else f"KV handoff, TP={size}: {size} views a block"
+        print(
+            f"  {label:<36}{g['handoff_ms']:>7.1f} ms{g['handoff_bytes_per_s'] / 1e9:>8.2f}   "
+            + " ".join(f"{run:.1f}" for run in g["handoff_runs_ms"])
+        )
+    print(f"  {'':<36}" + "".join(f"{'TP=' + str(size):>10}" for size in groups))
+    for label, key in (("views sent", "num_views"), ("bytes a view", "bytes_per_view")):
+        print(f"  {label:<36}" + "".join(f"{g[key]:>10,}" for g in groups.values()))
+    print(
+        f"  {'handoff / raw':<36}"
+        + "".join(f"{100 * g['ratio']:>9.1f}%" for g in groups.values())
+        + f"   target >= {100 * TARGET_RATIO:.0f}%"
+    )
+    print(f"  {'':<36}" + "".join(f"{mark(g['ratio'] >= TARGET_RATIO):>10}" for g in groups.values()))
+    print(f"  {'handoff / raw, best runs':<36}" + "".join(f"{100 * g['ratio_of_best']:>9.1f}%" for g in groups.values()))
+    print(f"  {'destination bytes equal the source':<36}" + "".join(f"{'yes' if g['is_verified'] else 'NO':>10}" for g in groups.values()))
     if r["remote_minus_local_ttft_ms"] is None:
         print(f"  {'remote - local TTFT':<36}{'n/a':>10}   --skip-ttft")
     else:

@@ -132,6 +132,12 @@ def test_kv_transfer_bench_reports_the_handoff_against_raw_ucxx_and_remote_minus
     for key in ("handoff_bytes_per_s", "raw_ucxx_bytes_per_s", "ratio", "local_ttft_ms", "remote_ttft_ms"):
         assert _is_positive(result[key]), (key, result[key])
     assert result["is_verified"]
+    # the same blocks between groups of 1 and of 3 ranks: a block is 3 views of a KV head each, verified at the decode side
+    groups = result["by_tensor_parallel_size"]
+    assert set(groups) == {"1", "3"} and result["tensor_parallel_size"] == 1
+    assert groups["1"]["handoff_bytes_per_s"] == result["handoff_bytes_per_s"]
+    assert groups["3"]["num_views"] == 3 * result["num_blocks"] and 3 * groups["3"]["bytes_per_view"] == result["bytes_per_block"]
+    assert all(group["is_verified"] and _is_positive(group["handoff_bytes_per_s"]) for group in groups.values())
     assert result["remote_minus_local_ttft_ms"] == pytest.approx(result["remote_ttft_ms"] - result["local_ttft_ms"])
     assert result["remote_minus_local_second_token_ms"] == pytest.approx(result["remote_second_token_ms"] - result["local_second_token_ms"])
 
