@@ -145,7 +145,7 @@ def read_gguf(path: Path) -> GgufCheckpoint:
     unread). Written out rather than gguf's GGUFReader, which makes a numpy view of every part of
     every value (seconds for a vocabulary's 100,000 strings: at every worker's start)."""
     data = np.memmap(path, mode="r")
-    header = _Header(memoryview(data))
+    header = _Header(memoryview(data.data))
     if header.take("<4s")[0] != b"GGUF":
         raise StartupError(f"{path}: not a GGUF file")
     version, num_tensors, num_values = header.take("<IQQ")
@@ -164,14 +164,12 @@ def read_gguf(path: Path) -> GgufCheckpoint:
     tensors = {}
     for name, tensor_type, shape, offset in infos:
         rows_shape = tuple(reversed(shape))
-        values = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(tensor_type)
+        values = _FLOAT_TYPES.get(tensor_type)
+        dtype: np.dtype[Any]
         if values is None:  # quantized blocks: bytes, a row of blocks per row
             block_size, type_size = GGML_QUANT_SIZES[tensor_type]
-            count, dtype, rows_shape = (
-                math.prod(shape) * type_size // block_size,
-                np.uint8,
-                quant_shape_to_byte_shape(rows_shape, tensor_type),
-            )
+            count, dtype = math.prod(shape) * type_size // block_size, np.dtype(np.uint8)
+            rows_shape = quant_shape_to_byte_shape(rows_shape, tensor_type)
         else:
             count, dtype = math.prod(shape), values
         view = np.frombuffer(data, dtype=dtype, count=count, offset=start + offset).reshape(rows_shape)
@@ -179,6 +177,10 @@ def read_gguf(path: Path) -> GgufCheckpoint:
     return GgufCheckpoint(metadata=metadata, tensors=tensors)
 
 
+_FLOAT_TYPES: dict[GGMLQuantizationType, np.dtype[Any]] = {
+    GGMLQuantizationType.F32: np.dtype(np.float32),
+    GGMLQuantizationType.F16: np.dtype(np.float16),
+}
 _SCALARS = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
     GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
