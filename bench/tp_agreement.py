@@ -16,7 +16,7 @@ sums partial products in another order than one rank's matmul), not a wrong shar
 model's logits come in steps of bfloat16's precision (0.125 between 16 and 32), so a gap of 0 there
 is a tie, which argmax breaks by the lower token id.
 
-Expected: float32 identical (the lead's integration test, tests/integration/test_tensor_parallel.py,
+Expected: float32 identical (tests/integration/test_tensor_parallel.py
 asserts it on 3 prompts); bfloat16 is measured, not asserted.
 """
 
@@ -169,7 +169,7 @@ def measure(name: str, texts: list[str], args: argparse.Namespace, threads: int,
     spec_many = dataclasses.replace(spec, tensor_parallel_size=size, torch_threads=max(1, threads // size))
     answers_many, many_s = tensor_parallel_answers(spec_many, prompts, args.max_tokens)
     torch.set_num_threads(threads)  # load_rank set rank 0's share
-    rows = []
+    rows: list[dict[str, Any]] = []
     for text, prompt, a, b in zip(texts, prompts, answers_one, answers_many, strict=True):
         split = divergence(prompt, a, b, one.loaded, fp32)
         rows.append({"prompt": text, "is_identical": split is None, "divergence": split, "answer_one_rank": tokenizer.decode(a)})
