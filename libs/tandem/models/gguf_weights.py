@@ -100,7 +100,7 @@ class GgufCheckpoint:
         """Llama 3 rotary scaling, kept as a tensor in GGUF; None when the model has none."""
         if ROPE_FREQS_TENSOR not in self.tensors:
             return None
-        return tuple(_dequantized(self.tensors[ROPE_FREQS_TENSOR]).tolist())
+        return tuple(GgufTensor(self.tensors[ROPE_FREQS_TENSOR]).read(0, 0, self.tensors[ROPE_FREQS_TENSOR].n_elements).tolist())
 
     def config(self) -> ModelConfig:
         return ModelConfig.from_gguf(self.metadata, self.tensors.keys(), self.rope_freq_factors())
@@ -129,15 +129,22 @@ class GgufTensor:
         return tuple(int(n) for n in reversed(self.tensor.shape))
 
     def read(self, dim: int, start: int, end: int) -> torch.Tensor:
-        """A row slice dequantizes those rows alone (GGUF blocks never cross a row); a column
-        slice dequantizes the whole tensor first. Q and K rows slice at whole heads."""
-        if dim == 1:
-            return _dequantized(self.tensor)[:, start:end]
-        rows = self.tensor.data[start:end] if len(self.shape) > 1 else None
-        values = _dequantized(self.tensor)[start:end] if rows is None else _dequantized(self.tensor, rows, end - start)
-        if self.rotary_head_dim:
-            values = unpermute_rotary(values, (end - start) // self.rotary_head_dim)
-        return values
+        """Only the slice's rows, or its columns where they are whole blocks (a GGUF's blocks run
+        along a row), are dequantized; a slice inside blocks dequantizes the whole tensor first.
+        Q and K rows slice at whole heads."""
+        kind, data, shape = self.tensor.tensor_type, self.tensor.data, self.shape
+        if len(shape) == 1:
+            return _dequantized(kind, data, shape)[start:end]
+        if dim == 0:
+            values = _dequantized(kind, data[start:end], (end - start, *shape[1:]))
+            return unpermute_rotary(values, (end - start) // self.rotary_head_dim) if self.rotary_head_dim else values
+        if kind in _FLOAT_TYPES:
+            return _dequantized(kind, data[:, start:end], (shape[0], end - start))
+        block_size, type_size = GGML_QUANT_SIZES[kind]
+        if start % block_size or end % block_size:
+            return _dequantized(kind, data, shape)[:, start:end]
+        blocks = data[:, start // block_size * type_size : end // block_size * type_size]
+        return _dequantized(kind, blocks, (shape[0], end - start))
 
 
 def read_gguf(path: Path) -> GgufCheckpoint:
@@ -223,12 +230,9 @@ class _Header:
         return float(str(np.float32(value))) if kind == GGUFValueType.FLOAT32 else value
 
 
-def _dequantized(tensor: GgufTensorInfo, rows: np.ndarray | None = None, num_rows: int = 0) -> torch.Tensor:
-    """The tensor's float32 values; `rows`: those of its data rows only (`num_rows` of them)."""
-    torch_shape = tuple(int(n) for n in reversed(tensor.shape))
-    if rows is not None:
-        torch_shape = (num_rows, *torch_shape[1:])
-    values = np.asarray(dequantize(tensor.data if rows is None else rows, tensor.tensor_type), dtype=np.float32)
-    if not values.flags.writeable:  # float32 tensors come back as views of the read-only file map
-        values = values.copy()
-    return torch.from_numpy(values.reshape(torch_shape))
+def _dequantized(kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values of `shape` from `data`: values or quantized blocks of type `kind`."""
+    values = np.asarray(dequantize(data, kind), dtype=np.float32)
+    if not values.flags.writeable or not values.flags.c_contiguous:  # float32 data comes back as a view of the file map
+        values = np.array(values, order="C")
+    return torch.from_numpy(values.reshape(shape))

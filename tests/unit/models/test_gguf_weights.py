@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
-from tandem.models.gguf_weights import hf_name, read_gguf, unpermute_rotary
+from tandem.models.gguf_weights import GgufTensor, hf_name, read_gguf, unpermute_rotary
 
 
 def llama_cpp_permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -103,3 +103,43 @@ def test_the_header_reads_as_gguf_s_reader_reads_it(tmp_path: Path):
         mine = ours.tensors[tensor.name]
         assert (mine.tensor_type, mine.shape, mine.n_elements) == (tensor.tensor_type, tuple(tensor.shape.tolist()), tensor.n_elements)
         assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data), tensor.name
+
+
+@pytest.mark.parametrize(
+    "tensor_type", [GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1]
+)
+def test_a_slice_reads_as_the_same_slice_of_the_whole_tensor(tmp_path: Path, tensor_type):
+    """Rows, whole-block columns (only their blocks dequantized) and columns inside blocks."""
+    path = tmp_path / "w.gguf"
+    rows = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
+    data = {GGMLQuantizationType.F32: rows, GGMLQuantizationType.F16: rows.astype(np.float16)}.get(tensor_type)
+    writer = gguf.GGUFWriter(path, "llama")
+    if data is None:
+        writer.add_tensor("w.weight", gguf.quants.quantize(rows, tensor_type), raw_dtype=tensor_type)
+    else:
+        writer.add_tensor("w.weight", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    source = GgufTensor(read_gguf(path).tensors["w.weight"])
+    whole = source.read(0, 0, 6)
+    assert whole.shape == (6, 128) and whole.dtype == torch.float32
+    if tensor_type == GGMLQuantizationType.F32:
+        assert torch.equal(whole, torch.from_numpy(rows))
+    assert torch.equal(source.read(0, 2, 5), whole[2:5])
+    for start, end in [(32, 96), (64, 128), (16, 48)]:
+        assert torch.equal(source.read(1, start, end), whole[:, start:end]), (start, end)
+
+
+def test_rope_freqs_are_read_as_the_config_s_frequency_factors(tmp_path: Path):
+    path = tmp_path / "rope.gguf"
+    factors = np.array([1.0, 1.5, 4.0, 8.0], dtype=np.float32)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("rope_freqs.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_gguf(path).rope_freq_factors() == (1.0, 1.5, 4.0, 8.0)
+    assert read_gguf(path).tensors["rope_freqs.weight"].n_elements == 4
