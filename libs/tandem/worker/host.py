@@ -95,7 +95,7 @@ class EngineHost:
             if self._spec.tensor_parallel_size > 1:  # rank 0 on the engine thread, the others beside it
                 self._peers = PeerRanks.start(self._spec)
                 self._spec = self._peers.spec
-                self._peers.watch(lambda rank, code: loop.call_soon_threadsafe(self._on_rank_death, rank, code))
+                self._peers.watch(partial(_call_on_loop, loop, self._on_rank_death))
             thread = EngineThread(self._build_engine, self._outputs.put, loop, self._after_change, self._on_engine_death)
             self._driver = thread
             state = partial(thread.call, kv_events.snapshot)
@@ -382,3 +382,8 @@ async def _kv_state(process: EngineProcess, kv_events: KvEventPublisher) -> KvSt
     """The engine process's cached blocks, numbered as of the last KV event: the process sends
     what it recorded before a call's result, and the loop numbers it as it arrives."""
     return kv_events.state_of(await process.call(engine_calls.cached_blocks))
+
+
+def _call_on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int, int], None], rank: int, code: int) -> None:
+    """A rank's watcher thread hands its death to the loop."""
+    loop.call_soon_threadsafe(callback, rank, code)
