@@ -19,6 +19,8 @@ from tandem.models.packed import pack_model
 from tandem.models.safetensors_weights import SHARD_INDEX
 
 TOKENS = [7, 300, 42, 511, 3, 99, 100]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_saved_folder_loads_back_to_the_same_logits(tmp_path: Path, tied: bool):
     original = random_model(tiny_config(tie_word_embeddings=tied), seed=5, attention=paged_attention_reference)
