@@ -6,6 +6,7 @@ does not divide: the last rank's rows padded)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -158,8 +159,6 @@ def test_a_rank_killed_ends_its_group_and_is_reported(llama: Path):
         async def reported() -> bool:
             return bool(deaths)
 
-        import asyncio
-
         asyncio.run(wait_until(reported, timeout_s=10))
         assert deaths == [(1, -signal.SIGKILL)]
         assert not is_running(pid)
@@ -167,3 +166,22 @@ def test_a_rank_killed_ends_its_group_and_is_reported(llama: Path):
         with pytest.raises(RuntimeError):  # gloo's error: the peer's connection is closed
             group.engine.step()
         group.engine.close = lambda: None  # type: ignore[method-assign]  # nothing to stop: the group is gone
+
+
+def test_a_group_stopped_by_rank_0_ends_cleanly_and_reports_no_death(llama: Path):
+    spec = _spec(llama, 2)
+    peers = PeerRanks.start(spec)
+    engine = build_engine(peers.spec)
+    deaths: list[tuple[int, int]] = []
+    peers.watch(lambda rank, code: deaths.append((rank, code)))
+    (pid,) = peers.pids
+    peers.ending()
+    engine.close()  # rank 0 tells the others to end
+    engine.loaded.model.tp.close()
+
+    async def ended() -> bool:
+        return not is_running(pid)
+
+    asyncio.run(wait_until(ended, timeout_s=10))
+    peers.stop()
+    assert deaths == []

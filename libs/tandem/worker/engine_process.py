@@ -149,6 +149,8 @@ class EngineProcess(EngineDriver):
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Closes the socket (the engine process ends after its step in progress) and waits for it."""
+        if self._peers is not None:
+            self._peers.ending()  # rank 0 stops them as it ends: not a death
         if self._channel is not None:
             self._channel.close()
         for fd in self._kv_fds:

@@ -79,6 +79,10 @@ class PeerRanks:
             log.error("rank %d of this worker's tensor-parallel engine ended (exit code %d): the group ends", rank, code)
             on_death(rank, code)
 
+    def ending(self) -> None:
+        """The group is being stopped (rank 0 is about to tell the ranks): their exits are not deaths."""
+        self._stopping.set()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Waits for the ranks to end (rank 0 told them to, or ended: their collectives fail), then
         kills what is left."""

@@ -114,6 +114,8 @@ class EngineHost:
     async def stop(self) -> None:
         """Gives up the replies still held (no more claims, no more events), then stops the engine."""
         self._replies.release_all()
+        if self._peers is not None:
+            self._peers.ending()  # the engine thread's rank 0 stops them as it ends: not a death
         if self._driver is not None:
             await asyncio.to_thread(self._driver.stop)
         if self._peers is not None:
