@@ -203,11 +203,6 @@ class Engine:
         self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
         self._admission_rate = AdmissionRate()
 
-    def _blocks_for(self, kv_cache_mib: int | None, dtype: torch.dtype) -> int:
-        c = self.loaded.model.config
-        bytes_per_block = c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
-        return max(1, (kv_cache_mib or 1024) * 2**20 // bytes_per_block)
-
     # -- requests -------------------------------------------------------------------------------
 
     def add(self, request: Request, prefill_only: bool = False) -> None:
