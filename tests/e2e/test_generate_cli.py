@@ -22,12 +22,12 @@ def test_bad_sampling_is_one_clear_line():
     assert result.stderr.strip() == "tandem generate: error: top_p must be in (0, 1], got 0.0"
 
 
-def test_over_three_ranks_stdout_holds_the_answer_one_rank_gives_and_nothing_else():
-    """fp32, where three ranks answer as one; gloo's own chatter stays off stdout."""
-    one = _generate("What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32")
-    three = _generate("What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32", "--tensor-parallel-size", "3")
-    assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
-    assert three.stdout == one.stdout and "Paris" in one.stdout
+def test_over_three_ranks_stdout_holds_the_answer_and_nothing_else():
+    """fp32, where three ranks answer as one (bench/tp_agreement.py's smoke test compares them token
+    for token); gloo's own chatter stays off stdout."""
+    result = _generate("What is the capital of France?", "--max-tokens", "12", "--dtype", "fp32", "--tensor-parallel-size", "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "The capital of France is Paris.\n", result.stdout
 
 
 def test_a_size_the_model_does_not_split_over_is_one_clear_line():
