@@ -92,11 +92,6 @@ class EngineProcess(EngineDriver):
             raise RuntimeError("the engine is not loaded yet")
         return self._facts
 
-    @property
-    def rank_pids(self) -> list[int]:
-        """The other ranks' processes of a tensor-parallel engine (rank 1 first); none with one rank."""
-        return [] if self._peers is None else self._peers.pids
-
     def block_views(self, block_id: int) -> list[torch.Tensor]:
         """One block of each rank's shared KV cache (rank 0's first), as Engine.block_view gives it
         in that rank's process."""
