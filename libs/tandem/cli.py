@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 from importlib import metadata
 
@@ -54,7 +55,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.via_bus:
         return asyncio.run(_generate_via_bus(args, sampling))
     import dataclasses
-    import os
     from pathlib import Path
 
     from tandem.engine.engine import EngineConfig, Request
@@ -76,15 +76,25 @@ def _generate(args: argparse.Namespace) -> int:
         log_level="WARNING",
     )
     peers = PeerRanks.start(spec) if spec.tensor_parallel_size > 1 else None
+    if peers is not None:  # a rank that ends early would leave this one waiting for it in a collective
+        peers.watch(_rank_ended)
     try:
         engine = build_engine(peers.spec if peers is not None else spec)
         try:
             return _generate_with(engine, args, sampling, Request)
         finally:
+            if peers is not None:
+                peers.ending()
             engine.close()
     finally:
         if peers is not None:
             peers.stop()
+
+
+def _rank_ended(rank: int, code: int) -> None:
+    """From a rank's watcher thread: the answer cannot be computed without it."""
+    print(f"tandem generate: error: rank {rank} of the engine ended (exit code {code})", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _generate_with(engine, args: argparse.Namespace, sampling, request_type) -> int:  # -> the exit code

@@ -76,7 +76,7 @@ class PeerRanks:
     def _wait(self, rank: int, process: subprocess.Popen[bytes], on_death: Callable[[int, int], None]) -> None:
         code = process.wait()
         if not self._stopping.is_set():
-            log.error("rank %d of this worker's tensor-parallel engine ended (exit code %d): the group ends", rank, code)
+            log.error("rank %d of this tensor-parallel engine ended (exit code %d): the group ends", rank, code)
             on_death(rank, code)
 
     def ending(self) -> None:
