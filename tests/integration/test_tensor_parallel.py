@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.errors import StartupError
 from tandem.kernels import select_attention
+from tandem.models import tensor_parallel
 from tandem.models.files import open_model
 from tandem.models.tensor_parallel import Shard
 from tandem.worker.engine_ranks import PeerRanks
@@ -185,3 +187,9 @@ def test_a_group_stopped_by_rank_0_ends_cleanly_and_reports_no_death(llama: Path
     asyncio.run(wait_until(ended, timeout_s=10))
     peers.stop()
     assert deaths == []
+
+
+def test_a_rank_that_never_joins_fails_the_meeting_instead_of_a_wait_for_ever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(tensor_parallel, "JOIN_TIMEOUT", timedelta(seconds=2))
+    with pytest.raises(RuntimeError):  # the file store gives up waiting for rank 1
+        tensor_parallel.join(0, 2, f"file://{tmp_path / 'rendezvous'}", "cpu")

@@ -40,6 +40,7 @@ from tandem.models.safetensors_weights import read_hf_config
 # A rank waits for rank 0's next step as long as the engine is idle: a collective timeout would end
 # an idle group. A dead rank is seen at once (its sockets close), not by this timeout.
 IDLE_TIMEOUT = timedelta(days=365)
+JOIN_TIMEOUT = timedelta(minutes=5)  # every rank loaded torch and joined: a slow machine's start, not a step
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,10 @@ def join(rank: int, size: int, rendezvous: str, device: str) -> TensorParallel:
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     with _stdout_to_stderr():  # gloo says it connected on stdout, which `tandem generate` keeps for the answer
-        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
-        device_group = dist.group.WORLD
+        # Meeting is bounded (a rank that died before it joined fails the others); the groups the
+        # steps use then wait as long as the engine idles.
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
+        device_group = dist.new_group(backend=backend, timeout=IDLE_TIMEOUT)
         cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TensorParallel(Shard(rank, size), device_group, cpu_group)
 
