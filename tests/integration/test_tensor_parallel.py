@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -193,3 +195,17 @@ def test_a_rank_that_never_joins_fails_the_meeting_instead_of_a_wait_for_ever(tm
     monkeypatch.setattr(tensor_parallel, "JOIN_TIMEOUT", timedelta(seconds=2))
     with pytest.raises(RuntimeError):  # the file store gives up waiting for rank 1
         tensor_parallel.join(0, 2, f"file://{tmp_path / 'rendezvous'}", "cpu")
+
+
+def test_a_rank_whose_parent_is_already_gone_ends_at_once():
+    """The parent-death signal cannot cover a parent that died before the rank set it: the rank
+    then finds itself another's child (init's) and ends before it loads anything."""
+    not_its_parent = os.getpid() + 1_000_000  # no process has it; the rank's parent is this one
+    rank = subprocess.Popen([sys.executable, "-m", "tandem.worker.engine_rank", "1", str(not_its_parent)], stdin=subprocess.PIPE)
+    try:
+        assert rank.wait(timeout=60) == 1  # its spec never came: it did not wait for one
+    finally:
+        rank.kill()
+        assert rank.stdin is not None
+        rank.stdin.close()
+        rank.wait()

@@ -1,10 +1,13 @@
-"""One of ranks 1..N-1 of a tensor-parallel engine: `python -m tandem.worker.engine_rank RANK`, started
-by engine_ranks.PeerRanks only, which writes (spec, rank, KV memfd or None) pickled to its stdin.
+"""One of ranks 1..N-1 of a tensor-parallel engine: `python -m tandem.worker.engine_rank RANK
+PARENT_PID`, started by engine_ranks.PeerRanks only, which writes (spec, rank, KV memfd or None)
+pickled to its stdin.
 
 It joins the group, loads its shard of the model, builds its engine (the same sizing as rank 0's,
 with the same collectives) and follows rank 0's steps until rank 0 stops it or the group breaks.
-It dies with its parent (the process that started the group), whichever way that one dies.
-Like the engine process, it imports nothing NATS-facing."""
+It dies with its parent (the process that started the group), whichever way that one dies: the
+parent-death signal is set first, before torch and the model code are imported (seconds), and a
+parent that died before that (this process then belongs to init) ends it at once. Like the engine
+process, it imports nothing NATS-facing."""
 
 from __future__ import annotations
 
@@ -14,9 +17,6 @@ import os
 import pickle
 import signal
 import sys
-
-from tandem.worker.engine_spec import follow_engine
-from tandem.worker.shared_kv import shared_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,10 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main() -> None:
-    parent_pid = os.getppid()
-    _die_with_parent(parent_pid)
+    _die_with_parent(int(sys.argv[2]))
+    from tandem.worker.engine_spec import follow_engine  # torch: after the parent-death signal is set
+    from tandem.worker.shared_kv import shared_kv_cache
+
     # The worker drains on SIGTERM and SIGINT (they may reach its whole process group): rank 0 tells
     # this rank when to end.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import shutil
 import subprocess
@@ -49,7 +50,8 @@ class PeerRanks:
             for rank in range(1, spec.tensor_parallel_size):
                 kv_fd = kv_fds[rank] if rank < len(kv_fds) else None
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "tandem.worker.engine_rank", str(rank)],  # the rank for `ps`; the spec comes on stdin
+                    # the rank (for `ps`) and this process's pid (the rank dies with it); the spec comes on stdin
+                    [sys.executable, "-m", "tandem.worker.engine_rank", str(rank), str(os.getpid())],
                     stdin=subprocess.PIPE,
                     pass_fds=() if kv_fd is None else (kv_fd,),
                 )
