@@ -83,6 +83,9 @@ class CountsAdds:
     def stats(self) -> int:
         return self.num_added
 
+    def close(self) -> None:
+        """What a stopped engine thread calls last (a tensor-parallel engine's ranks end there)."""
+
 
 async def test_the_latest_stats_name_how_many_posted_changes_they_include():
     engine = CountsAdds()
