@@ -219,6 +219,15 @@ class LlamaForCausalLM(nn.Module):
         step's K and V into kv_cache (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)."""
         return self.model(input_ids, positions, kv_cache, meta)
 
+    def swap_projections(self, swap: Callable[[nn.Module], nn.Module]) -> None:
+        """Every attention and MLP projection replaced by swap(projection), in place (quantizing,
+        packing: the forward code stays as it is)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = swap(attn.qkv_proj), swap(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = swap(mlp.gate_up_proj), swap(mlp.down_proj)
+
     def logits_weight(self) -> torch.Tensor:
         """The (vocab_size, hidden_size) weight of the logits: the lm_head's, or the tied embedding's."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

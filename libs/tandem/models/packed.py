@@ -120,13 +120,7 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     serves here for rows of the model's dtype replaced by a PackedLinear, and its logits computed
     from a packed copy of their weight, in place; the model unchanged elsewhere (a GPU, bf16 on a
     CPU without AVX512-BF16, a CPU without AVX2)."""
-    for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _packed(attn.qkv_proj)
-        attn.o_proj = _packed(attn.o_proj)
-        mlp.gate_up_proj = _packed(mlp.gate_up_proj)
-        mlp.down_proj = _packed(mlp.down_proj)
+    model.swap_projections(_packed)
     logits_weight = model.logits_weight()
     if can_pack(logits_weight, logits_weight.dtype):
         model.pack_logits(pack_weight(logits_weight, logits_weight.dtype))

@@ -32,7 +32,7 @@ from torch import nn
 
 from tandem.kernels import cpu_extension, int8_triton
 from tandem.models.files import Quantization
-from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tandem.models.llama import LlamaForCausalLM
 
 INT8_MAX = 127
 # Rows of x up to which the fused kernel beats casting the weight for a dense matmul. Its cost grows
@@ -122,13 +122,7 @@ def quantize_model(model: LlamaForCausalLM, quantization: Quantization) -> Llama
     "none" returns it unchanged."""
     if quantization == "none":
         return model
-    for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _int8(attn.qkv_proj)
-        attn.o_proj = _int8(attn.o_proj)
-        mlp.gate_up_proj = _int8(mlp.gate_up_proj)
-        mlp.down_proj = _int8(mlp.down_proj)
+    model.swap_projections(_int8)
     return model
 
 
@@ -143,13 +137,7 @@ def quantized_empty(model: LlamaForCausalLM, quantization: Quantization, device:
     `device`, with every attention and MLP Linear an empty Int8Linear ("int8") for the loader to
     fill: nothing is allocated for the projections but their int8 rows and scales."""
     if quantization != "none":
-        for layer in model.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = _empty_int8(attn.qkv_proj)
-            attn.o_proj = _empty_int8(attn.o_proj)
-            mlp.gate_up_proj = _empty_int8(mlp.gate_up_proj)
-            mlp.down_proj = _empty_int8(mlp.down_proj)
+        model.swap_projections(_empty_int8)
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, Int8Linear):
