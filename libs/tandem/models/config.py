@@ -1,7 +1,10 @@
-"""What a Llama-family checkpoint is: sizes, rotary settings, special token ids.
+"""What a Llama-family checkpoint is: sizes, rotary settings, special token ids, and what its
+architecture does differently from Llama's forward.
 
 Always read from the checkpoint (GGUF metadata or a Hugging Face config.json), never assumed, so
-the same code serves SmolLM2, Llama 3.x and Qwen2-style models.
+the same code serves SmolLM2, Llama 3.x, Qwen2/Qwen3, Mistral, Gemma 2 and Phi-3. Every difference
+from Llama is one field below, off by default, read in `from_hf`'s table of architectures;
+models/llama.py applies each where it acts.
 """
 
 from __future__ import annotations
@@ -16,19 +19,25 @@ from tandem.errors import StartupError
 # GGUF architectures whose tensors follow llama's layout (Qwen2 adds q/k/v biases and is not
 # row-permuted by llama.cpp's converter; see gguf_weights.py).
 GGUF_ARCHITECTURES = ("llama", "qwen2")
-HF_MODEL_TYPES = ("llama", "qwen2")
+HF_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "phi3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's: SwiGLU | GeGLU
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.x "llama3" frequency scaling: long wavelengths are slowed by `factor`, short ones
-    kept, the band between blended. "linear" divides every frequency by `factor`."""
+    kept, the band between blended. "linear" divides every frequency by `factor`. "longrope"
+    (Phi-3): each frequency divided by its own factor, `short_factor`'s for positions inside the
+    original window and `long_factor`'s past it, cos and sin multiplied by `attention_factor`."""
 
-    rope_type: str  # "llama3" | "linear"
+    rope_type: str  # "llama3" | "linear" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    long_factor: tuple[float, ...] = ()
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None  # longrope: None is sqrt(1 + ln(factor) / ln(original window))
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,48 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # What the architecture does differently from Llama (all off for llama):
+    architecture: str = "llama"  # the Hugging Face model_type (HF_MODEL_TYPES)
+    sliding_window: int | None = None  # a sliding layer's token attends to its last `sliding_window` positions only
+    sliding_layers: tuple[bool, ...] | None = None  # which layers slide (Gemma 2: every other); None: all, given a window
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before the rotation
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + weight); the loader adds it to the weights
+    sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs normed too, before their residual add
+    embedding_multiplier: float | None = None  # Gemma: the embedding scaled by sqrt(hidden_size), in the model's dtype
+    attn_logit_softcap: float | None = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    query_pre_attn_scalar: float | None = None  # Gemma 2: the attention scale is this ** -0.5, not head_dim's
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers names {len(self.sliding_layers)} layers, the model has {self.num_layers}")
+
+    def layer_window(self, layer: int) -> int:
+        """How many positions back layer `layer`'s tokens attend (counting their own), 0 for all."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
+
+    @property
+    def plain_layers(self) -> bool:
+        """Every layer is Llama's own: the fused fast paths (the CPU's decode layers in one call, the
+        GPU's fused norms) serve this model. Differences from Llama go the plain forward."""
+        return (
+            self.sliding_window is None
+            and not self.qk_norm
+            and self.hidden_act == "silu"
+            and not self.sandwich_norms
+            and self.embedding_multiplier is None
+            and self.attn_logit_softcap is None
+            and self.query_pre_attn_scalar is None
+        )
 
     @property
     def q_size(self) -> int:
@@ -67,7 +112,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return 1.0 / math.sqrt(self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar)
 
     @classmethod
     def from_gguf(
@@ -112,7 +157,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """From a Hugging Face config.json (LlamaConfig / Qwen2Config fields)."""
+        """From a Hugging Face config.json (LlamaConfig, Qwen2Config, MistralConfig, Qwen3Config,
+        Gemma2Config, Phi3Config fields; rotary settings top-level or in transformers 5's
+        `rope_parameters`)."""
         model_type = config.get("model_type")
         if model_type not in HF_MODEL_TYPES:
             raise StartupError(f"config.json model_type {model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})")
@@ -120,6 +167,10 @@ class ModelConfig:
         num_heads = int(config["num_attention_heads"])
         eos = config.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        rope = dict(config.get("rope_parameters") or {})  # transformers 5 keeps rope_theta and the scaling here
+        rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+        if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise StartupError("config.json asks for a partial rotary factor; only whole-head rotation is supported")
         return cls(
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden_size,
@@ -129,17 +180,23 @@ class ModelConfig:
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(config.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             max_position_embeddings=int(config["max_position_embeddings"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type == "gemma2")),
             attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            rope_scaling=_hf_rope_scaling(config.get("rope_scaling")),
+            rope_scaling=_hf_rope_scaling(config.get("rope_scaling") or rope or None, config),
             bos_token_id=_optional_int(config.get("bos_token_id")),
             eos_token_ids=eos_ids,
+            architecture=model_type,
+            **_hf_sliding_window(model_type, config),
+            **_hf_differences(model_type, config, hidden_size),
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """A Hugging Face config.json for this model (what `from_hf` reads back)."""
+        """A Hugging Face config.json for this model (what `from_hf` reads back): Llama and Qwen2
+        shapes only (the tests write the other architectures' configs with transformers itself)."""
+        if not self.plain_layers or self.architecture not in ("llama", "qwen2"):
+            raise ValueError(f"to_hf writes llama and qwen2 configs only, not {self.architecture}'s")
         if self.rope_freq_factors is not None:
             raise ValueError("per-frequency rope divisors (a GGUF's rope_freqs) have no config.json form")
         scaling = None
@@ -153,8 +210,8 @@ class ModelConfig:
                     "original_max_position_embeddings": s.original_max_position_embeddings,
                 }
         return {
-            "architectures": ["Qwen2ForCausalLM" if self.attention_bias else "LlamaForCausalLM"],
-            "model_type": "qwen2" if self.attention_bias else "llama",
+            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -174,6 +231,57 @@ class ModelConfig:
         }
 
 
+# config.json's activation names -> ACTIVATIONS
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _hf_differences(model_type: str, config: Mapping[str, Any], hidden_size: int) -> dict[str, Any]:
+    """What `model_type`'s forward does unlike Llama's, as ModelConfig fields (the sliding window apart)."""
+    act_name = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    if act_name not in _HF_ACTIVATIONS:
+        raise StartupError(f"config.json activation {act_name!r} is not supported (supported: {', '.join(_HF_ACTIVATIONS)})")
+    out: dict[str, Any] = {"hidden_act": _HF_ACTIVATIONS[act_name]}
+    if model_type == "qwen3":
+        out["qk_norm"] = True
+    if model_type == "gemma2":
+        softcap = config.get("attn_logit_softcapping")
+        final = config.get("final_logit_softcapping")
+        out |= {
+            "norm_weight_offset": 1.0,
+            "sandwich_norms": True,
+            "embedding_multiplier": math.sqrt(hidden_size),
+            "attn_logit_softcap": None if softcap is None else float(softcap),
+            "final_logit_softcap": None if final is None else float(final),
+            "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),
+        }
+    return out
+
+
+def _hf_sliding_window(model_type: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """sliding_window and sliding_layers from config.json: `layer_types` where it is written
+    (transformers 5), else each architecture's rule (Gemma 2: even layers slide; Qwen2/Qwen3: only
+    with use_sliding_window, from layer max_window_layers on; Mistral, Phi-3: every layer)."""
+    window = config.get("sliding_window")
+    num_layers = int(config["num_hidden_layers"])
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    if not window or model_type == "llama":
+        return {}
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        sliding = tuple(kind == "sliding_attention" for kind in layer_types)
+    elif model_type == "gemma2":
+        sliding = tuple(layer % 2 == 0 for layer in range(num_layers))
+    elif model_type in ("qwen2", "qwen3"):
+        first = int(config.get("max_window_layers", num_layers))
+        sliding = tuple(layer >= first for layer in range(num_layers))
+    else:
+        sliding = (True,) * num_layers
+    if not any(sliding):
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": None if all(sliding) else sliding}
+
+
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -187,12 +295,23 @@ def _gguf_rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | 
     raise StartupError(f"GGUF rope scaling {rope_type!r} is not supported (supported: none, linear, llama3 via rope_freqs)")
 
 
-def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+def _hf_rope_scaling(scaling: Mapping[str, Any] | None, config: Mapping[str, Any]) -> RopeScaling | None:
     if not scaling:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "default":
         return None
+    if rope_type in ("longrope", "su"):
+        original = int(scaling.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+        attention_factor = scaling.get("attention_factor")
+        return RopeScaling(
+            rope_type="longrope",
+            factor=float(scaling.get("factor") or int(config["max_position_embeddings"]) / original),
+            original_max_position_embeddings=original,
+            long_factor=tuple(float(f) for f in scaling["long_factor"]),
+            short_factor=tuple(float(f) for f in scaling["short_factor"]),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+        )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(scaling["factor"]))
     if rope_type == "llama3":
@@ -203,4 +322,4 @@ def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
-    raise StartupError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise StartupError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
