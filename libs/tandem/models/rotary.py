@@ -2,6 +2,10 @@
 positions of this step's tokens, applied in the Hugging Face "rotate_half" convention (dimension
 i pairs with i + head_dim/2). GGUF checkpoints use the same convention once gguf_weights.py has
 undone llama.cpp's Q/K row permutation.
+
+Phi-3's "longrope" gives each position its own frequencies, as vLLM does: positions inside the
+original training window use `short_factor`'s divisors, positions past it `long_factor`'s, so the
+table still has one row per position and the forward is the same for every scaling.
 """
 
 from __future__ import annotations
@@ -15,15 +19,34 @@ from torch import nn
 from tandem.models.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """(head_dim/2,) float64 angular frequency of each rotated pair, scaling applied."""
+def inverse_frequencies(config: ModelConfig, *, is_long: bool = False) -> torch.Tensor:
+    """(head_dim/2,) float64 angular frequency of each rotated pair, scaling applied. `is_long`:
+    longrope's frequencies for positions past the original window (else those inside it)."""
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_scaling is not None:
-        inv_freq = _scaled(inv_freq, config.rope_scaling)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        divisors = scaling.long_factor if is_long else scaling.short_factor
+        if len(divisors) != len(inv_freq):
+            raise ValueError(f"longrope needs {len(inv_freq)} factors (head_dim/2), the config gives {len(divisors)}")
+        inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float64)
+    elif scaling is not None:
+        inv_freq = _scaled(inv_freq, scaling)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     return inv_freq
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: longrope's attention factor, 1.0 for every other scaling."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "longrope":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
 
 
 def _scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -57,7 +80,13 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):
             positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float64)
             angles = torch.outer(positions, inverse_frequencies(self.config))
-            return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # (window, head_dim)
+            scaling = self.config.rope_scaling
+            if scaling is not None and scaling.rope_type == "longrope":
+                is_long = positions >= scaling.original_max_position_embeddings
+                long_angles = torch.outer(positions, inverse_frequencies(self.config, is_long=True))
+                angles = torch.where(is_long.unsqueeze(1), long_angles, angles)
+            table = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor(self.config)
+            return table.float()  # (window, head_dim)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
         # The table is derived, so every move or cast (`.to(bf16)`, `to_empty` after building on
