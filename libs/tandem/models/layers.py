@@ -1,4 +1,4 @@
-"""The position-independent pieces of a Llama block: RMSNorm, the SwiGLU MLP, and the projection
+"""The position-independent pieces of a Llama block: RMSNorm, the gated MLP, and the projection
 call that keeps a row's bits its own."""
 
 from __future__ import annotations
@@ -93,17 +93,22 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul (rows [gate; up])."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul (rows [gate; up]): act is
+    silu (SwiGLU, Llama's) or gelu with the tanh approximation (GeGLU, Gemma's)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         # nn.Module, not nn.Linear: quant.quantize_model may swap in an Int8Linear
         self.gate_up_proj: nn.Module = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj: nn.Module = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x)
+        if self.activation == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return project(self.down_proj, F.gelu(gate, approximate="tanh") * up)
         if gate_up.dim() == 2 and has_cpu_kernels(gate_up):
             return project(self.down_proj, torch.ops.tandem.silu_mul(gate_up))  # torch's bits, one call
         if fused_triton.serves(gate_up):

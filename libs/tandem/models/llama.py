@@ -1,5 +1,13 @@
 """The Llama-family decoder over a paged KV cache, in plain torch.
 
+Mistral, Qwen2, Qwen3, Gemma 2 and Phi-3 are this forward with the differences their ModelConfig
+fields name (models/config.py): a sliding window on some layers, an RMSNorm on each head of q and k
+(Qwen3), a GeGLU MLP, norms after attention and MLP too, soft-capped scores and logits and a scaled
+embedding (Gemma 2). Each is applied where it acts, below, and each is off for Llama. Checkpoint
+differences (Phi-3's fused tensors, Gemma's (1 + w) norms) are settled by the loader
+(checkpoint_names.py). A routed MLP (mixture of experts) would be another `mlp` module of a
+decoder layer, with the same forward(x) -> (T, hidden) and its own all-reduce rule.
+
 One forward runs one engine step: the ragged batch of every sequence's new tokens (see
 tandem.kernels.metadata). Attention is a pluggable function with the signature of
 tandem.kernels.attention_reference.paged_attention_reference, so the torch and triton backends
@@ -26,7 +34,7 @@ from torch import nn
 from tandem.kernels import fused_triton
 from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
-from tandem.models.layers import RMSNorm, SwiGLUMLP, has_cpu_kernels, project
+from tandem.models.layers import GatedMLP, RMSNorm, has_cpu_kernels, project
 from tandem.models.rotary import RotaryEmbedding, apply_rotary
 from tandem.models.tensor_parallel import SINGLE, TensorParallel
 
@@ -48,8 +56,8 @@ def _random_init_skipped() -> Iterator[None]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
-        """`config`: this rank's (its heads: tensor_parallel.Shard.local_config)."""
+    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE, layer: int = 0) -> None:
+        """`config`: this rank's (its heads: tensor_parallel.Shard.local_config); `layer`: its index."""
         super().__init__()
         self.config = config
         self.attention = attention
@@ -57,11 +65,26 @@ class LlamaAttention(nn.Module):
         # nn.Module, not nn.Linear: quant.quantize_model may swap in an Int8Linear
         self.qkv_proj: nn.Module = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj: nn.Module = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        # Qwen3: each head of q and of k normed before the rotation (one weight for every head)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Mistral's and Gemma 2's sliding layers, Gemma 2's soft-capped scores: the backend's keywords
+        options = {"window": config.layer_window(layer), "softcap": config.attn_logit_softcap or 0.0}
+        self.attention_options = {key: value for key, value in options.items() if value}
+        # An fp8 KV cache's scales for this layer (a checkpoint's k_scale, v_scale): the cache holds
+        # k / k_scale and v / v_scale; 1.0 unless the checkpoint gives them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, num_heads, head_dim) and k, v (T, num_kv_heads, head_dim), q and k rotated."""
         c = self.config
         qkv = project(self.qkv_proj, x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = self.q_norm.forward(q.reshape(-1, c.head_dim)).view(-1, c.num_heads, c.head_dim)
+            k = self.k_norm.forward(k.reshape(-1, c.head_dim)).view(-1, c.num_kv_heads, c.head_dim)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(-1, c.num_kv_heads, c.head_dim)
         if has_cpu_kernels(qkv):  # split and rotated in one call, the same bits
             q, k = torch.ops.tandem.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads)
             return q, k, qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
@@ -83,18 +106,29 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        out = self.attention(q, k, v, k_cache, v_cache, meta, self.config.attention_scale)
+        scale = self.config.attention_scale
+        if self.k_scale != 1.0 or self.v_scale != 1.0:  # folded around the kernel, which applies none
+            k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
+        out = self.attention(q, k, v, k_cache, v_cache, meta, scale, **self.attention_options)
+        if self.v_scale != 1.0:
+            out = out * self.v_scale
         return self.tp.all_reduce(project(self.o_proj, out.reshape(x.shape[0], self.config.q_size)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention, tp)
+        self.self_attn = LlamaAttention(config, attention, tp, layer)
+        # Llama: the norm before the MLP. Gemma 2 (sandwich norms): the norm of the attention's
+        # output, and two more around the MLP.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(
         self,
@@ -105,7 +139,12 @@ class LlamaDecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, k_cache, v_cache, meta)
+        attended = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, k_cache, v_cache, meta)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm.forward(attended)
+            mlp_out = self.tp.all_reduce(self.mlp.forward(self.pre_feedforward_layernorm.forward(h)))
+            return h + self.post_feedforward_layernorm.forward(mlp_out)
+        h = h + attended
         return h + self.tp.all_reduce(self.mlp.forward(self.post_attention_layernorm.forward(h)))
 
 
@@ -121,7 +160,9 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.vocab_start, self.vocab_end = tp.shard.vocab(config)  # the token ids this rank's embedding rows are
         self.embed_tokens = nn.Embedding(tp.shard.vocab_rows(config), config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp) for _ in range(config.num_layers))
+        self.embedding_multiplier = config.embedding_multiplier  # Gemma's sqrt(hidden_size), else None
+        self.plain_layers = config.plain_layers  # the fused GPU path serves Llama's own layers only
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp, layer) for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         # The decoder layers of a decode-only step in one call where that serves (models/packed.py
@@ -141,11 +182,15 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
-        # Vocab-parallel: each rank looks up the ids it holds, zero rows for the rest; the sum is exact.
-        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        h = self.embed_tokens((input_ids - self.vocab_start) * held)
-        return self.tp.all_reduce(h * held.unsqueeze(-1).to(h.dtype))
+            h = self.embed_tokens(input_ids)
+        else:
+            # Vocab-parallel: each rank looks up the ids it holds, zero rows for the rest; the sum is exact.
+            held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+            h = self.embed_tokens((input_ids - self.vocab_start) * held)
+            h = self.tp.all_reduce(h * held.unsqueeze(-1).to(h.dtype))
+        if self.embedding_multiplier is not None:  # rounded to the model's dtype first, as Gemma's own code does
+            h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
+        return h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
@@ -157,7 +202,7 @@ class LlamaModel(nn.Module):
         # Each layer's K and V caches, views as kv_cache[:, index, 0] and [:, index, 1] are, in two
         # calls each instead of two indexings a layer.
         k_caches, v_caches = kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1)
-        if fused_triton.serves(h):
+        if self.plain_layers and fused_triton.serves(h):
             return self._forward_fused(h, cos, sin, k_caches, v_caches, meta)
         should_cut = self.should_cut
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
@@ -247,6 +292,7 @@ class LlamaForCausalLM(nn.Module):
             logits = logits.reshape(*hidden.shape[:-1], logits.shape[-1]).float()
         else:
             logits = F.linear(hidden, self.logits_weight()).float()
-        if self.tp.size == 1:
-            return logits
-        return self.tp.all_gather_columns(logits)[..., : self.config.vocab_size]
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_columns(logits)[..., : self.config.vocab_size]
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2

@@ -124,7 +124,9 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     logits_weight = model.logits_weight()
     if can_pack(logits_weight, logits_weight.dtype):
         model.pack_logits(pack_weight(logits_weight, logits_weight.dtype))
-    if model.tp.size == 1:  # decode_layers runs every layer in one call: no all-reduce between them
+    # decode_layers runs every layer in one call, Llama's own: no all-reduce between them, none
+    # of another architecture's differences (ModelConfig.plain_layers)
+    if model.tp.size == 1 and model.config.plain_layers:
         model.model.fast_decode = PackedDecode(model.model, model.config)
     return model
 

@@ -27,7 +27,7 @@ from paged_batches import (
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension, paged_attention_cpu, paged_attention_reference, select_attention
-from tandem.models.layers import RMSNorm, SwiGLUMLP
+from tandem.models.layers import GatedMLP, RMSNorm
 from tandem.models.loader import load_model
 from tandem.models.quant import Int8Linear
 from tandem.models.rotary import apply_rotary
@@ -330,7 +330,7 @@ def test_argmax_rows_answers_as_torch_argmax_does(dtype: torch.dtype) -> None:
 
 def test_an_mlp_on_the_cpu_takes_silu_mul_with_the_torch_ops_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     generator = torch.Generator().manual_seed(9)
-    mlp = SwiGLUMLP(576, 1536).to(torch.bfloat16)
+    mlp = GatedMLP(576, 1536).to(torch.bfloat16)
     for parameter in mlp.parameters():
         parameter.data = (0.05 * torch.randn(parameter.shape, generator=generator)).bfloat16()
     x = torch.randn(40, 576, generator=generator).bfloat16()
