@@ -44,7 +44,9 @@ def _sampling(args: argparse.Namespace):  # -> SamplingOptions; validated before
     from tandem.engine.sequence import SamplingOptions
 
     try:
-        return SamplingOptions(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+        return SamplingOptions(
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
+        )
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
@@ -146,6 +148,8 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     settings = load_settings()
     tokenizer = load_tokenizer(Path(args.model) if args.model else settings.model_path)
     prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
+    if sampling.ignore_eos:  # the bus's SamplingParams has no such field yet
+        raise StartupError("--ignore-eos is for the in-process engine; the bus does not carry it")
     params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
     if sampling.seed is not None:
         params.seed = sampling.seed
@@ -237,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
+    generate.add_argument("--ignore-eos", action="store_true", help="write --max-tokens tokens, past any end token")
     generate.add_argument("--model", help="a .gguf file or safetensors folder (default: the embedded SmolLM2)")
     generate.add_argument(
         "--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the device computes it natively"

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO
+from hf_models import ARCHITECTURES, hf_greedy, write_hf_checkpoint
+from reference_model import write_tokenizer
+from tokenizers import Tokenizer
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,3 +38,20 @@ def test_a_size_the_model_does_not_split_over_is_one_clear_line():
     result = _generate("Hi", "--tensor-parallel-size", "2")
     assert result.returncode == 2
     assert "TANDEM_TENSOR_PARALLEL_SIZE=2" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_raw_greedy_text_is_what_transformers_generates(architecture, tmp_path):
+    """`tandem generate --model DIR --raw --dtype fp32` over a tiny random checkpoint that
+    transformers wrote prints the text transformers generates greedily from the same prompt (its
+    BOS first, as the model's config names it)."""
+    folder = tmp_path / architecture
+    write_tokenizer(folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    reference = write_hf_checkpoint(architecture, folder, seed=5, vocab_size=tokenizer.get_vocab_size())
+    prompt = "the quick brown fox jumps over the lazy dog"
+    prompt_ids = [reference.config.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False).ids]
+    expected = tokenizer.decode(hf_greedy(reference, prompt_ids, 12), skip_special_tokens=True)
+    result = _generate(prompt, "--model", str(folder), "--raw", "--dtype", "fp32", "--max-tokens", "12", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
