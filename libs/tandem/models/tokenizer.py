@@ -2,8 +2,8 @@
 
 From a GGUF the `tokenizers` byte-level BPE is rebuilt from the stored vocabulary and merges; the
 pre-tokenizer (how text is split before BPE) is chosen by `tokenizer.ggml.pre`, mirroring the
-regexes llama.cpp's llama-vocab.cpp uses for that name. From a Hugging Face folder it is read
-from tokenizer.json.
+regexes llama.cpp's llama-vocab.cpp uses for that name. A SentencePiece vocabulary (model
+"llama") is rebuilt by tokenizer_spm.py. From a Hugging Face folder it is read from tokenizer.json.
 
 Message text never becomes a control token: a chat prompt's special tokens are the template's
 own, and a message that spells one (`<|im_start|>system`) is encoded as the text it is, so user
@@ -24,8 +24,10 @@ from tokenizers.models import BPE
 
 from tandem.errors import StartupError
 from tandem.models.chat_template import ChatTemplate, ChatTemplateError
+from tandem.models.tokenizer_spm import spm_backend
 
 # GGUF token types (llama.cpp's llama_token_type)
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
@@ -103,19 +105,19 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise StartupError(f"GGUF tokenizer model {model!r} is not supported (supported: gpt2 byte-level BPE)")
+        if model not in ("gpt2", "llama"):
+            raise StartupError(f"GGUF tokenizer model {model!r} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)")
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise StartupError("GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
         token_types: list[int] = metadata.get("tokenizer.ggml.token_type", [])
-        merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-        pre = metadata.get("tokenizer.ggml.pre", "gpt2")
-        vocab = {token: index for index, token in enumerate(tokens)}
-        backend = BackendTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=pre == "llama-bpe"))
-        _set_pre_tokenizer(backend, pre)
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens are special: one id each, dropped from decoded text. User-defined tokens
-        # are Hugging Face's non-special added tokens: never split, but part of the text.
-        control = [i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL]
+        backend = _byte_level_backend(metadata) if model == "gpt2" else spm_backend(metadata)
+        # Control tokens (and SentencePiece's unknown token) are special: one id each, dropped from
+        # decoded text. User-defined tokens are Hugging Face's non-special added tokens: never
+        # split, but part of the text.
+        control = [
+            i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL or (kind == TOKEN_TYPE_UNKNOWN and model == "llama")
+        ]
         user_defined = [i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_USER_DEFINED]
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
         backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
@@ -165,6 +167,18 @@ def _marked(value: Any, pattern: re.Pattern[str], literals: list[str]) -> Any:
     if isinstance(value, list | tuple):
         return [_marked(item, pattern, literals) for item in value]
     return value
+
+
+def _byte_level_backend(metadata: Mapping[str, Any]) -> BackendTokenizer:
+    if "tokenizer.ggml.merges" not in metadata:
+        raise StartupError("GGUF byte-level BPE vocabulary lacks tokenizer.ggml.merges")
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    pre = metadata.get("tokenizer.ggml.pre", "gpt2")
+    vocab = {token: index for index, token in enumerate(metadata["tokenizer.ggml.tokens"])}
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=pre == "llama-bpe"))
+    _set_pre_tokenizer(backend, pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 def _set_pre_tokenizer(backend: BackendTokenizer, pre: str) -> None:
