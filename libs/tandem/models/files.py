@@ -2,12 +2,17 @@
 
 A worker checks its model here at start, so a missing or wrong file is one clear line, not a
 traceback from deep inside the loader.
+
+A model named by its Hugging Face id ("Qwen/Qwen3-0.6B", no such path on disk) is looked up in
+the local Hugging Face cache, in the layout huggingface_hub writes (models--Qwen--Qwen3-0.6B/
+refs/main names the snapshot folder). Tandem never downloads: that stays with the user's tools.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -62,6 +67,8 @@ def _checked_model(path: Path | None) -> ModelFile:
         path = embedded
     if path.is_dir():
         return _safetensors_folder(path)
+    if not path.is_file() and _could_be_hub_id(path):
+        return _cached_hub_model(path.as_posix())
     if not path.is_file():
         raise StartupError(f"TANDEM_MODEL_PATH={path}: no such file or folder")
     with path.open("rb") as fh:
@@ -85,3 +92,43 @@ def _safetensors_folder(path: Path) -> ModelFile:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StartupError(f"TANDEM_MODEL_PATH={path}: config.json is not valid JSON ({exc})") from None
     return ModelFile(path=path, name=path.name, format="safetensors")
+
+
+def hub_cache_dir() -> Path:
+    """The folder huggingface_hub keeps its downloads in: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub (XDG_CACHE_HOME in place of ~/.cache where it is set)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "huggingface" / "hub"
+
+
+def _could_be_hub_id(path: Path) -> bool:
+    """ "name" or "owner/name", relative, not a .gguf file's name."""
+    return not path.is_absolute() and 1 <= len(path.parts) <= 2 and path.suffix != ".gguf" and ".." not in path.parts
+
+
+def _cached_hub_model(model_id: str) -> ModelFile:
+    """The snapshot of `model_id` that the cache's refs/main names, served as `model_id`."""
+    repo = hub_cache_dir() / f"models--{model_id.replace('/', '--')}"
+    snapshot = _main_snapshot(repo)
+    if snapshot is None:
+        raise StartupError(
+            f"TANDEM_MODEL_PATH={model_id}: no such file or folder ({Path.cwd() / model_id}), and no Hugging Face "
+            f"model {model_id} in the local cache ({repo}: looked for refs/main and snapshots/; the cache is "
+            "HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub). Tandem does not download models: "
+            f"fetch it with your own tools, e.g. `huggingface-cli download {model_id}`"
+        )
+    return replace(_safetensors_folder(snapshot), name=model_id)
+
+
+def _main_snapshot(repo: Path) -> Path | None:
+    """snapshots/<the commit refs/main names>/, or the only snapshot where refs/main is absent."""
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        return snapshot if snapshot.is_dir() else None
+    snapshots = [child for child in (repo / "snapshots").glob("*") if child.is_dir()]
+    return snapshots[0] if len(snapshots) == 1 else None
