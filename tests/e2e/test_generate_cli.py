@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from helpers import REPO
-from hf_models import ARCHITECTURES, hf_greedy, write_hf_checkpoint
+from hf_models import ARCHITECTURES, SLIDING_WINDOW, hf_greedy, write_hf_checkpoint
 from reference_model import write_tokenizer
 from tokenizers import Tokenizer
 
@@ -46,12 +46,14 @@ def test_raw_greedy_text_is_what_transformers_generates(architecture, tmp_path):
     transformers wrote prints the text transformers generates greedily from the same prompt (its
     BOS first, as the model's config names it)."""
     folder = tmp_path / architecture
+    folder.mkdir()
     write_tokenizer(folder)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     reference = write_hf_checkpoint(architecture, folder, seed=5, vocab_size=tokenizer.get_vocab_size())
     prompt = "the quick brown fox jumps over the lazy dog"
     prompt_ids = [reference.config.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False).ids]
     expected = tokenizer.decode(hf_greedy(reference, prompt_ids, 12), skip_special_tokens=True)
+    assert expected.strip() and len(prompt_ids) + 12 > 2 * SLIDING_WINDOW  # text to compare, read past the window
     result = _generate(prompt, "--model", str(folder), "--raw", "--dtype", "fp32", "--max-tokens", "12", "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
