@@ -3,7 +3,7 @@
 
 Each architecture's config turns on what makes it differ from Llama at toy sizes: a sliding window
 shorter than the test prompts (Mistral, Gemma 2's every other layer, Phi-3), Qwen3's per-head q/k
-norms, Gemma 2's soft-caps and query_pre_attn_scalar, Phi-3's head size of 96 and longrope.
+norms, Gemma 2's soft-caps and query_pre_attn_scalar, Phi-3's head size of 96 and longrope (inside its original window).
 Weights are drawn with std 1/sqrt(fan_in) and norm weights away from their neutral value, so every
 difference moves the logits by far more than rounding does.
 """
@@ -48,7 +48,21 @@ _DIFFERENCES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     # Phi-3's head size is hidden_size / heads: 96, as in Phi-3-mini
-    "phi3": {"hidden_size": 192, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": None, "sliding_window": SLIDING_WINDOW},
+    "phi3": {
+        "hidden_size": 192,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": None,
+        "sliding_window": SLIDING_WINDOW,
+        # longrope as Phi-3-mini-128k's config writes it; the tests' sequences stay inside the
+        # original window, where transformers and Tandem both use the short factors
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(48)],
+            "long_factor": [2.0 + 0.1 * i for i in range(48)],
+        },
+    },
 }
 
 
