@@ -269,13 +269,13 @@ class Settings(BaseSettings):
     """workers: what one hour of this worker costs (any currency), for the cost per million output tokens; 0: unknown"""
 
     # models and the assistant's judgement (issue 13)
-    quantization: Literal["none", "int8"] = "none"
-    """workers: how the weights are kept in memory: none (the dtype), int8 (weight-only int8 with per-output-channel scales, multiplied by a fused int8 kernel)"""
+    quantization: Literal["none", "int8", "fp8"] = "none"
+    """workers: how the weights are kept in memory: none (the dtype), int8 (weight-only int8 with per-output-channel scales, multiplied by a fused int8 kernel), fp8 (weight-only float8 e4m3 with per-output-channel scales; an fp8 checkpoint, compressed-tensors', is kept as it is under none or fp8)"""
     small_decode_workers: Annotated[int, Field(ge=0, le=16)] = 1
     """tandem up: decode workers serving the small model; 0: only the large model is served"""
     small_model_path: Path | None = None
     """tandem up: the small model's .gguf file or safetensors folder; unset: the large model's weights"""
-    small_model_quantization: Literal["none", "int8"] = "int8"
+    small_model_quantization: Literal["none", "int8", "fp8"] = "int8"
     """tandem up: how the small model's workers keep their weights (the quantization setting)"""
     large_model: str = ""
     """chat and router: the served id of the large model; empty: the model most decode workers serve"""

@@ -11,14 +11,16 @@ model has no place for is refused, so a wrong checkpoint fails at load, not as g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from tandem.errors import StartupError
 from tandem.models.config import ModelConfig
+from tandem.models.fp8 import FP8_DTYPE, Fp8Linear, quantize_fp8
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.quant import Int8Linear, quantize_int8
 from tandem.models.tensor_parallel import Shard
@@ -107,21 +109,28 @@ def load_tensors(model: LlamaForCausalLM, config: ModelConfig, tensors: Iterable
     table = placements(config, model.tp.shard)
     missing = set(table)
     unexpected: list[str] = []
+    fp8 = Fp8Scales()
     for name, source in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue  # a tied checkpoint may still store its (identical) output matrix
+        if fp8.take(model, table, name, source):
+            continue
         if name not in table:
             unexpected.append(name)
             continue
         place = table[name]
         if tuple(source.shape) != place.shape:
             raise StartupError(f"checkpoint tensor {name} has shape {tuple(source.shape)}, the model expects {place.shape}")
-        _write(model.get_submodule(place.module), place, source.read(place.dim, place.start, place.end))
+        values = source.read(place.dim, place.start, place.end)
+        _write(model.get_submodule(place.module), place, values)
+        if values.dtype == FP8_DTYPE:
+            fp8.weights.add(name)
         missing.discard(name)
     if unexpected or missing:
         raise StartupError(
             f"checkpoint does not fit the model config: unexpected tensors {sorted(unexpected)[:5]}, missing tensors {sorted(missing)[:5]}"
         )
+    fp8.check()
     v0, v1 = model.tp.shard.vocab(config)
     for matrix in (model.model.embed_tokens.weight, None if model.lm_head is None else model.lm_head.weight):
         if matrix is not None:
@@ -130,6 +139,16 @@ def load_tensors(model: LlamaForCausalLM, config: ModelConfig, tensors: Iterable
 
 def _write(module: torch.nn.Module, place: Placement, values: torch.Tensor) -> None:
     rows = slice(place.first_row, place.first_row + values.shape[0])
+    if isinstance(module, Fp8Linear) and place.kind == "weight":
+        if values.dtype == FP8_DTYPE:  # a pre-quantized checkpoint's rows, as they are; their scales come as weight_scale
+            module.weight_fp8[rows] = values.to(module.weight_fp8.device)
+        else:  # a slice quantizes alone, as int8's does: scales are per row (of the slice's columns)
+            weight_fp8, scale = quantize_fp8(values.to(module.scale.device))
+            module.weight_fp8[rows] = weight_fp8
+            module.scale[rows] = scale
+        return
+    if values.dtype == FP8_DTYPE:
+        raise StartupError(f"checkpoint tensor for {place.module}.{place.kind} is float8_e4m3fn, where the model keeps no fp8")
     if isinstance(module, Int8Linear) and place.kind == "weight":
         weight_int8, scale = quantize_int8(values.to(device=module.scale.device, dtype=module.scale.dtype))
         module.weight_int8[rows] = weight_int8
@@ -139,6 +158,84 @@ def _write(module: torch.nn.Module, place: Placement, values: torch.Tensor) -> N
     if target is None:  # the model has no bias there
         raise StartupError(f"the model's {place.module} has no {place.kind}")
     target[rows] = values
+
+
+# A pre-quantized checkpoint's scales (models/compressed_tensors.py), read beside the tensors
+# `placements` names: a projection's weight_scale, its static input_scale (not used: a GPU
+# quantizes each row of activations with its own scale, a CPU does not quantize them), and an
+# attention layer's fp8 KV cache scales under either name they are published with.
+WEIGHT_SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"
+KV_SCALES = {".self_attn.k_scale": "k_scale", ".self_attn.v_scale": "v_scale"}
+KV_SCALES_OLD = {".self_attn.k_proj.output_scale": "k_scale", ".self_attn.v_proj.output_scale": "v_scale"}
+
+
+@dataclass
+class Fp8Scales:
+    """The scales of a checkpoint's fp8 tensors as they come, and which fp8 weights have one."""
+
+    weights: set[str] = field(default_factory=set)  # the weights read as fp8
+    scaled: set[str] = field(default_factory=set)  # the weights whose weight_scale was read
+
+    def take(self, model: LlamaForCausalLM, table: dict[str, Placement], name: str, source: TensorSource) -> bool:
+        """Whether `name` is a scale, written to the model (or, an input scale, passed over)."""
+        if name.endswith(WEIGHT_SCALE):
+            weight = name.removesuffix("_scale")
+            place = table.get(weight)
+            module = None if place is None else model.get_submodule(place.module)
+            if place is None or not isinstance(module, Fp8Linear):
+                raise StartupError(f"checkpoint tensor {name} scales no fp8 projection of the model")
+            _write_weight_scale(module, place, name, source)
+            self.scaled.add(weight)
+            return True
+        if name.endswith(INPUT_SCALE):
+            return name.removesuffix(INPUT_SCALE) + ".weight" in table
+        for suffixes in (KV_SCALES, KV_SCALES_OLD):
+            for suffix, attribute in suffixes.items():
+                if name.endswith(suffix):
+                    _write_kv_scale(model, name.removesuffix(suffix) + ".self_attn", attribute, name, source)
+                    return True
+        return False
+
+    def check(self) -> None:
+        if unscaled := self.weights - self.scaled:
+            raise StartupError(f"checkpoint has float8_e4m3fn weights without a weight_scale: {sorted(unscaled)[:5]}")
+        if not_fp8 := self.scaled - self.weights:
+            raise StartupError(f"checkpoint has a weight_scale for weights that are not float8_e4m3fn: {sorted(not_fp8)[:5]}")
+
+
+def _read_whole(source: TensorSource) -> torch.Tensor:
+    if isinstance(source, WholeTensor):
+        return source.tensor
+    return source.read(0, 0, source.shape[0] if source.shape else 1)
+
+
+def _write_weight_scale(module: Fp8Linear, place: Placement, name: str, source: TensorSource) -> None:
+    """A per-tensor scale given to every row of the tensor the rank holds; a per-channel one read
+    for those rows (all of them under a column slice: o_proj's and down_proj's rows stay whole)."""
+    out_features = place.shape[0]
+    rows = place.end - place.start if place.dim == 0 else out_features
+    target = module.scale[place.first_row : place.first_row + rows]
+    shape = tuple(source.shape)
+    if math.prod(shape) == 1:
+        target.fill_(_read_whole(source).float().reshape(()).item())
+    elif shape in ((out_features,), (out_features, 1)):
+        values = source.read(0, place.start, place.end) if place.dim == 0 else source.read(0, 0, out_features)
+        target.copy_(values.reshape(-1).float())
+    else:
+        raise StartupError(
+            f"checkpoint tensor {name} has shape {shape}: a weight_scale is one per tensor or one per output channel ({out_features}, 1)"
+        )
+
+
+def _write_kv_scale(model: LlamaForCausalLM, attention: str, attribute: str, name: str, source: TensorSource) -> None:
+    if math.prod(source.shape) != 1:
+        raise StartupError(f"checkpoint tensor {name} has shape {tuple(source.shape)}: a KV cache scale is one number")
+    try:
+        module = model.get_submodule(attention)
+    except AttributeError:
+        raise StartupError(f"checkpoint tensor {name} belongs to no attention layer of the model") from None
+    if hasattr(module, attribute):  # models/llama.py's LlamaAttention.k_scale, v_scale
+        setattr(module, attribute, float(_read_whole(source).float().reshape(()).item()))
 
 
 @torch.no_grad()

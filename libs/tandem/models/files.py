@@ -25,7 +25,7 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # its served id, without the quantization suffix
 GGUF_MAGIC = b"GGUF"
 
-Quantization = Literal["none", "int8"]  # how a worker keeps the weights in memory (models/quant.py)
+Quantization = Literal["none", "int8", "fp8"]  # how a worker keeps the weights in memory (models/quant.py, models/fp8.py)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from torch import nn
 
 from tandem.kernels import cpu_extension, int8_triton
 from tandem.models.files import Quantization
+from tandem.models.fp8 import Fp8Linear
 from tandem.models.llama import LlamaForCausalLM
 
 INT8_MAX = 127
@@ -118,11 +119,11 @@ class Int8Linear(nn.Module):
 
 @torch.no_grad()
 def quantize_model(model: LlamaForCausalLM, quantization: Quantization) -> LlamaForCausalLM:
-    """The model with every attention and MLP Linear replaced by an Int8Linear ("int8"), in place;
-    "none" returns it unchanged."""
+    """The model with every attention and MLP Linear replaced by an Int8Linear ("int8") or an
+    Fp8Linear ("fp8", models/fp8.py), in place; "none" returns it unchanged."""
     if quantization == "none":
         return model
-    model.swap_projections(_int8)
+    model.swap_projections(_int8 if quantization == "int8" else _fp8)
     return model
 
 
@@ -132,12 +133,20 @@ def _int8(module: nn.Module) -> Int8Linear:
     return Int8Linear.from_linear(module)
 
 
+def _fp8(module: nn.Module) -> Fp8Linear:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected an nn.Linear to quantize, got {type(module).__name__}")
+    return Fp8Linear.from_linear(module)
+
+
 def quantized_empty(model: LlamaForCausalLM, quantization: Quantization, device: torch.device | str) -> LlamaForCausalLM:
     """`model` built on the meta device (LlamaForCausalLM.empty(..., "meta", ...)) made empty on
-    `device`, with every attention and MLP Linear an empty Int8Linear ("int8") for the loader to
-    fill: nothing is allocated for the projections but their int8 rows and scales."""
-    if quantization != "none":
+    `device`, with every attention and MLP Linear an empty Int8Linear ("int8") or Fp8Linear ("fp8")
+    for the loader to fill: nothing is allocated for the projections but their 8-bit rows and scales."""
+    if quantization == "int8":
         model.swap_projections(_empty_int8)
+    elif quantization == "fp8":
+        model.swap_projections(_empty_fp8)
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, Int8Linear):
@@ -151,3 +160,9 @@ def _empty_int8(module: nn.Module) -> Int8Linear:
     weight = module.weight
     weight_int8 = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     return Int8Linear(weight_int8, torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device), module.bias)
+
+
+def _empty_fp8(module: nn.Module) -> Fp8Linear:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected an nn.Linear to quantize, got {type(module).__name__}")
+    return Fp8Linear.empty_like(module)

@@ -39,6 +39,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 bool int8_mm_supported(int64_t rows, int64_t in_features, at::ScalarType dtype);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale);
 
+// fp8_mm.cpp
+bool fp8_mm_supported(int64_t rows, int64_t in_features, at::ScalarType dtype);
+at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale);
+
 // packed_mm.cpp
 bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype, at::ScalarType x_dtype);
 at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype);

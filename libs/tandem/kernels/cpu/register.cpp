@@ -14,6 +14,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("prefill_supported(int head_dim, ScalarType dtype) -> bool", &prefill_supported);  // no tensor: not dispatched by device
   m.def("int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("int8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &int8_mm_supported);
+  m.def("fp8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("fp8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &fp8_mm_supported);
   m.def("packed_mm(Tensor x, Tensor packed, Tensor? scale=None) -> Tensor");
   m.def("pack_weight(Tensor weight, ScalarType x_dtype) -> Tensor");
   m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype, ScalarType x_dtype) -> bool", &packed_mm_supported);
@@ -32,6 +34,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_prefill", &paged_prefill);
   m.impl("int8_mm", &int8_mm);
+  m.impl("fp8_mm", &fp8_mm);
   m.impl("packed_mm", &packed_mm);
   m.impl("pack_weight", &pack_weight);
   m.impl("write_kv", &write_kv);
