@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import is_running, wait_until
+from hf_models import write_hf_checkpoint
 from reference_model import random_model, save_safetensors_folder, tiny_config, write_tokenizer
 
 from tandem.engine.engine import Engine, EngineConfig, Request
@@ -144,6 +145,15 @@ def test_in_bf16_an_answer_over_four_ranks_is_the_same_alone_or_batched(llama: P
 
 def test_a_qwen2_engine_over_two_ranks_answers_what_one_rank_does(qwen2: Path):
     assert _greedy(qwen2, 2) == _greedy(qwen2, 1)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma2", "phi3"])
+def test_other_architectures_over_two_ranks_answer_what_one_rank_does(architecture: str, tmp_path: Path):
+    """Qwen3's per-head norms whole on every rank, Gemma 2's sandwich norms after the all-reduces
+    and its soft-capped logits after the gather, Phi-3's fused tensors split into each rank's rows
+    (and its one KV head replicated)."""
+    write_hf_checkpoint(architecture, tmp_path, seed=4)
+    assert _greedy(tmp_path, 2) == _greedy(tmp_path, 1)
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_naming_the_setting(llama: Path):
