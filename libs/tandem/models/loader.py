@@ -13,6 +13,7 @@ import torch
 from tandem.errors import StartupError
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import TensorSource, load_tensors
+from tandem.models.compressed_tensors import checkpoint_quantization
 from tandem.models.config import ModelConfig
 from tandem.models.files import Quantization, open_model
 from tandem.models.gguf_weights import read_gguf
@@ -51,8 +52,9 @@ def load_model(
     """`path` None means the embedded SmolLM2 GGUF. The model of rank `tp.shard` is built empty on
     `device` and filled tensor by tensor with the slices that rank holds (checkpoint_names.py), so
     no process holds the whole model, nor a whole tensor a safetensors checkpoint slices.
-    `quantization` "int8": the attention and MLP projections are Int8Linear from the start, each
-    slice quantized as it is read (models/quant.py); the rest stays `dtype`.
+    `quantization` "int8" ("fp8"): the attention and MLP projections are Int8Linear (Fp8Linear) from
+    the start, each slice quantized as it is read (models/quant.py, models/fp8.py); the rest stays
+    `dtype`. A checkpoint of FP8 weights (models/compressed_tensors.py) loads them as they are, as fp8.
     On a CPU the projections and logits are packed for the kernels where they serve the dtype
     (bf16 with AVX512-BF16, float32 with AVX2: models/packed.py); `pack` False keeps them as
     loaded (nn.Linear or Int8Linear, their weights readable by name)."""
@@ -64,6 +66,7 @@ def load_model(
         tensors = gguf.weights(config)
     else:
         config = read_hf_config(checkpoint.path)
+        quantization = checkpoint_quantization(checkpoint.path, quantization)  # an FP8 checkpoint's weights stay FP8
         tokenizer = Tokenizer.from_hf_folder(checkpoint.path)
         tensors = read_safetensors(checkpoint.path, device)
     empty = LlamaForCausalLM.empty(tp.shard.local_config(config), attention, dtype, "meta", tp)

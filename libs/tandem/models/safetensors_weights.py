@@ -53,7 +53,10 @@ class SafetensorsSlice:
     device: str
 
     def read(self, dim: int, start: int, end: int) -> torch.Tensor:
+        """Indices [start, end) of dimension `dim`; a tensor of no dimensions (a scale) whole."""
         with safe_open(self.file, framework="pt", device=self.device) as shard:
+            if not self.shape:
+                return shard.get_tensor(self.name)
             tensor = shard.get_slice(self.name)
             return tensor[start:end] if len(self.shape) == 1 or dim == 0 else tensor[:, start:end]
 

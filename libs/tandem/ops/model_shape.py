@@ -53,6 +53,7 @@ def read_model_shape(path: Path | None) -> ModelShape:
 
 def _read(checkpoint: ModelFile) -> ModelShape:
     # imported here: the weight readers pull in torch, which every `tandem` command would pay for
+    from tandem.models.compressed_tensors import read_quantization
     from tandem.models.gguf_weights import ROPE_FREQS_TENSOR, read_gguf
     from tandem.models.safetensors_weights import read_hf_config
 
@@ -64,10 +65,12 @@ def _read(checkpoint: ModelFile) -> ModelShape:
     else:
         config = read_hf_config(checkpoint.path)
         num_params = _safetensors_num_params(checkpoint.path)
-        torch_dtype = json.loads((checkpoint.path / "config.json").read_text()).get("torch_dtype", "bfloat16")
+        hf_config = json.loads((checkpoint.path / "config.json").read_text())
+        torch_dtype = hf_config.get("torch_dtype", "bfloat16")
         if torch_dtype not in HF_DTYPES:
             raise StartupError(f"{checkpoint.path}/config.json: torch_dtype {torch_dtype!r} is not one of {', '.join(HF_DTYPES)}")
-        dtype = HF_DTYPES[torch_dtype]
+        # an FP8 checkpoint (compressed-tensors) names its unquantized tensors' dtype; its projections, most of it, are fp8
+        dtype = "fp8" if read_quantization(hf_config) is not None else HF_DTYPES[torch_dtype]
     return ModelShape(
         name=checkpoint.name,
         num_layers=config.num_layers,
