@@ -16,9 +16,9 @@ from typing import Any
 
 from tandem.errors import StartupError
 
-# GGUF architectures whose tensors follow llama's layout (Qwen2 adds q/k/v biases and is not
-# row-permuted by llama.cpp's converter; see gguf_weights.py).
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# GGUF architectures, as llama.cpp's converter writes them (Mistral's is "llama"; Qwen2 adds q/k/v
+# biases; gguf_weights.py renames each one's tensors and undoes llama's Q/K row permutation).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3")
 HF_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "phi3")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's: SwiGLU | GeGLU
 
@@ -116,10 +116,16 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(
-        cls, metadata: Mapping[str, Any], tensor_names: Collection[str], rope_freq_factors: tuple[float, ...] | None = None
+        cls,
+        metadata: Mapping[str, Any],
+        tensor_names: Collection[str],
+        rope_freq_factors: tuple[float, ...] | None = None,
+        longrope_factors: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     ) -> ModelConfig:
         """From GGUF key/values (`<arch>.*`, `tokenizer.ggml.*`). Tied embeddings show as a missing
-        `output.weight` tensor; llama3 scaling as a `rope_freqs.weight` tensor, passed in here."""
+        `output.weight` tensor; llama3 scaling as a `rope_freqs.weight` tensor, passed in here;
+        Phi-3's longrope as its `rope_factors_long` and `rope_factors_short` tensors, passed in as
+        `longrope_factors` (long, short)."""
         arch = metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise StartupError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
@@ -149,10 +155,11 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            rope_scaling=_gguf_rope_scaling(metadata, arch),
+            rope_scaling=_gguf_rope_scaling(metadata, arch, longrope_factors),
             rope_freq_factors=rope_freq_factors,
             bos_token_id=_optional_int(metadata.get("tokenizer.ggml.bos_token_id")),
             eos_token_ids=() if eos is None else (int(eos),),
+            **_gguf_differences(arch, metadata),
         )
 
     @classmethod
@@ -286,7 +293,53 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _gguf_rope_scaling(metadata: Mapping[str, Any], arch: str) -> RopeScaling | None:
+def _gguf_differences(arch: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """What `arch`'s forward does unlike Llama's, as ModelConfig fields, from GGUF metadata and
+    tensors, with llama.cpp's defaults where a key is optional."""
+    out: dict[str, Any] = {"architecture": arch}
+    num_layers = int(metadata[f"{arch}.block_count"])
+    window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
+    if arch == "qwen3":
+        out["qk_norm"] = True
+    elif arch == "phi3" and window:  # every layer slides; 0 is none (Phi-4)
+        out["sliding_window"] = window
+    elif arch == "gemma2":
+        hidden_size = int(metadata[f"{arch}.embedding_length"])
+        num_heads = int(metadata[f"{arch}.attention.head_count"])
+        head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads))
+        out |= {
+            "hidden_act": "gelu_tanh",
+            "norm_weight_offset": 0.0,  # llama.cpp's converter stores Gemma's norms as (1 + w) already
+            "sandwich_norms": True,
+            "embedding_multiplier": math.sqrt(hidden_size),
+            "attn_logit_softcap": float(metadata.get(f"{arch}.attn_logit_softcapping", 50.0)),
+            "final_logit_softcap": float(metadata.get(f"{arch}.final_logit_softcapping", 30.0)),
+            # the file does not say it: llama.cpp scales by the head size, but by hidden/heads for the
+            # 46-layer (27B) model, as that model's query_pre_attn_scalar is
+            "query_pre_attn_scalar": float(hidden_size // num_heads if num_layers == 46 else head_dim),
+            "sliding_window": window or 4096,
+            "sliding_layers": tuple(layer % 2 == 0 for layer in range(num_layers)),
+        }
+    return out
+
+
+def _gguf_rope_scaling(
+    metadata: Mapping[str, Any], arch: str, longrope_factors: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+) -> RopeScaling | None:
+    if longrope_factors is not None:  # Phi-3: the factors are tensors, the rest metadata
+        original = int(metadata.get(f"{arch}.rope.scaling.original_context_length", 0))
+        if not original:
+            raise StartupError(f"GGUF has rope_factors_long/short but no {arch}.rope.scaling.original_context_length")
+        attention_factor = metadata.get(f"{arch}.rope.scaling.attn_factor")
+        long_factor, short_factor = longrope_factors
+        return RopeScaling(
+            rope_type="longrope",
+            factor=int(metadata[f"{arch}.context_length"]) / original,
+            original_max_position_embeddings=original,
+            long_factor=long_factor,
+            short_factor=short_factor,
+            attention_factor=None if attention_factor is None else float(attention_factor),
+        )
     rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if rope_type == "none":
         return None

@@ -30,6 +30,7 @@ from tandem.errors import StartupError
 from tandem.models.config import ModelConfig
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope divisors
 # Architectures whose Q/K rows llama.cpp's converter permuted (its LlamaModel.modify_tensors).
 PERMUTED_ARCHITECTURES = ("llama",)
 
@@ -49,18 +50,30 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's block tensors differ from llama's (llama.cpp's MODEL_TENSORS per arch).
+_ARCH_BLOCK_NAMES = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma2": {  # Gemma 2's four norms: "ffn_norm" is the one before the MLP
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    # Phi-3's fused projections, as Hugging Face's Phi-3 fuses them (rows q, k, v; gate, up)
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor; unknown names come back unchanged, so the loader
-    reports them as unexpected instead of silently dropping them."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`; unknown names come back
+    unchanged, so the loader reports them as unexpected instead of silently dropping them."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
+    names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
+    if match and match.group(2) in names:
         layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+        return f"model.layers.{layer}.{names[kind]}.{suffix}"
     return gguf_name
 
 
@@ -98,20 +111,30 @@ class GgufCheckpoint:
 
     def rope_freq_factors(self) -> tuple[float, ...] | None:
         """Llama 3 rotary scaling, kept as a tensor in GGUF; None when the model has none."""
-        if ROPE_FREQS_TENSOR not in self.tensors:
+        return self._values(ROPE_FREQS_TENSOR)
+
+    def longrope_factors(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Phi-3's (long, short) longrope divisors; None when the model has none."""
+        long_factor, short_factor = (self._values(name) for name in LONGROPE_TENSORS)
+        if long_factor is None or short_factor is None:
             return None
-        return tuple(GgufTensor(self.tensors[ROPE_FREQS_TENSOR]).read(0, 0, self.tensors[ROPE_FREQS_TENSOR].n_elements).tolist())
+        return long_factor, short_factor
+
+    def _values(self, name: str) -> tuple[float, ...] | None:
+        if name not in self.tensors:
+            return None
+        return tuple(GgufTensor(self.tensors[name]).read(0, 0, self.tensors[name].n_elements).tolist())
 
     def config(self) -> ModelConfig:
-        return ModelConfig.from_gguf(self.metadata, self.tensors.keys(), self.rope_freq_factors())
+        return ModelConfig.from_gguf(self.metadata, self.tensors.keys(), self.rope_freq_factors(), self.longrope_factors())
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, GgufTensor]]:
         """(Hugging Face name, tensor not yet read), one at a time."""
         is_permuted = self.architecture in PERMUTED_ARCHITECTURES
         for gguf_name, tensor in self.tensors.items():
-            if gguf_name == ROPE_FREQS_TENSOR:
+            if gguf_name == ROPE_FREQS_TENSOR or gguf_name in LONGROPE_TENSORS:
                 continue  # part of the config (rotary frequencies), not a parameter
-            name = hf_name(gguf_name)
+            name = hf_name(gguf_name, self.architecture)
             is_rotary = is_permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
             yield name, GgufTensor(tensor, config.head_dim if is_rotary else 0)
 
