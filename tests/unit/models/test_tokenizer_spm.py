@@ -10,6 +10,7 @@ import pytest
 import transformers
 
 from tandem.errors import StartupError
+from tandem.models.detokenizer import IncrementalDetokenizer
 from tandem.models.gguf_weights import read_gguf
 from tandem.models.tokenizer import Tokenizer
 from tandem.models.tokenizer_spm import BYTE_PIECES, merges_by_rank
@@ -102,3 +103,14 @@ def test_spm_gguf_without_scores_or_byte_pieces_is_refused_by_name(tmp_path: Pat
     }
     with pytest.raises(StartupError, match="<0x00>"):
         Tokenizer.from_gguf(metadata)
+
+
+def test_streamed_spm_text_is_the_whole_decode(tmp_path: Path):
+    """Token by token, as a reply streams: spaces between pieces survive the decoder's strip of the
+    dummy prefix, and a character spelt in byte pieces comes out once it is whole."""
+    write_spm_gguf(tmp_path / "spm.gguf")
+    tokenizer = Tokenizer.from_gguf(read_gguf(tmp_path / "spm.gguf").metadata)
+    prompt, reply = tokenizer.encode("hello"), tokenizer.encode(" world ✓ héllo\n")
+    stream = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [stream.add(token) for token in reply] + [stream.flush()]
+    assert "".join(pieces) == tokenizer.decode(prompt + reply)[len(tokenizer.decode(prompt)) :] == " world ✓ héllo\n"
