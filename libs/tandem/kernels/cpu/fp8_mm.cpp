@@ -1,12 +1,12 @@
 // fp8_mm, an fp8 layer's product for a few rows (AVX512F).
 //
 // x (M, K) bf16 or float32 @ (w (N, K) float8_e4m3fn * scale (N,) float32).T, reading the fp8
-// weight once per group of up to eight rows. The rows are widened to float32 first (exact); 16
+// weight once per group of up to eight rows. The rows are widened to float32 first (exact); 32
 // weights at a time are widened as they are loaded: each byte s.eeee.mmm becomes the half-float
 // s.0eeee.mmm0000000, whose value is the fp8 value times 2^-8 for normal and subnormal values
-// alike (both formats put the exponent's bias where the shift puts it), then F16C widens the 16
-// halves to float32, exactly. The 2^8 goes into the row's scale. Float32 products are summed in
-// 16 lanes, two channels at a time for up to eight rows; out[m][n] = (sum * scale[n] * 256)
+// alike (both formats put the exponent's bias where the shift puts it), then widened to float32,
+// exactly. The 2^8 goes into the row's scale. Float32 products are summed in 16 lanes, two
+// channels at a time for up to eight rows; out[m][n] = (sum * scale[n] * 256)
 // rounded once to x's dtype, the sum in an order fixed by K alone: a row's bits do not depend on
 // the other rows, their number, or the threads.
 
@@ -26,13 +26,50 @@ namespace tandem::cpu {
 namespace {
 
 #if defined(__AVX512F__)
-// 16 e4m3fn bytes -> their values times 2^-8 as float32 (NaN bytes, which a saturating cast never
+// e4m3fn bytes -> half-float bits: sign-extended to 16 bits and shifted left by 7, the byte's
+// sign lands on bit 15 and its exponent and mantissa on bits 13..7; bit 14, a copy of the sign,
+// is cleared. The halves are the fp8 values times 2^-8 (NaN bytes, which a saturating cast never
 // writes, come out as 480 * 2^-8).
+constexpr int16_t kHalfMask = static_cast<int16_t>(0xBFFF);
+
+// 32 weights as two vectors of 16 float32 (times 2^-8).
+inline void fp8x32_to_ps(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i half = _mm512_and_si512(_mm512_slli_epi16(wide, 7), _mm512_set1_epi16(kHalfMask));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+}
+
+// 16 weights (a row's last, where in_features is an odd multiple of 16).
 inline __m512 fp8x16_to_ps(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(kHalfMask)));
+}
+
+// acc[r][c] += x row r . weight row c over all K, for C channels (1 or 2) and R rows: 32 weights a
+// step, then 16 if K leaves them; the same order of additions for every C and R.
+template <int64_t R, int64_t C>
+inline void fp8_dot(const float* x, int64_t K, const uint8_t* const* w, __m512 (&acc)[R][2]) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (k % 64 == 0) {  // the next channels, a cache line each per two steps
+      for (int64_t c = 0; c < C; ++c) __builtin_prefetch(w[c] + C * K + k);
+    }
+    __m512 lo[C], hi[C];
+    for (int64_t c = 0; c < C; ++c) fp8x32_to_ps(w[c] + k, lo[c], hi[c]);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 a0 = _mm512_loadu_ps(x + r * K + k), a1 = _mm512_loadu_ps(x + r * K + k + 16);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a1, hi[c], _mm512_fmadd_ps(a0, lo[c], acc[r][c]));
+    }
+  }
+  if (k < K) {
+    __m512 b[C];
+    for (int64_t c = 0; c < C; ++c) b[c] = fp8x16_to_ps(w[c] + k);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 a = _mm512_loadu_ps(x + r * K + k);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+    }
+  }
 }
 
 template <typename T, int64_t R>
@@ -41,20 +78,8 @@ inline void fp8_rows(const float* x, int64_t K, const uint8_t* w, const float* s
   for (; n + 2 <= n1; n += 2) {
     __m512 acc[R][2];
     for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const uint8_t* w0 = w + n * K;
-    const uint8_t* w1 = w0 + K;
-    for (int64_t k = 0; k < K; k += 16) {
-      if (k % 64 == 0) {  // the next pair of channels, a cache line each per four steps
-        __builtin_prefetch(w0 + 2 * K + k);
-        __builtin_prefetch(w1 + 2 * K + k);
-      }
-      const __m512 b0 = fp8x16_to_ps(w0 + k), b1 = fp8x16_to_ps(w1 + k);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512 a = _mm512_loadu_ps(x + r * K + k);
-        acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-      }
-    }
+    const uint8_t* rows[2] = {w + n * K, w + (n + 1) * K};
+    fp8_dot<R, 2>(x, K, rows, acc);
     const float s0 = scale[n] * 256.0f, s1 = scale[n + 1] * 256.0f;
     for (int64_t r = 0; r < R; ++r) {
       out[r * os + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r][0]) * s0);
@@ -62,13 +87,11 @@ inline void fp8_rows(const float* x, int64_t K, const uint8_t* w, const float* s
     }
   }
   for (; n < n1; ++n) {  // an odd last channel: the same chain as either channel of a pair
-    __m512 acc[R];
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m512 b = fp8x16_to_ps(w + n * K + k);
-      for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), b, acc[r]);
-    }
-    for (int64_t r = 0; r < R; ++r) out[r * os + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r]) * (scale[n] * 256.0f));
+    __m512 acc[R][2];
+    for (int64_t r = 0; r < R; ++r) acc[r][0] = _mm512_setzero_ps();
+    const uint8_t* rows[1] = {w + n * K};
+    fp8_dot<R, 1>(x, K, rows, acc);
+    for (int64_t r = 0; r < R; ++r) out[r * os + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r][0]) * (scale[n] * 256.0f));
   }
 }
 
