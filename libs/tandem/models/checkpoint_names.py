@@ -12,7 +12,7 @@ model has no place for is refused, so a wrong checkpoint fails at load, not as g
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,8 +84,14 @@ def placements(config: ModelConfig, shard: Shard) -> dict[str, Placement]:
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+        if config.sandwich_norms:  # Gemma 2
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        for norm in norms:
             out[f"{prefix}.{norm}.weight"] = Placement(f"{prefix}.{norm}", "weight", 0, 0, 0, hidden, (hidden,))
+        if config.qk_norm:  # Qwen3: one weight for every head, whole on every rank
+            for norm in ("q_norm", "k_norm"):
+                out[f"{attn}.{norm}.weight"] = Placement(f"{attn}.{norm}", "weight", 0, 0, 0, head_dim, (head_dim,))
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):
             whole = (hidden,) if kind == "weight" else ()
             q, kv = (config.q_size, *whole), (config.kv_size, *whole)
@@ -101,6 +107,64 @@ def placements(config: ModelConfig, shard: Shard) -> dict[str, Placement]:
     return out
 
 
+@dataclass(frozen=True)
+class RowsOf:
+    """Rows [first, first + count) of a checkpoint tensor, as a TensorSource of their own (one of
+    the tensors a fused checkpoint tensor holds)."""
+
+    source: TensorSource
+    first: int
+    count: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.count, *self.source.shape[1:])
+
+    def read(self, dim: int, start: int, end: int) -> torch.Tensor:
+        if dim == 0:
+            return self.source.read(0, self.first + start, self.first + end)
+        return self.source.read(dim, start, end).narrow(0, self.first, self.count)
+
+
+@dataclass(frozen=True)
+class PlusOffset:
+    """A norm weight stored as w of (offset + w) (Gemma's), read as the (offset + w) the model scales by."""
+
+    source: TensorSource
+    offset: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    def read(self, dim: int, start: int, end: int) -> torch.Tensor:
+        return self.source.read(dim, start, end).float() + self.offset
+
+
+def as_llama_tensors(config: ModelConfig, tensors: Iterable[tuple[str, TensorSource]]) -> Iterator[tuple[str, TensorSource]]:
+    """A checkpoint's tensors under the names `placements` knows, nothing read: Phi-3's fused
+    `qkv_proj` and `gate_up_proj` as Llama's q/k/v and gate/up tensors (each rank reads its own
+    rows of each), and Gemma's norm weights with their offset added (config.norm_weight_offset)."""
+    fused = {
+        "self_attn.qkv_proj": (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)),
+        "mlp.gate_up_proj": (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)),
+    }
+    for name, source in tensors:
+        module, _, kind = name.rpartition(".")
+        block, _, fused_name = module.rpartition(".")
+        parent = block.rpartition(".")[2]
+        parts = fused.get(f"{parent}.{fused_name}")
+        if parts is not None and sum(rows for _, rows in parts) == source.shape[0]:
+            first = 0
+            for part, rows in parts:
+                yield f"{block}.{part}.{kind}", RowsOf(source, first, rows)
+                first += rows
+        elif config.norm_weight_offset and module.endswith("norm") and kind == "weight":
+            yield name, PlusOffset(source, config.norm_weight_offset)
+        else:
+            yield name, source
+
+
 @torch.no_grad()
 def load_tensors(model: LlamaForCausalLM, config: ModelConfig, tensors: Iterable[tuple[str, TensorSource]]) -> None:
     """Reads this rank's slice of every checkpoint tensor into `model` (built for rank
@@ -110,7 +174,7 @@ def load_tensors(model: LlamaForCausalLM, config: ModelConfig, tensors: Iterable
     missing = set(table)
     unexpected: list[str] = []
     fp8 = Fp8Scales()
-    for name, source in tensors:
+    for name, source in as_llama_tensors(config, tensors):
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue  # a tied checkpoint may still store its (identical) output matrix
         if fp8.take(model, table, name, source):

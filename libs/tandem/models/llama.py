@@ -69,8 +69,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # Mistral's and Gemma 2's sliding layers, Gemma 2's soft-capped scores: the backend's keywords
-        options = {"window": config.layer_window(layer), "softcap": config.attn_logit_softcap or 0.0}
-        self.attention_options = {key: value for key, value in options.items() if value}
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcap or 0.0
         # An fp8 KV cache's scales for this layer (a checkpoint's k_scale, v_scale): the cache holds
         # k / k_scale and v / v_scale; 1.0 unless the checkpoint gives them.
         self.k_scale = 1.0
@@ -109,7 +109,7 @@ class LlamaAttention(nn.Module):
         scale = self.config.attention_scale
         if self.k_scale != 1.0 or self.v_scale != 1.0:  # folded around the kernel, which applies none
             k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
-        out = self.attention(q, k, v, k_cache, v_cache, meta, scale, **self.attention_options)
+        out = self.attention(q, k, v, k_cache, v_cache, meta, scale, window=self.window, softcap=self.softcap)
         if self.v_scale != 1.0:
             out = out * self.v_scale
         return self.tp.all_reduce(project(self.o_proj, out.reshape(x.shape[0], self.config.q_size)))
