@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--ignore-eos", action="store_true", help="write --max-tokens tokens, past any end token")
-    generate.add_argument("--model", help="a .gguf file or safetensors folder (default: the embedded SmolLM2)")
+    generate.add_argument(
+        "--model", help="a .gguf file, a safetensors folder or a Hugging Face id in the local cache (default: the embedded SmolLM2)"
+    )
     generate.add_argument(
         "--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the device computes it natively"
     )
