@@ -11,9 +11,15 @@ decode-only or a mixed step, however its prompt is chunked. Unlike the torch pat
 a sequence's end is read, so unowned slots may hold anything.
 
 The cache holds q's dtype, or bf16 under float32 q (a `kv_cache_dtype` of bfloat16: half the
-bytes for attention to read, float32 arithmetic); any other pair goes the torch path, and
-a chunk whose head size or dtype paged_prefill does not serve here (it needs AVX-512 and a head
-size of 64 or 128) goes attention_torch's prefill_chunk_attention.
+bytes for attention to read, float32 arithmetic), or FP8 e4m3 under float32 or bf16 q (a quarter
+or half the bytes; each value widened exactly to float32 as it is read); any other pair goes the
+torch path, and a chunk whose head size or dtype paged_prefill does not serve here (it needs
+AVX-512 or AVX2 and a head size of 64, 128 or 256, or 96 with AVX-512) goes attention_torch's
+prefill_chunk_attention.
+
+A sliding window (window > 0) makes a decode row skip the blocks wholly before its window and a
+prefill tile the blocks before its first row's window; a soft-cap is one pass over a row's
+scores. Both are branches outside the inner loops: window = 0 and softcap = 0 run as before.
 """
 
 from __future__ import annotations
@@ -34,18 +40,28 @@ def paged_attention_cpu(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     if not (q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype and kernels_take(q.dtype, k_cache.dtype)):
-        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
+        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
     torch.ops.tandem.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
-        return decode_attention_cpu(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale)
-    return mixed_attention(q, k_cache, v_cache, meta, scale, decode=decode_attention_cpu, prefill=prefill_attention_cpu)
+        return decode_attention_cpu(
+            q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale, window=window, softcap=softcap
+        )
+    return mixed_attention(
+        q, k_cache, v_cache, meta, scale, decode=decode_attention_cpu, prefill=prefill_attention_cpu, window=window, softcap=softcap
+    )
 
 
 def kernels_take(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the kernels serve q of `dtype` over a cache of `cache_dtype`: the same dtype, or a
-    bf16 cache under float32 (its rows widened exactly to float32 as they are read)."""
+    """Whether the kernels serve q of `dtype` over a cache of `cache_dtype`: the same dtype, a
+    bf16 cache under float32, or an FP8 e4m3 cache under float32 or bf16 (rows widened exactly to
+    float32 as they are read)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return dtype in (torch.float32, torch.bfloat16)
     return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
 
 
@@ -57,9 +73,12 @@ def decode_attention_cpu(
     block_tables: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """attention_torch.decode_attention's contract; max_seq_len is not needed (nothing is padded)."""
-    return torch.ops.tandem.paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    return torch.ops.tandem.paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, window, softcap)
 
 
 def prefill_attention_cpu(
@@ -69,11 +88,14 @@ def prefill_attention_cpu(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """attention_torch.prefill_chunk_attention's contract, through paged_prefill where it serves."""
     if not _prefill_serves(q.shape[-1], q.dtype):
-        return prefill_chunk_attention(q, k_cache, v_cache, block_table, seq_len, scale)
-    return torch.ops.tandem.paged_prefill(q, k_cache, v_cache, block_table, seq_len, scale)
+        return prefill_chunk_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=window, softcap=softcap)
+    return torch.ops.tandem.paged_prefill(q, k_cache, v_cache, block_table, seq_len, scale, window, softcap)
 
 
 @functools.cache

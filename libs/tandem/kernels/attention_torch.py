@@ -14,6 +14,11 @@ Host reads: on a GPU a decode-only step (the steady state of a decode worker) re
 back; on CPU the lengths are host memory already. A mixed step reads the query starts and
 context lengths once, to split decodes from prefill chunks.
 
+A sliding window (window > 0) is one more term of the mask: the blocks wholly before a row's
+window are still gathered (this path is the fallback; the C++ and triton kernels skip them). A
+soft-cap (softcap > 0) cannot go through SDPA, which has no hook between the scores and the
+softmax: such a layer's calls compute the scores, cap and mask them in float32 instead (_attend).
+
 Padding reads slots past a sequence's end (the rest of its last block, table entries past its
 blocks) and masks them out of the softmax; masking cannot undo a NaN or inf there, so the cache
 must hold finite values everywhere (allocate it zeroed; the model's own K and V are finite).
@@ -21,7 +26,7 @@ must hold finite values everywhere (allocate it zeroed; the model's own K and V 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +34,42 @@ import torch.nn.functional as F
 from tandem.kernels.attention_reference import write_kv
 from tandem.kernels.metadata import AttentionMetadata
 
-# decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale): decode_attention's signature
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-# (q of one chunk, k_cache, v_cache, its block table row, its context length, scale) -> out
-PrefillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+class DecodeFn(Protocol):
+    """decode_attention's signature."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        max_seq_len: int,
+        scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor: ...
+
+
+class PrefillFn(Protocol):
+    """prefill_chunk_attention's signature: (q of one chunk, the caches, its block table row, its
+    context length, scale) -> out."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor: ...
+
 
 # Gathered K and V per decode chunk on CPU: about what stays in cache from gather to SDPA.
 _CPU_DECODE_CHUNK_BYTES = 3 << 20
@@ -46,11 +83,16 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
-        return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale)
-    return mixed_attention(q, k_cache, v_cache, meta, scale)
+        return decode_attention(
+            q, k_cache, v_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale, window=window, softcap=softcap
+        )
+    return mixed_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
 
 
 def decode_attention(
@@ -61,11 +103,14 @@ def decode_attention(
     block_tables: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence: q (num_seqs, num_heads, head_dim), its context already in the
     cache. max_seq_len is a host-side upper bound of seq_lens (it sets the padding)."""
     if q.device.type != "cpu":
-        return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale)
+        return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale, window, softcap)
     # On CPU, a few sequences at a time: a chunk's gathered K and V stay in cache between the
     # gather and SDPA, and no allocation is big enough to be fresh pages every call (one padded
     # gather of a whole large batch is several times slower). The lengths are host memory here, so reading
@@ -74,7 +119,7 @@ def decode_attention(
     bytes_per_seq = 2 * max_seq_len * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
     seqs_per_chunk = max(1, _CPU_DECODE_CHUNK_BYTES // bytes_per_seq)
     if seqs_per_chunk >= num_seqs:
-        return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale)
+        return _padded_decode(q, k_cache, v_cache, seq_lens, block_tables, max_seq_len, scale, window, softcap)
     # Chunks of similar lengths: each pads only to its own longest context, so a batch of mixed
     # lengths gathers (and attends over) little more than its real tokens.
     lens = seq_lens.tolist()
@@ -94,6 +139,8 @@ def decode_attention(
                 block_tables.index_select(0, rows),
                 lens[chunk[-1]],
                 scale,
+                window,
+                softcap,
             ),
         )
     return out
@@ -107,6 +154,8 @@ def _padded_decode(
     block_tables: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -117,13 +166,18 @@ def _padded_decode(
     block_ids = block_tables[:, :num_blocks].reshape(-1).long()
     keys = _gather(k_cache, block_ids, q.dtype).view(num_seqs, max_ctx, num_kv_heads, head_dim)
     values = _gather(v_cache, block_ids, q.dtype).view(num_seqs, max_ctx, num_kv_heads, head_dim)
-    is_valid = torch.arange(max_ctx, device=q.device) < seq_lens.to(q.device, torch.long).unsqueeze(1)
-    out = F.scaled_dot_product_attention(
+    key_pos = torch.arange(max_ctx, device=q.device)
+    lens = seq_lens.to(q.device, torch.long).unsqueeze(1)
+    is_valid = key_pos < lens
+    if window > 0:
+        is_valid &= key_pos >= lens - window
+    out = _attend(
         q.reshape(num_seqs, num_kv_heads, group, head_dim),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=is_valid[:, None, None, :],
-        scale=scale,
+        is_valid[:, None, None, :],
+        scale,
+        softcap,
     )
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -157,9 +211,13 @@ def prefill_chunk_attention(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One sequence's chunk: q (q_len, num_heads, head_dim) are the last q_len tokens of its
-    seq_len-token context; token j attends to positions 0..seq_len - q_len + j."""
+    seq_len-token context; token j attends to positions 0..seq_len - q_len + j (the last `window`
+    of them when window > 0)."""
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     start = seq_len - q_len
@@ -180,8 +238,10 @@ def prefill_chunk_attention(
         queries = q.new_zeros(block_end - block_start, num_heads, head_dim)
         queries[first - block_start : last - block_start] = q[first - start : last - start]
         mask = positions[:block_end] <= positions[block_start:block_end, None]
-        attended = F.scaled_dot_product_attention(
-            queries.transpose(0, 1)[None], keys[:, :, :block_end], values[:, :, :block_end], attn_mask=mask[None, None], scale=scale
+        if window > 0:
+            mask &= positions[:block_end] > positions[block_start:block_end, None] - window
+        attended = _attend(
+            queries.transpose(0, 1)[None], keys[:, :, :block_end], values[:, :, :block_end], mask[None, None], scale, softcap
         )
         out[first - start : last - start] = attended[0, :, first - block_start : last - block_start].transpose(0, 1)
     return out
@@ -203,6 +263,9 @@ def mixed_attention(
     scale: float,
     decode: DecodeFn = decode_attention,
     prefill: PrefillFn | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """A step with prefill chunks: its decode rows together through `decode`, each chunk through
     `prefill` (None: prefill_chunk_attention)."""
@@ -225,12 +288,24 @@ def mixed_attention(
             meta.block_tables[index],
             max(seq_lens[s] for s in decode_seqs),
             scale,
+            window=window,
+            softcap=softcap,
         )
         out.index_copy_(0, rows, decoded)
     for s in (s for s in range(num_seqs) if q_lens[s] > 1):  # the few prefill chunks
         chunk = slice(starts[s], starts[s + 1])
-        out[chunk] = prefill(q[chunk], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale)
+        out[chunk] = prefill(q[chunk], k_cache, v_cache, meta.block_tables[s], seq_lens[s], scale, window=window, softcap=softcap)
     return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """SDPA of q over keys and values where mask is True, or with softcap > 0 the same in float32
+    with the scores capped (SDPA has no step between scores and softmax)."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,8 @@ from types import ModuleType
 
 import torch
 
+from tandem.kernels.attention_reference import FP8_MAX
+
 _MLP_COLUMNS = 1024  # SiLU-and-mul columns per program
 
 
@@ -78,7 +80,7 @@ def rotary_qk(
         _kernels().rotary_qk_kernel[(num_tokens,)](
             qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), sin.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            HEADS_PAD=next_power_of_2(num_heads + num_kv_heads), HALF=half, **_EXACT,
+            HEADS_PAD=next_power_of_2(num_heads + num_kv_heads), HALF=half, HALF_PAD=next_power_of_2(half), **_EXACT,
         )  # fmt: skip
     return q, k
 
@@ -97,7 +99,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """attention_reference.write_kv: token t's K and V (num_kv_heads, head_dim) into slot
+    """attention_reference.write_kv (an FP8 cache's values saturated to +-448): token t's K and V (num_kv_heads, head_dim) into slot
     slot_mapping[t] of the (num_blocks, block_size, num_kv_heads, head_dim) caches, whose blocks
     may be strided (a layer's view of the engine's cache); a token's heads must be contiguous."""
     num_tokens = k.shape[0]
@@ -113,6 +115,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             BLOCK_SIZE=k_cache.shape[1], ROW=row, ROW_PAD=next_power_of_2(row),
+            SATURATE=FP8_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0,
         )  # fmt: skip
 
 

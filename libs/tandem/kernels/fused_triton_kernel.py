@@ -62,29 +62,31 @@ def rotary_qk_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # NUM_HEADS + NUM_KV_HEADS rounded up to a power of two
     HALF: tl.constexpr,  # head_dim // 2
+    HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (Phi-3's 48 to 64), the rest masked
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)  # q's heads, then k's
-    dims = tl.arange(0, HALF)
+    dims = tl.arange(0, HALF_PAD)
+    is_dim = dims < HALF
     is_head = heads < NUM_HEADS + NUM_KV_HEADS
     source = qkv_ptr + token * qkv_stride + heads[:, None] * (2 * HALF) + dims[None, :]
-    first = tl.load(source, mask=is_head[:, None], other=0.0).to(tl.float32)
-    second = tl.load(source + HALF, mask=is_head[:, None], other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + token * cos_stride + dims)[None, :]
-    sin = tl.load(sin_ptr + token * sin_stride + dims)[None, :]
+    first = tl.load(source, mask=is_head[:, None] & is_dim[None, :], other=0.0).to(tl.float32)
+    second = tl.load(source + HALF, mask=is_head[:, None] & is_dim[None, :], other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * cos_stride + dims, mask=is_dim, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + token * sin_stride + dims, mask=is_dim, other=0.0)[None, :]
     rotated_first = (first * cos - second * sin).to(q_ptr.dtype.element_ty)
     rotated_second = (second * cos + first * sin).to(q_ptr.dtype.element_ty)
 
     is_q = heads < NUM_HEADS
     q_head = tl.where(is_q, heads, 0)
     q_out = q_ptr + token * (NUM_HEADS * 2 * HALF) + q_head[:, None] * (2 * HALF) + dims[None, :]
-    tl.store(q_out, rotated_first, mask=is_q[:, None])
-    tl.store(q_out + HALF, rotated_second, mask=is_q[:, None])
+    tl.store(q_out, rotated_first, mask=is_q[:, None] & is_dim[None, :])
+    tl.store(q_out + HALF, rotated_second, mask=is_q[:, None] & is_dim[None, :])
     is_k = (heads >= NUM_HEADS) & is_head
     k_head = tl.where(is_k, heads - NUM_HEADS, 0)
     k_out = k_ptr + token * (NUM_KV_HEADS * 2 * HALF) + k_head[:, None] * (2 * HALF) + dims[None, :]
-    tl.store(k_out, rotated_first, mask=is_k[:, None])
-    tl.store(k_out + HALF, rotated_second, mask=is_k[:, None])
+    tl.store(k_out, rotated_first, mask=is_k[:, None] & is_dim[None, :])
+    tl.store(k_out + HALF, rotated_second, mask=is_k[:, None] & is_dim[None, :])
 
 
 @triton.jit
@@ -114,6 +116,7 @@ def write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     ROW: tl.constexpr,  # num_kv_heads * head_dim, a token's K (or V), contiguous in both
     ROW_PAD: tl.constexpr,
+    SATURATE: tl.constexpr,  # an FP8 cache: values clamped to +-SATURATE (448 for e4m3) before the cast
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -123,6 +126,9 @@ def write_kv_kernel(
     is_col = cols < ROW
     k = tl.load(k_ptr + token * k_stride_t + cols, mask=is_col)
     v = tl.load(v_ptr + token * v_stride_t + cols, mask=is_col)
+    if SATURATE > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -SATURATE), SATURATE)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -SATURATE), SATURATE)
     k_dst = k_cache_ptr + block * k_cache_stride_b + offset * k_cache_stride_s + cols
     v_dst = v_cache_ptr + block * v_cache_stride_b + offset * v_cache_stride_s + cols
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=is_col)

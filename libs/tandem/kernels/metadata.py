@@ -22,8 +22,8 @@ sits at absolute position `seq_lens[s] - q_len[s] + j` and attends to positions 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -59,6 +59,22 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
-# attention(q, k, v, k_cache, v_cache, meta, scale) -> out: every backend (tandem.kernels) has this
-# signature; see tandem.kernels.attention_reference for the contract.
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+class AttentionFn(Protocol):
+    """What every attention backend (tandem.kernels) is; see tandem.kernels.attention_reference for
+    the contract. window > 0: a token at position p attends to positions p - window + 1 .. p only
+    (a sliding window); 0: its whole causal context. softcap > 0: every score (already times
+    `scale`) becomes softcap * tanh(score / softcap) before the mask and softmax; 0: none."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor: ...

@@ -20,6 +20,7 @@ from tandem.kernels.fused_triton import is_triton_available
 from tandem.kernels.metadata import AttentionMetadata
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn  # a cache dtype under any of _DTYPES: widened to q's dtype as it is read
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _KV_TILE = 64  # keys per kernel loop iteration
 _DECODE_ROWS = 16  # query rows per program in a decode-only step: tl.dot's minimum
@@ -34,8 +35,13 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     check_inputs(q, k, v, k_cache, v_cache, meta)
+    if window < 0 or softcap < 0:
+        raise _invalid(f"window {window} and softcap {softcap} must be >= 0 (0: none)")
     kernels = _kernel_module()
     if q.device.type != "cuda" and not kernels.is_interpreted():
         raise _invalid(
@@ -51,7 +57,11 @@ def paged_attention_triton(
     # A program's rows are query tokens x the group's heads (padded to a power of two): in a
     # decode step one token's heads, padded up to tl.dot's 16 rows; with prefill chunks, as many
     # tokens as fit in 64 rows.
-    rows = _DECODE_ROWS if meta.max_query_len == 1 else _PREFILL_ROWS
+    # Past 128 lanes of head (Gemma 2's 256) half the rows and keys a program holds, so its tiles
+    # take the same registers and shared memory as at 128.
+    head_pad = max(16, fused_triton.next_power_of_2(head_dim))
+    is_wide = head_pad > 128
+    rows = _DECODE_ROWS if meta.max_query_len == 1 else _PREFILL_ROWS // (2 if is_wide else 1)
     block_q = max(1, rows // group_pad)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -66,6 +76,8 @@ def paged_attention_triton(
         meta.query_start_loc,
         meta.seq_lens,
         scale * kernels.LOG2_E,
+        window,
+        softcap * kernels.LOG2_E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -82,8 +94,10 @@ def paged_attention_triton(
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
         BLOCK_SIZE=block_size,
-        KV_TILE=_KV_TILE,
+        KV_TILE=_KV_TILE // (2 if is_wide else 1),
         HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
@@ -108,8 +122,8 @@ def check_inputs(
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise _invalid(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise _invalid(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not 0 < head_dim <= 512:
+        raise _invalid(f"head_dim must be 1 to 512, got {head_dim}")
     if num_heads % num_kv_heads:
         raise _invalid(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     for name, new in (("k", k), ("v", v)):
@@ -118,8 +132,10 @@ def check_inputs(
     if q.dtype not in _DTYPES:
         raise _invalid(f"q dtype {q.dtype} is not one of {_DTYPES}")
     for name, tensor in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.dtype != q.dtype:
-            raise _invalid(f"{name} dtype {tensor.dtype} != q dtype {q.dtype}")
+        if tensor.dtype != q.dtype and not (name.endswith("_cache") and tensor.dtype == _FP8):
+            raise _invalid(f"{name} dtype {tensor.dtype} != q dtype {q.dtype} (nor {_FP8} for a cache)")
+    if k_cache.dtype != v_cache.dtype:
+        raise _invalid(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
     # The kernel is handed every stride but the head dimension's, which must be 1 (vector loads).
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if tensor.stride(-1) != 1:

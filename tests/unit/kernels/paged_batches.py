@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.attention_reference import to_cache_dtype
 from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 
 LAYER = 1  # the layer under test; the cache has NUM_LAYERS so a write to the wrong layer shows
@@ -45,11 +46,13 @@ class PagedStep:
     meta: AttentionMetadata
     scale: float
 
-    def run(self, attention: Callable[..., torch.Tensor], kv_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, attention: Callable[..., torch.Tensor], kv_cache: torch.Tensor | None = None, **options: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention's output and the whole cache after it ran, on a copy of the step's cache
-        (or on `kv_cache` when given)."""
+        (or on `kv_cache` when given); `options`: window and softcap."""
         kv_cache = self.kv_cache.clone() if kv_cache is None else kv_cache
-        out = attention(self.q, self.k, self.v, kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1], self.meta, self.scale)
+        out = attention(self.q, self.k, self.v, kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1], self.meta, self.scale, **options)
         return out, kv_cache
 
     def expected_cache(self) -> torch.Tensor:
@@ -57,8 +60,8 @@ class PagedStep:
         expected = self.kv_cache.clone()
         block_size = self.kv_cache.shape[3]
         for token, slot in enumerate(self.meta.slot_mapping.tolist()):
-            expected[slot // block_size, LAYER, 0, slot % block_size] = self.k[token]
-            expected[slot // block_size, LAYER, 1, slot % block_size] = self.v[token]
+            expected[slot // block_size, LAYER, 0, slot % block_size] = to_cache_dtype(self.k[token], expected.dtype)
+            expected[slot // block_size, LAYER, 1, slot % block_size] = to_cache_dtype(self.v[token], expected.dtype)
         return expected
 
 
@@ -70,6 +73,7 @@ def make_step(
     head_dim: int = 32,
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
     seed: int = 0,
     spare_blocks: int = 7,
     device: str = "cpu",
@@ -88,7 +92,7 @@ def make_step(
         slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(cached, cached + new)]
 
     shape = KvCacheShape(num_blocks, NUM_LAYERS, block_size, num_kv_heads, head_dim)
-    kv_cache = torch.randn(shape.as_tuple(), generator=generator).to(dtype)
+    kv_cache = torch.randn(shape.as_tuple(), generator=generator).to(cache_dtype or dtype)
     num_tokens = len(slots)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)

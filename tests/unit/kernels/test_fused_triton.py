@@ -14,14 +14,14 @@ from tandem.kernels import fused_triton
 @needs_triton
 def test_fused_kernels_match_torch_in_the_interpreter() -> None:
     results = interpreted_results("triton_fused_check.py")
-    assert len(results) == 15 and results[-1]["case"] == "fused_layers_float32"
+    assert len(results) == 21 and results[-1]["case"] == "fused_layers_float32"
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_kernels_match_torch_on_cuda(dtype: torch.dtype) -> None:
     results = list(cases("cuda", dtype))
-    assert len(results) == 7 and all(result["ok"] for result in results), results
+    assert len(results) == 10 and all(result["ok"] for result in results), results
 
 
 def test_the_models_call_them_on_cuda_tensors_only() -> None:

@@ -17,6 +17,7 @@ from tandem.kernels import paged_attention_reference, paged_attention_triton, se
 def test_triton_kernel_matches_reference_in_interpreter() -> None:
     cases = {result["case"] for result in interpreted_results("triton_interpret_check.py")}
     assert {"decode_gqa3_fp32", "mixed_gqa3_fp32", "mixed_gqa3_fp16", "mixed_nan_past_context_fp32"} <= cases
+    assert {"mixed_gqa3_hd96_fp32", "mixed_window20_fp32", "decode_window9_softcap2_fp32", "mixed_fp8_cache_fp16"} <= cases
 
 
 @needs_cuda
@@ -31,6 +32,33 @@ def test_triton_kernel_matches_reference_on_cuda(batch: list[tuple[int, int]], h
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.cpu(), expected, atol=tolerance, rtol=tolerance)
     assert torch.equal(kv_cache, step.expected_cache())
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("head_dim", "cache_dtype", "window", "softcap"),
+    [
+        (64, None, 20, 0.0),
+        (64, None, 0, 1.0),
+        (96, None, 37, 2.0),
+        (256, None, 0, 0.0),
+        (64, torch.float8_e4m3fn, 0, 0.0),
+        (96, torch.float8_e4m3fn, 25, 3.0),
+    ],
+    ids=["window20", "softcap1", "hd96_window37_softcap2", "hd256", "fp8", "fp8_hd96_window25_softcap3"],
+)
+def test_triton_kernel_serves_windows_soft_caps_head_sizes_and_fp8_caches_on_cuda(
+    head_dim: int, cache_dtype: torch.dtype | None, window: int, softcap: float, dtype: torch.dtype
+) -> None:
+    """On the GPU the FP8 cache's writes round as torch rounds (the interpreter cannot check that)."""
+    step = make_step(MIXED, num_heads=9, num_kv_heads=3, head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype, device="cuda")
+    step.k[0, 0, :2] = torch.tensor([1000.0, -1000.0])  # saturated in an FP8 cache
+    expected, expected_cache = _on_cpu(step).run(paged_attention_reference, window=window, softcap=softcap)
+    out, kv_cache = step.run(paged_attention_triton, window=window, softcap=softcap)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.cpu(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(kv_cache.cpu(), expected_cache)
 
 
 @needs_cuda
@@ -55,16 +83,23 @@ def step() -> PagedStep:
     return make_step(MIXED, num_heads=6, num_kv_heads=2, head_dim=32)
 
 
-def test_wrapper_rejects_head_dim_not_a_power_of_two() -> None:
-    odd = make_step(MIXED, num_heads=6, num_kv_heads=2, head_dim=24)
-    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16, got 24"):
-        _call(odd)
+def test_wrapper_rejects_head_dim_over_512() -> None:
+    large = make_step(MIXED[:2], num_heads=2, num_kv_heads=1, head_dim=520)
+    with pytest.raises(ValueError, match="head_dim must be 1 to 512, got 520"):
+        _call(large)
 
 
-def test_wrapper_rejects_head_dim_below_16() -> None:
-    small = make_step(MIXED, num_heads=6, num_kv_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16, got 8"):
-        _call(small)
+def test_wrapper_rejects_a_negative_window(step: PagedStep) -> None:
+    with pytest.raises(ValueError, match="window -1 and softcap 0.0 must be >= 0"):
+        paged_attention_triton(step.q, step.k, step.v, step.kv_cache[:, 1, 0], step.kv_cache[:, 1, 1], step.meta, step.scale, window=-1)
+
+
+def test_wrapper_takes_an_fp8_cache_but_no_other_cache_dtype_unlike_q(step: PagedStep) -> None:
+    fp8 = step.kv_cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_cache dtype torch.float8_e4m3fn != v_cache dtype torch.float32"):
+        _call(step, k_cache=fp8[:, 1, 0])
+    with pytest.raises(ValueError, match=r"k_cache dtype torch.float16 != q dtype torch.float32 \(nor torch.float8_e4m3fn for a cache\)"):
+        _call(step, k_cache=step.kv_cache[:, 1, 0].half())
 
 
 def test_wrapper_rejects_q_without_contiguous_head_dim(step: PagedStep) -> None:

@@ -52,6 +52,17 @@ def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
     yield _equal(f"rotary_q_{name}", q, want_q)
     yield _equal(f"rotary_k_{name}", k, want_k)
 
+    # Phi-3's head size, 96: half of it (48) is not a power of two, the kernel pads it to 64
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * 96)
+    angles = torch.rand(num_tokens, 1, 48, generator=generator).to(device) * 50.0
+    cos, sin = angles.cos(), angles.sin()
+    q, k = fused_triton.rotary_qk(qkv, cos, sin, num_heads, num_kv_heads)
+    q_size, kv_size = num_heads * 96, num_kv_heads * 96
+    yield _equal(f"rotary_q_hd96_{name}", q, apply_rotary(qkv[:, :q_size].reshape(num_tokens, num_heads, 96), cos, sin))
+    yield _equal(
+        f"rotary_k_hd96_{name}", k, apply_rotary(qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, 96), cos, sin)
+    )
+
     gate_up = randn(4, 2 * 1100)  # two programs a row, the second partly masked
     gate, up = gate_up.chunk(2, dim=-1)
     yield _close(f"silu_and_mul_{name}", fused_triton.silu_and_mul(gate_up), F.silu(gate) * up, TOLERANCE[dtype])
@@ -70,6 +81,19 @@ def cases(device: str, dtype: torch.dtype) -> Iterator[dict]:
     fused_triton.write_kv(new_k, new_v, cache[:, 1, 0], cache[:, 1, 1], slots)
     write_kv(new_k, new_v, expected[:, 1, 0], expected[:, 1, 1], slots)
     yield _equal(f"write_kv_{name}", cache, expected)
+
+    # An FP8 cache: values saturated to +-448 and rounded to e4m3. Triton's interpreter rounds to
+    # e4m3 wrongly (31.66 became 16), so there the values are e4m3's own (the saturation and the
+    # store checked); compiled on CUDA, randn * 100 rounds as torch rounds.
+    fp8_cache = torch.zeros(6, 3, 2, 8, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn, device=device)
+    fp8_expected = fp8_cache.clone()
+    new_k, new_v = 100 * randn(5, num_kv_heads, head_dim), randn(5, num_kv_heads, head_dim)
+    if device == "cpu":
+        new_k = new_k.to(torch.float8_e4m3fn).to(dtype)
+    new_k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, -500.0])
+    fused_triton.write_kv(new_k, new_v.to(torch.float8_e4m3fn).to(dtype), fp8_cache[:, 1, 0], fp8_cache[:, 1, 1], slots)
+    write_kv(new_k, new_v.to(torch.float8_e4m3fn).to(dtype), fp8_expected[:, 1, 0], fp8_expected[:, 1, 1], slots)
+    yield _equal(f"write_kv_fp8_{name}", fp8_cache, fp8_expected)
 
 
 def fused_layers_case() -> dict:

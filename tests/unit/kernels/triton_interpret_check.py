@@ -30,6 +30,15 @@ CASES = {
     "mixed_mha_fp32": (MIXED[:6], 2, 2, 32, 16, torch.float32),
     "mixed_gqa3_fp16": (MIXED[:6], 3, 1, 16, 16, torch.float16),
     "mixed_gqa3_block8_fp32": (MIXED[:6], 6, 2, 16, 8, torch.float32),
+    "mixed_gqa3_hd24_fp32": (MIXED[:6], 3, 1, 24, 16, torch.float32),  # head sizes padded to a power of two
+    "mixed_gqa3_hd96_fp32": (MIXED[:4], 3, 1, 96, 16, torch.float32),
+}
+# name: (batch, num_heads, num_kv_heads, dtype, window, softcap)
+WINDOW_CASES = {
+    "mixed_window20_fp32": (MIXED[:6], 6, 2, torch.float32, 20, 0.0),
+    "mixed_softcap1_fp32": (MIXED[:6], 6, 2, torch.float32, 0, 1.0),
+    "decode_window9_softcap2_fp32": (DECODE_ONLY[:5], 6, 2, torch.float32, 9, 2.0),
+    "mixed_window7_fp16": (MIXED[:6], 3, 1, torch.float16, 7, 0.0),
 }
 
 
@@ -53,10 +62,10 @@ def work_around_triton_9171() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def check(name: str, step: PagedStep, dtype: torch.dtype, garbage: float | None = None) -> dict:
-    expected, _ = step.run(paged_attention_reference)
+def check(name: str, step: PagedStep, dtype: torch.dtype, garbage: float | None = None, **options: float) -> dict:
+    expected, _ = step.run(paged_attention_reference, **options)
     cache = None if garbage is None else fill_unowned_slots(step, garbage)
-    out, kv_cache = step.run(paged_attention_triton, cache)
+    out, kv_cache = step.run(paged_attention_triton, cache, **options)
     error = (out.float() - expected.float()).abs().max().item()
     is_close = torch.allclose(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     is_written = garbage is not None or torch.equal(kv_cache, step.expected_cache())
@@ -73,6 +82,15 @@ def main() -> int:
         shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         step = make_step(batch, **shape, dtype=dtype, seed=len(results))
         results.append(check(name, step, dtype))
+    for name, (batch, num_heads, num_kv_heads, dtype, window, softcap) in WINDOW_CASES.items():
+        step = make_step(batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, dtype=dtype, seed=len(results))
+        results.append(check(name, step, dtype, window=window, softcap=softcap))
+    # An FP8 cache, widened to q's dtype as it is read. The new k and v are e4m3 values already:
+    # the interpreter rounds to e4m3 wrongly (the CUDA test checks the rounding).
+    for dtype, name in ((torch.float32, "fp32"), (torch.float16, "fp16")):
+        step = make_step(MIXED[:6], num_heads=6, num_kv_heads=2, head_dim=16, dtype=dtype, cache_dtype=torch.float8_e4m3fn, seed=50)
+        step.k, step.v = step.k.to(torch.float8_e4m3fn).to(dtype), step.v.to(torch.float8_e4m3fn).to(dtype)
+        results.append(check(f"mixed_fp8_cache_{name}", step, dtype, window=11))
     step = make_step(MIXED[:6], num_heads=6, num_kv_heads=2, head_dim=16, seed=99)
     results.append(check("mixed_nan_past_context_fp32", step, torch.float32, garbage=float("nan")))
     # q as the model makes it: a strided view into the fused qkv projection's output.

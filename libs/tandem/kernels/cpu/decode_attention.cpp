@@ -6,6 +6,11 @@
 // cache by bf16 dot products (products exact in float32), and each V row is widened into
 // registers once for the whole group. A row's arithmetic is in a fixed order whatever the batch,
 // so it gets the same bits alone or in any company.
+//
+// A sliding window (window > 0): a row reads only from the block holding its window's first key
+// on (the block table read from there, as if the context began at that block), the keys before
+// the window in that block masked. A soft-cap (softcap > 0): one pass over a row's scores. Both
+// sit outside the inner loops, so window 0 and softcap 0 run the plain kernel.
 
 #include "attention.h"
 #include "kv_cache.h"
@@ -18,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -239,12 +245,23 @@ template <int64_t HD, typename T>
 bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* block, int64_t count, int64_t stride, float* acc);
 #endif
 
+// scores[g * len + t] for the group's `group` rows of `len` scores: capped (softcap * tanh(score /
+// softcap)) where softcap > 0, and -infinity for the first `num_masked` (keys before the window).
+inline void cap_and_mask(float* scores, int64_t group, int64_t len, int64_t num_masked, float softcap) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    if (softcap > 0.f)
+      for (int64_t t = num_masked; t < len; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
+    for (int64_t t = 0; t < num_masked; ++t) sg[t] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 // HD: the head dimension when known at compile time (the loops over it unroll and a query's
 // running output stays in registers), 0 for any other. T: q's and out's type; C: the cache's (T,
-// or bf16 under float32 q: rows widened exactly to float as they are read).
+// bf16 under float32 q, or FP8 e4m3: rows widened exactly to float as they are read).
 template <typename T, typename C, int64_t HD>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
-                   const at::Tensor& block_tables, double scale, at::Tensor& out) {
+                   const at::Tensor& block_tables, double scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = HD > 0 ? HD : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -283,8 +300,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     std::vector<float> queries(group * head_dim), rows(block_size * head_dim), acc(group * head_dim), totals(group), scores;
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = lens[s];
-      const int32_t* table = tables + s * table_stride;
+      // The keys read: from the block holding the window's first key (position lens[s] - window)
+      // to the end, its keys before the window masked; the whole context without a window.
+      const int64_t window_start = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+      const int64_t span_start = window_start / block_size * block_size, num_masked = window_start - span_start;
+      const int64_t len = lens[s] - span_start;
+      const int32_t* table = tables + s * table_stride + span_start / block_size;
       for (int64_t g = 0; g < group; ++g) {
         float* qg = queries.data() + g * head_dim;
         to_float(q_ptr + s * qs + (h * group + g) * qh, qg, head_dim);
@@ -337,6 +358,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           }
         }
       }
+      if (softcap > 0.f || num_masked > 0) cap_and_mask(scores.data(), group, len, num_masked, softcap);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
         if constexpr (kVectorPath) {
@@ -403,7 +425,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 }  // namespace
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
-                        const at::Tensor& block_tables, double scale) {
+                        const at::Tensor& block_tables, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU (seqs, heads, head_dim) tensor with unit last stride");
   check_cache(k_cache, q, "k_cache");
   check_cache(v_cache, q, "v_cache");
@@ -429,15 +452,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const auto run = [&](auto q_type, auto cache_type) {
     using T = decltype(q_type);
     using C = decltype(cache_type);
+    const float cap = static_cast<float>(softcap);
     if (q.size(2) == 64)
-      decode_kernel<T, C, 64>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+      decode_kernel<T, C, 64>(q, k_cache, v_cache, seq_lens, block_tables, scale, window, cap, out);
+    else if (q.size(2) == 96)  // Phi-3's
+      decode_kernel<T, C, 96>(q, k_cache, v_cache, seq_lens, block_tables, scale, window, cap, out);
     else if (q.size(2) == 128)
-      decode_kernel<T, C, 128>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+      decode_kernel<T, C, 128>(q, k_cache, v_cache, seq_lens, block_tables, scale, window, cap, out);
+    else if (q.size(2) == 256)  // Gemma 2's
+      decode_kernel<T, C, 256>(q, k_cache, v_cache, seq_lens, block_tables, scale, window, cap, out);
     else
-      decode_kernel<T, C, 0>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+      decode_kernel<T, C, 0>(q, k_cache, v_cache, seq_lens, block_tables, scale, window, cap, out);
   };
   if (is_bf16_cache_of_float(k_cache, q))
     run(float{}, c10::BFloat16{});
+  else if (is_fp8_cache(k_cache, q) && q.scalar_type() == at::kFloat)
+    run(float{}, c10::Float8_e4m3fn{});
+  else if (is_fp8_cache(k_cache, q))
+    run(c10::BFloat16{}, c10::Float8_e4m3fn{});
   else
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] { run(scalar_t{}, scalar_t{}); });
   return out;

@@ -39,7 +39,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const
     const at::Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads, head_dim});
     at::Tensor k_cache = k_caches.select(1, l), v_cache = v_caches.select(1, l);
     write_kv(k, v, k_cache, v_cache, slot_mapping);
-    const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale);
+    const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, 0, 0.0);
     std::tie(h, normed) = add_rms_norm(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1)), w[3], eps);
     const at::Tensor down = packed_mm(silu_mul(packed_mm(normed, w[4], scale_of(2))), w[5], scale_of(3));
     if (l + 1 < layers)

@@ -14,12 +14,12 @@ namespace tandem::cpu {
 
 // decode_attention.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_lens,
-                        const at::Tensor& block_tables, double scale);
+                        const at::Tensor& block_tables, double scale, int64_t window, double softcap);
 
 // prefill_attention.cpp
 bool prefill_supported(int64_t head_dim, at::ScalarType dtype);
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table, int64_t seq_len,
-                         double scale);
+                         double scale, int64_t window, double softcap);
 
 // write_kv.cpp
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping);

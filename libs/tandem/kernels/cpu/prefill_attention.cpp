@@ -1,6 +1,13 @@
 // Paged prefill attention (paged_prefill): a prompt chunk's query rows against their causal
 // contexts, K and V read in place through the block table, with AVX-512 (and AVX512-BF16 for bf16
 // queries over a bf16 cache) or AVX2 and FMA; prefill_supported says where it serves.
+//
+// A sliding window (window > 0): row j attends to positions max(0, start + j + 1 - window) ..
+// start + j. A tile scores and sums from its first row's window start (rounded down to the key
+// group and block), each row's softmax over its own window, its weights before the window zero;
+// keys before the chunk's first window are never transposed. A soft-cap (softcap > 0): one pass
+// over a row's scores before its softmax. Both branch outside the inner loops: window 0 and
+// softcap 0 run as without them.
 
 #include "attention.h"
 #include "kv_cache.h"
@@ -13,12 +20,21 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 namespace tandem::cpu {
 namespace {
+
+// A row's window start: the first position that position `last` attends to (0 without a window).
+inline int64_t window_start(int64_t last, int64_t window) { return window > 0 ? std::max<int64_t>(0, last + 1 - window) : 0; }
+
+// row[first .. end) capped: softcap * tanh(score / softcap).
+inline void cap_scores(float* row, int64_t first, int64_t end, float softcap) {
+  for (int64_t t = first; t < end; ++t) row[t] = softcap * std::tanh(row[t] / softcap);
+}
 
 #if defined(__AVX512F__)
 constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with its group's heads)
@@ -133,7 +149,7 @@ inline void weights_to_bf16(const float* p, int64_t len, c10::BFloat16* out) {
 // prompt is chunked or tiled.
 template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
-                    double scale, at::Tensor& out) {
+                    double scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t q_len = q.size(0), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, start = seq_len - q_len;
@@ -149,6 +165,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t num_tiles = (q_len + kPrefillTileRows - 1) / kPrefillTileRows;
   const int64_t num_tasks = num_tiles * num_kv_heads;
   const int64_t padded_len = (seq_len + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce, key_groups = padded_len / kKeysAtOnce;
+  const int64_t chunk_first = window_start(start, window);  // the first key any row reads
 #if defined(__AVX512BF16__)
   // bf16 queries over a bf16 cache are scored by bf16 dot products of the values as stored.
   constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
@@ -167,6 +184,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     float row[HD];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / key_groups, key0 = (item % key_groups) * kKeysAtOnce;
+      if (key0 + kKeysAtOnce <= chunk_first) continue;  // before every row's window
       float* keys_t = kPairs ? nullptr : all_keys_t.data() + item * HD * kKeysAtOnce;
       int32_t* keys_p = kPairs ? all_keys_p.data() + item * (HD / 2) * kKeysAtOnce : nullptr;
       if constexpr (kPairs) {
@@ -206,12 +224,13 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     std::vector<int32_t> query_pairs(kPairs ? max_queries * HD / 2 : 0);
     std::vector<float> scores(max_queries * padded_len);
     std::vector<c10::BFloat16> weights(kPairs ? max_queries * padded_len : 0);  // bf16 numerators, for kPairs
-    std::vector<int64_t> lens(max_queries);
+    std::vector<int64_t> lens(max_queries), firsts(max_queries);
     // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
       const int64_t first_row = tile * kPrefillTileRows, end_row = std::min(q_len, first_row + kPrefillTileRows);
       const int64_t num_queries = (end_row - first_row) * group, context = start + end_row;  // keys the tile's last row sees
+      const int64_t tile_first = window_start(start + first_row, window);                    // the first key its first row sees
       for (int64_t r = first_row; r < end_row; ++r)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t index = (r - first_row) * group + g;
@@ -225,9 +244,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
               _mm512_storeu_ps(qg + 16 * c, _mm512_mul_ps(load16(q_ptr + r * qs + (h * group + g) * qh + 16 * c), _mm512_set1_ps(fscale)));
           }
           lens[index] = start + r + 1;
+          firsts[index] = window_start(start + r, window);
         }
-      // Scores, 32 keys (one lane each) at a time; the scores of keys past `context` are never read.
-      for (int64_t key0 = 0; key0 < context; key0 += kKeysAtOnce) {
+      // Scores, 32 keys (one lane each) at a time; the scores of keys past `context` (or before a
+      // query's window) are never read.
+      for (int64_t key0 = tile_first / kKeysAtOnce * kKeysAtOnce; key0 < context; key0 += kKeysAtOnce) {
         const int64_t count = std::min<int64_t>(kKeysAtOnce, context - key0);
         float* out = scores.data() + key0;
         int64_t q0 = 0;
@@ -258,21 +279,31 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           for (; q0 < num_queries; ++q0) score_queries<HD, 1, 1>(queries.data() + q0 * HD, keys_t, out + q0 * padded_len, padded_len);
         }
       }
-      for (int64_t index = 0; index < num_queries; ++index) totals[index] = softmax_numerators(scores.data() + index * padded_len, lens[index]);
+      // Each query's softmax over its window; its weights from the tile's first V row (a block or a
+      // pair's start) to its own window's start zero, so the shared sums below add nothing there.
+      const int64_t v_first = kPairs ? tile_first / 2 * 2 : tile_first / block_size * block_size;
+      for (int64_t index = 0; index < num_queries; ++index) {
+        float* row = scores.data() + index * padded_len;
+        if (softcap > 0.f) cap_scores(row, firsts[index], lens[index], softcap);
+        totals[index] = softmax_numerators(row + firsts[index], lens[index] - firsts[index]);
+        std::fill(row + v_first, row + firsts[index], 0.f);
+      }
       std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         // Each query's numerators rounded to bf16 (zero past its own context, to a whole pair),
         // then summed against the V pairs by bf16 dot products: up to its shortest member's
         // context a group of queries shares every pair it loads, then each goes on alone.
+        const int64_t pair_first = v_first / 2, convert_first = v_first / 16 * 16;
         for (int64_t index = 0; index < num_queries; ++index)
-          weights_to_bf16(scores.data() + index * padded_len, lens[index], weights.data() + index * padded_len);
-        const int32_t* values = all_values_p.data() + h * padded_len * HD / 2;
-        const auto pairs_of = [&](int64_t index) { return reinterpret_cast<const int32_t*>(weights.data() + index * padded_len); };
+          weights_to_bf16(scores.data() + index * padded_len + convert_first, lens[index] - convert_first,
+                          weights.data() + index * padded_len + convert_first);
+        const int32_t* values = all_values_p.data() + h * padded_len * HD / 2 + pair_first * HD;
+        const auto pairs_of = [&](int64_t index) { return reinterpret_cast<const int32_t*>(weights.data() + index * padded_len) + pair_first; };
         constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V pair is loaded for (their sums in registers)
         int64_t index = 0;
         for (; index + shared <= num_queries; index += shared) {
-          const int64_t common = (lens[index] + 1) / 2;  // lens grow with index
+          const int64_t common = (lens[index] + 1) / 2 - pair_first;  // lens grow with index
           const int32_t* w[shared];
           float* a[shared];
           for (int64_t m = 0; m < shared; ++m) {
@@ -281,7 +312,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           }
           accumulate_pairs<HD, shared>(w, values, common, a);
           for (int64_t m = 0; m < shared; ++m) {
-            const int64_t own = (lens[index + m] + 1) / 2;
+            const int64_t own = (lens[index + m] + 1) / 2 - pair_first;
             const int32_t* wm = w[m] + common;
             float* am = a[m];
             if (own > common) accumulate_pairs<HD, 1>(&wm, values + common * HD, own - common, &am);
@@ -290,11 +321,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         for (; index < num_queries; ++index) {
           const int32_t* w = pairs_of(index);
           float* a = acc.data() + index * HD;
-          accumulate_pairs<HD, 1>(&w, values, (lens[index] + 1) / 2, &a);
+          accumulate_pairs<HD, 1>(&w, values, (lens[index] + 1) / 2 - pair_first, &a);
         }
 #endif
       } else {
-        for (int64_t first = 0; first < context; first += block_size) {
+        for (int64_t first = v_first; first < context; first += block_size) {
           const int64_t count = std::min(block_size, context - first);
           rows_to_float<HD>(v_ptr + table[first / block_size] * vb + h * vh, count, vs, rows.data());
           constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V row is loaded for (their sums in registers)
@@ -359,7 +390,7 @@ inline void score_queries(const float* queries, const float* keys_t, float* out,
 
 template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
-                    double scale, at::Tensor& out) {
+                    double scale, int64_t window, float softcap, at::Tensor& out) {
   static_assert(HD % 64 == 0, "the V sums go 64 dimensions at a time");
   const int64_t q_len = q.size(0), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -376,11 +407,13 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t num_tiles = (q_len + kPrefillTileRows - 1) / kPrefillTileRows;
   const int64_t num_tasks = num_tiles * num_kv_heads;
   const int64_t padded_len = (seq_len + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce, key_groups = padded_len / kKeysAtOnce;
+  const int64_t chunk_first = window_start(start, window);  // the first key any row reads
   // Every kv head's keys widened and transposed once (lanes past seq_len zero), as above.
   std::vector<float> all_keys_t(num_kv_heads * key_groups * HD * kKeysAtOnce);
   at::parallel_for(0, num_kv_heads * key_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / key_groups, key0 = (item % key_groups) * kKeysAtOnce;
+      if (key0 + kKeysAtOnce <= chunk_first) continue;  // before every row's window
       float* keys_t = all_keys_t.data() + item * HD * kKeysAtOnce;
       for (int64_t i = 0; i < kKeysAtOnce; ++i) {
         const int64_t position = key0 + i;
@@ -398,21 +431,24 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     const int64_t max_queries = kPrefillTileRows * group;
     std::vector<float> queries(max_queries * HD), acc(max_queries * HD), totals(max_queries);
     std::vector<float> scores(max_queries * padded_len);
-    std::vector<int64_t> lens(max_queries);
+    std::vector<int64_t> lens(max_queries), firsts(max_queries);
     // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
       const int64_t first_row = tile * kPrefillTileRows, end_row = std::min(q_len, first_row + kPrefillTileRows);
       const int64_t num_queries = (end_row - first_row) * group, context = start + end_row;  // keys the tile's last row sees
+      const int64_t tile_first = window_start(start + first_row, window);                    // the first key its first row sees
       for (int64_t r = first_row; r < end_row; ++r)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t index = (r - first_row) * group + g;
           const T* src = q_ptr + r * qs + (h * group + g) * qh;
           for (int64_t d = 0; d < HD; ++d) queries[index * HD + d] = static_cast<float>(src[d]) * fscale;
           lens[index] = start + r + 1;
+          firsts[index] = window_start(start + r, window);
         }
-      // Scores, 16 keys (one lane each) at a time; the scores of keys past `context` are never read.
-      for (int64_t key0 = 0; key0 < context; key0 += kKeysAtOnce) {
+      // Scores, 16 keys (one lane each) at a time; the scores of keys past `context` (or before a
+      // query's window) are never read.
+      for (int64_t key0 = tile_first / kKeysAtOnce * kKeysAtOnce; key0 < context; key0 += kKeysAtOnce) {
         const float* keys_t = all_keys_t.data() + (h * key_groups + key0 / kKeysAtOnce) * HD * kKeysAtOnce;
         float* out = scores.data() + key0;
         int64_t q0 = 0;
@@ -420,9 +456,18 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           score_queries<HD, kScoreQueries>(queries.data() + q0 * HD, keys_t, out + q0 * padded_len, padded_len);
         for (; q0 < num_queries; ++q0) score_queries<HD, 1>(queries.data() + q0 * HD, keys_t, out + q0 * padded_len, padded_len);
       }
-      for (int64_t index = 0; index < num_queries; ++index) totals[index] = softmax_numerators8(scores.data() + index * padded_len, lens[index]);
+      // As above: each query's softmax over its window (the masked softmax_numerators where it does
+      // not start at 0: softmax_numerators8 reads and writes whole lanes of eight past the end),
+      // its weights from the tile's first block to its window zero.
+      const int64_t v_first = tile_first / block_size * block_size;
+      for (int64_t index = 0; index < num_queries; ++index) {
+        float* row = scores.data() + index * padded_len;
+        if (softcap > 0.f) cap_scores(row, firsts[index], lens[index], softcap);
+        totals[index] = firsts[index] == 0 ? softmax_numerators8(row, lens[index]) : softmax_numerators(row + firsts[index], lens[index] - firsts[index]);
+        std::fill(row + v_first, row + firsts[index], 0.f);
+      }
       std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
-      for (int64_t first = 0; first < context; first += block_size) {
+      for (int64_t first = v_first; first < context; first += block_size) {
         const int64_t count = std::min(block_size, context - first);
         const C* block = v_ptr + table[first / block_size] * vb + h * vh;
         int64_t index = 0;
@@ -454,18 +499,23 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 
 }  // namespace
 
-// Whether paged_prefill serves q of this head size and dtype here (AVX-512, or AVX2 and FMA; a
-// head size of 64 or 128; a floating type other than double); the caller takes another path when not.
+// Whether paged_prefill serves q of this head size and dtype here (AVX-512 with a head size of 64,
+// 96, 128 or 256, or AVX2 and FMA with 64, 128 or 256: its V sums go 64 dimensions at a time; a
+// floating type other than double); the caller takes another path when not.
 bool prefill_supported(int64_t head_dim, at::ScalarType dtype) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  return (head_dim == 64 || head_dim == 128) && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
+  const bool is_served_type = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+#if defined(__AVX512F__)
+  return (head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256) && is_served_type;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && is_served_type;
 #else
   return false;
 #endif
 }
 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table, int64_t seq_len,
-                         double scale) {
+                         double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU (tokens, heads, head_dim) tensor with unit last stride");
   check_cache(k_cache, q, "k_cache");
   check_cache(v_cache, q, "v_cache");
@@ -488,14 +538,25 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     using T = decltype(q_type);
     using C = decltype(cache_type);
     if constexpr (!std::is_same_v<T, double>) {
+      const float cap = static_cast<float>(softcap);
       if (q.size(2) == 64)
-        prefill_kernel<T, C, 64>(q, k_cache, v_cache, table, seq_len, scale, out);
+        prefill_kernel<T, C, 64>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
+#if defined(__AVX512F__)
+      else if (q.size(2) == 96)
+        prefill_kernel<T, C, 96>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
+#endif
+      else if (q.size(2) == 128)
+        prefill_kernel<T, C, 128>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
       else
-        prefill_kernel<T, C, 128>(q, k_cache, v_cache, table, seq_len, scale, out);
+        prefill_kernel<T, C, 256>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
     }
   };
   if (is_bf16_cache_of_float(k_cache, q))
     run(float{}, c10::BFloat16{});
+  else if (is_fp8_cache(k_cache, q) && q.scalar_type() == at::kFloat)
+    run(float{}, c10::Float8_e4m3fn{});
+  else if (is_fp8_cache(k_cache, q))
+    run(c10::BFloat16{}, c10::Float8_e4m3fn{});
   else
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] { run(scalar_t{}, scalar_t{}); });
 #endif
