@@ -1,8 +1,10 @@
-"""What int8 weights cost in quality and buy in speed: SmolLM2-135M in the dtype against the same
-weights kept as int8 (TANDEM_QUANTIZATION=int8, the small model of `tandem up`); or, with
-`--against bf16kv`, what a bf16 KV cache under the float32 model costs (TANDEM_KV_CACHE_DTYPE=bf16).
+"""What 8-bit weights and KV caches cost in quality and buy in speed: SmolLM2-135M in the dtype
+against each `--against` variant of it, side by side: the same weights kept as int8
+(TANDEM_QUANTIZATION=int8, the small model of `tandem up`) or as fp8 e4m3 (TANDEM_QUANTIZATION=fp8,
+models/fp8.py); the model's own weights over an fp8 KV cache (`fp8kv`, TANDEM_KV_CACHE_DTYPE=fp8), or
+over a bf16 cache under the float32 model (`bf16kv`, TANDEM_KV_CACHE_DTYPE=bf16).
 
-    .venv/bin/python bench/quant_quality.py [--quick] [--threads N] [--against int8|bf16kv] [--out results.json]
+    .venv/bin/python bench/quant_quality.py [--quick] [--threads N] [--against int8,fp8,fp8kv,bf16kv] [--out results.json]
 
 Quality, on fixed inputs:
 - greedy agreement: the chat set (tandem.ops.chat_prompts) through the engine, `--new-tokens`
@@ -15,7 +17,7 @@ Speed: decode tokens/s at each `--batches` size: that many short chat prompts at
 writing `--decode-tokens` tokens, every decode step timed (`--repeats` runs per model, the two
 models alternating so that both see the same machine load); tokens/s = batch / step time, for the
 median step and the fastest (on a shared machine, the uncontended figure). Also the bytes of the
-projection weights.
+projection weights. The table ends with the host's CPU flags that the kernels use.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
 from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
+from tandem.models.files import Quantization
+from tandem.models.fp8 import Fp8Linear
 from tandem.models.loader import LoadedModel, load_model, resolve_kv_cache_dtype
 from tandem.models.packed import PackedLinear
 from tandem.models.quant import Int8Linear
@@ -41,6 +45,14 @@ from tandem.ops.chat_prompts import chat_set
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 FULL = dict(prompts=34, new_tokens=32, batches="1,8", decode_tokens=64, repeats=3)
 QUICK = dict(prompts=4, new_tokens=8, batches="1,2", decode_tokens=8, repeats=1)
+# variant -> (the weights' quantization, the KV cache dtype setting)
+VARIANTS: dict[str, tuple[Quantization, str]] = {
+    "int8": ("int8", "auto"),
+    "fp8": ("fp8", "auto"),
+    "fp8kv": ("none", "fp8"),
+    "bf16kv": ("none", "bf16"),
+}
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")  # what the C++ kernels are built for
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,7 +70,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--against", choices=("int8", "bf16kv"), default="int8", help="the variant compared: int8 weights, or a bf16 KV cache (fp32 only)"
+        "--against",
+        default="int8,fp8",
+        help=f"the variants compared, comma-separated: {', '.join(VARIANTS)} (bf16kv under fp32 only; default int8,fp8)",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
@@ -66,6 +80,9 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.batches = [int(n) for n in args.batches.split(",")]
+    args.against = [v.strip() for v in args.against.split(",")]
+    if unknown := [v for v in args.against if v not in VARIANTS]:
+        parser.error(f"--against: unknown {unknown} (one or more of {', '.join(VARIANTS)})")
     return args
 
 
@@ -148,13 +165,23 @@ def decode_step_times_s(loaded: LoadedModel, prompts: list[list[int]], num_token
     return times_s
 
 
-def is_int8(module: torch.nn.Module) -> bool:
-    """An int8 projection: quant.py's Int8Linear, or one packed for the CPU kernel (models/packed.py)."""
-    return isinstance(module, Int8Linear) or (isinstance(module, PackedLinear) and module.scale is not None)
+def is_quantized(module: torch.nn.Module) -> bool:
+    """An 8-bit projection: quant.py's Int8Linear, one packed for the CPU kernel (models/packed.py), or fp8.py's Fp8Linear."""
+    return isinstance(module, Int8Linear | Fp8Linear) or (isinstance(module, PackedLinear) and module.scale is not None)
+
+
+def cpu_flags() -> str:
+    """The host's CPU flags among those the kernels use (Linux), else the processor's name."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
 
 
 def projection_bytes(loaded: LoadedModel) -> int:
-    """Bytes of the attention and MLP projections (what int8 shrinks), scales included."""
+    """Bytes of the attention and MLP projections (what 8-bit weights shrink), scales included."""
     total = 0
     for layer in loaded.model.model.layers:
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -168,11 +195,13 @@ def main() -> None:
     num_threads = set_threads(args.threads)
     device, dtype = resolve_engine(args.device, args.dtype)
     attention = select_attention(device)
-    other = args.against
     base = load_model(None, dtype, device, attention)
-    models = {"dtype": base, other: base if other == "bf16kv" else load_model(None, dtype, device, attention, "int8")}
-    kv_dtypes = {"dtype": None, other: resolve_kv_cache_dtype("bf16", dtype, device, "--against bf16kv") if other == "bf16kv" else None}
-    assert other == "bf16kv" or any(is_int8(m) for m in models["int8"].model.modules())
+    models, kv_dtypes = {"dtype": base}, {"dtype": None}
+    for name in args.against:
+        quantization, kv_setting = VARIANTS[name]
+        models[name] = base if quantization == "none" else load_model(None, dtype, device, attention, quantization)
+        kv_dtypes[name] = None if kv_setting == "auto" else resolve_kv_cache_dtype(kv_setting, dtype, device, f"--against {name}")  # type: ignore[arg-type]
+        assert quantization == "none" or any(is_quantized(m) for m in models[name].model.modules())
     tokenizer = models["dtype"].tokenizer
     conversations = chat_set()[: args.prompts]
     prompts = [tokenizer.encode_chat(messages) for messages in conversations]
@@ -180,7 +209,7 @@ def main() -> None:
 
     replies = {name: greedy_replies(loaded, prompts, args.new_tokens, kv_dtypes[name]) for name, loaded in models.items()}
     logits = {name: sequence_logits(loaded, text_ids, kv_dtypes[name]) for name, loaded in models.items()}
-    top1 = logits["dtype"].argmax(dim=-1) == logits[other].argmax(dim=-1)
+    top1 = {name: (logits["dtype"].argmax(dim=-1) == logits[name].argmax(dim=-1)).float().mean().item() for name in args.against}
 
     short = sorted(prompts, key=len)
     for name, loaded in models.items():  # warm-up: first calls allocate and pick kernels
@@ -206,7 +235,7 @@ def main() -> None:
     result = {
         "models": {
             name: {
-                "quantization": "int8" if name == "int8" else "none",
+                "quantization": "none" if name == "dtype" else VARIANTS[name][0],
                 "kv_cache_dtype": str(kv_dtypes[name] or dtype).removeprefix("torch."),
                 "perplexity": perplexity(logits[name], text_ids),
                 "projection_bytes": projection_bytes(loaded),
@@ -214,9 +243,9 @@ def main() -> None:
             }
             for name, loaded in models.items()
         },
-        "against": other,
-        "greedy_agreement": agreement(replies["dtype"], replies[other]),
-        "text_top1_agreement": top1.float().mean().item(),
+        "against": args.against,
+        "greedy_agreement": {name: agreement(replies["dtype"], replies[name]) for name in args.against},
+        "text_top1_agreement": top1,
         "workload": {
             "num_prompts": len(prompts),
             "new_tokens": args.new_tokens,
@@ -232,6 +261,7 @@ def main() -> None:
             "threads": num_threads,
             "torch": torch.__version__,
             "machine": platform.machine(),
+            "cpu_flags": cpu_flags(),
             "quick": args.quick,
         },
     }
@@ -242,32 +272,37 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     env, w, m = r["env"], r["workload"], r["models"]
-    other = r["against"]
-    dtype, variant = m["dtype"], m[other]
-    g = r["greedy_agreement"]
-    print(f"\n{other} vs {env['dtype']}: SmolLM2-135M-Instruct on {env['device']}, torch threads={env['threads']}, torch {env['torch']}")
-    print("-" * 72)
-    print(f"  {'':<40}{env['dtype']:>14}{other:>14}")
+    names = ["dtype", *r["against"]]
+    print(
+        f"\n{', '.join(r['against'])} vs {env['dtype']}: SmolLM2-135M-Instruct on {env['device']}, torch threads={env['threads']}, torch {env['torch']}"
+    )
+    width = 40 + 12 * len(names)
+    print("-" * width)
+    print(f"  {'':<40}" + "".join(f"{env['dtype'] if n == 'dtype' else n:>12}" for n in names))
 
-    def row(label: str, a: str, b: str) -> None:
-        print(f"  {label:<40}{a:>14}{b:>14}")
+    def row(label: str, cells: list[str]) -> None:
+        print(f"  {label:<40}" + "".join(f"{c:>12}" for c in cells))
 
-    row("projection weights MB", f"{dtype['projection_bytes'] / 1e6:.1f}", f"{variant['projection_bytes'] / 1e6:.1f}")
-    row(f"perplexity ({w['text_tokens']} tokens of text)", f"{dtype['perplexity']:.3f}", f"{variant['perplexity']:.3f}")
+    row("projection weights MB", [f"{m[n]['projection_bytes'] / 1e6:.1f}" for n in names])
+    row(f"perplexity ({w['text_tokens']} tokens of text)", [f"{m[n]['perplexity']:.3f}" for n in names])
+    row("  vs the dtype's", ["", *(f"{100 * (m[n]['perplexity'] / m['dtype']['perplexity'] - 1):+.2f}%" for n in names[1:])])
     for batch in w["batches"]:
-        a, b = dtype["decode"][str(batch)], variant["decode"][str(batch)]
         for kind in ("median", "fastest"):
             key = f"tokens_per_s_{kind}_step"
-            row(f"decode tokens/s, batch {batch} ({kind} step)", f"{a[key]:.1f}", f"{b[key]:.1f}")
-    print(f"agreement with the {env['dtype']} model" + (" over its own cache" if other == "bf16kv" else ""))
-    row(f"identical greedy replies ({w['new_tokens']} tokens)", "", f"{g['identical_replies']} / {g['num_replies']}")
-    row("tokens before a reply first differs", "", f"{100 * g['tokens_before_first_difference']:.1f}%")
-    row("same next-token prediction on the text", "", f"{100 * r['text_top1_agreement']:.1f}%")
-    print("-" * 72)
+            row(f"decode tokens/s, batch {batch} ({kind} step)", [f"{m[n]['decode'][str(batch)][key]:.1f}" for n in names])
+    print(f"agreement with the {env['dtype']} model (the KV variants: its weights over their own cache)")
+    g = r["greedy_agreement"]
+    row(
+        f"identical greedy replies ({w['new_tokens']} tokens)",
+        ["", *(f"{g[n]['identical_replies']} / {g[n]['num_replies']}" for n in names[1:])],
+    )
+    row("tokens before a reply first differs", ["", *(f"{100 * g[n]['tokens_before_first_difference']:.1f}%" for n in names[1:])])
+    row("same next-token prediction on the text", ["", *(f"{100 * r['text_top1_agreement'][n]:.1f}%" for n in names[1:])])
+    print("-" * width)
     print(
         f"greedy replies: the first {w['num_prompts']} chat-set conversations; decode: batch x short chat prompts, "
         f"{w['decode_tokens']} tokens each,\n{w['repeats']} runs per model alternating; tokens/s = batch / step time "
-        f"(on a shared machine the fastest step is the\nuncontended figure); bench took {r['elapsed_s']:.0f} s"
+        f"(on a shared machine the fastest step is the\nuncontended figure); CPU flags: {env['cpu_flags']}; bench took {r['elapsed_s']:.0f} s"
     )
 
 
