@@ -93,7 +93,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", help=f"batch sizes, each the first B prompts at once (default {FULL['batches']})")
     parser.add_argument("--quantization", help=f"model variants, each measured in full (default {FULL['quantization']})")
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="KV cache dtypes, each with every quantization (auto: the engine's; bf16; default auto)"
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache dtypes, each with every quantization (auto: the engine's; bf16; fp32; fp8; default auto)",
     )
     parser.add_argument("--prefill-tokens", type=int, help=f"the lone prompt prefilled (default {FULL['prefill_tokens']})")
     parser.add_argument(
@@ -124,8 +126,8 @@ def parse_args() -> argparse.Namespace:
     if unknown := set(args.quantization) - {"none", "int8"}:
         parser.error(f"--quantization: unknown {sorted(unknown)} (none, int8)")
     args.kv_cache_dtype = [d.strip() for d in args.kv_cache_dtype.split(",")]
-    if unknown := set(args.kv_cache_dtype) - {"auto", "bf16", "fp32"}:
-        parser.error(f"--kv-cache-dtype: unknown {sorted(unknown)} (auto, bf16, fp32)")
+    if unknown := set(args.kv_cache_dtype) - {"auto", "bf16", "fp32", "fp8"}:
+        parser.error(f"--kv-cache-dtype: unknown {sorted(unknown)} (auto, bf16, fp32, fp8)")
     return args
 
 

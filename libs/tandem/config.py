@@ -32,6 +32,7 @@ DEFAULT_HTTP_PORTS = {"chat": 8080, "router": 8081, "relay": 8082, "prefill": 80
 DEFAULT_GRPC_PORTS = {"prefill": 50061, "decode": 50062}
 DeviceSetting = Literal["auto", "cpu", "cuda"]
 DtypeSetting = Literal["auto", "bf16", "fp32"]
+KvCacheDtypeSetting = Literal["auto", "bf16", "fp32", "fp8"]
 
 
 class Tier(str, Enum):
@@ -127,8 +128,8 @@ class Settings(BaseSettings):
     """the longest sequence (prompt and answer) a worker serves; a start whose KV cache cannot hold one such sequence fails; unset: the model's context window (capped to what the KV cache holds, with a warning, where the cache size is given in MiB)"""
     tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
     """prefill and decode workers: ranks one engine spans, one process each (gloo on a CPU, NCCL on GPUs); the model's heads, MLP and vocabulary are split over them"""
-    kv_cache_dtype: DtypeSetting = "auto"
-    """a worker's KV cache dtype; auto: the engine's; bf16 under an fp32 engine on the CPU halves the bytes attention reads and the cache's memory per token (prefill and decode workers must agree)"""
+    kv_cache_dtype: KvCacheDtypeSetting = "auto"
+    """a worker's KV cache dtype; auto: the engine's; bf16 under an fp32 engine on the CPU halves the bytes attention reads and the cache's memory per token; fp8 (e4m3, saturating at +-448) under any engine: one byte a value (prefill and decode workers must agree)"""
     # A worker's engine batch; the same defaults as engine.EngineConfig.
     max_num_seqs: Annotated[int, Field(ge=1)] = 256
     """a worker's sequences running at once"""

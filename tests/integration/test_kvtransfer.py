@@ -86,7 +86,7 @@ async def sender(ucx: None) -> AsyncIterator[KvSender]:
     await kv_sender.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=["bf16", "fp32", "fp8"])
 async def test_blocks_land_in_the_reserved_blocks_and_nowhere_else(start_receiver: StartReceiver, sender: KvSender, dtype):
     prefill_pool = random_pool(dtype, seed=1)
     pool = random_pool(dtype, seed=2)

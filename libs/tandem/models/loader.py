@@ -111,16 +111,20 @@ def resolve_dtype(dtype: Literal["auto", "bf16", "fp32"], device: str) -> torch.
 
 
 def resolve_kv_cache_dtype(
-    kv_cache_dtype: Literal["auto", "bf16", "fp32"], dtype: torch.dtype, device: str, setting: str = "TANDEM_KV_CACHE_DTYPE"
+    kv_cache_dtype: Literal["auto", "bf16", "fp32", "fp8"], dtype: torch.dtype, device: str, setting: str = "TANDEM_KV_CACHE_DTYPE"
 ) -> torch.dtype:
     """The KV cache's dtype under an engine of `dtype`: "auto" is the engine's; bf16 under a float32
     engine on the CPU halves what attention reads (the C++ kernels widen its rows exactly to
-    float32). Any other pair no kernel serves is a StartupError naming `setting`."""
-    cache_dtype = dtype if kv_cache_dtype == "auto" else {"bf16": torch.bfloat16, "fp32": torch.float32}[kv_cache_dtype]
-    if cache_dtype != dtype and not (device == "cpu" and dtype == torch.float32 and cache_dtype == torch.bfloat16):
+    float32); fp8 (float8_e4m3fn) under any engine, on the CPU or CUDA, a byte a value (every
+    attention backend saturates what it stores to +-448 and widens what it reads). Any other pair
+    no kernel serves is a StartupError naming `setting`."""
+    names = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+    cache_dtype = dtype if kv_cache_dtype == "auto" else names[kv_cache_dtype]
+    is_fp8 = cache_dtype == torch.float8_e4m3fn and device in ("cpu", "cuda")
+    if cache_dtype != dtype and not is_fp8 and not (device == "cpu" and dtype == torch.float32 and cache_dtype == torch.bfloat16):
         raise StartupError(
             f"{setting}={kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} engine on {device}: "
-            "the cache holds the engine's dtype, or bf16 under fp32 on the CPU; use auto"
+            "the cache holds the engine's dtype, fp8, or bf16 under fp32 on the CPU; use auto"
         )
     return cache_dtype
 
