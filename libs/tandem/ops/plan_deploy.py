@@ -17,6 +17,8 @@ class ReplicaSettings:
     tensor_parallel_size: int  # the replica's GPUs, one rank each (nvidia.com/gpu on a worker's pod)
     gpu_memory_utilization: float  # each GPU's share for weights, activations and KV: what the reserve leaves
     max_model_len_at_most: int  # the KV tokens a replica holds: a longer max-model-len cannot start
+    quantization: str = "none"  # fp8 where the worksheet sized fp8 weights (a bf16 checkpoint quantized as it loads)
+    kv_cache_dtype: str = "auto"  # fp8 where it sized an fp8 KV cache
 
 
 def replica_settings(deployment: Deployment, assumptions: Assumptions, worksheet: Worksheet) -> ReplicaSettings:
@@ -24,6 +26,8 @@ def replica_settings(deployment: Deployment, assumptions: Assumptions, worksheet
         tensor_parallel_size=deployment.gpus_per_replica,
         gpu_memory_utilization=round(1 - assumptions.runtime_reserve, 6),
         max_model_len_at_most=worksheet.kv_tokens_per_replica,
+        quantization="fp8" if deployment.weight_dtype == "fp8" else "none",
+        kv_cache_dtype="fp8" if deployment.kv_dtype == "fp8" else "auto",
     )
 
 
@@ -46,6 +50,12 @@ def render_replica_settings(settings: ReplicaSettings, assumptions: Assumptions)
             "KV tokens per replica: one sequence must fit (TANDEM_MAX_MODEL_LEN)",
         ),
     ]
+    if settings.quantization != "none":
+        rows.append(
+            ("--quantization", settings.quantization, "fp8 weights (TANDEM_QUANTIZATION; a pre-quantized FP8 checkpoint needs none)")
+        )
+    if settings.kv_cache_dtype != "auto":
+        rows.append(("--kv-cache-dtype", settings.kv_cache_dtype, "an fp8 KV cache (TANDEM_KV_CACHE_DTYPE)"))
     flag_width = max(len(flag) for flag, _, _ in rows)
     value_width = max(len(value) for _, value, _ in rows)
     return [

@@ -177,5 +177,21 @@ def test_model_reads_a_safetensors_folder_shape_dtype_and_parameter_count(capsys
 def test_the_replica_is_deployed_with_its_gpus_as_ranks_and_what_the_reserve_leaves_as_memory_share(capsys):
     result = plan_json(capsys, *SEVENTY_B[:-4], "--gpus-per-replica", "8", "--context-tokens", "2000", "--runtime-reserve", "0.2")
     # KV: 8 x 80e9 x 80 % - 140e9 = 372e9 B / 327,680 = 1,135,253 tokens
-    assert result["deploy"] == {"tensor_parallel_size": 8, "gpu_memory_utilization": 0.8, "max_model_len_at_most": 1_135_253}
+    assert result["deploy"] == {
+        "tensor_parallel_size": 8,
+        "gpu_memory_utilization": 0.8,
+        "max_model_len_at_most": 1_135_253,
+        "quantization": "none",
+        "kv_cache_dtype": "auto",
+    }
     assert result["deploy"]["max_model_len_at_most"] == result["kv_tokens_per_replica"]
+
+
+def test_a_replica_sized_with_fp8_is_deployed_with_fp8_weights_and_kv_cache(capsys):
+    fp8 = plan_json(capsys, *SEVENTY_B, "--dtype", "fp8")["deploy"]
+    mixed = plan_json(capsys, *SEVENTY_B, "--dtype", "fp8", "--kv-dtype", "bf16")["deploy"]
+    assert (fp8["quantization"], fp8["kv_cache_dtype"]) == ("fp8", "fp8")
+    assert (mixed["quantization"], mixed["kv_cache_dtype"]) == ("fp8", "auto")
+    assert cli.main(["plan", *SEVENTY_B, "--dtype", "fp8"]) == 0
+    text = capsys.readouterr().out
+    assert "--quantization" in text and "--kv-cache-dtype" in text
