@@ -12,7 +12,7 @@
 prompts for each `--batches` size B, and one prompt of `--prefill-tokens` tokens is prefilled
 alone (its time to first token; the FLOPs it took over that time against the peak matmul rate).
 Each `--quantization` variant of the model runs the lot (the first variant gives the top-level
-figures; `int8` keeps the projections int8, models/quant.py), once per `--kv-cache-dtype` (`auto`:
+figures; `int8` keeps the projections int8, models/quant.py; `fp8` as e4m3, models/fp8.py), once per `--kv-cache-dtype` (`auto`:
 the engine's dtype; `bf16` under float32 is a variant of its own, named `<quantization>+bf16kv`:
 the cache in bf16, attention's reads halved, float32 arithmetic). In the same run it measures
 transformers `generate` on the same GGUF in the same dtype (static batches of 1, 8 and 32, left
@@ -123,8 +123,8 @@ def parse_args() -> argparse.Namespace:
     if args.batches[0] < 1 or args.batches[-1] > args.requests:
         parser.error(f"--batches must lie in 1..--requests ({args.requests})")
     args.quantization = [q.strip() for q in args.quantization.split(",")]
-    if unknown := set(args.quantization) - {"none", "int8"}:
-        parser.error(f"--quantization: unknown {sorted(unknown)} (none, int8)")
+    if unknown := set(args.quantization) - {"none", "int8", "fp8"}:
+        parser.error(f"--quantization: unknown {sorted(unknown)} (none, int8, fp8)")
     args.kv_cache_dtype = [d.strip() for d in args.kv_cache_dtype.split(",")]
     if unknown := set(args.kv_cache_dtype) - {"auto", "bf16", "fp32", "fp8"}:
         parser.error(f"--kv-cache-dtype: unknown {sorted(unknown)} (auto, bf16, fp32, fp8)")

@@ -8,8 +8,10 @@ as they are, a per-tensor scale given to every row of its tensor. The layer comp
 x @ (w_fp8 * scale).T (+ bias), in x's dtype:
 - on a CPU with AVX512F, for bf16 or float32 rows, the C++ kernels' fp8_mm, which widens the
   weight as it loads it and scales each sum (kernels/cpu/fp8_mm.cpp), for any number of rows: a
-  row's bits its own in any company. (Casting the weight for oneDNN's matmul instead was slower at
-  every row count up to 128 on the SmolLM2 shapes: torch widens fp8 slowly on a CPU);
+  row's bits its own in any company. Casting the weight for oneDNN's matmul instead was slower at
+  every row count up to 128 on the SmolLM2 shapes (torch widens fp8 slowly on a CPU); the kernel
+  is not fast at many rows either: 128 rows took about 5x the bf16 model's oneDNN matmul (on
+  an AMX-BF16 Xeon core, 1 thread), so a long prefill costs more than in bf16 (decode is what it is for);
 - on a GPU of compute capability 8.9 or more (Ada, Hopper), torch._scaled_mm: each row of x
   quantized to e4m3 with its own scale (absmax / 448 of the row), fp8 times fp8 on the tensor
   cores, the two scales applied to the float32 sums (on 9.0 and up inside the matmul, row-wise);

@@ -19,7 +19,8 @@ A transformation of a plain model, not a model variant: the forward code is unch
 Linear modules are swapped. The loader swaps them while the model is still empty
 (quantized_empty) and quantizes each slice of the checkpoint as it reads it
 (checkpoint_names.load_tensors), so no process holds the model's projections in its dtype;
-quantize_model does the same to a model already loaded.
+quantize_model does the same to a model already loaded. Both also make fp8 projections
+("fp8": models/fp8.py's Fp8Linear, e4m3 weights with a float32 scale per row).
 """
 
 from __future__ import annotations
