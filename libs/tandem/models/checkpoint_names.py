@@ -251,8 +251,8 @@ class Fp8Scales:
             _write_weight_scale(module, place, name, source)
             self.scaled.add(weight)
             return True
-        if name.endswith(INPUT_SCALE):
-            return name.removesuffix(INPUT_SCALE) + ".weight" in table
+        if name.endswith(INPUT_SCALE):  # also a fused projection's (Phi-3's qkv_proj), which nothing splits
+            return math.prod(source.shape) == 1
         for suffixes in (KV_SCALES, KV_SCALES_OLD):
             for suffix, attribute in suffixes.items():
                 if name.endswith(suffix):
