@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -250,8 +249,7 @@ bool accumulate_group(int64_t group, const float* p, int64_t p_stride, const T* 
 inline void cap_and_mask(float* scores, int64_t group, int64_t len, int64_t num_masked, float softcap) {
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * len;
-    if (softcap > 0.f)
-      for (int64_t t = num_masked; t < len; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
+    if (softcap > 0.f) cap_scores(sg, num_masked, len, softcap);
     for (int64_t t = 0; t < num_masked; ++t) sg[t] = -std::numeric_limits<float>::infinity();
   }
 }

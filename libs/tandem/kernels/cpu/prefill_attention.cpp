@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -30,11 +29,6 @@ namespace {
 
 // A row's window start: the first position that position `last` attends to (0 without a window).
 inline int64_t window_start(int64_t last, int64_t window) { return window > 0 ? std::max<int64_t>(0, last + 1 - window) : 0; }
-
-// row[first .. end) capped: softcap * tanh(score / softcap).
-inline void cap_scores(float* row, int64_t first, int64_t end, float softcap) {
-  for (int64_t t = first; t < end; ++t) row[t] = softcap * std::tanh(row[t] / softcap);
-}
 
 #if defined(__AVX512F__)
 constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with its group's heads)
