@@ -69,7 +69,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.gpu_memory_utilization is not None:  # a share of memory sizes the cache instead
         config = dataclasses.replace(config, kv_cache_mib=None)
     spec = EngineSpec(
-        open_model(Path(args.model) if args.model else None),
+        open_model(Path(args.model) if args.model else None, quantization=args.quantization),
         device,
         resolve_dtype(args.dtype, device),
         config,
@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     generate.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (the default): the GPU when torch sees one"
+    )
+    generate.add_argument(
+        "--quantization", choices=("none", "int8", "fp8"), default="none", help="the projections kept as the dtype, int8 or fp8 (e4m3)"
     )
     generate.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the engine spans, one process each (gloo on a CPU, NCCL on GPUs)"
