@@ -72,13 +72,14 @@ def scaled_mm_serves(rows: torch.Tensor, out_features: int) -> bool:
     )
 
 
-def scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """rows (M, in) @ (weight (out, in) fp8 * scale (out,)).T in rows' dtype, each row quantized to
-    e4m3 with its own scale."""
+    e4m3 with its own scale; `rowwise`: both scales applied inside the matmul (CUDA 9.0 and up),
+    else to its float32 output (the one form torch's CPU _scaled_mm takes too)."""
     x32 = rows.float()
     x_scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     xq = (x32 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    if _capability(rows.device.index or 0) >= ROWWISE_CAPABILITY:
+    if rowwise:
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
         return out.to(rows.dtype)
     one = torch.ones((), device=rows.device, dtype=torch.float32)
@@ -126,7 +127,7 @@ class Fp8Linear(nn.Module):
         if rows.is_cpu and _cpu_kernel_serves(self.in_features, rows.dtype):
             out = torch.ops.tandem.fp8_mm(rows, self.weight_fp8, self.scale)
         elif scaled_mm_serves(rows, self.out_features):
-            out = scaled_mm(rows, self.weight_fp8, self.scale)
+            out = scaled_mm(rows, self.weight_fp8, self.scale, _capability(rows.device.index or 0) >= ROWWISE_CAPABILITY)
         else:
             out = F.linear(rows, self.dequantized_weight(rows.dtype))
         if self.bias is not None:

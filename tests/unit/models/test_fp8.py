@@ -20,7 +20,7 @@ from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import cpu_extension
 from tandem.kernels.attention_reference import paged_attention_reference
 from tandem.models.files import open_model
-from tandem.models.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_fp8
+from tandem.models.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_fp8, scaled_mm
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.loader import LoadedModel, load_model
 from tandem.models.packed import pack_model
@@ -105,6 +105,19 @@ def test_fp8_linear_equals_its_dequantized_reference(dtype, num_rows, bias):
     assert out.dtype == dtype and out.shape == (1, num_rows, 40)
     tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=2e-2)  # outputs to ±100
     torch.testing.assert_close(out[0].float(), expected, **tolerance)
+
+
+def test_the_per_tensor_scaled_mm_form_stays_near_the_dequantized_product():
+    """The GPU path's form for compute capability 8.9 (fp8 rows times fp8 weights, both scales on
+    the float32 output), run by torch's CPU _scaled_mm; the row-wise form needs a 9.0 GPU
+    (test_fp8_cuda.py)."""
+    weight_fp8, scale = quantize_fp8(_weight(48, 96))
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = scaled_mm(x, weight_fp8, scale, rowwise=False)
+    expected = x.float() @ (weight_fp8.float() * scale[:, None]).T
+    assert out.dtype == torch.bfloat16
+    # the rows' own e4m3 rounding, 2^-4 of each value at most, mostly averaging out over 96 terms
+    assert ((out.float() - expected).abs().amax() / expected.abs().amax()) < 0.03
 
 
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
