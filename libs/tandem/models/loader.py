@@ -126,6 +126,11 @@ def resolve_kv_cache_dtype(
             f"{setting}={kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} engine on {device}: "
             "the cache holds the engine's dtype, fp8, or bf16 under fp32 on the CPU; use auto"
         )
+    # triton converts to and from e4m3 (its float8e4nv) on compute capability 8.9 (Ada, Hopper) and later only
+    if is_fp8 and device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        raise StartupError(
+            f"{setting}=fp8 on {torch.cuda.get_device_name()}: the GPU kernels' FP8 cache needs compute capability 8.9 or later"
+        )
     return cache_dtype
 
 

@@ -105,6 +105,15 @@ def test_fp8_is_a_kv_cache_dtype_under_any_engine(device: str, dtype: torch.dtyp
         resolve_kv_cache_dtype("fp32", torch.bfloat16, device)
 
 
+def test_fp8_on_a_gpu_before_compute_capability_8_9_stops_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "an A100")
+    with pytest.raises(StartupError, match="^TANDEM_KV_CACHE_DTYPE=fp8 on an A100: .* needs compute capability 8.9 or later$"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, "cuda")
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, "cpu") == FP8
+
+
 @needs_kernels
 def test_an_engine_over_an_fp8_cache_generates_the_references_tokens_in_a_quarter_of_the_memory() -> None:
     """A tiny float32 model (head size 64, so paged_decode's and paged_prefill's vector paths):
