@@ -125,10 +125,20 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     if can_pack(logits_weight, logits_weight.dtype):
         model.pack_logits(pack_weight(logits_weight, logits_weight.dtype))
     # decode_layers runs every layer in one call, Llama's own: no all-reduce between them, none
-    # of another architecture's differences (ModelConfig.plain_layers)
-    if model.tp.size == 1 and model.config.plain_layers:
+    # of another architecture's differences (ModelConfig.plain_layers), no fp8 KV scales
+    if model.tp.size == 1 and model.config.plain_layers and not _has_kv_scales(model):
         model.model.fast_decode = PackedDecode(model.model, model.config)
     return model
+
+
+def _has_kv_scales(model: LlamaForCausalLM) -> bool:
+    """A layer's fp8 KV cache scales (a checkpoint's k_scale, v_scale) are not 1: the model folds
+    them around attention, which decode_layers does not."""
+    return any(
+        layer.self_attn.k_scale != 1.0 or layer.self_attn.v_scale != 1.0
+        for layer in model.model.layers
+        if isinstance(layer, LlamaDecoderLayer)
+    )
 
 
 class PackedDecode:

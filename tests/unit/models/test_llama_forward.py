@@ -78,3 +78,31 @@ def test_bf16_model_keeps_a_float32_rotary_table():
     assert model.model.rotary_emb.cos_sin.dtype == torch.float32
     fp32 = random_model(tiny_config(), seed=0, attention=paged_attention_reference)
     torch.testing.assert_close(model.model.rotary_emb.cos_sin, fp32.model.rotary_emb.cos_sin, atol=0, rtol=0)
+
+
+def test_kv_cache_scales_fold_around_attention_and_keep_the_one_call_decode_off(paged_runner, paged_sequence):
+    """A layer's fp8 KV scales (a checkpoint's k_scale, v_scale): the cache holds k / k_scale and
+    v / v_scale and the output is the unscaled model's, up to rounding; the CPU's one-call decode,
+    which applies no scales, is not used for such a model."""
+    from tandem.kernels import cpu_extension
+    from tandem.models.packed import pack_model
+
+    config = tiny_config()
+    plain = random_model(config, seed=11, attention=paged_attention_reference)
+    scaled = random_model(config, seed=11, attention=paged_attention_reference)
+    for layer, (k_scale, v_scale) in zip(scaled.model.layers, [(0.5, 0.25), (4.0, 2.0)], strict=True):
+        layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale, v_scale
+    tokens = _tokens(3, 20, config.vocab_size)
+    outputs, caches = [], []
+    for model in (plain, scaled):
+        runner = paged_runner(model, num_blocks=8, block_size=4)
+        seq = paged_sequence(token_ids=list(tokens), block_ids=[3, 1, 6, 0, 5])
+        outputs.append(torch.cat([runner.step([(seq, 12)])[0], runner.step([(seq, 8)])[0]]))
+        caches.append(runner.kv_cache)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=0)
+    # layer 0's cached K is the plain model's halved, its V the plain's quartered (block 3 holds positions 0-3)
+    torch.testing.assert_close(caches[1][3, 0, 0], caches[0][3, 0, 0] / 0.5, atol=0, rtol=1e-6)
+    torch.testing.assert_close(caches[1][3, 0, 1], caches[0][3, 0, 1] / 0.25, atol=0, rtol=1e-6)
+    if cpu_extension.load():
+        assert pack_model(plain).model.fast_decode is not None
+        assert pack_model(scaled).model.fast_decode is None
