@@ -112,7 +112,9 @@ def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_pe
 
 @pytest.mark.skipif(not HAS_HF, reason="the HF baseline needs the bench extra: pip install -e '.[bench]'")
 def test_engine_bench_measures_the_hf_baseline_at_each_batch_size(tmp_path):
-    result = _bench("engine.py", tmp_path / "engine.json", "--requests", "2", "--output-tokens", "4", "--hf-batches", "1:1,2:2", "--batches", "1,2")
+    result = _bench(
+        "engine.py", tmp_path / "engine.json", "--requests", "2", "--output-tokens", "4", "--hf-batches", "1:1,2:2", "--batches", "1,2"
+    )
     assert [(run["batch_size"], run["num_requests"]) for run in result["hf_runs"]] == [(1, 1), (2, 2)]
     assert all(_is_positive(run["tokens_per_s"]) for run in result["hf_runs"])
     assert result["hf_tokens_per_s"] == max(run["tokens_per_s"] for run in result["hf_runs"])
