@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import fused_triton
+from tandem.kernels.gemm_choice import bucket_of
 from tandem.kernels.metadata import AttentionFn, AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.layers import GatedMLP, RMSNorm, has_cpu_kernels, project
@@ -244,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, attention, tp)
+        self.logits_kernels: tuple[int, ...] = (0, 0, 0, 0)  # pack_logits'
         # Tied models have no lm_head module: a second reference to the embedding would come
         # apart under `to_empty` (each reference gets its own new tensor).
         vocab_rows = tp.shard.vocab_rows(config)
@@ -277,18 +279,21 @@ class LlamaForCausalLM(nn.Module):
         """The (vocab_size, hidden_size) weight of the logits: the lm_head's, or the tied embedding's."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_logits(self, weight_packed: torch.Tensor) -> None:
+    def pack_logits(self, weight_packed: torch.Tensor, kernels: tuple[int, ...] = (0, 0, 0, 0)) -> None:
         """Logits from now on through the CPU's packed kernel with this packing of logits_weight()
-        (models/packed.py)."""
+        (models/packed.py), by packed_mm's kernel per bucket of rows (kernels/gemm_choice.py; a
+        negative one: torch's matmul on logits_weight())."""
         self.register_buffer("logits_packed", weight_packed, persistent=False)
+        self.logits_kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) float32; call it on the rows you sample from only
         (under tensor parallelism on every rank, with the same rows: the columns are gathered)."""
         packed = getattr(self, "logits_packed", None)
-        if isinstance(packed, torch.Tensor) and hidden.dtype == packed.dtype:
-            rows = hidden.reshape(-1, hidden.shape[-1])
-            logits = torch.ops.tandem.packed_mm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed, None)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        kernel = self.logits_kernels[bucket_of(rows.shape[0])] if isinstance(packed, torch.Tensor) else -1
+        if isinstance(packed, torch.Tensor) and hidden.dtype == packed.dtype and kernel >= 0:
+            logits = torch.ops.tandem.packed_mm(rows if rows.stride(-1) == 1 else rows.contiguous(), packed, None, kernel)
             logits = logits.reshape(*hidden.shape[:-1], logits.shape[-1]).float()
         else:
             logits = F.linear(hidden, self.logits_weight()).float()

@@ -26,6 +26,7 @@ kernels and ops in the same order) instead of a Python call per op.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -33,10 +34,14 @@ from torch import nn
 
 from tandem.kernels import cpu_extension
 from tandem.kernels.attention_cpu import kernels_take, paged_attention_cpu
+from tandem.kernels.gemm_choice import BUCKETS, PACKED_KERNEL_CODES, GemmChooser, GemmShape, bucket_of, cache_path, candidates, describe
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.models.config import ModelConfig
+from tandem.models.layers import project
 from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, StepCut
 from tandem.models.quant import Int8Linear
+
+log = logging.getLogger(__name__)
 
 # A decode step that may be cut short (LlamaModel.should_cut, set for a step with free or
 # background rows) runs its layers this many to a call and is asked between calls: a paid request
@@ -56,15 +61,24 @@ def can_pack(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
-def packed_linear(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ W.T, W packed by pack_weight for x's dtype (int8 ones times `scale`): (..., out)."""
+def packed_linear(x: torch.Tensor, weight_packed: torch.Tensor, scale: torch.Tensor | None = None, kernel: int = 0) -> torch.Tensor:
+    """x (..., in) @ W.T, W packed by pack_weight for x's dtype (int8 ones times `scale`), by
+    packed_mm's `kernel` (gemm_choice.PACKED_KERNEL_CODES): (..., out)."""
     if x.dim() == 2 and x.stride(-1) == 1:  # a model's rows, as they come: no reshapes
-        return torch.ops.tandem.packed_mm(x, weight_packed, scale)
+        return torch.ops.tandem.packed_mm(x, weight_packed, scale, kernel)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.ops.tandem.packed_mm(rows, weight_packed, scale)
+    out = torch.ops.tandem.packed_mm(rows, weight_packed, scale, kernel)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+ONEDNN = -1  # a PackedLinear's kernel code for torch's matmul on its dense weight
+
+
+def kernel_codes(kernels: tuple[str, ...]) -> tuple[int, ...]:
+    """gemm_choice's kernel names per bucket -> packed_mm's kernel codes (ONEDNN for onednn)."""
+    return tuple(PACKED_KERNEL_CODES.get(name, ONEDNN) for name in kernels)
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,9 +91,12 @@ class PackedLinear(nn.Module):
     """A bias-optional Linear whose weight is kept only packed: in the model's dtype (bf16 or
     float32), or int8 with a scale per output channel in that dtype."""
 
-    gives_rows_their_own_bits = True  # layers.project calls it once, with all its rows
+    gives_rows_their_own_bits = True  # layers.project calls it once, with all its rows (forward splits them where it must)
     weight_packed: torch.Tensor  # pack_weight's, bf16, float32 or int8
     scale: torch.Tensor | None  # (out,) in the model's dtype, for int8 weights
+    # packed_mm's kernel per bucket of rows (gemm_choice.BUCKETS), ONEDNN for torch's matmul on `dense`
+    kernels: tuple[int, ...] = (0, 0, 0, 0)
+    dense: nn.Linear | None = None  # the weight unpacked, where a bucket's kernel is onednn
 
     def __init__(
         self, weight_packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, in_features: int, out_features: int
@@ -106,24 +123,62 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
-        out = packed_linear(x, self.weight_packed, self.scale)
+        kernel = self.kernels[bucket_of(x.numel() // x.shape[-1])]
+        if kernel == ONEDNN and self.dense is not None:
+            out = project(self.dense, x)  # in calls of a batch's bits (layers.project)
+        else:
+            out = packed_linear(x, self.weight_packed, self.scale, max(kernel, 0))
         return out if self.bias is None else out + self.bias
+
+    def use_kernels(self, kernels: tuple[str, ...]) -> None:
+        """Serve each bucket of rows by gemm_choice's kernel for it; onednn keeps a dense copy of
+        the weight (bf16 or float32 weights only: int8 ones are not a oneDNN candidate)."""
+        codes = kernel_codes(kernels)
+        if ONEDNN in codes and self.scale is not None:
+            raise ValueError("an int8 PackedLinear has no oneDNN kernel")
+        if ONEDNN in codes and self.dense is None:
+            dense = nn.Linear(self.in_features, self.out_features, bias=False, dtype=self.dtype)
+            dense.weight = nn.Parameter(unpack_weight(self.weight_packed, self.dtype), requires_grad=False)
+            self.dense = dense
+        elif ONEDNN not in codes:
+            self.dense = None
+        self.kernels = codes
 
     def extra_repr(self) -> str:
         kind = "int8" if self.scale is not None else str(self.dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed {kind}"
 
 
+def unpack_weight(weight_packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pack_weight's inverse for a bf16 or float32 weight: the (out, in) weight."""
+    groups, rows, width = weight_packed.shape
+    if dtype == torch.float32:  # (out / 16, in, 16)
+        return weight_packed.permute(0, 2, 1).reshape(groups * width, rows).contiguous()
+    # (out / 16, in / 2, 32): per pair of inputs, 16 channels' two weights side by side
+    return weight_packed.reshape(groups, rows, width // 2, 2).permute(0, 2, 1, 3).reshape(groups * width // 2, rows * 2).contiguous()
+
+
 @torch.no_grad()
-def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def pack_model(model: LlamaForCausalLM, gemm: GemmChooser | None = None) -> LlamaForCausalLM:
     """The model with every attention and MLP projection (nn.Linear or Int8Linear) that packed_mm
     serves here for rows of the model's dtype replaced by a PackedLinear, and its logits computed
     from a packed copy of their weight, in place; the model unchanged elsewhere (a GPU, bf16 on a
-    CPU without AVX512-BF16, a CPU without AVX2)."""
+    CPU without AVX512-BF16, a CPU without AVX2). Each projection's kernel per bucket of rows is
+    `gemm`'s choice (kernels/gemm_choice.py; None: this machine's timings under the `auto` policy)."""
     model.swap_projections(_packed)
     logits_weight = model.logits_weight()
-    if can_pack(logits_weight, logits_weight.dtype):
-        model.pack_logits(pack_weight(logits_weight, logits_weight.dtype))
+    logits_packed = pack_weight(logits_weight, logits_weight.dtype) if can_pack(logits_weight, logits_weight.dtype) else None
+    projections = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    if projections or logits_packed is not None:
+        gemm = gemm or GemmChooser("auto", path=cache_path())
+        for projection in projections:
+            shape = GemmShape(projection.out_features, projection.in_features, projection.weight_packed.dtype, projection.dtype)
+            projection.use_kernels(gemm.kernels(shape, candidates(shape)))
+        if logits_packed is not None:
+            shape = GemmShape(logits_weight.shape[0], logits_weight.shape[1], logits_weight.dtype, logits_weight.dtype)
+            model.pack_logits(logits_packed, kernel_codes(gemm.kernels(shape, candidates(shape))))
+        for line in describe(gemm):
+            log.info("kernels: %s", line)
     # decode_layers runs every layer in one call, Llama's own: no all-reduce between them, none
     # of another architecture's differences (ModelConfig.plain_layers), no fp8 KV scales
     if model.tp.size == 1 and model.config.plain_layers and not _has_kv_scales(model):
@@ -139,6 +194,11 @@ def _has_kv_scales(model: LlamaForCausalLM) -> bool:
         for layer in model.model.layers
         if isinstance(layer, LlamaDecoderLayer)
     )
+
+
+# decode_layers' weights and scales, and per bucket of rows its kernel per projection (None: torch's
+# matmul serves one of them, which decode_layers does not call)
+_Served = tuple[list[torch.Tensor], list[torch.Tensor | None], list[list[int] | None]]
 
 
 class PackedDecode:
@@ -157,7 +217,7 @@ class PackedDecode:
         self._model = model
         self._config = config
         # (the objects it was built from, the step's dtype, the weights and scales or None)
-        self._built: tuple[tuple[object, ...], torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor | None]] | None] | None = None
+        self._built: tuple[tuple[object, ...], torch.dtype, _Served | None] | None = None
 
     def __call__(
         self,
@@ -175,9 +235,12 @@ class PackedDecode:
         served = self._weights(h.dtype)
         if served is None:
             return None
-        weights, scales = served
+        weights, scales, kernels_by_bucket = served
+        kernels = kernels_by_bucket[bucket_of(h.shape[0])]
+        if kernels is None:  # a projection's kernel for these rows is torch's: the layers as written
+            return None
         if should_cut is None:
-            return self._layers(h, weights, scales, cos, sin, kv_cache, meta)
+            return self._layers(h, weights, scales, kernels, cos, sin, kv_cache, meta)
         num_layers = len(weights) // _WEIGHTS_PER_LAYER
         for first in range(0, num_layers, CUT_CHECK_LAYERS):
             if should_cut():
@@ -187,6 +250,7 @@ class PackedDecode:
                 h,
                 weights[first * _WEIGHTS_PER_LAYER : end * _WEIGHTS_PER_LAYER],
                 scales[first * _SCALES_PER_LAYER : end * _SCALES_PER_LAYER],
+                kernels[first * _SCALES_PER_LAYER : end * _SCALES_PER_LAYER],
                 cos,
                 sin,
                 kv_cache.narrow(1, first, end - first),
@@ -199,6 +263,7 @@ class PackedDecode:
         h: torch.Tensor,
         weights: list[torch.Tensor],
         scales: list[torch.Tensor | None],
+        kernels: list[int],
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -206,13 +271,13 @@ class PackedDecode:
     ) -> torch.Tensor:
         c = self._config
         return torch.ops.tandem.decode_layers(
-            h, weights, scales, cos, sin, kv_cache, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+            h, weights, scales, kernels, cos, sin, kv_cache, meta.slot_mapping, meta.seq_lens, meta.block_tables,
             c.num_heads, c.num_kv_heads, c.attention_scale, c.rms_norm_eps,
         )  # fmt: skip
 
-    def _weights(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
-        """decode_layers' weights and scales for rows of `dtype`, or None where it does not serve
-        the layers as they are now."""
+    def _weights(self, dtype: torch.dtype) -> _Served | None:
+        """decode_layers' weights, scales and kernels for rows of `dtype`, or None where it does not
+        serve the layers as they are now."""
         sources = self._sources()
         built = self._built
         if (
@@ -238,15 +303,17 @@ class PackedDecode:
                 and parts["post_attention_layernorm"] is not None
             )
             projections, feed_forward = attn._modules, mlp._modules
+            sources += tuple(getattr(p, "kernels", None) for p in (*projections.values(), *feed_forward.values()))
             sources += (
                 projections["qkv_proj"], projections["o_proj"], feed_forward["gate_up_proj"], feed_forward["down_proj"], attn.attention,
                 parts["input_layernorm"]._parameters["weight"], parts["post_attention_layernorm"]._parameters["weight"],
             )  # fmt: skip
         return tuple(sources)
 
-    def _build(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+    def _build(self, dtype: torch.dtype) -> _Served | None:
         weights: list[torch.Tensor] = []
         scales: list[torch.Tensor | None] = []
+        kernels: list[tuple[int, ...]] = []  # per projection, its kernel per bucket
         for layer in self._model.layers:
             assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
             attn, mlp = layer.self_attn, layer.mlp
@@ -258,7 +325,9 @@ class PackedDecode:
                 return None
             weights += (norms[0], qkv.weight_packed, o.weight_packed, norms[1], gate_up.weight_packed, down.weight_packed)
             scales += (qkv.scale, o.scale, gate_up.scale, down.scale)
-        return weights, scales
+            kernels += (qkv.kernels, o.kernels, gate_up.kernels, down.kernels)
+        by_bucket = [[codes[b] for codes in kernels] for b in range(len(BUCKETS))]
+        return weights, scales, [None if ONEDNN in codes else codes for codes in by_bucket]
 
 
 def _served(projection: nn.Module, dtype: torch.dtype) -> PackedLinear | None:

@@ -19,6 +19,7 @@ from tandem.engine.sequence import Lane, SamplingOptions
 from tandem.kernels import cpu_extension
 from tandem.kernels.attention_cpu import paged_attention_cpu
 from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.kernels.gemm_choice import BUCKETS, GemmChooser
 from tandem.models import layers
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM, StepCut
@@ -38,6 +39,19 @@ DTYPES = [
     pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(not _serves(torch.bfloat16), reason="bf16 rows need AVX512-BF16")),
     pytest.param(torch.float32, id="fp32", marks=pytest.mark.skipif(not _serves(torch.float32), reason="float32 rows need AVX2 and FMA")),
 ]
+# The kernels a test forces (kernels/gemm_choice.py); where one does not serve (amx without AMX
+# or for float32 rows, onednn for int8 weights) pack_model's `auto` choice serves instead.
+GEMMS = ["packed", "amx", "onednn"]
+
+
+def _amx() -> bool:
+    return cpu_extension.load() and bool(torch.ops.tandem.packed_mm_amx_supported(64, torch.bfloat16))
+
+
+def _pack(model: LlamaForCausalLM, gemm: str) -> LlamaForCausalLM:
+    return pack_model(model, GemmChooser(gemm))  # type: ignore[arg-type]
+
+
 # The product against the float64 one: bf16 rows and outputs round at 2^-8, float32 ones at 2^-24.
 TOLERANCE = {torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}
 
@@ -107,15 +121,19 @@ def test_a_packed_int8_layer_computes_the_dequantized_product_with_a_row_s_own_b
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(num_threads, dtype):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(gemm, num_threads, dtype):
     """SmolLM2-135M's four projection shapes, 600 rows (a prefill chunk plus decodes) in one call
-    against each row alone, as layers.project calls the layer."""
+    against each row alone, as layers.project calls the layer, through each kernel that serves."""
+    if gemm == "amx" and not (_amx() and dtype == torch.bfloat16):
+        pytest.skip("the AMX kernel takes bf16 rows on a CPU with AMX-BF16")
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
         generator = torch.Generator().manual_seed(0)
         for out_features, in_features in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
             linear = PackedLinear.from_linear(nn.Linear(in_features, out_features, bias=False).to(dtype))
+            linear.use_kernels((gemm,) * len(BUCKETS))
             x = torch.randn(600, in_features, generator=generator).to(dtype)
             with torch.no_grad():
                 batched = layers.project(linear, x)
@@ -129,12 +147,14 @@ def test_a_packed_projection_gives_a_row_in_a_long_call_the_bits_it_gets_alone(n
 @pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "tie_word_embeddings": False}], ids=["tied", "qkv-bias-untied"])
 @pytest.mark.parametrize("num_prompts", [3, 24])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_engine_greedy_output_with_a_packed_model_equals_the_reference(variant, num_prompts, quantization, dtype):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_engine_greedy_output_with_a_packed_model_equals_the_reference(gemm, variant, num_prompts, quantization, dtype):
     """The engine (chunked prefill, decode batches of up to 24 rows) on a packed model (in the
-    dtype or int8) writes what the naive reference forward writes on the same model packed."""
+    dtype or int8, through each kernel) writes what the naive reference forward writes on the
+    same model packed."""
     config = tiny_config(vocab_size=512, max_position_embeddings=1024, **variant)
     plain = random_model(config, seed=0, attention=paged_attention_reference, dtype=dtype)
-    model = pack_model(quantize_model(plain, quantization)).eval()
+    model = _pack(quantize_model(plain, quantization), gemm).eval()
     assert all(isinstance(m, PackedLinear) for m in _projections(model))
     rng = random.Random(num_prompts)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(num_prompts)]
@@ -163,12 +183,13 @@ def greedy_answers(model: LlamaForCausalLM, config: ModelConfig, fast_decode, ba
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(quantization, dtype):
+@pytest.mark.parametrize("gemm", ["packed", "amx"])
+def test_a_decode_step_s_layers_in_one_call_give_the_layers_bits(gemm, quantization, dtype):
     """PackedDecode (decode_layers in C++) against the same model's layers run one by one on the
     same step: every decode step of an engine serving prompts together and one alone has the same
     hidden state, bit for bit, and the same cache contents; the greedy output is the layers'."""
     config = tiny_config(vocab_size=512, max_position_embeddings=1024)
-    model = pack_model(quantize_model(random_model(config, seed=1, attention=paged_attention_cpu, dtype=dtype), quantization)).eval()
+    model = _pack(quantize_model(random_model(config, seed=1, attention=paged_attention_cpu, dtype=dtype), quantization), gemm).eval()
     inner = model.model
     plan = inner.fast_decode
     assert isinstance(plan, PackedDecode)

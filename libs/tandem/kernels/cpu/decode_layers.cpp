@@ -16,14 +16,17 @@ namespace tandem::cpu {
 // output has the Python path's bits; without Python between ops (a visible share of a SmolLM2
 // batch-1 step's layer). weights: per layer its input norm's weight, packed qkv, packed o, post-
 // attention norm's weight, packed gate_up and packed down; scales: per layer the four
-// projections' int8 scales (or none). Returns the hidden state before the final norm.
-at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales, const at::Tensor& cos,
+// projections' int8 scales (or none); kernels: per layer the four projections' packed_mm kernels.
+// Returns the hidden state before the final norm.
+at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+                         at::IntArrayRef kernels, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                          const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
   constexpr int64_t kWeights = 6, kScales = 4;
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeights;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeights && static_cast<int64_t>(scales.size()) == layers * kScales,
-              "decode_layers takes 6 weights and 4 scales a layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeights && static_cast<int64_t>(scales.size()) == layers * kScales &&
+                  static_cast<int64_t>(kernels.size()) == layers * kScales,
+              "decode_layers takes 6 weights, 4 scales and 4 kernels a layer");
   TORCH_CHECK(hidden.dim() == 2, "hidden must be (tokens, hidden_size)");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == layers && kv_cache.size(2) == 2,
               "kv_cache must be (blocks, layers, 2, block_size, kv_heads, head_dim) with one layer per 6 weights");
@@ -34,14 +37,15 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeights;
     const auto scale_of = [&](int64_t i) { return scales.get(l * kScales + i); };
-    const at::Tensor qkv = packed_mm(normed, w[1], scale_of(0));
+    const int64_t* kernel = kernels.data() + l * kScales;
+    const at::Tensor qkv = packed_mm(normed, w[1], scale_of(0), kernel[0]);
     auto [q, k] = rotary_qk(qkv, cos, sin, num_heads, num_kv_heads);
     const at::Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads, head_dim});
     at::Tensor k_cache = k_caches.select(1, l), v_cache = v_caches.select(1, l);
     write_kv(k, v, k_cache, v_cache, slot_mapping);
     const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, 0, 0.0);
-    std::tie(h, normed) = add_rms_norm(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1)), w[3], eps);
-    const at::Tensor down = packed_mm(silu_mul(packed_mm(normed, w[4], scale_of(2))), w[5], scale_of(3));
+    std::tie(h, normed) = add_rms_norm(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1), kernel[1]), w[3], eps);
+    const at::Tensor down = packed_mm(silu_mul(packed_mm(normed, w[4], scale_of(2), kernel[2])), w[5], scale_of(3), kernel[3]);
     if (l + 1 < layers)
       std::tie(h, normed) = add_rms_norm(h, down, weights[(l + 1) * kWeights], eps);  // the next layer's input norm
     else

@@ -46,13 +46,18 @@ at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // packed_mm.cpp
 bool packed_mm_supported(int64_t out_features, int64_t in_features, at::ScalarType dtype, at::ScalarType x_dtype);
 at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype);
-at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale);
+// kernel: kPackedAvx512 (bf16 rows: AVX512-BF16 dot products; float32 rows: AVX2) or kPackedAmx
+// (bf16 rows on AMX tiles, where packed_mm_amx_supported): the same bits for every row either way.
+constexpr int64_t kPackedAvx512 = 0, kPackedAmx = 1;
+bool packed_mm_amx_supported(int64_t in_features, at::ScalarType x_dtype);
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale, int64_t kernel = kPackedAvx512);
 
 // argmax_rows.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 
 // decode_layers.cpp
-at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales, const at::Tensor& cos,
+at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+                         at::IntArrayRef kernels, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                          const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads, double scale, double eps);
 

@@ -47,7 +47,15 @@ at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype) {
   return at::where(chunked < 0, magnitude.bitwise_or(-128), magnitude).reshape({N / kPackedGroup, K / 2, 2 * kPackedGroup});
 }
 
-at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale) {
+bool packed_mm_amx_supported(int64_t in_features, at::ScalarType x_dtype) {
+#if defined(TANDEM_AMX)
+  return x_dtype == at::kBFloat16 && amx_supported(in_features);
+#else
+  return false;
+#endif
+}
+
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale, int64_t kernel) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and the packed weight must be on the CPU");
   const auto x_dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x_dtype == at::kBFloat16 || x_dtype == at::kFloat),
@@ -71,6 +79,14 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::o
 #if defined(__AVX2__) && defined(__FMA__)
   if (floats) {
     float_packed_kernel(x, packed, is_int8 ? scale->data_ptr<float>() : nullptr, out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(kernel == kPackedAvx512 || (kernel == kPackedAmx && packed_mm_amx_supported(x.size(1), x_dtype)),
+              "packed_mm has no kernel ", kernel, " for these rows here");
+#if defined(TANDEM_AMX)
+  if (kernel == kPackedAmx) {
+    amx_packed_kernel(x, packed, is_int8 ? scale->data_ptr<c10::BFloat16>() : nullptr, out);
     return out;
   }
 #endif

@@ -23,6 +23,13 @@ constexpr bool kInt8SignMagnitude = false;
 // out = x (M, K) bf16 @ the packed bf16 or int8 weight's W.T (scale: an int8 weight's, else null).
 void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out);
 #endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TANDEM_AMX 1
+// Whether the AMX kernel serves a weight of K inputs here (K a multiple of 32, the tiles granted).
+bool amx_supported(int64_t in_features);
+// packed_kernel's product on AMX tiles: the same bits.
+void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 // out = x (M, K) float32 @ the packed float32 or int8 weight's W.T (scale: an int8 weight's, else null).
 void float_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const float* scale, at::Tensor& out);

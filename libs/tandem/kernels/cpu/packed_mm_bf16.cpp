@@ -22,6 +22,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tandem::cpu {
 
 #if defined(__AVX512BF16__)
@@ -159,6 +164,108 @@ inline void packed_panel(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t 
   }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The AMX kernel: the same packed weights, the same sums. A packed group's 16 rows of pairs are
+// one weight tile (16 pairs of inputs by 16 channels, 64 bytes a row), 16 rows of x by 32 inputs
+// one row tile, and a tile product adds each pair's two products into each output's float32 sum,
+// pair after pair in k order, as the AVX512-BF16 kernel's dot product does: an output's bits
+// still depend on its row and the weights alone, not on the tile's other rows or how many there
+// are. Tiles 0-3 hold a 2 x 2 block of sums (rows 0-15 and 16-31 by the panel's two groups), 4-5
+// the two row tiles and 6-7 the two weight tiles.
+
+constexpr int64_t kAmxRows = 16;        // rows a tile holds
+constexpr int64_t kAmxPairs = 16;       // pairs of inputs a tile product takes
+constexpr int64_t kAmxChunkRows = 256;  // rows a task takes against one panel (their x stays in the core's cache)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Sum and row tiles of `rows` rows, weight tiles of 16.
+inline void configure_tiles(int64_t rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = static_cast<uint8_t>(t < 6 ? rows : kAmxPairs);
+  }
+  _tile_loadconfig(&config);
+}
+
+// RB row tiles (of the configured rows) by GB groups of sums, over every pair, stored to sums
+// (kAmxRows * RB rows of 32 floats).
+template <int RB, int GB>
+inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, int64_t pairs, float* sums) {
+  _tile_zero(0);
+  if constexpr (GB > 1) _tile_zero(1);
+  if constexpr (RB > 1) _tile_zero(2);
+  if constexpr (RB > 1 && GB > 1) _tile_zero(3);
+  const int64_t x_bytes = xs * 2;
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    _tile_loadd(4, x + 2 * p, x_bytes);
+    _tile_loadd(6, panel + p * kPackedGroup, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (GB > 1) {
+      _tile_loadd(7, panel + (pairs + p) * kPackedGroup, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (RB > 1) {
+      _tile_loadd(5, x + kAmxRows * xs + 2 * p, x_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (GB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 128);
+  if constexpr (GB > 1) _tile_stored(1, sums + kPackedGroup, 128);
+  if constexpr (RB > 1) _tile_stored(2, sums + kAmxRows * 32, 128);
+  if constexpr (RB > 1 && GB > 1) _tile_stored(3, sums + kAmxRows * 32 + kPackedGroup, 128);
+}
+
+inline void store_sums(const float* sums, int64_t rows, int64_t width, const float* scale, c10::BFloat16* out, int64_t os) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < width; ++j) {
+      const __m512 s = _mm512_loadu_ps(sums + m * 32 + j * kPackedGroup);
+      const __m512 sum = scale == nullptr ? s : _mm512_mul_ps(s, _mm512_loadu_ps(scale + j * kPackedGroup));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * os + j * kPackedGroup), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+    }
+}
+
+// rows of x (at most kAmxChunkRows) against a panel of `width` (1 or 2) groups.
+inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, int64_t width, const int32_t* panel, int64_t pairs, const float* scale,
+                      c10::BFloat16* out, int64_t os) {
+  alignas(64) float sums[2 * kAmxRows * 32];
+  const int64_t full = rows / kAmxRows * kAmxRows;
+  if (full > 0) configure_tiles(kAmxRows);
+  int64_t m = 0;
+  for (; m + 2 * kAmxRows <= full; m += 2 * kAmxRows) {
+    if (width == 2) amx_block<2, 2>(x + m * xs, xs, panel, pairs, sums);
+    else amx_block<2, 1>(x + m * xs, xs, panel, pairs, sums);
+    store_sums(sums, 2 * kAmxRows, width, scale, out + m * os, os);
+  }
+  if (m < full) {
+    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums);
+    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums);
+    store_sums(sums, kAmxRows, width, scale, out + m * os, os);
+    m += kAmxRows;
+  }
+  if (m < rows) {
+    configure_tiles(rows - m);
+    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums);
+    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums);
+    store_sums(sums, rows - m, width, scale, out + m * os, os);
+  }
+}
+
+bool amx_permitted() {
+  // Linux gives a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+#endif
 }  // namespace
 
 void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out) {
@@ -201,6 +308,54 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
 #endif
       packed_panel(x_ptr, xs, M, width, static_cast<const int32_t*>(widened.data()), pairs, tile_scale, o, N);
     }
+  });
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+bool amx_supported(int64_t in_features) { return in_features % (2 * kAmxPairs) == 0 && amx_permitted(); }
+
+void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out) {
+  const int64_t M = x.size(0), groups = packed.size(0), pairs = packed.size(1), N = groups * kPackedGroup;
+  const bool is_int8 = packed.scalar_type() == at::kChar;
+  const auto* x_ptr = x.data_ptr<c10::BFloat16>();
+  auto* o_ptr = out.data_ptr<c10::BFloat16>();
+  const int64_t xs = x.stride(0);
+  const int64_t panels = (groups + 1) / 2, chunks = (M + kAmxChunkRows - 1) / kAmxChunkRows;
+  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> widened(is_int8 ? 2 * pairs * kPackedGroup : 0);
+    float panel_scale[2 * kPackedGroup];
+    int64_t widened_panel = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t panel = task % panels, chunk = task / panels;  // a chunk's panels in turn: x stays in cache
+      const int64_t group0 = panel * 2, width = std::min<int64_t>(2, groups - group0);
+      const int64_t m0 = chunk * kAmxChunkRows, rows = std::min(kAmxChunkRows, M - m0);
+      const int32_t* weights = reinterpret_cast<const int32_t*>(packed.data_ptr()) + group0 * pairs * kPackedGroup;
+      const float* task_scale = nullptr;
+      if (is_int8) {
+        const int8_t* source = packed.data_ptr<int8_t>() + group0 * pairs * 2 * kPackedGroup;
+        if (widened_panel != panel) {
+#if defined(__AVX512VBMI__)
+          const Bf16ByteTables tables = bf16_byte_tables();
+          for (int64_t i = 0; i < width * pairs; i += 2) {
+            __m512bh first, second;
+            int8_rows_to_bf16(source + i * 2 * kPackedGroup, tables, first, second);
+            _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(first));
+            _mm512_storeu_si512(widened.data() + (i + 1) * kPackedGroup, reinterpret_cast<__m512i>(second));
+          }
+#else
+          for (int64_t i = 0; i < width * pairs; ++i)
+            _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(int8_to_bf16x32(source + i * 2 * kPackedGroup)));
+#endif
+          widened_panel = panel;
+        }
+        for (int64_t c = 0; c < width * kPackedGroup; ++c) panel_scale[c] = static_cast<float>(scale[group0 * kPackedGroup + c]);
+        weights = widened.data();
+        task_scale = panel_scale;
+      }
+      amx_panel(x_ptr + m0 * xs, xs, rows, width, weights, pairs, task_scale, o_ptr + m0 * N + group0 * kPackedGroup, N);
+    }
+    _tile_release();
   });
 }
 #endif

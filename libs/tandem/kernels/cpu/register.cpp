@@ -16,7 +16,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("int8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &int8_mm_supported);
   m.def("fp8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("fp8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &fp8_mm_supported);
-  m.def("packed_mm(Tensor x, Tensor packed, Tensor? scale=None) -> Tensor");
+  m.def("packed_mm(Tensor x, Tensor packed, Tensor? scale=None, int kernel=0) -> Tensor");
+  m.def("packed_mm_amx_supported(int in_features, ScalarType x_dtype) -> bool", &packed_mm_amx_supported);
   m.def("pack_weight(Tensor weight, ScalarType x_dtype) -> Tensor");
   m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype, ScalarType x_dtype) -> bool", &packed_mm_supported);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -25,7 +26,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor added, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def(
-      "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] scales, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, "
+      "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] scales, int[] kernels, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, "
       "Tensor seq_lens, Tensor block_tables, int num_heads, int num_kv_heads, float scale, float eps) -> Tensor");
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor)");
 }
