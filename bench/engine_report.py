@@ -79,6 +79,19 @@ def print_variants(r: dict) -> None:
             f"  {name:<{width}}{p['num_tokens']} tokens in {p['ttft_ms']:.0f} ms: {p['tokens_per_s']:.0f} tok/s, "
             f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s = {100 * p['of_peak']:.0f}% of peak matmul   >= {100 * TARGET_PREFILL_OF_PEAK:.0f}% {mark(met)}"
         )
+    print_kernels(variants)
+
+
+def print_kernels(variants: dict) -> None:
+    """Which kernel served each projection shape and bucket of rows, per variant (kernels/gemm_choice.py)."""
+    for name, variant in variants.items():
+        gemm = variant.get("gemm") or {}
+        kernels = gemm.get("kernels")
+        if not kernels:
+            continue
+        print(f"kernels of {name} (policy {gemm['policy']}; rows 1 | 2-8 | 9-64 | >64)")
+        for shape, chosen in kernels.items():
+            print(f"  {shape:<40}" + " | ".join(chosen))
 
 
 def print_table(r: dict, cost: ModelCost) -> None:

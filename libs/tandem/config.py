@@ -270,6 +270,8 @@ class Settings(BaseSettings):
     """workers: what one hour of this worker costs (any currency), for the cost per million output tokens; 0: unknown"""
 
     # models and the assistant's judgement (issue 13)
+    cpu_gemm: Literal["auto", "fastest", "packed", "amx", "onednn"] = "auto"
+    """workers on a CPU: which kernel multiplies each packed projection's rows, timed on this machine once and kept in ~/.cache/tandem/kernels (kernels/gemm_choice.py): auto (one kernel a projection for every row count, the best overall among those as fast at one row: a row's bits do not depend on its batch), fastest (each bucket of rows its fastest kernel: faster where they differ, but a reply's text may then depend on its batch), or one kernel forced where it serves (packed: AVX512-BF16/AVX2 dot products; amx: AMX tiles; onednn: torch's matmul)"""
     quantization: Literal["none", "int8", "fp8"] = "none"
     """workers: how the weights are kept in memory: none (the dtype), int8 (weight-only int8 with per-output-channel scales, multiplied by a fused int8 kernel), fp8 (weight-only float8 e4m3 with per-output-channel scales; an fp8 checkpoint, compressed-tensors', is kept as it is under none or fp8)"""
     small_decode_workers: Annotated[int, Field(ge=0, le=16)] = 1

@@ -55,8 +55,9 @@ LOCK_WAIT_S = 120.0
 AUTO_ONE_ROW_SLACK = 1.25
 BUCKETS = ("1", "2-8", "9-64", ">64")
 BUCKET_ROWS = (1, 8, 64, 256)  # the rows timed for each bucket
-# Each timing: calls repeated for at least this long (and REPEATS calls), the median kept.
-MIN_TIME_S, REPEATS = 0.03, 5
+# Each timing: ROUNDS rounds of at least ROUND_S and ROUND_CALLS calls, the median round kept.
+ROUNDS, ROUND_S, ROUND_CALLS = 3, 0.01, 4
+STREAM_BYTES_MAX = 1 << 30
 
 
 def bucket_of(rows: int) -> int:
@@ -117,44 +118,81 @@ def candidates(shape: GemmShape) -> list[str]:
 
 
 def measure(shape: GemmShape, names: Sequence[str]) -> dict[str, list[float]]:
-    """Seconds per call of each named kernel at BUCKET_ROWS rows, on random data of the shape."""
-    from tandem.models.layers import project  # the call the onednn kernel serves through
-    from tandem.models.packed import pack_weight
+    """Seconds per call of each named kernel at BUCKET_ROWS rows. Each call reads its own copy of
+    the weights, the copies in turn through a buffer larger than the CPU's last-level cache, so a
+    call streams its weights from memory as a model's forward does (timed in cache, a kernel's
+    rate at one row said little about a decode step)."""
+    from tandem.models.layers import CPU_ROWS_PER_MATMUL
 
-    generator = torch.Generator().manual_seed(0)
-    dense = torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.05
-    scale = None
-    if shape.weight_dtype == torch.int8:
-        weight = torch.randint(-127, 128, dense.shape, generator=generator, dtype=torch.int8)
-        scale = torch.full((shape.out_features,), 0.01, dtype=shape.x_dtype)
-    else:
-        weight = dense.to(shape.weight_dtype)
-    packed = pack_weight(weight, shape.x_dtype)
-    linear = torch.nn.Linear(shape.in_features, shape.out_features, bias=False, dtype=shape.x_dtype)
-    linear.weight.data = weight.to(shape.x_dtype)
-    calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "packed": lambda x: torch.ops.tandem.packed_mm(x, packed, scale, 0),
-        "amx": lambda x: torch.ops.tandem.packed_mm(x, packed, scale, 1),
-        "onednn": lambda x: project(linear, x),
+    packed_shape = (
+        (shape.out_features // 16, shape.in_features, 16)
+        if shape.x_dtype == torch.float32
+        else (shape.out_features // 16, shape.in_features // 2, 32)
+    )
+    size = shape.out_features * shape.in_features
+    itemsize = torch.empty(0, dtype=shape.weight_dtype).element_size()
+    copies = max(1, _stream_bytes() // (size * itemsize))
+    buffer = torch.full((copies * size,), 1 if shape.weight_dtype == torch.int8 else 0.01, dtype=shape.weight_dtype)
+    scale = torch.full((shape.out_features,), 0.01, dtype=shape.x_dtype) if shape.weight_dtype == torch.int8 else None
+
+    def weight(i: int) -> torch.Tensor:
+        return buffer[i * size : (i + 1) * size]
+
+    def onednn(x: torch.Tensor, i: int) -> torch.Tensor:  # as layers.project calls an nn.Linear
+        dense = weight(i).view(shape.out_features, shape.in_features)
+        if x.shape[0] == 1:
+            return torch.nn.functional.linear(x.expand(2, -1), dense)[:1]
+        out = x.new_empty(x.shape[0], shape.out_features)
+        for start in range(0, x.shape[0], CPU_ROWS_PER_MATMUL):
+            torch.mm(x[start : start + CPU_ROWS_PER_MATMUL], dense.t(), out=out[start : start + CPU_ROWS_PER_MATMUL])
+        return out
+
+    calls: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "packed": lambda x, i: torch.ops.tandem.packed_mm(x, weight(i).view(packed_shape), scale, 0),
+        "amx": lambda x, i: torch.ops.tandem.packed_mm(x, weight(i).view(packed_shape), scale, 1),
+        "onednn": onednn,
     }
+    generator = torch.Generator().manual_seed(0)
     timings: dict[str, list[float]] = {name: [] for name in names}
     with torch.no_grad():
         for rows in BUCKET_ROWS:
             x = torch.randn(rows, shape.in_features, generator=generator).to(shape.x_dtype)
             for name in names:
-                timings[name].append(_seconds_per_call(calls[name], x))
+                timings[name].append(_seconds_per_call(calls[name], x, copies))
     return timings
 
 
-def _seconds_per_call(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
-    call(x)  # warm: caches, oneDNN's primitive
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < REPEATS or time.perf_counter() - start < MIN_TIME_S:
-        began = time.perf_counter()
-        call(x)
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
+def _stream_bytes() -> int:
+    """Bytes of weight copies a timing cycles through: twice the last-level cache (64 MiB where it
+    is not known), at most STREAM_BYTES_MAX."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if text.endswith("K") and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) << 10)
+        elif text.endswith("M") and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) << 20)
+    return min(STREAM_BYTES_MAX, 2 * max(sizes, default=32 << 20))
+
+
+def _seconds_per_call(call: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor, copies: int) -> float:
+    """The median over ROUNDS of a round's seconds per call; a round calls on the copies in turn
+    (going on from where the last stopped) for at least ROUND_S and ROUND_CALLS calls."""
+    call(x, 0)  # warm: oneDNN's primitive, the tiles' configuration
+    rounds: list[float] = []
+    i = 1
+    for _ in range(ROUNDS):
+        calls = 0
+        start = time.perf_counter()
+        while calls < ROUND_CALLS or time.perf_counter() - start < ROUND_S:
+            call(x, i % copies)
+            i += 1
+            calls += 1
+        rounds.append((time.perf_counter() - start) / calls)
+    return statistics.median(rounds)
 
 
 def cache_path(root: Path | None = None) -> Path:

@@ -11,6 +11,8 @@ from typing import Literal
 import torch
 
 from tandem.errors import StartupError
+from tandem.kernels.gemm_choice import GemmChooser, GemmPolicy
+from tandem.kernels.gemm_choice import cache_path as gemm_cache_path
 from tandem.kernels.metadata import AttentionFn
 from tandem.models.checkpoint_names import TensorSource, load_tensors
 from tandem.models.compressed_tensors import checkpoint_quantization
@@ -48,6 +50,7 @@ def load_model(
     quantization: Quantization = "none",
     pack: bool = True,
     tp: TensorParallel = SINGLE,
+    cpu_gemm: GemmPolicy = "auto",
 ) -> LoadedModel:
     """`path` None means the embedded SmolLM2 GGUF. The model of rank `tp.shard` is built empty on
     `device` and filled tensor by tensor with the slices that rank holds (checkpoint_names.py), so
@@ -57,7 +60,8 @@ def load_model(
     `dtype`. A checkpoint of FP8 weights (models/compressed_tensors.py) loads them as they are, as fp8.
     On a CPU the projections and logits are packed for the kernels where they serve the dtype
     (bf16 with AVX512-BF16, float32 with AVX2: models/packed.py); `pack` False keeps them as
-    loaded (nn.Linear or Int8Linear, their weights readable by name)."""
+    loaded (nn.Linear or Int8Linear, their weights readable by name); `cpu_gemm` is the policy that
+    gives each packed projection its kernel per bucket of rows (kernels/gemm_choice.py)."""
     checkpoint = open_model(path)
     tensors: Iterable[tuple[str, TensorSource]]
     if checkpoint.format == "gguf":
@@ -72,7 +76,9 @@ def load_model(
     empty = LlamaForCausalLM.empty(tp.shard.local_config(config), attention, dtype, "meta", tp)
     model = quantized_empty(empty, quantization, device)
     load_tensors(model, config, tensors)
-    return LoadedModel(model=(pack_model(model) if pack else model).eval(), config=config, tokenizer=tokenizer)
+    if pack:
+        model = pack_model(model, GemmChooser(cpu_gemm, path=gemm_cache_path()))
+    return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer)
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

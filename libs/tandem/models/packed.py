@@ -167,23 +167,35 @@ def pack_model(model: LlamaForCausalLM, gemm: GemmChooser | None = None) -> Llam
     `gemm`'s choice (kernels/gemm_choice.py; None: this machine's timings under the `auto` policy)."""
     model.swap_projections(_packed)
     logits_weight = model.logits_weight()
-    logits_packed = pack_weight(logits_weight, logits_weight.dtype) if can_pack(logits_weight, logits_weight.dtype) else None
-    projections = [module for module in model.modules() if isinstance(module, PackedLinear)]
-    if projections or logits_packed is not None:
-        gemm = gemm or GemmChooser("auto", path=cache_path())
-        for projection in projections:
-            shape = GemmShape(projection.out_features, projection.in_features, projection.weight_packed.dtype, projection.dtype)
-            projection.use_kernels(gemm.kernels(shape, candidates(shape)))
-        if logits_packed is not None:
-            shape = GemmShape(logits_weight.shape[0], logits_weight.shape[1], logits_weight.dtype, logits_weight.dtype)
-            model.pack_logits(logits_packed, kernel_codes(gemm.kernels(shape, candidates(shape))))
-        for line in describe(gemm):
-            log.info("kernels: %s", line)
+    if can_pack(logits_weight, logits_weight.dtype):
+        model.pack_logits(pack_weight(logits_weight, logits_weight.dtype))
+    choose_kernels(model, gemm)
     # decode_layers runs every layer in one call, Llama's own: no all-reduce between them, none
     # of another architecture's differences (ModelConfig.plain_layers), no fp8 KV scales
     if model.tp.size == 1 and model.config.plain_layers and not _has_kv_scales(model):
         model.model.fast_decode = PackedDecode(model.model, model.config)
     return model
+
+
+def choose_kernels(model: LlamaForCausalLM, gemm: GemmChooser | None = None) -> GemmChooser | None:
+    """Gives every packed projection and the packed logits of a packed model `gemm`'s kernel per
+    bucket of rows (None: this machine's timings under the `auto` policy); the chooser used, None
+    where nothing is packed. The one-call decode sees the change at its next step."""
+    projections = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    logits_packed = getattr(model, "logits_packed", None)
+    if not projections and not isinstance(logits_packed, torch.Tensor):
+        return None
+    gemm = gemm or GemmChooser("auto", path=cache_path())
+    for projection in projections:
+        shape = GemmShape(projection.out_features, projection.in_features, projection.weight_packed.dtype, projection.dtype)
+        projection.use_kernels(gemm.kernels(shape, candidates(shape)))
+    if isinstance(logits_packed, torch.Tensor):
+        weight = model.logits_weight()
+        shape = GemmShape(weight.shape[0], weight.shape[1], logits_packed.dtype, logits_packed.dtype)
+        model.pack_logits(logits_packed, kernel_codes(gemm.kernels(shape, candidates(shape))))
+    for line in describe(gemm):
+        log.info("kernels (%s): %s", gemm.policy, line)
+    return gemm
 
 
 def _has_kv_scales(model: LlamaForCausalLM) -> bool:

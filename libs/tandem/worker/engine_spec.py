@@ -16,6 +16,7 @@ from tandem.engine.engine import Engine, EngineConfig, KvCacheAllocator
 from tandem.engine.rank_follower import follow
 from tandem.errors import StartupError
 from tandem.kernels import select_attention
+from tandem.kernels.gemm_choice import GemmPolicy
 from tandem.models.files import ModelFile
 from tandem.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tandem.models.tensor_parallel import join
@@ -36,6 +37,7 @@ class EngineSpec:
     log_level: str = "INFO"  # the engine process's
     tensor_parallel_size: int = 1  # ranks, one process each beside rank 0 (engine_ranks.py)
     rendezvous: str = ""  # where the ranks meet (a file:// URL), set when they are started
+    cpu_gemm: GemmPolicy = "auto"  # the kernel policy for packed projections (kernels/gemm_choice.py)
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelFile, role: str = "decode") -> EngineSpec:
@@ -68,7 +70,17 @@ class EngineSpec:
                 f"TANDEM_TENSOR_PARALLEL_SIZE={num_ranks}: a prefill worker on {device} hands off its KV only with one rank "
                 "(tensor-parallel handoffs run on CPUs, where every rank's cache is shared memory); use 1 for prefill workers here"
             )
-        return cls(model, device, dtype, engine, torch_threads, engine_process, settings.log_level, settings.tensor_parallel_size)
+        return cls(
+            model,
+            device,
+            dtype,
+            engine,
+            torch_threads,
+            engine_process,
+            settings.log_level,
+            settings.tensor_parallel_size,
+            cpu_gemm=settings.cpu_gemm,
+        )
 
 
 def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None) -> Engine:
@@ -87,7 +99,9 @@ def load_rank(spec: EngineSpec, rank: int) -> LoadedModel:
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     tp = join(rank, spec.tensor_parallel_size, spec.rendezvous, spec.device)
-    loaded = load_model(spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization, tp=tp)
+    loaded = load_model(
+        spec.model.path, spec.dtype, spec.device, select_attention(spec.device), spec.model.quantization, tp=tp, cpu_gemm=spec.cpu_gemm
+    )
     log.info(
         "engine %s: %s, %s (quantization %s) on %s with %d torch threads",
         "ready" if tp.size == 1 else f"rank {rank} of {tp.size} loaded",

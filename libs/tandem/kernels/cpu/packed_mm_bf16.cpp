@@ -177,6 +177,9 @@ inline void packed_panel(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t 
 constexpr int64_t kAmxRows = 16;        // rows a tile holds
 constexpr int64_t kAmxPairs = 16;       // pairs of inputs a tile product takes
 constexpr int64_t kAmxChunkRows = 256;  // rows a task takes against one panel (their x stays in the core's cache)
+// With one row tile, the weight tiles this many pairs ahead are prefetched: a tile product waits
+// on its loads, and the hardware's prefetch alone left one row slower than the dot products.
+constexpr int64_t kAmxPairsAhead = 4 * kAmxPairs;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -206,6 +209,13 @@ inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, 
   if constexpr (RB > 1 && GB > 1) _tile_zero(3);
   const int64_t x_bytes = xs * 2;
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    if constexpr (RB == 1) {  // few rows: the weights stream from memory, a tile's worth asked for ahead
+      const int64_t ahead = std::min(p + kAmxPairsAhead, pairs - kAmxPairs);
+      for (int64_t line = 0; line < kAmxPairs; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (ahead + line) * kPackedGroup), _MM_HINT_T0);
+        if constexpr (GB > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (pairs + ahead + line) * kPackedGroup), _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, x + 2 * p, x_bytes);
     _tile_loadd(6, panel + p * kPackedGroup, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -338,6 +348,7 @@ void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10:
 #if defined(__AVX512VBMI__)
           const Bf16ByteTables tables = bf16_byte_tables();
           for (int64_t i = 0; i < width * pairs; i += 2) {
+            __builtin_prefetch(source + std::min(i + kInt8PairsAhead, width * pairs - 2) * 2 * kPackedGroup);
             __m512bh first, second;
             int8_rows_to_bf16(source + i * 2 * kPackedGroup, tables, first, second);
             _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(first));
