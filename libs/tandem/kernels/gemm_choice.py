@@ -107,6 +107,13 @@ def _fastest_at(timings: Timings, bucket: int) -> str:
     return min(timings, key=lambda name: timings[name][bucket])
 
 
+def keeps_row_bits(name: str, shape: GemmShape) -> bool:
+    """Whether a kernel gives a row the same bits at every row count: the packed ones always, and
+    oneDNN's bf16 matmul in layers.project's calls (tests/unit/models/test_batch_invariance.py);
+    its float32 one does not (a row alone and among 600 differ), so `auto` never picks it."""
+    return name != "onednn" or shape.x_dtype == torch.bfloat16
+
+
 def candidates(shape: GemmShape) -> list[str]:
     """The kernels that serve this projection here (the C++ kernels loaded)."""
     names = ["packed"]  # pack_model packs only where packed_mm serves
@@ -265,6 +272,8 @@ class GemmChooser:
 
     def kernels(self, shape: GemmShape, names: Sequence[str]) -> tuple[str, ...]:
         """The kernel per bucket for a projection of this shape among `names` (the ones that serve it)."""
+        if self.policy == "auto":
+            names = [name for name in names if keeps_row_bits(name, shape)]
         if self.policy in names:  # forced: nothing to time
             chosen: tuple[str, ...] = (self.policy,) * len(BUCKETS)
         elif len(names) == 1:

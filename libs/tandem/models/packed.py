@@ -95,8 +95,8 @@ class PackedLinear(nn.Module):
     weight_packed: torch.Tensor  # pack_weight's, bf16, float32 or int8
     scale: torch.Tensor | None  # (out,) in the model's dtype, for int8 weights
     # packed_mm's kernel per bucket of rows (gemm_choice.BUCKETS), ONEDNN for torch's matmul on `dense`
-    kernels: tuple[int, ...] = (0, 0, 0, 0)
-    dense: nn.Linear | None = None  # the weight unpacked, where a bucket's kernel is onednn
+    kernels: tuple[int, ...]
+    dense: nn.Linear | None  # the weight unpacked, where a bucket's kernel is onednn (a submodule: set in __init__, no class default)
 
     def __init__(
         self, weight_packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, in_features: int, out_features: int
@@ -110,6 +110,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.kernels = (0,) * len(BUCKETS)  # packed_mm's dot products until use_kernels
+        self.dense = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:

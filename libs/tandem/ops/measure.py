@@ -31,8 +31,9 @@ def best_s(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float
 
 def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int, device: str = "cpu") -> float:
     """FLOP/s of a large square matmul in `dtype` on `device` (all torch threads on a CPU), best of
-    `repeats`: torch's matmul, or on a CPU the engine's packed kernel where it serves the dtype
-    (models/packed.py) and is the faster, so that no rate the engine reaches is above this peak."""
+    `repeats`: torch's matmul, or on a CPU the engine's packed kernels where they serve the dtype
+    (models/packed.py: the dot products', and AMX tiles') and are the faster, so that no rate the
+    engine reaches is above this peak."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device, dtype)
     b = torch.randn(size, size, generator=generator).to(device, dtype)
@@ -45,6 +46,8 @@ def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int, device: str 
         if can_pack(weight, dtype):
             packed = pack_weight(weight, dtype)
             fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None), repeats))
+            if torch.ops.tandem.packed_mm_amx_supported(size, dtype):  # its AMX kernel (kernels/gemm_choice.py)
+                fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None, 1), repeats))
     return 2 * size**3 / fastest_s
 
 

@@ -68,6 +68,16 @@ def test_a_shape_is_timed_once_and_the_next_process_reads_the_timings(tmp_path):
     assert more.calls == [(SHAPE.key, ("extra",))]
 
 
+def test_auto_never_picks_a_kernel_that_changes_a_row_s_bits_with_its_batch(tmp_path):
+    float_shape = GemmShape(960, 576, torch.float32, torch.float32)
+    onednn_fastest = {"packed": [2.0, 2.0, 8.0, 30.0], "onednn": [1.0, 1.0, 1.0, 1.0]}
+    assert GemmChooser("auto", CountingTimer(onednn_fastest), None).kernels(float_shape, ["packed", "onednn"]) == ("packed",) * len(BUCKETS)
+    assert GemmChooser("fastest", CountingTimer(onednn_fastest), None).kernels(float_shape, ["packed", "onednn"]) == ("onednn",) * len(
+        BUCKETS
+    )
+    assert GemmChooser("auto", CountingTimer(onednn_fastest), None).kernels(SHAPE, ["packed", "onednn"]) == ("onednn",) * len(BUCKETS)
+
+
 def test_a_damaged_timings_file_is_measured_again_and_a_forced_or_single_kernel_times_nothing(tmp_path):
     path = tmp_path / "gemm.json"
     path.write_text('{"960x576 bfl')  # a write cut short
@@ -135,3 +145,24 @@ def test_the_amx_kernel_refuses_inputs_it_does_not_tile():
     packed = pack_weight(torch.ones(16, 48, dtype=torch.bfloat16), torch.bfloat16)
     with pytest.raises(RuntimeError, match="no kernel 1"):
         torch.ops.tandem.packed_mm(torch.ones(2, 48, dtype=torch.bfloat16), packed, None, 1)
+
+
+@pytest.mark.parametrize("policy", ["packed", "onednn"])
+def test_load_model_gives_every_packed_projection_the_policy_s_kernel(policy):
+    """The embedded SmolLM2 loaded as a worker loads it (load_model's cpu_gemm, the setting's),
+    then one forward: its projections and logits take the forced kernel at every row count."""
+    from tandem.kernels import select_attention
+    from tandem.models.loader import load_model
+    from tandem.models.packed import ONEDNN, PackedLinear, kernel_codes
+
+    if not cpu_extension.load() or not torch.ops.tandem.packed_mm_supported(576, 576, torch.bfloat16, torch.bfloat16):
+        pytest.skip("bf16 rows need AVX512-BF16")
+    model = load_model(None, torch.bfloat16, "cpu", select_attention("cpu"), cpu_gemm=policy).model
+    projections = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(projections) == 4 * model.config.num_layers
+    expected = kernel_codes((policy,) * len(BUCKETS))
+    assert all(p.kernels == expected for p in projections) and model.logits_kernels == expected
+    assert all((p.dense is not None) == (ONEDNN in expected) for p in projections)
+    hidden = torch.randn(3, 576).to(torch.bfloat16)
+    reference = torch.nn.functional.linear(hidden, model.logits_weight()).float()
+    torch.testing.assert_close(model.compute_logits(hidden), reference, atol=5e-2, rtol=2e-2)

@@ -80,3 +80,12 @@ def test_a_prefill_worker_s_engine_captures_no_cuda_graphs_and_a_decode_worker_s
 
 def test_enforce_eager_turns_a_decode_worker_s_cuda_graphs_off(no_gpu):
     assert EngineSpec.from_settings(Settings(enforce_eager=True), MODEL, "decode").engine.enforce_eager
+
+
+def test_the_cpu_gemm_policy_reaches_the_spec_and_a_policy_no_kernel_has_is_a_bad_setting(monkeypatch, no_gpu):
+    assert EngineSpec.from_settings(Settings(device="cpu"), MODEL).cpu_gemm == "auto"
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "amx")
+    assert EngineSpec.from_settings(load_settings(device="cpu"), MODEL).cpu_gemm == "amx"
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "avx9000")
+    with pytest.raises(StartupError, match="TANDEM_CPU_GEMM: Input should be 'auto'"):
+        load_settings(device="cpu")
