@@ -49,6 +49,17 @@ GemmPolicy = Literal["auto", "fastest", "packed", "amx", "onednn"]
 KERNELS = ("packed", "amx", "onednn")
 # packed_mm's kernel argument for each of its kernels (kernels/cpu/ops.h); onednn is not packed_mm's
 PACKED_KERNEL_CODES = {"packed": 0, "amx": 1}
+# On CPU, oneDNN's bf16 matmul rounds a row differently once a call has enough rows (the
+# SmolLM2 MLP's 1536-wide down projection from 130 rows on, with 2 threads; some rows change by
+# an ulp): a decode row that shares a step with a prefill chunk would come out unlike
+# the same row in a decode-only step, so a greedy answer would depend on the company it is
+# batched with and a continuation could part from the uninterrupted run. Calls of at most this
+# many rows give every row the bits it gets alone (tests/unit/models/test_batch_invariance.py),
+# each call writing its rows in place. At the other end, a one-row call can take a kernel of its
+# own (a gemv) that rounds unlike every call of two or more rows (seen on an AMD EPYC with
+# torch 2.10: the 1536-wide down projection, some of its rows), so a single row is computed as
+# two (itself twice) and the first is kept.
+CPU_ROWS_PER_MATMUL = 128
 # How long a process waits for another's measurement (a few seconds on two cores) before its own.
 LOCK_WAIT_S = 120.0
 # auto's kernels are those within this factor of the fastest at one row
@@ -129,8 +140,6 @@ def measure(shape: GemmShape, names: Sequence[str]) -> dict[str, list[float]]:
     the weights, the copies in turn through a buffer larger than the CPU's last-level cache, so a
     call streams its weights from memory as a model's forward does (timed in cache, a kernel's
     rate at one row said little about a decode step)."""
-    from tandem.models.layers import CPU_ROWS_PER_MATMUL
-
     packed_shape = (
         (shape.out_features // 16, shape.in_features, 16)
         if shape.x_dtype == torch.float32
@@ -145,7 +154,7 @@ def measure(shape: GemmShape, names: Sequence[str]) -> dict[str, list[float]]:
     def weight(i: int) -> torch.Tensor:
         return buffer[i * size : (i + 1) * size]
 
-    def onednn(x: torch.Tensor, i: int) -> torch.Tensor:  # as layers.project calls an nn.Linear
+    def onednn(x: torch.Tensor, i: int) -> torch.Tensor:  # as models/layers.project calls an nn.Linear
         dense = weight(i).view(shape.out_features, shape.in_features)
         if x.shape[0] == 1:
             return torch.nn.functional.linear(x.expand(2, -1), dense)[:1]

@@ -8,18 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu_extension, fused_triton
-
-# On CPU, oneDNN's bf16 matmul rounds a row differently once a call has enough rows (the
-# SmolLM2 MLP's 1536-wide down projection from 130 rows on, with 2 threads; some rows change by
-# an ulp): a decode row that shares a step with a prefill chunk would come out unlike
-# the same row in a decode-only step, so a greedy answer would depend on the company it is
-# batched with and a continuation could part from the uninterrupted run. Calls of at most this
-# many rows give every row the bits it gets alone (tests/unit/models/test_batch_invariance.py),
-# each call writing its rows in place. At the other end, a one-row call can take a kernel of its
-# own (a gemv) that rounds unlike every call of two or more rows (seen on an AMD EPYC with
-# torch 2.10: the 1536-wide down projection, some of its rows), so a single row is computed as
-# two (itself twice) and the first is kept.
-CPU_ROWS_PER_MATMUL = 128
+from tandem.kernels.gemm_choice import CPU_ROWS_PER_MATMUL  # oneDNN's calls of a row's own bits (why: there)
 
 
 def has_cpu_kernels(x: torch.Tensor) -> bool:
