@@ -84,27 +84,36 @@ def _poison_before_windows(step: PagedStep, window: int) -> torch.Tensor:
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [LONG_DECODE, LONG_MIXED], ids=["long_decode", "long_mixed"])
-def test_the_kernels_read_nothing_of_the_blocks_before_a_window(batch: list[tuple[int, int]]) -> None:
-    step = make_step(batch, num_heads=9, num_kv_heads=3, head_dim=64, seed=6)
+def test_the_kernels_read_nothing_of_the_blocks_before_a_window(batch: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    """bf16 over a bf16 cache: the prefill kernels' pairs of V rows (and on AMX their 32-key tile
+    products) begin before a window that starts mid-pair: a NaN row there still adds nothing."""
+    step = make_step(batch, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=6)
     expected, _ = step.run(paged_attention_reference, window=50)
     poisoned = _poison_before_windows(step, 50)
     assert poisoned.isnan().any()
     out, _ = step.run(paged_attention_cpu, poisoned, window=50)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    tolerance = 2e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
 @needs_kernels
+@pytest.mark.parametrize("kernel", [0, 1], ids=["vector", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_windowed_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(dtype: torch.dtype) -> None:
+def test_a_windowed_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(dtype: torch.dtype, kernel: int) -> None:
+    """A window (70) and a soft-cap (3): the chunks' first windows start at keys the AMX kernel's
+    32-key tile products do not start at, and a row still gets the same bits."""
     if not torch.ops.tandem.prefill_supported(64, dtype):
         pytest.skip("paged_prefill does not serve this CPU")
+    if kernel == 1 and not torch.ops.tandem.prefill_amx_supported(64, dtype, dtype):
+        pytest.skip(f"paged_prefill's AMX kernel does not serve {dtype} here")
     step = make_step([(0, 300)], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=7)
     _, kv_cache = step.run(paged_attention_cpu)  # writes the prompt's K and V
     k_cache, v_cache, table = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1], step.meta.block_tables[0]
-    whole = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 300, step.scale, 70, 3.0)
+    whole = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 300, step.scale, 70, 3.0, kernel)
     pieces = [
-        torch.ops.tandem.paged_prefill(step.q[lo:hi], k_cache, v_cache, table, hi, step.scale, 70, 3.0)
+        torch.ops.tandem.paged_prefill(step.q[lo:hi], k_cache, v_cache, table, hi, step.scale, 70, 3.0, kernel)
         for lo, hi in ((0, 37), (37, 200), (200, 201), (201, 300))
     ]
     assert torch.equal(torch.cat(pieces), whole)

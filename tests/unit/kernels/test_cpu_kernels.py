@@ -99,24 +99,61 @@ def test_decode_and_prefill_read_nothing_past_each_context() -> None:
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(dtype: torch.dtype) -> None:
-    """A 300-token prompt whose K and V are cached: its rows computed in one chunk, and in chunks
-    that cut across the kernel's 16-row tiles and 16-token blocks, have the same bits."""
-    if not torch.ops.tandem.prefill_supported(64, dtype):
+# paged_prefill's kernels (its `kernel` argument): the vector units', and AMX tiles' for bf16
+# queries over a bf16 cache where the CPU has them.
+PREFILL_KERNELS = {"vector": 0, "amx": 1}
+
+
+def skip_unless_prefill_serves(kernel: int, head_dim: int, dtype: torch.dtype) -> None:
+    if not torch.ops.tandem.prefill_supported(head_dim, dtype):
         pytest.skip("paged_prefill needs AVX-512 (attention_cpu takes torch's path without it)")
-    step = make_step([(0, 300)], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=5)
+    if kernel == PREFILL_KERNELS["amx"] and not torch.ops.tandem.prefill_amx_supported(head_dim, dtype, dtype):
+        pytest.skip(f"paged_prefill's AMX kernel does not serve {dtype} here (AMX bf16 tiles, bf16 queries and cache)")
+
+
+@pytest.mark.parametrize("kernel", PREFILL_KERNELS.values(), ids=PREFILL_KERNELS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 96)], ids=["smollm2", "hd128", "hd96-mha"]
+)
+def test_a_prefill_row_gets_the_same_bits_however_its_prompt_is_chunked(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kernel: int
+) -> None:
+    """A 300-token prompt whose K and V are cached: its rows computed in one chunk, and in chunks
+    that cut across the kernel's 16-row tiles, 16-token blocks and the AMX kernel's 32-key tile
+    products, have the same bits, close to the reference."""
+    skip_unless_prefill_serves(kernel, head_dim, dtype)
+    step = make_step([(0, 300)], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=5)
     _, kv_cache = step.run(paged_attention_cpu)  # writes the prompt's K and V
     k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
     table = step.meta.block_tables[0]
-    whole = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 300, step.scale)
+    whole = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 300, step.scale, kernel=kernel)
     pieces = [
-        torch.ops.tandem.paged_prefill(step.q[lo:hi], k_cache, v_cache, table, hi, step.scale)
+        torch.ops.tandem.paged_prefill(step.q[lo:hi], k_cache, v_cache, table, hi, step.scale, kernel=kernel)
         for lo, hi in ((0, 37), (37, 200), (200, 201), (201, 300))
     ]
     assert torch.equal(torch.cat(pieces), whole)
     expected, _ = step.run(paged_attention_reference)
     torch.testing.assert_close(whole, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_paged_prefill_serves_bf16_on_amx_tiles_by_default_where_it_can() -> None:
+    """The default kernel is the AMX one where it serves (bf16 queries and cache) and the vector
+    one elsewhere; asking for AMX where it does not serve is an error that says so."""
+    if not torch.ops.tandem.prefill_supported(64, torch.bfloat16):
+        pytest.skip("paged_prefill needs AVX-512")
+    step = make_step([(0, 100)], num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=2)
+    _, kv_cache = step.run(paged_attention_cpu)
+    k_cache, v_cache, table = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1], step.meta.block_tables[0]
+    default = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, step.scale)
+    amx = torch.ops.tandem.prefill_amx_supported(64, torch.bfloat16, torch.bfloat16)
+    chosen = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, step.scale, kernel=1 if amx else 0)
+    assert torch.equal(default, chosen)
+    assert not torch.ops.tandem.prefill_amx_supported(64, torch.float32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="AMX kernel does not serve"):
+        torch.ops.tandem.paged_prefill(step.q.float(), k_cache, v_cache, table, 100, step.scale, kernel=1)
+    with pytest.raises(RuntimeError, match="kernel must be"):
+        torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, step.scale, kernel=2)
 
 
 def test_a_decode_row_gets_the_same_bits_alone_and_in_any_batch() -> None:

@@ -18,8 +18,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 // prefill_attention.cpp
 bool prefill_supported(int64_t head_dim, at::ScalarType dtype);
+// kernel: kPrefillVector (the vector units), kPrefillAmx (bf16 queries over a bf16 cache on AMX
+// tiles, where prefill_amx_supported) or kPrefillDefault (AMX where it serves). Either kernel
+// gives a row the same bits however its prompt is chunked; the two kernels' bits differ.
+constexpr int64_t kPrefillDefault = -1, kPrefillVector = 0, kPrefillAmx = 1;
+bool prefill_amx_supported(int64_t head_dim, at::ScalarType dtype, at::ScalarType cache_dtype);
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table, int64_t seq_len,
-                         double scale, int64_t window, double softcap);
+                         double scale, int64_t window, double softcap, int64_t kernel);
 
 // write_kv.cpp
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping);

@@ -11,6 +11,7 @@
 // weights alone, not on the rows beside it, how many, the tiling or the threads, so a row alone,
 // in a decode step of many or among a prefill chunk's rows gets the same.
 
+#include "amx.h"
 #include "packed_mm.h"
 #include "vector.h"
 
@@ -22,10 +23,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace tandem::cpu {
 
@@ -174,30 +171,12 @@ inline void packed_panel(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t 
 // are. Tiles 0-3 hold a 2 x 2 block of sums (rows 0-15 and 16-31 by the panel's two groups), 4-5
 // the two row tiles and 6-7 the two weight tiles.
 
-constexpr int64_t kAmxRows = 16;        // rows a tile holds
-constexpr int64_t kAmxPairs = 16;       // pairs of inputs a tile product takes
+constexpr int64_t kAmxRows = amx::kRows;
+constexpr int64_t kAmxPairs = amx::kPairs;
 constexpr int64_t kAmxChunkRows = 256;  // rows a task takes against one panel (their x stays in the core's cache)
 // With one row tile, the weight tiles this many pairs ahead are prefetched: a tile product waits
 // on its loads, and the hardware's prefetch alone left one row slower than the dot products.
 constexpr int64_t kAmxPairsAhead = 4 * kAmxPairs;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Sum and row tiles of `rows` rows, weight tiles of 16.
-inline void configure_tiles(int64_t rows) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = static_cast<uint8_t>(t < 6 ? rows : kAmxPairs);
-  }
-  _tile_loadconfig(&config);
-}
 
 // RB row tiles (of the configured rows) by GB groups of sums, over every pair, stored to sums
 // (kAmxRows * RB rows of 32 floats).
@@ -249,7 +228,7 @@ inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, int64_t 
                       c10::BFloat16* out, int64_t os) {
   alignas(64) float sums[2 * kAmxRows * 32];
   const int64_t full = rows / kAmxRows * kAmxRows;
-  if (full > 0) configure_tiles(kAmxRows);
+  if (full > 0) amx::configure(kAmxRows);
   int64_t m = 0;
   for (; m + 2 * kAmxRows <= full; m += 2 * kAmxRows) {
     if (width == 2) amx_block<2, 2>(x + m * xs, xs, panel, pairs, sums);
@@ -263,18 +242,13 @@ inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, int64_t 
     m += kAmxRows;
   }
   if (m < rows) {
-    configure_tiles(rows - m);
+    amx::configure(rows - m);
     if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums);
     else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums);
     store_sums(sums, rows - m, width, scale, out + m * os, os);
   }
 }
 
-bool amx_permitted() {
-  // Linux gives a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 #endif
 }  // namespace
 
@@ -323,7 +297,7 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-bool amx_supported(int64_t in_features) { return in_features % (2 * kAmxPairs) == 0 && amx_permitted(); }
+bool amx_supported(int64_t in_features) { return in_features % (2 * kAmxPairs) == 0 && amx::permitted(); }
 
 void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out) {
   const int64_t M = x.size(0), groups = packed.size(0), pairs = packed.size(1), N = groups * kPackedGroup;

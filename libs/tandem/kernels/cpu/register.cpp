@@ -10,7 +10,8 @@ using namespace tandem::cpu;
 
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale, int window=0, float softcap=0.0) -> Tensor");
-  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, float scale, int window=0, float softcap=0.0, int kernel=-1) -> Tensor");
+  m.def("prefill_amx_supported(int head_dim, ScalarType dtype, ScalarType cache_dtype) -> bool", &prefill_amx_supported);
   m.def("prefill_supported(int head_dim, ScalarType dtype) -> bool", &prefill_supported);  // no tensor: not dispatched by device
   m.def("int8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("int8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &int8_mm_supported);
