@@ -122,6 +122,20 @@ inline void accumulate_pairs(const int32_t* const* weights, const int32_t* value
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc[m] + 16 * c, a[m][c]);
 }
 
+// 2^t for t <= 0 on sixteen lanes, to about 3e-6 relative (the weights it makes are rounded to
+// bf16, 4e-3): 2^floor(t) (vscalefps: 0 below the floats' range) times a degree-4 polynomial in
+// the fraction, half the instructions of exp_nonpositive16.
+inline __m512 exp2_nonpositive16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // [0, 1)
+  __m512 p = _mm512_set1_ps(1.35206032e-2f);  // least squares in relative error on [0, 1): at most 2.7e-6
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.20374288e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41427493e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93006621e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000252f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // A query's weights for the AMX sums, from its raw scores (sums[t], t in [first, len), times
 // `scale` > 0): weights[from .. end) are e^(scale (s - max s)) rounded to bf16 inside [first, len)
 // and zeros outside it. Returns the float32 sum of the numerators before rounding, sixteen at a
@@ -137,11 +151,14 @@ inline float softmax_weights(const float* sums, int64_t from, int64_t first, int
     const __mmask16 m = count - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (count - t)) - 1);
     peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, s + t));
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(peak)), scaled = _mm512_set1_ps(scale);
+  // e^(scale (s - max)) = 2^(s c - max c), c = scale log2(e): one fused multiply-add a score
+  // (at the maximum, a rounding's worth from 0)
+  const float c = scale * 1.44269504f;
+  const __m512 times = _mm512_set1_ps(c), shift = _mm512_set1_ps(-_mm512_reduce_max_ps(peak) * c);
   __m512 total = _mm512_setzero_ps();
   for (int64_t t = 0; t < count; t += 16) {
     const __mmask16 m = count - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (count - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), shift), scaled)));
+    const __m512 e = _mm512_maskz_mov_ps(m, exp2_nonpositive16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + t), times, shift)));
     _mm256_mask_storeu_epi16(w + t, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     total = _mm512_add_ps(total, e);
   }
@@ -157,6 +174,31 @@ inline void weights_to_bf16(const float* p, int64_t len, c10::BFloat16* out) {
   }
 }
 #endif
+
+// dst[j * dst_stride + i] = r[i][j] for 16 rows of 16 32-bit values (a key's float dimensions or
+// bf16 pairs of them), transposed in registers: pairs of rows interleaved by 32 and by 64 bits,
+// then the 128-bit lanes gathered.
+inline void transpose16(const __m512i (&r)[16], int32_t* dst, int64_t dst_stride) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: rows i .. i + 3 of column 4 L + c
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i even_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), even_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i odd_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD), odd_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_si512(dst + c * dst_stride, _mm512_shuffle_i32x4(even_low, even_high, 0x88));
+    _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(even_low, even_high, 0xDD));
+    _mm512_storeu_si512(dst + (4 + c) * dst_stride, _mm512_shuffle_i32x4(odd_low, odd_high, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD));
+  }
+}
 
 // A prefill chunk of one sequence: q (T, heads, HD) are its last T tokens, row j attending to
 // positions 0 .. start + j (start = seq_len - T). One task per (kv head, tile of rows). Keys are
@@ -207,7 +249,6 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   // seq_len): weighted by bf16 pairs of a query's softmax numerators, two positions a dot product.
   std::vector<int32_t> all_values_p(kPairs ? num_kv_heads * padded_len * HD / 2 : 0);
   at::parallel_for(0, num_kv_heads * key_groups, 1, [&](int64_t begin, int64_t end) {
-    float row[HD];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / key_groups, key0 = (item % key_groups) * kKeysAtOnce;
       if (key0 + kKeysAtOnce <= chunk_first) continue;  // before every row's window
@@ -227,18 +268,24 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         }
 #endif
       }
-      for (int64_t i = 0; i < kKeysAtOnce; ++i) {
-        const int64_t position = key0 + i;
-        const C* key = position < seq_len ? k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh : nullptr;
+      // 16 keys at a time, 16 of their float dimensions or bf16 pairs a transpose (zeros past seq_len)
+      for (int64_t i0 = 0; i0 < kKeysAtOnce; i0 += 16) {
+        const C* keys[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t position = key0 + i0 + i;
+          keys[i] = position < seq_len ? k_ptr + table[position / block_size] * kb + (position % block_size) * ks + h * kh : nullptr;
+        }
+        __m512i r[16];
         if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-          for (int64_t d2 = 0; d2 < HD / 2; ++d2) keys_p[d2 * kKeysAtOnce + i] = key == nullptr ? 0 : pair_at(key + 2 * d2);
-#endif
-        } else if (key != nullptr) {
-          for (int64_t c = 0; c < HD / 16; ++c) _mm512_storeu_ps(row + 16 * c, load16(key + 16 * c));
-          for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = row[d];
+          for (int64_t c = 0; c < HD / 32; ++c) {
+            for (int64_t i = 0; i < 16; ++i) r[i] = keys[i] == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(keys[i] + 32 * c);
+            transpose16(r, keys_p + 16 * c * kKeysAtOnce + i0, kKeysAtOnce);
+          }
         } else {
-          for (int64_t d = 0; d < HD; ++d) keys_t[d * kKeysAtOnce + i] = 0.f;
+          for (int64_t c = 0; c < HD / 16; ++c) {
+            for (int64_t i = 0; i < 16; ++i) r[i] = keys[i] == nullptr ? _mm512_setzero_si512() : _mm512_castps_si512(load16(keys[i] + 16 * c));
+            transpose16(r, reinterpret_cast<int32_t*>(keys_t) + 16 * c * kKeysAtOnce + i0, kKeysAtOnce);
+          }
         }
       }
     }
