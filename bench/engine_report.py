@@ -95,8 +95,9 @@ def print_kernels(variants: dict) -> None:
         if not kernels:
             continue
         print(f"kernels of {name} (policy {gemm['policy']}; rows 1 | 2-8 | 9-64 | >64)")
+        width = max(len(shape) for shape in kernels) + 2
         for shape, chosen in kernels.items():
-            print(f"  {shape:<40}" + " | ".join(chosen))
+            print(f"  {shape:<{width}}" + " | ".join(chosen))
 
 
 def print_table(r: dict, cost: ModelCost) -> None:
