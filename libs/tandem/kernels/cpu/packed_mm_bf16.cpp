@@ -250,6 +250,23 @@ inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, int64_t 
 }
 
 #endif
+// `rows` packed rows of int8 pairs (16 channels' two weights each) widened to bf16 pairs (exact:
+// |w| <= 127), the rows kInt8PairsAhead on asked for as it goes.
+inline void widen_int8(const int8_t* source, int64_t rows, int32_t* widened) {
+#if defined(__AVX512VBMI__)
+  const Bf16ByteTables tables = bf16_byte_tables();
+  for (int64_t i = 0; i < rows; i += 2) {
+    __builtin_prefetch(source + std::min(i + kInt8PairsAhead, rows - 2) * 2 * kPackedGroup);
+    __m512bh first, second;
+    int8_rows_to_bf16(source + i * 2 * kPackedGroup, tables, first, second);
+    _mm512_storeu_si512(widened + i * kPackedGroup, reinterpret_cast<__m512i>(first));
+    _mm512_storeu_si512(widened + (i + 1) * kPackedGroup, reinterpret_cast<__m512i>(second));
+  }
+#else
+  for (int64_t i = 0; i < rows; ++i)
+    _mm512_storeu_si512(widened + i * kPackedGroup, reinterpret_cast<__m512i>(int8_to_bf16x32(source + i * 2 * kPackedGroup)));
+#endif
+}
 }  // namespace
 
 void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out) {
@@ -278,18 +295,7 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
         packed_panel(x_ptr, xs, M, width, panel, pairs, tile_scale, o, N);
         continue;
       }
-#if defined(__AVX512VBMI__)
-      const Bf16ByteTables tables = bf16_byte_tables();
-      for (int64_t i = 0; i < width * pairs; i += 2) {
-        __m512bh first, second;
-        int8_rows_to_bf16(panel + i * 2 * kPackedGroup, tables, first, second);
-        _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(first));
-        _mm512_storeu_si512(widened.data() + (i + 1) * kPackedGroup, reinterpret_cast<__m512i>(second));
-      }
-#else
-      for (int64_t i = 0; i < width * pairs; ++i)
-        _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(int8_to_bf16x32(panel + i * 2 * kPackedGroup)));
-#endif
+      widen_int8(panel, width * pairs, widened.data());
       packed_panel(x_ptr, xs, M, width, static_cast<const int32_t*>(widened.data()), pairs, tile_scale, o, N);
     }
   });
@@ -319,19 +325,7 @@ void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10:
       if (is_int8) {
         const int8_t* source = packed.data_ptr<int8_t>() + group0 * pairs * 2 * kPackedGroup;
         if (widened_panel != panel) {
-#if defined(__AVX512VBMI__)
-          const Bf16ByteTables tables = bf16_byte_tables();
-          for (int64_t i = 0; i < width * pairs; i += 2) {
-            __builtin_prefetch(source + std::min(i + kInt8PairsAhead, width * pairs - 2) * 2 * kPackedGroup);
-            __m512bh first, second;
-            int8_rows_to_bf16(source + i * 2 * kPackedGroup, tables, first, second);
-            _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(first));
-            _mm512_storeu_si512(widened.data() + (i + 1) * kPackedGroup, reinterpret_cast<__m512i>(second));
-          }
-#else
-          for (int64_t i = 0; i < width * pairs; ++i)
-            _mm512_storeu_si512(widened.data() + i * kPackedGroup, reinterpret_cast<__m512i>(int8_to_bf16x32(source + i * 2 * kPackedGroup)));
-#endif
+          widen_int8(source, width * pairs, widened.data());
           widened_panel = panel;
         }
         for (int64_t c = 0; c < width * kPackedGroup; ++c) panel_scale[c] = static_cast<float>(scale[group0 * kPackedGroup + c]);
