@@ -80,7 +80,7 @@ def print_variants(r: dict) -> None:
             f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s = {100 * p['of_peak']:.0f}% of peak matmul   >= {100 * TARGET_PREFILL_OF_PEAK:.0f}% {mark(met)}"
         )
         if "of_peak_paired" in p:
-            peaks = ", ".join(f"{peak / 1e9:.0f}" for peak in p["paired_peaks_flops"])
+            peaks = ", ".join(f"{r['peak_flops'] / 1e9:.0f}" for r in p["rounds"])
             print(
                 f"  {'':<{width}}against the peak measured around each of its rounds ({peaks} GFLOP/s): {100 * p['of_peak_paired']:.0f}%, the median"
             )

@@ -134,9 +134,9 @@ def measure_variant(
             "tokens_per_s": len(prefill_ids) / prefill_s,
             "flops_per_s": prefill_flops / prefill_s,
             "of_peak": prefill_flops / prefill_s / peak_flops,
-            # each round's rate over the peak measured around it, the median; and those peaks
+            # each round's rate over the peak measured around it, the median; and the rounds
             "of_peak_paired": statistics.median(prefill_flops / seconds / peak for seconds, peak in rounds),
-            "paired_peaks_flops": [peak for _, peak in rounds],
+            "rounds": [{"seconds": seconds, "peak_flops": peak} for seconds, peak in rounds],
         },
     }
 

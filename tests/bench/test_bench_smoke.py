@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,12 @@ def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_pe
         assert all(_is_positive(row["tokens_per_s"]) for row in variant["batches"].values())
         prefill = variant["prefill"]
         assert prefill["num_tokens"] == 256 and prefill["of_peak"] == pytest.approx(prefill["flops_per_s"] / result["peak_flops"])
+        # the prefill's best round is its TTFT; each round's rate over the peak measured around it, the median
+        rounds = prefill["rounds"]
+        assert len(rounds) == 3 and all(_is_positive(r["peak_flops"]) for r in rounds)
+        assert min(r["seconds"] for r in rounds) == pytest.approx(prefill["ttft_ms"] / 1e3)
+        flops = prefill["flops_per_s"] * prefill["ttft_ms"] / 1e3
+        assert prefill["of_peak_paired"] == pytest.approx(statistics.median(flops / r["seconds"] / r["peak_flops"] for r in rounds))
         ratio = result["targets"][f"{name}_vs_peer_b4"]["ratio"]
         assert ratio == pytest.approx(variant["batches"]["4"]["tokens_per_s"] / PEER["tokens_per_s"])
         assert result["targets"][f"{name}_tpot_b1_vs_peer"]["ratio"] == pytest.approx(variant["tpot_b1_ms"] / PEER["tpot_b1_ms"])
