@@ -154,6 +154,12 @@ def test_paged_prefill_serves_bf16_on_amx_tiles_by_default_where_it_can() -> Non
         torch.ops.tandem.paged_prefill(step.q.float(), k_cache, v_cache, table, 100, step.scale, kernel=1)
     with pytest.raises(RuntimeError, match="kernel must be"):
         torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, step.scale, kernel=2)
+    # a scale <= 0 (no model has one) takes the vector units, whose softmax shifts by the scaled maximum
+    negative = torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, -step.scale)
+    assert torch.equal(negative, torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, -step.scale, kernel=0))
+    if amx:
+        with pytest.raises(RuntimeError, match="scale > 0"):
+            torch.ops.tandem.paged_prefill(step.q, k_cache, v_cache, table, 100, -step.scale, kernel=1)
 
 
 def test_a_decode_row_gets_the_same_bits_alone_and_in_any_batch() -> None:

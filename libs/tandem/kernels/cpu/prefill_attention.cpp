@@ -664,7 +664,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   const bool amx_serves = prefill_amx_supported(q.size(2), q.scalar_type(), k_cache.scalar_type());
   TORCH_CHECK(kernel != kPrefillAmx || amx_serves, "paged_prefill's AMX kernel does not serve head_dim ", q.size(2), " in ", q.scalar_type(), " over a ",
               k_cache.scalar_type(), " cache here");
-  const bool use_amx = amx_serves && kernel != kPrefillVector;
+  // (its softmax shifts by the largest raw score, which is the largest scaled one only for scale > 0)
+  TORCH_CHECK(kernel != kPrefillAmx || scale > 0, "paged_prefill's AMX kernel takes a scale > 0, not ", scale);
+  const bool use_amx = amx_serves && kernel != kPrefillVector && scale > 0;
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const auto run = [&](auto q_type, auto cache_type) {
