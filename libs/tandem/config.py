@@ -110,6 +110,7 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = 8.0
     """how long a stopping process drains before it exits"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """the lowest level of log line a process writes"""
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
     """chat: key1=user1:plus,key2=user2:free (tiers free, plus, pro); empty: every API request is refused"""
     model_path: Path | None = None
@@ -165,9 +166,11 @@ class Settings(BaseSettings):
     cassandra_hosts: str = "127.0.0.1:9042"
     """comma-separated host[:port]"""
     cassandra_keyspace: str = "tandem"
+    """the Cassandra keyspace of conversations and messages"""
     cassandra_replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}"
     """the keyspace's CQL replication map; a cluster wants NetworkTopologyStrategy"""
     cassandra_consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM"] = "LOCAL_QUORUM"
+    """the consistency level of every store read and write"""
     store_timeout_s: float = 5.0
     """bounds every store call"""
     # token log and replies (relay and chat)

@@ -1,4 +1,10 @@
+import html
+import importlib
 import os
+import re
+import sys
+import types
+import typing
 from pathlib import Path
 
 import pydantic
@@ -6,6 +12,8 @@ import pytest
 
 from tandem.config import ApiKey, Settings, Tier, load_settings, parse_api_keys
 from tandem.errors import StartupError
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +104,65 @@ def test_an_empty_model_path_means_the_embedded_model(monkeypatch):
     assert load_settings().model_path == Path("/models/qwen.gguf")
 
 
-def test_the_readme_names_every_setting():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    missing = [f"TANDEM_{field.upper()}" for field in Settings.model_fields if f"`TANDEM_{field.upper()}`" not in readme]
-    assert not missing, f"README.md does not mention {missing}"
+def settings_page_rows() -> dict[str, list[list[str]]]:
+    """The generated settings page's table rows, as their cells, by the setting each one names."""
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        markdown = importlib.import_module("settings_page").render_settings(Settings)
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+    rows: dict[str, list[list[str]]] = {}
+    for line in markdown.splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if anchor := re.match(r'<a id="(\w+)"></a>', cells[0] if cells else ""):
+            rows.setdefault(anchor[1], []).append(cells)
+    return rows
+
+
+def as_read(cell: str) -> str:
+    """A Markdown cell as a reader sees it: escapes undone."""
+    return html.unescape(re.sub(r"\\(.)", r"\1", cell))
+
+
+def test_the_generated_settings_page_lists_every_setting_once_with_its_variable_type_default_and_docstring():
+    rows = settings_page_rows()
+    assert sorted(rows) == sorted(Settings.model_fields), "one row per setting, and none for anything else"
+    kinds = {str: "string", int: "integer", float: "number", bool: "boolean", Path: "path", pydantic.SecretStr: "secret string"}
+    for name, field in Settings.model_fields.items():
+        assert len(rows[name]) == 1, f"{name} has {len(rows[name])} rows"
+        setting, kind, default, description = rows[name][0]
+        assert f"`TANDEM_{name.upper()}`" in setting and f"`--{name.replace('_', '-')}`" in setting, f"{name}: {setting}"
+        base = (
+            typing.get_args(field.annotation)[0]
+            if typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+            else field.annotation
+        )
+        if typing.get_origin(base) is typing.Literal:
+            assert all(f"`{choice}`" in kind for choice in typing.get_args(base)), f"{name}: {kind}"
+        elif base in kinds and name != "api_keys":
+            assert kind.startswith(kinds[base]), f"{name}: {kind}"
+        value = field.default.get_secret_value() if isinstance(field.default, pydantic.SecretStr) else field.default
+        expected = (
+            "unset" if value is None else "empty" if value in ("", {}) else f"`{str(value).lower() if isinstance(value, bool) else value}`"
+        )
+        assert default == expected, f"{name}: {default} != {expected}"
+        assert as_read(description) == " ".join((field.description or "").split()), name
+
+
+def test_no_hand_written_docs_page_has_a_settings_table():
+    generated = {DOCS / "reference" / "settings.md"}
+    names = {f"tandem_{name}" for name in Settings.model_fields} | {f"--{name.replace('_', '-')}" for name in Settings.model_fields}
+    names |= set(Settings.model_fields)
+    offenders = []
+    for page in sorted(set(DOCS.rglob("*.md")) - generated):
+        table_rows = [line for line in page.read_text().splitlines() if line.lstrip().startswith("|")]
+        first_cells = [re.split(r"(?<!\\)\|", row.strip())[1].strip().strip("`").lower() for row in table_rows if row.count("|") > 1]
+        naming_a_setting = [cell for cell in first_cells if cell in names]
+        if len(naming_a_setting) >= 3:
+            offenders.append(f"{page.relative_to(DOCS)}: {naming_a_setting}")
+    assert not offenders, f"settings are listed once, in the generated reference/settings.md; link to it instead: {offenders}"
+
+
+def test_every_setting_has_a_description_for_its_flag_and_the_settings_page():
+    undescribed = [name for name, field in Settings.model_fields.items() if not (field.description or "").strip()]
+    assert not undescribed, f"settings without a docstring: {undescribed}"
