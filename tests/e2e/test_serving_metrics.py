@@ -106,7 +106,7 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
     assert 0 < cached <= 1, "the replies' prefixes stay cached after they end"
 
 
-PLACEMENT_REASONS = {"cache_hit", "load", "rendezvous", "lane", "only_worker"}  # README, "Metrics"
+PLACEMENT_REASONS = {"cache_hit", "load", "rendezvous", "lane", "only_worker"}  # docs/operations.md, "Metrics"
 
 
 async def test_a_chat_message_counts_its_placement_and_queue_wait_on_the_router_and_its_events_on_the_relays(product_stack):

@@ -1,4 +1,4 @@
-"""README's metrics table (section "## Metrics") lists every Prometheus metric Tandem defines, with
+"""The docs' metrics table (docs/operations.md, section "## Metrics") lists every Prometheus metric Tandem defines, with
 its exposed name, type and labels, and nothing that is not defined. Metrics are found in the
 source (every Counter/Gauge/Histogram/Info/Summary named tandem_*), their modules imported, and
 type and labels read from the registry."""
@@ -50,7 +50,7 @@ def defined_metrics() -> dict[str, tuple[str, frozenset[str]]]:
 
 
 def documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "operations.md").read_text()
     start = text.index("\n## Metrics\n")
     end = text.find("\n## ", start + 1)
     section = text[start : end if end > 0 else len(text)]
@@ -63,12 +63,12 @@ def documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     return rows
 
 
-def test_the_readme_table_lists_every_metric_with_its_type_and_labels_and_nothing_else():
+def test_the_docs_table_lists_every_metric_with_its_type_and_labels_and_nothing_else():
     defined, documented = defined_metrics(), documented_metrics()
     assert len(defined) > 40, "the metric modules were not found"
     missing = sorted(set(defined) - set(documented))
     extra = sorted(set(documented) - set(defined))
-    assert not missing, f"defined but not in README's metrics table: {missing}"
-    assert not extra, f"in README's metrics table but not defined: {extra}"
+    assert not missing, f"defined but not in the metrics table of docs/operations.md: {missing}"
+    assert not extra, f"in the metrics table of docs/operations.md but not defined: {extra}"
     wrong = {name: (documented[name], defined[name]) for name in defined if documented[name] != defined[name]}
-    assert not wrong, f"README says (type, labels), the code has: {wrong}"
+    assert not wrong, f"docs/operations.md says (type, labels), the code has: {wrong}"

@@ -2,7 +2,7 @@
 overlay and docker-compose.gpu.yml give each prefill and decode worker TANDEM_TENSOR_PARALLEL_SIZE
 GPUs (nvidia.com/gpu; compose's device ids, no two workers sharing one), a /dev/shm in memory for
 NCCL, and a KV cache sized by memory share and max model length, not in MiB; and the worksheet
-each file names (the README's 70B-class model on H100s) deploys its replica with those settings."""
+each file names (the 70B-class model on H100s in docs/operations.md) deploys its replica with those settings."""
 
 from __future__ import annotations
 
@@ -120,8 +120,9 @@ def test_the_worksheet_a_deploy_file_names_deploys_its_replica_with_the_files_nu
     path: Path, capsys: pytest.CaptureFixture[str], k8s_workers: dict[str, Object], compose_workers: dict[str, Any]
 ) -> None:
     args = plan_command(path)
-    seventy_b = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("`tandem plan --layers 80"))
-    assert seventy_b.startswith(f"`tandem plan {shlex.join(args)} "), "the README's 70B worksheet, its deployment flags first"
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    seventy_b = next(line for line in operations.splitlines() if line.startswith("`tandem plan --layers 80"))
+    assert seventy_b.startswith(f"`tandem plan {shlex.join(args)} "), "the 70B worksheet in docs/operations.md, its deployment flags first"
     result = worksheet(capsys, args)
     env = compose_workers["decode"]["environment"] if path == COMPOSE_GPU else k8s_env(k8s_workers["decode"])
     assert result["deployment"]["gpus_per_replica"] == result["deploy"]["tensor_parallel_size"] == int(env["TANDEM_TENSOR_PARALLEL_SIZE"])
