@@ -36,6 +36,16 @@ def _up(args: argparse.Namespace) -> int:
     return asyncio.run(Stack(config).run())
 
 
+def _up_settings_flags(model: str | None, flags: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The settings flags `tandem up` passes on (read by load_settings as `tandem serve` reads
+    them), with vLLM's `--model` spelled as the setting's own `--model-path`."""
+    if model is None:
+        return flags
+    if any(flag == "--model-path" or flag.startswith("--model-path=") for flag in flags):
+        parser.error("--model and --model-path name the same setting: give one")
+    return ["--model-path", model, *flags]
+
+
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
 
@@ -232,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument("--host", help="address to serve on (default TANDEM_HOST or 127.0.0.1)")
     up.add_argument("--port", type=int, help="the first chat instance's port (default TANDEM_HTTP_PORT or 8080)")
+    up.add_argument(
+        "--model",
+        help="the large model: a .gguf file, a safetensors folder or a Hugging Face id in the local cache "
+        "(the same as --model-path, TANDEM_MODEL_PATH; default: the embedded SmolLM2)",
+    )
     up.set_defaults(run=_up, settings=[])
     generate = commands.add_parser("generate", help="stream one chat answer from the in-process engine")
     generate.add_argument("prompt")
@@ -282,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "up":
-        args.settings = unknown  # settings flags, read by load_settings as `tandem serve` reads them
+        args.settings = _up_settings_flags(args.model, unknown, parser)
     try:
         return args.run(args)
     except StartupError as exc:

@@ -149,3 +149,17 @@ def test_up_refuses_a_taken_chat_instance_port_naming_it_before_anything_starts(
         assert cli.main(["up", "--port", str(first), "--chat-instances", "2"]) == 2
     error = capsys.readouterr().err
     assert error.startswith(f"tandem up: error: chat-1: port {first + 1} on 127.0.0.1 is in use"), error
+
+
+def test_up_takes_vllms_model_flag_as_the_model_path_setting(capsys, tmp_path: Path):
+    missing = tmp_path / "missing.gguf"
+    assert cli.main(["up", "--model", str(missing)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("tandem up: error: ") and f"{missing}: no such file or folder" in error, error
+
+
+def test_up_refuses_model_and_model_path_together(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up", "--model", "/models/a", "--model-path", "/models/b"])
+    assert exited.value.code == 2
+    assert "--model and --model-path name the same setting" in capsys.readouterr().err
