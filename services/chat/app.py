@@ -26,7 +26,7 @@ from services.chat.summaries import Summaries, SummaryConfig, SummaryWriter
 from services.chat.summary_reply import SummaryAsker
 from tandem.bus import subjects
 from tandem.config import Settings
-from tandem.models.loader import load_tokenizer
+from tandem.models.tokenizer import load_tokenizer
 from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.store import open_store, store_is_available

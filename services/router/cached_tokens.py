@@ -12,7 +12,7 @@ from __future__ import annotations
 from services.router.prefix_index import PrefixIndex
 from services.router.workers import LiveWorker
 from tandem.engine.block_hash import prefix_block_hashes
-from tandem.kernels.metadata import BLOCK_SIZE
+from tandem.kv_blocks import BLOCK_SIZE
 from tandem.v1.generate_pb2 import GenerateRequest
 
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-BLOCK_SIZE = 16
+from tandem.kv_blocks import BLOCK_SIZE as BLOCK_SIZE  # defined torch-free: the router needs it too
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,17 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from tandem.errors import StartupError
 from tandem.models.config import ModelConfig
+
+if TYPE_CHECKING:  # torch only where tensors are made: the chat reads a GGUF's tokenizer without it
+    import torch
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope divisors
@@ -255,6 +257,8 @@ class _Header:
 
 def _dequantized(kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     """float32 values of `shape` from `data`: values or quantized blocks of type `kind`."""
+    import torch
+
     values = np.asarray(dequantize(data, kind), dtype=np.float32)
     if not values.flags.writeable or not values.flags.c_contiguous:  # float32 data comes back as a view of the file map
         values = np.array(values, order="C")

@@ -25,6 +25,7 @@ from tandem.models.quant import quantized_empty
 from tandem.models.safetensors_weights import read_hf_config, read_safetensors
 from tandem.models.tensor_parallel import SINGLE, TensorParallel
 from tandem.models.tokenizer import Tokenizer
+from tandem.models.tokenizer import load_tokenizer as load_tokenizer  # its home is torch-free: the chat imports it there
 
 # /proc/cpuinfo flags of CPUs with native bf16 matmul (x86 AVX512-BF16 or AMX, Arm BF16)
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
@@ -79,14 +80,6 @@ def load_model(
     if pack:
         model = pack_model(model, GemmChooser(cpu_gemm, path=gemm_cache_path()))
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer)
-
-
-def load_tokenizer(path: Path | None) -> Tokenizer:
-    """The checkpoint's tokenizer alone (no weights), for clients that only encode prompts."""
-    checkpoint = open_model(path)
-    if checkpoint.format == "gguf":
-        return Tokenizer.from_gguf(read_gguf(checkpoint.path).metadata)
-    return Tokenizer.from_hf_folder(checkpoint.path)
 
 
 def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:

@@ -24,6 +24,8 @@ from tokenizers.models import BPE
 
 from tandem.errors import StartupError
 from tandem.models.chat_template import ChatTemplate, ChatTemplateError
+from tandem.models.files import open_model
+from tandem.models.gguf_weights import read_gguf
 from tandem.models.tokenizer_spm import spm_backend
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -218,3 +220,11 @@ def _hf_chat_template(folder: Path, settings: Mapping[str, Any]) -> str | None:
         by_name = {entry["name"]: entry["template"] for entry in template}
         return by_name.get("default")
     return template
+
+
+def load_tokenizer(path: Path | None) -> Tokenizer:
+    """The checkpoint's tokenizer alone (no weights, no torch), for clients that only encode prompts."""
+    checkpoint = open_model(path)
+    if checkpoint.format == "gguf":
+        return Tokenizer.from_gguf(read_gguf(checkpoint.path).metadata)
+    return Tokenizer.from_hf_folder(checkpoint.path)
