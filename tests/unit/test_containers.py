@@ -1,7 +1,7 @@
 """The container build: one Dockerfile target per service, and a compose file that runs them all.
 
 No docker engine is needed: the Dockerfile is parsed and linted, the compose file is loaded and
-checked by `docker compose config` (or the standalone `docker-compose`) where one is installed.
+checked by `docker compose config` (tests/compose_cli.py: the dev extra installs Docker Compose v2).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from compose_cli import MISSING, compose_command
 from dockerfile_parse import DockerfileParser
 
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES
@@ -299,19 +300,10 @@ def test_compose_model_readers_mount_the_models_volume(compose: dict, stages: di
     assert any("install -d" in run and f"-o {user.split(':')[0]}" in run and "/models" in run for run in effective(stages, "chat", "RUN"))
 
 
-def compose_command() -> list[str] | None:
-    """`docker compose` (the plugin), else the standalone `docker-compose`; None when neither."""
-    docker = shutil.which("docker")
-    if docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    standalone = shutil.which("docker-compose")
-    return [standalone] if standalone is not None else None
-
-
 def test_docker_compose_accepts_the_file_only_with_an_api_key_and_the_secrets() -> None:
     compose_cli = compose_command()
     if compose_cli is None:
-        pytest.skip("neither the docker compose plugin nor docker-compose is installed")
+        pytest.skip(MISSING)
     command = [*compose_cli, "-f", "docker-compose.yml", "config", "--quiet"]
     env = {name: value for name, value in os.environ.items() if name != "TANDEM_API_KEYS" and name not in GENERATED_SECRETS}
     refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env | GENERATED_SECRETS)

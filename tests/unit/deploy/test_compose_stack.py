@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import redis
 import yaml
+from compose_cli import MISSING, compose_command
 from helpers import wait_until
 
 from tandem.bus.permissions import USERS, password_variable
@@ -121,11 +121,11 @@ def test_tandem_secrets_writes_every_variable_compose_requires(tmp_path: Path) -
     written = dict(line.split("=", 1) for line in (tmp_path / "tandem.env").read_text().splitlines())
     required = set(re.findall(r"\$\{(\w+):\?run tandem secrets", (ROOT / "docker-compose.yml").read_text()))
     assert required and required <= set(written), required - set(written)
-    compose = shutil.which("docker-compose")
+    compose = compose_command()
     if compose is None:
-        return  # test_containers.py runs `docker compose config` where it is installed
+        pytest.skip(f"checked the variables only: {MISSING}")
     env = {name: value for name, value in os.environ.items() if name not in required} | {"TANDEM_API_KEYS": "k=u:plus"}
-    command = [compose, "--env-file", str(tmp_path / "tandem.env"), "-f", "docker-compose.yml", "config", "--quiet"]
+    command = [*compose, "--env-file", str(tmp_path / "tandem.env"), "-f", "docker-compose.yml", "config", "--quiet"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
 
