@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +36,10 @@ from tandem.tokenlog import ReplyGone
 from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
+log = logging.getLogger(__name__)
+IGNORED_FIELDS_HEADER = "X-Tandem-Ignored-Fields"
+MAX_IGNORED_NAMES = 16
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 REPLY_LOST = "the reply's token log was lost before it ended; try again"
 # What OpenAI's `system_fingerprint` stands for: the serving software that produced the answer.
 SYSTEM_FINGERPRINT = f"tandem-{__version__}"
@@ -112,12 +118,15 @@ class OpenAIAnswers:
             )
         sampling = body.sampling(self._max_answer_tokens, room)
         reply_id = f"{shape.id_prefix}{new_reply_id()}"
+        ignored = ignored_fields_text(body.ignored_fields())
+        if ignored:
+            log.info("%s: ignored the request's unknown fields %s", reply_id, ignored)
         head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
         reply = ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared)
         if not body.stream:
             head["model"] = await self._starter.start_reply(reply)
             try:
-                return await self._whole(reply_id, head, shape, clock)
+                return _name_ignored(await self._whole(reply_id, head, shape, clock), ignored)
             finally:
                 clock.close()
         slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
@@ -129,7 +138,7 @@ class OpenAIAnswers:
         response = sse_response(self.reply_chunks(reply_id, head, shape, body.wants_usage_chunk, clock), self._keepalive_s)
         response.on_close(slot.release)
         response.on_close(clock.close)
-        return response
+        return _name_ignored(response, ignored)
 
     async def _whole(self, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock) -> JSONResponse:
         parts: list[str] = []
@@ -202,6 +211,20 @@ class OpenAIAnswers:
             if not finished:
                 with contextlib.suppress(Exception):
                     await cancel_reply(self._bus, reply_id, "client_gone")
+
+
+def ignored_fields_text(names: list[str]) -> str:
+    """The ignored fields as a header value: names a client chose, so only the first few, and each
+    that is not a plain identifier as `?` (no control characters into a header or a log line)."""
+    shown = [name if _PLAIN_NAME.fullmatch(name) else "?" for name in names[:MAX_IGNORED_NAMES]]
+    more = len(names) - len(shown)
+    return ", ".join(shown + ([f"... {more} more"] if more else []))
+
+
+def _name_ignored(response: JSONResponse | StreamResponse, ignored: str) -> JSONResponse | StreamResponse:
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = ignored
+    return response
 
 
 def _usage(usage: Usage) -> dict[str, object]:

@@ -3,7 +3,10 @@
 Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
 ignoring it changes nothing the client can see (`user`: Tandem knows the user from the API key),
 accepted only at its neutral value (`n: 1`, `presence_penalty: 0`, ...), or refused with a 400
-that names it. A parameter sent as `null` counts as not sent. Nothing is silently dropped.
+that names it. A parameter sent as `null` counts as not sent. A field no one defines (a vendor's
+extension, a newer client's) is ignored, as vLLM's server does, and named in the reply's
+`X-Tandem-Ignored-Fields` header and a log line, so clients that send them keep working and
+nothing is dropped unseen.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from tandem.v1.common_pb2 import SamplingParams
 
 # Ignoring these changes nothing a client can observe.
 IGNORED = frozenset({"user"})
-# Accepted at the value that means "off"; any other value is refused.
+# Known parameters, accepted at the value that means "off"; any other value is refused.
 NEUTRAL: dict[str, object] = {
     "n": 1,
     "best_of": 1,
@@ -51,6 +54,20 @@ NEUTRAL: dict[str, object] = {
     "function_call": "none",
     "store": False,
     "min_tokens": 0,
+    "suffix": "",
+    "use_beam_search": False,
+    "bad_words": [],
+    "modalities": ["text"],
+    # No neutral value but null: any value asks for something Tandem does not do.
+    "allowed_token_ids": None,
+    "prompt_logprobs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "prediction": None,
+    "audio": None,
 }
 # The engine's finish reasons as OpenAI's `finish_reason`. A cancelled reply (its client went
 # away, or it was stopped) is "abort", as vLLM's server says; OpenAI itself has no name for it.
@@ -100,17 +117,19 @@ class GenerationBody(BaseModel):
         return stop
 
     def refuse_unsupported(self) -> None:
-        """Raises InvalidRequest naming the first parameter Tandem cannot honour."""
+        """Raises InvalidRequest naming the first known parameter Tandem cannot honour."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("`stream_options` is only allowed when `stream` is true", param="stream_options")
         for name, value in (self.model_extra or {}).items():
-            if value is None or name in IGNORED or (name in NEUTRAL and _is_neutral(value, NEUTRAL[name])):
+            if name not in NEUTRAL or value is None or _is_neutral(value, NEUTRAL[name]):
                 continue
-            if name in NEUTRAL:
-                message = f"`{name}` is not supported by Tandem (only {NEUTRAL[name]!r}, its default, is accepted)"
-            else:
-                message = f"`{name}` is not supported by Tandem"
+            neutral = NEUTRAL[name]
+            message = f"`{name}` is not supported by Tandem" + ("" if neutral is None else f" (only {neutral!r}, its default, is accepted)")
             raise InvalidRequest(message, code="unsupported_parameter", param=name)
+
+    def ignored_fields(self) -> list[str]:
+        """The fields no OpenAI or vLLM parameter is named after, in the order sent: ignored."""
+        return [name for name in self.model_extra or {} if name not in NEUTRAL and name not in IGNORED]
 
     @property
     def wants_usage_chunk(self) -> bool:

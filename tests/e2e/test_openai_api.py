@@ -192,6 +192,40 @@ async def test_unsupported_parameters_are_refused_by_name_through_the_sdk(produc
     assert accepted.usage is not None and accepted.usage.completion_tokens <= 2
 
 
+async def test_unknown_fields_are_ignored_and_named_in_a_header_whole_and_streamed(product_stack):
+    """vLLM's bench client's body (content as text parts) plus fields no one defines: answered,
+    with the unknown names in `X-Tandem-Ignored-Fields`; a known parameter it cannot honour is
+    still a 400."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}]}]
+    body = {"model": "auto", "messages": parts, "temperature": 0, "max_tokens": 4, "vendor_hint": {"x": 1}, "frobnicate": True}
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        whole = await client.post("/v1/chat/completions", headers=ALICE, json=body)
+        assert whole.status_code == 200, whole.text
+        assert whole.headers["x-tandem-ignored-fields"] == "vendor_hint, frobnicate"
+        plain = (await client.post("/v1/chat/completions", headers=ALICE, json={**body, "messages": QUESTION})).json()
+        assert whole.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        async with client.stream("POST", "/v1/chat/completions", headers=ALICE, json={**body, "stream": True}) as streamed:
+            assert streamed.status_code == 200 and streamed.headers["x-tandem-ignored-fields"] == "vendor_hint, frobnicate"
+            assert [line async for line in streamed.aiter_lines() if line.startswith("data:")][-1] == "data: [DONE]"
+        named = await client.post("/v1/completions", headers=ALICE, json={"model": "auto", "prompt": "Hi", "max_tokens": 2, "x": 1})
+        assert named.status_code == 200 and named.headers["x-tandem-ignored-fields"] == "x"
+        clean = await client.post("/v1/chat/completions", headers=ALICE, json={"model": "auto", "messages": QUESTION, "max_tokens": 1})
+        assert "x-tandem-ignored-fields" not in clean.headers
+        refused = await client.post("/v1/chat/completions", headers=ALICE, json={**body, "tools": [{"type": "function"}]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+async def test_tokenize_takes_vllms_bench_body_and_needs_a_key(product_stack):
+    """vLLM's `{"model", "prompt", "add_special_tokens"}`; without a key it is a 401, as every
+    metered route is."""
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        model = await served_model(client)
+        body = {"model": model, "prompt": "Hello world", "add_special_tokens": False}
+        counted = await client.post("/tokenize", headers=ALICE, json=body)
+        assert counted.status_code == 200 and counted.json()["count"] == len(counted.json()["tokens"]) > 0
+        assert (await client.post("/tokenize", json=body)).status_code == 401
+
+
 async def test_tokenize_counts_what_a_completion_bills_and_detokenize_inverts_it(product_stack):
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
         model = await served_model(client)

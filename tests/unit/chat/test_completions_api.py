@@ -28,3 +28,9 @@ def test_echo_and_suffix_are_refused_by_name():
         with pytest.raises(InvalidRequest) as refused:
             body.refuse_unsupported()
         assert refused.value.param == field
+
+
+def test_an_unknown_field_on_a_text_completion_is_ignored_not_refused():
+    body = TextCompletionBody.model_validate({"model": "m", "prompt": "x", "vendor_field": True})
+    body.refuse_unsupported()
+    assert body.ignored_fields() == ["vendor_field"]

@@ -23,7 +23,8 @@ def chat(**fields) -> ChatCompletionBody:
         ("n", 2),
         ("presence_penalty", 0.5),
         ("response_format", {"type": "json_object"}),
-        ("frobnicate", 1),
+        ("guided_json", {"type": "object"}),
+        ("suffix", "end"),
     ],
 )
 def test_an_unsupported_parameter_is_refused_by_name(field, value):
@@ -31,6 +32,18 @@ def test_an_unsupported_parameter_is_refused_by_name(field, value):
         chat(**{field: value}).refuse_unsupported()
     assert refused.value.param == field and refused.value.code == "unsupported_parameter"
     assert f"`{field}`" in refused.value.message
+
+
+def test_unknown_fields_are_accepted_and_listed_as_ignored_in_the_order_sent():
+    body = chat(frobnicate=1, user="u1", n=1, vendor_hint={"a": 1}, chat_template_kwargs=None)
+    body.refuse_unsupported()
+    assert body.ignored_fields() == ["frobnicate", "vendor_hint", "chat_template_kwargs"]
+    assert chat(n=1, user="u1").ignored_fields() == []
+
+
+def test_content_as_a_list_of_text_parts_is_joined_as_vllms_bench_client_sends_it():
+    body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}])
+    assert body.messages[0].as_template_message() == {"role": "user", "content": "Hello, world"}
 
 
 def test_stream_options_without_stream_are_refused_as_openai_does():
