@@ -158,9 +158,9 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     settings = load_settings()
     tokenizer = load_tokenizer(Path(args.model) if args.model else settings.model_path)
     prompt_ids = tokenizer.encode(args.prompt, add_bos=True) if args.raw else tokenizer.encode_chat(_messages(args))
-    if sampling.ignore_eos:  # the bus's SamplingParams has no such field yet
-        raise StartupError("--ignore-eos is for the in-process engine; the bus does not carry it")
-    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
+    params = SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos
+    )
     if sampling.seed is not None:
         params.seed = sampling.seed
     # The login: TANDEM_NATS_USER/PASSWORD, else the URL's own (tandem up prints one with its operator's).

@@ -20,6 +20,7 @@ from services.chat.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS_LIMIT,
     MaxTokens,
     ModelName,
     Seed,
@@ -49,11 +50,9 @@ NEUTRAL: dict[str, object] = {
     "response_format": {"type": "text"},
     "tool_choice": "none",
     "include_stop_str_in_output": False,
-    "ignore_eos": False,
     "top_logprobs": 0,
     "function_call": "none",
     "store": False,
-    "min_tokens": 0,
     "suffix": "",
     "use_beam_search": False,
     "bad_words": [],
@@ -109,6 +108,8 @@ class GenerationBody(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: Seed | None = None
+    ignore_eos: bool | None = None  # vLLM's: the model's end-of-sequence tokens do not end the reply
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # vLLM's: no eos or stop token id before this many
 
     @field_validator("stop")
     @classmethod
@@ -143,16 +144,24 @@ class GenerationBody(BaseModel):
         return [s for s in stops if s]
 
     def sampling(self, default_max_tokens: int, room_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters, with max_tokens capped to the room left in the window."""
-        wanted = self.requested_max_tokens() or default_max_tokens
+        """The engine's sampling parameters, with max_tokens (and min_tokens) capped to the room left
+        in the window; a min_tokens above the max_tokens asked for is refused."""
+        requested = self.requested_max_tokens()
+        min_tokens = self.min_tokens or 0
+        if requested is not None and min_tokens > requested:
+            raise InvalidRequest(f"`min_tokens` ({min_tokens}) is more than `max_tokens` ({requested})", param="min_tokens")
+        wanted = requested or default_max_tokens
+        max_tokens = max(1, min(wanted, room_tokens))
         params = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(0, self.top_k or 0),
             min_p=self.min_p or 0.0,
-            max_tokens=max(1, min(wanted, room_tokens)),
+            max_tokens=max_tokens,
             stop=self.stop_strings(),
             stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=bool(self.ignore_eos),
+            min_tokens=min(min_tokens, max_tokens),  # the window's room caps both
         )
         if self.seed is not None:
             params.seed = self.seed

@@ -215,6 +215,20 @@ async def test_unknown_fields_are_ignored_and_named_in_a_header_whole_and_stream
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
 
 
+async def test_ignore_eos_runs_to_max_tokens_and_min_tokens_holds_the_end_back(product_stack):
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        body = {"model": "auto", "messages": QUESTION, "temperature": 0, "max_tokens": 48}
+        plain = (await client.post("/v1/chat/completions", headers=ALICE, json=body)).json()
+        num_plain = plain["usage"]["completion_tokens"]
+        assert plain["choices"][0]["finish_reason"] == "stop" and num_plain < 40, "the model ends this answer by itself"
+        ignored = (await client.post("/v1/chat/completions", headers=ALICE, json={**body, "ignore_eos": True})).json()
+        assert ignored["usage"]["completion_tokens"] == 48 and ignored["choices"][0]["finish_reason"] == "length"
+        held = (await client.post("/v1/chat/completions", headers=ALICE, json={**body, "min_tokens": num_plain + 4})).json()
+        assert held["usage"]["completion_tokens"] >= num_plain + 4
+        too_many = await client.post("/v1/chat/completions", headers=ALICE, json={**body, "min_tokens": 49})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
+
+
 async def test_tokenize_takes_vllms_bench_body_and_needs_a_key(product_stack):
     """vLLM's `{"model", "prompt", "add_special_tokens"}`; without a key it is a 401, as every
     metered route is."""

@@ -195,9 +195,8 @@ class Runner:
         return self._graphs.serves(len(rows), max(len(r.seq.block_table) for r in rows))
 
     def _sample(self, logits: torch.Tensor, sampling_seqs: list[Sequence]) -> dict[str, int]:
-        options = [seq.sampling for seq in sampling_seqs]
         generators = [self._generator(seq) for seq in sampling_seqs]
-        tokens = self._sampler.sample(logits, options, generators).tolist()
+        tokens = self._sampler.sample(logits, sampling_seqs, generators).tolist()
         return {seq.seq_id: token for seq, token in zip(sampling_seqs, tokens)}
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

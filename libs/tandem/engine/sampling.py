@@ -6,7 +6,8 @@ empty) and the tokens at least min_p times as likely as the likeliest (a token m
 three; the likeliest always does), and draw with the exponential race: argmax(p / E) with E ~ Exp(1) picks token i
 with probability p_i. The race needs only elementwise noise, so each row draws its noise from
 its token's own seeded generator (same seed and position, same token) while the arithmetic stays batched
-and nothing waits on the host until the caller reads the result.
+and nothing waits on the host until the caller reads the result. Before any of it, each row's
+logits are processed as its request asks (engine/logits_processors.py), greedy rows included.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from tandem.engine.sequence import SamplingOptions
+from tandem.engine.logits_processors import process_logits
+from tandem.engine.sequence import SamplingOptions, Sequence
 from tandem.kernels import cpu_extension
 
 _MASK_64 = (1 << 64) - 1
@@ -39,14 +41,17 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,
-        options: SequenceOf[SamplingOptions],
+        seqs: SequenceOf[Sequence],
         generators: SequenceOf[torch.Generator | None],
     ) -> torch.Tensor:
-        """One token id per row of `logits` (N, vocab); a LongTensor (N,) on logits' device."""
-        if logits.dim() != 2 or logits.shape[0] != len(options) or len(options) != len(generators):
+        """One token id per row of `logits` (N, vocab), row i for seqs[i] (its options, and the
+        tokens so far, which some options read); a LongTensor (N,) on logits' device."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs) or len(seqs) != len(generators):
             raise ValueError(
-                f"logits {tuple(logits.shape)} need one options and one generator per row, got {len(options)} and {len(generators)}"
+                f"logits {tuple(logits.shape)} need one sequence and one generator per row, got {len(seqs)} and {len(generators)}"
             )
+        options = [seq.sampling for seq in seqs]
+        logits = process_logits(logits, seqs)
         tokens = _argmax(logits)
         random_rows = [i for i, option in enumerate(options) if not option.is_greedy]
         if not random_rows:

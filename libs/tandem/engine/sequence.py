@@ -45,6 +45,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # matched on text by the engine, which passes the hits to Scheduler.update
     ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until this many tokens are out
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also refuses NaN
@@ -57,6 +58,8 @@ class SamplingOptions:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:

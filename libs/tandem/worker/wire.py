@@ -33,6 +33,8 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         max_tokens=p.max_tokens,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
     )
     return Request(
         reply_id,

@@ -72,6 +72,22 @@ def test_defaults_are_openais_and_max_tokens_fits_the_window():
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.HasField("seed")) == (1.0, 1.0, 0, 20, False)
 
 
+def test_ignore_eos_and_min_tokens_reach_the_engine_and_null_is_not_sent():
+    params = chat(ignore_eos=True, min_tokens=4, max_tokens=10).sampling(48, 100)
+    assert (params.ignore_eos, params.min_tokens, params.max_tokens) == (True, 4, 10)
+    assert (chat(ignore_eos=None, min_tokens=None).sampling(48, 100).min_tokens, chat().sampling(48, 100).ignore_eos) == (0, False)
+
+
+def test_min_tokens_above_max_tokens_is_refused_and_the_window_caps_both():
+    with pytest.raises(InvalidRequest) as refused:
+        chat(min_tokens=11, max_completion_tokens=10).sampling(48, 100)
+    assert refused.value.param == "min_tokens"
+    assert chat(min_tokens=5, max_tokens=5).sampling(48, 100).min_tokens == 5
+    params = chat(min_tokens=30, max_tokens=40).sampling(48, 20)
+    assert (params.min_tokens, params.max_tokens) == (20, 20)
+    assert chat(min_tokens=60).sampling(48, 100).min_tokens == 48, "no max_tokens: capped at the default answer length"
+
+
 def test_max_completion_tokens_is_max_tokens_and_they_must_agree():
     assert chat(max_completion_tokens=5).sampling(48, 100).max_tokens == 5
     assert chat(max_completion_tokens=5, max_tokens=5).sampling(48, 100).max_tokens == 5
@@ -96,6 +112,9 @@ def test_max_completion_tokens_is_max_tokens_and_they_must_agree():
         ({"top_p": 0}, "top_p"),
         ({"top_k": 2**32}, "top_k"),
         ({"min_p": float("inf")}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 2**32}, "min_tokens"),
+        ({"ignore_eos": "maybe"}, "ignore_eos"),
         ({"stop_token_ids": [2**32]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"messages": MESSAGES * 1001}, "messages"),

@@ -21,7 +21,7 @@ from tandem.models.tokenizer import Tokenizer
 NUM_NEW_TOKENS = 12
 
 
-def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
+def byte_level_tokenizer(vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
     """256 byte tokens (no merges) and filler tokens up to the tiny model's vocabulary."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
@@ -29,7 +29,7 @@ def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=eos_token_ids, chat_template=None)
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +203,27 @@ def test_stop_token_and_max_tokens_set_the_finish_reason(tiny):
     assert stopped[-1].finish_reason is FinishReason.STOP
     capped = engine.generate([Request("c", tuple(prompt), SamplingOptions(max_tokens=2, ignore_eos=True))])["c"]
     assert tokens_of(capped) == expected[:2] and capped[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens_and_ignore_eos_runs_to_max_tokens(tiny):
+    prompt = seeded_prompts(10)[4]
+    expected = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    eos = expected[3]
+    with_eos = replace(tiny, tokenizer=byte_level_tokenizer(tiny.config.vocab_size, (eos,)))
+    engine = Engine(with_eos, EngineConfig(num_kv_blocks=64))
+
+    def run(**options) -> list[int]:
+        sampling = SamplingOptions(max_tokens=NUM_NEW_TOKENS, **options)
+        return tokens_of(engine.generate([Request("r", tuple(prompt), sampling)])["r"])
+
+    first_eos = expected.index(eos)
+    assert run() == expected[: first_eos + 1], "the model's eos ends the reply"
+    assert run(ignore_eos=True) == expected
+    held = run(min_tokens=first_eos + 2)
+    assert held[:first_eos] == expected[:first_eos] and held[first_eos] != eos, "eos is masked, the next likeliest is taken"
+    assert len(held) >= first_eos + 2 and eos not in held[: first_eos + 1]
+    stop = run(ignore_eos=True, stop_token_ids=(eos,), min_tokens=first_eos + 2)
+    assert stop[:first_eos] == expected[:first_eos] and eos not in stop[: first_eos + 1] and len(stop) >= first_eos + 2
 
 
 def test_seeded_sampling_repeats_and_lanes_are_accepted(tiny):

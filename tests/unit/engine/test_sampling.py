@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tandem.engine.sampling import Sampler, token_generator
-from tandem.engine.sequence import SamplingOptions
+from tandem.engine.sequence import SamplingOptions, Sequence
 
 VOCAB = 64
 
@@ -15,8 +15,12 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def rows(options: list[SamplingOptions], token_ids: tuple[int, ...] = (0,)) -> list[Sequence]:
+    return [Sequence(f"s{i}", token_ids, option) for i, option in enumerate(options)]
+
+
 def sample(logits: torch.Tensor, option: SamplingOptions, generators: list) -> torch.Tensor:
-    return Sampler().sample(logits, [option] * logits.shape[0], generators)
+    return Sampler().sample(logits, rows([option] * logits.shape[0]), generators)
 
 
 def test_greedy_takes_the_argmax_of_every_row():
@@ -75,7 +79,7 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass_and_samples_in_proportio
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     logits = probs.log().expand(8000, 4)
     torch.manual_seed(0)
-    tokens = Sampler().sample(logits, [SamplingOptions(temperature=1.0, top_p=0.5)] * 8000, [None] * 8000)
+    tokens = Sampler().sample(logits, rows([SamplingOptions(temperature=1.0, top_p=0.5)] * 8000), [None] * 8000)
     counts = torch.bincount(tokens, minlength=4)
     assert counts[2:].sum() == 0  # 0.4 < 0.5 needs the second token; 0.7 >= 0.5 needs no third
     assert abs(counts[0].item() / 8000 - 4 / 7) < 0.03
@@ -92,7 +96,7 @@ def test_temperature_sampling_follows_the_softmax():
 def test_greedy_rows_are_untouched_by_sampled_rows_beside_them():
     logits = random_logits(4)
     options = [SamplingOptions(), SamplingOptions(temperature=2.0), SamplingOptions(), SamplingOptions(temperature=2.0, top_k=5)]
-    tokens = Sampler().sample(logits, options, [None, seeded(1), None, seeded(2)])
+    tokens = Sampler().sample(logits, rows(options), [None, seeded(1), None, seeded(2)])
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
 
@@ -106,6 +110,8 @@ def test_greedy_rows_are_untouched_by_sampled_rows_beside_them():
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"min_tokens": -1}, r"min_tokens must be in \[0, max_tokens=256\]"),
+        ({"min_tokens": 257}, r"min_tokens must be in \[0, max_tokens=256\]"),
     ],
 )
 def test_invalid_sampling_options_are_refused_with_the_rule_they_break(fields, message):
@@ -114,8 +120,8 @@ def test_invalid_sampling_options_are_refused_with_the_rule_they_break(fields, m
 
 
 def test_options_and_generators_must_match_the_rows():
-    with pytest.raises(ValueError, match="one options and one generator per row"):
-        Sampler().sample(random_logits(2), [SamplingOptions()], [None])
+    with pytest.raises(ValueError, match="one sequence and one generator per row"):
+        Sampler().sample(random_logits(2), rows([SamplingOptions()]), [None])
 
 
 def test_min_p_keeps_only_tokens_at_least_that_fraction_of_the_likeliest():
@@ -147,3 +153,18 @@ def test_a_tokens_generator_depends_only_on_its_seed_and_position():
     assert draws(3, range(10, 40)) != draws(3, range(11, 41)), "each position draws afresh"
     assert draws(3, range(10, 40)) != draws(4, range(10, 40))
     assert draws(-1, range(5)) == draws(2**64 - 1, range(5)), "a seed is taken modulo 2**64"
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached_even_outside_the_vocabulary():
+    logits = random_logits(3)
+    best, second = logits.topk(2, dim=-1).indices.unbind(dim=1)
+    held = SamplingOptions(stop_token_ids=(int(best[1]), 10**6), min_tokens=2)
+    seqs = [
+        Sequence("eos", (0,), SamplingOptions(min_tokens=2), eos_token_ids=(int(best[0]),)),
+        Sequence("stop", (0,), held),
+        Sequence("reached", (0,), SamplingOptions(min_tokens=2), eos_token_ids=(int(best[2]),)),
+    ]
+    seqs[2].append_token(1)
+    seqs[2].append_token(2)
+    tokens = Sampler().sample(logits, seqs, [None] * 3)
+    assert tokens.tolist() == [second[0], second[1], best[2]]

@@ -5,8 +5,9 @@ from __future__ import annotations
 from tandem.bus.events import is_final
 from tandem.engine.engine import RequestOutput
 from tandem.engine.sequence import FinishReason
-from tandem.v1.common_pb2 import FINISH_REASON_STOP
-from tandem.worker.wire import token_event
+from tandem.v1.common_pb2 import FINISH_REASON_STOP, SamplingParams
+from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.worker.wire import engine_request, token_event
 
 
 def output(finish: FinishReason | None) -> RequestOutput:
@@ -26,3 +27,11 @@ def test_a_token_event_before_the_end_carries_no_model():
     assert not is_final(event)
     assert event.model == ""
     assert (event.text, event.token_id) == ("hi", 7)
+
+
+def test_a_generate_request_carries_every_sampling_parameter_to_the_engine():
+    params = SamplingParams(temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3, max_tokens=9, stop=["x"], stop_token_ids=[4])
+    params.ignore_eos, params.min_tokens = True, 2
+    sampling = engine_request("r1", GenerateRequest(prompt_token_ids=[1, 2], sampling=params)).sampling
+    assert (sampling.top_k, sampling.seed, sampling.max_tokens, sampling.stop, sampling.stop_token_ids) == (7, 3, 9, ("x",), (4,))
+    assert (sampling.ignore_eos, sampling.min_tokens) == (True, 2)
