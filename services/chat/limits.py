@@ -16,12 +16,17 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 200
 MAX_STOP_TOKEN_IDS = 64
 MAX_MODEL_NAME_CHARS = 200
+MAX_LOGIT_BIAS = 300  # token ids one request may bias
 
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence and frequency penalties
+# vLLM's repetition penalty: any positive factor; the bound only keeps it a finite float32.
+RepetitionPenalty = Annotated[float, Field(gt=0, le=1e6)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]
 ModelName = Annotated[str, Field(max_length=MAX_MODEL_NAME_CHARS)]
 # Query and header integers (a paging cursor in unix ms, an SSE event id) stay below this: what a
 # signed 64-bit column or a Redis stream id holds.

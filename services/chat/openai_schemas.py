@@ -2,7 +2,7 @@
 
 Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
 ignoring it changes nothing the client can see (`user`: Tandem knows the user from the API key),
-accepted only at its neutral value (`n: 1`, `presence_penalty: 0`, ...), or refused with a 400
+accepted only at its neutral value (`n: 1`, `logprobs: false`, ...), or refused with a 400
 that names it. A parameter sent as `null` counts as not sent. A field no one defines (a vendor's
 extension, a newer client's) is ignored, as vLLM's server does, and named in the reply's
 `X-Tandem-Ignored-Fields` header and a log line, so clients that send them keep working and
@@ -18,11 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from services.chat.errors import InvalidRequest
 from services.chat.limits import (
     MAX_CONTENT_PARTS,
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENS_LIMIT,
+    LogitBias,
     MaxTokens,
     ModelName,
+    Penalty,
+    RepetitionPenalty,
     Seed,
     Temperature,
     TokenId,
@@ -38,15 +42,11 @@ IGNORED = frozenset({"user"})
 NEUTRAL: dict[str, object] = {
     "n": 1,
     "best_of": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
     "logprobs": False,
     "echo": False,
     "parallel_tool_calls": False,
     "tools": [],
     "functions": [],
-    "logit_bias": {},
     "response_format": {"type": "text"},
     "tool_choice": "none",
     "include_stop_str_in_output": False,
@@ -110,6 +110,11 @@ class GenerationBody(BaseModel):
     seed: Seed | None = None
     ignore_eos: bool | None = None  # vLLM's: the model's end-of-sequence tokens do not end the reply
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # vLLM's: no eos or stop token id before this many
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's; 1 = off
+    # Token id -> bias; JSON's string keys are read as ids. An id the model lacks has no effect.
+    logit_bias: Annotated[dict[TokenId, LogitBias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -162,6 +167,10 @@ class GenerationBody(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos),
             min_tokens=min(min_tokens, max_tokens),  # the window's room caps both
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=self.logit_bias or {},
         )
         if self.seed is not None:
             params.seed = self.seed

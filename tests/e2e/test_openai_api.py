@@ -229,6 +229,21 @@ async def test_ignore_eos_runs_to_max_tokens_and_min_tokens_holds_the_end_back(p
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
 
 
+async def test_penalties_change_the_greedy_text_of_a_repeating_prompt_and_logit_bias_forces_a_token(product_stack):
+    client = sdk(product_stack)
+    chant = [{"role": "user", "content": "Repeat after me, many times: la la la la la la la la la la la la"}]
+    base = {"model": "auto", "messages": chant, "temperature": 0, "max_tokens": 24}
+    plain = await client.chat.completions.create(**base)
+    for penalties in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}):
+        penalised = await client.chat.completions.create(**base, **penalties)
+        assert penalised.choices[0].message.content != plain.choices[0].message.content, penalties
+    token = load_tokenizer(None).encode(" Paris")[-1]
+    forced = await client.chat.completions.create(
+        model="auto", messages=QUESTION, temperature=0, max_tokens=4, logit_bias={str(token): 100}, extra_body={"ignore_eos": True}
+    )
+    assert forced.choices[0].message.content == load_tokenizer(None).decode([token] * 4)
+
+
 async def test_tokenize_takes_vllms_bench_body_and_needs_a_key(product_stack):
     """vLLM's `{"model", "prompt", "add_special_tokens"}`; without a key it is a 401, as every
     metered route is."""

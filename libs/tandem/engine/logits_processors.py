@@ -1,14 +1,23 @@
 """What a request's own parameters do to its row of logits before a token is chosen.
 
-`min_tokens` masks the sequence's end-of-sequence tokens and its stop_token_ids until that many
-tokens are out. Each rule is applied to the whole batch at once: the per-sequence Python work is
-building the index tensors, once per step; a batch where no row asks for a rule costs nothing,
-and the logits come back untouched.
+In this order, as vLLM applies them: `logit_bias` adds to the named tokens' logits; vLLM's (and
+Hugging Face's) `repetition_penalty` p divides the positive logits of every token the prompt or
+the output so far has by p and multiplies the negative ones by p; OpenAI's `frequency_penalty`
+and `presence_penalty` subtract `frequency * count + presence * (count > 0)`, count being how
+often the output so far has the token; `min_tokens` masks the sequence's end-of-sequence tokens
+and stop_token_ids until that many tokens are out.
+
+The penalties read the whole sequence (prompt, then every output token), which a continuation on
+another worker has too, so a continued reply is penalised as an uninterrupted one. Each rule is
+applied to the whole batch at once, with dense per-row counts (no host sync); the per-sequence
+Python work is building the index tensors, once per step, and a batch where no row asks for a
+rule costs nothing: the logits come back untouched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from itertools import chain
 
 import torch
 
@@ -17,7 +26,55 @@ from tandem.engine.sequence import Sequence
 
 def process_logits(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
     """Row i of `logits` (N, vocab) as seqs[i]'s parameters ask; `logits` itself when none ask."""
+    logits = _add_logit_bias(logits, seqs)
+    logits = _apply_penalties(logits, seqs)
     return _mask_early_ends(logits, seqs)
+
+
+def _add_logit_bias(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    columns: list[int] = []
+    biases: list[float] = []
+    for row, seq in enumerate(seqs):
+        for token_id, bias in seq.sampling.logit_bias:
+            if token_id < vocab_size:  # a token the model lacks is never sampled: nothing to bias
+                rows.append(row)
+                columns.append(token_id)
+                biases.append(bias)
+    if not rows:
+        return logits
+    biased = logits.to(torch.float32, copy=True)
+    index = torch.tensor([rows, columns], dtype=torch.int64, device=logits.device)
+    biased.index_put_((index[0], index[1]), torch.tensor(biases, dtype=torch.float32, device=logits.device), accumulate=True)
+    return biased
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    penalised_rows = [row for row, seq in enumerate(seqs) if seq.sampling.has_penalties]
+    if not penalised_rows:
+        return logits
+    device = logits.device
+    penalised = [seqs[row] for row in penalised_rows]
+    options = [seq.sampling for seq in penalised]
+    rows = torch.tensor(penalised_rows, dtype=torch.int64, device=device)
+    selected = logits[rows].float()
+    # How often each row's output so far has each token: one scatter-add over the whole batch.
+    output_rows, output_ids = _flat([seq.token_ids[seq.num_prompt_tokens :] for seq in penalised], device)
+    counts = torch.zeros_like(selected).index_put_(
+        (output_rows, output_ids), torch.ones_like(output_ids, dtype=torch.float32), accumulate=True
+    )
+    in_output = counts > 0
+    if any(o.repetition_penalty != 1.0 for o in options):
+        prompt_rows, prompt_ids = _flat([seq.token_ids[: seq.num_prompt_tokens] for seq in penalised], device)
+        seen = in_output.index_put((prompt_rows, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
+        scale = _column([o.repetition_penalty for o in options], device)
+        selected = torch.where(seen, torch.where(selected > 0, selected / scale, selected * scale), selected)
+    selected = selected - _column([o.frequency_penalty for o in options], device) * counts
+    selected = selected - _column([o.presence_penalty for o in options], device) * in_output
+    adjusted = logits.to(torch.float32, copy=True)
+    adjusted[rows] = selected
+    return adjusted
 
 
 def _mask_early_ends(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
@@ -39,3 +96,16 @@ def _mask_early_ends(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.
     index = torch.tensor([rows, columns], dtype=torch.int64, device=logits.device)
     masked[index[0], index[1]] = float("-inf")
     return masked
+
+
+def _flat(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each token, token id) over all rows' lists, as two index tensors, built on the host
+    (no Python loop over the tokens) and copied over once."""
+    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    return rows.to(device), ids.to(device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

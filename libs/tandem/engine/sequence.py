@@ -46,6 +46,10 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()  # matched on text by the engine, which passes the hits to Scheduler.update
     ignore_eos: bool = False
     min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until this many tokens are out
+    presence_penalty: float = 0.0  # OpenAI's, over the output so far; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's, over the output so far; 0 = off
+    repetition_penalty: float = 1.0  # vLLM's (HF's), over prompt and output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also refuses NaN
@@ -60,10 +64,21 @@ class SamplingOptions:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty}")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("each logit_bias must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class Sequence:

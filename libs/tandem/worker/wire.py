@@ -35,6 +35,10 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         min_tokens=p.min_tokens,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
     return Request(
         reply_id,

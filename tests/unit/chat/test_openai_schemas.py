@@ -21,7 +21,6 @@ def chat(**fields) -> ChatCompletionBody:
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("logprobs", True),
         ("n", 2),
-        ("presence_penalty", 0.5),
         ("response_format", {"type": "json_object"}),
         ("guided_json", {"type": "object"}),
         ("suffix", "end"),
@@ -78,6 +77,14 @@ def test_ignore_eos_and_min_tokens_reach_the_engine_and_null_is_not_sent():
     assert (chat(ignore_eos=None, min_tokens=None).sampling(48, 100).min_tokens, chat().sampling(48, 100).ignore_eos) == (0, False)
 
 
+def test_penalties_and_logit_bias_reach_the_engine_with_string_token_ids_read_as_ids():
+    params = chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"5": 100, "17": -2.5}).sampling(48, 100)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == pytest.approx(1.2) and dict(params.logit_bias) == {5: 100.0, 17: -2.5}
+    off = chat(presence_penalty=None, repetition_penalty=None, logit_bias=None).sampling(48, 100)
+    assert (off.presence_penalty, off.frequency_penalty, off.repetition_penalty, dict(off.logit_bias)) == (0.0, 0.0, 1.0, {})
+
+
 def test_min_tokens_above_max_tokens_is_refused_and_the_window_caps_both():
     with pytest.raises(InvalidRequest) as refused:
         chat(min_tokens=11, max_completion_tokens=10).sampling(48, 100)
@@ -115,6 +122,14 @@ def test_max_completion_tokens_is_max_tokens_and_they_must_agree():
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 2**32}, "min_tokens"),
         ({"ignore_eos": "maybe"}, "ignore_eos"),
+        ({"presence_penalty": 2.1}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"word": 1}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ({"stop_token_ids": [2**32]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"messages": MESSAGES * 1001}, "messages"),
@@ -136,9 +151,7 @@ def test_values_at_their_bounds_fit_the_engines_sampling_params():
     assert (params.seed, params.max_tokens, params.top_k, list(params.stop_token_ids)) == (2**64 - 1, 100, 2**31 - 1, [2**32 - 1])
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("logprobs", 0), ("n", True), ("top_logprobs", 2), ("tool_choice", "auto"), ("logit_bias", {"5": 1})]
-)
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 0), ("n", True), ("top_logprobs", 2), ("tool_choice", "auto")])
 def test_a_number_is_not_a_neutral_flag_and_other_values_are_not_neutral(field, value):
     """`logprobs: 0` asks a text completion for the chosen tokens' logprobs: not `false`."""
     with pytest.raises(InvalidRequest) as refused:

@@ -7,7 +7,8 @@ import random
 from dataclasses import replace
 
 import pytest
-from reference_model import random_model, reference_greedy, tiny_config
+import torch
+from reference_model import random_model, reference_greedy, reference_hidden, tiny_config
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -226,6 +227,61 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_and_ignore_eos_runs_to_max_to
     assert stop[:first_eos] == expected[:first_eos] and eos not in stop[: first_eos + 1] and len(stop) >= first_eos + 2
 
 
+def penalised_reference_greedy(model, prompt: list[int], num_new_tokens: int, **options) -> list[int]:
+    """Greedy tokens under the penalties, each written out on the whole sequence recomputed, one
+    token at a time: logit_bias added; repetition_penalty over every distinct token of prompt and
+    output (positive / p, negative * p); then frequency * count + presence for each output token."""
+    presence, frequency = options.get("presence_penalty", 0.0), options.get("frequency_penalty", 0.0)
+    repetition, bias = options.get("repetition_penalty", 1.0), dict(options.get("logit_bias", ()))
+    ids, output = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(num_new_tokens):
+            logits = model.compute_logits(reference_hidden(model, ids)[-1:])[0].float().tolist()
+            for token_id, value in bias.items():
+                logits[token_id] += value
+            for token_id in set(ids):
+                logits[token_id] = logits[token_id] / repetition if logits[token_id] > 0 else logits[token_id] * repetition
+            for token_id in set(output):
+                logits[token_id] -= frequency * output.count(token_id) + presence
+            output.append(max(range(len(logits)), key=logits.__getitem__))
+            ids.append(output[-1])
+    return output
+
+
+PENALTIES = [
+    dict(repetition_penalty=1.8),
+    dict(frequency_penalty=1.5),
+    dict(presence_penalty=2.0, frequency_penalty=-0.5),
+    dict(repetition_penalty=0.7, logit_bias=((40, 3.0), (41, -100.0))),
+]
+
+
+def test_penalties_change_the_greedy_text_of_a_repeating_prompt_as_a_token_by_token_reference_does(tiny):
+    """One batch: each penalised row gets what the reference writes, differently from the
+    unpenalised row beside it, which the penalties leave alone."""
+    prompt = [40, 41, 42, 43] * 8
+    plain = reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS)
+    requests = [greedy("plain", prompt)] + [greedy(f"p{i}", prompt, **options) for i, options in enumerate(PENALTIES)]
+    streams = Engine(tiny, EngineConfig(num_kv_blocks=64)).generate(requests)
+    assert tokens_of(streams["plain"]) == plain
+    for i, options in enumerate(PENALTIES):
+        penalised = tokens_of(streams[f"p{i}"])
+        assert penalised == penalised_reference_greedy(tiny.model, prompt, NUM_NEW_TOKENS, **options), options
+        assert penalised != plain, f"{options} changed nothing"
+
+
+def test_a_large_repetition_penalty_keeps_greedy_output_from_repeating_a_biased_token(tiny):
+    """A +100 bias makes a token the prompt lacks the greedy pick; once it is in the output,
+    dividing its logit by a penalty of 1000 leaves it no lead, so it does not come twice."""
+    prompt = seeded_prompts(10)[4]
+    token = next(t for t in range(3, tiny.config.vocab_size) if t not in prompt)
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
+    biased = tokens_of(engine.generate([greedy("b", prompt, logit_bias=((token, 100.0),))])["b"])
+    assert biased == [token] * NUM_NEW_TOKENS
+    penalised = tokens_of(engine.generate([greedy("r", prompt, logit_bias=((token, 100.0),), repetition_penalty=1000.0)])["r"])
+    assert penalised[0] == token and token not in penalised[1:]
+
+
 def test_seeded_sampling_repeats_and_lanes_are_accepted(tiny):
     prompt = seeded_prompts(10)[6]
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
@@ -277,8 +333,14 @@ def test_a_stop_string_ends_the_reply_and_is_not_shown(tiny):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(temperature=1.0, top_p=0.95, seed=1234), dict(temperature=0.8, top_k=50, min_p=0.01, seed=-3)],
-    ids=["greedy", "seeded", "seeded-filtered"],
+    [
+        dict(),
+        dict(temperature=1.0, top_p=0.95, seed=1234),
+        dict(temperature=0.8, top_k=50, min_p=0.01, seed=-3),
+        dict(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),
+        dict(temperature=1.0, seed=99, repetition_penalty=1.3, frequency_penalty=1.0, logit_bias=((5, 2.0),)),
+    ],
+    ids=["greedy", "seeded", "seeded-filtered", "greedy-penalised", "seeded-penalised"],
 )
 def test_a_reply_continued_on_another_engine_equals_one_generated_in_one_go(tiny, options):
     """The sampler's random state comes from (seed, position), so a continuation (the first
@@ -300,8 +362,11 @@ def test_a_reply_continued_on_another_engine_equals_one_generated_in_one_go(tiny
     )["c"]
     assert first_tokens + tokens_of(continued) == whole_tokens
     assert continued[-1].num_output_tokens == NUM_NEW_TOKENS and continued[-1].finish_reason is FinishReason.LENGTH
-    whole_text = "".join(o.text for o in whole)
-    assert "".join(o.text for o in continued) == whole_text[len(tiny.tokenizer.decode(first_tokens)) :]
+    # What the uninterrupted run streamed after its first part: not the whole text cut at the first
+    # part's decoded length, which differs when the cut splits a character's bytes (held back
+    # while streaming, decoded as U+FFFD on its own).
+    assert [len(o.new_token_ids) for o in whole] == [1] * NUM_NEW_TOKENS
+    assert "".join(o.text for o in continued) == "".join(o.text for o in whole[num_first:])
 
 
 def test_seeded_replies_differ_by_seed_and_batched_neighbours_do_not_change_a_seeded_one(tiny):

@@ -32,6 +32,16 @@ def test_a_token_event_before_the_end_carries_no_model():
 def test_a_generate_request_carries_every_sampling_parameter_to_the_engine():
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3, max_tokens=9, stop=["x"], stop_token_ids=[4])
     params.ignore_eos, params.min_tokens = True, 2
+    params.presence_penalty, params.frequency_penalty, params.repetition_penalty = 0.5, -1.0, 1.5
+    params.logit_bias[9] = -100.0
+    params.logit_bias[3] = 2.5
     sampling = engine_request("r1", GenerateRequest(prompt_token_ids=[1, 2], sampling=params)).sampling
     assert (sampling.top_k, sampling.seed, sampling.max_tokens, sampling.stop, sampling.stop_token_ids) == (7, 3, 9, ("x",), (4,))
     assert (sampling.ignore_eos, sampling.min_tokens) == (True, 2)
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.5)
+    assert sampling.logit_bias == ((3, 2.5), (9, -100.0))
+
+
+def test_an_unset_repetition_penalty_on_the_wire_is_off():
+    sampling = engine_request("r1", GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=4))).sampling
+    assert sampling.repetition_penalty == 1.0 and not sampling.has_penalties and sampling.logit_bias == ()
