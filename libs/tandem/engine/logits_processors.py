@@ -9,9 +9,10 @@ and stop_token_ids until that many tokens are out.
 
 The penalties read the whole sequence (prompt, then every output token), which a continuation on
 another worker has too, so a continued reply is penalised as an uninterrupted one. Each rule is
-applied to the whole batch at once, with dense per-row counts (no host sync); the per-sequence
-Python work is building the index tensors, once per step, and a batch where no row asks for a
-rule costs nothing: the logits come back untouched.
+applied to the whole batch at once, by gathers and scatters at the (row, token) places the
+sequences name (no host sync, no batch x vocabulary temporaries); the per-sequence Python work
+is building the index tensors, once per step, and a batch where no row asks for a rule costs
+nothing: the logits come back untouched.
 """
 
 from __future__ import annotations
@@ -51,27 +52,30 @@ def _add_logit_bias(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.T
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    """Only the (row, token) places the sequences' tokens name are read and written, so the cost
+    follows the number of tokens, not batch x vocabulary. A token that comes several times is
+    written several times with the same value (read before any write), which any order of the
+    writes leaves right; only the frequency penalty accumulates, once per occurrence."""
     penalised_rows = [row for row, seq in enumerate(seqs) if seq.sampling.has_penalties]
     if not penalised_rows:
         return logits
     device = logits.device
+    vocab_size = logits.shape[1]
     penalised = [seqs[row] for row in penalised_rows]
     options = [seq.sampling for seq in penalised]
     rows = torch.tensor(penalised_rows, dtype=torch.int64, device=device)
-    selected = logits[rows].float()
-    # How often each row's output so far has each token: one scatter-add over the whole batch.
-    output_rows, output_ids = _flat([seq.token_ids[seq.num_prompt_tokens :] for seq in penalised], device)
-    counts = torch.zeros_like(selected).index_put_(
-        (output_rows, output_ids), torch.ones_like(output_ids, dtype=torch.float32), accumulate=True
-    )
-    in_output = counts > 0
+    selected = logits[rows].float()  # a copy: the caller's logits stay as they were
+    flat = selected.view(-1)
     if any(o.repetition_penalty != 1.0 for o in options):
-        prompt_rows, prompt_ids = _flat([seq.token_ids[: seq.num_prompt_tokens] for seq in penalised], device)
-        seen = in_output.index_put((prompt_rows, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
-        scale = _column([o.repetition_penalty for o in options], device)
-        selected = torch.where(seen, torch.where(selected > 0, selected / scale, selected * scale), selected)
-    selected = selected - _column([o.frequency_penalty for o in options], device) * counts
-    selected = selected - _column([o.presence_penalty for o in options], device) * in_output
+        seen_rows, seen_ids = _flat([seq.token_ids for seq in penalised], device)
+        at = seen_rows * vocab_size + seen_ids
+        values = flat[at]
+        scale = _values([o.repetition_penalty for o in options], device)[seen_rows]
+        flat[at] = torch.where(values > 0, values / scale, values * scale)
+    output_rows, output_ids = _flat([seq.token_ids[seq.num_prompt_tokens :] for seq in penalised], device)
+    at = output_rows * vocab_size + output_ids
+    flat[at] = flat[at] - _values([o.presence_penalty for o in options], device)[output_rows]
+    flat.index_add_(0, at, -_values([o.frequency_penalty for o in options], device)[output_rows])
     adjusted = logits.to(torch.float32, copy=True)
     adjusted[rows] = selected
     return adjusted
@@ -107,5 +111,5 @@ def _flat(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Ten
     return rows.to(device), ids.to(device)
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+def _values(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
