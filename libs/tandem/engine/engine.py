@@ -1,7 +1,7 @@
 """The engine: requests in, token streams out. One `step()` is the whole algorithm:
 
     plan = scheduler.schedule()                            # who computes what this step
-    sampled = runner.execute(plan)                         # one batched forward, then sampling
+    sampled = runner.execute(plan)                         # one batched forward, then sampling (and logprobs)
     texts, stopped_ids = each sampled token's text delta and stop-string hits
     result = scheduler.update(plan, sampled, stopped_ids)  # what finished, what was handed off
     outputs: one per aborted and per sampled sequence
@@ -24,10 +24,11 @@ from tandem.engine.block_pool import CachedBlock, KvEvent
 from tandem.engine.decode_graphs import SIZES, DecodeGraphs
 from tandem.engine.engine_config import DEFAULT_BATCHED_TOKENS, DEFAULT_UNPAID_TOKENS, EngineConfig
 from tandem.engine.kv_cache_manager import ImportReservation, KvCacheManager
+from tandem.engine.logprobs import TokenLogprobs
 from tandem.engine.memory_budget import KvPlan, plan_kv_cache
 from tandem.engine.prefill_rate import PrefillRate
 from tandem.engine.reply_text import ReplyText
-from tandem.engine.runner import Runner
+from tandem.engine.runner import Runner, Sampled
 from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import QueueWait, Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
@@ -49,6 +50,7 @@ __all__ = [
     "Request",
     "RequestOutput",
     "TokenIdOutOfRange",
+    "TokenLogprobs",  # defined in logprobs.py, which computes them
 ]
 
 
@@ -92,6 +94,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     handoff: Handoff | None = None
+    logprobs: TokenLogprobs | None = None  # of new_token_ids' token, when the request asks
 
     @property
     def is_finished(self) -> bool:
@@ -251,11 +254,11 @@ class Engine:
             return [self._cancelled(seq) for seq in plan.aborted]
         finally:
             model.should_cut = None
-        texts = {seq_id: self._replies[seq_id].add(token_id) for seq_id, token_id in sampled.items()}
-        stopped_ids = {seq_id for seq_id in sampled if self._replies[seq_id].has_hit_stop}
-        result = self.scheduler.update(plan, sampled, stopped_ids)
+        texts = {seq_id: self._replies[seq_id].add(token_id) for seq_id, token_id in sampled.token_ids.items()}
+        stopped_ids = {seq_id for seq_id in sampled.token_ids if self._replies[seq_id].has_hit_stop}
+        result = self.scheduler.update(plan, sampled.token_ids, stopped_ids)
         outputs = self._outputs(plan, sampled, texts, result)
-        self._count(plan, len(sampled), time.perf_counter() - started_s)
+        self._count(plan, len(sampled.token_ids), time.perf_counter() - started_s)
         return outputs
 
     def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
@@ -378,7 +381,7 @@ class Engine:
             text.add(token_id)
         return text
 
-    def _outputs(self, plan: StepPlan, sampled: dict[str, int], texts: dict[str, str], result: UpdateResult) -> list[RequestOutput]:
+    def _outputs(self, plan: StepPlan, sampled: Sampled, texts: dict[str, str], result: UpdateResult) -> list[RequestOutput]:
         """One output per aborted sequence, then one per sampled sequence in the plan's order;
         a finished reply's text ends with what its detokenizer held back."""
         for seq in result.finished:
@@ -386,7 +389,8 @@ class Engine:
         handoffs = {seq.seq_id: self._export(seq) for seq in result.handed_off}
         outputs = [self._cancelled(seq) for seq in plan.aborted]
         for seq in plan.sampled_seqs:
-            outputs.append(self._output(seq, (sampled[seq.seq_id],), texts[seq.seq_id], handoffs.get(seq.seq_id)))
+            token = (sampled.token_ids[seq.seq_id],)
+            outputs.append(self._output(seq, token, texts[seq.seq_id], handoffs.get(seq.seq_id), sampled.logprobs.get(seq.seq_id)))
         return outputs
 
     def _export(self, seq: Sequence) -> Handoff:
@@ -399,9 +403,19 @@ class Engine:
         reply = self._replies.pop(seq.seq_id, None)
         return self._output(seq, (), reply.finish() if reply is not None else "")
 
-    def _output(self, seq: Sequence, token_ids: tuple[int, ...], text: str, handoff: Handoff | None = None) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, token_ids: tuple[int, ...], text: str, handoff: Handoff | None = None, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
         return RequestOutput(
-            seq.seq_id, token_ids, text, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens, handoff
+            seq.seq_id,
+            token_ids,
+            text,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_output_tokens,
+            handoff,
+            logprobs,
         )
 
     def _count(self, plan: StepPlan, num_sampled: int, elapsed_s: float) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.decode_graphs import DecodeGraphs
+from tandem.engine.logprobs import TokenLogprobs, token_logprobs
 from tandem.engine.sampling import Sampler, token_generator
 from tandem.engine.scheduler import StepPlan
 from tandem.engine.sequence import Sequence
@@ -37,6 +38,17 @@ class RankStep:
     meta: AttentionMetadata
     sample_rows: torch.Tensor
     wants_logits: bool
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A step's sampled tokens, and the logprobs of those whose requests ask for them."""
+
+    token_ids: dict[str, int]  # seq_id -> token, for the plan's sampled sequences
+    logprobs: dict[str, TokenLogprobs]  # seq_id -> its token's logprobs (engine/logprobs.py)
+
+
+NOTHING_SAMPLED = Sampled({}, {})
 
 
 @dataclass(frozen=True)
@@ -144,10 +156,10 @@ class Runner:
         return self._graphs
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[str, int]:
+    def execute(self, plan: StepPlan) -> Sampled:
         """Runs the plan's forward and returns the sampled token of each sequence that samples."""
         if not plan.scheduled:
-            return {}
+            return NOTHING_SAMPLED
         passes = forward_passes(plan)
         if self._graphs is not None and len(passes) == 1 and self._is_graph_step(passes[0]):
             rows = passes[0]
@@ -165,7 +177,7 @@ class Runner:
             parts.append(hidden[inputs.sample_rows])
             sampling_seqs.extend(inputs.sampling_seqs)
         if not sampling_seqs:
-            return {}
+            return NOTHING_SAMPLED
         sampled = parts[0]
         if len(parts) > 1:  # replayed tokens: back to the plan's order, as one forward leaves them
             row_of = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}
@@ -194,10 +206,15 @@ class Runner:
             return False
         return self._graphs.serves(len(rows), max(len(r.seq.block_table) for r in rows))
 
-    def _sample(self, logits: torch.Tensor, sampling_seqs: list[Sequence]) -> dict[str, int]:
+    def _sample(self, logits: torch.Tensor, sampling_seqs: list[Sequence]) -> Sampled:
         generators = [self._generator(seq) for seq in sampling_seqs]
-        tokens = self._sampler.sample(logits, sampling_seqs, generators).tolist()
-        return {seq.seq_id: token for seq, token in zip(sampling_seqs, tokens)}
+        tokens = self._sampler.sample(logits, sampling_seqs, generators)
+        logprobs = token_logprobs(logits, sampling_seqs, tokens)  # the raw logits: the model's own
+        token_list = tokens.tolist()
+        return Sampled(
+            {seq.seq_id: token for seq, token in zip(sampling_seqs, token_list)},
+            {sampling_seqs[row].seq_id: answer for row, answer in logprobs.items()},
+        )
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """A seeded sequence's random stream for the token it samples now, derived from its seed and

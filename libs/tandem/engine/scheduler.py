@@ -1,7 +1,7 @@
 """Continuous batching: each step's work under a token budget, and the results applied after it.
 
     plan = scheduler.schedule()                            # who computes how many tokens this step
-    sampled = runner.execute(plan)                         # {seq_id: token} for plan.sampled_seqs
+    sampled = runner.execute(plan).token_ids              # {seq_id: token} for plan.sampled_seqs
     result = scheduler.update(plan, sampled, stopped_ids)  # what finished, what was handed off
 
 `stopped_ids` are the sequences whose text hit a stop string (the engine detokenizes). update

@@ -13,6 +13,8 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the alternatives listed per token
+
 
 class Lane(IntEnum):
     """Priority lane; lower value is served first."""
@@ -50,6 +52,8 @@ class SamplingOptions:
     frequency_penalty: float = 0.0  # OpenAI's, over the output so far; 0 = off
     repetition_penalty: float = 1.0  # vLLM's (HF's), over prompt and output; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # None: no logprobs; k: the sampled token's logprob and the k likeliest tokens' (engine/logprobs.py)
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also refuses NaN
@@ -71,6 +75,8 @@ class SamplingOptions:
             raise ValueError(f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty}")
         if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
             raise ValueError("each logit_bias must be in [-100, 100]")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
     @property
     def is_greedy(self) -> bool:

@@ -74,7 +74,7 @@ def test_generated_tokens_in_a_prefill_chunk_are_one_row_pieces_of_the_step_s_fo
 
 def run_chunk(runner: Runner, seq: Sequence, num_new_tokens: int) -> int:
     plan = StepPlan(scheduled=[ScheduledChunk(seq, num_new_tokens)])
-    token = runner.execute(plan)[seq.seq_id]
+    token = runner.execute(plan).token_ids[seq.seq_id]
     seq.advance_computed(num_new_tokens)
     seq.append_token(token)
     return token

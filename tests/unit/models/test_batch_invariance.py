@@ -101,17 +101,19 @@ def test_decode_rows_sharing_a_step_with_a_prefill_chunk_get_the_bits_of_a_decod
         prefilled = Runner(smollm2_bf16.model, torch.zeros(shape, dtype=torch.bfloat16), BLOCK_SIZE, Sampler())
         decodes = [_sequence(f"d{i}", 20 + 3 * i, 20 * i, salt=10 * trial + i) for i in range(8)]
         for seq in decodes:
-            token = prefilled.execute(StepPlan(scheduled=[ScheduledChunk(seq, seq.num_tokens)]))[seq.seq_id]
+            token = prefilled.execute(StepPlan(scheduled=[ScheduledChunk(seq, seq.num_tokens)])).token_ids[seq.seq_id]
             seq.advance_computed(seq.num_tokens)
             seq.append_token(token)
         cache = prefilled.kv_cache.clone()
 
         alone = copy.deepcopy(decodes)
-        alone_tokens = prefilled.execute(StepPlan(scheduled=[ScheduledChunk(seq, 1) for seq in alone]))
+        alone_tokens = prefilled.execute(StepPlan(scheduled=[ScheduledChunk(seq, 1) for seq in alone])).token_ids
         mixed_runner = Runner(smollm2_bf16.model, cache, BLOCK_SIZE, Sampler())
         mixed = copy.deepcopy(decodes)
         prompt = _sequence("prompt", 300, 200, salt=999 + trial)
-        mixed_tokens = mixed_runner.execute(StepPlan(scheduled=[ScheduledChunk(seq, 1) for seq in mixed] + [ScheduledChunk(prompt, 300)]))
+        mixed_tokens = mixed_runner.execute(
+            StepPlan(scheduled=[ScheduledChunk(seq, 1) for seq in mixed] + [ScheduledChunk(prompt, 300)])
+        ).token_ids
 
         for a, m in zip(alone, mixed):
             position = a.num_tokens - 1
