@@ -35,6 +35,7 @@ MAX_NAME_CHARS = 256  # model names, reasons, versions
 MAX_CODE_CHARS = 64  # an error code or refusal reason: a subject token
 MAX_MESSAGE_CHARS = 1024  # a refusal's or an error's words
 MAX_TEXT_CHARS = 64 << 10  # one token event's text
+MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's limit, which the engine's SamplingOptions checks too
 MAX_URL_CHARS = 2048
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_OUTPUT_TOKENS = 1 << 20
@@ -208,6 +209,7 @@ def check_request(request: GenerateRequest, vocab_size: int | None = None) -> No
         value = getattr(sampling, field)
         if not math.isfinite(value):
             raise Invalid("out_of_range", f"sampling.{field} is {value}")
+    check_count(sampling.top_logprobs, "top_logprobs", MAX_TOP_LOGPROBS)
 
 
 def check_blocks(blocks: Iterable[StoredBlock], num_blocks: int) -> None:
@@ -341,6 +343,11 @@ def token_event(data: bytes, subject: str, vocab_size: int | None = None) -> Tok
     if event.error.HasField("retry_after_s"):
         check_number(event.error.retry_after_s, "error retry_after_s", high=MAX_INTERVAL_S)
     check_id(event.worker_id, "worker_id", is_required=False)
+    check_count(len(event.top_logprobs), "top logprobs", MAX_TOP_LOGPROBS)
+    check_token_ids([t.token_id for t in event.top_logprobs], "top_logprobs", vocab_size)
+    for logprob in [event.logprob, *(t.logprob for t in event.top_logprobs)]:
+        if not logprob <= 0.0:  # NaN too; -inf is a probability of 0
+            raise Invalid("out_of_range", f"a logprob is {logprob}")
     return event
 
 

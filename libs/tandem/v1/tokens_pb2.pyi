@@ -1,13 +1,14 @@
 from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenEvent(_message.Message):
-    __slots__ = ("reply_id", "seq", "token_id", "text", "finish", "usage", "error", "worker_id", "produced_unix_ms", "epoch", "model")
+    __slots__ = ("reply_id", "seq", "token_id", "text", "finish", "usage", "error", "worker_id", "produced_unix_ms", "epoch", "model", "logprob", "top_logprobs")
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +20,8 @@ class TokenEvent(_message.Message):
     PRODUCED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     reply_id: str
     seq: int
     token_id: int
@@ -30,7 +33,17 @@ class TokenEvent(_message.Message):
     produced_unix_ms: int
     epoch: int
     model: str
-    def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("reply_id", "reason")

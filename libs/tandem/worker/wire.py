@@ -11,7 +11,7 @@ from tandem.engine.sequence import FinishReason, Lane, SamplingOptions
 from tandem.v1 import common_pb2
 from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.kv_handoff_pb2 import KvLayout
-from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.tokens_pb2 import TokenEvent, TokenLogprob
 
 LANES = {common_pb2.LANE_PAID: Lane.PAID, common_pb2.LANE_BACKGROUND: Lane.BACKGROUND}  # anything else: FREE
 FINISH: dict[FinishReason, common_pb2.FinishReason] = {
@@ -39,6 +39,7 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty or 1.0,
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None,
     )
     return Request(
         reply_id,
@@ -54,21 +55,27 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
 
 
 def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int, model: str = "") -> TokenEvent:
-    """The reply's event `seq` from its owner `epoch`: this output's token and text, and the finish
-    and usage of its last, which names the served `model` that wrote the reply."""
+    """The reply's event `seq` from its owner `epoch`: this output's token, its logprobs where the
+    request asks, and text, and the finish and usage of its last, which names the served `model`
+    that wrote the reply."""
     token_id = output.new_token_ids[0] if output.new_token_ids else None
     if output.finish_reason is not None:
         usage = common_pb2.Usage(
             input_tokens=output.num_prompt_tokens, cached_tokens=output.num_cached_tokens, output_tokens=output.num_output_tokens
         )
         finish = FINISH[output.finish_reason]
-        final = final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
-        final.epoch = epoch
-        final.model = model
-        return final
-    event = TokenEvent(reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms(), epoch=epoch)
-    if token_id is not None:
-        event.token_id = token_id
+        event = final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
+        event.epoch = epoch
+        event.model = model
+    else:
+        event = TokenEvent(
+            reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms(), epoch=epoch
+        )
+        if token_id is not None:
+            event.token_id = token_id
+    if output.logprobs is not None:
+        event.logprob = output.logprobs.logprob
+        event.top_logprobs.extend(TokenLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
     return event
 
 

@@ -13,7 +13,7 @@ from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Error, SamplingParams
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import BlocksStored, KvEvent, KvState, StoredBlock
-from tandem.v1.tokens_pb2 import Cancel, TokenEvent
+from tandem.v1.tokens_pb2 import Cancel, TokenEvent, TokenLogprob
 from tandem.v1.worker_pb2 import LadderStatus, ServiceHeartbeat, WorkerHeartbeat
 
 
@@ -128,6 +128,21 @@ def test_a_token_event_belongs_to_its_subject_and_its_error_is_a_code_and_a_shor
     assert reason_of(validate.token_event, encode(bad_code), subject) == "bad_code"
     long_message = token_event(finish=FINISH_REASON_ERROR, error=Error(code="failed", message="m" * 2000))
     assert reason_of(validate.token_event, encode(long_message), subject) == "too_large"
+
+
+def test_a_token_events_logprobs_are_at_most_zero_and_name_at_most_twenty_tokens_of_the_vocabulary():
+    subject = subjects.tokens("r1")
+    sound = token_event(
+        token_id=3, logprob=-0.5, top_logprobs=[TokenLogprob(token_id=3, logprob=-0.5), TokenLogprob(token_id=4, logprob=-math.inf)]
+    )
+    assert validate.token_event(encode(sound), subject, 9).top_logprobs[1].token_id == 4
+    assert reason_of(validate.token_event, encode(token_event(logprob=0.5)), subject) == "out_of_range"
+    assert reason_of(validate.token_event, encode(token_event(logprob=math.nan)), subject) == "out_of_range"
+    assert reason_of(validate.token_event, encode(token_event(top_logprobs=[TokenLogprob(token_id=9)])), subject, 9) == "out_of_range"
+    too_many = token_event(top_logprobs=[TokenLogprob(token_id=1, logprob=-1.0)] * (validate.MAX_TOP_LOGPROBS + 1))
+    assert reason_of(validate.token_event, encode(too_many), subject) == "too_large"
+    asks = GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=4, top_logprobs=validate.MAX_TOP_LOGPROBS + 1))
+    assert reason_of(validate.generate_request, encode(asks)) == "too_large"
 
 
 def test_a_finals_subject_carries_only_a_final_event_so_the_router_and_relays_never_send_tokens():

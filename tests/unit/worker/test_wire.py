@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tandem.bus.events import is_final
-from tandem.engine.engine import RequestOutput
+from tandem.engine.engine import RequestOutput, TokenLogprobs
 from tandem.engine.sequence import FinishReason
 from tandem.v1.common_pb2 import FINISH_REASON_STOP, SamplingParams
 from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker.wire import engine_request, token_event
 
 
@@ -45,3 +48,21 @@ def test_a_generate_request_carries_every_sampling_parameter_to_the_engine():
 def test_an_unset_repetition_penalty_on_the_wire_is_off():
     sampling = engine_request("r1", GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=4))).sampling
     assert sampling.repetition_penalty == 1.0 and not sampling.has_penalties and sampling.logit_bias == ()
+
+
+def test_top_logprobs_reach_the_engine_only_when_set_and_zero_is_not_unset():
+    assert engine_request("r1", GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=4))).sampling.top_logprobs is None
+    params = SamplingParams(max_tokens=4, top_logprobs=0)
+    assert engine_request("r1", GenerateRequest(prompt_token_ids=[1], sampling=params)).sampling.top_logprobs == 0
+
+
+def test_token_events_carry_the_tokens_logprobs_when_the_engine_computed_them():
+    logprobs = TokenLogprobs(-0.25, ((7, -0.25), (9, -2.0)))
+    for finish in (None, FinishReason.LENGTH):
+        event = token_event(replace(output(finish), logprobs=logprobs), seq=2, worker_id="decode-0", epoch=0)
+        assert event.HasField("logprob") and event.logprob == -0.25
+        assert [(t.token_id, t.logprob) for t in event.top_logprobs] == [(7, -0.25), (9, -2.0)]
+        read = TokenEvent.FromString(event.SerializeToString())  # as the token log stores it
+        assert read.logprob == -0.25 and len(read.top_logprobs) == 2
+    plain = token_event(output(None), seq=2, worker_id="decode-0", epoch=0)
+    assert not plain.HasField("logprob") and not plain.top_logprobs
