@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
+from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -14,6 +15,7 @@ from sse_starlette.sse import EventSourceResponse
 from services.chat.deps import Answers, Arrived, Chat, CurrentUser, Router
 from services.chat.errors import InvalidRequest
 from services.chat.latency import ReplyClock
+from services.chat.limits import TopLogprobs
 from services.chat.moderation import refuse_openai_input, start_input_check
 from services.chat.openai_replies import TEXT, served_model
 from services.chat.openai_schemas import GenerationBody
@@ -24,6 +26,11 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 class TextCompletionBody(GenerationBody):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The legacy form: a count (0 = the chosen tokens' logprobs alone); `false` or null = none.
+    logprobs: TopLogprobs | Literal[False] | None = None
+
+    def requested_top_logprobs(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     def only_prompt(self) -> str | list[int]:
         """The one prompt: a string or token ids (a list of one of either is that one)."""

@@ -103,7 +103,13 @@ ChatTurns = Annotated[Turns, Depends(chat_turns)]
 async def openai_answers(state: Chat, starter: Starter) -> OpenAIAnswers:
     config = state.config
     return OpenAIAnswers(
-        starter, state.stream_slots, state.fanout, state.bus, max_answer_tokens=config.max_answer_tokens, keepalive_s=config.keepalive_s
+        starter,
+        state.stream_slots,
+        state.fanout,
+        state.bus,
+        state.tokenizer,
+        max_answer_tokens=config.max_answer_tokens,
+        keepalive_s=config.keepalive_s,
     )
 
 

@@ -9,6 +9,8 @@ from typing import Annotated
 
 from pydantic import Field
 
+from tandem.engine.sequence import MAX_TOP_LOGPROBS
+
 MAX_TOKENS_LIMIT = 1 << 20  # more than any context window served; a reply is capped to the room left anyway
 MAX_MESSAGES = 1000  # OpenAI messages in one request (the body limit bounds their size)
 MAX_CONTENT_PARTS = 100  # text parts of one OpenAI message
@@ -27,6 +29,7 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence and frequenc
 # vLLM's repetition penalty: any positive factor; the bound only keeps it a finite float32.
 RepetitionPenalty = Annotated[float, Field(gt=0, le=1e6)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]  # alternatives listed per token
 ModelName = Annotated[str, Field(max_length=MAX_MODEL_NAME_CHARS)]
 # Query and header integers (a paging cursor in unix ms, an SSE event id) stay below this: what a
 # signed 64-bit column or a Redis stream id holds.

@@ -20,8 +20,9 @@ from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
 from services.chat.model_routing import ModelRouter, UnknownModel
 from services.chat.models_view import ServedModel
+from services.chat.openai_logprobs import ReplyLogprobs
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
-from services.chat.prompt import PromptCounter
+from services.chat.prompt import LoadedTokenizer, PromptCounter
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.sse import StreamResponse, sse_response
 from services.chat.stream_slots import StreamSlots
@@ -54,15 +55,18 @@ class ReplyShape:
     chunk_object: str
     is_chat: bool
 
-    def choice(self, text: str, finish: str) -> dict[str, object]:
+    def choice(self, text: str, finish: str, logprobs: dict[str, object] | None = None) -> dict[str, object]:
+        """`logprobs` (openai_logprobs.py): a chat choice has the key only when the request asked."""
         if self.is_chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            return {"index": 0, "message": message, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def chunk_choice(self, text: str, finish: str | None) -> dict[str, object]:
+    def chunk_choice(self, text: str, finish: str | None, logprobs: dict[str, object] | None = None) -> dict[str, object]:
         if self.is_chat:
-            return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            delta = {"content": text} if text else {}
+            return {"index": 0, "delta": delta, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_chat=True)
@@ -81,13 +85,22 @@ async def served_model(router: ModelRouter, tokenizer: Tokenizer, user: ApiKey, 
 
 class OpenAIAnswers:
     """Starts the OpenAI endpoints' replies (`starter`) and answers them, whole or streamed (taking
-    a stream slot of `stream_slots`), read through `fanout`; a reply whose client goes away is
-    cancelled over `bus`."""
+    a stream slot of `stream_slots`), read through `fanout`, their logprobs' tokens spelt by
+    `tokenizer`; a reply whose client goes away is cancelled over `bus`."""
 
     def __init__(
-        self, starter: ReplyStarter, stream_slots: StreamSlots, fanout: FanoutHub, bus: Bus, *, max_answer_tokens: int, keepalive_s: float
+        self,
+        starter: ReplyStarter,
+        stream_slots: StreamSlots,
+        fanout: FanoutHub,
+        bus: Bus,
+        tokenizer: LoadedTokenizer,
+        *,
+        max_answer_tokens: int,
+        keepalive_s: float,
     ) -> None:
         self._starter = starter
+        self._tokenizer = tokenizer
         self._stream_slots = stream_slots
         self._fanout = fanout
         self._bus = bus
@@ -123,10 +136,11 @@ class OpenAIAnswers:
             log.info("%s: ignored the request's unknown fields %s", reply_id, ignored)
         head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
         reply = ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared)
+        logprobs = ReplyLogprobs(self._tokenizer.get(), shape.is_chat) if sampling.HasField("top_logprobs") else None
         if not body.stream:
             head["model"] = await self._starter.start_reply(reply)
             try:
-                return _name_ignored(await self._whole(reply_id, head, shape, clock), ignored)
+                return _name_ignored(await self._whole(reply_id, head, shape, clock, logprobs), ignored)
             finally:
                 clock.close()
         slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
@@ -135,18 +149,21 @@ class OpenAIAnswers:
         except BaseException:
             slot.release()
             raise
-        response = sse_response(self.reply_chunks(reply_id, head, shape, body.wants_usage_chunk, clock), self._keepalive_s)
+        chunks = self.reply_chunks(reply_id, head, shape, body.wants_usage_chunk, clock, logprobs)
+        response = sse_response(chunks, self._keepalive_s)
         response.on_close(slot.release)
         response.on_close(clock.close)
         return _name_ignored(response, ignored)
 
-    async def _whole(self, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock) -> JSONResponse:
-        parts: list[str] = []
+    async def _whole(
+        self, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock, logprobs: ReplyLogprobs | None
+    ) -> JSONResponse:
+        events: list[TokenEvent] = []
         last = TokenEvent()
         async with self._cancel_unless_finished(reply_id) as finished:
             try:
                 async for event in log_events(self._fanout, reply_id):
-                    parts.append(event.text)
+                    events.append(event)
                     last = event
             except ReplyGone:
                 clock.close("expired")
@@ -158,15 +175,25 @@ class OpenAIAnswers:
                 last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s
             )
         # A reply the output check withdrew (finish content_filter) answers with none of its text.
-        text = "" if last.finish == FINISH_REASON_CONTENT_FILTER else "".join(parts)
-        choice = shape.choice(text, openai_finish_reason(last.finish))
+        withdrawn = last.finish == FINISH_REASON_CONTENT_FILTER
+        text = "" if withdrawn else "".join(event.text for event in events)
+        choice_logprobs = None if logprobs is None or withdrawn else logprobs.of(events)
+        choice = shape.choice(text, openai_finish_reason(last.finish), choice_logprobs)
         return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
 
     async def reply_chunks(
-        self, reply_id: str, head: dict[str, object], shape: ReplyShape, include_usage: bool, clock: ReplyClock
+        self,
+        reply_id: str,
+        head: dict[str, object],
+        shape: ReplyShape,
+        include_usage: bool,
+        clock: ReplyClock,
+        logprobs: ReplyLogprobs | None = None,
     ) -> AsyncIterator[dict[str, str]]:
         """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
-        or whose log vanishes before its end, gives an `error` chunk instead of the rest."""
+        or whose log vanishes before its end, gives an `error` chunk instead of the rest. With
+        `logprobs`, a token's logprobs come in the chunk of its event's text (one with an empty
+        delta when the detokenizer holds that text back)."""
 
         def data(body: dict[str, object]) -> dict[str, str]:
             return {"data": json.dumps(body, ensure_ascii=False)}
@@ -186,8 +213,10 @@ class OpenAIAnswers:
                         yield error(event.error.message, event.error.code)
                         clock.final(event)
                         break
+                    event_logprobs = None if logprobs is None else logprobs.of([event])
+                    if event.text or event_logprobs:
+                        yield chunk([shape.chunk_choice(event.text, None, event_logprobs)])
                     if event.text:
-                        yield chunk([shape.chunk_choice(event.text, None)])
                         clock.content()
                     if is_final(event):
                         yield chunk([shape.chunk_choice("", openai_finish_reason(event.finish))])

@@ -2,7 +2,7 @@
 
 Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
 ignoring it changes nothing the client can see (`user`: Tandem knows the user from the API key),
-accepted only at its neutral value (`n: 1`, `logprobs: false`, ...), or refused with a 400
+accepted only at its neutral value (`n: 1`, `echo: false`, ...), or refused with a 400
 that names it. A parameter sent as `null` counts as not sent. A field no one defines (a vendor's
 extension, a newer client's) is ignored, as vLLM's server does, and named in the reply's
 `X-Tandem-Ignored-Fields` header and a log line, so clients that send them keep working and
@@ -30,6 +30,7 @@ from services.chat.limits import (
     Seed,
     Temperature,
     TokenId,
+    TopLogprobs,
     TopP,
     check_stop_strings,
 )
@@ -42,7 +43,6 @@ IGNORED = frozenset({"user"})
 NEUTRAL: dict[str, object] = {
     "n": 1,
     "best_of": 1,
-    "logprobs": False,
     "echo": False,
     "parallel_tool_calls": False,
     "tools": [],
@@ -50,7 +50,7 @@ NEUTRAL: dict[str, object] = {
     "response_format": {"type": "text"},
     "tool_choice": "none",
     "include_stop_str_in_output": False,
-    "top_logprobs": 0,
+    "top_logprobs": 0,  # a chat completion's field; on a text completion, `logprobs` is the count
     "function_call": "none",
     "store": False,
     "suffix": "",
@@ -144,6 +144,10 @@ class GenerationBody(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_top_logprobs(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k likeliest alternatives'."""
+        return None
+
     def stop_strings(self) -> list[str]:
         stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in stops if s]
@@ -174,6 +178,9 @@ class GenerationBody(BaseModel):
         )
         if self.seed is not None:
             params.seed = self.seed
+        top_logprobs = self.requested_top_logprobs()
+        if top_logprobs is not None:
+            params.top_logprobs = top_logprobs
         return params
 
 
@@ -198,6 +205,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None  # only with `logprobs: true`, as OpenAI has it
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("`top_logprobs` needs `logprobs` to be true", param="top_logprobs")
+
+    def requested_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` is OpenAI's newer name for `max_tokens`; both may be given only

@@ -183,8 +183,8 @@ async def test_top_k_or_min_p_of_one_is_greedy_and_a_stop_token_id_ends_the_repl
 async def test_unsupported_parameters_are_refused_by_name_through_the_sdk(product_stack):
     client = sdk(product_stack)
     with pytest.raises(openai.BadRequestError) as refused:
-        await client.chat.completions.create(model="auto", messages=QUESTION, logprobs=True)
-    assert refused.value.status_code == 400 and refused.value.body["param"] == "logprobs"
+        await client.chat.completions.create(model="auto", messages=QUESTION, n=2)
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(model="auto", messages=QUESTION, max_tokens=4, max_completion_tokens=5)
     assert refused.value.body["param"] == "max_completion_tokens"
@@ -306,6 +306,54 @@ async def test_the_sdk_completes_a_text_prompt_whole_and_streamed_alike(product_
     with pytest.raises(openai.BadRequestError) as refused:
         await client.completions.create(model=model, prompt="x", echo=True)
     assert refused.value.body["param"] == "echo"
+
+
+def check_chat_logprobs(content, text: str, num_top: int) -> None:
+    """Greedy tokens' logprobs: their texts make the reply's, each is <= 0 and the first (the
+    likeliest) of its sorted alternatives; the end-of-sequence token, if listed, has no text."""
+    assert content and "".join(entry.token for entry in content) == text
+    for entry in content:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        alternatives = [alt.logprob for alt in entry.top_logprobs]
+        assert len(alternatives) == num_top and alternatives == sorted(alternatives, reverse=True)
+        assert entry.logprob == max(alternatives)
+        assert entry.token in (entry.top_logprobs[0].token, "")
+
+
+async def test_the_sdk_gets_chat_logprobs_whole_and_streamed_alike(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    request = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 12, "logprobs": True, "top_logprobs": 3}
+    whole = await client.chat.completions.create(**request)
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    check_chat_logprobs(choice.logprobs.content, choice.message.content or "", 3)
+    stream = await client.chat.completions.create(**request, stream=True)
+    streamed = [
+        entry async for chunk in stream if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content or []
+    ]
+    check_chat_logprobs(streamed, choice.message.content or "", 3)
+    assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-3)
+    plain = await client.chat.completions.create(**{**request, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+
+async def test_the_sdk_gets_text_completion_logprobs_whole_and_streamed(product_stack):
+    client = sdk(product_stack)
+    model = (await client.models.list()).data[0].id
+    request = {"model": model, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6, "logprobs": 2}
+    whole = (await client.completions.create(**request)).choices[0]
+    logprobs = whole.logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs and logprobs.text_offset
+    assert "".join(logprobs.tokens) == whole.text and len(logprobs.tokens) == 6
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(6)]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2 and logprob <= 0 and logprob == max(top.values()) and top[token] == logprob
+    stream = await client.completions.create(**request, stream=True)
+    chunks = [chunk.choices[0] async for chunk in stream if chunk.choices and chunk.choices[0].logprobs]
+    assert [t for c in chunks for t in c.logprobs.tokens] == logprobs.tokens
+    assert [o for c in chunks for o in c.logprobs.text_offset] == logprobs.text_offset
 
 
 async def test_a_cancelled_stream_finishes_with_abort_not_stop(product_stack):

@@ -93,7 +93,13 @@ def starter_of(state: ChatState) -> ReplyStarter:
 
 def answers_of(state: ChatState) -> OpenAIAnswers:
     return OpenAIAnswers(
-        starter_of(state), state.stream_slots, state.fanout, state.bus, max_answer_tokens=16, keepalive_s=state.config.keepalive_s
+        starter_of(state),
+        state.stream_slots,
+        state.fanout,
+        state.bus,
+        state.tokenizer,
+        max_answer_tokens=16,
+        keepalive_s=state.config.keepalive_s,
     )
 
 

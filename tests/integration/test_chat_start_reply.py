@@ -193,6 +193,7 @@ async def test_an_openai_completion_reserves_its_reply_once(redis_server, redis,
         StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         fanout,
         bus,
+        LoadedTokenizer(),
         max_answer_tokens=CONFIG.max_answer_tokens,
         keepalive_s=CONFIG.keepalive_s,
     )

@@ -4,6 +4,7 @@ sampling parameters they ask of the engine."""
 import pytest
 from pydantic import ValidationError
 
+from services.chat.completions_api import TextCompletionBody
 from services.chat.errors import InvalidRequest
 from services.chat.openai_schemas import ChatCompletionBody, openai_finish_reason
 from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_CONTENT_FILTER, FINISH_REASON_LENGTH, FINISH_REASON_STOP
@@ -19,7 +20,6 @@ def chat(**fields) -> ChatCompletionBody:
     ("field", "value"),
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("logprobs", True),
         ("n", 2),
         ("response_format", {"type": "json_object"}),
         ("guided_json", {"type": "object"}),
@@ -151,9 +151,9 @@ def test_values_at_their_bounds_fit_the_engines_sampling_params():
     assert (params.seed, params.max_tokens, params.top_k, list(params.stop_token_ids)) == (2**64 - 1, 100, 2**31 - 1, [2**32 - 1])
 
 
-@pytest.mark.parametrize(("field", "value"), [("logprobs", 0), ("n", True), ("top_logprobs", 2), ("tool_choice", "auto")])
-def test_a_number_is_not_a_neutral_flag_and_other_values_are_not_neutral(field, value):
-    """`logprobs: 0` asks a text completion for the chosen tokens' logprobs: not `false`."""
+@pytest.mark.parametrize(("field", "value"), [("n", True), ("top_logprobs", 2), ("tool_choice", "auto")])
+def test_a_flag_is_not_a_neutral_number_and_other_values_are_not_neutral(field, value):
+    """`n: true` is not `n: 1`; `top_logprobs` without `logprobs: true` is refused, as OpenAI does."""
     with pytest.raises(InvalidRequest) as refused:
         chat(**{field: value}).refuse_unsupported()
     assert refused.value.param == field
@@ -179,3 +179,28 @@ def test_a_cancelled_reply_finishes_with_abort_not_stop():
 
 def test_a_reply_a_safety_check_ended_finishes_with_content_filter():
     assert openai_finish_reason(FINISH_REASON_CONTENT_FILTER) == "content_filter"
+
+
+def test_chat_logprobs_ask_the_engine_for_top_logprobs_and_are_off_unless_true():
+    assert chat(logprobs=True, top_logprobs=3).sampling(48, 100).top_logprobs == 3
+    assert chat(logprobs=True).sampling(48, 100).top_logprobs == 0
+    for off in (chat(), chat(logprobs=False), chat(logprobs=False, top_logprobs=0)):
+        off.refuse_unsupported()
+        assert not off.sampling(48, 100).HasField("top_logprobs")
+    with pytest.raises(ValidationError):
+        chat(logprobs=True, top_logprobs=21)
+
+
+def test_a_text_completions_logprobs_is_the_count_and_false_is_off():
+    def text(**fields) -> TextCompletionBody:
+        return TextCompletionBody.model_validate({"model": "m", "prompt": "hi", **fields})
+
+    assert text(logprobs=2).sampling(48, 100).top_logprobs == 2
+    assert text(logprobs=0).sampling(48, 100).top_logprobs == 0, "0: the chosen tokens' logprobs alone"
+    assert not text(logprobs=False).sampling(48, 100).HasField("top_logprobs")
+    assert not text().sampling(48, 100).HasField("top_logprobs")
+    with pytest.raises(ValidationError):
+        text(logprobs=21)
+    with pytest.raises(InvalidRequest) as refused:
+        text(top_logprobs=2).refuse_unsupported()
+    assert refused.value.param == "top_logprobs"
