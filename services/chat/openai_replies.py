@@ -40,6 +40,7 @@ from tandem.v1.tokens_pb2 import TokenEvent
 log = logging.getLogger(__name__)
 IGNORED_FIELDS_HEADER = "X-Tandem-Ignored-Fields"
 MAX_IGNORED_NAMES = 16
+MAX_END_USER_CHARS = 64  # of the `user` field, in the log line
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 REPLY_LOST = "the reply's token log was lost before it ended; try again"
 # What OpenAI's `system_fingerprint` stands for: the serving software that produced the answer.
@@ -134,6 +135,8 @@ class OpenAIAnswers:
         ignored = ignored_fields_text(body.ignored_fields())
         if ignored:
             log.info("%s: ignored the request's unknown fields %s", reply_id, ignored)
+        if body.user:  # a client's own string: shown as ascii() shows it, cut short
+            log.info("%s: for end user %s of %s", reply_id, ascii(body.user[:MAX_END_USER_CHARS]), user.user_id)
         head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
         reply = ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared)
         logprobs = ReplyLogprobs(self._tokenizer.get(), shape.is_chat) if sampling.HasField("top_logprobs") else None

@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI-compatible endpoints and what they ask of the engine.
 
 Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
-ignoring it changes nothing the client can see (`user`: Tandem knows the user from the API key),
+ignoring it changes nothing the client can see (`parallel_tool_calls`, while tools are refused),
 accepted only at its neutral value (`n: 1`, `echo: false`, ...), or refused with a 400
 that names it. A parameter sent as `null` counts as not sent. A field no one defines (a vendor's
 extension, a newer client's) is ignored, as vLLM's server does, and named in the reply's
@@ -37,14 +37,14 @@ from services.chat.limits import (
 from tandem.bus.events import finish_name
 from tandem.v1.common_pb2 import SamplingParams
 
-# Ignoring these changes nothing a client can observe.
-IGNORED = frozenset({"user"})
+# Ignoring these changes nothing a client can observe: tools are refused, so whether their calls
+# may run in parallel (OpenAI's default: they may) asks nothing of a reply.
+IGNORED = frozenset({"parallel_tool_calls"})
 # Known parameters, accepted at the value that means "off"; any other value is refused.
 NEUTRAL: dict[str, object] = {
     "n": 1,
     "best_of": 1,
     "echo": False,
-    "parallel_tool_calls": False,
     "tools": [],
     "functions": [],
     "response_format": {"type": "text"},
@@ -108,6 +108,8 @@ class GenerationBody(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: Seed | None = None
+    # OpenAI's end-user id: Tandem bills and limits the API key's user; this one is logged with the reply.
+    user: str | None = None
     ignore_eos: bool | None = None  # vLLM's: the model's end-of-sequence tokens do not end the reply
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # vLLM's: no eos or stop token id before this many
     presence_penalty: Penalty | None = None

@@ -192,6 +192,34 @@ async def test_unsupported_parameters_are_refused_by_name_through_the_sdk(produc
     assert accepted.usage is not None and accepted.usage.completion_tokens <= 2
 
 
+async def test_max_model_len_max_completion_tokens_user_parallel_tool_calls_and_usage_chunk_through_the_sdk(product_stack):
+    client = sdk(product_stack)
+    listed = (await client.models.list()).data[0]
+    retrieved = await client.models.retrieve(listed.id)
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as http:
+        window = (await http.post("/tokenize", headers=ALICE, json={"model": listed.id, "prompt": "x"})).json()["max_model_len"]
+    assert (listed.model_extra or {})["max_model_len"] == (retrieved.model_extra or {})["max_model_len"] == window > 0
+    # max_completion_tokens caps the reply as max_tokens does; user and parallel_tool_calls are accepted, not "unknown".
+    request = {"model": listed.id, "messages": QUESTION, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    raw = await client.chat.completions.with_raw_response.create(
+        **request, max_completion_tokens=3, user="end-user-7", parallel_tool_calls=True
+    )
+    capped = raw.parse()
+    assert "x-tandem-ignored-fields" not in raw.headers
+    assert capped.usage is not None and capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
+    # Without stream_options no chunk is a usage chunk; with include_usage the last one is, and has no choices.
+    plain = [chunk async for chunk in await client.chat.completions.create(**request, max_tokens=3, stream=True)]
+    assert all(chunk.choices and chunk.usage is None for chunk in plain)
+    counted = [
+        chunk
+        async for chunk in await client.chat.completions.create(
+            **request, max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    ]
+    assert counted[-1].choices == [] and counted[-1].usage is not None and counted[-1].usage.completion_tokens == 3
+    assert all(chunk.usage is None for chunk in counted[:-1])
+
+
 async def test_unknown_fields_are_ignored_and_named_in_a_header_whole_and_streamed(product_stack):
     """vLLM's bench client's body (content as text parts) plus fields no one defines: answered,
     with the unknown names in `X-Tandem-Ignored-Fields`; a known parameter it cannot honour is

@@ -58,6 +58,13 @@ def test_neutral_values_nulls_and_user_are_accepted():
     ).refuse_unsupported()
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_parallel_tool_calls_is_accepted_either_way_while_tools_are_absent_and_not_listed_as_unknown(value):
+    body = chat(parallel_tool_calls=value, user="end-user-7")
+    body.refuse_unsupported()
+    assert body.ignored_fields() == [] and body.user == "end-user-7"
+
+
 def test_sampling_carries_top_k_stop_token_ids_seed_and_stops():
     params = chat(temperature=0.5, top_p=0.9, top_k=40, min_p=0.1, stop_token_ids=[7, 9], seed=3, stop=["x", ""], max_tokens=10).sampling(
         48, 100
