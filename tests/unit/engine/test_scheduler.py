@@ -205,3 +205,44 @@ def test_queued_prefill_tokens_count_what_waits_and_what_is_still_prefilling_not
     while engine.scheduler.has_work() and engine.scheduler.stats().num_queued_prefill_tokens:
         engine.step()
     assert long.num_computed_tokens == 200 and waiting.num_computed_tokens == 30
+
+
+def test_choices_added_after_the_first_ones_first_token_share_its_full_prompt_blocks_and_write_their_own(make_engine):
+    """OpenAI's `n`, as the chat starts it: the first choice alone, the others once its first token
+    is out. Their full prompt blocks are the first's physical blocks; the partial last block and
+    everything generated go into blocks of their own (the fake runner checks that every choice
+    reads back its own tokens, and here each choice writes different ones)."""
+    engine = make_engine()
+    engine.runner.next_token = lambda s: 1000 * (1 + int(s.seq_id[1:])) + s.num_tokens
+    prompt = list(range(1, 41))  # two full blocks of 16 and 8 tokens
+    first = Sequence("c0", prompt, SamplingOptions(max_tokens=20))
+    engine.scheduler.add(first)
+    engine.step()
+    assert first.num_tokens == 41
+    others = [Sequence(f"c{i}", prompt, SamplingOptions(max_tokens=20)) for i in (1, 2)]
+    for other in others:
+        engine.scheduler.add(other)
+    plan, _ = engine.step()
+    assert {(c.seq.seq_id, c.num_computed_tokens, c.num_new_tokens) for c in plan.scheduled if c.seq is not first} == {
+        ("c1", 32, 8),
+        ("c2", 32, 8),
+    }
+    for other in others:
+        assert other.num_cached_tokens == 32 and other.block_table[:2] == first.block_table[:2]
+    assert len({seq.block_table[2] for seq in (first, *others)}) == 3  # the partial block: one each
+    engine.run_until_idle()
+    assert [seq.token_ids[40:42] for seq in (first, *others)] == [[1040, 1041], [2040, 2041], [3040, 3041]]
+    assert engine.scheduler.stats().num_prefix_hit_tokens == 64
+
+
+def test_choices_added_in_the_same_step_each_compute_the_prompt(make_engine):
+    """Why the chat waits for the first choice's first token: a prompt's blocks are cached once
+    computed, so sequences admitted together find nothing of each other's."""
+    engine = make_engine()
+    prompt = list(range(1, 41))
+    together = [Sequence(f"c{i}", prompt, SamplingOptions(max_tokens=4)) for i in range(3)]
+    for seq in together:
+        engine.scheduler.add(seq)
+    engine.step()
+    assert [seq.num_cached_tokens for seq in together] == [0, 0, 0]
+    assert len({block for seq in together for block in seq.block_table[:2]}) == 6
