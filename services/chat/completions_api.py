@@ -1,6 +1,6 @@
 """OpenAI's legacy `POST /v1/completions`: a prompt in (text, or token ids as vLLM accepts), text
 out, whole or streamed, through the same machinery as chat completions. One prompt per request:
-a batch of prompts is refused, as `n` > 1 is."""
+a batch of prompts is refused; `n` choices of the one are answered."""
 
 from __future__ import annotations
 

@@ -19,8 +19,13 @@ MAX_STOP_CHARS = 200
 MAX_STOP_TOKEN_IDS = 64
 MAX_MODEL_NAME_CHARS = 200
 MAX_LOGIT_BIAS = 300  # token ids one request may bias
+# Choices (`n`) one OpenAI request may ask for. Each is a whole reply: a sequence in a worker's
+# batch and a worst case in the user's quota; 8 keeps one request from taking a batch's worth of
+# a worker, and is more than the clients we know of ask for (best-of-a-few samples).
+MAX_CHOICES = 8
 
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
+NumChoices = Annotated[int, Field(strict=True, ge=1, le=MAX_CHOICES)]  # strict: `true` is not 1
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]

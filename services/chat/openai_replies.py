@@ -5,12 +5,13 @@ not stored as conversations; a client that goes away cannot resume, so its reply
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -20,8 +21,8 @@ from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
 from services.chat.model_routing import ModelRouter, UnknownModel
 from services.chat.models_view import ServedModel
-from services.chat.openai_logprobs import ReplyLogprobs
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
+from services.chat.openai_logprobs import ReplyLogprobs
 from services.chat.prompt import LoadedTokenizer, PromptCounter
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.sse import StreamResponse, sse_response
@@ -34,7 +35,7 @@ from tandem.config import ApiKey
 from tandem.models.tokenizer import Tokenizer
 from tandem.runtime.request_id import error_body
 from tandem.tokenlog import ReplyGone
-from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR, Usage
+from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERROR, SamplingParams, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -56,18 +57,18 @@ class ReplyShape:
     chunk_object: str
     is_chat: bool
 
-    def choice(self, text: str, finish: str, logprobs: dict[str, object] | None = None) -> dict[str, object]:
+    def choice(self, index: int, text: str, finish: str, logprobs: dict[str, object] | None = None) -> dict[str, object]:
         """`logprobs` (openai_logprobs.py): a chat choice has the key only when the request asked."""
         if self.is_chat:
             message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "message": message, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def chunk_choice(self, text: str, finish: str | None, logprobs: dict[str, object] | None = None) -> dict[str, object]:
+    def chunk_choice(self, index: int, text: str, finish: str | None, logprobs: dict[str, object] | None = None) -> dict[str, object]:
         if self.is_chat:
             delta = {"content": text} if text else {}
-            return {"index": 0, "delta": delta, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": delta, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_chat=True)
@@ -87,7 +88,8 @@ async def served_model(router: ModelRouter, tokenizer: Tokenizer, user: ApiKey, 
 class OpenAIAnswers:
     """Starts the OpenAI endpoints' replies (`starter`) and answers them, whole or streamed (taking
     a stream slot of `stream_slots`), read through `fanout`, their logprobs' tokens spelt by
-    `tokenizer`; a reply whose client goes away is cancelled over `bus`."""
+    `tokenizer`; a reply whose client goes away is cancelled over `bus`. A request for `n` choices is `n` replies to one prompt
+    (ReplyStarter.start_choices), answered together: a choice's object and chunks carry its index."""
 
     def __init__(
         self,
@@ -119,10 +121,10 @@ class OpenAIAnswers:
         clock: ReplyClock,
         cleared: Callable[[], Awaitable[None]] | None = None,
     ) -> JSONResponse | StreamResponse:
-        """Starts the reply to `prompt_ids` and answers it as `body.stream` asks, measured by `clock`; a
-        stream takes one of the instance's and the user's stream slots (services.chat.stream_slots)
-        until it ends. `cleared` (the input check's verdict) is awaited before the reply's request is
-        sent (services.chat.replies.ReplyRequest.cleared)."""
+        """Starts the reply to `prompt_ids` (one per choice) and answers it as `body.stream` asks,
+        measured by `clock`; a stream takes one of the instance's and the user's stream slots
+        (services.chat.stream_slots) until it ends. `cleared` (the input check's verdict) is awaited
+        before the first reply's request is sent (services.chat.replies.ReplyRequest.cleared)."""
         room = model.window_tokens - len(prompt_ids)
         if room < 1:
             raise InvalidRequest(
@@ -138,65 +140,99 @@ class OpenAIAnswers:
         if body.user:  # a client's own string: shown as ascii() shows it, cut short
             log.info("%s: for end user %s of %s", reply_id, ascii(body.user[:MAX_END_USER_CHARS]), user.user_id)
         head = {"id": reply_id, "created": int(time.time()), "model": model.name, "system_fingerprint": SYSTEM_FINGERPRINT}
-        reply = ReplyRequest(reply_id, user, model.name, prompt_ids, 0, sampling, cleared=cleared)
-        logprobs = ReplyLogprobs(self._tokenizer.get(), shape.is_chat) if sampling.HasField("top_logprobs") else None
+        choices = [
+            ReplyRequest(
+                choice_reply_id(reply_id, i),
+                user,
+                model.name,
+                prompt_ids,
+                0,
+                choice_sampling(sampling, i),
+                cleared=cleared if i == 0 else None,
+            )
+            for i in range(body.n)
+        ]
+        reply_ids = [choice.reply_id for choice in choices]
+        # One per choice: a text completion's offsets count its own choice's text.
+        logprobs = [ReplyLogprobs(self._tokenizer.get(), shape.is_chat) for _ in choices] if sampling.HasField("top_logprobs") else None
         if not body.stream:
-            head["model"] = await self._starter.start_reply(reply)
+            head["model"] = await self._start(choices)
             try:
-                return _name_ignored(await self._whole(reply_id, head, shape, clock, logprobs), ignored)
+                return _name_ignored(await self._whole(reply_ids, head, shape, clock, logprobs), ignored)
             finally:
                 clock.close()
         slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
         try:
-            head["model"] = await self._starter.start_reply(reply)
+            head["model"] = await self._start(choices)
         except BaseException:
             slot.release()
             raise
-        chunks = self.reply_chunks(reply_id, head, shape, body.wants_usage_chunk, clock, logprobs)
+        chunks = self.reply_chunks(reply_ids, head, shape, body.wants_usage_chunk, clock, logprobs)
         response = sse_response(chunks, self._keepalive_s)
         response.on_close(slot.release)
         response.on_close(clock.close)
         return _name_ignored(response, ignored)
 
+    async def _start(self, choices: list[ReplyRequest]) -> str:
+        if len(choices) == 1:
+            return await self._starter.start_reply(choices[0])
+        return await self._starter.start_choices(choices, self._first_event)
+
+    async def _first_event(self, reply_id: str) -> None:
+        """Returns once the reply's first event is in its log (its prompt is computed), or its log is
+        gone (reading it again says so)."""
+        with contextlib.suppress(ReplyGone):
+            async with contextlib.aclosing(log_events(self._fanout, reply_id)) as events:
+                async for _ in events:
+                    return
+
     async def _whole(
-        self, reply_id: str, head: dict[str, object], shape: ReplyShape, clock: ReplyClock, logprobs: ReplyLogprobs | None
+        self, reply_ids: list[str], head: dict[str, object], shape: ReplyShape, clock: ReplyClock, logprobs: list[ReplyLogprobs] | None
     ) -> JSONResponse:
-        events: list[TokenEvent] = []
-        last = TokenEvent()
-        async with self._cancel_unless_finished(reply_id) as finished:
+        parts: list[list[TokenEvent]] = [[] for _ in reply_ids]
+        finals: dict[int, TokenEvent] = {}
+        async with self._cancel_unless_finished(reply_ids) as finished:
             try:
-                async for event in log_events(self._fanout, reply_id):
-                    events.append(event)
-                    last = event
+                async with contextlib.aclosing(self._choice_events(reply_ids)) as events:
+                    async for index, event in events:
+                        parts[index].append(event)
+                        if is_final(event):
+                            finals[index] = event
             except ReplyGone:
                 clock.close("expired")
                 raise Unavailable(REPLY_LOST, code="reply_expired") from None
             finished.append(True)
-        clock.final(last)  # the whole answer goes out now
-        if last.finish == FINISH_REASON_ERROR:
+        lasts = [finals[index] for index in range(len(reply_ids))]
+        clock.final(_together(lasts))  # the whole answer goes out now
+        failed = next((last for last in lasts if last.finish == FINISH_REASON_ERROR), None)
+        if failed is not None:
             raise Unavailable(
-                last.error.message or "the reply failed", code=last.error.code or "error", retry_after_s=last.error.retry_after_s
+                failed.error.message or "the reply failed", code=failed.error.code or "error", retry_after_s=failed.error.retry_after_s
             )
         # A reply the output check withdrew (finish content_filter) answers with none of its text.
-        withdrawn = last.finish == FINISH_REASON_CONTENT_FILTER
-        text = "" if withdrawn else "".join(event.text for event in events)
-        choice_logprobs = None if logprobs is None or withdrawn else logprobs.of(events)
-        choice = shape.choice(text, openai_finish_reason(last.finish), choice_logprobs)
-        return JSONResponse({**head, "object": shape.object_name, "choices": [choice], "usage": _usage(last.usage)})
+        choices = []
+        for index, (events, last) in enumerate(zip(parts, lasts, strict=True)):
+            withdrawn = last.finish == FINISH_REASON_CONTENT_FILTER
+            text = "" if withdrawn else "".join(event.text for event in events)
+            choice_logprobs = None if logprobs is None or withdrawn else logprobs[index].of(events)
+            choices.append(shape.choice(index, text, openai_finish_reason(last.finish), choice_logprobs))
+        usage = _together(lasts).usage
+        return JSONResponse({**head, "object": shape.object_name, "choices": choices, "usage": _usage(usage)})
 
     async def reply_chunks(
         self,
-        reply_id: str,
+        reply_ids: list[str],
         head: dict[str, object],
         shape: ReplyShape,
         include_usage: bool,
         clock: ReplyClock,
-        logprobs: ReplyLogprobs | None = None,
+        logprobs: list[ReplyLogprobs] | None = None,
     ) -> AsyncIterator[dict[str, str]]:
-        """A streamed reply's SSE data, read from its log: chunks, then `[DONE]`. A reply that fails,
-        or whose log vanishes before its end, gives an `error` chunk instead of the rest. With
-        `logprobs`, a token's logprobs come in the chunk of its event's text (one with an empty
-        delta when the detokenizer holds that text back)."""
+        """A streamed reply's SSE data, read from its choices' logs: chunks, each naming its choice's
+        index, then `[DONE]`. A choice that fails, or whose log vanishes before its end, gives an
+        `error` chunk instead of the rest. With `logprobs` (one per choice), a token's logprobs
+        come in the chunk of its event's text (one with an empty delta when the detokenizer holds
+        that text back)."""
 
         def data(body: dict[str, object]) -> dict[str, str]:
             return {"data": json.dumps(body, ensure_ascii=False)}
@@ -207,42 +243,110 @@ class OpenAIAnswers:
         def error(message: str, code: str) -> dict[str, str]:
             return data(error_body(code, message))
 
-        if shape.is_chat:  # OpenAI's first chat chunk names the role
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        async with self._cancel_unless_finished(reply_id) as finished:
+        if shape.is_chat:  # OpenAI's first chat chunk of each choice names the role
+            for index in range(len(reply_ids)):
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        finals: dict[int, TokenEvent] = {}
+        async with self._cancel_unless_finished(reply_ids) as finished:
             try:
-                async for event in log_events(self._fanout, reply_id):
-                    if event.finish == FINISH_REASON_ERROR:
-                        yield error(event.error.message, event.error.code)
-                        clock.final(event)
-                        break
-                    event_logprobs = None if logprobs is None else logprobs.of([event])
-                    if event.text or event_logprobs:
-                        yield chunk([shape.chunk_choice(event.text, None, event_logprobs)])
-                    if event.text:
-                        clock.content()
-                    if is_final(event):
-                        yield chunk([shape.chunk_choice("", openai_finish_reason(event.finish))])
-                        clock.final(event)
+                async with contextlib.aclosing(self._choice_events(reply_ids)) as events:
+                    async for index, event in events:
+                        if event.finish == FINISH_REASON_ERROR:
+                            yield error(event.error.message, event.error.code)
+                            clock.final(event)
+                            break
+                        event_logprobs = None if logprobs is None else logprobs[index].of([event])
+                        if event.text or event_logprobs:
+                            yield chunk([shape.chunk_choice(index, event.text, None, event_logprobs)])
+                        if event.text:
+                            clock.content()
+                        if is_final(event):
+                            yield chunk([shape.chunk_choice(index, "", openai_finish_reason(event.finish))])
+                            finals[index] = event
+                    else:
+                        lasts = [finals[index] for index in range(len(reply_ids))]
+                        clock.final(_together(lasts))
                         if include_usage:
-                            yield chunk([], usage=_usage(event.usage))
+                            yield chunk([], usage=_usage(_together(lasts).usage))
+                        finished.append(True)
             except ReplyGone:
                 clock.close("expired")
                 yield error(REPLY_LOST, "reply_expired")
-            else:
-                finished.append(True)
         yield {"data": "[DONE]"}
 
+    async def _choice_events(self, reply_ids: list[str]) -> AsyncGenerator[tuple[int, TokenEvent], None]:
+        """Every choice's events as they land in its log, with its index, until each choice's final
+        one; raises what reading a log raised (ReplyGone when one vanished)."""
+        if len(reply_ids) == 1:
+            async with contextlib.aclosing(log_events(self._fanout, reply_ids[0])) as events:
+                async for event in events:
+                    yield 0, event
+            return
+        landed: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
+
+        async def read(index: int, reply_id: str) -> None:
+            try:
+                async for event in log_events(self._fanout, reply_id):
+                    landed.put_nowait((index, event))
+            except Exception as exc:  # raised by the reader below, in the request's task
+                landed.put_nowait((index, exc))
+            else:
+                landed.put_nowait((index, None))
+
+        readers = [asyncio.create_task(read(index, reply_id)) for index, reply_id in enumerate(reply_ids)]
+        try:
+            num_reading = len(readers)
+            while num_reading:
+                index, item = await landed.get()
+                if item is None:
+                    num_reading -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
     @contextlib.asynccontextmanager
-    async def _cancel_unless_finished(self, reply_id: str) -> AsyncIterator[list[bool]]:
-        """An OpenAI client that goes away cannot resume: its reply is cancelled at once."""
+    async def _cancel_unless_finished(self, reply_ids: list[str]) -> AsyncIterator[list[bool]]:
+        """An OpenAI client that goes away cannot resume: its replies are cancelled at once."""
         finished: list[bool] = []
         try:
             yield finished
         finally:
             if not finished:
-                with contextlib.suppress(Exception):
-                    await cancel_reply(self._bus, reply_id, "client_gone")
+                for reply_id in reply_ids:
+                    with contextlib.suppress(Exception):
+                        await cancel_reply(self._bus, reply_id, "client_gone")
+
+
+def choice_reply_id(reply_id: str, index: int) -> str:
+    """Choice `index`'s reply: the first is the request's own id (what `n: 1` always was)."""
+    return reply_id if index == 0 else f"{reply_id}-{index}"
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: with a seed, choice i samples with seed + i (modulo 2**64), so
+    the choices differ and the whole answer repeats; without one, each draws its own stream."""
+    if index == 0 or not sampling.HasField("seed"):
+        return sampling
+    params = SamplingParams()
+    params.CopyFrom(sampling)
+    params.seed = (sampling.seed + index) % 2**64
+    return params
+
+
+def _together(lasts: list[TokenEvent]) -> TokenEvent:
+    """The choices' final events as one: the first's, with usage counting the prompt once (every
+    choice has the same), every choice's output tokens, and the most prompt tokens any choice
+    read from the prefix cache (those after the first share its prompt's full blocks)."""
+    together = TokenEvent()
+    together.CopyFrom(lasts[0])
+    together.usage.output_tokens = sum(last.usage.output_tokens for last in lasts)
+    together.usage.cached_tokens = max(last.usage.cached_tokens for last in lasts)
+    return together
 
 
 def ignored_fields_text(names: list[str]) -> str:

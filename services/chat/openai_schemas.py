@@ -2,7 +2,7 @@
 
 Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
 ignoring it changes nothing the client can see (`parallel_tool_calls`, while tools are refused),
-accepted only at its neutral value (`n: 1`, `echo: false`, ...), or refused with a 400
+accepted only at its neutral value (`best_of: 1`, `echo: false`, ...), or refused with a 400
 that names it. A parameter sent as `null` counts as not sent. A field no one defines (a vendor's
 extension, a newer client's) is ignored, as vLLM's server does, and named in the reply's
 `X-Tandem-Ignored-Fields` header and a log line, so clients that send them keep working and
@@ -25,6 +25,7 @@ from services.chat.limits import (
     LogitBias,
     MaxTokens,
     ModelName,
+    NumChoices,
     Penalty,
     RepetitionPenalty,
     Seed,
@@ -42,7 +43,6 @@ from tandem.v1.common_pb2 import SamplingParams
 IGNORED = frozenset({"parallel_tool_calls"})
 # Known parameters, accepted at the value that means "off"; any other value is refused.
 NEUTRAL: dict[str, object] = {
-    "n": 1,
     "best_of": 1,
     "echo": False,
     "tools": [],
@@ -100,6 +100,7 @@ class GenerationBody(BaseModel):
     model: ModelName
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: NumChoices = 1  # choices, each a reply of its own (services.chat.openai_replies)
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None

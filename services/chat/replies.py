@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -109,6 +109,33 @@ class ReplyStarter:
             except ChatError as exc:
                 await turn.refuse(exc)
                 raise
+
+    async def start_choices(self, choices: Sequence[ReplyRequest], prompt_cached: Callable[[str], Awaitable[None]]) -> str:
+        """Starts several replies to one prompt (OpenAI's `n`): every one's worst case is reserved
+        first, so a quota that affords fewer starts none; the first begins alone, the others once
+        `prompt_cached(first's reply id)` returns (its first token is out: its prompt's full blocks
+        are in its worker's prefix cache, which the router's prefix index steers the others to and
+        their prefill reads instead of computing). Begun one after another: each is a log write and
+        a router round trip. Returns the first's model; raises as start_reply does, and then the
+        replies already begun are cancelled and every reservation given back."""
+        first = choices[0]
+        self._door.check(first.model, first.user.tier)
+        async with contextlib.AsyncExitStack() as reservations:
+            for choice in choices:
+                await reservations.enter_async_context(self._reserved(choice))
+            model = await self._begin(first)
+            begun = [first.reply_id]
+            try:
+                await prompt_cached(first.reply_id)
+                for choice in choices[1:]:
+                    await self._begin(choice)
+                    begun.append(choice.reply_id)
+            except BaseException:
+                for reply_id in begun:
+                    with contextlib.suppress(nats.errors.Error):  # NATS is down: nothing reaches a worker either
+                        await cancel_reply(self._bus, reply_id, "choice_not_started")
+                raise
+        return model
 
     def _reserved(self, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
         if self._quotas is None:

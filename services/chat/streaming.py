@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from redis.asyncio import Redis
 from sse_starlette.sse import EventSourceResponse
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 REPLY_EXPIRED = "this reply's token log expired (or was lost) before it was read to the end; GET its conversation for the stored text"
 
 
-async def log_events(fanout: FanoutHub, reply_id: str) -> AsyncIterator[TokenEvent]:
+async def log_events(fanout: FanoutHub, reply_id: str) -> AsyncGenerator[TokenEvent, None]:
     """The reply's TokenEvents from its first, live, ending after the final one. Raises ReplyGone
     when its log vanishes, LogUnavailable when Redis stays away. Never dropped: for a client that
     cannot resume (the OpenAI endpoints), whose reply's events the feed keeps anyway."""

@@ -4,6 +4,7 @@ streamed and not, sampling options honoured, and OpenAI's error shape."""
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import httpx
@@ -14,6 +15,7 @@ from product_stack import ALICE
 
 import tandem
 from tandem.bus import encode, subjects
+from tandem.kernels.metadata import BLOCK_SIZE
 from tandem.models.loader import load_tokenizer
 from tandem.v1.tokens_pb2 import Cancel
 
@@ -218,6 +220,46 @@ async def test_max_model_len_max_completion_tokens_user_parallel_tool_calls_and_
     ]
     assert counted[-1].choices == [] and counted[-1].usage is not None and counted[-1].usage.completion_tokens == 3
     assert all(chunk.usage is None for chunk in counted[:-1])
+
+
+async def test_n_choices_have_their_own_seed_streams_count_the_prompt_once_and_share_its_full_blocks(product_stack):
+    client = sdk(product_stack)
+    # A prompt no other test sends, two blocks and more: choices 1 and 2 can find its full blocks
+    # cached only because choice 0 computed them. Fixed, with fixed seeds, so the output safety
+    # check (a classifier of the sampled text) sees the same text every run.
+    codes = random.Random(52)
+    words = " ".join(f"{codes.getrandbits(128):032x}" for _ in range(12))
+    messages = [{"role": "user", "content": f"Continue this list of codes with a story: {words}"}]
+    request = {"model": "auto", "messages": messages, "temperature": 1.0, "max_tokens": 10, "seed": 11, "extra_body": {"ignore_eos": True}}
+    whole = await client.chat.completions.create(**request, n=3)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    texts = [choice.message.content for choice in whole.choices]
+    assert len(set(texts)) == 3 and all(choice.finish_reason == "length" for choice in whole.choices)
+    usage = whole.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.completion_tokens == 30 and usage.total_tokens == usage.prompt_tokens + 30
+    assert (
+        usage.prompt_tokens > 2 * BLOCK_SIZE
+        and usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    )
+    # Choice i samples with seed + i: the same text as one choice asked for with that seed.
+    for index in (0, 1):
+        alone = await client.chat.completions.create(**{**request, "seed": 11 + index})
+        assert alone.choices[0].message.content == texts[index]
+        assert alone.usage is not None and alone.usage.prompt_tokens == usage.prompt_tokens
+    stream = await client.chat.completions.create(**request, n=3, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 30
+    unseeded = await client.chat.completions.create(**{**request, "seed": None}, n=2)
+    assert unseeded.choices[0].message.content != unseeded.choices[1].message.content
+    text = await client.completions.create(model="auto", prompt="Once upon a time", n=2, max_tokens=6, seed=3, temperature=1.0)
+    assert [choice.index for choice in text.choices] == [0, 1] and text.choices[0].text != text.choices[1].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="auto", messages=QUESTION, n=9)
+    assert refused.value.body["param"] == "n"
 
 
 async def test_unknown_fields_are_ignored_and_named_in_a_header_whole_and_streamed(product_stack):

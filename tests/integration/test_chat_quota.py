@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
@@ -130,3 +131,74 @@ async def test_after_an_overload_refusal_free_replies_are_refused_at_the_door_an
     assert asked == [LANE_FREE, LANE_PAID], "the second free reply never reached a router"
     assert at_door.value.code == "overloaded" and 25 < at_door.value.retry_after_s <= 30
     assert (await state.quotas.peek(second.user_id, Tier.FREE)).remaining_units == 6000
+
+
+def choices_of(user: ApiKey, n: int, num_prompt_tokens: int, max_tokens: int) -> list[ReplyRequest]:
+    first = reply_request(user, num_prompt_tokens, max_tokens)
+    return [first, *(replace(first, reply_id=f"{first.reply_id}-{i}") for i in range(1, n))]
+
+
+async def test_n_choices_reserve_n_replies_worst_cases_and_the_rest_are_asked_for_after_the_first_is_computed(state):
+    asked: list[str] = []
+    computed: list[str] = []
+
+    async def accepting_router(msg) -> None:
+        asked.append(GenerateRequest.FromString(msg.data).reply_id)
+        await msg.respond(encode(GenerateReply(reply_id="accepted")))
+
+    async def prompt_cached(reply_id: str) -> None:
+        computed.append(reply_id)
+        assert asked == [reply_id], "only the first choice is asked for before its prompt is computed"
+
+    router = await state.bus.client.subscribe(subjects.GENERATE, queue="router", cb=accepting_router)
+    user = free_user()
+    choices = choices_of(user, 3, 900, 48)
+    try:
+        await state.starter.start_choices(choices, prompt_cached)
+    finally:
+        await router.unsubscribe()
+    assert computed == [choices[0].reply_id] and asked == [c.reply_id for c in choices]
+    assert [(await state.quotas.reservation(c.reply_id)).units for c in choices] == [1092] * 3
+    assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == pytest.approx(6000 - 3 * 1092, abs=1)
+
+
+async def test_n_choices_the_bucket_affords_only_some_of_start_none(state):
+    async def unused(reply_id: str) -> None:
+        raise AssertionError("nothing may start")
+
+    user = free_user()
+    await state.quotas.reserve(user.user_id, Tier.FREE, 3500, uuid.uuid4().hex)  # 2500 left: two choices of 1092, not three
+    choices = choices_of(user, 3, 900, 48)
+    with pytest.raises(RateLimited):
+        await state.starter.start_choices(choices, unused)
+    for choice in choices:
+        assert await state.redis.exists(*ReplyKeys(choice.reply_id).all(), reservation_key(choice.reply_id)) == 0
+    assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units == pytest.approx(2500, abs=2)
+
+
+async def test_a_choice_the_router_refuses_cancels_the_choices_begun_and_gives_every_reservation_back(state):
+    asked: list[str] = []
+
+    async def second_refused(msg) -> None:
+        asked.append(GenerateRequest.FromString(msg.data).reply_id)
+        if len(asked) == 1:
+            await msg.respond(encode(GenerateReply(reply_id="accepted")))
+        else:
+            await msg.respond(encode(GenerateReply(refused=Refusal(reason="bad_request", message="no"))))
+
+    async def computed(reply_id: str) -> None:
+        return None
+
+    user = ApiKey(user_id=f"p-{uuid.uuid4().hex[:6]}", tier=Tier.PLUS)
+    choices = choices_of(user, 3, 900, 48)
+    router = await state.bus.client.subscribe(subjects.GENERATE, queue="router", cb=second_refused)
+    cancels = await state.bus.client.subscribe(subjects.cancel(choices[0].reply_id))
+    try:
+        with pytest.raises(InvalidRequest):
+            await state.starter.start_choices(choices, computed)
+        assert (await cancels.next_msg(timeout=5)).subject == subjects.cancel(choices[0].reply_id)
+    finally:
+        await router.unsubscribe()
+        await cancels.unsubscribe()
+    assert asked == [c.reply_id for c in choices[:2]], "the third is never asked for"
+    assert (await state.quotas.peek(user.user_id, Tier.PLUS)).remaining_units == pytest.approx(60000, abs=2)

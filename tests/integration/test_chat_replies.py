@@ -166,7 +166,9 @@ async def test_a_log_that_vanishes_mid_stream_ends_the_openai_stream_with_an_err
     reply_id = await started_reply(state, 1)
     cancels = await state.bus.client.subscribe(subjects.cancel(reply_id))
     clock = ReplyClock("plus", "m", arrived_s=0.0)
-    chunks = answers_of(state).reply_chunks(reply_id, {"id": reply_id, "created": 0, "model": "m"}, CHAT, include_usage=False, clock=clock)
+    chunks = answers_of(state).reply_chunks(
+        [reply_id], {"id": reply_id, "created": 0, "model": "m"}, CHAT, include_usage=False, clock=clock
+    )
     head = [json.loads((await anext(chunks))["data"]) for _ in range(2)]
     await vanish(state, reply_id)
     rest = [chunk["data"] async for chunk in chunks]

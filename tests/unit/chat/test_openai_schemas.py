@@ -20,7 +20,7 @@ def chat(**fields) -> ChatCompletionBody:
     ("field", "value"),
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("n", 2),
+        ("best_of", 2),
         ("response_format", {"type": "json_object"}),
         ("guided_json", {"type": "object"}),
         ("suffix", "end"),
@@ -141,6 +141,9 @@ def test_max_completion_tokens_is_max_tokens_and_they_must_agree():
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"messages": MESSAGES * 1001}, "messages"),
         ({"model": "m" * 201}, "model"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),
+        ({"n": True}, "n"),
     ],
 )
 def test_a_value_outside_its_bounds_is_refused_by_validation_naming_it(fields, param):
@@ -158,9 +161,9 @@ def test_values_at_their_bounds_fit_the_engines_sampling_params():
     assert (params.seed, params.max_tokens, params.top_k, list(params.stop_token_ids)) == (2**64 - 1, 100, 2**31 - 1, [2**32 - 1])
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", True), ("top_logprobs", 2), ("tool_choice", "auto")])
-def test_a_flag_is_not_a_neutral_number_and_other_values_are_not_neutral(field, value):
-    """`n: true` is not `n: 1`; `top_logprobs` without `logprobs: true` is refused, as OpenAI does."""
+@pytest.mark.parametrize(("field", "value"), [("top_logprobs", 2), ("tool_choice", "auto")])
+def test_top_logprobs_without_logprobs_and_other_values_than_the_neutral_one_are_refused(field, value):
+    """`top_logprobs` without `logprobs: true` is refused, as OpenAI does."""
     with pytest.raises(InvalidRequest) as refused:
         chat(**{field: value}).refuse_unsupported()
     assert refused.value.param == field
