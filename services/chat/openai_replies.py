@@ -203,7 +203,7 @@ class OpenAIAnswers:
                 raise Unavailable(REPLY_LOST, code="reply_expired") from None
             finished.append(True)
         lasts = [finals[index] for index in range(len(reply_ids))]
-        clock.final(_together(lasts))  # the whole answer goes out now
+        clock.final(choices_final(lasts))  # the whole answer goes out now
         failed = next((last for last in lasts if last.finish == FINISH_REASON_ERROR), None)
         if failed is not None:
             raise Unavailable(
@@ -216,7 +216,7 @@ class OpenAIAnswers:
             text = "" if withdrawn else "".join(event.text for event in events)
             choice_logprobs = None if logprobs is None or withdrawn else logprobs[index].of(events)
             choices.append(shape.choice(index, text, openai_finish_reason(last.finish), choice_logprobs))
-        usage = _together(lasts).usage
+        usage = choices_final(lasts).usage
         return JSONResponse({**head, "object": shape.object_name, "choices": choices, "usage": _usage(usage)})
 
     async def reply_chunks(
@@ -265,9 +265,9 @@ class OpenAIAnswers:
                             finals[index] = event
                     else:
                         lasts = [finals[index] for index in range(len(reply_ids))]
-                        clock.final(_together(lasts))
+                        clock.final(choices_final(lasts))
                         if include_usage:
-                            yield chunk([], usage=_usage(_together(lasts).usage))
+                            yield chunk([], usage=_usage(choices_final(lasts).usage))
                         finished.append(True)
             except ReplyGone:
                 clock.close("expired")
@@ -338,7 +338,7 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return params
 
 
-def _together(lasts: list[TokenEvent]) -> TokenEvent:
+def choices_final(lasts: list[TokenEvent]) -> TokenEvent:
     """The choices' final events as one: the first's, with usage counting the prompt once (every
     choice has the same), every choice's output tokens, and the most prompt tokens any choice
     read from the prefix cache (those after the first share its prompt's full blocks)."""
