@@ -21,8 +21,8 @@ from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
 from services.chat.model_routing import ModelRouter, UnknownModel
 from services.chat.models_view import ServedModel
-from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.openai_logprobs import ReplyLogprobs
+from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.prompt import LoadedTokenizer, PromptCounter
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.sse import StreamResponse, sse_response
@@ -211,10 +211,10 @@ class OpenAIAnswers:
             )
         # A reply the output check withdrew (finish content_filter) answers with none of its text.
         choices = []
-        for index, (events, last) in enumerate(zip(parts, lasts, strict=True)):
+        for index, (choice_events, last) in enumerate(zip(parts, lasts, strict=True)):
             withdrawn = last.finish == FINISH_REASON_CONTENT_FILTER
-            text = "" if withdrawn else "".join(event.text for event in events)
-            choice_logprobs = None if logprobs is None or withdrawn else logprobs[index].of(events)
+            text = "" if withdrawn else "".join(event.text for event in choice_events)
+            choice_logprobs = None if logprobs is None or withdrawn else logprobs[index].of(choice_events)
             choices.append(shape.choice(index, text, openai_finish_reason(last.finish), choice_logprobs))
         usage = choices_final(lasts).usage
         return JSONResponse({**head, "object": shape.object_name, "choices": choices, "usage": _usage(usage)})
