@@ -75,7 +75,7 @@ async def test_bad_paging_parameters_are_400s_naming_them(product_stack):
 
 async def test_openai_bounds_and_unsupported_parameters_are_400s_naming_them(product_stack):
     refused = {
-        "n": 2,
+        "n": 9,
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": "auto",
         "response_format": {"type": "json_object"},

@@ -185,7 +185,7 @@ async def test_top_k_or_min_p_of_one_is_greedy_and_a_stop_token_id_ends_the_repl
 async def test_unsupported_parameters_are_refused_by_name_through_the_sdk(product_stack):
     client = sdk(product_stack)
     with pytest.raises(openai.BadRequestError) as refused:
-        await client.chat.completions.create(model="auto", messages=QUESTION, n=2)
+        await client.chat.completions.create(model="auto", messages=QUESTION, n=9)
     assert refused.value.status_code == 400 and refused.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(model="auto", messages=QUESTION, max_tokens=4, max_completion_tokens=5)
