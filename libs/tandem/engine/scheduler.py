@@ -184,7 +184,7 @@ class Scheduler:
         """Apply a step's results: computed counts, newly full blocks, sampled tokens.
 
         A sequence finishes when its new token ends it (an end or stop token, max_tokens, the
-        context window) or its id is in `stopped_ids` (its text hit a stop string); its blocks
+        context window, its grammar's completion) or its id is in `stopped_ids` (its text hit a stop string); its blocks
         are freed. A prefill-only sequence that got a token and did not finish is handed off:
         no longer scheduled, its blocks kept for the caller to export and free (kv.free).
         """
@@ -346,7 +346,7 @@ class Scheduler:
             return FinishReason.STOP
         if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self._max_seq_tokens:
             return FinishReason.LENGTH
-        return FinishReason.STOP if has_hit_stop_string else None
+        return FinishReason.STOP if has_hit_stop_string or seq.has_finished_grammar else None
 
     def _retire(self, seq: Sequence, reason: FinishReason) -> None:
         """Take an unfinished sequence out of every queue, free its blocks, mark it finished."""

@@ -12,6 +12,10 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the alternatives listed per token
 
@@ -54,6 +58,7 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     # None: no logprobs; k: the sampled token's logprob and the k likeliest tokens' (engine/logprobs.py)
     top_logprobs: int | None = None
+    grammar: str = ""  # structured output: a spec (tandem.structured_output) the reply must match; "" = free text
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also refuses NaN
@@ -108,7 +113,9 @@ class Sequence:
         num_public_prefix_tokens: int = 0,
         eos_token_ids: Iterable[int] = (),
         is_prefill_only: bool = False,
+        grammar: LLMatcher | None = None,
     ) -> None:
+        """`grammar`: a fresh matcher of sampling.grammar's spec; every token appended advances it."""
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -134,6 +141,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.grammar = grammar
 
     def __repr__(self) -> str:
         return (
@@ -152,6 +160,12 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def has_finished_grammar(self) -> bool:
+        """Its grammar is complete (it took the end of sequence, or nothing more can follow) or
+        was broken by a token it does not allow: either way the reply can go no further."""
+        return self.grammar is not None and (self.grammar.is_stopped() or self.grammar.is_error())
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -198,6 +212,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)  # a refused token leaves it in error: has_finished_grammar
 
     # -- changed by the KV cache manager --------------------------------------------------------
 

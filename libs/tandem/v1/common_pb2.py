@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xbd\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"K\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\"T\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1a\n\rretry_after_s\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"<\n\nLaneCounts\x12\x0c\n\x04paid\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x12\n\nbackground\x18\x03 \x01(\r*O\n\x04Lane\x12\x14\n\x10LANE_UNSPECIFIED\x10\x00\x12\r\n\tLANE_PAID\x10\x01\x12\r\n\tLANE_FREE\x10\x02\x12\x13\n\x0fLANE_BACKGROUND\x10\x03*\xb7\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xce\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"K\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\"T\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1a\n\rretry_after_s\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"<\n\nLaneCounts\x12\x0c\n\x04paid\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x12\n\nbackground\x18\x03 \x01(\r*O\n\x04Lane\x12\x14\n\x10LANE_UNSPECIFIED\x10\x00\x12\r\n\tLANE_PAID\x10\x01\x12\r\n\tLANE_FREE\x10\x02\x12\x13\n\x0fLANE_BACKGROUND\x10\x03*\xb7\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_LANE']._serialized_start=710
-  _globals['_LANE']._serialized_end=789
-  _globals['_FINISHREASON']._serialized_start=792
-  _globals['_FINISHREASON']._serialized_end=975
+  _globals['_LANE']._serialized_start=727
+  _globals['_LANE']._serialized_end=806
+  _globals['_FINISHREASON']._serialized_start=809
+  _globals['_FINISHREASON']._serialized_end=992
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=483
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=409
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=457
-  _globals['_USAGE']._serialized_start=485
-  _globals['_USAGE']._serialized_end=560
-  _globals['_ERROR']._serialized_start=562
-  _globals['_ERROR']._serialized_end=646
-  _globals['_LANECOUNTS']._serialized_start=648
-  _globals['_LANECOUNTS']._serialized_end=708
+  _globals['_SAMPLINGPARAMS']._serialized_end=500
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=426
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=474
+  _globals['_USAGE']._serialized_start=502
+  _globals['_USAGE']._serialized_end=577
+  _globals['_ERROR']._serialized_start=579
+  _globals['_ERROR']._serialized_end=663
+  _globals['_LANECOUNTS']._serialized_start=665
+  _globals['_LANECOUNTS']._serialized_end=725
 # @@protoc_insertion_point(module_scope)

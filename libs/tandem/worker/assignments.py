@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tandem.bus import validate
 from tandem.bus.events import now_ms
-from tandem.engine.engine import Request, TokenIdOutOfRange
+from tandem.engine.engine import InvalidGrammar, Request, TokenIdOutOfRange
 from tandem.engine.scheduler import EmptyPrompt, PromptTooLong
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import Refusal
@@ -62,7 +62,7 @@ async def unrunnable(host: EngineHost, request: Request) -> AssignmentReply | No
         return refusal("loading", "this worker's engine has stopped", retry_after_s=2.0)
     except PromptTooLong as exc:
         return refusal("prompt_too_long", str(exc))
-    except (EmptyPrompt, TokenIdOutOfRange) as exc:
+    except (EmptyPrompt, TokenIdOutOfRange, InvalidGrammar) as exc:
         return refusal("bad_request", str(exc))
     return None
 

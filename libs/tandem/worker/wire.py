@@ -40,6 +40,7 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
         repetition_penalty=p.repetition_penalty or 1.0,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None,
+        grammar=p.grammar,
     )
     return Request(
         reply_id,
