@@ -11,7 +11,8 @@ nothing is dropped unseen.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -35,6 +36,7 @@ from services.chat.limits import (
     TopP,
     check_stop_strings,
 )
+from tandem import structured_output
 from tandem.bus.events import finish_name
 from tandem.v1.common_pb2 import SamplingParams
 
@@ -47,7 +49,6 @@ NEUTRAL: dict[str, object] = {
     "echo": False,
     "tools": [],
     "functions": [],
-    "response_format": {"type": "text"},
     "tool_choice": "none",
     "include_stop_str_in_output": False,
     "top_logprobs": 0,  # a chat completion's field; on a text completion, `logprobs` is the count
@@ -60,9 +61,6 @@ NEUTRAL: dict[str, object] = {
     # No neutral value but null: any value asks for something Tandem does not do.
     "allowed_token_ids": None,
     "prompt_logprobs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
     "guided_grammar": None,
     "structured_outputs": None,
     "prediction": None,
@@ -82,6 +80,27 @@ def _is_neutral(value: object, neutral: object) -> bool:
     """`value` is the neutral value itself: a number is not a flag (`logprobs: 0` on a text
     completion asks for the chosen tokens' logprobs; only `false` is off)."""
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+# A grammar spec is compiled on every worker that runs the reply: a schema's size is bounded.
+MAX_GRAMMAR_SPEC_BYTES = 64 * 1024
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the reply is JSON valid against `schema`. Tandem
+    holds every reply to it, `strict` or not."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -118,6 +137,11 @@ class GenerationBody(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's; 1 = off
     # Token id -> bias; JSON's string keys are read as ids. An id the model lacks has no effect.
     logit_bias: Annotated[dict[TokenId, LogitBias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Structured output: OpenAI's response_format, or one of vLLM's guided_* (the same, in its words).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -155,6 +179,44 @@ class GenerationBody(BaseModel):
         stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in stops if s]
 
+    def grammar_spec(self) -> str:
+        """The structured-output spec the reply must match (tandem.structured_output), "" for free
+        text; InvalidRequest names a spec asked twice, too large, or one the grammar library refuses."""
+        asked: list[tuple[str, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", structured_output.json_object_spec()))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise InvalidRequest("`response_format` of type json_schema needs `json_schema`", param="response_format")
+            asked.append(("response_format", structured_output.json_schema_spec(fmt.json_schema.schema_ or {})))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequest(f"`guided_json` is not JSON: {exc}", param="guided_json") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("`guided_json` must be a JSON schema object", param="guided_json")
+            asked.append(("guided_json", structured_output.json_schema_spec(schema)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", structured_output.regex_spec(self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", structured_output.choice_spec(self.guided_choice)))
+        if not asked:
+            return ""
+        if len(asked) > 1:
+            raise InvalidRequest(f"ask for one structured output, not {' and '.join(f'`{name}`' for name, _ in asked)}", param=asked[1][0])
+        param, spec = asked[0]
+        if len(spec.encode()) > MAX_GRAMMAR_SPEC_BYTES:
+            raise InvalidRequest(f"`{param}` is over {MAX_GRAMMAR_SPEC_BYTES} bytes", param=param)
+        try:
+            structured_output.check_spec(spec)
+        except structured_output.InvalidGrammar as exc:
+            raise InvalidRequest(f"`{param}` cannot be used: {exc}", code="unsupported_grammar", param=param) from None
+        return spec
+
     def sampling(self, default_max_tokens: int, room_tokens: int) -> SamplingParams:
         """The engine's sampling parameters, with max_tokens (and min_tokens) capped to the room left
         in the window; a min_tokens above the max_tokens asked for is refused."""
@@ -178,6 +240,7 @@ class GenerationBody(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=self.logit_bias or {},
+            grammar=self.grammar_spec(),
         )
         if self.seed is not None:
             params.seed = self.seed

@@ -78,7 +78,7 @@ async def test_openai_bounds_and_unsupported_parameters_are_400s_naming_them(pro
         "n": 9,
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": "auto",
-        "response_format": {"type": "json_object"},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
         "frequency_penalty": 2.5,
         "presence_penalty": -3,
         "repetition_penalty": 0,

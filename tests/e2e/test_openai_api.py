@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 
 import httpx
+import jsonschema
 import nats
 import openai
 import pytest
 from product_stack import ALICE
+from pydantic import BaseModel, Field
 
 import tandem
 from tandem.bus import encode, subjects
@@ -447,3 +450,77 @@ async def test_a_cancelled_stream_finishes_with_abort_not_stop(product_stack):
     finally:
         await nc.close()
     assert finishes == ["abort"] and num_content_chunks < 200
+
+
+CITY_QUESTION = [{"role": "user", "content": "Describe Paris as JSON: its name, its country and its population in millions."}]
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        "is_capital": {"type": "boolean"},
+    },
+    "required": ["name", "country", "population_millions", "is_capital"],
+    "additionalProperties": False,
+}
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population_millions: int = Field(ge=0, le=100)
+
+
+async def test_every_json_schema_answer_parses_and_validates_greedy_seeded_and_streamed(product_stack):
+    client = sdk(product_stack)
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    base = {"model": "auto", "messages": CITY_QUESTION, "max_tokens": 160, "response_format": response_format}
+    for options in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}, {"temperature": 1.3, "seed": 3}):
+        answer = await client.chat.completions.create(**base, **options)
+        assert answer.choices[0].finish_reason == "stop", options
+        jsonschema.validate(json.loads(answer.choices[0].message.content or ""), CITY_SCHEMA)
+    stream = await client.chat.completions.create(**base, temperature=1.0, seed=4, stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    jsonschema.validate(json.loads(text), CITY_SCHEMA)
+    # the text completion takes the same parameter
+    completion = await client.completions.create(
+        model="auto", prompt="Paris, as JSON:", max_tokens=160, temperature=0, extra_body={"response_format": response_format}
+    )
+    jsonschema.validate(json.loads(completion.choices[0].text), CITY_SCHEMA)
+
+
+async def test_the_sdks_parse_fills_a_pydantic_model_and_json_object_and_guided_fields_constrain_the_reply(product_stack):
+    client = sdk(product_stack)
+    for seed in (1, 2, 3):
+        parsed = await client.chat.completions.parse(
+            model="auto", messages=CITY_QUESTION, response_format=City, temperature=1.0, seed=seed, max_tokens=160
+        )
+        assert isinstance(parsed.choices[0].message.parsed, City)
+    whole = await client.chat.completions.create(
+        model="auto", messages=CITY_QUESTION, response_format={"type": "json_object"}, temperature=0, max_tokens=160
+    )
+    assert isinstance(json.loads(whole.choices[0].message.content or ""), dict)
+    chosen = await client.chat.completions.create(
+        model="auto", messages=QUESTION, temperature=1.0, seed=5, max_tokens=16, extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]}
+    )
+    assert chosen.choices[0].message.content in ("Paris", "Lyon", "Nice")
+    dated = await client.chat.completions.create(
+        model="auto", messages=QUESTION, temperature=0, max_tokens=16, extra_body={"guided_regex": "[0-9]{4}-[0-9]{2}"}
+    )
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}", dated.choices[0].message.content or "")
+
+
+async def test_a_schema_the_grammar_library_refuses_is_a_400_naming_it_and_the_workers_keep_serving(product_stack):
+    client = sdk(product_stack)
+    lookahead = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model="auto", messages=QUESTION, response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": lookahead}}
+        )
+    assert refused.value.body["param"] == "response_format" and "look-around" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="auto", messages=QUESTION, extra_body={"guided_regex": "(unclosed"})
+    assert refused.value.body["param"] == "guided_regex"
+    after = await client.chat.completions.create(model="auto", messages=QUESTION, temperature=0, max_tokens=8)
+    assert "Paris" in (after.choices[0].message.content or "")

@@ -1,6 +1,8 @@
 """The OpenAI request bodies: which parameters are honoured, which are refused by name, and the
 sampling parameters they ask of the engine."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -21,8 +23,8 @@ def chat(**fields) -> ChatCompletionBody:
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("best_of", 2),
-        ("response_format", {"type": "json_object"}),
-        ("guided_json", {"type": "object"}),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"json": {"type": "object"}}),
         ("suffix", "end"),
     ],
 )
@@ -214,3 +216,36 @@ def test_a_text_completions_logprobs_is_the_count_and_false_is_off():
     with pytest.raises(InvalidRequest) as refused:
         text(top_logprobs=2).refuse_unsupported()
     assert refused.value.param == "top_logprobs"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_response_format_and_guided_fields_become_one_grammar_spec_for_the_engine():
+    as_openai = chat(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA, "strict": True}})
+    assert json.loads(as_openai.sampling(48, 100).grammar) == {"json_schema": SCHEMA}
+    assert json.loads(chat(guided_json=json.dumps(SCHEMA)).sampling(48, 100).grammar) == {"json_schema": SCHEMA}
+    assert json.loads(chat(response_format={"type": "json_object"}).sampling(48, 100).grammar) == {"json_object": {}}
+    assert json.loads(chat(guided_regex="[0-9]+").sampling(48, 100).grammar) == {"regex": "[0-9]+"}
+    assert json.loads(chat(guided_choice=["yes", "no"]).sampling(48, 100).grammar) == {"choice": ["yes", "no"]}
+    assert chat(response_format={"type": "text"}).sampling(48, 100).grammar == ""
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "named"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "frobnicate"}}}},
+            "response_format",
+            "frobnicate",
+        ),
+        ({"guided_json": {"type": "string", "pattern": "(?=x)a"}}, "guided_json", "look-around"),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "unclosed group"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs `json_schema`"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one structured output"),
+        ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+        ({"guided_json": {"enum": ["x" * 70_000]}}, "guided_json", "bytes"),
+    ],
+)
+def test_a_grammar_the_library_refuses_is_an_invalid_request_naming_the_problem(fields, param, named):
+    with pytest.raises(InvalidRequest) as refused:
+        chat(**fields).sampling(48, 100)
+    assert refused.value.param == param and named in refused.value.message
