@@ -235,3 +235,12 @@ def test_stack_overhead_bench_times_the_same_replies_through_the_stack_and_on_th
     assert stages["chat: arrival to first content written"]["count"] == len(rounds)
     decode_steps = stages["worker: step, decode only"]["count"] + stages["worker: step, mixed"]["count"]
     assert decode_steps >= sum(pair["stack"]["num_tokens"] - 1 for pair in rounds)
+
+
+def test_structured_output_bench_reports_compile_and_mask_step_costs_at_batch_1_and_32(tmp_path):
+    result = _bench("structured_output.py", tmp_path / "structured_output.json")
+    assert result["vocab_size"] == 49152
+    llguidance = {row["batch"]: row for row in result["rows"] if row["library"] == "llguidance"}
+    assert set(llguidance) == {1, 32}
+    for row in llguidance.values():
+        assert _is_positive(row["compile_ms"]) and _is_positive(row["step_ms"]) and row["best_step_ms"] <= row["step_ms"]

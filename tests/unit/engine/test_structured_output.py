@@ -106,3 +106,28 @@ def test_a_spec_that_does_not_compile_is_refused_at_the_door(with_eos):
     with pytest.raises(InvalidGrammar):
         engine.add(Request("bad", (5, 6, 7), SamplingOptions(grammar='{"yaml": 1}')))
     assert not engine.has_work()
+
+
+def test_a_reply_prefilled_on_one_engine_and_decoded_on_another_keeps_its_grammar(with_eos):
+    """The decode side rebuilds the sequence with the first token the prefill side sampled under
+    the grammar: its matcher must have taken that token too."""
+    prompt = tuple(seeded_prompts(12)[8])
+    sampling = SamplingOptions(max_tokens=200, grammar=json_schema_spec(SCHEMA))
+    whole, _, _ = reply(Engine(with_eos, EngineConfig(num_kv_blocks=128)), Request("whole", prompt, sampling))
+    prefill, decode = Engine(with_eos, EngineConfig(num_kv_blocks=128)), Engine(with_eos, EngineConfig(num_kv_blocks=128))
+    prefill.add(Request("r", prompt, sampling), prefill_only=True)
+    outputs = []
+    while not outputs:
+        outputs = prefill.step()
+    (first,) = outputs
+    assert first.handoff is not None
+    reservation = decode.reserve_import(Request("r", prompt, sampling), len(first.handoff.block_ids))
+    for source, target in zip(first.handoff.block_ids, reservation.block_ids, strict=True):
+        decode.block_view(target).copy_(prefill.block_view(source))
+    prefill.release("r")
+    decode.import_sequence(Request("r", prompt, sampling), reservation, first.new_token_ids[0])
+    rest = []
+    while decode.has_work():
+        rest.extend(t for output in decode.step() for t in output.new_token_ids)
+    assert [first.new_token_ids[0], *rest] == whole
+    jsonschema.validate(json.loads(text_before_eos(decode, whole)), SCHEMA)
