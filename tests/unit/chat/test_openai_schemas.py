@@ -216,6 +216,8 @@ def test_a_text_completions_logprobs_is_the_count_and_false_is_off():
     with pytest.raises(InvalidRequest) as refused:
         text(top_logprobs=2).refuse_unsupported()
     assert refused.value.param == "top_logprobs"
+
+
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
