@@ -152,6 +152,25 @@ def dequantized_copy(quantized: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+# A small template of the tests' own that offers tools the Hermes way: the functions' definitions in
+# a system turn, a call as a JSON object between <tool_call> tags, a tool's result a turn of its own.
+TOOLS_TEMPLATE = """{% if tools %}<|im_start|>system
+Call a function by answering <tool_call>{"name": ..., "arguments": {...}}</tool_call>. Functions:
+{% for tool in tools %}{{ tool.function | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{% for m in messages %}
+{% if m.tool_calls %}<|im_start|>assistant
+{% for call in m.tool_calls %}<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{% endfor %}<|im_end|>
+{% elif m.role == "tool" %}<|im_start|>tool
+{{ m.tool_call_id }}: {{ m.content }}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 def write_tokenizer(folder: Path) -> None:

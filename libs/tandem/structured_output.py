@@ -2,8 +2,9 @@
 
 A spec is a small JSON object with one key, the form the chat writes into SamplingParams.grammar
 and every worker reads: `{"json_schema": {...}}` (the reply is JSON valid against the schema),
-`{"json_object": {}}` (any JSON object), `{"regex": "..."}` or `{"choice": ["a", "b"]}` (exactly
-one of the strings). The chat checks a spec here before a request leaves it, so a schema the
+`{"json_object": {}}` (any JSON object), `{"regex": "..."}`, `{"choice": ["a", "b"]}` (exactly
+one of the strings) or `{"lark": "..."}` (llguidance's Lark grammar, `%json {...}` embeds included:
+what a forced tool call is written in). The chat checks a spec here before a request leaves it, so a schema the
 library cannot compile is a 400 naming the problem, never a failure on a worker; a worker
 compiles it against its tokenizer (GrammarCompiler, once per spec) into a matcher that each
 sequence copies and advances token by token.
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 import llguidance
 
-SPEC_KINDS = ("json_schema", "json_object", "regex", "choice")
+SPEC_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 # JSON without free whitespace between tokens: a model cannot pad a reply out to max_tokens with
 # blanks, and the output is what json.dumps(..., separators=(",", ":")) writes.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -50,6 +51,10 @@ def choice_spec(choices: Sequence[str]) -> str:
     return json.dumps({"choice": list(choices)})
 
 
+def lark_spec(grammar: str) -> str:
+    return json.dumps({"lark": grammar})
+
+
 def grammar_of(spec: str) -> str:
     """The llguidance grammar of a spec; raises InvalidGrammar for a malformed spec."""
     try:
@@ -69,6 +74,13 @@ def grammar_of(spec: str) -> str:
         if not isinstance(value, str):
             raise InvalidGrammar("a regex must be a string")
         return str(llguidance.LLMatcher.grammar_from_regex(value))
+    if kind == "lark":
+        if not isinstance(value, str):
+            raise InvalidGrammar("a Lark grammar must be a string")
+        try:
+            return str(llguidance.LLMatcher.grammar_from_lark(value))
+        except ValueError as exc:
+            raise InvalidGrammar(f"the Lark grammar cannot be used: {exc}") from None
     if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
         raise InvalidGrammar("a choice must be a non-empty list of strings")
     return str(llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in value)))

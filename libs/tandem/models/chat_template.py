@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -47,11 +48,33 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
 
 
+@lru_cache(maxsize=8)
+def _variables(source: str) -> frozenset[str]:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateError:
+        return frozenset()
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str
     bos_token: str
     eos_token: str
+
+    @property
+    def supports_tools(self) -> bool:
+        """The template reads a `tools` variable: it can show the model function definitions."""
+        return "tools" in _variables(self.source)
+
+    @property
+    def tool_call_style(self) -> str:
+        """How the model writes a call, as its template teaches it: "hermes" (a JSON object
+        between `<tool_call>` and `</tool_call>`, Qwen2.5's and Hermes' way) when the template
+        mentions `<tool_call>`, else "json" (the whole reply one JSON object with `name` and
+        `parameters` or `arguments`, Llama 3's way)."""
+        return "hermes" if "<tool_call>" in self.source else "json"
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for `messages` ([{"role", "content"}, ...]); with

@@ -86,19 +86,27 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """`tools`: function definitions as Hugging Face templates read them
+        (`[{"type": "function", "function": {...}}]`); not passed to the template when None."""
         if self.chat_template is None:
             raise ChatTemplateError("this checkpoint has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        variables = {} if tools is None else {"tools": list(tools)}
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """The rendered prompt's ids, its text exactly as rendered: the template's special tokens
         are control ids; the messages' text (content, role, any field) is ordinary text even where
         it spells a special token. Such spellings are swapped for marks before rendering and
         encoded as text where the marks land, so a message without one encodes as it always did."""
         literals: list[str] = []
         marked = [_marked(message, self._literal_pattern, literals) for message in messages]
-        pieces = _LITERAL_REF.split(self.render_chat(marked, add_generation_prompt))
+        marked_tools = None if tools is None else [_marked(tool, self._literal_pattern, literals) for tool in tools]
+        pieces = _LITERAL_REF.split(self.render_chat(marked, add_generation_prompt, marked_tools))
         ids: list[int] = []
         for index, piece in enumerate(pieces):  # template text and literal references alternate
             ids += self.encode(piece) if index % 2 == 0 else self.encode_text(literals[int(piece)])

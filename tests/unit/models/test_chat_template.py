@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from reference_model import TOOLS_TEMPLATE
 
 from tandem.models.chat_template import ChatTemplate, ChatTemplateError
 
@@ -64,3 +65,33 @@ def test_templates_cannot_reach_python_internals():
 def test_a_broken_template_is_reported_as_such():
     with pytest.raises(ChatTemplateError, match="does not compile"):
         template("{% for m in messages %}").render([])
+
+
+def test_tool_support_is_whether_the_template_reads_tools():
+    assert template(MULTILINE).supports_tools
+    assert template(TOOLS_TEMPLATE).supports_tools
+    assert not template(LLAMA3).supports_tools
+    assert not template("{% set tools = [] %}{{ tools }}").supports_tools, "a variable it sets itself is not the caller's"
+
+
+def test_the_call_style_follows_the_template():
+    assert template(TOOLS_TEMPLATE).tool_call_style == "hermes"
+    assert template(MULTILINE).tool_call_style == "json"
+
+
+def test_tools_and_tool_turns_are_rendered():
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [
+        {"role": "user", "content": "What time is it?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {}}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    text = template(TOOLS_TEMPLATE).render(messages, tools=tools)
+    assert '{"name": "get_time", "parameters": {"type": "object", "properties": {}}}' in text
+    assert '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' in text
+    assert "<|im_start|>tool\nc1: noon<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert "Functions" not in template(TOOLS_TEMPLATE).render(messages[:1])
