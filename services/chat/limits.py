@@ -14,6 +14,7 @@ from tandem.engine.sequence import MAX_TOP_LOGPROBS
 MAX_TOKENS_LIMIT = 1 << 20  # more than any context window served; a reply is capped to the room left anyway
 MAX_MESSAGES = 1000  # OpenAI messages in one request (the body limit bounds their size)
 MAX_CONTENT_PARTS = 100  # text parts of one OpenAI message
+MAX_TOOLS = 128  # OpenAI's limit on `tools` (and the calls one message may carry back)
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 200
 MAX_STOP_TOKEN_IDS = 64

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat.deps import Answers, Arrived, Chat, CurrentUser, Router
-from services.chat.errors import NotFound
+from services.chat.errors import InvalidRequest, NotFound
 from services.chat.latency import ReplyClock
 from services.chat.models_view import ServedModel
 from services.chat.moderation import last_user_text, refuse_openai_input, start_input_check
@@ -42,13 +42,25 @@ async def chat_completions(
     body.refuse_unsupported()
     messages = [m.as_template_message() for m in body.messages]
     state.door.check_all(user.tier, state.models.models)  # before any work for a message that cannot start
-    checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
     tokenizer = state.tokenizer.get()
+    tools = body.template_tools()
+    tool_style = None
+    if tools is not None:
+        template = tokenizer.chat_template
+        if template is None or not template.supports_tools:
+            raise InvalidRequest(
+                "the model's chat template has no tool support (it never reads `tools`): tools cannot be offered to this model",
+                code="unsupported_parameter",
+                param="tools",
+            )
+        tool_style = template.tool_call_style
+        body.use_tool_style(tool_style)
+    checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
     model = await served_model(router, tokenizer, user, body.model, last_user_text(messages))
-    prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
+    prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools)
     cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
     clock = ReplyClock(user.tier.value, model.name, arrived)
-    return await answers.answer(user, body, model, prompt_ids, CHAT, "messages", clock, cleared)
+    return await answers.answer(user, body, model, prompt_ids, CHAT, "messages", clock, cleared, tool_style=tool_style)
 
 
 def _model_object(model: ServedModel) -> dict[str, object]:

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -23,6 +24,7 @@ from services.chat.model_routing import ModelRouter, UnknownModel
 from services.chat.models_view import ServedModel
 from services.chat.openai_logprobs import ReplyLogprobs
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
+from services.chat.openai_tools import ToolCallStream, parse_tool_calls
 from services.chat.prompt import LoadedTokenizer, PromptCounter
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.sse import StreamResponse, sse_response
@@ -57,12 +59,36 @@ class ReplyShape:
     chunk_object: str
     is_chat: bool
 
-    def choice(self, index: int, text: str, finish: str, logprobs: dict[str, object] | None = None) -> dict[str, object]:
-        """`logprobs` (openai_logprobs.py): a chat choice has the key only when the request asked."""
+    def choice(
+        self,
+        index: int,
+        text: str | None,
+        finish: str,
+        logprobs: dict[str, object] | None = None,
+        tool_calls: list[dict[str, object]] | None = None,
+    ) -> dict[str, object]:
+        """`logprobs` (openai_logprobs.py): a chat choice has the key only when the request asked;
+        `tool_calls` (openai_tools.py): a chat message has the key only when it made calls."""
         if self.is_chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, object] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
             return {"index": index, "message": message, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def tool_call_chunks(self, index: int, calls: list[dict[str, Any]]) -> list[dict[str, object]]:
+        """A chat choice's calls as stream deltas: each call's id and name, then its arguments whole."""
+        deltas: list[dict[str, object]] = []
+        for position, call in enumerate(calls):
+            named = {
+                "index": position,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            }
+            arguments = {"index": position, "function": {"arguments": call["function"]["arguments"]}}
+            deltas += [{"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None} for part in (named, arguments)]
+        return deltas
 
     def chunk_choice(self, index: int, text: str, finish: str | None, logprobs: dict[str, object] | None = None) -> dict[str, object]:
         if self.is_chat:
@@ -120,11 +146,13 @@ class OpenAIAnswers:
         prompt_param: str,
         clock: ReplyClock,
         cleared: Callable[[], Awaitable[None]] | None = None,
+        tool_style: str | None = None,
     ) -> JSONResponse | StreamResponse:
         """Starts the reply to `prompt_ids` (one per choice) and answers it as `body.stream` asks,
         measured by `clock`; a stream takes one of the instance's and the user's stream slots
         (services.chat.stream_slots) until it ends. `cleared` (the input check's verdict) is awaited
-        before the first reply's request is sent (services.chat.replies.ReplyRequest.cleared)."""
+        before the first reply's request is sent (services.chat.replies.ReplyRequest.cleared).
+        `tool_style` (services.chat.openai_tools): the reply's tool calls are read out of its text."""
         room = model.window_tokens - len(prompt_ids)
         if room < 1:
             raise InvalidRequest(
@@ -158,7 +186,7 @@ class OpenAIAnswers:
         if not body.stream:
             head["model"] = await self._start(choices)
             try:
-                return _name_ignored(await self._whole(reply_ids, head, shape, clock, logprobs), ignored)
+                return _name_ignored(await self._whole(reply_ids, head, shape, clock, logprobs, tool_style), ignored)
             finally:
                 clock.close()
         slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
@@ -167,7 +195,7 @@ class OpenAIAnswers:
         except BaseException:
             slot.release()
             raise
-        chunks = self.reply_chunks(reply_ids, head, shape, body.wants_usage_chunk, clock, logprobs)
+        chunks = self.reply_chunks(reply_ids, head, shape, body.wants_usage_chunk, clock, logprobs, tool_style)
         response = sse_response(chunks, self._keepalive_s)
         response.on_close(slot.release)
         response.on_close(clock.close)
@@ -187,7 +215,13 @@ class OpenAIAnswers:
                     return
 
     async def _whole(
-        self, reply_ids: list[str], head: dict[str, object], shape: ReplyShape, clock: ReplyClock, logprobs: list[ReplyLogprobs] | None
+        self,
+        reply_ids: list[str],
+        head: dict[str, object],
+        shape: ReplyShape,
+        clock: ReplyClock,
+        logprobs: list[ReplyLogprobs] | None,
+        tool_style: str | None = None,
     ) -> JSONResponse:
         parts: list[list[TokenEvent]] = [[] for _ in reply_ids]
         finals: dict[int, TokenEvent] = {}
@@ -215,7 +249,12 @@ class OpenAIAnswers:
             withdrawn = last.finish == FINISH_REASON_CONTENT_FILTER
             text = "" if withdrawn else "".join(event.text for event in choice_events)
             choice_logprobs = None if logprobs is None or withdrawn else logprobs[index].of(choice_events)
-            choices.append(shape.choice(index, text, openai_finish_reason(last.finish), choice_logprobs))
+            content: str | None = text
+            calls: list[dict[str, Any]] = []
+            if tool_style is not None and not withdrawn:
+                content, calls = parse_tool_calls(text, tool_style)
+            finish = "tool_calls" if calls else openai_finish_reason(last.finish)
+            choices.append(shape.choice(index, content, finish, choice_logprobs, calls))
         usage = choices_final(lasts).usage
         return JSONResponse({**head, "object": shape.object_name, "choices": choices, "usage": _usage(usage)})
 
@@ -227,12 +266,14 @@ class OpenAIAnswers:
         include_usage: bool,
         clock: ReplyClock,
         logprobs: list[ReplyLogprobs] | None = None,
+        tool_style: str | None = None,
     ) -> AsyncIterator[dict[str, str]]:
         """A streamed reply's SSE data, read from its choices' logs: chunks, each naming its choice's
         index, then `[DONE]`. A choice that fails, or whose log vanishes before its end, gives an
         `error` chunk instead of the rest. With `logprobs` (one per choice), a token's logprobs
         come in the chunk of its event's text (one with an empty delta when the detokenizer holds
-        that text back)."""
+        that text back). With `tool_style`, content streams until a call may begin; the calls come
+        as `tool_calls` deltas when the choice ends (services.chat.openai_tools.ToolCallStream)."""
 
         def data(body: dict[str, object]) -> dict[str, str]:
             return {"data": json.dumps(body, ensure_ascii=False)}
@@ -247,6 +288,7 @@ class OpenAIAnswers:
             for index in range(len(reply_ids)):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         finals: dict[int, TokenEvent] = {}
+        tool_streams = None if tool_style is None else [ToolCallStream(tool_style) for _ in reply_ids]
         async with self._cancel_unless_finished(reply_ids) as finished:
             try:
                 async with contextlib.aclosing(self._choice_events(reply_ids)) as events:
@@ -256,12 +298,21 @@ class OpenAIAnswers:
                             clock.final(event)
                             break
                         event_logprobs = None if logprobs is None else logprobs[index].of([event])
-                        if event.text or event_logprobs:
-                            yield chunk([shape.chunk_choice(index, event.text, None, event_logprobs)])
+                        text = event.text if tool_streams is None else tool_streams[index].feed(event.text)
+                        if text or event_logprobs:
+                            yield chunk([shape.chunk_choice(index, text, None, event_logprobs)])
                         if event.text:
                             clock.content()
                         if is_final(event):
-                            yield chunk([shape.chunk_choice(index, "", openai_finish_reason(event.finish))])
+                            finish = openai_finish_reason(event.finish)
+                            if tool_streams is not None and event.finish != FINISH_REASON_CONTENT_FILTER:
+                                rest, calls = tool_streams[index].finish()
+                                if rest:
+                                    yield chunk([shape.chunk_choice(index, rest, None)])
+                                for call_chunk in shape.tool_call_chunks(index, calls):
+                                    yield chunk([call_chunk])
+                                finish = "tool_calls" if calls else finish
+                            yield chunk([shape.chunk_choice(index, "", finish)])
                             finals[index] = event
                     else:
                         lasts = [finals[index] for index in range(len(reply_ids))]

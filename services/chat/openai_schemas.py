@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI-compatible endpoints and what they ask of the engine.
 
 Every parameter OpenAI (or vLLM's server) defines is either honoured, accepted and ignored where
-ignoring it changes nothing the client can see (`parallel_tool_calls`, while tools are refused),
+ignoring it changes nothing the client can see (`parallel_tool_calls`),
 accepted only at its neutral value (`best_of: 1`, `echo: false`, ...), or refused with a 400
 that names it. A parameter sent as `null` counts as not sent. A field no one defines (a vendor's
 extension, a newer client's) is ignored, as vLLM's server does, and named in the reply's
@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from services.chat import openai_tools
 from services.chat.errors import InvalidRequest
 from services.chat.limits import (
     MAX_CONTENT_PARTS,
@@ -23,6 +24,7 @@ from services.chat.limits import (
     MAX_MESSAGES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENS_LIMIT,
+    MAX_TOOLS,
     LogitBias,
     MaxTokens,
     ModelName,
@@ -40,10 +42,11 @@ from tandem import structured_output
 from tandem.bus.events import finish_name
 from tandem.v1.common_pb2 import SamplingParams
 
-# Ignoring these changes nothing a client can observe: tools are refused, so whether their calls
-# may run in parallel (OpenAI's default: they may) asks nothing of a reply.
+# Ignoring these changes nothing a client can observe: a reply may hold several tool calls
+# (OpenAI's default), and one that is forced holds exactly one either way.
 IGNORED = frozenset({"parallel_tool_calls"})
-# Known parameters, accepted at the value that means "off"; any other value is refused.
+# Known parameters, accepted at the value that means "off"; any other value is refused. (`tools`
+# and `tool_choice` are fields of a chat completion: only a text completion refuses them here.)
 NEUTRAL: dict[str, object] = {
     "best_of": 1,
     "echo": False,
@@ -256,16 +259,88 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # tool_calls, audio, ...: refused, never dropped
-    # "developer" is OpenAI's newer name for the system role; the chat template sees "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
-    name: str | None = None  # accepted; chat templates have no place for it
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # a JSON string, as OpenAI writes it
 
-    def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made (sent back with the conversation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_template_call(self) -> dict[str, Any]:
+        """As Hugging Face templates read a call: its arguments an object where they are one."""
+        arguments: object = self.function.arguments
+        try:
+            decoded = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            decoded = None
+        if isinstance(decoded, dict):
+            arguments = decoded
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # audio, refusal, ...: refused, never dropped
+    # "developer" is OpenAI's newer name for the system role; the chat template sees "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only for an assistant message that made tool calls.
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: str | None = None  # accepted; chat templates have no place for it
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has `tool_calls`")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the `tool_call_id` it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has a `tool_call_id`")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs `content` (only an assistant message with `tool_calls` may have none)")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # a forced call always matches its schema; a free one is parsed as written
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionBody(GenerationBody):
@@ -273,11 +348,59 @@ class ChatCompletionBody(GenerationBody):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None  # only with `logprobs: true`, as OpenAI has it
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    _tool_style: str = PrivateAttr(default="")  # how the model writes calls (openai_tools), set by use_tool_style
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("`top_logprobs` needs `logprobs` to be true", param="top_logprobs")
+        names = [tool.function.name for tool in self.tools or []]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise InvalidRequest(f"the function `{twice}` is defined twice in `tools`", param="tools")
+        if self.tool_choice in (None, "none"):
+            return
+        if not names:  # as OpenAI answers
+            raise InvalidRequest("`tool_choice` is only allowed when `tools` defines functions", param="tool_choice")
+        named = self.forced_function()
+        if named is not None and named not in names:
+            raise InvalidRequest(f"`tool_choice` names the function `{named}`, which `tools` does not define", param="tool_choice")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model, as Hugging Face templates read them; None
+        when there are none or `tool_choice` is "none" (then the model is not told of them, and its
+        reply is plain text)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def use_tool_style(self, style: str) -> None:
+        """The model writes calls in `style` (openai_tools.HERMES or JSON): a forced call's grammar
+        is written in it."""
+        self._tool_style = style
+
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def grammar_spec(self) -> str:
+        """A forced tool call (`tool_choice` "required" or a named function) is a grammar: the
+        call, written as the model's template teaches; it cannot be combined with another."""
+        spec = super().grammar_spec()
+        if self.template_tools() is None or self.tool_choice in (None, "auto"):
+            return spec
+        if spec:
+            raise InvalidRequest("a forced tool call cannot be combined with a structured output", param="tool_choice")
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+        forced = openai_tools.forced_call_spec(tools, self.forced_function(), self._tool_style or openai_tools.JSON)
+        if len(forced.encode()) > MAX_GRAMMAR_SPEC_BYTES:
+            raise InvalidRequest(f"the forced tool call's grammar is over {MAX_GRAMMAR_SPEC_BYTES} bytes", param="tools")
+        try:
+            structured_output.check_spec(forced)
+        except structured_output.InvalidGrammar as exc:
+            raise InvalidRequest(f"`tools` cannot be forced: {exc}", code="unsupported_grammar", param="tools") from None
+        return forced
 
     def requested_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -285,7 +285,7 @@ async def test_unknown_fields_are_ignored_and_named_in_a_header_whole_and_stream
         clean = await client.post("/v1/chat/completions", headers=ALICE, json={"model": "auto", "messages": QUESTION, "max_tokens": 1})
         assert "x-tandem-ignored-fields" not in clean.headers
         refused = await client.post("/v1/chat/completions", headers=ALICE, json={**body, "tools": [{"type": "function"}]})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+        assert refused.status_code == 400 and refused.json()["error"]["param"].split(".")[0] == "tools"
 
 
 async def test_ignore_eos_runs_to_max_tokens_and_min_tokens_holds_the_end_back(product_stack):

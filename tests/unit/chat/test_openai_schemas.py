@@ -21,7 +21,7 @@ def chat(**fields) -> ChatCompletionBody:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),
         ("best_of", 2),
         ("guided_grammar", "root ::= 'a'"),
         ("structured_outputs", {"json": {"type": "object"}}),
@@ -178,7 +178,7 @@ def test_the_developer_role_reaches_the_template_as_system():
 
 def test_a_message_field_that_would_be_dropped_is_refused():
     with pytest.raises(ValidationError):
-        chat(messages=[{"role": "assistant", "content": "", "tool_calls": []}])
+        chat(messages=[{"role": "assistant", "content": "", "audio": {"id": "a1"}}])
 
 
 def test_a_cancelled_reply_finishes_with_abort_not_stop():

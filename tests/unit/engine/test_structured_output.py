@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from test_engine import byte_level_tokenizer, seeded_prompts, tiny  # noqa: F401  (tiny: the module's fixture)
 
+from services.chat.openai_tools import HERMES, JSON, forced_call_spec, parse_tool_calls
 from tandem.engine.engine import Engine, EngineConfig, InvalidGrammar, Request
 from tandem.engine.sequence import FinishReason, SamplingOptions
 from tandem.models.loader import LoadedModel
@@ -131,3 +132,50 @@ def test_a_reply_prefilled_on_one_engine_and_decoded_on_another_keeps_its_gramma
         rest.extend(t for output in decode.step() for t in output.new_token_ids)
     assert [first.new_token_ids[0], *rest] == whole
     jsonschema.validate(json.loads(text_before_eos(decode, whole)), SCHEMA)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 6}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("style", [HERMES, JSON])
+@pytest.mark.parametrize("name", ["get_weather", None])
+def test_a_forced_tool_call_parses_and_its_arguments_match_the_function_s_schema(with_eos, style, name):
+    """The grammar of a forced call (services.chat.openai_tools) holds the noise model to one call,
+    written as the template's style has it, that the chat's parser reads back whole."""
+    engine = Engine(with_eos, EngineConfig(num_kv_blocks=128))
+    prompt = tuple(seeded_prompts(12)[7])
+    for seed in range(3):
+        sampling = SamplingOptions(temperature=1.0, seed=seed, max_tokens=200, grammar=forced_call_spec(TOOLS, name, style))
+        tokens, _, finish = reply(engine, Request(f"tool{seed}", prompt, sampling))
+        assert finish is FinishReason.STOP
+        content, calls = parse_tool_calls(text_before_eos(engine, tokens), style)
+        assert content is None and len(calls) == 1, text_before_eos(engine, tokens)
+        function = calls[0]["function"]
+        assert name is None or function["name"] == name
+        schema = next(tool["function"]["parameters"] for tool in TOOLS if tool["function"]["name"] == function["name"])
+        jsonschema.validate(json.loads(function["arguments"]), schema)
