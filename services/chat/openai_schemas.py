@@ -134,7 +134,9 @@ class GenerationBody(BaseModel):
     # OpenAI's end-user id: Tandem bills and limits the API key's user; this one is logged with the reply.
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM's: the model's end-of-sequence tokens do not end the reply
-    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # vLLM's: no eos or stop token id before this many
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = (
+        None  # vLLM's: no eos, stop token id or stop string before this many
+    )
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's; 1 = off

@@ -3,7 +3,7 @@ support: offering it tools is a 400 that says so. A stack of its own serves a ra
 checkpoint whose template (the tests' own, Hermes-style: tests/reference_model.py) offers tools:
 a forced call (`tool_choice` naming a function, or "required") comes back as `tool_calls` whose
 arguments validate against the function's schema, whole and streamed. Its weights are noise, so
-only the forced call's grammar can make the reply a call."""
+only the forced call's grammar can make the reply a call. (The stack: tests/e2e/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -12,11 +12,6 @@ import json
 import jsonschema
 import openai
 import pytest
-import pytest_asyncio
-from hf_models import write_hf_checkpoint
-from product_stack import LEAN_ROLES, own_product_stack
-from reference_model import TOOLS_TEMPLATE, write_tokenizer
-from tokenizers import Tokenizer
 
 pytestmark = pytest.mark.real_model
 WEATHER = {
@@ -51,25 +46,6 @@ ASK = [{"role": "user", "content": "the quick brown fox"}]
 
 def sdk(stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="key-alice", max_retries=0, timeout=120)
-
-
-@pytest_asyncio.fixture(scope="module")
-async def tools_stack(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools-model")
-    write_tokenizer(folder)
-    vocab_size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
-    write_hf_checkpoint("llama", folder, seed=3, vocab_size=vocab_size, max_position_embeddings=1024)
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": TOOLS_TEMPLATE}))
-    env = {
-        "TANDEM_MODEL_PATH": str(folder),
-        "TANDEM_DTYPE": "fp32",
-        # The checks' classifier would score the noise model's text: neither is what these tests are about.
-        "TANDEM_INPUT_MODERATION": "none",
-        "TANDEM_OUTPUT_MODERATION": "none",
-    }
-    async with own_product_stack(tmp_path_factory.mktemp("tools-stack"), roles=LEAN_ROLES, **env) as stack:
-        yield stack
 
 
 def checked(name: str, arguments: str) -> None:

@@ -382,7 +382,7 @@ class Engine:
 
     def _reply_text(self, request: Request) -> ReplyText:
         """The reply's text so far: a continuation's generated tokens were streamed already."""
-        text = ReplyText(self.loaded.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        text = ReplyText(self.loaded.tokenizer, request.prompt_token_ids, request.sampling.stop, request.sampling.min_tokens)
         for token_id in request.generated_token_ids:
             text.add(token_id)
         return text

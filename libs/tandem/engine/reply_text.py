@@ -2,7 +2,9 @@
 
 A stop string can arrive split across tokens, so the last (longest stop - 1) characters are
 held back until they can no longer start one; when a stop string appears, the text ends right
-before it (the stop string itself is never shown), as OpenAI-compatible servers do.
+before it (the stop string itself is never shown), as OpenAI-compatible servers do. Before the
+reply's `min_tokens`th token no stop string is looked for (vLLM's rule): one that completes at or
+after that token ends the reply, one wholly before it is text.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from tandem.models.tokenizer import Tokenizer
 
 
 class ReplyText:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._num_tokens_to_min = min_tokens
         self._stop = tuple(s for s in stop if s)
         self._num_held_chars = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""
@@ -28,7 +31,9 @@ class ReplyText:
             return ""
         num_checked_chars = max(0, len(self._text) - self._num_held_chars)
         self._text += self._detokenizer.add(token_id)
-        hits = [i for i in (self._text.find(stop, num_checked_chars) for stop in self._stop) if i != -1]
+        self._num_tokens_to_min -= 1
+        stops = self._stop if self._num_tokens_to_min <= 0 else ()
+        hits = [i for i in (self._text.find(stop, num_checked_chars) for stop in stops) if i != -1]
         if hits:
             self._text = self._text[: min(hits)]
             self.has_hit_stop = True

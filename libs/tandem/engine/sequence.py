@@ -51,7 +51,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # matched on text by the engine, which passes the hits to Scheduler.update
     ignore_eos: bool = False
-    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until this many tokens are out
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked, stop strings unread (ReplyText), until this many tokens are out
     presence_penalty: float = 0.0  # OpenAI's, over the output so far; 0 = off
     frequency_penalty: float = 0.0  # OpenAI's, over the output so far; 0 = off
     repetition_penalty: float = 1.0  # vLLM's (HF's), over prompt and output; 1 = off

@@ -8,9 +8,9 @@ from tandem.engine.reply_text import ReplyText
 TOKENIZER = byte_level_tokenizer(512)
 
 
-def stream(text: str, stop: tuple[str, ...]) -> tuple[list[str], ReplyText]:
+def stream(text: str, stop: tuple[str, ...], min_tokens: int = 0) -> tuple[list[str], ReplyText]:
     """Feeds `text` one byte-token at a time; returns the deltas (the finish flush last)."""
-    reply = ReplyText(TOKENIZER, prompt_ids=(), stop=stop)
+    reply = ReplyText(TOKENIZER, prompt_ids=(), stop=stop, min_tokens=min_tokens)
     deltas = []
     for token_id in TOKENIZER.encode(text):
         deltas.append(reply.add(token_id))
@@ -55,3 +55,15 @@ def test_multibyte_characters_are_never_split():
     deltas, _reply = stream("naïve café 東京", ())
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == "naïve café 東京"
+
+
+def test_no_stop_string_ends_the_reply_before_min_tokens():
+    # One token per byte: "ab|" is 3 tokens, so with min_tokens 4 the first "|" is text.
+    deltas, reply = stream("ab|cd|ef", ("|",), min_tokens=4)
+    assert reply.has_hit_stop and "".join(deltas) == "ab|cd"
+    # A stop string completed by the min_tokens-th token ends it: "ab|" with min_tokens 3.
+    deltas, reply = stream("ab|cd|ef", ("|",), min_tokens=3)
+    assert reply.has_hit_stop and "".join(deltas) == "ab"
+    # One begun before that token and completed after it ends it too.
+    deltas, reply = stream("abEND", ("END",), min_tokens=4)
+    assert reply.has_hit_stop and "".join(deltas) == "ab"
