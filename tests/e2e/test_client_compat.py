@@ -131,35 +131,35 @@ async def test_litellm_completes_with_the_openai_prefix_whole_streamed_and_async
 
 
 async def replay(stack: Any, body: dict[str, Any]) -> dict[str, Any]:
-    """Posts `body` as it is and reads the answer as a client does: a streamed one chunk by chunk
-    (each checked for OpenAI's shape) up to `[DONE]`, its text joined; returns the answer as a
-    whole one (`choices[0].message.content`, `finish_reason`, `usage` where sent)."""
+    """Posts `body` as it is and reads the answer as a client does: a streamed one event by event,
+    split on blank lines as simple clients split them (OpenAI's and vLLM's servers end lines in
+    "\n"), each chunk checked for OpenAI's shape, up to `[DONE]`; returns the answer as a whole one
+    (`choices[0].message.content`, `finish_reason`, `usage` where sent)."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=120, headers=ALICE) as client:
         if not body.get("stream"):
             response = await client.post("/v1/chat/completions", json=body)
             assert response.status_code == 200, response.text
             assert "x-tandem-ignored-fields" not in response.headers
             return response.json()
-        text, finish, usage, done = "", None, None, False
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200, await response.aread()
             assert "x-tandem-ignored-fields" not in response.headers
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                assert not done, "a chunk after [DONE]"
-                if line == "data: [DONE]":
-                    done = True
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                assert chunk["object"] == "chat.completion.chunk" and chunk["model"]
-                usage = chunk.get("usage") or usage
-                for choice in chunk["choices"]:
-                    assert choice["index"] == 0
-                    text += choice["delta"].get("content") or ""
-                    finish = choice.get("finish_reason") or finish
-        assert done
-        return {"choices": [{"message": {"content": text}, "finish_reason": finish}], "usage": usage}
+            raw = await response.aread()
+    assert b"\r" not in raw
+    text, finish, usage = "", None, None
+    *events, rest = raw.decode().split("\n\n")
+    assert rest == "" and events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        if event.startswith(":"):  # a keep-alive
+            continue
+        chunk = json.loads(event.removeprefix("data: "))
+        assert chunk["object"] == "chat.completion.chunk" and chunk["model"]
+        usage = chunk.get("usage") or usage
+        for choice in chunk["choices"]:
+            assert choice["index"] == 0
+            text += choice["delta"].get("content") or ""
+            finish = choice.get("finish_reason") or finish
+    return {"choices": [{"message": {"content": text}, "finish_reason": finish}], "usage": usage}
 
 
 async def test_open_webui_s_chat_turn_title_follow_ups_and_tags_are_answered_as_sent(product_stack, tools_stack):
