@@ -20,7 +20,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llguidance
 
@@ -104,9 +104,10 @@ def check_spec(spec: str) -> None:
 class GrammarCompiler:
     """Specs compiled against one tokenizer, the last few kept: each sequence gets its own copy."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        """`tokenizer_json`: the Hugging Face tokenizers serialization; `vocab_size`: the model's
-        logits width (a mask covers every column); `eos_token_ids`: what ends a finished reply."""
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        """`tokenizer_json`: gives the Hugging Face tokenizers serialization, called at the first
+        grammar (a worker that never sees one never serializes its tokenizer); `vocab_size`: the
+        model's logits width (a mask covers every column); `eos_token_ids`: what ends a finished reply."""
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
@@ -132,5 +133,5 @@ class GrammarCompiler:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             eos = self._eos_token_ids or None
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size, eos_token=eos)
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=eos)
         return self._tokenizer

@@ -20,6 +20,7 @@ from prometheus_client import Counter
 from tandem.bus import subjects
 from tandem.bus.codec import BadMessage, M, decode
 from tandem.bus.events import is_final
+from tandem.engine.sequence import MAX_TOP_LOGPROBS  # alternatives per token, as the engine's SamplingOptions checks them
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
@@ -35,7 +36,6 @@ MAX_NAME_CHARS = 256  # model names, reasons, versions
 MAX_CODE_CHARS = 64  # an error code or refusal reason: a subject token
 MAX_MESSAGE_CHARS = 1024  # a refusal's or an error's words
 MAX_TEXT_CHARS = 64 << 10  # one token event's text
-MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's limit, which the engine's SamplingOptions checks too
 MAX_URL_CHARS = 2048
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_OUTPUT_TOKENS = 1 << 20

@@ -207,7 +207,7 @@ class Engine:
         self._cut = threading.Event()  # cut_step asked for it
         self._prefill_rate = PrefillRate(self.scheduler.config.max_num_batched_tokens)
         self._admission_rate = AdmissionRate()
-        self._grammars = GrammarCompiler(loaded.tokenizer.backend.to_str(), loaded.config.vocab_size, loaded.eos_token_ids)
+        self._grammars = GrammarCompiler(loaded.tokenizer.backend.to_str, loaded.config.vocab_size, loaded.eos_token_ids)
 
     # -- requests -------------------------------------------------------------------------------
 

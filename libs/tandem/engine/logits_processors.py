@@ -13,14 +13,15 @@ The penalties read the whole sequence (prompt, then every output token), which a
 another worker has too, so a continued reply is penalised as an uninterrupted one. Each rule is
 applied to the whole batch at once, by gathers and scatters at the (row, token) places the
 sequences name (no host sync, no batch x vocabulary temporaries); the per-sequence Python work
-is building the index tensors, once per step, and a batch where no row asks for a rule costs
-nothing: the logits come back untouched.
+is building the index tensors, once per step (a prompt's distinct tokens once per sequence: a
+prompt never changes), and a batch where no row asks for a rule costs nothing: the logits come
+back untouched.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as SequenceOf
-from itertools import chain
 
 import torch
 
@@ -71,12 +72,12 @@ def _apply_penalties(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.
     selected = logits[rows].float()  # a copy: the caller's logits stay as they were
     flat = selected.view(-1)
     if any(o.repetition_penalty != 1.0 for o in options):
-        seen_rows, seen_ids = _flat([seq.token_ids for seq in penalised], device)
+        seen_rows, seen_ids = _flat([torch.cat((_prompt_ids(seq, device), _output_ids(seq, device))) for seq in penalised])
         at = seen_rows * vocab_size + seen_ids
         values = flat[at]
         scale = _values([o.repetition_penalty for o in options], device)[seen_rows]
         flat[at] = torch.where(values > 0, values / scale, values * scale)
-    output_rows, output_ids = _flat([seq.token_ids[seq.num_prompt_tokens :] for seq in penalised], device)
+    output_rows, output_ids = _flat([_output_ids(seq, device) for seq in penalised])
     at = output_rows * vocab_size + output_ids
     flat[at] = flat[at] - _values([o.presence_penalty for o in options], device)[output_rows]
     flat.index_add_(0, at, -_values([o.frequency_penalty for o in options], device)[output_rows])
@@ -118,13 +119,28 @@ def _mask_grammars(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Te
     return masked
 
 
-def _flat(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row of each token, token id) over all rows' lists, as two index tensors, built on the host
-    (no Python loop over the tokens) and copied over once."""
-    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    return rows.to(device), ids.to(device)
+# A sequence's prompt's distinct token ids, on the device, made at its first penalised step.
+_PROMPT_IDS: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _prompt_ids(seq: Sequence, device: torch.device) -> torch.Tensor:
+    ids = _PROMPT_IDS.get(seq)
+    if ids is None or ids.device != device:
+        prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.int64)
+        ids = _PROMPT_IDS[seq] = torch.unique(prompt).to(device)
+    return ids
+
+
+def _output_ids(seq: Sequence, device: torch.device) -> torch.Tensor:
+    return torch.tensor(seq.token_ids[seq.num_prompt_tokens :], dtype=torch.int64).to(device)
+
+
+def _flat(ids_per_row: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each id, id) over all rows' ids, as two index tensors on the ids' device."""
+    ids = torch.cat(ids_per_row)
+    lengths = torch.tensor([len(row) for row in ids_per_row], dtype=torch.int64, device=ids.device)
+    rows = torch.repeat_interleave(torch.arange(len(ids_per_row), device=ids.device), lengths)
+    return rows, ids
 
 
 def _values(values: list[float], device: torch.device) -> torch.Tensor:
