@@ -74,6 +74,26 @@ class Message:
     created_at_ms: int
 
 
+# --- feedback: an answer rated by its conversation's user
+
+
+class Rating(str, Enum):
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """A user's rating of one answer; rating it again replaces it."""
+
+    message_id: str
+    conversation_id: str
+    rating: Rating
+    reason: str = ""
+    comment: str = ""
+    rated_at_ms: int = 0  # 0: the store's clock
+
+
 class ConversationStore(Protocol):
     async def start(self) -> None:
         """Connects and creates (or migrates) the schema; idempotent."""
@@ -122,6 +142,17 @@ class ConversationStore(Protocol):
 
     async def list_messages(self, conversation_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[Message]:
         """In seq order, those with seq > after_seq, at most `limit`."""
+
+    # --- feedback
+
+    async def rate_message(self, feedback: Feedback) -> Feedback | None:
+        """Stores the rating of a message of the conversation, replacing the one before; returns
+        the one it replaced (None: the first). The caller checks that the message is the user's
+        answer. Raises KeyError when the message is not in that conversation. Deleting the
+        conversation deletes its ratings."""
+
+    async def list_feedback(self, conversation_id: str) -> list[Feedback]:
+        """The conversation's ratings, one per rated message, in no particular order."""
 
 
 async def store_is_available(store: ConversationStore) -> bool:

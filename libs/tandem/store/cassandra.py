@@ -15,6 +15,8 @@ cassandra_schema.py):
 - messages_by_id (id) -> (conversation_id, seq) - get by id, and the idempotency claim: a retried
   append finds its id here (or, after a crash mid-append, meets its own row while searching for
   a seq) and returns the stored message instead of writing a second one.
+- message_feedback ((conversation_id), message_id) - an answer's rating, replaced when rated
+  again; a conversation's ratings are one partition, read beside its messages.
 
 Every driver request is bounded by timeout_s (cassandra_session.py) and so is every store call;
 driver errors become StoreUnavailable.
@@ -36,12 +38,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from cassandra.query import BatchStatement, BatchType
 
 from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
-from tandem.store.base import Conversation, Message, NewMessage, StoreUnavailable
+from tandem.store.base import Conversation, Feedback, Message, NewMessage, StoreUnavailable
 from tandem.store.cassandra_schema import (
     DEFAULT_BUCKET_SIZE,
     MESSAGE_COLUMNS,
     QUERIES,
     conversation_from_row,
+    feedback_from_row,
     in_keyspace,
     message_from_row,
     migrate,
@@ -202,8 +205,9 @@ class CassandraStore:
         row = await self._conversation_row(conversation_id)
         if row is None or row["user_id"] != user_id:
             return False
-        # Messages first, the conversation last: a delete cut short leaves the conversation to
-        # delete again, never messages that nothing points at.
+        # Messages (and their ratings) first, the conversation last: a delete cut short leaves the
+        # conversation to delete again, never messages that nothing points at.
+        await self._session.run("delete_feedback", conversation_id)
         bucket = 0
         while ids := [r["id"] async for r in self._session.pages("message_ids", (conversation_id, bucket), page_size=500)]:
             await asyncio.gather(*(self._session.run("delete_id", message_id) for message_id in ids))
@@ -303,3 +307,21 @@ class CassandraStore:
                 break  # an empty bucket: seqs are contiguous, so no later bucket has any
             bucket += 1
         return found
+
+    # --- feedback
+
+    @_bounded
+    async def rate_message(self, feedback: Feedback) -> Feedback | None:
+        f = feedback
+        rows = (await self._session.run("get_id", f.message_id)).current_rows
+        if not rows or rows[0]["conversation_id"] != f.conversation_id or rows[0]["seq"] is None:
+            raise KeyError(f.message_id)
+        # Read, then write: two ratings racing both return the one before them (the last write stays).
+        before = (await self._session.run("get_feedback", f.conversation_id, f.message_id)).current_rows
+        values = (f.conversation_id, f.message_id, f.rating.value, f.reason, f.comment, f.rated_at_ms or now_ms())
+        await self._session.run("set_feedback", *values)
+        return feedback_from_row(before[0]) if before else None
+
+    @_bounded
+    async def list_feedback(self, conversation_id: str) -> list[Feedback]:
+        return [feedback_from_row(row) async for row in self._session.pages("feedback_of", (conversation_id,), page_size=500)]

@@ -10,10 +10,10 @@ import re
 from typing import Any
 
 from tandem.bus.events import ReplyStatus, now_ms
-from tandem.store.base import Conversation, Message, Role, StoreUnavailable
+from tandem.store.base import Conversation, Feedback, Message, Rating, Role, StoreUnavailable
 from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_BUCKET_SIZE = 1000
 
 MIGRATIONS: dict[int, list[str]] = {
@@ -32,8 +32,15 @@ MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY ((conversation_id, bucket), seq)) WITH CLUSTERING ORDER BY (seq ASC)""",
         "CREATE TABLE IF NOT EXISTS messages_by_id (id text PRIMARY KEY, conversation_id text, seq int)",
     ],
+    # Feedback: one rating per answer, a conversation's ratings in one partition (read with its messages).
+    2: [
+        """CREATE TABLE IF NOT EXISTS message_feedback (
+            conversation_id text, message_id text, rating text, reason text, comment text, rated_at_ms bigint,
+            PRIMARY KEY ((conversation_id), message_id))""",
+    ],
 }
 MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
+FEEDBACK_COLUMNS = "conversation_id, message_id, rating, reason, comment, rated_at_ms"
 _CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms, summary, summary_upto_seq, token_counts, last_seq"
 QUERIES = {
     "get_conversation": f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ?",
@@ -58,6 +65,11 @@ QUERIES = {
     "delete_bucket": "DELETE FROM messages WHERE conversation_id = ? AND bucket = ?",
     "delete_id": "DELETE FROM messages_by_id WHERE id = ?",
     "delete_conversation": "DELETE FROM conversations WHERE id = ?",
+    # feedback
+    "get_feedback": f"SELECT {FEEDBACK_COLUMNS} FROM message_feedback WHERE conversation_id = ? AND message_id = ?",
+    "set_feedback": f"INSERT INTO message_feedback ({FEEDBACK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+    "feedback_of": f"SELECT {FEEDBACK_COLUMNS} FROM message_feedback WHERE conversation_id = ?",
+    "delete_feedback": "DELETE FROM message_feedback WHERE conversation_id = ?",
 }
 _GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE component = 'conversations'"
 _SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
@@ -102,3 +114,8 @@ def message_from_row(row: dict[str, Any]) -> Message:
 def conversation_from_row(row: dict[str, Any]) -> Conversation:
     fields = {key: row[key] for key in _CONVERSATION_COLUMNS.split(", ")[:-2]}
     return Conversation(**fields, total_tokens=sum((row["token_counts"] or {}).values()))
+
+
+def feedback_from_row(row: dict[str, Any]) -> Feedback:
+    fields = {key: row[key] for key in FEEDBACK_COLUMNS.split(", ")}
+    return Feedback(**fields | {"rating": Rating(fields["rating"])})

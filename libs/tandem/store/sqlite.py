@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
-from tandem.store.base import Conversation, Message, NewMessage, Role, StoreUnavailable
+from tandem.store.base import Conversation, Feedback, Message, NewMessage, Rating, Role, StoreUnavailable
 
 T = TypeVar("T")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS conversations (
         id TEXT PRIMARY KEY, user_id TEXT NOT NULL, title TEXT NOT NULL, model TEXT NOT NULL,
@@ -35,9 +35,15 @@ _SCHEMA = [
         parent_seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, tokens INTEGER NOT NULL,
         model TEXT NOT NULL, status TEXT NOT NULL, created_at_ms INTEGER NOT NULL,
         UNIQUE (conversation_id, seq))""",
+    # 2: feedback, one rating per answer (replaced when rated again).
+    """CREATE TABLE IF NOT EXISTS message_feedback (
+        message_id TEXT PRIMARY KEY REFERENCES messages (id), conversation_id TEXT NOT NULL,
+        rating TEXT NOT NULL, reason TEXT NOT NULL, comment TEXT NOT NULL, rated_at_ms INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS message_feedback_by_conversation ON message_feedback (conversation_id)",
 ]
 _CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms, summary, summary_upto_seq, total_tokens"
 _MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
+_FEEDBACK_COLUMNS = "message_id, conversation_id, rating, reason, comment, rated_at_ms"
 
 
 def _the_row(db: sqlite3.Connection, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Row:
@@ -55,6 +61,11 @@ def _conversation(row: sqlite3.Row) -> Conversation:
 def _message(row: sqlite3.Row) -> Message:
     fields = {key: row[key] for key in _MESSAGE_COLUMNS.split(", ")}
     return Message(**fields | {"role": Role(fields["role"]), "status": ReplyStatus(fields["status"])})
+
+
+def _feedback(row: sqlite3.Row) -> Feedback:
+    fields = {key: row[key] for key in _FEEDBACK_COLUMNS.split(", ")}
+    return Feedback(**fields | {"rating": Rating(fields["rating"])})
 
 
 class SqliteStore:
@@ -190,6 +201,7 @@ class SqliteStore:
             owned = db.execute("SELECT 1 FROM conversations WHERE id = ? AND user_id = ?", (conversation_id, user_id)).fetchone()
             if owned is None:
                 return False
+            db.execute("DELETE FROM message_feedback WHERE conversation_id = ?", (conversation_id,))
             db.execute("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
             db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
             return True
@@ -265,6 +277,32 @@ class SqliteStore:
         params = (conversation_id, after_seq, -1 if limit is None else limit)
         rows = await self._call(lambda db: db.execute(query, params).fetchall())
         return [_message(row) for row in rows]
+
+    # --- feedback
+
+    async def rate_message(self, feedback: Feedback) -> Feedback | None:
+        f = feedback
+
+        def rate(db: sqlite3.Connection) -> sqlite3.Row | None:
+            if (
+                db.execute("SELECT 1 FROM messages WHERE id = ? AND conversation_id = ?", (f.message_id, f.conversation_id)).fetchone()
+                is None
+            ):
+                raise KeyError(f.message_id)
+            before = db.execute(f"SELECT {_FEEDBACK_COLUMNS} FROM message_feedback WHERE message_id = ?", (f.message_id,)).fetchone()
+            db.execute(
+                f"INSERT OR REPLACE INTO message_feedback ({_FEEDBACK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                (f.message_id, f.conversation_id, f.rating.value, f.reason, f.comment, f.rated_at_ms or now_ms()),
+            )
+            return before
+
+        before = await self._write(rate)
+        return None if before is None else _feedback(before)
+
+    async def list_feedback(self, conversation_id: str) -> list[Feedback]:
+        query = f"SELECT {_FEEDBACK_COLUMNS} FROM message_feedback WHERE conversation_id = ?"
+        rows = await self._call(lambda db: db.execute(query, (conversation_id,)).fetchall())
+        return [_feedback(row) for row in rows]
 
 
 def _in_transaction(db: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:

@@ -12,7 +12,19 @@ import pytest
 
 from tandem.bus.events import ReplyStatus
 from tandem.config import load_settings
-from tandem.store import BRANCH_ROOT, Conversation, ConversationStore, NewMessage, Role, open_store
+from tandem.store import (
+    BRANCH_ROOT,
+    Conversation,
+    ConversationStore,
+    Feedback,
+    NewMessage,
+    Rating,
+    Role,
+    cassandra_schema,
+    open_store,
+    sqlite,
+)
+from tandem.store import cassandra as cassandra_store
 
 StoreFactory = Callable[[], Awaitable[ConversationStore]]
 
@@ -289,3 +301,79 @@ async def test_each_message_keeps_the_parent_it_follows_the_branch_root_included
     assert [(m.seq, m.parent_seq) for m in stored] == [(1, BRANCH_ROOT), (2, 1), (3, BRANCH_ROOT), (4, 2)]
     assert (edited.parent_seq, follow_up.parent_seq) == (BRANCH_ROOT, answer.seq)
     assert (await store.get_message(edited.id)).parent_seq == BRANCH_ROOT
+
+
+# --- feedback
+
+
+async def test_a_rating_reads_back_with_its_conversation_and_a_second_replaces_the_first(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    question = await store.append_message("alice", user_turn(conversation))
+    answer = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
+    other = await store.append_message("alice", running_reply(conversation, parent_seq=question.seq))
+    assert await store.list_feedback(conversation.id) == []
+
+    first = Feedback(answer.id, conversation.id, Rating.UP, reason="", comment="", rated_at_ms=1_000)
+    assert await store.rate_message(first) is None
+    second = Feedback(answer.id, conversation.id, Rating.DOWN, reason="inaccurate", comment="2+2 is not 5", rated_at_ms=2_000)
+    assert await store.rate_message(second) == first, "a second rating did not return the one it replaced"
+    assert await store.rate_message(Feedback(other.id, conversation.id, Rating.UP)) is None
+    stored = {f.message_id: f for f in await store.list_feedback(conversation.id)}
+    assert stored[answer.id] == second
+    assert (stored[other.id].rating, stored[other.id].reason) == (Rating.UP, "")
+    assert stored[other.id].rated_at_ms > 0, "a rating without a time did not get the store's clock"
+    assert len(stored) == 2
+
+
+async def test_a_rating_of_a_message_not_in_the_conversation_is_refused_and_stores_nothing(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    elsewhere = await store.create_conversation(new_conversation())
+    answer = await store.append_message("alice", running_reply(elsewhere, parent_seq=0))
+    with pytest.raises(KeyError):
+        await store.rate_message(Feedback(answer.id, conversation.id, Rating.UP))
+    with pytest.raises(KeyError):
+        await store.rate_message(Feedback(f"msg-{uuid.uuid4().hex}", conversation.id, Rating.UP))
+    assert await store.list_feedback(conversation.id) == []
+    assert await store.list_feedback(elsewhere.id) == []
+
+
+async def test_deleting_a_conversation_deletes_its_ratings(store: ConversationStore) -> None:
+    conversation = await store.create_conversation(new_conversation())
+    answer = await store.append_message("alice", running_reply(conversation, parent_seq=0))
+    await store.rate_message(Feedback(answer.id, conversation.id, Rating.DOWN, comment="wrong"))
+    assert await store.delete_conversation("alice", conversation.id) is True
+    assert await store.list_feedback(conversation.id) == []
+
+
+async def test_a_store_written_by_schema_1_code_gains_ratings_when_newer_code_starts_on_it(
+    store_kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upgrade: the first client runs with schema 1 alone (its tables, its queries), the next
+    migrates the store it left and rates the answer it wrote."""
+
+    def client() -> ConversationStore:
+        if store_kind == "sqlite":
+            return sqlite.SqliteStore(tmp_path / "upgraded.db")
+        return cassandra_store.CassandraStore(request.getfixturevalue("cassandra_hosts"), keyspace=keyspace, timeout_s=10)
+
+    keyspace = f"upgrade_{uuid.uuid4().hex[:8]}"
+    with monkeypatch.context() as schema_1:
+        if store_kind == "sqlite":
+            schema_1.setattr(sqlite, "SCHEMA_VERSION", 1)
+            schema_1.setattr(sqlite, "_SCHEMA", [s for s in sqlite._SCHEMA if "message_feedback" not in s])
+        else:
+            schema_1.setattr(cassandra_schema, "SCHEMA_VERSION", 1)
+            queries = {name: query for name, query in cassandra_schema.QUERIES.items() if "message_feedback" not in query}
+            schema_1.setattr(cassandra_store, "QUERIES", queries)
+        old = client()
+        await old.start()
+        conversation = await old.create_conversation(new_conversation())
+        answer = await old.append_message("alice", running_reply(conversation, parent_seq=0))
+        await old.close()
+    new = client()
+    await new.start()
+    try:
+        assert await new.rate_message(Feedback(answer.id, conversation.id, Rating.UP, reason="clear")) is None
+        assert [(f.message_id, f.rating, f.reason) for f in await new.list_feedback(conversation.id)] == [(answer.id, Rating.UP, "clear")]
+    finally:
+        await new.close()
