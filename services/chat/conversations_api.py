@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 from typing import Annotated
@@ -60,17 +61,19 @@ async def list_conversations(
 
 @router.get("/{conversation_id}")
 async def get_conversation(state: Chat, streams: Streams, user: CurrentUser, conversation_id: str) -> dict[str, object]:
-    """`messages`: the active branch (root to the newest message), each with its parent_id;
+    """`messages`: the active branch (root to the newest message), each with its parent_id (and
+    an answer with its user's rating, `feedback`);
     `tree`: every message (every regenerated answer and edited message), in seq order, for
     switching between branches."""
     conversation = await owned_conversation(state.store, user, conversation_id)
-    messages = await state.store.list_messages(conversation_id)
+    messages, ratings = await asyncio.gather(state.store.list_messages(conversation_id), state.store.list_feedback(conversation_id))
+    feedback = {f.message_id: f for f in ratings}
     parents = parent_seqs(messages)
     id_of_seq = {m.seq: m.id for m in messages}
     views = {}
     for m in messages:
         shown = await streams.as_logged(m) if m.status == ReplyStatus.RUNNING else m
-        views[m.seq] = message_view(shown, id_of_seq.get(parents[m.seq]))
+        views[m.seq] = message_view(shown, id_of_seq.get(parents[m.seq]), feedback.get(m.id))
     branch = [views[m.seq] for m in active_branch(messages)]
     tree = [views[m.seq] for m in messages]
     return {

@@ -87,3 +87,18 @@ DIFFICULTY_FALLBACKS = Counter(
     "Messages the fallback rule routed because the classifier gave no score: none, error, timeout, busy",
     ["reason"],
 )
+
+# What users make of the answers, by the model version that wrote them (model_labels): their
+# ratings (POST /v1/messages/{id}/feedback), and the regenerate rate, regenerations over answers.
+_VERSIONED = ["model", "version"]
+FEEDBACK = Counter(
+    "tandem_feedback_total", "Answers rated by their users (a rating given again counts only when its vote changes)", [*_VERSIONED, "vote"]
+)
+ANSWERS = Counter("tandem_answers_total", "Answers started for the product API's messages and regenerations", _VERSIONED)
+REGENERATIONS = Counter("tandem_regenerations_total", "Answers regenerated, by the model version of the answer replaced", _VERSIONED)
+
+
+def model_labels(served_model: str) -> dict[str, str]:
+    """`name@version` -> {"model": name, "version": version}; a name without `@` has version ""."""
+    name, _, version = served_model.partition("@")
+    return {"model": name, "version": version}

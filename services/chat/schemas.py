@@ -9,7 +9,10 @@ from pydantic import BaseModel, Field, StringConstraints, model_validator
 
 from services.chat.limits import MaxTokens, ModelName, Seed, Temperature, TopP
 from services.chat.turns import SamplingChoice
-from tandem.store import Conversation, Message
+from tandem.store import Conversation, Feedback, Message, Rating
+
+MAX_FEEDBACK_REASON_CHARS = 200
+MAX_FEEDBACK_COMMENT_CHARS = 4000
 
 
 class NewConversationBody(BaseModel):
@@ -50,6 +53,15 @@ class RegenerateBody(SamplingBody):
     model: ModelName = ""  # empty: the model of the answer being regenerated
 
 
+class FeedbackBody(BaseModel):
+    """POST /v1/messages/{id}/feedback: a rating of an answer; `reason` (a short label such as
+    "inaccurate") and `comment` (free text) are optional."""
+
+    rating: Rating
+    reason: str | None = Field(default=None, max_length=MAX_FEEDBACK_REASON_CHARS)
+    comment: str | None = Field(default=None, max_length=MAX_FEEDBACK_COMMENT_CHARS)
+
+
 def iso(unix_ms: int) -> str:
     return datetime.fromtimestamp(unix_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -73,8 +85,15 @@ def summary_view(conversation: Conversation) -> dict[str, object] | None:
     return {"text": conversation.summary, "upto_seq": conversation.summary_upto_seq}
 
 
-def message_view(message: Message, parent_id: str | None = None) -> dict[str, object]:
-    """`parent_id`: the message it follows (None: the conversation's root)."""
+def feedback_view(feedback: Feedback | None) -> dict[str, object] | None:
+    if feedback is None:
+        return None
+    return {"rating": feedback.rating.value, "reason": feedback.reason, "comment": feedback.comment, "rated_at": iso(feedback.rated_at_ms)}
+
+
+def message_view(message: Message, parent_id: str | None = None, feedback: Feedback | None = None) -> dict[str, object]:
+    """`parent_id`: the message it follows (None: the conversation's root); `feedback`: its
+    user's rating (an answer's), None while it has none."""
     return {
         "id": message.id,
         "seq": message.seq,
@@ -85,6 +104,7 @@ def message_view(message: Message, parent_id: str | None = None) -> dict[str, ob
         "model": message.model,
         "tokens": message.tokens,
         "created_at": iso(message.created_at_ms),
+        "feedback": feedback_view(feedback),
     }
 
 

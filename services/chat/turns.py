@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
 
+from services.chat import metrics
 from services.chat.config import ChatConfig
 from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context, parent_seqs, stored_parent_seq
 from services.chat.door import Door
@@ -132,6 +133,7 @@ class Turns:
         title = None if conversation.title else _title_of(content)
         stored = _StoredTurn(self, conversation, reply, user_turn=user_turn, title=title)
         started = await self._start(reply, stored, prompt.num_dropped)
+        metrics.ANSWERS.labels(**metrics.model_labels(started.model)).inc()
         schedule_summary(self.summaries, user, conversation.id, model, history[: prompt.num_dropped], started.reply_id)  # in the background
         return replace(started, route=route.answered_by(started.model))
 
@@ -153,6 +155,9 @@ class Turns:
         prompt = await asyncio.to_thread(self._prompt, user, conversation, earlier, new_turn, model, counter)
         reply = self._reply_request(user, conversation, route, prompt, new_reply_id(), sampling)
         started = await self._start(reply, _StoredTurn(self, conversation, reply, parent_seq=user_turn.seq), prompt.num_dropped)
+        # The regenerate rate of a model version: its answers replaced over its answers started.
+        metrics.REGENERATIONS.labels(**metrics.model_labels(answer.model)).inc()
+        metrics.ANSWERS.labels(**metrics.model_labels(started.model)).inc()
         schedule_summary(self.summaries, user, conversation.id, model, earlier[: prompt.num_dropped], started.reply_id)
         return replace(started, route=route.answered_by(started.model))
 
