@@ -1,5 +1,5 @@
 """The chat page at `/` in a real browser (chromium driven by Playwright; `make browser` installs one) against the
-product stack: the key prompt, sending, streaming, reload, Stop, Regenerate, a dropped network
+product stack: the key prompt, sending, streaming, reload, Stop, Regenerate, rating, a dropped network
 mid-reply, a reply attached to on load, and a refused send. Every wait is on the page's DOM."""
 
 from __future__ import annotations
@@ -312,6 +312,25 @@ async def test_regenerate_gives_a_new_answer(product_stack, context):
     assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
     assert last["id"] == second_id
     assert await source_of(answer) == last["content"]
+
+
+async def test_thumbs_rate_an_answer_and_the_rating_is_stored_and_shown_after_a_reload(product_stack, context):
+    page = await signed_in_page(context, product_stack.url)
+    await send(page, "Name an animal.")
+    answer = answers(page).last
+    await expect(answer).to_have_attribute("data-status", "complete", timeout=REPLY_TIMEOUT_MS)
+    await expect(page.locator('.message[data-role="user"] .rating')).to_have_count(0)
+    await answer.locator(".rate-up").click()
+    await expect(answer.locator(".rate-up")).to_have_attribute("aria-pressed", "true")
+    await answer.locator(".rate-down").click()  # a second rating replaces the first
+    await expect(answer.locator(".rate-down")).to_have_attribute("aria-pressed", "true")
+    await expect(answer.locator(".rate-up")).to_have_attribute("aria-pressed", "false")
+
+    conversation = await stored(product_stack.url, conversation_id_of(page))
+    assert conversation["messages"][-1]["feedback"]["rating"] == "down"
+    await page.reload()
+    await expect(answers(page).last.locator(".rate-down")).to_have_attribute("aria-pressed", "true")
+    await expect(answers(page).last.locator(".rate-up")).to_have_attribute("aria-pressed", "false")
 
 
 async def test_network_drop_mid_reply_resumes_without_repeating_a_word(product_stack, context):

@@ -4,7 +4,7 @@
 import { api, apiJson, streamHeaders, useKey, uuid } from '/static/api.js';
 import { branchThrough, buildTree, pathTo, versionsOf } from '/static/branches.js';
 import {
-  appendText, keepingBottom, messageElement, placeSummaryNote, scrollToBottom, setError, setStatus, setText, setUsage, setVersions, startEditing,
+  appendText, keepingBottom, messageElement, placeSummaryNote, scrollToBottom, setError, setRating, setStatus, setText, setUsage, setVersions, startEditing,
   textOf,
 } from '/static/messages.js';
 import { ConversationList } from '/static/conversations.js';
@@ -220,7 +220,21 @@ function editMessage(el) {
   startEditing(el, (content) => sendEdit(el, content));
 }
 
-const messageActions = { regenerate, edit: editMessage, switchVersion };
+/** Rates an answer (👍 'up', 👎 'down'); rating it again replaces the rating. */
+async function rate(el, rating) {
+  const messageId = el.dataset.id;
+  if (!messageId) return;
+  try {
+    const response = await api(`/v1/messages/${encodeURIComponent(messageId)}/feedback`, { method: 'POST', body: { rating } });
+    if (!response.ok) throw await apiError(response);
+  } catch (err) {
+    showBanner(`Could not save the rating: ${err.message}`, err.retryAfterS, err.status);
+    return;
+  }
+  if (el.dataset.id === messageId) setRating(el, rating); // not if it was regenerated meanwhile
+}
+
+const messageActions = { regenerate, rate, edit: editMessage, switchVersion };
 
 // ---- messages ------------------------------------------------------------------------------------
 
@@ -402,6 +416,7 @@ function regenerate(el) {
   hideBanner();
   setText(el, '');
   setUsage(el);
+  setRating(el, '');
   delete el.dataset.id;
   followStream(el, {
     start: (_, signal) => api(`/v1/messages/${encodeURIComponent(messageId)}/regenerate`, {
@@ -449,6 +464,10 @@ function updateControls() {
   }
   for (const button of ui.messages.querySelectorAll('.edit')) {
     button.hidden = active !== null || !button.closest('.message').dataset.id;
+  }
+  for (const box of ui.messages.querySelectorAll('.rating')) {
+    const el = box.closest('.message');
+    box.hidden = !el.dataset.id || el.dataset.status === 'running';
   }
   for (const el of ui.messages.querySelectorAll('.message')) {
     const { index, count } = el.dataset.id ? versionsOf(state.tree, el.dataset.id) : { index: 1, count: 1 };

@@ -1,6 +1,6 @@
 // One message on the page: an <article> that keeps its text in data-source, with a foot line for
 // its status, its error, its versions (‹ 1/2 › between regenerated answers or edited messages),
-// Edit (a user's message) and Regenerate (an answer). A user's text is shown as a text node; an
+// Edit (a user's message), and Regenerate and thumbs up and down (an answer). A user's text is shown as a text node; an
 // answer is rendered as sanitised Markdown (markdown.js), at most every RENDER_EVERY_MS while it
 // streams and at once when it ends.
 
@@ -42,12 +42,34 @@ function versionsElement(el, onSwitch) {
   return nav;
 }
 
+/** 👍 👎 under an answer: `onRate(el, rating)`; the one given is pressed (setRating). */
+function ratingElement(el, onRate) {
+  const box = document.createElement('span');
+  box.className = 'rating';
+  box.hidden = true;
+  box.append(
+    linkButton('rate-up', '👍', 'Good answer', () => onRate(el, 'up')),
+    linkButton('rate-down', '👎', 'Bad answer', () => onRate(el, 'down')),
+  );
+  return box;
+}
+
+/** Shows `rating` ('up', 'down', or '' for none) as the pressed thumb. */
+export function setRating(el, rating) {
+  if (rating) el.dataset.rating = rating;
+  else delete el.dataset.rating;
+  for (const vote of ['up', 'down']) {
+    el.querySelector(`.rate-${vote}`)?.setAttribute('aria-pressed', String(vote === rating));
+  }
+}
+
 /**
- * A message as the API gives it (`{id, role, content, status}`). `actions`: regenerate(el) for
- * answers, edit(el) for a user's messages, switchVersion(el, step) for both.
+ * A message as the API gives it (`{id, role, content, status, feedback}`). `actions`:
+ * regenerate(el) and rate(el, rating) for answers, edit(el) for a user's messages,
+ * switchVersion(el, step) for both.
  */
-export function messageElement({ id = '', role, content = '', status = 'complete', tokens = 0 }, actions = {}) {
-  const { regenerate = () => {}, edit = () => {}, switchVersion = () => {} } = actions;
+export function messageElement({ id = '', role, content = '', status = 'complete', tokens = 0, feedback = null }, actions = {}) {
+  const { regenerate = () => {}, rate = () => {}, edit = () => {}, switchVersion = () => {} } = actions;
   const el = document.createElement('article');
   el.className = 'message';
   el.dataset.role = role;
@@ -67,7 +89,7 @@ export function messageElement({ id = '', role, content = '', status = 'complete
   if (role === 'assistant') {
     const again = linkButton('regenerate', 'Regenerate', '', () => regenerate(el));
     again.hidden = true;
-    foot.append(again);
+    foot.append(again, ratingElement(el, rate));
   } else {
     const change = linkButton('edit', 'Edit', 'Edit this message', () => edit(el));
     change.hidden = true;
@@ -76,6 +98,7 @@ export function messageElement({ id = '', role, content = '', status = 'complete
   el.append(body, foot);
   el.dataset.source = content;
   setStatus(el, status);
+  if (role === 'assistant') setRating(el, feedback ? feedback.rating : '');
   if (role === 'assistant' && status !== 'running' && tokens > 0) setUsage(el, { output: tokens });
   return el;
 }
