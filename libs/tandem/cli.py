@@ -1,5 +1,6 @@
 """The `tandem` command: `tandem up` (the whole local stack), `tandem serve <role>` (one service,
-every setting also a flag), and `tandem generate` (one answer from the in-process engine)."""
+every setting also a flag), `tandem generate` (one answer from the in-process engine), and the
+operators' tools (`tandem plan`, `tandem top`, `tandem usage export`, ...)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tandem.config import ROLES, load_settings, settings_flags
 from tandem.devstack import cassandra_node, secrets
 from tandem.errors import StartupError
 from tandem.models.files import open_model
-from tandem.ops import bench_serve, plan, top
+from tandem.ops import bench_serve, plan, top, usage_export
 from tandem.runtime import run_service
 
 VIA_BUS_IDLE_S = 300.0  # tandem generate --via-bus gives up when its reply sends nothing for this long
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_cli(commands)
     bench_serve.add_cli(commands)
     top.add_cli(commands)
+    usage_export.add_cli(commands)
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

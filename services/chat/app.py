@@ -10,7 +10,7 @@ import logging
 from fastapi import FastAPI
 from sse_starlette.sse import AppStatus
 
-from services.chat import completions_api, conversations_api, errors, feedback_api, messages_api, openai_api, quotas, tokenize_api, web
+from services.chat import completions_api, conversations_api, errors, feedback_api, messages_api, openai_api, quotas, tokenize_api, usage_api, web
 from services.chat.body_limit import BodyLimit
 from services.chat.config import ChatConfig
 from services.chat.difficulty import open_judge
@@ -107,6 +107,7 @@ def build_app(settings: Settings) -> FastAPI:
             openai_api.router,
             completions_api.router,
             tokenize_api.router,
+            usage_api.router,
             web.router,
             status_router(ladder, state.models),
         ],

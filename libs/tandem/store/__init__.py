@@ -16,6 +16,7 @@ from tandem.store.base import (
     StoreUnavailable,
     store_is_available,
 )
+from tandem.store.usage import ReplyUsage, UsageRow
 
 if TYPE_CHECKING:
     from tandem.config import Settings
@@ -48,7 +49,9 @@ __all__ = [
     "Message",
     "NewMessage",
     "Rating",
+    "ReplyUsage",
     "Role",
     "StoreUnavailable",
+    "UsageRow",
     "store_is_available",
 ]

@@ -1,5 +1,6 @@
 """The conversation store's contract: conversations by user (newest first), messages by
-conversation in order. SQLite is the embedded default, Cassandra the production store; one
+conversation in order, and the usage ledger (usage.py): every reply's tokens, per user, model
+and UTC day. SQLite is the embedded default, Cassandra the production store; one
 contract test suite runs against both.
 
 Every write is acknowledged only once it is durable. Writes are idempotent by id, so a retry
@@ -9,10 +10,12 @@ after a timeout never makes a second conversation or message.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import date
 from enum import Enum
 from typing import Protocol
 
 from tandem.bus.events import ReplyStatus
+from tandem.store.usage import ReplyUsage, UsageRow
 
 
 class StoreUnavailable(Exception):
@@ -153,6 +156,16 @@ class ConversationStore(Protocol):
 
     async def list_feedback(self, conversation_id: str) -> list[Feedback]:
         """The conversation's ratings, one per rated message, in no particular order."""
+    async def record_usage(self, usage: ReplyUsage) -> None:
+        """Adds one reply's usage to the ledger; the same reply id again changes nothing (the
+        first write stands), so a retried or redelivered settlement is counted once."""
+
+    async def usage_of(self, user_id: str, *, since: date) -> list[UsageRow]:
+        """The user's usage per model and UTC day from `since` on, ordered by day and model."""
+
+    async def usage_since(self, since: date) -> list[UsageRow]:
+        """Every user's usage per model and UTC day from `since` on (the admin export), ordered by
+        day, user and model."""
 
 
 async def store_is_available(store: ConversationStore) -> bool:

@@ -18,6 +18,8 @@ cassandra_schema.py):
 - message_feedback ((conversation_id), message_id) - an answer's rating, replaced when rated
   again; a conversation's ratings are one partition, read beside its messages.
 
+- usage_by_user, usage_by_day - the usage ledger, a row per reply (cassandra_usage.py).
+
 Every driver request is bounded by timeout_s (cassandra_session.py) and so is every store call;
 driver errors become StoreUnavailable.
 
@@ -33,11 +35,13 @@ import asyncio
 import functools
 import re
 from collections.abc import Awaitable, Callable, Coroutine
+from datetime import date, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from cassandra.query import BatchStatement, BatchType
 
 from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
+from tandem.store import cassandra_usage
 from tandem.store.base import Conversation, Feedback, Message, NewMessage, StoreUnavailable
 from tandem.store.cassandra_schema import (
     DEFAULT_BUCKET_SIZE,
@@ -50,6 +54,7 @@ from tandem.store.cassandra_schema import (
     migrate,
 )
 from tandem.store.cassandra_session import CassandraSession
+from tandem.store.usage import ReplyUsage, UsageRow, today_utc
 
 _MAX_SEQ_ATTEMPTS = 1000
 _KEYSPACE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")
@@ -325,3 +330,21 @@ class CassandraStore:
     @_bounded
     async def list_feedback(self, conversation_id: str) -> list[Feedback]:
         return [feedback_from_row(row) async for row in self._session.pages("feedback_of", (conversation_id,), page_size=500)]
+    # --- the usage ledger
+
+    @_bounded
+    async def record_usage(self, usage: ReplyUsage) -> None:
+        await cassandra_usage.record(self._session, usage)
+
+    @_bounded
+    async def usage_of(self, user_id: str, *, since: date) -> list[UsageRow]:
+        return await cassandra_usage.of_user(self._session, user_id, since, _last_day_written())
+
+    async def usage_since(self, since: date) -> list[UsageRow]:
+        """Each request bounded by timeout_s, not the whole read: an export reads every day's rows."""
+        return await cassandra_usage.every_user(self._session, since, _last_day_written())
+
+
+def _last_day_written() -> date:
+    """The last day a reply's usage can be on: tomorrow (UTC), for a writer whose clock runs ahead."""
+    return today_utc() + timedelta(days=1)

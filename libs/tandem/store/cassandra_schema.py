@@ -13,7 +13,7 @@ from tandem.bus.events import ReplyStatus, now_ms
 from tandem.store.base import Conversation, Feedback, Message, Rating, Role, StoreUnavailable
 from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_BUCKET_SIZE = 1000
 
 MIGRATIONS: dict[int, list[str]] = {
@@ -37,6 +37,18 @@ MIGRATIONS: dict[int, list[str]] = {
         """CREATE TABLE IF NOT EXISTS message_feedback (
             conversation_id text, message_id text, rating text, reason text, comment text, rated_at_ms bigint,
             PRIMARY KEY ((conversation_id), message_id))""",
+    ],
+    # The usage ledger (cassandra_usage.py): a row per reply, by user and month, and by day for the
+    # export. Written with plain INSERTs, so a repeated write of a reply is the same row again.
+    3: [
+        """CREATE TABLE IF NOT EXISTS usage_by_user (
+            user_id text, month text, day text, model text, reply_id text,
+            prompt_tokens bigint, cached_tokens bigint, completion_tokens bigint,
+            PRIMARY KEY ((user_id, month), day, model, reply_id))""",
+        """CREATE TABLE IF NOT EXISTS usage_by_day (
+            day text, shard int, user_id text, model text, reply_id text,
+            prompt_tokens bigint, cached_tokens bigint, completion_tokens bigint,
+            PRIMARY KEY ((day, shard), user_id, model, reply_id))""",
     ],
 }
 MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
@@ -70,6 +82,14 @@ QUERIES = {
     "set_feedback": f"INSERT INTO message_feedback ({FEEDBACK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
     "feedback_of": f"SELECT {FEEDBACK_COLUMNS} FROM message_feedback WHERE conversation_id = ?",
     "delete_feedback": "DELETE FROM message_feedback WHERE conversation_id = ?",
+    "usage_by_user": "INSERT INTO usage_by_user (user_id, month, day, model, reply_id, prompt_tokens, cached_tokens, completion_tokens) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    "usage_by_day": "INSERT INTO usage_by_day (day, shard, user_id, model, reply_id, prompt_tokens, cached_tokens, completion_tokens) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    "usage_of_user": "SELECT day, model, reply_id, prompt_tokens, cached_tokens, completion_tokens FROM usage_by_user "
+    "WHERE user_id = ? AND month = ? AND day >= ?",
+    "usage_of_day": "SELECT user_id, model, reply_id, prompt_tokens, cached_tokens, completion_tokens FROM usage_by_day "
+    "WHERE day = ? AND shard = ?",
 }
 _GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE component = 'conversations'"
 _SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"

@@ -14,12 +14,14 @@ import asyncio
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
 from tandem.store.base import Conversation, Feedback, Message, NewMessage, Rating, Role, StoreUnavailable
+from tandem.store.usage import ReplyUsage, UsageRow
 
 T = TypeVar("T")
 SCHEMA_VERSION = 2
@@ -40,10 +42,18 @@ _SCHEMA = [
         message_id TEXT PRIMARY KEY REFERENCES messages (id), conversation_id TEXT NOT NULL,
         rating TEXT NOT NULL, reason TEXT NOT NULL, comment TEXT NOT NULL, rated_at_ms INTEGER NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS message_feedback_by_conversation ON message_feedback (conversation_id)",
+    # The usage ledger: a row per reply (its id claims it once), summed per user, model and day on
+    # read. New tables only: a file from before them gets them at its next start.
+    """CREATE TABLE IF NOT EXISTS usage_replies (
+        reply_id TEXT PRIMARY KEY, user_id TEXT NOT NULL, model TEXT NOT NULL, day TEXT NOT NULL,
+        prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS usage_by_user ON usage_replies (user_id, day)",
+    "CREATE INDEX IF NOT EXISTS usage_by_day ON usage_replies (day)",
 ]
 _CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms, summary, summary_upto_seq, total_tokens"
 _MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
 _FEEDBACK_COLUMNS = "message_id, conversation_id, rating, reason, comment, rated_at_ms"
+_USAGE_SUMS = "user_id, model, day, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens)"
 
 
 def _the_row(db: sqlite3.Connection, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Row:
@@ -56,6 +66,11 @@ def _the_row(db: sqlite3.Connection, sql: str, params: tuple[object, ...] = ()) 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**{key: row[key] for key in _CONVERSATION_COLUMNS.split(", ")})
+
+
+def _usage_row(row: sqlite3.Row) -> UsageRow:
+    user_id, model, day, messages, prompt_tokens, cached_tokens, completion_tokens = row
+    return UsageRow(user_id, model, date.fromisoformat(day), messages, prompt_tokens, cached_tokens, completion_tokens)
 
 
 def _message(row: sqlite3.Row) -> Message:
@@ -303,6 +318,31 @@ class SqliteStore:
         query = f"SELECT {_FEEDBACK_COLUMNS} FROM message_feedback WHERE conversation_id = ?"
         rows = await self._call(lambda db: db.execute(query, (conversation_id,)).fetchall())
         return [_feedback(row) for row in rows]
+    async def record_usage(self, usage: ReplyUsage) -> None:
+        statement = (
+            "INSERT OR IGNORE INTO usage_replies (reply_id, user_id, model, day, prompt_tokens, cached_tokens, completion_tokens) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)"
+        )
+        params = (
+            usage.reply_id,
+            usage.user_id,
+            usage.model,
+            usage.day.isoformat(),
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+        )
+        await self._write(lambda db: db.execute(statement, params))
+
+    async def usage_of(self, user_id: str, *, since: date) -> list[UsageRow]:
+        query = f"SELECT {_USAGE_SUMS} FROM usage_replies WHERE user_id = ? AND day >= ? GROUP BY day, model ORDER BY day, model"
+        rows = await self._call(lambda db: db.execute(query, (user_id, since.isoformat())).fetchall())
+        return [_usage_row(row) for row in rows]
+
+    async def usage_since(self, since: date) -> list[UsageRow]:
+        query = f"SELECT {_USAGE_SUMS} FROM usage_replies WHERE day >= ? GROUP BY day, user_id, model ORDER BY day, user_id, model"
+        rows = await self._call(lambda db: db.execute(query, (since.isoformat(),)).fetchall())
+        return [_usage_row(row) for row in rows]
 
 
 def _in_transaction(db: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:

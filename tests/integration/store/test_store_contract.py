@@ -345,6 +345,10 @@ async def test_deleting_a_conversation_deletes_its_ratings(store: ConversationSt
     assert await store.list_feedback(conversation.id) == []
 
 
+# The tables schema 1 code knows nothing of: ratings (2) and the usage ledger (3).
+LATER_TABLES = ("message_feedback", "usage_replies", "usage_by_user", "usage_by_day")
+
+
 async def test_a_store_written_by_schema_1_code_gains_ratings_when_newer_code_starts_on_it(
     store_kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -360,10 +364,10 @@ async def test_a_store_written_by_schema_1_code_gains_ratings_when_newer_code_st
     with monkeypatch.context() as schema_1:
         if store_kind == "sqlite":
             schema_1.setattr(sqlite, "SCHEMA_VERSION", 1)
-            schema_1.setattr(sqlite, "_SCHEMA", [s for s in sqlite._SCHEMA if "message_feedback" not in s])
+            schema_1.setattr(sqlite, "_SCHEMA", [s for s in sqlite._SCHEMA if not any(t in s for t in LATER_TABLES)])
         else:
             schema_1.setattr(cassandra_schema, "SCHEMA_VERSION", 1)
-            queries = {name: query for name, query in cassandra_schema.QUERIES.items() if "message_feedback" not in query}
+            queries = {name: query for name, query in cassandra_schema.QUERIES.items() if not any(t in query for t in LATER_TABLES)}
             schema_1.setattr(cassandra_store, "QUERIES", queries)
         old = client()
         await old.start()
