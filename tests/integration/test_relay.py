@@ -1,6 +1,6 @@
 """Two relay processes on real NATS (their shared JetStream consumer) and Redis: events delivered
 shuffled and twice are logged once and in order, a finished reply is stored as its assistant turn
-with nobody connected, and a reply nobody reads is cancelled if it was created to track its
+with nobody connected and counted once in the usage ledger, and a reply nobody reads is cancelled if it was created to track its
 readers. The module has its own nats-server and redis-server: the relays consume every reply's
 tokens, so they must not share a bus with other tests. The events here are published on core
 NATS, which the token stream captures as well."""
@@ -11,6 +11,7 @@ import asyncio
 import random
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import nats
@@ -27,8 +28,10 @@ from tandem.devstack.servers import start_nats, start_redis
 from tandem.quota import QuotaConfig, TokenBuckets, reservation_key, worst_case_units
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
-from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, Usage
+from tandem.store.usage import today_utc
+from tandem.tokenlog import UNPERSISTED, ReplyMeta, create_reply, load_reply, read
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, LANE_BACKGROUND, LANE_PAID, Usage
+from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
 
 IDLE_TIMEOUT_S = 1.0
@@ -227,3 +230,29 @@ async def test_a_finished_reply_is_settled_with_the_usage_of_its_logged_final_ev
 
 async def _is_gone(redis, key: str) -> bool:
     return await redis.exists(key) == 0
+
+
+async def test_a_finished_reply_is_counted_once_in_the_usage_ledger_and_background_work_not_at_all(ready, nc, redis, store):
+    """An OpenAI-endpoint reply (no turn to store) delivered twice counts once, with the usage and
+    the served model its final event names; a summary (the background lane) is not billed."""
+    user = uuid.uuid4().hex
+    billed, background = uuid.uuid4().hex, uuid.uuid4().hex
+    for reply_id, lane in ((billed, LANE_PAID), (background, LANE_BACKGROUND)):
+        request = GenerateRequest(reply_id=reply_id, lane=lane, prompt_token_ids=list(range(9))).SerializeToString()
+        await create_reply(redis, ReplyMeta(reply_id=reply_id, user_id=user, model="auto", request=request), track_readers=False)
+    events = reply_events(billed, 4)
+    events[-1].model = "large@2"
+    events[-1].usage.cached_tokens = 5
+    for event in events + events + reply_events(background, 3):
+        await nc.publish(subjects.tokens(event.reply_id), encode(event))
+
+    async def background_saved() -> bool:
+        meta = await load_reply(redis, background)
+        return meta is not None and not meta.is_running and not await redis.sismember(UNPERSISTED, background)
+
+    await wait_until(background_saved)
+    since = today_utc() - timedelta(days=1)
+    rows = await wait_until(lambda: store.usage_of(user, since=since))
+    assert [(row.model, row.messages, row.prompt_tokens, row.cached_tokens, row.completion_tokens) for row in rows] == [
+        ("large@2", 1, 9, 5, 4)
+    ]
