@@ -17,9 +17,10 @@ from helpers import next_heartbeat, service_env, service_process
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 
-API_KEYS = "key-alice=alice:plus,key-bob=bob:free"
+API_KEYS = "key-alice=alice:plus,key-bob=bob:free,key-carol=carol:plus"
 ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
+CAROL = {"Authorization": "Bearer key-carol"}  # the usage ledger's user: no other test's messages are hers
 READER_IDLE_TIMEOUT_S = 4.0
 
 # The lean stack's settings (tests/e2e/conftest.py), which the modules that use it read as well.
