@@ -10,7 +10,18 @@ import logging
 from fastapi import FastAPI
 from sse_starlette.sse import AppStatus
 
-from services.chat import completions_api, conversations_api, errors, feedback_api, messages_api, openai_api, quotas, tokenize_api, usage_api, web
+from services.chat import (
+    completions_api,
+    conversations_api,
+    errors,
+    feedback_api,
+    messages_api,
+    openai_api,
+    quotas,
+    tokenize_api,
+    usage_api,
+    web,
+)
 from services.chat.body_limit import BodyLimit
 from services.chat.config import ChatConfig
 from services.chat.difficulty import open_judge

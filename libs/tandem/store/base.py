@@ -156,6 +156,7 @@ class ConversationStore(Protocol):
 
     async def list_feedback(self, conversation_id: str) -> list[Feedback]:
         """The conversation's ratings, one per rated message, in no particular order."""
+
     async def record_usage(self, usage: ReplyUsage) -> None:
         """Adds one reply's usage to the ledger; the same reply id again changes nothing (the
         first write stands), so a retried or redelivered settlement is counted once."""

@@ -330,6 +330,7 @@ class CassandraStore:
     @_bounded
     async def list_feedback(self, conversation_id: str) -> list[Feedback]:
         return [feedback_from_row(row) async for row in self._session.pages("feedback_of", (conversation_id,), page_size=500)]
+
     # --- the usage ledger
 
     @_bounded

@@ -318,6 +318,7 @@ class SqliteStore:
         query = f"SELECT {_FEEDBACK_COLUMNS} FROM message_feedback WHERE conversation_id = ?"
         rows = await self._call(lambda db: db.execute(query, (conversation_id,)).fetchall())
         return [_feedback(row) for row in rows]
+
     async def record_usage(self, usage: ReplyUsage) -> None:
         statement = (
             "INSERT OR IGNORE INTO usage_replies (reply_id, user_id, model, day, prompt_tokens, cached_tokens, completion_tokens) "
