@@ -3,6 +3,9 @@ but for the body limit); a request that starts a reply measures it with a ReplyC
 first token when the first content is written to the client, inter-token latency between writes
 of content, end-to-end latency at the final event, then the reply's outcome and tokens. A stream
 that closes before its final event counts as "client_gone" (or "expired" when its log vanished).
+Once a streamed reply ends, its longest pause: the longest gap after the first content, between
+two writes of content or to the final event (or to the close of a stream that ended without it,
+a client who gave up mid-pause included).
 
 A whole (non-streamed) reply has no first token before its last: it counts in e2e, outcome and
 tokens only. Resumed streams and second readers of a reply are not measured: their clock did not
@@ -55,6 +58,7 @@ class ReplyClock:
         self._arrived_s = arrived_s
         self._clock = clock
         self._last_content_s: float | None = None
+        self._longest_pause_s = 0.0
         self._is_over = False
 
     def content(self) -> None:
@@ -63,6 +67,7 @@ class ReplyClock:
             metrics.TIME_TO_FIRST_TOKEN.labels(**self._labels).observe(now_s - self._arrived_s)
         else:
             metrics.INTER_TOKEN_LATENCY.labels(**self._labels).observe(now_s - self._last_content_s)
+            self._longest_pause_s = max(self._longest_pause_s, now_s - self._last_content_s)
         self._last_content_s = now_s
 
     def final(self, event: TokenEvent) -> None:
@@ -70,7 +75,9 @@ class ReplyClock:
         if self._is_over:
             return
         self._is_over = True
-        metrics.E2E_LATENCY.labels(**self._labels).observe(self._clock() - self._arrived_s)
+        now_s = self._clock()
+        self._observe_longest_pause(now_s)
+        metrics.E2E_LATENCY.labels(**self._labels).observe(now_s - self._arrived_s)
         metrics.REPLIES.labels(outcome=OUTCOMES[status_of_finish(event.finish)], **self._labels).inc()
         metrics.PROMPT_TOKENS.labels(**self._labels).inc(event.usage.input_tokens)
         metrics.CACHED_TOKENS.labels(**self._labels).inc(event.usage.cached_tokens)
@@ -80,4 +87,11 @@ class ReplyClock:
         """The response ended; without a final event first, the reply counts as `outcome`."""
         if not self._is_over:
             self._is_over = True
+            self._observe_longest_pause(self._clock())
             metrics.REPLIES.labels(outcome=outcome, **self._labels).inc()
+
+    def _observe_longest_pause(self, end_s: float) -> None:
+        """A streamed reply's longest pause, the wait up to its end included; none for a whole reply."""
+        if self._last_content_s is not None:
+            longest_s = max(self._longest_pause_s, end_s - self._last_content_s)
+            metrics.LONGEST_PAUSE.labels(**self._labels).observe(longest_s)

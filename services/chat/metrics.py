@@ -47,6 +47,14 @@ INTER_TOKEN_LATENCY = Histogram(
     _REPLY,
     buckets=(0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
 )
+# A streamed reply's longest wait between writes after its first content (to its final event, or
+# to the response's end): the stream-pause SLI (deploy/prometheus/alerts.yml counts those over 2 s).
+LONGEST_PAUSE = Histogram(
+    "tandem_chat_stream_longest_pause_seconds",
+    "A streamed reply's longest wait between two writes to its client after the first content, once it ends",
+    _REPLY,
+    buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60),
+)
 E2E_LATENCY = Histogram(
     "tandem_chat_e2e_latency_seconds",
     "From a request's arrival at chat to its reply's final event written to the client (streamed or whole)",

@@ -1,6 +1,8 @@
 """A worker's token publisher on a nats-server of its own: a frozen server (SIGSTOP) is a bus
 outage the publisher waits out, not a reason for the worker to give up; a server that answers
-while JetStream does not store the event (no stream) is."""
+while JetStream does not store the event (no stream) is. Each publish is counted by its outcome
+(tandem_bus_publishes_total), the stored ones timed (tandem_bus_publish_seconds): what the bus
+backpressure alerts read."""
 
 import asyncio
 import os
@@ -10,6 +12,7 @@ import nats
 import pytest
 import pytest_asyncio
 from helpers import freeze
+from prometheus_client import REGISTRY
 
 from tandem.bus.token_stream import STREAM, ensure_token_stream
 from tandem.devstack.servers import start_nats
@@ -17,6 +20,14 @@ from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker.token_publisher import CannotPublish, publish_event, server_answers
 
 RETRY_S = 1.0
+
+
+def publishes(outcome: str) -> float:
+    return REGISTRY.get_sample_value("tandem_bus_publishes_total", {"kind": "token", "outcome": outcome}) or 0.0
+
+
+def publishes_timed() -> float:
+    return REGISTRY.get_sample_value("tandem_bus_publish_seconds_count", {"kind": "token"}) or 0.0
 
 
 @pytest.fixture
@@ -51,6 +62,7 @@ async def _keep_frozen(pid: int) -> None:
 
 async def test_an_event_published_while_the_server_is_frozen_is_stored_once_it_thaws(own_nats, client):
     js = await ensure_token_stream(client)
+    timeouts, stored, timed = publishes("timeout"), publishes("stored"), publishes_timed()
     freeze(own_nats.pid)
     freezer = asyncio.create_task(_keep_frozen(own_nats.pid))
     publishing = asyncio.create_task(
@@ -64,12 +76,17 @@ async def test_an_event_published_while_the_server_is_frozen_is_stored_once_it_t
     os.kill(own_nats.pid, signal.SIGCONT)
     await asyncio.wait_for(publishing, timeout=30)
     assert (await js.stream_info(STREAM)).state.messages == 1
+    assert publishes("timeout") > timeouts, "a publish the frozen server never acknowledged counts as a timeout"
+    assert (publishes("stored"), publishes_timed()) == (stored + 1, timed + 1), "the publish that got through: stored, timed once"
 
 
 async def test_an_event_jetstream_does_not_store_while_the_server_answers_makes_the_publisher_give_up(client):
     js = await ensure_token_stream(client)
     await js.delete_stream(STREAM)
+    no_stream, timed = publishes("no_stream"), publishes_timed()
     with pytest.raises(CannotPublish):
         await asyncio.wait_for(
             publish_event(js, TokenEvent(reply_id="r1", seq=1, text="a"), within_s=RETRY_S, bus_is_up=server_answers(client)), timeout=30
         )
+    assert publishes("no_stream") > no_stream
+    assert publishes_timed() == timed, "only stored publishes are timed"
