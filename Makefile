@@ -20,20 +20,20 @@ UV_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --python-version 3.11 --p
 	--no-header --quiet $(LOCK_ARGS)
 lock_header = sed -i "1i \# $(1)\n\# Made by make lock (uv pip compile) for CPython 3.11 on Linux x86_64 (manylinux_2_31): edit pyproject.toml, not this file." $(2)
 
-.PHONY: run test check test-unit test-integration test-e2e test-bench lint protos browser lock docs
+.PHONY: run test check test-unit test-integration test-e2e test-bench lint protos browser promtool lock docs
 
 run: $(STAMP)
 	$(PY) -m tandem.cli up
 
 # Everything, tier by tier (unit, integration, e2e, bench: tests/conftest.py), after the lint.
-test: lint browser
+test: lint browser promtool
 	$(PY) -m pytest
 
 # The quick loop while changing code: lint and the unit tests (a few minutes at most).
 check: lint test-unit
 
 # One tier each; PYTEST_ARGS passes more (make test-unit PYTEST_ARGS="-k scheduler -x").
-test-unit: $(STAMP)
+test-unit: $(STAMP) promtool
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
@@ -60,6 +60,26 @@ browser: $(STAMP)
 		echo "make: no chromium for the browser tests: install one (apt-get install chromium, as root) or" \
 			"run '$(PY) -m playwright install --with-deps chromium'; without one the browser tests skip" \
 			"(or fail where TANDEM_REQUIRE_BROWSER=1)" >&2; \
+	fi
+
+# The alert rules' tests (tests/unit/deploy/test_alert_rules.py) run promtool, which Debian's
+# prometheus package has: installed when we can (root, apt-get), its Prometheus server then
+# stopped and disabled where systemd started it (compose's Prometheus serves on 9090). Nothing to
+# do once a promtool is there.
+promtool:
+	@if command -v promtool >/dev/null; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's prometheus package (its promtool) for the alert rules' tests"; \
+		if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then \
+			if [ -d /run/systemd/system ]; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi; \
+		else \
+			echo "make: apt-get could not install prometheus; the alert rules' tests need its promtool" >&2; \
+		fi; \
+	else \
+		echo "make: no promtool for the alert rules' tests: install Debian's prometheus package (apt-get install" \
+			"prometheus, as root) or put the promtool of a Prometheus release on PATH; without one those tests skip" \
+			"(or fail where TANDEM_REQUIRE_PROMTOOL=1)" >&2; \
 	fi
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml; part of `make test`.
