@@ -87,7 +87,9 @@ def test_every_alert_has_a_firing_and_a_silent_case() -> None:
         for case in test.get("alert_rule_test", []):
             cases.setdefault(case["alertname"], set()).add(bool(case["exp_alerts"]))
     for alert in alerts():
-        assert cases.get(alert["alert"]) == {True, False}, f"{alert['alert']}: alerts_test.yml needs a case that fires and one that does not"
+        assert cases.get(alert["alert"]) == {True, False}, (
+            f"{alert['alert']}: alerts_test.yml needs a case that fires and one that does not"
+        )
 
 
 def test_every_alert_has_a_severity_a_summary_and_a_row_in_the_operations_guide() -> None:
