@@ -183,7 +183,13 @@ class Settings(BaseSettings):
     system_prompt: str = "You are a helpful assistant."
     """chat: the first turn of every prompt"""
     max_answer_tokens: int = 512
-    """chat: an answer's budget, also the default max_tokens"""
+    """chat: an answer's budget, also the default max_tokens, for every tier without a cap of its own (max_answer_tokens_free, ...)"""
+    max_answer_tokens_free: Annotated[int | None, Field(ge=1)] = None
+    """chat: the free tier's longest answer in tokens, and its default max_tokens: a larger max_tokens asked for is lowered to it (the overload ladder's rung-2 cap still applies, the smaller wins); unset: max_answer_tokens is the default and only the context window caps max_tokens"""
+    max_answer_tokens_plus: Annotated[int | None, Field(ge=1)] = None
+    """chat: the plus tier's longest answer in tokens, and its default max_tokens; unset: as max_answer_tokens_free's"""
+    max_answer_tokens_pro: Annotated[int | None, Field(ge=1)] = None
+    """chat: the pro tier's longest answer in tokens, and its default max_tokens; unset: as max_answer_tokens_free's"""
     prompt_budget_free: int = 8000
     """chat: prompt tokens the free tier may send (the model's window caps it too)"""
     prompt_budget_plus: int = 32000

@@ -8,6 +8,21 @@ from tandem.config import Settings, Tier
 
 
 @dataclass(frozen=True)
+class AnswerLength:
+    """A tier's answer length in tokens: the max_tokens of a request that names none, and the most
+    one may name (None: only the context window bounds it)."""
+
+    default_tokens: int
+    cap_tokens: int | None = None
+
+    def max_tokens(self, requested: int | None) -> int:
+        """An answer's max_tokens before the window's room: the one asked for, else the default,
+        within the cap."""
+        wanted = requested or self.default_tokens
+        return wanted if self.cap_tokens is None else min(wanted, self.cap_tokens)
+
+
+@dataclass(frozen=True)
 class ChatConfig:
     system_prompt: str
     max_answer_tokens: int
@@ -34,6 +49,11 @@ class ChatConfig:
     small_model: str = ""
     difficulty_threshold: float = 0.5
     fallback_small_max_tokens: int = 200
+    # Each tier's longest answer, also its default max_tokens; None: max_answer_tokens is the
+    # default, and only the window caps what a request asks (the router's overload ladder may cap it lower).
+    max_answer_tokens_free: int | None = None
+    max_answer_tokens_plus: int | None = None
+    max_answer_tokens_pro: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ChatConfig:
@@ -55,6 +75,9 @@ class ChatConfig:
             small_model=settings.small_model,
             difficulty_threshold=settings.difficulty_threshold,
             fallback_small_max_tokens=settings.fallback_small_max_tokens,
+            max_answer_tokens_free=settings.max_answer_tokens_free,
+            max_answer_tokens_plus=settings.max_answer_tokens_plus,
+            max_answer_tokens_pro=settings.max_answer_tokens_pro,
         )
 
     def prompt_budget_for(self, tier: Tier) -> int:
@@ -62,3 +85,10 @@ class ChatConfig:
 
     def stream_limits(self) -> dict[Tier, int]:
         return {Tier.FREE: self.stream_limit_free, Tier.PLUS: self.stream_limit_plus, Tier.PRO: self.stream_limit_pro}
+
+    def answer_length(self, tier: Tier) -> AnswerLength:
+        cap = {Tier.FREE: self.max_answer_tokens_free, Tier.PLUS: self.max_answer_tokens_plus, Tier.PRO: self.max_answer_tokens_pro}[tier]
+        return AnswerLength(cap or self.max_answer_tokens, cap)
+
+    def answer_lengths(self) -> dict[Tier, AnswerLength]:
+        return {tier: self.answer_length(tier) for tier in Tier}

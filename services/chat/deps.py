@@ -108,7 +108,7 @@ async def openai_answers(state: Chat, starter: Starter) -> OpenAIAnswers:
         state.fanout,
         state.bus,
         state.tokenizer,
-        max_answer_tokens=config.max_answer_tokens,
+        answer_lengths=config.answer_lengths(),
         keepalive_s=config.keepalive_s,
     )
 

@@ -11,12 +11,13 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from services.chat.config import AnswerLength
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
@@ -33,7 +34,7 @@ from services.chat.streaming import log_events
 from tandem import __version__
 from tandem.bus import Bus
 from tandem.bus.events import is_final
-from tandem.config import ApiKey
+from tandem.config import ApiKey, Tier
 from tandem.models.tokenizer import Tokenizer
 from tandem.runtime.request_id import error_body
 from tandem.tokenlog import ReplyGone
@@ -125,7 +126,7 @@ class OpenAIAnswers:
         bus: Bus,
         tokenizer: LoadedTokenizer,
         *,
-        max_answer_tokens: int,
+        answer_lengths: Mapping[Tier, AnswerLength],
         keepalive_s: float,
     ) -> None:
         self._starter = starter
@@ -133,7 +134,7 @@ class OpenAIAnswers:
         self._stream_slots = stream_slots
         self._fanout = fanout
         self._bus = bus
-        self._max_answer_tokens = max_answer_tokens
+        self._answer_lengths = answer_lengths
         self._keepalive_s = keepalive_s
 
     async def answer(
@@ -160,7 +161,7 @@ class OpenAIAnswers:
                 code="context_length_exceeded",
                 param=prompt_param,
             )
-        sampling = body.sampling(self._max_answer_tokens, room)
+        sampling = body.sampling(self._answer_lengths[user.tier], room)
         reply_id = f"{shape.id_prefix}{new_reply_id()}"
         ignored = ignored_fields_text(body.ignored_fields())
         if ignored:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from services.chat import openai_tools
+from services.chat.config import AnswerLength
 from services.chat.errors import InvalidRequest
 from services.chat.limits import (
     MAX_CONTENT_PARTS,
@@ -222,15 +223,15 @@ class GenerationBody(BaseModel):
             raise InvalidRequest(f"`{param}` cannot be used: {exc}", code="unsupported_grammar", param=param) from None
         return spec
 
-    def sampling(self, default_max_tokens: int, room_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters, with max_tokens (and min_tokens) capped to the room left
-        in the window; a min_tokens above the max_tokens asked for is refused."""
+    def sampling(self, answer_length: AnswerLength, room_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters, with max_tokens (and min_tokens) capped to the tier's
+        answer length and the room left in the window; a min_tokens above the max_tokens asked for
+        is refused."""
         requested = self.requested_max_tokens()
         min_tokens = self.min_tokens or 0
         if requested is not None and min_tokens > requested:
             raise InvalidRequest(f"`min_tokens` ({min_tokens}) is more than `max_tokens` ({requested})", param="min_tokens")
-        wanted = requested or default_max_tokens
-        max_tokens = max(1, min(wanted, room_tokens))
+        max_tokens = max(1, min(answer_length.max_tokens(requested), room_tokens))
         params = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

@@ -44,7 +44,7 @@ class SamplingChoice:
     temperature: float = 0.7
     top_p: float = 0.9
     seed: int | None = None
-    max_tokens: int | None = None  # None: the configured answer budget
+    max_tokens: int | None = None  # None: the tier's answer length (ChatConfig.answer_length), which also caps it
 
     def params(self, max_tokens: int) -> SamplingParams:
         params = SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens)
@@ -174,7 +174,7 @@ class Turns:
         budget = Budget(
             window_tokens=model.window_tokens - counter.generation_prompt_tokens,
             tier_prompt_tokens=config.prompt_budget_for(user.tier),
-            answer_tokens=min(config.max_answer_tokens, model.window_tokens // 2),
+            answer_tokens=min(config.answer_length(user.tier).default_tokens, model.window_tokens // 2),
         )
         system = Turn("system", config.system_prompt, counter.count(config.system_prompt))
         summary = Turn("system", f"Summary of the conversation so far: {conversation.summary}", 0) if conversation.summary else None
@@ -191,7 +191,7 @@ class Turns:
         self, user: ApiKey, conversation: Conversation, route: Route, prompt: _Prompt, reply_id: str, sampling: SamplingChoice
     ) -> ReplyRequest:
         model = route.model
-        wanted = sampling.max_tokens or self.config.max_answer_tokens
+        wanted = self.config.answer_length(user.tier).max_tokens(sampling.max_tokens)
         max_tokens = max(1, min(wanted, model.window_tokens - len(prompt.ids)))
         return ReplyRequest(
             reply_id=reply_id,

@@ -98,7 +98,7 @@ def answers_of(state: ChatState) -> OpenAIAnswers:
         state.fanout,
         state.bus,
         state.tokenizer,
-        max_answer_tokens=16,
+        answer_lengths=state.config.answer_lengths(),
         keepalive_s=state.config.keepalive_s,
     )
 

@@ -194,7 +194,7 @@ async def test_an_openai_completion_reserves_its_reply_once(redis_server, redis,
         fanout,
         bus,
         LoadedTokenizer(),
-        max_answer_tokens=CONFIG.max_answer_tokens,
+        answer_lengths=CONFIG.answer_lengths(),
         keepalive_s=CONFIG.keepalive_s,
     )
     user = free_user()
