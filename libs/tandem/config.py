@@ -138,6 +138,12 @@ class Settings(BaseSettings):
     """a worker's tokens computed per engine step, decodes and prefill chunks together; unset: 512 on a CPU, 8192 on a GPU"""
     max_num_unpaid_batched_tokens: Annotated[int | None, Field(ge=1)] = None
     """a worker's tokens per engine step for free and background requests together while paid requests run (paid ones take the rest of the step; with none running, the whole step is theirs); a short step lets a paid request arriving during one start soon; unset: 8 on a CPU, no cap of their own on a GPU"""
+    repetition_stop_max_ngram_tokens: Annotated[int, Field(ge=0)] = 64
+    """prefill and decode workers: the repetition stop ends a reply whose output ends with one n-gram of up to this many tokens repeated (repetition_stop_repeats times in a row, covering repetition_stop_min_tokens), with finish length and stop_reason "repetition"; never before min_tokens, nor under ignore_eos; 0: off"""
+    repetition_stop_repeats: Annotated[int, Field(ge=2)] = 3
+    """prefill and decode workers: the copies in a row of one n-gram that end a reply (the repetition stop)"""
+    repetition_stop_min_tokens: Annotated[int, Field(ge=0)] = 64
+    """prefill and decode workers: the tokens a repetition must cover before it ends a reply, so a short n-gram must repeat more often (a run of one digit, a table's `|---|` row, an address of zeros are ordinary text)"""
     enforce_eager: bool = False
     """decode workers on a GPU: every step eagerly, no CUDA graphs (captured at start for each batch size up to max_num_seqs: a few seconds and some memory); prefill workers never capture them"""
     torch_threads: Annotated[int, Field(ge=0)] = 0

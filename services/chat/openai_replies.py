@@ -67,15 +67,18 @@ class ReplyShape:
         finish: str,
         logprobs: dict[str, object] | None = None,
         tool_calls: list[dict[str, object]] | None = None,
+        stop_reason: str | None = None,
     ) -> dict[str, object]:
         """`logprobs` (openai_logprobs.py): a chat choice has the key only when the request asked;
-        `tool_calls` (openai_tools.py): a chat message has the key only when it made calls."""
+        `tool_calls` (openai_tools.py): a chat message has the key only when it made calls;
+        `stop_reason` (vLLM's): what ended it where `finish_reason` does not say, else null."""
         if self.is_chat:
             message: dict[str, object] = {"role": "assistant", "content": text}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            return {"index": index, "message": message, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            logprobs_part = {"logprobs": logprobs} if logprobs else {}
+            return {"index": index, "message": message, **logprobs_part, "finish_reason": finish, "stop_reason": stop_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
     def tool_call_chunks(self, index: int, calls: list[dict[str, Any]]) -> list[dict[str, object]]:
         """A chat choice's calls as stream deltas: each call's id and name, then its arguments whole."""
@@ -91,11 +94,15 @@ class ReplyShape:
             deltas += [{"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None} for part in (named, arguments)]
         return deltas
 
-    def chunk_choice(self, index: int, text: str, finish: str | None, logprobs: dict[str, object] | None = None) -> dict[str, object]:
+    def chunk_choice(
+        self, index: int, text: str, finish: str | None, logprobs: dict[str, object] | None = None, stop_reason: str | None = None
+    ) -> dict[str, object]:
+        """A chunk's choice; its last (with `finish`) names the `stop_reason` too, null when none."""
+        ending = {"finish_reason": finish} if finish is None else {"finish_reason": finish, "stop_reason": stop_reason}
         if self.is_chat:
             delta = {"content": text} if text else {}
-            return {"index": index, "delta": delta, **({"logprobs": logprobs} if logprobs else {}), "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": delta, **({"logprobs": logprobs} if logprobs else {}), **ending}
+        return {"index": index, "text": text, "logprobs": logprobs, **ending}
 
 
 CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_chat=True)
@@ -255,7 +262,7 @@ class OpenAIAnswers:
             if tool_style is not None and not withdrawn:
                 content, calls = parse_tool_calls(text, tool_style)
             finish = "tool_calls" if calls else openai_finish_reason(last.finish)
-            choices.append(shape.choice(index, content, finish, choice_logprobs, calls))
+            choices.append(shape.choice(index, content, finish, choice_logprobs, calls, last.stop_reason or None))
         usage = choices_final(lasts).usage
         return JSONResponse({**head, "object": shape.object_name, "choices": choices, "usage": _usage(usage)})
 
@@ -313,7 +320,7 @@ class OpenAIAnswers:
                                 for call_chunk in shape.tool_call_chunks(index, calls):
                                     yield chunk([call_chunk])
                                 finish = "tool_calls" if calls else finish
-                            yield chunk([shape.chunk_choice(index, "", finish)])
+                            yield chunk([shape.chunk_choice(index, "", finish, stop_reason=event.stop_reason or None)])
                             finals[index] = event
                     else:
                         lasts = [finals[index] for index in range(len(reply_ids))]

@@ -124,6 +124,8 @@ def sse_events(event: TokenEvent, request_id: str = "") -> Iterator[SseEvent]:
     done: dict[str, object] = {"finish": finish_name(event.finish), "usage": usage_of(event)}
     if event.model:  # the served model that wrote it (a worker's final names it)
         done["model"] = event.model
+    if event.stop_reason:  # what ended it where the finish does not say ("repetition")
+        done["stop_reason"] = event.stop_reason
     yield SseEvent(next_id, "done", done)
 
 

@@ -342,6 +342,7 @@ def token_event(data: bytes, subject: str, vocab_size: int | None = None) -> Tok
     check_chars(event.error.message, "error message", MAX_MESSAGE_CHARS)
     if event.error.HasField("retry_after_s"):
         check_number(event.error.retry_after_s, "error retry_after_s", high=MAX_INTERVAL_S)
+    check_code(event.stop_reason, "stop_reason")  # reaches clients as is
     check_id(event.worker_id, "worker_id", is_required=False)
     check_count(len(event.top_logprobs), "top logprobs", MAX_TOP_LOGPROBS)
     check_token_ids([t.token_id for t in event.top_logprobs], "top_logprobs", vocab_size)

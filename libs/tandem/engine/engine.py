@@ -31,7 +31,7 @@ from tandem.engine.reply_text import ReplyText
 from tandem.engine.runner import Runner, Sampled
 from tandem.engine.sampling import Sampler
 from tandem.engine.scheduler import QueueWait, Scheduler, SchedulerConfig, SchedulerStats, StepPlan, UpdateResult
-from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence
+from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence, StopReason
 from tandem.kernels.metadata import KvCacheShape
 from tandem.models.llama import StepCut
 from tandem.models.loader import LoadedModel
@@ -97,6 +97,7 @@ class RequestOutput:
     num_output_tokens: int
     handoff: Handoff | None = None
     logprobs: TokenLogprobs | None = None  # of new_token_ids' token, when the request asks
+    stop_reason: StopReason | None = None  # a finished one's, where its finish reason does not say why
 
     @property
     def is_finished(self) -> bool:
@@ -193,6 +194,7 @@ class Engine:
                 num_reserved_blocks=config.num_reserved_blocks,
                 max_num_unpaid_tokens=config.max_num_unpaid_tokens or DEFAULT_UNPAID_TOKENS.get(parameter.device.type),
                 max_model_len=self.kv_plan.max_model_len,
+                repetition_stop=config.repetition_stop,
             ),
             self.kv,
         )
@@ -422,6 +424,7 @@ class Engine:
             seq.num_output_tokens,
             handoff,
             logprobs,
+            seq.stop_reason,
         )
 
     def _count(self, plan: StepPlan, num_sampled: int, elapsed_s: float) -> None:

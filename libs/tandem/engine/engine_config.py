@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.repetition import RepetitionStop
 from tandem.kernels.metadata import BLOCK_SIZE
 
 # Tokens an engine step computes unless configured. A CPU step's time is its FLOPs, and 512 rows
@@ -41,6 +42,9 @@ class EngineConfig:
     # A CPU step computing free or background rows ends at its next layer (a decode step's, its
     # next call of six layers) when a paid request arrives (cut_step); the next step is the paid request's.
     cut_unpaid_steps: bool = True
+    # Ends a reply whose output repeats one n-gram over and over (repetition.py); None: off. A
+    # worker's is on unless its settings turn it off (TANDEM_REPETITION_STOP_*).
+    repetition_stop: RepetitionStop | None = None
 
     def batched_tokens_on(self, device_type: str) -> int:
         """The tokens a step computes on a device of this type."""

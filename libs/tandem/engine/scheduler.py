@@ -44,7 +44,7 @@ from tandem.engine.kv_cache_manager import KvCacheManager
 from tandem.engine.lane_queue import LaneQueue
 from tandem.engine.scheduler_config import SchedulerConfig
 from tandem.engine.scheduler_stats import MAX_QUEUE_WAITS, QueueWait, SchedulerStats
-from tandem.engine.sequence import FinishReason, Lane, Sequence, SequenceStatus
+from tandem.engine.sequence import FinishReason, Lane, Sequence, SequenceStatus, StopReason
 from tandem.engine.step_budget import StepBudget, max_chunk
 from tandem.engine.step_plan import ScheduledChunk, StepPlan, UpdateResult
 
@@ -184,7 +184,7 @@ class Scheduler:
         """Apply a step's results: computed counts, newly full blocks, sampled tokens.
 
         A sequence finishes when its new token ends it (an end or stop token, max_tokens, the
-        context window, its grammar's completion) or its id is in `stopped_ids` (its text hit a stop string); its blocks
+        context window, its grammar's completion, a repeating output) or its id is in `stopped_ids` (its text hit a stop string); its blocks
         are freed. A prefill-only sequence that got a token and did not finish is handed off:
         no longer scheduled, its blocks kept for the caller to export and free (kv.free).
         """
@@ -200,9 +200,9 @@ class Scheduler:
             seq.append_token(sampled[seq.seq_id])
             if seq.num_output_tokens == 1 and seq.arrival_s:  # not an import: its first token came with it
                 self._queue_waits.append(QueueWait(seq.lane, time.monotonic() - seq.arrival_s, until="first_token"))
-            reason = self._finish_reason(seq, has_hit_stop_string=seq.seq_id in stopped_ids)
-            if reason is not None:
-                self._retire(seq, reason)
+            ending = self._ending(seq, has_hit_stop_string=seq.seq_id in stopped_ids)
+            if ending is not None:
+                self._retire(seq, *ending)
                 finished.append(seq)
             elif seq.is_prefill_only:
                 self._hand_off(seq)
@@ -338,24 +338,31 @@ class Scheduler:
         self._abort_ids.clear()
         return aborted
 
-    def _finish_reason(self, seq: Sequence, has_hit_stop_string: bool) -> FinishReason | None:
-        """What the new last token ends, if anything; a stop string counts only when the token
-        itself does not end the sequence (LENGTH stays LENGTH)."""
+    def _ending(self, seq: Sequence, has_hit_stop_string: bool) -> tuple[FinishReason, StopReason | None] | None:
+        """What the new last token ends, if anything, and why where the finish does not say: a
+        stop string counts only when the token itself does not end the sequence (LENGTH stays
+        LENGTH), and a repeating output (the repetition stop) ends it with LENGTH only when
+        nothing else does."""
         token_id = seq.last_token_id
         if (token_id in seq.eos_token_ids and not seq.sampling.ignore_eos) or token_id in seq.sampling.stop_token_ids:
-            return FinishReason.STOP
+            return FinishReason.STOP, None
         if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self._max_seq_tokens:
-            return FinishReason.LENGTH
-        return FinishReason.STOP if has_hit_stop_string or seq.has_finished_grammar else None
+            return FinishReason.LENGTH, None
+        if has_hit_stop_string or seq.has_finished_grammar:
+            return FinishReason.STOP, None
+        repetition = self.config.repetition_stop
+        if repetition is not None and repetition.repeated_ngram(seq) is not None:
+            return FinishReason.LENGTH, StopReason.REPETITION
+        return None
 
-    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+    def _retire(self, seq: Sequence, reason: FinishReason, stop_reason: StopReason | None = None) -> None:
         """Take an unfinished sequence out of every queue, free its blocks, mark it finished."""
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self._waiting[seq.lane].remove(seq)
         self.kv.free(seq)
-        seq.finish(reason)
+        seq.finish(reason, stop_reason)
         del self._seqs[seq.seq_id]
         self._finished_ids.append(seq.seq_id)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.engine.repetition import RepetitionStop
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -21,6 +23,8 @@ class SchedulerConfig:
     # Tokens a step computes for free and background sequences together (decodes and chunks)
     # while paid work runs; None: only max_num_batched_tokens bounds them.
     max_num_unpaid_tokens: int | None = None
+    # Ends a reply whose output repeats one n-gram over and over (repetition.py); None: off.
+    repetition_stop: RepetitionStop | None = None
 
     def __post_init__(self) -> None:
         if (

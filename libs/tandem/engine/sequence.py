@@ -34,6 +34,12 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"  # aborted by the user or by nobody reading
 
 
+class StopReason(str, Enum):
+    """What ended a reply where its finish reason alone does not say (vLLM's `stop_reason`)."""
+
+    REPETITION = "repetition"  # its output ended repeating one n-gram (engine/repetition.py); finish LENGTH
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -141,6 +147,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: StopReason | None = None
         self.grammar = grammar
 
     def __repr__(self) -> str:
@@ -199,9 +206,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_preemptions += 1
 
-    def finish(self, reason: FinishReason) -> None:
+    def finish(self, reason: FinishReason, stop_reason: StopReason | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+        self.stop_reason = stop_reason
 
     def advance_computed(self, num_new_tokens: int) -> None:
         """The K and V of the next `num_new_tokens` tokens are now in the cache."""

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenEvent(_message.Message):
-    __slots__ = ("reply_id", "seq", "token_id", "text", "finish", "usage", "error", "worker_id", "produced_unix_ms", "epoch", "model", "logprob", "top_logprobs")
+    __slots__ = ("reply_id", "seq", "token_id", "text", "finish", "usage", "error", "worker_id", "produced_unix_ms", "epoch", "model", "logprob", "top_logprobs", "stop_reason")
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class TokenEvent(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     reply_id: str
     seq: int
     token_id: int
@@ -35,7 +36,8 @@ class TokenEvent(_message.Message):
     model: str
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stop_reason: str
+    def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

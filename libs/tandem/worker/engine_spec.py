@@ -14,6 +14,7 @@ import torch
 from tandem.config import Settings
 from tandem.engine.engine import Engine, EngineConfig, KvCacheAllocator
 from tandem.engine.rank_follower import follow
+from tandem.engine.repetition import RepetitionStop
 from tandem.errors import StartupError
 from tandem.kernels import select_attention
 from tandem.kernels.gemm_choice import GemmPolicy
@@ -54,6 +55,7 @@ class EngineSpec:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
             enforce_eager=settings.enforce_eager or role == "prefill",
+            repetition_stop=repetition_stop(settings),
         )
         # One thread per CPU of the process's affinity unless set (torch counts the machine's cores);
         # the ranks of a tensor-parallel engine share them (of the machine's, with no affinity set).
@@ -81,6 +83,13 @@ class EngineSpec:
             settings.tensor_parallel_size,
             cpu_gemm=settings.cpu_gemm,
         )
+
+
+def repetition_stop(settings: Settings) -> RepetitionStop | None:
+    """The workers' repetition stop (engine/repetition.py); None where the settings turn it off."""
+    if not settings.repetition_stop_max_ngram_tokens:
+        return None
+    return RepetitionStop(settings.repetition_stop_max_ngram_tokens, settings.repetition_stop_repeats, settings.repetition_stop_min_tokens)
 
 
 def build_engine(spec: EngineSpec, allocate_kv_cache: KvCacheAllocator | None = None) -> Engine:

@@ -57,8 +57,8 @@ def engine_request(reply_id: str, request: GenerateRequest) -> Request:
 
 def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int, model: str = "") -> TokenEvent:
     """The reply's event `seq` from its owner `epoch`: this output's token, its logprobs where the
-    request asks, and text, and the finish and usage of its last, which names the served `model`
-    that wrote the reply."""
+    request asks, and text, and the finish, stop reason and usage of its last, which names the
+    served `model` that wrote the reply."""
     token_id = output.new_token_ids[0] if output.new_token_ids else None
     if output.finish_reason is not None:
         usage = common_pb2.Usage(
@@ -68,6 +68,8 @@ def token_event(output: RequestOutput, seq: int, worker_id: str, epoch: int, mod
         event = final_event(output.request_id, seq, finish, worker_id=worker_id, text=output.text, token_id=token_id, usage=usage)
         event.epoch = epoch
         event.model = model
+        if output.stop_reason is not None:
+            event.stop_reason = output.stop_reason.value
     else:
         event = TokenEvent(
             reply_id=output.request_id, seq=seq, text=output.text, worker_id=worker_id, produced_unix_ms=now_ms(), epoch=epoch

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.bus import encode, subjects, validate
 from tandem.bus.validate import Invalid
-from tandem.v1.common_pb2 import FINISH_REASON_ERROR, Error, SamplingParams
+from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_LENGTH, Error, SamplingParams
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import BlocksStored, KvEvent, KvState, StoredBlock
@@ -128,6 +128,9 @@ def test_a_token_event_belongs_to_its_subject_and_its_error_is_a_code_and_a_shor
     assert reason_of(validate.token_event, encode(bad_code), subject) == "bad_code"
     long_message = token_event(finish=FINISH_REASON_ERROR, error=Error(code="failed", message="m" * 2000))
     assert reason_of(validate.token_event, encode(long_message), subject) == "too_large"
+    repeating = token_event(finish=FINISH_REASON_LENGTH, stop_reason="repetition")
+    assert validate.token_event(encode(repeating), subject).stop_reason == "repetition"
+    assert reason_of(validate.token_event, encode(token_event(finish=FINISH_REASON_LENGTH, stop_reason="<b>x</b>")), subject) == "bad_code"
 
 
 def test_a_token_events_logprobs_are_at_most_zero_and_name_at_most_twenty_tokens_of_the_vocabulary():

@@ -40,6 +40,13 @@ def test_done_names_the_model_the_final_event_names():
     assert stream(events)[-1].data["model"] == "SmolLM2-135M-Instruct-int8"
 
 
+def test_done_names_the_stop_reason_only_when_the_final_event_has_one():
+    events = log(3, FINISH_REASON_LENGTH)
+    assert "stop_reason" not in stream(events)[-1].data
+    events[-1].stop_reason = "repetition"
+    assert stream(events)[-1].data == {"finish": "length", "usage": {"input": 5, "cached": 2, "output": 3}, "stop_reason": "repetition"}
+
+
 def test_an_error_event_ends_the_stream_with_its_code_its_message_and_the_streaming_requests_id():
     events = log(2, FINISH_REASON_ERROR)
     events[-1].error.CopyFrom(Error(code="handoff_failed", message="no decode worker took it", retry_after_s=2))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem.config import Settings, load_settings
+from tandem.engine.repetition import RepetitionStop
 from tandem.errors import StartupError
 from tandem.models.files import ModelFile
 from tandem.models.loader import default_dtype, resolve_device
@@ -89,3 +90,11 @@ def test_the_cpu_gemm_policy_reaches_the_spec_and_a_policy_no_kernel_has_is_a_ba
     monkeypatch.setenv("TANDEM_CPU_GEMM", "avx9000")
     with pytest.raises(StartupError, match="TANDEM_CPU_GEMM: Input should be 'auto'"):
         load_settings(device="cpu")
+
+
+def test_the_repetition_stop_is_on_by_default_from_the_settings_and_zero_turns_it_off(no_gpu):
+    stop = EngineSpec.from_settings(Settings(device="cpu"), MODEL).engine.repetition_stop
+    assert stop is not None and (stop.max_ngram_tokens, stop.min_repeats, stop.min_span_tokens) == (64, 3, 64)
+    tuned = Settings(device="cpu", repetition_stop_max_ngram_tokens=16, repetition_stop_repeats=5, repetition_stop_min_tokens=0)
+    assert EngineSpec.from_settings(tuned, MODEL).engine.repetition_stop == RepetitionStop(16, 5, 0)
+    assert EngineSpec.from_settings(Settings(device="cpu", repetition_stop_max_ngram_tokens=0), MODEL).engine.repetition_stop is None

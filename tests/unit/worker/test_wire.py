@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from tandem.bus.events import is_final
 from tandem.engine.engine import RequestOutput, TokenLogprobs
-from tandem.engine.sequence import FinishReason
-from tandem.v1.common_pb2 import FINISH_REASON_STOP, SamplingParams
+from tandem.engine.sequence import FinishReason, StopReason
+from tandem.v1.common_pb2 import FINISH_REASON_LENGTH, FINISH_REASON_STOP, SamplingParams
 from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker.wire import engine_request, token_event
@@ -23,6 +23,13 @@ def test_the_final_event_names_the_served_model_with_its_usage():
     assert event.model == "SmolLM2-135M-Instruct-int8"
     assert (event.usage.input_tokens, event.usage.cached_tokens, event.usage.output_tokens) == (5, 2, 3)
     assert (event.seq, event.epoch, event.worker_id, event.text, event.token_id) == (3, 1, "decode-0", "hi", 7)
+
+
+def test_a_reply_the_repetition_stop_ended_says_so_on_its_final_event_only():
+    repeating = replace(output(FinishReason.LENGTH), stop_reason=StopReason.REPETITION)
+    event = token_event(repeating, seq=3, worker_id="decode-0", epoch=0)
+    assert (event.finish, event.stop_reason) == (FINISH_REASON_LENGTH, "repetition")
+    assert token_event(output(FinishReason.LENGTH), seq=3, worker_id="decode-0", epoch=0).stop_reason == ""
 
 
 def test_a_token_event_before_the_end_carries_no_model():
