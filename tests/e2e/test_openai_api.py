@@ -317,6 +317,27 @@ async def test_penalties_change_the_greedy_text_of_a_repeating_prompt_and_logit_
     assert forced.choices[0].message.content == load_tokenizer(None).decode([token] * 4)
 
 
+async def test_a_reply_forced_to_repeat_one_token_is_stopped_with_finish_length_and_stop_reason_repetition(product_stack):
+    """The workers' repetition stop at its defaults (64 copies of one token: a run that long is no
+    text), whole and streamed; a reply asking for every token (ignore_eos) runs on."""
+    token = load_tokenizer(None).encode(" Paris")[-1]
+    body = {"model": "auto", "messages": QUESTION, "temperature": 0, "max_tokens": 120, "logit_bias": {str(token): 100}}
+    async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
+        whole = (await client.post("/v1/chat/completions", headers=ALICE, json=body)).json()
+        choice = whole["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"], whole["usage"]["completion_tokens"]) == ("length", "repetition", 64)
+        assert choice["message"]["content"] == load_tokenizer(None).decode([token] * 64)
+        stream_body = {**body, "stream": True}
+        async with client.stream("POST", "/v1/chat/completions", headers=ALICE, json=stream_body) as response:
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+        last = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines][-1]
+        assert (last["finish_reason"], last["stop_reason"]) == ("length", "repetition")
+        every_token = (await client.post("/v1/chat/completions", headers=ALICE, json={**body, "max_tokens": 80, "ignore_eos": True})).json()
+        assert (every_token["choices"][0]["stop_reason"], every_token["usage"]["completion_tokens"]) == (None, 80)
+        plain = (await client.post("/v1/chat/completions", headers=ALICE, json={**body, "logit_bias": {}, "max_tokens": 16})).json()
+        assert plain["choices"][0]["stop_reason"] is None and "Paris" in plain["choices"][0]["message"]["content"]
+
+
 async def test_tokenize_takes_vllms_bench_body_and_needs_a_key(product_stack):
     """vLLM's `{"model", "prompt", "add_special_tokens"}`; without a key it is a 401, as every
     metered route is."""
