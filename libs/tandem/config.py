@@ -143,7 +143,7 @@ class Settings(BaseSettings):
     repetition_stop_repeats: Annotated[int, Field(ge=2)] = 3
     """prefill and decode workers: the copies in a row of one n-gram that end a reply (the repetition stop)"""
     repetition_stop_min_tokens: Annotated[int, Field(ge=0)] = 64
-    """prefill and decode workers: the tokens a repetition must cover before it ends a reply, so a short n-gram must repeat more often (a run of one digit, a table's `|---|` row, an address of zeros are ordinary text)"""
+    """prefill and decode workers: the tokens a repetition must cover before it ends a reply, so a short n-gram must repeat more often (a run of one digit, a markdown table's dashed row, an address of zeros are ordinary text)"""
     enforce_eager: bool = False
     """decode workers on a GPU: every step eagerly, no CUDA graphs (captured at start for each batch size up to max_num_seqs: a few seconds and some memory); prefill workers never capture them"""
     torch_threads: Annotated[int, Field(ge=0)] = 0
