@@ -11,6 +11,7 @@ import pytest
 
 from tandem.config import Settings, load_settings
 from tandem.engine.engine import EngineConfig
+from tandem.engine.repetition import RepetitionStop
 from tandem.errors import StartupError
 from tandem.models.files import ModelFile
 from tandem.worker.engine_spec import EngineSpec
@@ -25,18 +26,25 @@ def clean_environment(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("TANDEM_CONFIG", str(tmp_path / "absent.toml"))
 
 
+DEFAULT_REPETITION_STOP = RepetitionStop(max_ngram_tokens=64, min_repeats=3, min_span_tokens=64)
+
+
 def test_the_engine_gets_the_batch_limits_and_kv_cache_from_the_environment(monkeypatch):
     monkeypatch.setenv("TANDEM_MAX_NUM_SEQS", "8")
     monkeypatch.setenv("TANDEM_MAX_NUM_BATCHED_TOKENS", "96")
     monkeypatch.setenv("TANDEM_KV_CACHE_MIB", "64")
     monkeypatch.setenv("TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS", "32")
     spec = EngineSpec.from_settings(load_settings(device="cpu"), MODEL)
-    assert spec.engine == EngineConfig(kv_cache_mib=64, max_num_seqs=8, max_num_batched_tokens=96, max_num_unpaid_tokens=32)
+    assert spec.engine == EngineConfig(
+        kv_cache_mib=64, max_num_seqs=8, max_num_batched_tokens=96, max_num_unpaid_tokens=32, repetition_stop=DEFAULT_REPETITION_STOP
+    )
 
 
 def test_unset_limits_are_the_engines_own_defaults():
+    """...and a worker's engine has the repetition stop, which a bare EngineConfig (a bench's) has not."""
     spec = EngineSpec.from_settings(Settings(device="cpu"), MODEL)
-    assert spec.engine == EngineConfig()
+    assert spec.engine == EngineConfig(repetition_stop=DEFAULT_REPETITION_STOP)
+    assert EngineSpec.from_settings(Settings(device="cpu", repetition_stop_max_ngram_tokens=0), MODEL).engine == EngineConfig()
     assert spec.torch_threads == 0  # torch's own count
 
 
