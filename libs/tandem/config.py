@@ -247,6 +247,18 @@ class Settings(BaseSettings):
     """chat: the plus tier's token bucket"""
     quota_pro: Annotated[int, Field(ge=0)] = 2500000
     """chat: the pro tier's token bucket"""
+    quota_small_free: Annotated[int, Field(ge=0)] = 100000
+    """chat: the free tier's second bucket, the small model's, drawn on once the main one cannot afford a message (0: no fallback)"""
+    quota_small_plus: Annotated[int, Field(ge=0)] = 1000000
+    """chat: the plus tier's small-model bucket"""
+    quota_small_pro: Annotated[int, Field(ge=0)] = 10000000
+    """chat: the pro tier's small-model bucket"""
+    quota_fallback_free: bool = True
+    """chat: a free user's message that the quota cannot afford is answered by the small model (from its own bucket) instead of a 429"""
+    quota_fallback_plus: bool = True
+    """chat: the same for plus users"""
+    quota_fallback_pro: bool = False
+    """chat: the same for pro users"""
     quota_refill_s: Annotated[float, Field(gt=0)] = 10800.0
     """chat: seconds in which an empty bucket refills completely"""
     quota_reservation_ttl_s: Annotated[int, Field(ge=60)] = 3600

@@ -1,4 +1,4 @@
-"""Token quotas: one bucket per user in Redis, so every chat instance sees the same level.
+"""Token quotas: a user's buckets in Redis, so every chat instance sees the same level.
 
 A bucket holds cost units (uncached input tokens x1, cached input tokens x0.1, output tokens x4:
 roughly GPU time) up to its tier's capacity and refills linearly, from empty to full in
@@ -12,13 +12,19 @@ take the time as an argument (callers pass the wall clock in ms; tests inject a 
 bucket is a full one: a bucket's key expires when it would be full, a reservation's after
 `reservation_ttl_s`. A script touches the user's bucket and the reply's reservation, which sit
 in different hash slots: like the token log's append, this needs one Redis (or a cluster whose
-scripts may touch several slots), as Tandem runs today."""
+scripts may touch several slots), as Tandem runs today.
+
+A user has two buckets: the main one, which every reply draws on first, and the small model's
+(`Bucket.SMALL`, capacities of its own), which a reply draws on instead when the main one cannot
+afford it and its tier falls back to the small model (`fallback_tiers`; services.chat.quotas).
+A reservation records the bucket it came from, and settling gives the rest back to that one."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 
 from redis.asyncio import Redis
 
@@ -32,8 +38,16 @@ CACHED_INPUT_WEIGHT = 0.1
 OUTPUT_WEIGHT = 4.0
 
 
-def bucket_key(user_id: str) -> str:
-    return f"{PREFIX}:{{{user_id}}}:bucket"
+class Bucket(str, Enum):
+    """Which of a user's buckets a reservation draws on."""
+
+    MAIN = "main"  # every reply's first choice
+    SMALL = "small"  # the small model's, for replies the main one cannot afford (the quota fallback)
+
+
+def bucket_key(user_id: str, bucket: Bucket = Bucket.MAIN) -> str:
+    suffix = "" if bucket is Bucket.MAIN else f":{bucket.value}"
+    return f"{PREFIX}:{{{user_id}}}:bucket{suffix}"
 
 
 def reservation_key(reply_id: str) -> str:
@@ -60,19 +74,36 @@ class QuotaConfig:
     capacity_pro: int
     refill_s: float
     reservation_ttl_s: int
+    # The small model's buckets (Bucket.SMALL), and the tiers whose replies draw on them when the
+    # main bucket cannot afford a reply.
+    small_capacity_free: int = 0
+    small_capacity_plus: int = 0
+    small_capacity_pro: int = 0
+    fallback_tiers: frozenset[Tier] = field(default_factory=frozenset)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> QuotaConfig:
+        fallback = {Tier.FREE: settings.quota_fallback_free, Tier.PLUS: settings.quota_fallback_plus, Tier.PRO: settings.quota_fallback_pro}
         return cls(
             capacity_free=settings.quota_free,
             capacity_plus=settings.quota_plus,
             capacity_pro=settings.quota_pro,
             refill_s=settings.quota_refill_s,
             reservation_ttl_s=settings.quota_reservation_ttl_s,
+            small_capacity_free=settings.quota_small_free,
+            small_capacity_plus=settings.quota_small_plus,
+            small_capacity_pro=settings.quota_small_pro,
+            fallback_tiers=frozenset(tier for tier, is_on in fallback.items() if is_on),
         )
 
-    def capacity_of(self, tier: Tier) -> int:
+    def capacity_of(self, tier: Tier, bucket: Bucket = Bucket.MAIN) -> int:
+        if bucket is Bucket.SMALL:
+            return {Tier.FREE: self.small_capacity_free, Tier.PLUS: self.small_capacity_plus, Tier.PRO: self.small_capacity_pro}[tier]
         return {Tier.FREE: self.capacity_free, Tier.PLUS: self.capacity_plus, Tier.PRO: self.capacity_pro}[tier]
+
+    def falls_back(self, tier: Tier) -> bool:
+        """Whether a reply of `tier` that its main bucket cannot afford may draw on the small model's."""
+        return tier in self.fallback_tiers and self.capacity_of(tier, Bucket.SMALL) > 0
 
 
 class ExceedsCapacity(ValueError):
@@ -128,7 +159,7 @@ end
 """
 
 # KEYS: bucket, reservation. ARGV: capacity, refill_ms, now_ms, worst case, reservation ttl_s,
-# user id, tier, prompt tokens. Returns {1 admitted | 0 not, level, ms until it fits (0 when admitted)}.
+# user id, tier, prompt tokens, bucket. Returns {1 admitted | 0 not, level, ms until it fits (0 when admitted)}.
 # A reply id already reserved is admitted again without taking more (a retried request).
 _RESERVE = (
     _LEVEL
@@ -144,7 +175,7 @@ end
 level = level - cost
 store_level(KEYS[1], level, at, capacity, refill_ms)
 redis.call('HSET', KEYS[2], 'user', ARGV[6], 'tier', ARGV[7], 'units', tostring(cost), 'prompt_tokens', ARGV[8],
-  'capacity', ARGV[1], 'refill_ms', ARGV[2])
+  'capacity', ARGV[1], 'refill_ms', ARGV[2], 'bucket', ARGV[9])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 return {1, tostring(level), '0'}
 """
@@ -184,6 +215,7 @@ class Reservation:
     tier: Tier
     units: float
     num_prompt_tokens: int
+    bucket: Bucket = Bucket.MAIN
 
 
 class TokenBuckets:
@@ -205,25 +237,30 @@ class TokenBuckets:
     def _refill_ms(self) -> int:
         return max(1, round(self.config.refill_s * 1000))
 
-    async def reserve(self, user_id: str, tier: Tier, worst_case: float, reply_id: str, num_prompt_tokens: int = 0) -> Admission:
-        """Takes `worst_case` units from the user's bucket if it holds them, recorded under
-        `reply_id`; raises ExceedsCapacity for a worst case no bucket of the tier can ever hold.
+    async def reserve(
+        self, user_id: str, tier: Tier, worst_case: float, reply_id: str, num_prompt_tokens: int = 0, bucket: Bucket = Bucket.MAIN
+    ) -> Admission:
+        """Takes `worst_case` units from the user's `bucket` if it holds them, recorded under
+        `reply_id`; raises ExceedsCapacity for a worst case no such bucket of the tier can ever hold.
         `num_prompt_tokens`: charged, with the output its log shows, when the reply's end reports
         no usage (a failure)."""
-        capacity = self.config.capacity_of(tier)
+        capacity = self.config.capacity_of(tier, bucket)
         if worst_case > capacity:
             raise ExceedsCapacity(worst_case, capacity, tier)
         args: list[str | int] = [capacity, self._refill_ms, self._clock(), repr(float(worst_case)), self.config.reservation_ttl_s]
-        args += [user_id, tier.value, num_prompt_tokens]
-        is_admitted, level, wait_ms = await self._reserve(keys=[bucket_key(user_id), reservation_key(reply_id)], args=args)
+        args += [user_id, tier.value, num_prompt_tokens, bucket.value]
+        keys = [bucket_key(user_id, bucket), reservation_key(reply_id)]
+        is_admitted, level, wait_ms = await self._reserve(keys=keys, args=args)
         return Admission(bool(int(is_admitted)), float(level), math.ceil(float(wait_ms)) / 1000)
 
     async def reservation(self, reply_id: str) -> Reservation | None:
-        saved = await self._redis.hmget(reservation_key(reply_id), ["user", "tier", "units", "prompt_tokens"])
+        saved = await self._redis.hmget(reservation_key(reply_id), ["user", "tier", "units", "prompt_tokens", "bucket"])
         if saved[0] is None:
             return None
-        user, tier, units, prompt_tokens = (value.decode() if isinstance(value, bytes) else str(value) for value in saved)
-        return Reservation(user, Tier(tier), float(units), int(prompt_tokens))
+        if saved[4] is None:  # reserved before there were two buckets
+            saved[4] = Bucket.MAIN.value
+        user, tier, units, prompt_tokens, bucket = (value.decode() if isinstance(value, bytes) else str(value) for value in saved)
+        return Reservation(user, Tier(tier), float(units), int(prompt_tokens), Bucket(bucket))
 
     async def settle(self, reply_id: str, usage: Usage) -> float | None:
         """Charges the reply what `usage` costs (at most what was reserved) and gives back the
@@ -246,17 +283,17 @@ class TokenBuckets:
         """Gives the whole reservation back (the reply never started); None as for settle."""
         return await self._give_back(reply_id, lambda _: 0.0)
 
-    async def peek(self, user_id: str, tier: Tier) -> Level:
-        capacity = self.config.capacity_of(tier)
+    async def peek(self, user_id: str, tier: Tier, bucket: Bucket = Bucket.MAIN) -> Level:
+        capacity = self.config.capacity_of(tier, bucket)
         if capacity == 0:
             return Level(0.0, 0.0)
-        level, full_in_ms = await self._peek(keys=[bucket_key(user_id)], args=[capacity, self._refill_ms, self._clock()])
+        level, full_in_ms = await self._peek(keys=[bucket_key(user_id, bucket)], args=[capacity, self._refill_ms, self._clock()])
         return Level(float(level), max(0.0, float(full_in_ms)) / 1000)
 
     async def _give_back(self, reply_id: str, cost_of: Callable[[Reservation], float]) -> float | None:
         reservation = await self.reservation(reply_id)
         if reservation is None:
             return None
-        keys = [bucket_key(reservation.user_id), reservation_key(reply_id)]
+        keys = [bucket_key(reservation.user_id, reservation.bucket), reservation_key(reply_id)]
         back = float(await self._settle(keys=keys, args=[self._clock(), repr(float(cost_of(reservation))), reservation.user_id]))
         return None if back < 0 else back

@@ -63,10 +63,10 @@ async def completions(
         prompt_ids = await _prompt_ids(tokenizer, prompt)
         checking = start_input_check(state.input_check, tokenizer.decode(prompt_ids))
     text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-    model = await served_model(router, tokenizer, user, body.model, text)  # for `auto`, by how hard the prompt reads
-    cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
-    clock = ReplyClock(user.tier.value, model.name, arrived)
-    return await answers.answer(user, body, model, prompt_ids, TEXT, "prompt", clock, cleared)
+    choice = await served_model(router, tokenizer, user, body.model, text)  # for `auto`, by how hard the prompt reads
+    cleared = partial(refuse_openai_input, checking, user.tier.value, choice.model.name)  # awaited as the reply starts
+    clock = ReplyClock(user.tier.value, choice.model.name, arrived)
+    return await answers.answer(user, body, choice, prompt_ids, TEXT, "prompt", clock, cleared)
 
 
 async def _prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:

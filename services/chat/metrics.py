@@ -82,7 +82,7 @@ INPUT_CHECK_SECONDS = Histogram(
 # Which model answers a message (services.chat.model_routing): by the model chosen and who decided.
 MODEL_ROUTES = Counter(
     "tandem_chat_model_routes_total",
-    "Messages routed to a model, by who decided: classifier, fallback, user, conversation, single_model",
+    "Messages routed to a model, by who decided: classifier, fallback, user, conversation, single_model, quota_fallback (a second decision)",
     ["model", "decided_by"],
 )
 DIFFICULTY_SCORES = Histogram(

@@ -9,6 +9,12 @@
 4. A decided model that no worker serves right now gives way to the other one (`instead_of`); so
    does one whose pool the router finds down or full (services.router, `answered_by`).
 
+5. A message the user's quota cannot afford on its route goes to the small model instead, from the
+   small model's own bucket (`quota_fallback`, decided by `quota_fallback`: services.chat.replies),
+   when the tier falls back and a small model is configured and served. The product API always
+   may; the OpenAI API only for `auto` (a client that named its model gets that one or a 429, as
+   vLLM would answer it).
+
 With no small model configured, everything goes to the large one (decided by `single_model`), as
 before there were two. Each decision is counted (tandem_chat_model_routes_total), its score
 observed, and logged under the request id."""
@@ -55,6 +61,7 @@ class DecidedBy(str, Enum):
     USER = "user"
     CONVERSATION = "conversation"
     SINGLE_MODEL = "single_model"  # no small model is configured
+    QUOTA_FALLBACK = "quota_fallback"  # the user's quota could not afford the decided model: the small one answers
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class Route:
     decision: Decision
     decided_by: DecidedBy
     score: float | None = None  # the classifier's, when it answered
-    instead_of: str = ""  # the model decided on, when another one answers (none of its workers served, or took, it)
+    instead_of: str = ""  # the model decided on, when another one answers (none of its workers served, or took, it; or the quota)
 
     def answered_by(self, model: str) -> Route:
         """The route of a reply the router gave to `model` (another pool's when the decided one is
@@ -129,8 +136,19 @@ class ModelRouter:
         model = _served_or_other(served, decided.name, large, small)
         instead_of = decided.name if model.name != decided.name else ""
         route = Route(model, decided.decision, decided.decided_by, decided.score, instead_of)
-        _record(route, user)
+        record_route(route, user)
         return route
+
+    def quota_fallback(self, route: Route) -> Route | None:
+        """Where a message on `route` goes when the user's quota cannot afford it: the small model,
+        decided by quota_fallback (recorded once it is taken: record_route); None when no small
+        model is configured or served."""
+        small = self._config.small_model
+        model = self._models.models().get(small) if small else None
+        if model is None:
+            return None
+        instead_of = route.model.name if route.model.name != small else ""
+        return Route(model, Decision.SMALL, DecidedBy.QUOTA_FALLBACK, route.score, instead_of)
 
     async def _served_soon(self) -> dict[str, ServedModel]:
         """The served models; right after a start, when none is known yet, after waiting for one."""
@@ -172,10 +190,12 @@ def _name(model: ServedModel | None) -> str:
     return "" if model is None else model.name
 
 
-def _record(route: Route, user: ApiKey) -> None:
+def record_route(route: Route, user: ApiKey) -> None:
+    """Counts and logs a decision (a quota fallback is a second one for its message)."""
     metrics.MODEL_ROUTES.labels(model=route.model.name, decided_by=route.decided_by.value).inc()
     score = "-" if route.score is None else f"{route.score:.3f}"
-    instead = f" instead of {route.instead_of} (not served)" if route.instead_of else ""
+    why_not = "quota" if route.decided_by is DecidedBy.QUOTA_FALLBACK else "not served"
+    instead = f" instead of {route.instead_of} ({why_not})" if route.instead_of else ""
     log.info(
         "request %s: model %s%s: %s, decided by %s (score %s, tier %s)",
         current_request_id(),

@@ -56,11 +56,11 @@ async def chat_completions(
         tool_style = template.tool_call_style
         body.use_tool_style(tool_style)
     checking = start_input_check(state.input_check, last_user_text(messages))  # in its process, while routing and tokenizing
-    model = await served_model(router, tokenizer, user, body.model, last_user_text(messages))
+    choice = await served_model(router, tokenizer, user, body.model, last_user_text(messages))
     prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools)
-    cleared = partial(refuse_openai_input, checking, user.tier.value, model.name)  # awaited as the reply starts
-    clock = ReplyClock(user.tier.value, model.name, arrived)
-    return await answers.answer(user, body, model, prompt_ids, CHAT, "messages", clock, cleared, tool_style=tool_style)
+    cleared = partial(refuse_openai_input, checking, user.tier.value, choice.model.name)  # awaited as the reply starts
+    clock = ReplyClock(user.tier.value, choice.model.name, arrived)
+    return await answers.answer(user, body, choice, prompt_ids, CHAT, "messages", clock, cleared, tool_style=tool_style)
 
 
 def _model_object(model: ServedModel) -> dict[str, object]:

@@ -12,8 +12,8 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from fastapi.responses import JSONResponse
 
@@ -21,7 +21,7 @@ from services.chat.config import AnswerLength
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
-from services.chat.model_routing import ModelRouter, UnknownModel
+from services.chat.model_routing import AUTO, DecidedBy, ModelRouter, Route, UnknownModel
 from services.chat.models_view import ServedModel
 from services.chat.openai_logprobs import ReplyLogprobs
 from services.chat.openai_schemas import GenerationBody, openai_finish_reason
@@ -43,6 +43,7 @@ from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
 IGNORED_FIELDS_HEADER = "X-Tandem-Ignored-Fields"
+ROUTED_BY_HEADER = "X-Tandem-Routed-By"  # "quota_fallback": the quota sent the reply to the small model its `model` names
 MAX_IGNORED_NAMES = 16
 MAX_END_USER_CHARS = 64  # of the `user` field, in the log line
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -109,14 +110,20 @@ CHAT = ReplyShape("chatcmpl-", "chat.completion", "chat.completion.chunk", is_ch
 TEXT = ReplyShape("cmpl-", "text_completion", "text_completion", is_chat=False)
 
 
-async def served_model(router: ModelRouter, tokenizer: Tokenizer, user: ApiKey, requested: str, text: str) -> ServedModel:
+class ModelChoice(NamedTuple):
+    model: ServedModel  # the model that answers
+    fallback: Route | None = None  # where the reply goes when the user's quota cannot afford `model`
+
+
+async def served_model(router: ModelRouter, tokenizer: Tokenizer, user: ApiKey, requested: str, text: str) -> ModelChoice:
     """The model that answers `text` (the request's last user message, or its prompt), as for the
-    product API (services.chat.model_routing) but with no conversation to stay on."""
+    product API (services.chat.model_routing) but with no conversation to stay on; for `auto`, its
+    quota fallback too (a named model is answered by that model or refused: 429, as vLLM's users expect)."""
     try:
         route = await router.route(user, requested, text, PromptCounter(tokenizer).count)
     except UnknownModel:
         raise NotFound(f"The model `{requested}` does not exist or is not served.", code="model_not_found", param="model") from None
-    return route.model
+    return ModelChoice(route.model, router.quota_fallback(route) if requested in AUTO else None)
 
 
 class OpenAIAnswers:
@@ -148,7 +155,7 @@ class OpenAIAnswers:
         self,
         user: ApiKey,
         body: GenerationBody,
-        model: ServedModel,
+        choice: ModelChoice,
         prompt_ids: list[int],
         shape: ReplyShape,
         prompt_param: str,
@@ -160,7 +167,10 @@ class OpenAIAnswers:
         measured by `clock`; a stream takes one of the instance's and the user's stream slots
         (services.chat.stream_slots) until it ends. `cleared` (the input check's verdict) is awaited
         before the first reply's request is sent (services.chat.replies.ReplyRequest.cleared).
-        `tool_style` (services.chat.openai_tools): the reply's tool calls are read out of its text."""
+        `tool_style` (services.chat.openai_tools): the reply's tool calls are read out of its text.
+        A single choice whose quota is spent is answered by `choice.fallback`'s model, which the
+        answer's `model` names (and its ROUTED_BY_HEADER says why)."""
+        model = choice.model
         room = model.window_tokens - len(prompt_ids)
         if room < 1:
             raise InvalidRequest(
@@ -188,18 +198,29 @@ class OpenAIAnswers:
             )
             for i in range(body.n)
         ]
+        fallback = choice.fallback
+        if fallback is not None and body.n == 1 and len(prompt_ids) < fallback.model.window_tokens:
+            small_room = fallback.model.window_tokens - len(prompt_ids)
+            small = replace(
+                choices[0],
+                model=fallback.model.name,
+                sampling=choice_sampling(body.sampling(self._answer_lengths[user.tier], small_room), 0),
+                route=fallback,
+            )
+            choices[0] = replace(choices[0], fallback=small)
         reply_ids = [choice.reply_id for choice in choices]
         # One per choice: a text completion's offsets count its own choice's text.
         logprobs = [ReplyLogprobs(self._tokenizer.get(), shape.is_chat) for _ in choices] if sampling.HasField("top_logprobs") else None
         if not body.stream:
-            head["model"] = await self._start(choices)
+            head["model"], routed_by = await self._start(choices)
             try:
-                return _name_ignored(await self._whole(reply_ids, head, shape, clock, logprobs, tool_style), ignored)
+                whole = await self._whole(reply_ids, head, shape, clock, logprobs, tool_style)
+                return _name_routed(_name_ignored(whole, ignored), routed_by)
             finally:
                 clock.close()
         slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
         try:
-            head["model"] = await self._start(choices)
+            head["model"], routed_by = await self._start(choices)
         except BaseException:
             slot.release()
             raise
@@ -207,12 +228,16 @@ class OpenAIAnswers:
         response = sse_response(chunks, self._keepalive_s, sep=OPENAI_SEPARATOR)
         response.on_close(slot.release)
         response.on_close(clock.close)
-        return _name_ignored(response, ignored)
+        return _name_routed(_name_ignored(response, ignored), routed_by)
 
-    async def _start(self, choices: list[ReplyRequest]) -> str:
+    async def _start(self, choices: list[ReplyRequest]) -> tuple[str, str]:
+        """The model that answers, and "quota_fallback" when the quota sent it there (else "")."""
         if len(choices) == 1:
-            return await self._starter.start_reply(choices[0])
-        return await self._starter.start_choices(choices, self._first_event)
+            begun = await self._starter.start_reply(choices[0])
+        else:
+            begun = await self._starter.start_choices(choices, self._first_event)
+        is_fallback = begun.route is not None and begun.route.decided_by is DecidedBy.QUOTA_FALLBACK
+        return begun.model, DecidedBy.QUOTA_FALLBACK.value if is_fallback else ""
 
     async def _first_event(self, reply_id: str) -> None:
         """Returns once the reply's first event is in its log (its prompt is computed), or its log is
@@ -414,6 +439,12 @@ def ignored_fields_text(names: list[str]) -> str:
     shown = [name if _PLAIN_NAME.fullmatch(name) else "?" for name in names[:MAX_IGNORED_NAMES]]
     more = len(names) - len(shown)
     return ", ".join(shown + ([f"... {more} more"] if more else []))
+
+
+def _name_routed(response: JSONResponse | StreamResponse, routed_by: str) -> JSONResponse | StreamResponse:
+    if routed_by:
+        response.headers[ROUTED_BY_HEADER] = routed_by
+    return response
 
 
 def _name_ignored(response: JSONResponse | StreamResponse, ignored: str) -> JSONResponse | StreamResponse:

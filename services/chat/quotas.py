@@ -1,7 +1,8 @@
 """Token quotas in the chat service (the buckets themselves: tandem.quota). A reply reserves its
 worst case before anything of it is stored or sent, and gets it back whole if it never starts;
 the relay settles it when it ends. A request the bucket cannot afford yet is refused with 429
-`quota_exceeded` and a Retry-After saying when it could; every authenticated answer says how
+`quota_exceeded` and a Retry-After saying when it could (unless its tier falls back to the small
+model: services.chat.replies.ReplyStarter draws on the small model's bucket then); every authenticated answer says how
 much is left (`x-ratelimit-*-tokens`, OpenAI's names)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from services.chat import metrics
 from services.chat.auth import caller
 from services.chat.errors import InvalidRequest, RateLimited, Unauthenticated
 from tandem.config import ApiKey
-from tandem.quota import ExceedsCapacity, TokenBuckets, worst_case_units
+from tandem.quota import Bucket, ExceedsCapacity, TokenBuckets, worst_case_units
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +31,21 @@ def install(app: FastAPI) -> None:
     app.add_middleware(QuotaHeaders)
 
 
-@contextlib.asynccontextmanager
-async def reserved(buckets: TokenBuckets, user: ApiKey, reply_id: str, num_prompt_tokens: int, max_tokens: int) -> AsyncIterator[None]:
-    """Reserves the reply's worst case for the block, and gives it all back if the block raises
-    (the reply never started): one reservation, one Redis round trip, per reply."""
+class QuotaExhausted(RateLimited):
+    """The bucket cannot afford the reply yet (429 quota_exceeded, Retry-After: when it could)."""
+
+    default_code = "quota_exceeded"
+
+
+async def reserve(
+    buckets: TokenBuckets, user: ApiKey, reply_id: str, num_prompt_tokens: int, max_tokens: int, bucket: Bucket = Bucket.MAIN
+) -> None:
+    """Reserves the reply's worst case in the user's `bucket` (one Redis round trip). Raises
+    QuotaExhausted when the bucket cannot afford it yet, InvalidRequest (400 exceeds_quota) when no
+    such bucket ever could."""
     worst_case = worst_case_units(num_prompt_tokens, max_tokens)
     try:
-        admission = await buckets.reserve(user.user_id, user.tier, worst_case, reply_id, num_prompt_tokens)
+        admission = await buckets.reserve(user.user_id, user.tier, worst_case, reply_id, num_prompt_tokens, bucket)
     except ExceedsCapacity as exc:
         message = (
             f"this request could cost up to {worst_case:.0f} units ({num_prompt_tokens} prompt tokens + max_tokens {max_tokens} x4), "
@@ -45,13 +54,18 @@ async def reserved(buckets: TokenBuckets, user: ApiKey, reply_id: str, num_promp
         metrics.REPLIES_REFUSED.labels(code="exceeds_quota").inc()
         raise InvalidRequest(message, code="exceeds_quota", param="max_tokens") from None
     if not admission.is_admitted:
-        metrics.REPLIES_REFUSED.labels(code="quota_exceeded").inc()
         wait_s = math.ceil(admission.retry_after_s)
+        which = "" if bucket is Bucket.MAIN else " and its small-model quota"
         message = (
-            f"you have used your {user.tier.value} tier's token quota for now ({admission.remaining_units:.0f} units left, "
+            f"you have used your {user.tier.value} tier's token quota{which} for now ({admission.remaining_units:.0f} units left, "
             f"this request needs up to {worst_case:.0f}); try again in {wait_phrase(wait_s)}"
         )
-        raise RateLimited(message, code="quota_exceeded", retry_after_s=wait_s)
+        raise QuotaExhausted(message, retry_after_s=wait_s)
+
+
+@contextlib.asynccontextmanager
+async def refunded_on_error(buckets: TokenBuckets, reply_id: str) -> AsyncIterator[None]:
+    """Gives the reply's whole reservation back if the block raises (the reply never started)."""
     try:
         yield
     except BaseException:

@@ -1,6 +1,11 @@
 """Starting and stopping a reply. A reply is recorded in the token log before its
 request is sent (so its first token always finds it), answered by the router over NATS, and
-read back from the log (services.chat.streaming) by whichever chat instance the client reaches."""
+read back from the log (services.chat.streaming) by whichever chat instance the client reaches.
+
+A reply whose user's quota cannot afford it is refused with 429 quota_exceeded, unless it carries
+a fallback (the same prompt to the small model; services.chat.model_routing.quota_fallback) and
+its tier falls back (tandem.quota.QuotaConfig.falls_back): then the fallback starts instead,
+drawing on the small model's own bucket, and only that bucket's exhaustion is the 429."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import nats.errors
@@ -21,10 +26,10 @@ from redis.asyncio import Redis
 from services.chat import metrics, quotas
 from services.chat.door import Door
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
-from services.chat.model_routing import Route
+from services.chat.model_routing import Route, record_route
 from tandem.bus import Bus, encode, subjects, validate
 from tandem.config import ApiKey, Tier
-from tandem.quota import TokenBuckets
+from tandem.quota import Bucket, TokenBuckets
 from tandem.runtime.request_id import current_request_id
 from tandem.tokenlog import RUNNING, ReplyKeys, ReplyMeta, create_reply, set_answered
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
@@ -69,13 +74,26 @@ class ReplyRequest:
     # endpoints wait for here so that the rest of its wait overlaps the quota's and the log's
     # round trips instead of coming before them.
     cleared: Callable[[], Awaitable[None]] | None = None
+    # The same reply to the small model, started instead when the user's quota cannot afford this
+    # one and the tier falls back (None: a 429 then); its route says why (quota_fallback).
+    fallback: ReplyRequest | None = None
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A started reply: the model the router admitted it for and how it was chosen (None: not by
+    services.chat.model_routing)."""
+
+    model: str
+    route: Route | None = None
 
 
 class StoredTurn(Protocol):
     """The stored turn a product reply fills (an OpenAI reply has none)."""
 
-    async def store(self) -> None:
-        """Writes the turn: after the reply's quota is reserved, before the reply is recorded or asked for."""
+    async def store(self, reply: ReplyRequest) -> None:
+        """Writes the turn of `reply` (the one whose quota was reserved: the asked one or its
+        fallback): after the reservation, before the reply is recorded or asked for."""
 
     async def refuse(self, error: ChatError) -> None:
         """The reply will never run (the router refused it, or none answered): the turn is settled."""
@@ -92,57 +110,91 @@ class ReplyStarter:
         self._quotas = quotas  # None: no quotas apply
         self._generate_timeout_s = generate_timeout_s
 
-    async def start_reply(self, reply: ReplyRequest, turn: StoredTurn | None = None) -> str:
+    async def start_reply(self, reply: ReplyRequest, turn: StoredTurn | None = None) -> Begun:
         """Refuses it at the door while its model's free lane is closed; reserves its worst case in
-        the user's quota; stores `turn`; records the reply and asks a router for it. Returns the
-        model the router admitted it for (another pool's when the asked one is down or full:
-        services.router.pools). Raises a ChatError (RateLimited when the quota cannot afford it
-        yet; the router's reason as its code when the router refuses it or none answers), and then
-        nothing of the reply is kept, its reservation is given back and `turn`, if stored, refused."""
+        the user's quota (or its fallback's in the small model's bucket); stores `turn`; records the
+        reply and asks a router for it. Returns the model the router admitted it for (another
+        pool's when the asked one is down or full: services.router.pools) and its route. Raises a
+        ChatError (RateLimited when the quota cannot afford it yet; the router's reason as its code
+        when the router refuses it or none answers), and then nothing of the reply is kept, its
+        reservation is given back and `turn`, if stored, refused."""
         self._door.check(reply.model, reply.user.tier)
-        async with self._reserved(reply):
+        reply = await self._reserve(reply)
+        async with self._refunded_on_error(reply.reply_id):
             if turn is None:
                 return await self._begin(reply)
-            await turn.store()
+            await turn.store(reply)
             try:
                 return await self._begin(reply)
             except ChatError as exc:
                 await turn.refuse(exc)
                 raise
 
-    async def start_choices(self, choices: Sequence[ReplyRequest], prompt_cached: Callable[[str], Awaitable[None]]) -> str:
+    async def start_choices(self, choices: Sequence[ReplyRequest], prompt_cached: Callable[[str], Awaitable[None]]) -> Begun:
         """Starts several replies to one prompt (OpenAI's `n`): every one's worst case is reserved
         first, so a quota that affords fewer starts none; the first begins alone, the others once
         `prompt_cached(first's reply id)` returns (its first token is out: its prompt's full blocks
         are in its worker's prefix cache, which the router's prefix index steers the others to and
         their prefill reads instead of computing). Begun one after another: each is a log write and
-        a router round trip. Returns the first's model; raises as start_reply does, and then the
-        replies already begun are cancelled and every reservation given back."""
+        a router round trip. Returns the first's model and route; raises as start_reply does, and then the
+        replies already begun are cancelled and every reservation given back. Choices never fall
+        back to the small model (one request, one model: all or none would have to)."""
         first = choices[0]
         self._door.check(first.model, first.user.tier)
         async with contextlib.AsyncExitStack() as reservations:
             for choice in choices:
-                await reservations.enter_async_context(self._reserved(choice))
-            model = await self._begin(first)
-            begun = [first.reply_id]
+                await self._reserve(replace(choice, fallback=None))
+                await reservations.enter_async_context(self._refunded_on_error(choice.reply_id))
+            begun = await self._begin(first)
+            begun_ids = [first.reply_id]
             try:
                 await prompt_cached(first.reply_id)
                 for choice in choices[1:]:
                     await self._begin(choice)
-                    begun.append(choice.reply_id)
+                    begun_ids.append(choice.reply_id)
             except BaseException:
-                for reply_id in begun:
+                for reply_id in begun_ids:
                     with contextlib.suppress(nats.errors.Error):  # NATS is down: nothing reaches a worker either
                         await cancel_reply(self._bus, reply_id, "choice_not_started")
                 raise
-        return model
+        return begun
 
-    def _reserved(self, reply: ReplyRequest) -> AbstractAsyncContextManager[None]:
+    async def _reserve(self, reply: ReplyRequest) -> ReplyRequest:
+        """Reserves the reply's worst case in the user's main bucket and returns `reply`; when that
+        bucket cannot afford it and the reply has a fallback its tier may take, reserves the
+        fallback's in the small model's bucket and returns the fallback. Raises as quotas.reserve."""
+        if self._quotas is None:
+            return reply
+        try:
+            await quotas.reserve(self._quotas, reply.user, reply.reply_id, len(reply.prompt_ids), reply.sampling.max_tokens)
+            return reply
+        except quotas.QuotaExhausted as exhausted:
+            fallback = reply.fallback if self._quotas.config.falls_back(reply.user.tier) else None
+            if fallback is None:
+                metrics.REPLIES_REFUSED.labels(code=exhausted.code).inc()
+                raise
+            refusal = exhausted
+        self._door.check(fallback.model, fallback.user.tier)
+        try:
+            await quotas.reserve(
+                self._quotas, fallback.user, fallback.reply_id, len(fallback.prompt_ids), fallback.sampling.max_tokens, Bucket.SMALL
+            )
+        except InvalidRequest:  # more than the whole small bucket: the main one's refusal is the honest answer
+            metrics.REPLIES_REFUSED.labels(code=refusal.code).inc()
+            raise refusal from None
+        except quotas.QuotaExhausted as exhausted:
+            metrics.REPLIES_REFUSED.labels(code=exhausted.code).inc()
+            raise
+        if fallback.route is not None:
+            record_route(fallback.route, fallback.user)
+        return fallback
+
+    def _refunded_on_error(self, reply_id: str) -> AbstractAsyncContextManager[None]:
         if self._quotas is None:
             return contextlib.nullcontext()
-        return quotas.reserved(self._quotas, reply.user, reply.reply_id, len(reply.prompt_ids), reply.sampling.max_tokens)
+        return quotas.refunded_on_error(self._quotas, reply_id)
 
-    async def _begin(self, reply: ReplyRequest) -> str:
+    async def _begin(self, reply: ReplyRequest) -> Begun:
         request = GenerateRequest(
             request_id=reply.reply_id,
             reply_id=reply.reply_id,
@@ -184,7 +236,7 @@ class ReplyStarter:
         route = reply.route.answered_by(model) if reply.route is not None else None
         if model != reply.model or route is not None:  # a stream attached later says what the first one said
             await set_answered(self._redis, reply.reply_id, model, json.dumps(route.as_dict()) if route is not None else "")
-        return model
+        return Begun(model, route)
 
     async def _ask_router(self, request: GenerateRequest) -> GenerateReply:
         """The router's answer; raises Unavailable (503 with Retry-After) when none came. A request

@@ -1,7 +1,10 @@
 """A chat turn: check the message, build the prompt from the conversation, and start the reply
 (services.chat.replies.ReplyStarter: the door, the quota, then the turn's stores, then the
 router), storing the user turn and a running assistant turn once its quota is reserved (a
-refusal stores nothing). Regenerate reuses all but the first store."""
+refusal stores nothing). Regenerate reuses all but the first store. Every reply carries its
+quota fallback (the same prompt to the small model, services.chat.model_routing), which starts
+instead when the user's quota cannot afford the decided model; the user turn keeps the decided
+model, so the conversation goes back to it once the quota refills."""
 
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ class Turns:
         started = await self._start(reply, stored, prompt.num_dropped)
         metrics.ANSWERS.labels(**metrics.model_labels(started.model)).inc()
         schedule_summary(self.summaries, user, conversation.id, model, history[: prompt.num_dropped], started.reply_id)  # in the background
-        return replace(started, route=route.answered_by(started.model))
+        return started
 
     async def regenerate(
         self, user: ApiKey, conversation: Conversation, answer: Message, requested_model: str, sampling: SamplingChoice
@@ -159,7 +162,7 @@ class Turns:
         metrics.REGENERATIONS.labels(**metrics.model_labels(answer.model)).inc()
         metrics.ANSWERS.labels(**metrics.model_labels(started.model)).inc()
         schedule_summary(self.summaries, user, conversation.id, model, earlier[: prompt.num_dropped], started.reply_id)
-        return replace(started, route=route.answered_by(started.model))
+        return started
 
     def _prompt(
         self,
@@ -190,26 +193,33 @@ class Turns:
     def _reply_request(
         self, user: ApiKey, conversation: Conversation, route: Route, prompt: _Prompt, reply_id: str, sampling: SamplingChoice
     ) -> ReplyRequest:
-        model = route.model
         wanted = self.config.answer_length(user.tier).max_tokens(sampling.max_tokens)
-        max_tokens = max(1, min(wanted, model.window_tokens - len(prompt.ids)))
-        return ReplyRequest(
-            reply_id=reply_id,
-            user=user,
-            model=model.name,
-            prompt_ids=prompt.ids,
-            public_prefix_tokens=prompt.num_public,
-            sampling=sampling.params(max_tokens),
-            conversation_id=conversation.id,
-            message_id=reply_id,
-            num_dropped_turns=prompt.num_dropped,
-            route=route,
-        )
+
+        def to(route: Route, fallback: ReplyRequest | None) -> ReplyRequest:
+            max_tokens = max(1, min(wanted, route.model.window_tokens - len(prompt.ids)))
+            return ReplyRequest(
+                reply_id=reply_id,
+                user=user,
+                model=route.model.name,
+                prompt_ids=prompt.ids,
+                public_prefix_tokens=prompt.num_public,
+                sampling=sampling.params(max_tokens),
+                conversation_id=conversation.id,
+                message_id=reply_id,
+                num_dropped_turns=prompt.num_dropped,
+                route=route,
+                fallback=fallback,
+            )
+
+        # One tokenizer serves both models, so the prompt is the small model's too when it fits its window.
+        small = self.router.quota_fallback(route)
+        fits = small is not None and len(prompt.ids) < small.model.window_tokens
+        return to(route, to(small, None) if small is not None and fits else None)
 
     async def _start(self, reply: ReplyRequest, stored: _StoredTurn, num_dropped: int) -> StartedReply:
-        # The router's model: another pool's when the asked one is down or full.
-        model = await self.starter.start_reply(reply, stored)
-        return StartedReply(reply.reply_id, model, num_dropped)
+        # The router's model: another pool's when the asked one is down or full; the small one when the quota sent it there.
+        begun = await self.starter.start_reply(reply, stored)
+        return StartedReply(reply.reply_id, begun.model, num_dropped, begun.route)
 
     async def supersede(self, conversation_id: str, reply_id: str) -> None:
         """One reply in flight per conversation: a new one cancels the one before."""
@@ -251,8 +261,8 @@ class _StoredTurn:
         self._title = title
         self._parent_seq = parent_seq  # the user turn it answers, when that is stored already
 
-    async def store(self) -> None:
-        store, reply = self._turns.store, self._reply
+    async def store(self, reply: ReplyRequest) -> None:
+        store = self._turns.store
         parent_seq = self._parent_seq
         if self._user_turn is not None:
             parent_seq = (await store.append_message(reply.user.user_id, self._user_turn, title=self._title)).seq

@@ -21,7 +21,7 @@ from services.chat.fanout import open_fanout
 from services.chat.latency import ReplyClock
 from services.chat.model_routing import ModelRouter, RoutingConfig
 from services.chat.models_view import ModelsView
-from services.chat.openai_replies import CHAT, OpenAIAnswers
+from services.chat.openai_replies import CHAT, ModelChoice, OpenAIAnswers
 from services.chat.openai_schemas import ChatCompletionBody
 from services.chat.prompt import LoadedTokenizer
 from services.chat.replies import ReplyStarter
@@ -202,7 +202,7 @@ async def test_an_openai_completion_reserves_its_reply_once(redis_server, redis,
     model = models.models()[MODEL]
     try:
         async with RedisCommands(redis_server.url) as seen:
-            response = await answers.answer(user, body, model, [1, 2, 3, 4], CHAT, "messages", ReplyClock("free", MODEL, 0.0))
+            response = await answers.answer(user, body, ModelChoice(model), [1, 2, 3, 4], CHAT, "messages", ReplyClock("free", MODEL, 0.0))
     finally:
         await fanout.close()
     assert response.status_code == 200
