@@ -3,7 +3,9 @@ cannot afford is refused with 429 quota_exceeded and a Retry-After before anythi
 recorded; one larger than the whole bucket is a 400 naming max_tokens; a reply the router
 refuses, or that no router answers, gets its whole reservation back; and after an overload
 refusal, free replies are refused at the door (no router asked, nothing reserved) while paid ones
-are still asked."""
+are still asked; a reply with a quota fallback whose main bucket is spent starts its fallback
+from the small model's bucket, and only that bucket's exhaustion (or a tier that does not fall
+back) is the 429."""
 
 from __future__ import annotations
 
@@ -21,12 +23,21 @@ from services.chat.errors import InvalidRequest, RateLimited, Unavailable, answe
 from services.chat.replies import ReplyRequest, ReplyStarter
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.config import ApiKey, Tier
-from tandem.quota import QuotaConfig, TokenBuckets, reservation_key
+from tandem.quota import Bucket, QuotaConfig, TokenBuckets, reservation_key
 from tandem.tokenlog import ReplyKeys
 from tandem.v1.common_pb2 import LANE_FREE, LANE_PAID, SamplingParams
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 
-QUOTA = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000, refill_s=600.0, reservation_ttl_s=120)
+QUOTA = QuotaConfig(
+    capacity_free=6000,
+    capacity_plus=60000,
+    capacity_pro=600000,
+    refill_s=600.0,
+    reservation_ttl_s=120,
+    small_capacity_free=3000,
+    small_capacity_pro=3000,
+    fallback_tiers=frozenset({Tier.FREE}),
+)
 
 
 @pytest_asyncio.fixture
@@ -202,3 +213,50 @@ async def test_a_choice_the_router_refuses_cancels_the_choices_begun_and_gives_e
         await cancels.unsubscribe()
     assert asked == [c.reply_id for c in choices[:2]], "the third is never asked for"
     assert (await state.quotas.peek(user.user_id, Tier.PLUS)).remaining_units == pytest.approx(60000, abs=2)
+
+
+def with_fallback(reply: ReplyRequest) -> ReplyRequest:
+    return replace(reply, fallback=replace(reply, model="small"))
+
+
+async def test_a_spent_quota_starts_the_fallback_from_the_small_bucket_until_that_is_spent_too(state):
+    asked: list[str] = []
+
+    async def accepting_router(msg) -> None:
+        request = GenerateRequest.FromString(msg.data)
+        asked.append(request.model)
+        await msg.respond(encode(GenerateReply(reply_id=request.reply_id, model=request.model)))
+
+    router = await state.bus.client.subscribe(subjects.GENERATE, queue="router", cb=accepting_router)
+    user = free_user()
+    await state.quotas.reserve(user.user_id, Tier.FREE, 5500, uuid.uuid4().hex)  # 500 left in the main bucket
+    try:
+        first, second, third = (with_fallback(reply_request(user, 900, 48)) for _ in range(3))  # up to 1092 each
+        assert (await state.starter.start_reply(first)).model == "small"
+        assert (await state.starter.start_reply(second)).model == "small"
+        with pytest.raises(RateLimited) as refused:  # 3000 - 2 x 1092 = 816 left in the small bucket
+            await state.starter.start_reply(third)
+    finally:
+        await router.unsubscribe()
+    assert asked == ["small", "small"]
+    assert refused.value.code == "quota_exceeded" and "small-model quota" in refused.value.message
+    assert (await state.quotas.reservation(first.reply_id)).bucket is Bucket.SMALL
+    assert (await state.quotas.peek(user.user_id, Tier.FREE)).remaining_units < 600  # the main bucket untouched by them
+    assert await state.redis.exists(*ReplyKeys(third.reply_id).all(), reservation_key(third.reply_id)) == 0
+
+
+async def test_a_tier_that_does_not_fall_back_gets_the_429_even_with_a_fallback(state):
+    user = ApiKey(user_id=uuid.uuid4().hex, tier=Tier.PRO)
+    await state.quotas.reserve(user.user_id, Tier.PRO, 600000, uuid.uuid4().hex)
+    with pytest.raises(RateLimited) as refused:
+        await state.starter.start_reply(with_fallback(reply_request(user, 900, 48)))
+    assert refused.value.code == "quota_exceeded"
+    assert (await state.quotas.peek(user.user_id, Tier.PRO, Bucket.SMALL)).remaining_units == 3000
+
+
+async def test_a_fallback_that_never_starts_gives_the_small_bucket_its_units_back(state):
+    user = free_user()
+    await state.quotas.reserve(user.user_id, Tier.FREE, 6000, uuid.uuid4().hex)
+    with pytest.raises(Unavailable):  # no router runs
+        await state.starter.start_reply(with_fallback(reply_request(user, 900, 48)))
+    assert (await state.quotas.peek(user.user_id, Tier.FREE, Bucket.SMALL)).remaining_units == 3000

@@ -1,6 +1,7 @@
 """The token bucket's arithmetic, run where it runs (Lua scripts in a real redis-server), on an
 injected clock: refill, reservations that fit and that do not (and when they would), settling,
-refunds, the capacity cap, settling twice, and the expiry of every key."""
+refunds, the capacity cap, settling twice, and the expiry of every key; the small model's bucket
+(the quota fallback's) kept apart from the main one, each settled into the one it came from."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from tandem.config import Tier
-from tandem.quota import ExceedsCapacity, QuotaConfig, TokenBuckets, bucket_key, cost_units, reservation_key, worst_case_units
+from tandem.quota import Bucket, ExceedsCapacity, QuotaConfig, TokenBuckets, bucket_key, cost_units, reservation_key, worst_case_units
 from tandem.v1.common_pb2 import Usage
 
-CONFIG = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000, refill_s=600.0, reservation_ttl_s=120)
+CONFIG = QuotaConfig(
+    capacity_free=6000,
+    capacity_plus=60000,
+    capacity_pro=600000,
+    refill_s=600.0,
+    reservation_ttl_s=120,
+    small_capacity_free=3000,
+    small_capacity_plus=30000,
+    fallback_tiers=frozenset({Tier.FREE, Tier.PLUS, Tier.PRO}),
+)
 RATE_PER_S = 10.0  # the free bucket: 6000 units in 600 s
 
 
@@ -179,3 +189,32 @@ async def test_tiers_have_their_own_capacity(buckets):
     user = new_id()
     assert (await buckets.reserve(user, Tier.PLUS, 50000, new_id())).is_admitted
     assert (await buckets.peek(user, Tier.PLUS)).remaining_units == 10000
+
+
+async def test_the_small_models_bucket_is_a_key_of_its_own_with_its_own_capacity(buckets, redis):
+    user = new_id()
+    assert bucket_key(user, Bucket.SMALL) != bucket_key(user)
+    await buckets.reserve(user, Tier.FREE, 6000, new_id())  # the main bucket is empty
+    assert not (await buckets.reserve(user, Tier.FREE, 100, new_id())).is_admitted
+    assert (await buckets.reserve(user, Tier.FREE, 2500, new_id(), bucket=Bucket.SMALL)).is_admitted
+    assert (await buckets.peek(user, Tier.FREE, Bucket.SMALL)).remaining_units == 500
+    assert not (await buckets.reserve(user, Tier.FREE, 600, new_id(), bucket=Bucket.SMALL)).is_admitted
+    with pytest.raises(ExceedsCapacity):
+        await buckets.reserve(user, Tier.FREE, 3001, new_id(), bucket=Bucket.SMALL)
+    assert 0 < await redis.pttl(bucket_key(user, Bucket.SMALL)) <= 600_000  # it expires when it would be full
+
+
+async def test_settling_gives_the_rest_back_to_the_bucket_the_reservation_came_from(buckets):
+    user, reply_id = new_id(), new_id()
+    await buckets.reserve(user, Tier.FREE, 1000, new_id())
+    await buckets.reserve(user, Tier.FREE, 2000, reply_id, bucket=Bucket.SMALL)
+    assert (await buckets.reservation(reply_id)).bucket is Bucket.SMALL
+    assert await buckets.settle(reply_id, Usage(input_tokens=100, output_tokens=100)) == pytest.approx(1500)
+    assert (await buckets.peek(user, Tier.FREE, Bucket.SMALL)).remaining_units == pytest.approx(2500)
+    assert (await buckets.peek(user, Tier.FREE)).remaining_units == 5000  # the main one untouched
+
+
+def test_a_tier_falls_back_only_when_it_is_on_and_its_small_bucket_holds_anything():
+    assert CONFIG.falls_back(Tier.FREE) and CONFIG.falls_back(Tier.PLUS)
+    assert not CONFIG.falls_back(Tier.PRO)  # no small bucket
+    assert not QuotaConfig(6000, 60000, 600000, 600.0, 120, small_capacity_free=3000).falls_back(Tier.FREE)  # not on

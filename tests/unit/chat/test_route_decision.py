@@ -1,5 +1,5 @@
 """The decision behind `model: "auto"`: a paid pick, a conversation's own model, the classifier's
-score or the fallback rule, and a model no worker serves."""
+score or the fallback rule, a model no worker serves, and the quota fallback's route."""
 
 from types import SimpleNamespace
 
@@ -155,3 +155,20 @@ async def test_a_reply_the_router_gave_to_the_other_pool_says_which_was_decided(
     assert route.answered_by(SMALL) is route
     moved = route.answered_by(LARGE)  # the small pool was full: the router sent it large
     assert moved.as_dict() == {"decision": "small", "decided_by": "classifier", "score": 0.1, "instead_of": SMALL}
+
+
+async def test_the_quota_fallback_goes_to_the_served_small_model_and_says_instead_of_what():
+    router = await stack()
+    hard = await router.route(PLUS, "auto", HARD, words)
+    fallback = router.quota_fallback(hard)
+    assert fallback is not None
+    assert (fallback.model.name, fallback.decision, fallback.decided_by) == (SMALL, Decision.SMALL, DecidedBy.QUOTA_FALLBACK)
+    assert fallback.as_dict()["decided_by"] == "quota_fallback" and fallback.as_dict()["instead_of"] == LARGE
+    easy = await router.route(FREE, "auto", EASY, words)  # on the small model already: its bucket, nothing instead
+    assert "instead_of" not in router.quota_fallback(easy).as_dict()
+
+
+async def test_no_quota_fallback_without_a_served_small_model():
+    assert (await stack(small="")).quota_fallback(await (await stack(small="")).route(FREE, "auto", EASY, words)) is None
+    unserved = await stack(served=(LARGE,))
+    assert unserved.quota_fallback(await unserved.route(FREE, "auto", HARD, words)) is None
