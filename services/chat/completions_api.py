@@ -17,8 +17,9 @@ from services.chat.errors import InvalidRequest
 from services.chat.latency import ReplyClock
 from services.chat.limits import TopLogprobs
 from services.chat.moderation import refuse_openai_input, start_input_check
-from services.chat.openai_replies import TEXT, served_model
+from services.chat.openai_replies import served_model
 from services.chat.openai_schemas import GenerationBody
+from services.chat.openai_shape import TEXT
 from tandem.models.tokenizer import Tokenizer
 
 router = APIRouter(prefix="/v1", tags=["openai"])

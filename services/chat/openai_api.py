@@ -16,8 +16,9 @@ from services.chat.errors import InvalidRequest, NotFound
 from services.chat.latency import ReplyClock
 from services.chat.models_view import ServedModel
 from services.chat.moderation import last_user_text, refuse_openai_input, start_input_check
-from services.chat.openai_replies import CHAT, served_model
+from services.chat.openai_replies import served_model
 from services.chat.openai_schemas import ChatCompletionBody
+from services.chat.openai_shape import CHAT
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

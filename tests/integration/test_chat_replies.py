@@ -29,7 +29,8 @@ from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
 from services.chat.latency import ReplyClock
 from services.chat.models_view import ModelsView
-from services.chat.openai_replies import CHAT, OpenAIAnswers
+from services.chat.openai_replies import OpenAIAnswers
+from services.chat.openai_shape import CHAT
 from services.chat.replies import ReplyRequest, ReplyStarter
 from services.chat.sse import StreamResponse
 from services.chat.state import ChatState

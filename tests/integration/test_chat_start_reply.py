@@ -21,8 +21,9 @@ from services.chat.fanout import open_fanout
 from services.chat.latency import ReplyClock
 from services.chat.model_routing import ModelRouter, RoutingConfig
 from services.chat.models_view import ModelsView
-from services.chat.openai_replies import CHAT, ModelChoice, OpenAIAnswers
+from services.chat.openai_replies import ModelChoice, OpenAIAnswers
 from services.chat.openai_schemas import ChatCompletionBody
+from services.chat.openai_shape import CHAT
 from services.chat.prompt import LoadedTokenizer
 from services.chat.replies import ReplyStarter
 from services.chat.stream_slots import StreamSlots

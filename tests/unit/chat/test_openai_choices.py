@@ -1,6 +1,7 @@
 """OpenAI's `n`: each choice's reply id and seed, and the usage of the choices together."""
 
-from services.chat.openai_replies import CHAT, TEXT, choice_reply_id, choice_sampling, choices_final
+from services.chat.openai_replies import choice_reply_id, choice_sampling, choices_final
+from services.chat.openai_shape import CHAT, TEXT
 from tandem.v1.common_pb2 import SamplingParams, Usage
 from tandem.v1.tokens_pb2 import TokenEvent
 
