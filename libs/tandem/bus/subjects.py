@@ -12,6 +12,8 @@ CANCEL_ALL = f"{PREFIX}.cancel.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 HANDOFFS_ALL = f"{PREFIX}.handoff.*"
 LADDER = f"{PREFIX}.ladder"  # LadderStatus, from every router at each busyness observation
+ROLLOUT = f"{PREFIX}.rollout"  # RolloutStatus, from every router at each reload and observation
+OUTCOMES = f"{PREFIX}.outcomes"  # ReplyOutcome, from the relay once it stores a finished reply
 
 # A token of a subject: no dots, spaces or wildcards, so an id can never widen a subscription.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")

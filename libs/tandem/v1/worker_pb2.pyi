@@ -86,3 +86,67 @@ class LadderStatus(_message.Message):
     sent_unix_ms: int
     interval_s: float
     def __init__(self, router_id: _Optional[str] = ..., rung: _Optional[int] = ..., busyness: _Optional[float] = ..., kv_occupancy: _Optional[float] = ..., queue_pressure: _Optional[float] = ..., sent_unix_ms: _Optional[int] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("router_id", "sent_unix_ms", "interval_s", "models")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    sent_unix_ms: int
+    interval_s: float
+    models: _containers.RepeatedCompositeFieldContainer[ModelRollout]
+    def __init__(self, router_id: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., interval_s: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelRollout, _Mapping]]] = ...) -> None: ...
+
+class ModelRollout(_message.Message):
+    __slots__ = ("model", "stable", "candidate", "configured_percent", "candidate_percent", "shadow_percent", "rolled_back", "rollback_reason", "rolled_back_unix_ms", "stable_window", "candidate_window")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    stable: str
+    candidate: str
+    configured_percent: float
+    candidate_percent: float
+    shadow_percent: float
+    rolled_back: bool
+    rollback_reason: str
+    rolled_back_unix_ms: int
+    stable_window: VersionWindow
+    candidate_window: VersionWindow
+    def __init__(self, model: _Optional[str] = ..., stable: _Optional[str] = ..., candidate: _Optional[str] = ..., configured_percent: _Optional[float] = ..., candidate_percent: _Optional[float] = ..., shadow_percent: _Optional[float] = ..., rolled_back: _Optional[bool] = ..., rollback_reason: _Optional[str] = ..., rolled_back_unix_ms: _Optional[int] = ..., stable_window: _Optional[_Union[VersionWindow, _Mapping]] = ..., candidate_window: _Optional[_Union[VersionWindow, _Mapping]] = ...) -> None: ...
+
+class VersionWindow(_message.Message):
+    __slots__ = ("replies", "errors", "ttft_p95_s")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P95_S_FIELD_NUMBER: _ClassVar[int]
+    replies: int
+    errors: int
+    ttft_p95_s: float
+    def __init__(self, replies: _Optional[int] = ..., errors: _Optional[int] = ..., ttft_p95_s: _Optional[float] = ...) -> None: ...
+
+class ReplyOutcome(_message.Message):
+    __slots__ = ("reply_id", "model", "ttft_s", "is_error", "is_shadow", "finished_unix_ms")
+    REPLY_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    IS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    IS_SHADOW_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    reply_id: str
+    model: str
+    ttft_s: float
+    is_error: bool
+    is_shadow: bool
+    finished_unix_ms: int
+    def __init__(self, reply_id: _Optional[str] = ..., model: _Optional[str] = ..., ttft_s: _Optional[float] = ..., is_error: _Optional[bool] = ..., is_shadow: _Optional[bool] = ..., finished_unix_ms: _Optional[int] = ...) -> None: ...

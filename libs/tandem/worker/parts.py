@@ -83,7 +83,7 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     check_internal_secret(settings.host, secret, is_insecure_allowed=settings.allow_insecure_internal)
     if settings.gil_switch_interval_ms:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
-    model = open_model(settings.model_path, settings.served_model_name, settings.quantization)
+    model = open_model(settings.model_path, settings.served_model_name, settings.quantization, settings.model_version)
     spec = EngineSpec.from_settings(settings, model, role)
     grpc_port = settings.grpc_port_for(role)
     check_port_free(settings.host, grpc_port, "TANDEM_GRPC_PORT")
