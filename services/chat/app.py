@@ -30,6 +30,9 @@ from services.chat.latency import StampArrival
 from services.chat.models_view import ModelsView
 from services.chat.moderation import load_input_check
 from services.chat.prompt import LoadedTokenizer
+from services.chat.replies import ReplyStarter, forget_reply
+from services.chat.rollout_view import RolloutView
+from services.chat.shadow import Shadows
 from services.chat.state import ChatState
 from services.chat.status_api import LadderView, status_router
 from services.chat.stream_slots import StreamSlots
@@ -76,10 +79,13 @@ def build_app(settings: Settings) -> FastAPI:
     )
 
     ladder = LadderView()  # the routers' overload ladder, for GET /v1/status
+    rollouts = RolloutView()  # and their model rollouts
+    state.shadows = Shadows(redis, ReplyStarter(redis, runtime.bus, state.door, None, config.generate_timeout_s).ask_router, forget_reply)
 
     async def subscribe(client) -> None:
         await client.subscribe(subjects.heartbeats_of("decode"), cb=state.models.on_heartbeat)
         await client.subscribe(subjects.LADDER, cb=ladder.on_status)
+        await client.subscribe(subjects.ROLLOUT, cb=rollouts.on_status)
 
     async def on_start() -> None:
         state.tokenizer.load(await asyncio.to_thread(load_tokenizer, settings.model_path))
@@ -90,6 +96,8 @@ def build_app(settings: Settings) -> FastAPI:
             state.difficulty.close()
         if state.input_check is not None:
             state.input_check.close()
+        if state.shadows is not None:
+            await state.shadows.stop()
         if state.summaries is not None:  # its jobs first: they use the store and the feeds
             await state.summaries.close()
         await state.store.close()
@@ -120,7 +128,7 @@ def build_app(settings: Settings) -> FastAPI:
             tokenize_api.router,
             usage_api.router,
             web.router,
-            status_router(ladder, state.models),
+            status_router(ladder, state.models, rollouts),
         ],
         on_start=on_start,
         on_stop=on_stop,

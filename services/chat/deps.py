@@ -68,7 +68,7 @@ Router = Annotated[ModelRouter, Depends(model_router)]
 
 
 async def reply_starter(state: Chat) -> ReplyStarter:
-    return ReplyStarter(state.redis, state.bus, state.door, state.quotas, state.config.generate_timeout_s)
+    return ReplyStarter(state.redis, state.bus, state.door, state.quotas, state.config.generate_timeout_s, state.shadows)
 
 
 Starter = Annotated[ReplyStarter, Depends(reply_starter)]

@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from tandem import model_ids
+
 REPLIES_STARTED = Counter("tandem_chat_replies_started_total", "Replies the router accepted", ["api", "tier"])
 REPLIES_REFUSED = Counter("tandem_chat_replies_refused_total", "Replies refused before streaming", ["code"])
 STREAMS_OPEN = Gauge("tandem_chat_streams_open", "SSE streams being served now")
@@ -104,9 +106,14 @@ FEEDBACK = Counter(
 )
 ANSWERS = Counter("tandem_answers_total", "Answers started for the product API's messages and regenerations", _VERSIONED)
 REGENERATIONS = Counter("tandem_regenerations_total", "Answers regenerated, by the model version of the answer replaced", _VERSIONED)
+SHADOW_REPLIES = Counter(
+    "tandem_chat_shadow_replies_total",
+    "Shadow replies the rollout mirrored to a candidate version, by outcome: started, refused (by the router), failed (not asked)",
+    [*_VERSIONED, "outcome"],
+)
 
 
 def model_labels(served_model: str) -> dict[str, str]:
     """`name@version` -> {"model": name, "version": version}; a name without `@` has version ""."""
-    name, _, version = served_model.partition("@")
+    name, version = model_ids.split(served_model)
     return {"model": name, "version": version}

@@ -15,6 +15,12 @@
    may; the OpenAI API only for `auto` (a client that named its model gets that one or a 429, as
    vLLM would answer it).
 
+Versions (workers' model_version: tandem.model_ids): large, small and a model named without a
+version stand for every version of that name, and the routers' rollout picks the version a new
+conversation gets; the version that answered its newest user turn is the one it stays on
+(conversation_model), as is a user's named `name@version`. A version nobody serves any more gives
+way to its name's current one.
+
 With no small model configured, everything goes to the large one (decided by `single_model`), as
 before there were two. Each decision is counted (tandem_chat_model_routes_total), its score
 observed, and logged under the request id."""
@@ -33,6 +39,7 @@ from services.chat.config import ChatConfig
 from services.chat.difficulty import NONE, DifficultyJudge, Scored, fallback_is_small
 from services.chat.errors import NotFound, Unavailable
 from services.chat.models_view import ModelsView, ServedModel, most_served
+from tandem import model_ids
 from tandem.config import ApiKey, Tier
 from tandem.runtime.request_id import current_request_id
 from tandem.store import Message, Role
@@ -74,8 +81,8 @@ class Route:
 
     def answered_by(self, model: str) -> Route:
         """The route of a reply the router gave to `model` (another pool's when the decided one is
-        down or full)."""
-        if model == self.model.name:
+        down or full; a version of the decided name when the rollout chose it)."""
+        if model == self.model.name or model_ids.name_of(model) == self.model.name:
             return self
         return replace(self, instead_of=self.instead_of or self.model.name)
 
@@ -88,8 +95,20 @@ class Route:
 
 
 def conversation_model(messages: Sequence[Message]) -> str:
-    """The model a conversation is on: the one its newest user turn was routed to ("" for none)."""
-    return next((m.model for m in reversed(messages) if m.role == Role.USER and m.model), "")
+    """The model a conversation is on: the one its newest user turn was routed to ("" for none),
+    with the version that answered it where the turn names only the model (turn_model)."""
+    user_turn = next((m for m in reversed(messages) if m.role == Role.USER and m.model), None)
+    return "" if user_turn is None else turn_model(user_turn, messages)
+
+
+def turn_model(user_turn: Message, messages: Sequence[Message]) -> str:
+    """The model a user turn was routed to; when it names a model without a version (stored before
+    the routers' rollout chose one), the version its newest answer of that name came from."""
+    if model_ids.is_versioned(user_turn.model):
+        return user_turn.model
+    answers = (m for m in reversed(messages) if m.role == Role.ASSISTANT and m.parent_seq == user_turn.seq)
+    versioned = (m.model for m in answers if model_ids.is_versioned(m.model) and model_ids.name_of(m.model) == user_turn.model)
+    return next(versioned, user_turn.model)
 
 
 @dataclass(frozen=True)
@@ -123,11 +142,11 @@ class ModelRouter:
         served = await self._served_soon()
         small = self._config.small_model
         large = self._config.large_model or _name(most_served(served.values(), excluding=small))
-        if requested not in AUTO and requested not in served and requested not in (large, small):
+        if requested not in AUTO and _lookup(served, requested) is None and requested not in (large, small):
             raise UnknownModel(f"model {requested!r} is not served; GET /v1/models lists those that are")
         if requested not in AUTO and user.tier != Tier.FREE:
             decided = _Decided(requested, Decision.PICKED, DecidedBy.USER)
-        elif on_model and (on_model in served or on_model in (large, small)):
+        elif on_model and (_lookup(served, on_model) is not None or on_model in (large, small)):
             decided = _Decided(on_model, Decision.CONVERSATION, DecidedBy.CONVERSATION)
         elif not small or small == large:
             decided = _Decided(large, Decision.LARGE, DecidedBy.SINGLE_MODEL)
@@ -178,12 +197,18 @@ class _Decided(NamedTuple):
 
 
 def _served_or_other(served: dict[str, ServedModel], name: str, large: str, small: str) -> ServedModel:
-    """`name` when a worker serves it, else the other of large and small, else the most served."""
-    other = small if name == large else large
-    model = served.get(name) or served.get(other) or most_served(served.values())
+    """`name` when a worker serves it (or its name, for a version none serves), else the other of
+    large and small, else the most served."""
+    other = small if model_ids.name_of(name) == large else large
+    model = _lookup(served, name) or served.get(other) or most_served(served.values())
     if model is None:
         raise Unavailable("no model is being served yet; try again shortly", code="no_workers", retry_after_s=2.0)
     return model
+
+
+def _lookup(served: dict[str, ServedModel], name: str) -> ServedModel | None:
+    """The served model `name` stands for: itself, or a version's name when none serves the version."""
+    return served.get(name) or served.get(model_ids.name_of(name))
 
 
 def _name(model: ServedModel | None) -> str:

@@ -1,7 +1,11 @@
 """The models being served, from the decode workers' heartbeats: name -> context window, since
 when (the start of the longest-running worker that serves it: OpenAI's `created`), and by how
 many workers. Several models may be served at once (a large and a small one, for `auto`), each by
-its own workers; `GET /v1/models` lists every one a live heartbeat names."""
+its own workers; `GET /v1/models` lists every one a live heartbeat names.
+
+Workers that version their model (the model_version setting) serve `name@version`; the bare
+`name` is then served too, as the versions' alias: a request for it gets the version the routers'
+rollout gives it (services/router/rollout.py), and its window is the smallest of theirs."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from nats.aio.msg import Msg
 
+from tandem import model_ids
 from tandem.bus import validate
 
 
@@ -21,12 +26,14 @@ class ServedModel:
     window_tokens: int
     created_unix_s: int
     num_workers: int = 1
+    versions: tuple[str, ...] = ()  # a bare name's served versions (name@version ids); empty: not an alias
 
 
 def most_served(models: Iterable[ServedModel], excluding: str = "") -> ServedModel | None:
     """The model most workers serve (then by name, as the routers choose for "auto"), other than
-    `excluding`."""
-    return min((m for m in models if m.name != excluding), key=lambda m: (-m.num_workers, m.name), default=None)
+    `excluding`; a versioned model counts under its name (the alias), never as a version."""
+    candidates = (m for m in models if m.name != excluding and not model_ids.is_versioned(m.name))
+    return min(candidates, key=lambda m: (-m.num_workers, m.name), default=None)
 
 
 class ModelsView:
@@ -58,7 +65,7 @@ class ModelsView:
             created_unix_s = model.created_unix_s if earlier is None else min(earlier.created_unix_s, model.created_unix_s)
             num_workers = 1 if earlier is None else earlier.num_workers + 1
             out[model.name] = replace(model, created_unix_s=created_unix_s, num_workers=num_workers)
-        return out
+        return _aliases(out.values()) | out  # a name some worker serves unversioned is that model
 
     def most_served(self, excluding: str = "") -> ServedModel | None:
         return most_served(self.models().values(), excluding)
@@ -79,3 +86,24 @@ class ModelsView:
             except TimeoutError:
                 pass
         return self.resolve(requested)
+
+
+def _aliases(models: Iterable[ServedModel]) -> dict[str, ServedModel]:
+    """A bare name for each versioned model: its versions' workers together, its smallest window."""
+    out: dict[str, ServedModel] = {}
+    for model in sorted(models, key=lambda m: m.name):
+        name = model_ids.name_of(model.name)
+        if name == model.name:
+            continue
+        earlier = out.get(name)
+        if earlier is None:
+            out[name] = replace(model, name=name, versions=(model.name,))
+            continue
+        out[name] = replace(
+            earlier,
+            window_tokens=min(earlier.window_tokens, model.window_tokens),
+            created_unix_s=min(earlier.created_unix_s, model.created_unix_s),
+            num_workers=earlier.num_workers + model.num_workers,
+            versions=(*earlier.versions, model.name),
+        )
+    return out

@@ -27,6 +27,7 @@ from services.chat import metrics, quotas
 from services.chat.door import Door
 from services.chat.errors import ChatError, InvalidRequest, NotFound, TooLarge, Unavailable
 from services.chat.model_routing import Route, record_route
+from services.chat.shadow import Shadows
 from tandem.bus import Bus, encode, subjects, validate
 from tandem.config import ApiKey, Tier
 from tandem.quota import Bucket, TokenBuckets
@@ -103,8 +104,11 @@ class ReplyStarter:
     """The one way a reply starts, for the product and the OpenAI endpoints alike: the overload
     door, the quota reservation and the router's request, each once, in that order."""
 
-    def __init__(self, redis: Redis, bus: Bus, door: Door, quotas: TokenBuckets | None, generate_timeout_s: float) -> None:
+    def __init__(
+        self, redis: Redis, bus: Bus, door: Door, quotas: TokenBuckets | None, generate_timeout_s: float, shadows: Shadows | None = None
+    ) -> None:
         self._redis = redis
+        self._shadows = shadows  # starts the shadow replies the rollout asks for; None: none start
         self._bus = bus
         self._door = door
         self._quotas = quotas  # None: no quotas apply
@@ -223,7 +227,7 @@ class ReplyStarter:
             except BaseException:
                 await forget_reply(self._redis, reply.reply_id)
                 raise
-        outcome = await self._ask_router(request)
+        outcome = await self.ask_router(request)
         if outcome.WhichOneof("outcome") == "refused":
             await forget_reply(self._redis, reply.reply_id)
             refusal = outcome.refused
@@ -232,13 +236,15 @@ class ReplyStarter:
             kind = REFUSALS.get(refusal.reason, Unavailable)
             raise kind(refusal.message, code=refusal.reason, retry_after_s=refusal.retry_after_s)
         metrics.REPLIES_STARTED.labels(api="openai" if not reply.conversation_id else "chat", tier=reply.user.tier.value).inc()
+        if outcome.shadow_model and self._shadows is not None:
+            self._shadows.start(request, outcome.shadow_model)
         model = outcome.model or reply.model
         route = reply.route.answered_by(model) if reply.route is not None else None
         if model != reply.model or route is not None:  # a stream attached later says what the first one said
             await set_answered(self._redis, reply.reply_id, model, json.dumps(route.as_dict()) if route is not None else "")
         return Begun(model, route)
 
-    async def _ask_router(self, request: GenerateRequest) -> GenerateReply:
+    async def ask_router(self, request: GenerateRequest) -> GenerateReply:
         """The router's answer; raises Unavailable (503 with Retry-After) when none came. A request
         that may have reached a router (it timed out, or the connection failed meanwhile) is
         cancelled too, so no generation runs that nobody tracks."""

@@ -15,6 +15,7 @@ from services.chat.fanout import FanoutHub
 from services.chat.models_view import ModelsView
 from services.chat.moderation import InputCheck
 from services.chat.prompt import LoadedTokenizer
+from services.chat.shadow import Shadows
 from services.chat.stream_slots import StreamSlots
 from services.chat.summaries import Summaries
 from tandem.bus import Bus
@@ -38,4 +39,5 @@ class ChatState:
     difficulty: DifficultyJudge | None = None  # scores messages for `auto`; None: the fallback rule decides
     summaries: Summaries | None = None  # the conversation summary jobs; None: none are written
     input_check: InputCheck | None = None  # loaded at start (before any request); None: none configured
+    shadows: Shadows | None = None  # the rollout's shadow replies; None: none start
     door: Door = field(default_factory=Door)  # free messages refused at once while the routers refuse them

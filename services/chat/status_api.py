@@ -1,5 +1,6 @@
 """`GET /v1/status`: public (no API key) and free of secrets: how loaded the service is, as the
-routers' overload ladder sees it, and the models being served.
+routers' overload ladder sees it, the models being served, and their rollouts
+(services.chat.rollout_view).
 
 Every router publishes a LadderStatus on `tandem.v1.ladder` at each observation. With several
 routers the highest rung among the statuses still fresh (heard within three of its intervals)
@@ -16,6 +17,7 @@ from fastapi import APIRouter
 from nats.aio.msg import Msg
 
 from services.chat.models_view import ModelsView
+from services.chat.rollout_view import RolloutView, rollout_body
 from tandem.bus import validate
 from tandem.v1.worker_pb2 import LadderStatus
 
@@ -78,11 +80,11 @@ def status_body(status: LadderStatus | None, models: list[str]) -> dict[str, obj
     }
 
 
-def status_router(ladder: LadderView, models: ModelsView) -> APIRouter:
+def status_router(ladder: LadderView, models: ModelsView, rollouts: RolloutView) -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/status")
     async def service_status() -> dict[str, object]:
-        return status_body(ladder.current(), sorted(models.models()))
+        return status_body(ladder.current(), sorted(models.models())) | {"rollout": rollout_body(rollouts.current())}
 
     return router

@@ -20,7 +20,7 @@ from services.chat.config import ChatConfig
 from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context, parent_seqs, stored_parent_seq
 from services.chat.door import Door
 from services.chat.errors import ChatError, InvalidRequest, Moderated, TooLarge
-from services.chat.model_routing import ModelRouter, Route, conversation_model
+from services.chat.model_routing import ModelRouter, Route, conversation_model, turn_model
 from services.chat.models_view import ModelsView, ServedModel
 from services.chat.moderation import MODERATED_MESSAGE, InputCheck, start_input_check
 from services.chat.prompt import LoadedTokenizer, PromptCounter, encode_prompt
@@ -149,7 +149,7 @@ class Turns:
         if user_turn is None:
             raise InvalidRequest("only an answer to a user message can be regenerated", code="not_an_answer")
         # On the model its user turn was routed to (the answer's may be another pool's, the router's fallback).
-        route = await self.resolve_model(user, requested_model, user_turn.content, user_turn.model or answer.model)
+        route = await self.resolve_model(user, requested_model, user_turn.content, turn_model(user_turn, messages) or answer.model)
         model = route.model
         conversation = summary_of_branch(conversation, messages, user_turn.seq)
         earlier = active_history(messages, conversation.summary_upto_seq, parent_seqs(messages)[user_turn.seq])  # its own branch
