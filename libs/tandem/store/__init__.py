@@ -16,6 +16,7 @@ from tandem.store.base import (
     StoreUnavailable,
     store_is_available,
 )
+from tandem.store.shadow import ShadowAnswer
 from tandem.store.usage import ReplyUsage, UsageRow
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ __all__ = [
     "Rating",
     "ReplyUsage",
     "Role",
+    "ShadowAnswer",
     "StoreUnavailable",
     "UsageRow",
     "store_is_available",

@@ -1,6 +1,7 @@
 """The conversation store's contract: conversations by user (newest first), messages by
-conversation in order, and the usage ledger (usage.py): every reply's tokens, per user, model
-and UTC day. SQLite is the embedded default, Cassandra the production store; one
+conversation in order, the usage ledger (usage.py): every reply's tokens, per user, model
+and UTC day, and shadow answers (shadow.py): a candidate model version's answers to mirrored
+requests, by the reply each mirrors. SQLite is the embedded default, Cassandra the production store; one
 contract test suite runs against both.
 
 Every write is acknowledged only once it is durable. Writes are idempotent by id, so a retry
@@ -15,6 +16,7 @@ from enum import Enum
 from typing import Protocol
 
 from tandem.bus.events import ReplyStatus
+from tandem.store.shadow import ShadowAnswer
 from tandem.store.usage import ReplyUsage, UsageRow
 
 
@@ -167,6 +169,15 @@ class ConversationStore(Protocol):
     async def usage_since(self, since: date) -> list[UsageRow]:
         """Every user's usage per model and UTC day from `since` on (the admin export), ordered by
         day, user and model."""
+
+    # --- shadow answers
+
+    async def record_shadow_answer(self, answer: ShadowAnswer) -> None:
+        """Stores a shadow reply's answer; the same reply id again changes nothing. Deleting the
+        conversation of the reply it mirrors deletes it (when it is stored by then)."""
+
+    async def shadow_answers(self, shadow_of: str) -> list[ShadowAnswer]:
+        """The shadow answers to the reply `shadow_of`, oldest first."""
 
 
 async def store_is_available(store: ConversationStore) -> bool:

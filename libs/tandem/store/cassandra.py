@@ -19,6 +19,9 @@ cassandra_schema.py):
   again; a conversation's ratings are one partition, read beside its messages.
 
 - usage_by_user, usage_by_day - the usage ledger, a row per reply (cassandra_usage.py).
+- shadow_answers ((shadow_of), reply_id) - a candidate version's answers to a mirrored reply,
+  written with a plain INSERT (a rewrite is the same row); deleted with the conversation's
+  messages, by their ids (a product reply's id is its message's).
 
 Every driver request is bounded by timeout_s (cassandra_session.py) and so is every store call;
 driver errors become StoreUnavailable.
@@ -41,7 +44,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from cassandra.query import BatchStatement, BatchType
 
 from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
-from tandem.store import cassandra_usage
+from tandem.store import cassandra_usage, shadow
 from tandem.store.base import Conversation, Feedback, Message, NewMessage, StoreUnavailable
 from tandem.store.cassandra_schema import (
     DEFAULT_BUCKET_SIZE,
@@ -52,8 +55,10 @@ from tandem.store.cassandra_schema import (
     in_keyspace,
     message_from_row,
     migrate,
+    shadow_answer_from_row,
 )
 from tandem.store.cassandra_session import CassandraSession
+from tandem.store.shadow import ShadowAnswer
 from tandem.store.usage import ReplyUsage, UsageRow, today_utc
 
 _MAX_SEQ_ATTEMPTS = 1000
@@ -215,7 +220,10 @@ class CassandraStore:
         await self._session.run("delete_feedback", conversation_id)
         bucket = 0
         while ids := [r["id"] async for r in self._session.pages("message_ids", (conversation_id, bucket), page_size=500)]:
-            await asyncio.gather(*(self._session.run("delete_id", message_id) for message_id in ids))
+            await asyncio.gather(
+                *(self._session.run("delete_id", message_id) for message_id in ids),
+                *(self._session.run("delete_shadow_answers", message_id) for message_id in ids),
+            )
             await self._session.run("delete_bucket", conversation_id, bucket)
             bucket += 1  # seqs are contiguous: the first empty bucket is the last
         await self._session.run("index_delete", user_id, row["updated_at_ms"], conversation_id)
@@ -344,6 +352,17 @@ class CassandraStore:
     async def usage_since(self, since: date) -> list[UsageRow]:
         """Each request bounded by timeout_s, not the whole read: an export reads every day's rows."""
         return await cassandra_usage.every_user(self._session, since, _last_day_written())
+
+    # --- shadow answers
+
+    @_bounded
+    async def record_shadow_answer(self, answer: ShadowAnswer) -> None:
+        await self._session.run("set_shadow_answer", *shadow.as_row(answer))
+
+    @_bounded
+    async def shadow_answers(self, shadow_of: str) -> list[ShadowAnswer]:
+        rows = self._session.pages("shadow_answers_of", (shadow_of,), page_size=100)
+        return shadow.in_order([shadow_answer_from_row(row) async for row in rows])
 
 
 def _last_day_written() -> date:

@@ -10,10 +10,12 @@ import re
 from typing import Any
 
 from tandem.bus.events import ReplyStatus, now_ms
+from tandem.store import shadow
 from tandem.store.base import Conversation, Feedback, Message, Rating, Role, StoreUnavailable
 from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession
+from tandem.store.shadow import ShadowAnswer
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DEFAULT_BUCKET_SIZE = 1000
 
 MIGRATIONS: dict[int, list[str]] = {
@@ -49,6 +51,14 @@ MIGRATIONS: dict[int, list[str]] = {
             day text, shard int, user_id text, model text, reply_id text,
             prompt_tokens bigint, cached_tokens bigint, completion_tokens bigint,
             PRIMARY KEY ((day, shard), user_id, model, reply_id))""",
+    ],
+    # Shadow answers: a candidate version's answers to one mirrored reply, one partition per
+    # mirrored reply (read together, deleted with the conversation's messages by their ids).
+    4: [
+        """CREATE TABLE IF NOT EXISTS shadow_answers (
+            shadow_of text, reply_id text, user_id text, conversation_id text, model text, content text,
+            output_tokens int, status text, finish text, stop_reason text, ttft_s double, created_ms bigint, finished_ms bigint,
+            PRIMARY KEY ((shadow_of), reply_id))""",
     ],
 }
 MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
@@ -90,6 +100,10 @@ QUERIES = {
     "WHERE user_id = ? AND month = ? AND day >= ?",
     "usage_of_day": "SELECT user_id, model, reply_id, prompt_tokens, cached_tokens, completion_tokens FROM usage_by_day "
     "WHERE day = ? AND shard = ?",
+    # shadow answers
+    "set_shadow_answer": f"INSERT INTO shadow_answers ({shadow.COLUMNS}) VALUES ({shadow.PLACEHOLDERS})",
+    "shadow_answers_of": f"SELECT {shadow.COLUMNS} FROM shadow_answers WHERE shadow_of = ?",
+    "delete_shadow_answers": "DELETE FROM shadow_answers WHERE shadow_of = ?",
 }
 _GET_SCHEMA = "SELECT version, bucket_size FROM {ks}.schema_version WHERE component = 'conversations'"
 _SET_SCHEMA = "INSERT INTO {ks}.schema_version (component, version, bucket_size, applied_at_ms) VALUES ('conversations', %s, %s, %s)"
@@ -139,3 +153,7 @@ def conversation_from_row(row: dict[str, Any]) -> Conversation:
 def feedback_from_row(row: dict[str, Any]) -> Feedback:
     fields = {key: row[key] for key in FEEDBACK_COLUMNS.split(", ")}
     return Feedback(**fields | {"rating": Rating(fields["rating"])})
+
+
+def shadow_answer_from_row(row: dict[str, Any]) -> ShadowAnswer:
+    return shadow.from_row([row[key] for key in shadow.COLUMNS.split(", ")])

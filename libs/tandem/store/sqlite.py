@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from tandem.bus.events import FINAL_STATUSES, ReplyStatus, now_ms
+from tandem.store import shadow
 from tandem.store.base import Conversation, Feedback, Message, NewMessage, Rating, Role, StoreUnavailable
+from tandem.store.shadow import ShadowAnswer
 from tandem.store.usage import ReplyUsage, UsageRow
 
 T = TypeVar("T")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS conversations (
         id TEXT PRIMARY KEY, user_id TEXT NOT NULL, title TEXT NOT NULL, model TEXT NOT NULL,
@@ -49,6 +51,13 @@ _SCHEMA = [
         prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS usage_by_user ON usage_replies (user_id, day)",
     "CREATE INDEX IF NOT EXISTS usage_by_day ON usage_replies (day)",
+    # 3: shadow answers, a candidate version's answers to mirrored replies (its reply id claims it once).
+    """CREATE TABLE IF NOT EXISTS shadow_answers (
+        reply_id TEXT PRIMARY KEY, shadow_of TEXT NOT NULL, user_id TEXT NOT NULL, conversation_id TEXT NOT NULL,
+        model TEXT NOT NULL, content TEXT NOT NULL, output_tokens INTEGER NOT NULL, status TEXT NOT NULL, finish TEXT NOT NULL,
+        stop_reason TEXT NOT NULL, ttft_s REAL NOT NULL, created_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS shadow_answers_by_reply ON shadow_answers (shadow_of)",
+    "CREATE INDEX IF NOT EXISTS shadow_answers_by_conversation ON shadow_answers (conversation_id)",
 ]
 _CONVERSATION_COLUMNS = "id, user_id, title, model, created_at_ms, updated_at_ms, summary, summary_upto_seq, total_tokens"
 _MESSAGE_COLUMNS = "id, conversation_id, seq, parent_seq, role, content, tokens, model, status, created_at_ms"
@@ -217,6 +226,7 @@ class SqliteStore:
             if owned is None:
                 return False
             db.execute("DELETE FROM message_feedback WHERE conversation_id = ?", (conversation_id,))
+            db.execute("DELETE FROM shadow_answers WHERE conversation_id = ?", (conversation_id,))
             db.execute("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
             db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
             return True
@@ -344,6 +354,17 @@ class SqliteStore:
         query = f"SELECT {_USAGE_SUMS} FROM usage_replies WHERE day >= ? GROUP BY day, user_id, model ORDER BY day, user_id, model"
         rows = await self._call(lambda db: db.execute(query, (since.isoformat(),)).fetchall())
         return [_usage_row(row) for row in rows]
+
+    # --- shadow answers
+
+    async def record_shadow_answer(self, answer: ShadowAnswer) -> None:
+        statement = f"INSERT OR IGNORE INTO shadow_answers ({shadow.COLUMNS}) VALUES ({shadow.PLACEHOLDERS})"
+        await self._write(lambda db: db.execute(statement, shadow.as_row(answer)))
+
+    async def shadow_answers(self, shadow_of: str) -> list[ShadowAnswer]:
+        query = f"SELECT {shadow.COLUMNS} FROM shadow_answers WHERE shadow_of = ?"
+        rows = await self._call(lambda db: db.execute(query, (shadow_of,)).fetchall())
+        return shadow.in_order([shadow.from_row(row) for row in rows])
 
 
 def _in_transaction(db: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
