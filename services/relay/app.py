@@ -1,6 +1,7 @@
 """Wiring of the relay process: every TokenEvent in the token stream (one durable JetStream
 consumer that all relays share) is appended to its reply's Redis token log and then
-acknowledged; a reply's final event gets its assistant turn stored and its quota settled; a
+acknowledged; a reply's final event gets its assistant turn (a shadow reply's: its shadow
+answer) stored, its quota settled and its outcome published to the routers; a
 sweep several times a second continues replies whose worker was lost and, about once a second,
 cancels replies nobody reads and retries turns the store did not take. The output safety check
 (moderation.py) reads each reply's newest text every few tokens and ends a reply that trips it."""
@@ -20,6 +21,7 @@ from redis.exceptions import RedisError
 from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from services.relay.moderation import OutputCheckConfig, OutputModerator
+from services.relay.outcomes import OutcomePublisher
 from services.relay.persist import PersistConfig, persist_reply
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
@@ -60,8 +62,13 @@ def build_app(settings: Settings) -> FastAPI:
     consumer: TokenConsumer | None = None
     stalls: StallWatcher | None = None
 
+    async def publish(subject: str, data: bytes) -> None:
+        await runtime.bus.client.publish(subject, data)
+
+    outcomes = OutcomePublisher(publish)
+
     async def persist(reply_id: str) -> bool:
-        stored = await persist_reply(redis, store, reply_id, persist_config)
+        stored = await persist_reply(redis, store, reply_id, persist_config, outcomes)
         if not stored:
             metrics.REPLIES_UNPERSISTED.inc()
         return stored
@@ -96,9 +103,6 @@ def build_app(settings: Settings) -> FastAPI:
         task = asyncio.create_task(work, name=name)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-
-    async def publish(subject: str, data: bytes) -> None:
-        await runtime.bus.client.publish(subject, data)
 
     async def publish_final(event: TokenEvent) -> None:
         await publish_final_event(runtime.bus.client.jetstream(), event)

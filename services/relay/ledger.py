@@ -18,10 +18,11 @@ from tandem.v1.tokens_pb2 import TokenEvent
 
 
 def reply_usage(meta: ReplyMeta, final: TokenEvent) -> ReplyUsage | None:
-    """None for a reply no user is billed for: a bus client's (no user), or background work the
-    service did on its own account (a conversation's summary)."""
+    """None for a reply no user is billed for: a bus client's (no user), background work the
+    service did on its own account (a conversation's summary), or a shadow (a rollout's candidate
+    answering a mirrored request, in the background lane too)."""
     request = GenerateRequest.FromString(meta.request)
-    if not meta.user_id or request.lane == LANE_BACKGROUND:
+    if not meta.user_id or request.lane == LANE_BACKGROUND or request.shadow_of:
         return None
     usage = final.usage
     if usage.input_tokens or usage.output_tokens:

@@ -15,6 +15,12 @@ STALLS = Counter("tandem_relay_stalls_total", "Running replies found stalled: no
 CONTINUATIONS = Counter("tandem_relay_continuations_total", "Stalled replies resubmitted to the router", ["outcome"])
 REPLIES_LOST = Counter("tandem_relay_replies_lost_total", "Stalled replies ended with an error after their last continuation")
 WORKERS_GONE = Counter("tandem_relay_workers_gone_total", "Workers a ping found gone (no responders): their replies continue at once")
+OUTCOMES = Counter(
+    "tandem_relay_outcomes_total",
+    "Finished replies' outcomes for the routers' rollbacks: published, or lost to the bus (failed)",
+    ["result"],
+)
+SHADOW_ANSWERS = Counter("tandem_relay_shadow_answers_total", "Shadow replies' answers stored, by how they ended", ["status"])
 PERSIST_RETRIES = Counter("tandem_relay_persist_retries_total", "Tries by a sweep to store a finished reply the store did not take at once")
 MODERATED = Counter(
     "tandem_relay_moderated_total", "Replies the output check ended as moderated while they streamed", ["direction", "tier", "model"]

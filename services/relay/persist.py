@@ -1,7 +1,10 @@
 """Saves a finished reply, whether or not any client is connected when it ends: its usage in the
 ledger (ledger.py: every billed reply, the OpenAI endpoint's too) and, when it has a conversation,
 its assistant turn: the logged text, the status, the output token count and the model its final
-event names. Both writes are idempotent by reply id, so a retried save counts nothing twice.
+event names. A shadow reply (GenerateRequest.shadow_of: a rollout's candidate answering a mirrored
+request) is neither billed nor a turn: its answer is stored as a ShadowAnswer beside the reply it
+mirrors. Every write is idempotent by reply id, so a retried save counts nothing twice. Once
+saved, the reply's outcome goes to the routers (outcomes.py).
 
 The append that closes a reply's log also lists it as unpersisted, in the same step; it leaves
 that set only here, once it is saved (or has nothing to save). While the store is down the reply
@@ -15,12 +18,16 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from services.relay import metrics
 from services.relay.ledger import reply_usage
-from tandem.bus.events import ReplyStatus
-from tandem.store import ConversationStore, StoreUnavailable
+from services.relay.outcomes import OutcomePublisher, reply_outcome
+from tandem.bus.events import ReplyStatus, finish_name, is_final
+from tandem.store import ConversationStore, ShadowAnswer, StoreUnavailable
 from tandem.tokenlog import REPLY_SET_TTL_S, UNPERSISTED, ReplyKeys, ReplyMeta, load_reply, logged_events
 from tandem.tokenlog.reader import entry_id
+from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.worker_pb2 import ReplyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -31,50 +38,106 @@ class PersistConfig:
     keep_s: int  # an unstored one's log is kept at least this long from each try (settings.running_reply_ttl_s)
 
 
-async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig) -> bool:
-    """True when the reply is saved, has nothing to save, or is gone."""
+async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig, outcomes: OutcomePublisher) -> bool:
+    """True when the reply is saved, has nothing to save, or is gone. A closed reply's outcome is
+    published once it is saved (or has nothing to save)."""
     meta = await load_reply(redis, reply_id)
     if meta is None or meta.is_running:
         if meta is None:
             log.warning("reply %s: its log expired before it was stored", reply_id)
         await redis.srem(UNPERSISTED, reply_id)  # gone, or not closed (its final append lists it again)
         return True
-    has_turn = bool(meta.conversation_id and meta.message_id)  # none: the OpenAI endpoint's or a bus client's
-    # Complete: its final event is logged. A turn needs the whole text, the ledger the final event only.
-    events = await logged_events(redis, reply_id, since="-" if has_turn else entry_id(meta.last_seq))
-    usage = reply_usage(meta, events[-1]) if events else None
-    if usage is None and not has_turn:
+    request = GenerateRequest.FromString(meta.request)
+    shadow_of = request.shadow_of
+    has_turn = bool(meta.conversation_id and meta.message_id) and not shadow_of  # none: the OpenAI endpoint's or a bus client's
+    # Complete: its final event is logged. A turn or a shadow answer needs the whole text, the
+    # ledger the final event only, the outcome the first event as well.
+    needs_text = has_turn or bool(shadow_of)
+    events = await logged_events(redis, reply_id, since="-" if needs_text else entry_id(meta.last_seq))
+    first = events[0] if needs_text else next(iter(await logged_events(redis, reply_id, until=entry_id(1))), None)
+    final = events[-1] if events else None
+    outcome = reply_outcome(meta, shadow_of=shadow_of, first=first, final=final)
+    usage = reply_usage(meta, final) if final is not None else None  # never a shadow's: it is background work
+    if usage is None and not needs_text:
         await redis.srem(UNPERSISTED, reply_id)
+        await outcomes.publish(outcome)
         return True
-    keys = ReplyKeys(reply_id)
     try:
         if usage is not None:
             await store.record_usage(usage)
         if has_turn:
             await _store_turn(store, meta, events)
+        if shadow_of:
+            await store.record_shadow_answer(_shadow_answer(meta, request, events, outcome))
     except StoreUnavailable as exc:
         log.warning("reply %s is not stored yet (%s); the log is kept until it is", reply_id, exc)
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.sadd(UNPERSISTED, reply_id)
-            pipe.expire(UNPERSISTED, REPLY_SET_TTL_S)
-            for key in (keys.log, keys.meta):
-                pipe.expire(key, config.keep_s)
-            await pipe.execute()
+        await _keep_for_retry(redis, reply_id, config)
         return False
+    await _release(redis, reply_id, config)
+    if shadow_of:
+        metrics.SHADOW_ANSWERS.labels(status=meta.status.value).inc()
+    await outcomes.publish(outcome)
+    return True
+
+
+async def _keep_for_retry(redis: Redis, reply_id: str, config: PersistConfig) -> None:
+    """Lists the reply as unstored (a sweep tries again) and keeps its log meanwhile."""
+    keys = ReplyKeys(reply_id)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.sadd(UNPERSISTED, reply_id)
+        pipe.expire(UNPERSISTED, REPLY_SET_TTL_S)
+        for key in (keys.log, keys.meta):
+            pipe.expire(key, config.keep_s)
+        await pipe.execute()
+
+
+async def _release(redis: Redis, reply_id: str, config: PersistConfig) -> None:
+    """The reply is stored: off the unstored list, its log readable for ttl_s more."""
+    keys = ReplyKeys(reply_id)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.srem(UNPERSISTED, reply_id)
         for key in (keys.log, keys.meta):
             pipe.expire(key, config.ttl_s)
         await pipe.execute()
-    return True
+
+
+def _text(meta: ReplyMeta, events: list[TokenEvent]) -> str:
+    # A moderated reply is stored without the text that tripped the output check.
+    return "" if meta.status == ReplyStatus.MODERATED else "".join(event.text for event in events)
+
+
+def _served_model(events: list[TokenEvent]) -> str:
+    """The served model the worker's final event names (a router's or relay's final names none)."""
+    return next((event.model for event in reversed(events) if event.model), "")
+
+
+def _shadow_answer(meta: ReplyMeta, request: GenerateRequest, events: list[TokenEvent], outcome: ReplyOutcome) -> ShadowAnswer:
+    final = events[-1] if events and is_final(events[-1]) else None
+    num_output_tokens = 0 if final is None else final.usage.output_tokens or max(0, final.seq - 1)  # no usage: an error's
+    return ShadowAnswer(
+        reply_id=meta.reply_id,
+        shadow_of=request.shadow_of,
+        user_id=meta.user_id or request.user_id,
+        conversation_id=request.conversation_id,
+        model=outcome.model,
+        text=_text(meta, events),
+        num_output_tokens=num_output_tokens,
+        status=meta.status,
+        finish="" if final is None else finish_name(final.finish),
+        stop_reason="" if final is None else final.stop_reason,
+        ttft_s=outcome.ttft_s,
+        created_ms=meta.created_ms,
+        finished_ms=meta.finished_ms,
+    )
 
 
 async def _store_turn(store: ConversationStore, meta: ReplyMeta, events: list[TokenEvent]) -> None:
-    # A moderated reply is stored without the text that tripped the output check.
-    text = "" if meta.status == ReplyStatus.MODERATED else "".join(event.text for event in events)
     num_output_tokens = events[-1].usage.output_tokens if events else 0
-    # The served model the worker's final event names (a router's or relay's final names none).
-    model = next((event.model for event in reversed(events) if event.model), "")
     await store.finish_message(
-        meta.conversation_id, meta.message_id, content=text, status=meta.status, tokens=num_output_tokens, model=model
+        meta.conversation_id,
+        meta.message_id,
+        content=_text(meta, events),
+        status=meta.status,
+        tokens=num_output_tokens,
+        model=_served_model(events),
     )

@@ -1,6 +1,8 @@
 """Two relay processes on real NATS (their shared JetStream consumer) and Redis: events delivered
 shuffled and twice are logged once and in order, a finished reply is stored as its assistant turn
-with nobody connected and counted once in the usage ledger, and a reply nobody reads is cancelled if it was created to track its
+with nobody connected and counted once in the usage ledger, a shadow reply's answer is stored
+beside the reply it mirrors (no turn, no usage), every finished reply's outcome is published for
+the routers, and a reply nobody reads is cancelled if it was created to track its
 readers. The module has its own nats-server and redis-server: the relays consume every reply's
 tokens, so they must not share a bus with other tests. The events here are published on core
 NATS, which the token stream captures as well."""
@@ -30,9 +32,10 @@ from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.store.usage import today_utc
 from tandem.tokenlog import UNPERSISTED, ReplyMeta, create_reply, load_reply, read
-from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_STOP, LANE_BACKGROUND, LANE_PAID, Usage
+from tandem.v1.common_pb2 import FINISH_REASON_CANCELLED, FINISH_REASON_ERROR, FINISH_REASON_STOP, LANE_BACKGROUND, LANE_PAID, Error, Usage
 from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
+from tandem.v1.worker_pb2 import ReplyOutcome
 
 IDLE_TIMEOUT_S = 1.0
 QUOTA = QuotaConfig(capacity_free=6000, capacity_plus=60000, capacity_pro=600000, refill_s=1e9, reservation_ttl_s=600)
@@ -256,3 +259,87 @@ async def test_a_finished_reply_is_counted_once_in_the_usage_ledger_and_backgrou
     assert [(row.model, row.messages, row.prompt_tokens, row.cached_tokens, row.completion_tokens) for row in rows] == [
         ("large@2", 1, 9, 5, 4)
     ]
+
+
+class Outcomes:
+    """The ReplyOutcomes published on tandem.v1.outcomes for the replies asked about, as they come."""
+
+    def __init__(self, reply_ids: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        self.of: dict[str, asyncio.Future[ReplyOutcome]] = {reply_id: loop.create_future() for reply_id in reply_ids}
+
+    async def on_message(self, msg) -> None:
+        outcome = decode(msg.data, ReplyOutcome)
+        future = self.of.get(outcome.reply_id)
+        if future is not None and not future.done():
+            future.set_result(outcome)
+
+
+async def publish_reply(nc, events: list[TokenEvent]) -> None:
+    """As a worker sends them: each stamped with when it was produced."""
+    for event in events:
+        event.produced_unix_ms = now_ms()
+        await nc.publish(subjects.tokens(event.reply_id), encode(event))
+
+
+async def test_a_shadow_reply_is_stored_as_a_shadow_answer_beside_the_reply_it_mirrors_never_as_a_turn_nor_billed(ready, nc, redis, store):
+    """What chat creates for a request the rollout mirrors: a reply of the user's, on the candidate
+    version, without a conversation of its own, in the background lane, shadowing the primary."""
+    user, primary, shadow, conversation_id = (uuid.uuid4().hex for _ in range(4))
+    outcomes = Outcomes([shadow])
+    subscription = await nc.subscribe(subjects.OUTCOMES, cb=outcomes.on_message)
+    await nc.flush()
+    request = GenerateRequest(
+        reply_id=shadow,
+        user_id=user,
+        conversation_id=conversation_id,
+        lane=LANE_BACKGROUND,
+        shadow_of=primary,
+        prompt_token_ids=list(range(9)),
+    )
+    created_ms = now_ms() - 50  # its first token comes after its creation, on any clock
+    meta = ReplyMeta(reply_id=shadow, user_id=user, model="large@2", request=request.SerializeToString(), created_ms=created_ms)
+    await create_reply(redis, meta, track_readers=False)
+    events = reply_events(shadow, 5)
+    events[-1].model = "large@2"
+    await publish_reply(nc, events)
+
+    answers = await wait_until(lambda: store.shadow_answers(primary))
+    assert len(answers) == 1
+    answer = answers[0]
+    assert (answer.reply_id, answer.shadow_of, answer.user_id, answer.conversation_id) == (shadow, primary, user, conversation_id)
+    assert (answer.model, answer.text, answer.num_output_tokens) == ("large@2", "t1 t2 t3 t4 t5 ", 5)
+    assert (answer.status, answer.finish, answer.stop_reason) == (ReplyStatus.COMPLETE, "stop", "")
+    assert answer.ttft_s > 0 and answer.created_ms == created_ms and answer.finished_ms >= created_ms
+    # Written in the same step as the answer, before it: had the ledger or a turn been due, they would be there.
+    assert await store.usage_of(user, since=today_utc() - timedelta(days=1)) == []
+    assert await store.get_message(shadow) is None
+    outcome = await asyncio.wait_for(outcomes.of[shadow], 15)
+    await subscription.unsubscribe()
+    assert (outcome.model, outcome.is_shadow, outcome.is_error) == ("large@2", True, False)
+    assert outcome.ttft_s == pytest.approx(answer.ttft_s)
+
+
+async def test_every_finished_reply_publishes_its_outcome_once_stored_an_errored_one_as_an_error(ready, nc, redis):
+    user, answered, errored = (uuid.uuid4().hex for _ in range(3))
+    outcomes = Outcomes([answered, errored])
+    subscription = await nc.subscribe(subjects.OUTCOMES, cb=outcomes.on_message)
+    await nc.flush()
+    for reply_id in (answered, errored):
+        request = GenerateRequest(reply_id=reply_id, user_id=user, lane=LANE_PAID, prompt_token_ids=list(range(9))).SerializeToString()
+        meta = ReplyMeta(reply_id=reply_id, user_id=user, model="large", request=request, created_ms=now_ms() - 50)
+        await create_reply(redis, meta, track_readers=False)
+    ok = reply_events(answered, 4)
+    ok[-1].model = "large@1"
+    failed = reply_events(errored, 3, finish=FINISH_REASON_ERROR)
+    failed[-1].error.CopyFrom(Error(code="worker_lost", message="the worker went away"))
+    await publish_reply(nc, ok + failed)
+
+    done = await asyncio.wait_for(asyncio.gather(outcomes.of[answered], outcomes.of[errored]), 20)
+    await subscription.unsubscribe()
+    by_id = {outcome.reply_id: outcome for outcome in done}
+    assert (by_id[answered].model, by_id[answered].is_error, by_id[answered].is_shadow) == ("large@1", False, False)
+    assert 0 < by_id[answered].ttft_s < 30 and by_id[answered].finished_unix_ms > 0
+    assert (by_id[errored].model, by_id[errored].is_error) == ("large", True)  # its final names no model: the meta's
+    for reply_id in (answered, errored):  # published once stored: no longer listed as unstored
+        assert not await redis.sismember(UNPERSISTED, reply_id)

@@ -80,7 +80,7 @@ PERMISSIONS: dict[str, Permissions] = {
     ),
     "relay": _service(
         "relay",
-        (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
+        (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, subjects.OUTCOMES, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
         _WORKER_HEARTBEATS,
     ),
     "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER)),

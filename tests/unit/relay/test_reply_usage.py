@@ -45,3 +45,11 @@ def test_background_work_and_a_reply_without_a_user_are_not_billed():
     final = TokenEvent(reply_id="r1", seq=3, finish=FINISH_REASON_STOP, usage=Usage(input_tokens=12, output_tokens=2))
     assert reply_usage(meta(lane=LANE_BACKGROUND), final) is None
     assert reply_usage(meta(user_id=""), final) is None
+
+
+def test_a_shadow_reply_is_not_billed_even_outside_the_background_lane():
+    final = TokenEvent(reply_id="r1", seq=3, finish=FINISH_REASON_STOP, usage=Usage(input_tokens=12, output_tokens=2))
+    shadow = meta()
+    request = GenerateRequest.FromString(shadow.request)
+    request.shadow_of = "r0"
+    assert reply_usage(ReplyMeta(**{**shadow.__dict__, "request": request.SerializeToString()}), final) is None
