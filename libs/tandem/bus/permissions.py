@@ -75,15 +75,15 @@ PERMISSIONS: dict[str, Permissions] = {
     "decode": _service("decode", _WORKER_PUBLISHES, _WORKER_SUBSCRIBES),
     "router": _service(
         "router",
-        (_ASSIGNS, _KV_STATES, subjects.LADDER, _FINALS, *_TOKEN_STREAM_ADMIN),
-        (*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE),
+        (_ASSIGNS, _KV_STATES, subjects.LADDER, subjects.ROLLOUT, _FINALS, *_TOKEN_STREAM_ADMIN),
+        (*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE, subjects.OUTCOMES, subjects.ROLLOUT),
     ),
     "relay": _service(
         "relay",
         (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, subjects.OUTCOMES, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
         _WORKER_HEARTBEATS,
     ),
-    "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER)),
+    "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER, subjects.ROLLOUT)),
     OPERATOR: Permissions(publish=(">",), subscribe=(">",)),
 }
 
