@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from services.router.placement import can_serve, num_context_tokens
 from services.router.pools import ModelPools
 from services.router.workers import LiveWorker
+from tandem import model_ids
 from tandem.bus import subjects, validate
 from tandem.v1.generate_pb2 import GenerateRequest, Refusal
 
@@ -40,7 +41,8 @@ def admit(request: GenerateRequest, workers: Sequence[LiveWorker], pools: ModelP
     """Admitted with the model that will answer, or the first reason to refuse.
     `workers`: every live decode worker, ready or not. `pools`: the models the settings name,
     known (a refusal says no_workers, not unknown_model) while none of their workers is live;
-    "auto" is the large one."""
+    "auto" is the large one. `request.model` is a served id here (services.router.versions picked
+    the version of a bare name)."""
     problem = _check_shape(request)
     if problem is not None:
         return problem
@@ -50,7 +52,7 @@ def admit(request: GenerateRequest, workers: Sequence[LiveWorker], pools: ModelP
     if not models_served:
         return refusal("no_workers", "no decode worker has announced its model yet", NO_WORKERS_RETRY_AFTER_S)
     model = large_model(workers, pools) if request.model in AUTO_MODELS else request.model
-    if model not in models_served and model not in pools.names:
+    if model not in models_served and model_ids.name_of(model) not in pools.names:
         served = ", ".join(models_served)
         return refusal("unknown_model", f"model {request.model!r} is not served here; models served: {served} (or 'auto')")
     serving = [w for w in workers if can_serve(w, model)]
@@ -104,20 +106,23 @@ def _check_fits(request: GenerateRequest, model: str, window: int) -> Refusal | 
 
 
 def large_model(workers: Sequence[LiveWorker], pools: ModelPools) -> str:
-    """The large model: the one the settings name, else the one most workers serve."""
+    """The large model as the settings name it (a name, or a full id that pins a version), else
+    the name most workers serve; its version is services.router.versions' to pick."""
     return pools.large or choose_model(workers)
 
 
 def choose_model(workers: Sequence[LiveWorker]) -> str:
-    """For "auto": the model most workers take work for now (then by name, so every router agrees).
-    It is also the large model, whose pool the overload ladder watches."""
+    """For "auto": the model name most workers take work for now, whatever their versions (then
+    by name, so every router agrees). It is also the large model, whose pool the overload ladder
+    watches."""
     serving = [w for w in workers if w.is_serving and w.model] or [w for w in workers if w.model]
     if not serving:
         return ""
     counts: dict[str, int] = {}
     for worker in serving:
-        counts[worker.model] = counts.get(worker.model, 0) + 1
-    return min(counts, key=lambda model: (-counts[model], model))
+        name = model_ids.name_of(worker.model)
+        counts[name] = counts.get(name, 0) + 1
+    return min(counts, key=lambda name: (-counts[name], name))
 
 
 def _is_subject_token(value: str) -> bool:

@@ -1,6 +1,6 @@
 """Wiring of the router process: the live worker view from heartbeats, the prefix index from KV
-events, `tandem.v1.generate` (admission, placement, dispatch to decode workers) and the overload
-ladder's observations."""
+events, `tandem.v1.generate` (the model version, admission, placement, dispatch to decode workers), the
+overload ladder's observations and the model rollout (its file, reply outcomes, rollbacks)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ from services.router.overload import Overload, OverloadConfig
 from services.router.placement import Placement, PlacementConfig
 from services.router.pools import ModelPools
 from services.router.prefix_index import PrefixIndex, nats_fetch_state
+from services.router.rollout import RolloutConfig, RolloutFile
+from services.router.rollout_state import Rollouts
+from services.router.rollout_watch import RolloutWatch
+from services.router.versions import VersionPicker
 from services.router.workers import WORKER_ROLES, WorkerRegistry
 from services.router.workers_api import workers_router
 from tandem import metrics
@@ -63,6 +67,12 @@ def build_app(settings: Settings) -> FastAPI:
         OverloadConfig(free_max_tokens=settings.ladder_free_max_tokens, start_deadline_s=settings.ladder_start_deadline_s, targets=targets),
     )
     ladder_task: asyncio.Task[None] | None = None
+    rollout_config = RolloutConfig.from_settings(settings)
+    rollouts = Rollouts(rollout_config.rule)
+    rollout_file = RolloutFile(rollout_config.file)
+    if rollout_config.file is None:
+        log.info("no rollout file (rollout_file unset): each model name is answered by its most served version")
+    rollout_task: asyncio.Task[None] | None = None
     placement = Placement(
         PlacementConfig(remote_prefill_min_tokens=settings.remote_prefill_min_tokens), cached_tokens=IndexedCachedTokens(index)
     )
@@ -93,7 +103,7 @@ def build_app(settings: Settings) -> FastAPI:
         index.apply(event)
 
     async def subscribe(client: Client) -> None:
-        nonlocal generate, generate_subscription, is_subscribed, ladder_task
+        nonlocal generate, generate_subscription, is_subscribed, ladder_task, rollout_task
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
         await client.subscribe(subjects.KV_EVENTS_ALL, cb=on_kv_event)
@@ -112,7 +122,12 @@ def build_app(settings: Settings) -> FastAPI:
             targets,
             refusals,
             pools,
+            VersionPicker(rollouts),
         )
+        rollout_watch = RolloutWatch(runtime.config.instance_id, rollout_file, rollouts, client.publish, rollout_config.reload_s)
+        rollout_watch.reload()  # the first requests are split by the file already
+        await client.subscribe(subjects.OUTCOMES, cb=rollout_watch.on_outcome)
+        await client.subscribe(subjects.ROLLOUT, cb=rollout_watch.on_status)
         await client.subscribe(subjects.CANCEL_ALL, cb=generate.on_cancel)
         await client.subscribe(subjects.HANDOFFS_ALL, cb=generate.outcomes.on_message)
         wait_s = FIRST_HEARTBEAT_WAIT_INTERVALS * settings.heartbeat_interval_s
@@ -124,14 +139,16 @@ def build_app(settings: Settings) -> FastAPI:
         await client.flush()  # the server has the subscriptions before we call ourselves ready
         watch = LadderWatch(runtime.config.instance_id, ladder, workers, targets.free_s, client.publish, pools)
         ladder_task = asyncio.create_task(watch.run(), name="overload-ladder")
+        rollout_task = asyncio.create_task(rollout_watch.run(), name="model-rollout")
         is_subscribed = True
 
     async def has_subscribed() -> bool:
         return is_subscribed
 
     async def on_stop() -> None:
-        if ladder_task is not None:
-            ladder_task.cancel()
+        for task in (ladder_task, rollout_task):
+            if task is not None:
+                task.cancel()
         # No new requests reach this router; those already taken are answered and dispatched.
         if generate_subscription is not None and runtime.bus.is_connected:
             await generate_subscription.drain()

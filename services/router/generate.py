@@ -34,7 +34,10 @@ from services.router.lanes import LANE_NAMES, LaneRefusals, WaitTargets, door_re
 from services.router.overload import Overload
 from services.router.placement import Placement, affinity_key, can_serve, num_context_tokens
 from services.router.pools import DOWN, FULL, ModelPools, count_fallback
+from services.router.rollout_state import Rollouts
+from services.router.versions import VersionChoice, VersionPicker
 from services.router.workers import LiveWorker, WorkerRegistry
+from tandem import model_ids
 from tandem.bus import encode, validate
 from tandem.bus.cancels import RecentCancels
 from tandem.bus.events import cancelled_event, error_event
@@ -94,9 +97,11 @@ class GenerateService:
         targets: WaitTargets = WaitTargets(),
         refusals: LaneRefusals | None = None,
         pools: ModelPools = ModelPools(),
+        versions: VersionPicker | None = None,
     ) -> None:
         self._workers = workers
         self._pools = pools
+        self._versions = versions or VersionPicker(Rollouts())  # no rollout: each name's most served version
         self._overload = overload or Overload(Ladder(interval_s=10.0))  # rung 0 unless a ladder moves it
         self._targets = targets
         self.refusals = refusals or LaneRefusals()  # registry's on_forget should reach its forget
@@ -165,6 +170,8 @@ class GenerateService:
         request = parse_request(data)
         if isinstance(request, Refusal):
             return self._refuse(request), None
+        choice = self._pick_version(request, self._workers.workers(DECODE_ROLE))
+        request.model = choice.model
         admitted = self._admit(request, self._workers.workers(DECODE_ROLE))
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
@@ -177,8 +184,23 @@ class GenerateService:
         reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
         assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1, epoch=request.epoch)
         metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
+        name, version = model_ids.split(admitted.model)
+        metrics.VERSION_REQUESTS.labels(model=name, version=version, shadow=str(bool(request.shadow_of)).lower()).inc()
         job = self._plan(assignment, admitted.model, frozenset(), time.monotonic())
-        return GenerateReply(reply_id=reply_id, model=admitted.model), job
+        shadow_model = choice.shadow_model if admitted.model == choice.model else ""  # a request moved to another pool has none
+        return GenerateReply(reply_id=reply_id, model=admitted.model, shadow_model=shadow_model), job
+
+    def _pick_version(self, request: GenerateRequest, workers: list[LiveWorker]) -> VersionChoice:
+        """The served id that answers (services.router.versions): `auto` is the large model's name;
+        a new reply's bare name is split by the rollout, a continuation's or a shadow's is not."""
+        asked = large_model(workers, self._pools) if request.model in AUTO_MODELS else request.model
+        if not asked:  # no worker announced a model yet: admission says so
+            return VersionChoice(request.model)
+        return self._versions.pick(asked, workers, is_new=_is_new(request))
+
+    def _version_of(self, model: str, request: GenerateRequest, workers: list[LiveWorker]) -> str:
+        """The served id of a model a request moves to (a pool move names it as the settings do)."""
+        return self._versions.pick(model, workers, is_new=_is_new(request)).model
 
     def _admit(self, request: GenerateRequest, workers: list[LiveWorker]) -> Admitted | Refusal:
         """admit(), and when no worker of the asked model takes work now, the other pool's model
@@ -186,9 +208,9 @@ class GenerateService:
         admitted = admit(request, workers, self._pools)
         if not isinstance(admitted, Refusal) or admitted.reason != "no_workers":
             return admitted
-        asked = large_model(workers, self._pools) if request.model in AUTO_MODELS else request.model
+        asked = request.model
         other = self._pools.when_down(asked, lane_of(request), workers)
-        moved = self._readmit(request, other, workers) if other else None
+        moved = self._readmit(request, self._version_of(other, request, workers), workers) if other else None
         if moved is None:
             return admitted
         count_fallback(asked, moved.model, DOWN)
@@ -206,14 +228,15 @@ class GenerateService:
         if isinstance(verdict, Refusal):
             return verdict
         if verdict.model != admitted.model:
-            readmitted = self._readmit(request, verdict.model, workers)  # the small model's window must hold it too
+            small = self._version_of(verdict.model, request, workers)
+            readmitted = self._readmit(request, small, workers)  # the small model's window must hold it too
             if readmitted is not None:
-                request.model, admitted = verdict.model, readmitted
+                request.model, admitted = small, readmitted
         refused = self._door(lane, admitted.model, workers)
         if refused is None:
             return admitted
         other = self._pools.when_full(admitted.model)
-        moved = self._readmit(request, other, workers) if other else None
+        moved = self._readmit(request, self._version_of(other, request, workers), workers) if other else None
         if moved is None or self._door(lane, moved.model, workers) is not None:
             return refused
         count_fallback(admitted.model, moved.model, FULL)
@@ -370,13 +393,14 @@ class GenerateService:
     def _moved_when_full(self, job: Job, result: DispatchResult) -> Job | None:
         """The reply placed on the large pool when every small worker offered it said its queue is
         too long for the lane (services.router.pools), and the large pool may start it; else None."""
-        other = self._pools.when_full(job.model)
-        if other is None or not result.attempts:
+        large = self._pools.when_full(job.model)
+        if large is None or not result.attempts:
             return None
         if any(a.refusal is None or a.refusal.reason != QUEUE_FULL for a in result.attempts):
             return None
         workers = self._workers.workers(DECODE_ROLE)
         request = job.assignment.request
+        other = self._version_of(large, request, workers)
         if self._readmit(request, other, workers) is None or self._door(lane_of(request), other, workers) is not None:
             return None
         assignment = Assignment()
@@ -432,6 +456,11 @@ class GenerateService:
             task.cancel()
         if still_running:
             log.warning("cancelled %d dispatches at shutdown", len(still_running))
+
+
+def _is_new(request: GenerateRequest) -> bool:
+    """A reply the rollout may split and mirror: not a continuation, not a shadow."""
+    return not request.resume_reply_id and not request.shadow_of
 
 
 def _count_wait(job: Job) -> None:

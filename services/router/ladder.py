@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.router.workers import LiveWorker
+from tandem import model_ids
 
 RUNG_LINES = (0.85, 0.92, 0.97)  # busyness at which rung 1, 2, 3 is reached
 HYSTERESIS = 0.07
@@ -38,8 +39,10 @@ class FleetReading:
 
 
 def read_fleet(workers: Sequence[LiveWorker], model: str, free_target_s: float) -> FleetReading:
-    """The busyness of `model`'s pool among `workers` (live decode workers); an empty pool reads 0."""
-    pool = [w.heartbeat for w in workers if w.model == model and w.heartbeat.service.is_ready]
+    """The busyness of `model`'s pool (every version of its name) among `workers` (live decode
+    workers); an empty pool reads 0."""
+    name = model_ids.name_of(model)
+    pool = [w.heartbeat for w in workers if model_ids.name_of(w.model) == name and w.heartbeat.service.is_ready]
     if not pool:
         return FleetReading()
     num_blocks = sum(h.kv_blocks_total for h in pool)

@@ -42,3 +42,23 @@ MODEL_FALLBACKS = Counter(
     "(every one is too busy to start it in time); small to large for any lane, large to small for free only",
     ["from_model", "to_model", "why"],
 )
+ROLLOUT_PERCENT = Gauge(
+    "tandem_router_rollout_percent",
+    "The rollout's applied share of a model's new conversations per version (percent; the candidate's is 0 once rolled back)",
+    ["model", "version"],
+)
+VERSION_REQUESTS = Counter(
+    "tandem_router_version_requests",
+    "Generate requests admitted, by model name, version and whether they are shadow replies",
+    ["model", "version", "shadow"],
+)
+ROLLBACKS = Counter(
+    "tandem_router_rollbacks",
+    "Candidate versions this router rolled back, by reason: error_rate or ttft (rollbacks adopted from other routers are not counted)",
+    ["model", "version", "reason"],
+)
+ROLLOUT_FILE_ERRORS = Counter(
+    "tandem_router_rollout_file_errors",
+    "Rollout files not applied (the plan before stays), by reason: syntax, invalid, unreadable",
+    ["reason"],
+)

@@ -19,6 +19,7 @@ from services.router.ladder import Ladder
 from services.router.lanes import OVERLOADED, WaitTargets
 from services.router.placement import can_serve
 from services.router.workers import LiveWorker
+from tandem import model_ids
 from tandem.v1.common_pb2 import LANE_BACKGROUND, LANE_PAID
 from tandem.v1.generate_pb2 import GenerateRequest, Refusal
 
@@ -56,7 +57,7 @@ class Overload:
         retry_after_s = self._ladder.interval_s
         if lane == LANE_BACKGROUND:
             return self._refuse(rung, "background work is paused while the service is busy", retry_after_s)
-        if model == large_model:
+        if model_ids.name_of(model) == model_ids.name_of(large_model):
             model = self._small_model(model, workers, small_model)
         if rung >= 2 and request.sampling.max_tokens > self._config.free_max_tokens:
             request.sampling.max_tokens = self._config.free_max_tokens
@@ -77,18 +78,21 @@ class Overload:
                 return self._refuse(rung, message, max(retry_after_s, wait_s - deadline_s))
         return Degraded(model)
 
-    def _small_model(self, large_model: str, workers: Sequence[LiveWorker], small_model: str) -> str:
-        """Another model the workers serve now, for a free request (`small_model` when named, else
-        the most served, then by name); the large one when there is none."""
+    def _small_model(self, model: str, workers: Sequence[LiveWorker], small_model: str) -> str:
+        """Another model the workers serve now, for a free request of the large `model`
+        (`small_model` when named, else the most served name, then by name; its version is the
+        caller's to pick); `model` itself when there is none."""
+        large_name, small_name = model_ids.name_of(model), model_ids.name_of(small_model)
         counts: dict[str, int] = {}
         for worker in workers:
-            if worker.model != large_model and worker.is_serving and worker.model == (small_model or worker.model):
-                counts[worker.model] = counts.get(worker.model, 0) + 1
+            name = model_ids.name_of(worker.model)
+            if name != large_name and worker.is_serving and name == (small_name or name):
+                counts[name] = counts.get(name, 0) + 1
         if not counts:
             metrics.LADDER_SMALL_MODEL.labels(outcome="none_served").inc()
-            return large_model
+            return model
         metrics.LADDER_SMALL_MODEL.labels(outcome="routed").inc()
-        return min(counts, key=lambda name: (-counts[name], name))
+        return small_model if small_model else min(counts, key=lambda name: (-counts[name], name))
 
     def _refuse(self, rung: int, message: str, retry_after_s: float) -> Refusal:
         return Refusal(reason=OVERLOADED, message=f"{message} (overload rung {rung})", retry_after_s=retry_after_s)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.router.workers import LiveWorker
+from tandem import model_ids
 from tandem.v1.common_pb2 import LaneCounts
 from tandem.v1.generate_pb2 import GenerateRequest
 
@@ -115,3 +116,8 @@ class Placement:
 
 def can_serve(worker: LiveWorker, model: str) -> bool:
     return worker.is_serving and worker.model == model
+
+
+def serves_name(worker: LiveWorker, name: str) -> bool:
+    """It takes work for some version of the model `name` (or for the unversioned model)."""
+    return worker.is_serving and model_ids.name_of(worker.model) == name

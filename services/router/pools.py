@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.router import metrics
-from services.router.placement import can_serve
+from services.router.placement import can_serve, serves_name
 from services.router.workers import LiveWorker
+from tandem import model_ids
 from tandem.config import Settings
 from tandem.v1.common_pb2 import LANE_FREE
 
@@ -25,7 +26,7 @@ FULL = "full"  # every worker of the model refused the request's lane at the doo
 
 @dataclass(frozen=True)
 class ModelPools:
-    large: str = ""  # the served id of the large model; empty: the model most workers serve
+    large: str = ""  # the large model's name (any version; a full id pins one); empty: the name most workers serve
     small: str = ""  # the small model's; empty: none
 
     @classmethod
@@ -34,33 +35,36 @@ class ModelPools:
 
     @property
     def has_two(self) -> bool:
-        return bool(self.large and self.small) and self.large != self.small
+        return bool(self.large and self.small) and model_ids.name_of(self.large) != model_ids.name_of(self.small)
 
     @property
     def names(self) -> frozenset[str]:
         """The models named by settings: known to the router even while none of their workers is live."""
-        return frozenset(name for name in (self.large, self.small) if name)
+        return frozenset(model_ids.name_of(name) for name in (self.large, self.small) if name)
 
     def when_down(self, model: str, lane: int, workers: Sequence[LiveWorker]) -> str | None:
-        """The other pool's model for a request of `model` that no worker can serve now while the
-        other pool can (small to large for every lane; large to small for free requests); None
-        when it stays."""
+        """The other pool's model (as the settings name it: the caller picks its version) for a
+        request of `model` that no worker can serve now while the other pool can (small to large
+        for every lane; large to small for free requests); None when it stays."""
         other = self._other(model, lane)
-        if other is None or any(can_serve(w, model) for w in workers) or not any(can_serve(w, other) for w in workers):
+        if other is None or any(can_serve(w, model) for w in workers):
+            return None
+        if not any(serves_name(w, model_ids.name_of(other)) for w in workers):
             return None
         return other
 
     def when_full(self, model: str) -> str | None:
-        """The large model for a small-model request that every small worker is too busy for (the
-        reverse is the overload ladder's to decide); None when it stays."""
-        return self.large if self.has_two and model == self.small else None
+        """The large model for a small-model request (any version) that every small worker is too
+        busy for (the reverse is the overload ladder's to decide); None when it stays."""
+        return self.large if self.has_two and model_ids.name_of(model) == model_ids.name_of(self.small) else None
 
     def _other(self, model: str, lane: int) -> str | None:
         if not self.has_two:
             return None
-        if model == self.small:
+        name = model_ids.name_of(model)
+        if name == model_ids.name_of(self.small):
             return self.large
-        if model == self.large and lane == LANE_FREE:
+        if name == model_ids.name_of(self.large) and lane == LANE_FREE:
             return self.small
         return None
 

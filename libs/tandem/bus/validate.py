@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter
 
+from tandem import model_ids
 from tandem.bus import subjects
 from tandem.bus.codec import BadMessage, M, decode
 from tandem.bus.events import is_final
@@ -26,7 +27,7 @@ from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import KvEvent, KvState, StoredBlock
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent
-from tandem.v1.worker_pb2 import LadderStatus, WorkerHeartbeat
+from tandem.v1.worker_pb2 import LadderStatus, ReplyOutcome, RolloutStatus, VersionWindow, WorkerHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ MAX_BLOCK_TOKENS = 1 << 16
 MAX_SEQ = 1 << 48
 MAX_RUNG = 16
 MAX_INTERVAL_S = 3600.0
+MAX_ROLLOUT_MODELS = 256  # models in one RolloutStatus
+MAX_TTFT_S = 86400.0
 WORKER_ROLES = frozenset({"prefill", "decode"})
 LANES = frozenset(common_pb2.Lane.values())
 FINISHES = frozenset(common_pb2.FinishReason.values())
@@ -193,6 +196,7 @@ def check_request(request: GenerateRequest, vocab_size: int | None = None) -> No
     check_id(request.reply_id, "reply_id", is_required=False)
     check_id(request.resume_reply_id, "resume_reply_id", is_required=False)
     check_chars(request.model, "model", MAX_NAME_CHARS)
+    check_id(request.shadow_of, "shadow_of", is_required=False)
     check_enum(request.lane, LANES, "lane")
     check_count(len(request.prompt_token_ids), "prompt tokens", MAX_PROMPT_TOKENS)
     check_count(len(request.generated_token_ids), "generated tokens", MAX_OUTPUT_TOKENS)
@@ -289,6 +293,7 @@ def generate_reply(data: bytes) -> GenerateReply:
     else:
         raise Invalid("unknown_enum", "the reply neither accepts nor refuses")
     check_chars(reply.model, "model", MAX_NAME_CHARS)
+    check_chars(reply.shadow_model, "shadow_model", MAX_NAME_CHARS)
     return reply
 
 
@@ -370,3 +375,53 @@ def ladder_status(data: bytes) -> LadderStatus:
         check_number(getattr(status, field), field, high=1.0)
     check_number(status.interval_s, "interval_s", high=MAX_INTERVAL_S)
     return status
+
+
+def rollout_status(data: bytes) -> RolloutStatus:
+    status = decoded(data, RolloutStatus)
+    check_id(status.router_id, "router_id")
+    check_number(status.interval_s, "interval_s", high=MAX_INTERVAL_S)
+    check_count(len(status.models), "models", MAX_ROLLOUT_MODELS)
+    for model in status.models:
+        check_served_id(model.model, "model")
+        if model_ids.is_versioned(model.model):
+            raise Invalid("bad_id", f"model {model.model!r} has a version: a rollout is per name")
+        for field in ("stable", "candidate"):
+            version = getattr(model, field)
+            if version:
+                check_served_id(f"{model.model}{model_ids.SEPARATOR}{version}", field)
+        for field in ("configured_percent", "candidate_percent", "shadow_percent"):
+            check_number(getattr(model, field), field, high=100.0)
+        check_chars(model.rollback_reason, "rollback_reason", MAX_MESSAGE_CHARS)
+        check_window(model.stable_window, "stable_window")
+        check_window(model.candidate_window, "candidate_window")
+    return status
+
+
+def check_window(window: VersionWindow, what: str) -> None:
+    if window.errors > window.replies:
+        raise Invalid("out_of_range", f"{what}: {window.errors} errors of {window.replies} replies")
+    check_number(window.ttft_p95_s, f"{what}.ttft_p95_s", high=MAX_TTFT_S)
+
+
+def reply_outcome(data: bytes) -> ReplyOutcome:
+    outcome = decoded(data, ReplyOutcome)
+    check_id(outcome.reply_id, "reply_id")
+    check_served_id(outcome.model, "model")
+    check_number(outcome.ttft_s, "ttft_s", high=MAX_TTFT_S)
+    return outcome
+
+
+def check_served_id(value: str, what: str) -> None:
+    """A served model id: a name, or name@version with a version model_ids accepts."""
+    if not value:
+        raise Invalid("bad_id", f"{what} is empty")
+    check_chars(value, what, MAX_NAME_CHARS)
+    name, version = model_ids.split(value)
+    if not name:
+        raise Invalid("bad_id", f"{what} {value!r} has no name")
+    if version:
+        try:
+            model_ids.versioned(name, version)
+        except ValueError as exc:
+            raise Invalid("bad_id", f"{what}: {exc}") from None

@@ -35,6 +35,7 @@ def test_an_admitted_request_gets_a_reply_id_and_a_job_for_the_least_loaded_work
     reply, job = generate.handle(req.SerializeToString())
     assert reply.WhichOneof("outcome") == "reply_id"
     assert reply.model == MODEL
+    req.model = MODEL  # "auto" goes to the workers as the served id that answers it
     assert job.assignment == Assignment(reply_id=reply.reply_id, request=req, first_seq=1)
     assert job.worker_ids == ("idle", "busy")
 
