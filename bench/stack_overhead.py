@@ -109,7 +109,9 @@ def worker_spec(env: Mapping[str, str]) -> EngineSpec:
     """The spec of the engine a worker with environment `env` builds, read from the same variables."""
     given = {name: env[f"TANDEM_{name.upper()}"] for name in ENGINE_SETTINGS if f"TANDEM_{name.upper()}" in env}
     settings = load_settings(None, **given)
-    return EngineSpec.from_settings(settings, open_model(settings.model_path, settings.served_model_name, settings.quantization, settings.model_version))
+    return EngineSpec.from_settings(
+        settings, open_model(settings.model_path, settings.served_model_name, settings.quantization, settings.model_version)
+    )
 
 
 def load_worker_model(spec: EngineSpec) -> LoadedModel:

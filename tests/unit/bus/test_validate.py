@@ -14,7 +14,7 @@ from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import BlocksStored, KvEvent, KvState, StoredBlock
 from tandem.v1.tokens_pb2 import Cancel, TokenEvent, TokenLogprob
-from tandem.v1.worker_pb2 import LadderStatus, ServiceHeartbeat, WorkerHeartbeat
+from tandem.v1.worker_pb2 import LadderStatus, ModelRollout, ReplyOutcome, RolloutStatus, ServiceHeartbeat, VersionWindow, WorkerHeartbeat
 
 
 def heartbeat(**fields) -> WorkerHeartbeat:
@@ -188,3 +188,27 @@ def test_a_dropped_message_is_counted_each_time_and_logged_once_per_sender(caplo
     assert [r.getMessage() for r in caplog.records if subject in r.getMessage()] == [
         f"dropped a heartbeat on {subject} (bad_address): grpc_address 'x' has no port; more like it are counted, not logged"
     ]
+
+
+def test_rollout_statuses_and_reply_outcomes_are_checked():
+    good = RolloutStatus(
+        router_id="router-1", interval_s=2.0, models=[ModelRollout(model="smol", stable="1", candidate="2", candidate_percent=10)]
+    )
+    assert validate.rollout_status(encode(good)).models[0].candidate == "2"
+    for change, reason in (
+        (lambda s: setattr(s.models[0], "candidate_percent", 101.0), "out_of_range"),
+        (lambda s: setattr(s.models[0], "model", "smol@1"), "bad_id"),
+        (lambda s: setattr(s.models[0], "stable", "no spaces"), "bad_id"),
+        (lambda s: s.models[0].candidate_window.CopyFrom(VersionWindow(replies=1, errors=2)), "out_of_range"),
+        (lambda s: setattr(s, "router_id", "a.b"), "bad_id"),
+    ):
+        bad = RolloutStatus()
+        bad.CopyFrom(good)
+        change(bad)
+        assert reason_of(validate.rollout_status, encode(bad)) == reason
+    outcome = ReplyOutcome(reply_id="r1", model="smol@2", ttft_s=0.3, is_error=True)
+    assert validate.reply_outcome(encode(outcome)).model == "smol@2"
+    assert reason_of(validate.reply_outcome, encode(ReplyOutcome(reply_id="r1", model="smol@2", ttft_s=-1))) == "out_of_range"
+    assert reason_of(validate.reply_outcome, encode(ReplyOutcome(reply_id="r1", model="@2"))) == "bad_id"
+    assert reason_of(validate.reply_outcome, encode(ReplyOutcome(model="smol"))) == "bad_id"
+    assert reason_of(validate.generate_request, encode(GenerateRequest(model="smol@2", shadow_of="r 1"))) == "bad_id"
