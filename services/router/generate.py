@@ -26,7 +26,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from services.router import metrics
-from services.router.admission import AUTO_MODELS, Admitted, admit, large_model, parse_request
+from services.router.admission import Admitted, admit, large_model, parse_request
 from services.router.dispatch import QUEUE_FULL, Assign, DispatchConfig, DispatchResult, dispatch, failure_event
 from services.router.handoffs import HandoffOutcomes, continuation
 from services.router.ladder import Ladder
@@ -35,9 +35,8 @@ from services.router.overload import Overload
 from services.router.placement import Placement, affinity_key, can_serve, num_context_tokens
 from services.router.pools import DOWN, FULL, ModelPools, count_fallback
 from services.router.rollout_state import Rollouts
-from services.router.versions import VersionChoice, VersionPicker
+from services.router.versions import VersionPicker, count_version
 from services.router.workers import LiveWorker, WorkerRegistry
-from tandem import model_ids
 from tandem.bus import encode, validate
 from tandem.bus.cancels import RecentCancels
 from tandem.bus.events import cancelled_event, error_event
@@ -170,9 +169,10 @@ class GenerateService:
         request = parse_request(data)
         if isinstance(request, Refusal):
             return self._refuse(request), None
-        choice = self._pick_version(request, self._workers.workers(DECODE_ROLE))
+        workers = self._workers.workers(DECODE_ROLE)
+        choice = self._versions.pick_for(request, large_model(workers, self._pools), workers)
         request.model = choice.model
-        admitted = self._admit(request, self._workers.workers(DECODE_ROLE))
+        admitted = self._admit(request, workers)
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
         if not request.resume_reply_id:  # a continuation was admitted once: it is not refused again
@@ -184,23 +184,9 @@ class GenerateService:
         reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
         assignment = Assignment(reply_id=reply_id, request=request, first_seq=len(request.generated_token_ids) + 1, epoch=request.epoch)
         metrics.REQUESTS_ACCEPTED.labels(model=admitted.model).inc()
-        name, version = model_ids.split(admitted.model)
-        metrics.VERSION_REQUESTS.labels(model=name, version=version, shadow=str(bool(request.shadow_of)).lower()).inc()
+        count_version(admitted.model, request)
         job = self._plan(assignment, admitted.model, frozenset(), time.monotonic())
-        shadow_model = choice.shadow_model if admitted.model == choice.model else ""  # a request moved to another pool has none
-        return GenerateReply(reply_id=reply_id, model=admitted.model, shadow_model=shadow_model), job
-
-    def _pick_version(self, request: GenerateRequest, workers: list[LiveWorker]) -> VersionChoice:
-        """The served id that answers (services.router.versions): `auto` is the large model's name;
-        a new reply's bare name is split by the rollout, a continuation's or a shadow's is not."""
-        asked = large_model(workers, self._pools) if request.model in AUTO_MODELS else request.model
-        if not asked:  # no worker announced a model yet: admission says so
-            return VersionChoice(request.model)
-        return self._versions.pick(asked, workers, is_new=_is_new(request))
-
-    def _version_of(self, model: str, request: GenerateRequest, workers: list[LiveWorker]) -> str:
-        """The served id of a model a request moves to (a pool move names it as the settings do)."""
-        return self._versions.pick(model, workers, is_new=_is_new(request)).model
+        return GenerateReply(reply_id=reply_id, model=admitted.model, shadow_model=choice.shadow_for(admitted.model)), job
 
     def _admit(self, request: GenerateRequest, workers: list[LiveWorker]) -> Admitted | Refusal:
         """admit(), and when no worker of the asked model takes work now, the other pool's model
@@ -208,12 +194,11 @@ class GenerateService:
         admitted = admit(request, workers, self._pools)
         if not isinstance(admitted, Refusal) or admitted.reason != "no_workers":
             return admitted
-        asked = request.model
-        other = self._pools.when_down(asked, lane_of(request), workers)
-        moved = self._readmit(request, self._version_of(other, request, workers), workers) if other else None
+        other = self._pools.when_down(request.model, lane_of(request), workers)
+        moved = self._readmit(request, self._versions.version_of(other, request, workers), workers) if other else None
         if moved is None:
             return admitted
-        count_fallback(asked, moved.model, DOWN)
+        count_fallback(request.model, moved.model, DOWN)
         request.model = moved.model
         return moved
 
@@ -228,7 +213,7 @@ class GenerateService:
         if isinstance(verdict, Refusal):
             return verdict
         if verdict.model != admitted.model:
-            small = self._version_of(verdict.model, request, workers)
+            small = self._versions.version_of(verdict.model, request, workers)
             readmitted = self._readmit(request, small, workers)  # the small model's window must hold it too
             if readmitted is not None:
                 request.model, admitted = small, readmitted
@@ -236,7 +221,7 @@ class GenerateService:
         if refused is None:
             return admitted
         other = self._pools.when_full(admitted.model)
-        moved = self._readmit(request, self._version_of(other, request, workers), workers) if other else None
+        moved = self._readmit(request, self._versions.version_of(other, request, workers), workers) if other else None
         if moved is None or self._door(lane, moved.model, workers) is not None:
             return refused
         count_fallback(admitted.model, moved.model, FULL)
@@ -400,7 +385,7 @@ class GenerateService:
             return None
         workers = self._workers.workers(DECODE_ROLE)
         request = job.assignment.request
-        other = self._version_of(large, request, workers)
+        other = self._versions.version_of(large, request, workers)
         if self._readmit(request, other, workers) is None or self._door(lane_of(request), other, workers) is not None:
             return None
         assignment = Assignment()
@@ -456,11 +441,6 @@ class GenerateService:
             task.cancel()
         if still_running:
             log.warning("cancelled %d dispatches at shutdown", len(still_running))
-
-
-def _is_new(request: GenerateRequest) -> bool:
-    """A reply the rollout may split and mirror: not a continuation, not a shadow."""
-    return not request.resume_reply_id and not request.shadow_of
 
 
 def _count_wait(job: Job) -> None:

@@ -18,10 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.router import metrics
+from services.router.admission import AUTO_MODELS
 from services.router.placement import can_serve, serves_name
 from services.router.rollout import ModelRollout
 from services.router.workers import LiveWorker
 from tandem import model_ids
+from tandem.v1.generate_pb2 import GenerateRequest
 
 # A uniform draw in [0, 1): random.random in production, a seeded Random's in tests.
 Draw = Callable[[], float]
@@ -38,6 +41,10 @@ class AppliedRollouts(Protocol):
 class VersionChoice:
     model: str  # the served id that answers
     shadow_model: str = ""  # the candidate to mirror the request to; empty: none
+
+    def shadow_for(self, answering: str) -> str:
+        """The shadow to start when `answering` answers: none for a request moved to another model."""
+        return self.shadow_model if answering == self.model else ""
 
 
 def version_order(version: str) -> tuple[tuple[int, int, str], ...]:
@@ -56,6 +63,17 @@ def most_served(name: str, workers: Sequence[LiveWorker]) -> str:
     for served in ids:
         counts[served] = counts.get(served, 0) + 1
     return max(counts, key=lambda served: (counts[served], version_order(model_ids.version_of(served))))
+
+
+def count_version(served: str, request: GenerateRequest) -> None:
+    """An admitted request, by model name, version and whether it is a shadow."""
+    name, version = model_ids.split(served)
+    metrics.VERSION_REQUESTS.labels(model=name, version=version, shadow=str(bool(request.shadow_of)).lower()).inc()
+
+
+def is_new(request: GenerateRequest) -> bool:
+    """A reply the rollout may split and mirror: not a continuation, not a shadow."""
+    return not request.resume_reply_id and not request.shadow_of
 
 
 class VersionPicker:
@@ -78,3 +96,15 @@ class VersionPicker:
             is_shadowed = is_new and has_candidate and rollout.shadow_percent > 0 and self._draw() < rollout.shadow_percent / 100
             return VersionChoice(rollout.stable_id, rollout.candidate_id if is_shadowed else "")
         return VersionChoice(most_served(asked, workers))
+
+    def version_of(self, model: str, request: GenerateRequest, workers: Sequence[LiveWorker]) -> str:
+        """The served id of a model a request moves to (a pool move names it as the settings do)."""
+        return self.pick(model, workers, is_new=is_new(request)).model
+
+    def pick_for(self, request: GenerateRequest, large_model: str, workers: Sequence[LiveWorker]) -> VersionChoice:
+        """The version that answers a generate request: `auto` is `large_model` (the large model's
+        name); a new reply's bare name is split, a continuation's or a shadow's is not."""
+        asked = large_model if request.model in AUTO_MODELS else request.model
+        if not asked:  # no worker announced a model yet: admission says so
+            return VersionChoice(request.model)
+        return self.pick(asked, workers, is_new=is_new(request))
