@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from redis.asyncio import Redis
 
 from services.relay import metrics
+from tandem import model_ids
 from tandem.bus import encode, subjects, validate
 from tandem.bus.events import error_event, now_ms
 from tandem.tokenlog import ReplyMeta, begin_continuation, fence_reply, load_reply
@@ -250,6 +251,8 @@ class StallWatcher:
             return  # another relay took it, or it moved on meanwhile
         request = GenerateRequest.FromString(meta.request)
         request.reply_id = request.resume_reply_id = seen.reply_id
+        if model_ids.is_versioned(meta.model) and not model_ids.is_versioned(request.model):
+            request.model = meta.model  # the version the rollout gave it (set_answered) continues it, not a new draw
         del request.generated_token_ids[:]
         request.generated_token_ids.extend(continuation.token_ids)
         request.epoch = continuation.epoch

@@ -173,12 +173,10 @@ class GenerateService:
         choice = self._versions.pick_for(request, large_model(workers, self._pools), workers)
         request.model = choice.model
         admitted = self._admit(request, workers)
+        if not isinstance(admitted, Refusal) and not request.resume_reply_id:  # a continuation was admitted once: not refused again
+            admitted = self._admit_at_rung(request, admitted)
         if isinstance(admitted, Refusal):
             return self._refuse(admitted), None
-        if not request.resume_reply_id:  # a continuation was admitted once: it is not refused again
-            admitted = self._admit_at_rung(request, admitted)
-            if isinstance(admitted, Refusal):
-                return self._refuse(admitted), None
         # A continuation keeps its reply id and numbering: the logged tokens come first. Its epoch
         # (the relay's count of owners) goes with every assignment of it, re-placements included.
         reply_id = request.resume_reply_id or request.reply_id or new_reply_id()
@@ -370,6 +368,7 @@ class GenerateService:
         event = failure_event(assignment, result, self._config)
         if answer is not None and not answer.done():  # the caller hears it as a refusal: nothing to end
             log.info("reply %s refused at placement (%s): %s", assignment.reply_id, event.error.code, result.describe())
+            self._versions.refused_at_placement(job.model, assignment.reply_id, event.error.code)
             answer.set_result(Refusal(reason=event.error.code, message=event.error.message, retry_after_s=event.error.retry_after_s))
             return
         log.warning("reply %s failed (%s): %s", assignment.reply_id, event.error.code, result.describe())

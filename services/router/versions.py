@@ -20,11 +20,14 @@ from typing import Protocol
 
 from services.router import metrics
 from services.router.admission import AUTO_MODELS
+from services.router.dispatch import QUEUE_FULL
 from services.router.placement import can_serve, serves_name
 from services.router.rollout import ModelRollout
 from services.router.workers import LiveWorker
 from tandem import model_ids
+from tandem.bus.events import now_ms
 from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.worker_pb2 import ReplyOutcome
 
 # A uniform draw in [0, 1): random.random in production, a seeded Random's in tests.
 Draw = Callable[[], float]
@@ -34,6 +37,10 @@ _CHUNKS = re.compile(r"(\d+)")
 class AppliedRollouts(Protocol):
     def applied(self, name: str) -> ModelRollout | None:
         """The model's rollout as applied now (a rolled-back candidate's percents are 0)."""
+        ...
+
+    def observe(self, outcome: ReplyOutcome) -> object:
+        """A finished reply's outcome, for the automatic rollback."""
         ...
 
 
@@ -96,6 +103,14 @@ class VersionPicker:
             is_shadowed = is_new and has_candidate and rollout.shadow_percent > 0 and self._draw() < rollout.shadow_percent / 100
             return VersionChoice(rollout.stable_id, rollout.candidate_id if is_shadowed else "")
         return VersionChoice(most_served(asked, workers))
+
+    def refused_at_placement(self, model: str, reply_id: str, code: str) -> None:
+        """A reply every worker of `model` refused, answered to its caller as a refusal: no reply ran,
+        so no relay reports it. It counts as the version's error (a candidate whose workers cannot
+        run its requests fails), unless they were only full: a rollback judges faults, not load.
+        Only this router hears it; a rollback it causes reaches the others with its status."""
+        if code != QUEUE_FULL and model_ids.is_versioned(model):
+            self._rollouts.observe(ReplyOutcome(reply_id=reply_id, model=model, is_error=True, finished_unix_ms=now_ms()))
 
     def version_of(self, model: str, request: GenerateRequest, workers: Sequence[LiveWorker]) -> str:
         """The served id of a model a request moves to (a pool move names it as the settings do)."""

@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY
 from services.router.rollback import RollbackRule
 from services.router.rollout import ModelRollout, RolloutPlan
 from services.router.rollout_state import Rollouts
+from services.router.versions import VersionPicker
 from tandem.v1.worker_pb2 import ReplyOutcome
 
 SMOL = ModelRollout("smol", stable="1", candidate="2", candidate_percent=10.0, shadow_percent=5.0)
@@ -126,3 +127,15 @@ def test_a_changed_file_ends_the_rollback_and_the_candidate_starts_afresh():
     assert state.observe(outcome("smol@2", is_error=True)) is None, "judged on its new replies"
     state.set_plan(RolloutPlan())
     assert percent("1") is None and percent("2") is None, "a model gone from the file leaves the gauge"
+
+
+def test_replies_the_candidates_workers_refused_count_as_its_errors_unless_they_were_only_full():
+    state = rollouts(Clock())
+    picker = VersionPicker(state)
+    feed(state, "smol@1", 20)
+    for i in range(RULE.min_replies):
+        picker.refused_at_placement("smol@2", f"full{i}", "queue_full")  # load, not a fault
+    assert state.applied("smol").candidate_percent == 10.0
+    for i in range(RULE.min_replies):
+        picker.refused_at_placement("smol@2", f"bad{i}", "bad_request")
+    assert state.applied("smol").candidate_percent == 0.0
