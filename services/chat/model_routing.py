@@ -18,8 +18,8 @@
 Versions (workers' model_version: tandem.model_ids): large, small and a model named without a
 version stand for every version of that name, and the routers' rollout picks the version a new
 conversation gets; the version that answered its newest user turn is the one it stays on
-(conversation_model), as is a user's named `name@version`. A version nobody serves any more gives
-way to its name's current one.
+(conversation_model), also when a user names the model without a version; a user's named
+`name@version` moves it. A version nobody serves any more gives way to its name's current one.
 
 With no small model configured, everything goes to the large one (decided by `single_model`), as
 before there were two. Each decision is counted (tandem_chat_model_routes_total), its score
@@ -145,7 +145,9 @@ class ModelRouter:
         if requested not in AUTO and _lookup(served, requested) is None and requested not in (large, small):
             raise UnknownModel(f"model {requested!r} is not served; GET /v1/models lists those that are")
         if requested not in AUTO and user.tier != Tier.FREE:
-            decided = _Decided(requested, Decision.PICKED, DecidedBy.USER)
+            # A bare name picks the model, not a version: the conversation's version of it stays.
+            same = on_model and not model_ids.is_versioned(requested) and model_ids.name_of(on_model) == requested
+            decided = _Decided(on_model if same else requested, Decision.PICKED, DecidedBy.USER)
         elif on_model and (_lookup(served, on_model) is not None or on_model in (large, small)):
             decided = _Decided(on_model, Decision.CONVERSATION, DecidedBy.CONVERSATION)
         elif not small or small == large:

@@ -27,6 +27,7 @@ from services.chat.prompt import LoadedTokenizer, PromptCounter, encode_prompt
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.summaries import Summaries, schedule_summary
 from services.chat.summary_prompt import summary_of_branch
+from tandem import model_ids
 from tandem.bus import Bus
 from tandem.bus.events import ReplyStatus
 from tandem.config import ApiKey
@@ -111,7 +112,7 @@ class Turns:
         self.door.check_all(user.tier, self.models.models)  # before any work for a message that cannot start
         checking = start_input_check(self.input_check, content)  # in its process, while the prompt is built
         messages = await self.store.list_messages(conversation.id)
-        route = await self.resolve_model(user, requested_model, content, conversation_model(messages))
+        route = await self.resolve_model(user, requested_model, content, await self._conversation_model(messages))
         model = route.model
         counter = PromptCounter(self.tokenizer.get())
         new_turn = Turn("user", content, await asyncio.to_thread(counter.count, content))
@@ -220,6 +221,19 @@ class Turns:
         # The router's model: another pool's when the asked one is down or full; the small one when the quota sent it there.
         begun = await self.starter.start_reply(reply, stored)
         return StartedReply(reply.reply_id, begun.model, num_dropped, begun.route)
+
+    async def _conversation_model(self, messages: list[Message]) -> str:
+        """conversation_model, with the version of an answer still running: the relay stores an
+        answer's model when it ends, but the routers chose its version when it began (its log's
+        meta says which), and the next message must stay on it."""
+        model = conversation_model(messages)
+        newest = messages[-1] if messages else None
+        if model_ids.is_versioned(model) or newest is None or newest.role != Role.ASSISTANT or newest.status != ReplyStatus.RUNNING:
+            return model
+        meta = await load_reply(self.redis, newest.id, with_request=False)
+        if meta is not None and model_ids.is_versioned(meta.model) and model_ids.name_of(meta.model) == model:
+            return meta.model
+        return model
 
     async def supersede(self, conversation_id: str, reply_id: str) -> None:
         """One reply in flight per conversation: a new one cancels the one before."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,9 +54,15 @@ ROLES = ("router", "decode", "relay", "relay", "chat", "chat")
 
 
 async def start_product_stack(
-    nc, nats_url: str, redis_url: str, workdir: Path, roles: tuple[str, ...] = ROLES, **extra_env: str
+    nc,
+    nats_url: str,
+    redis_url: str,
+    workdir: Path,
+    roles: Sequence[str | tuple[str, dict[str, str]]] = ROLES,
+    **extra_env: str,
 ) -> ProductStack:
-    """`roles`: the processes, started in this order (a lean stack of its own may start fewer)."""
+    """`roles`: the processes, started in this order (a lean stack of its own may start fewer);
+    a (role, env) pair gives one process settings of its own over the stack's."""
     store_path = workdir / "conversations.db"
     common = {
         "TANDEM_STORE": "sqlite",
@@ -68,8 +74,9 @@ async def start_product_stack(
         **extra_env,
     }
     stack = ProductStack(chat_urls=[], ids={}, store_path=store_path, nats_url=nats_url, redis_url=redis_url)
-    for role in roles:
-        env = service_env(role, nats_url, redis_url, **common)
+    for entry in roles:
+        role, own = (entry, {}) if isinstance(entry, str) else entry
+        env = service_env(role, nats_url, redis_url, **(common | own))
         child = service_process(role, env)
         child.start()
         stack.children.append(child)
@@ -93,7 +100,9 @@ async def start_product_stack(
 
 
 @contextlib.asynccontextmanager
-async def own_product_stack(workdir: Path, roles: tuple[str, ...] = ROLES, **extra_env: str) -> AsyncIterator[ProductStack]:
+async def own_product_stack(
+    workdir: Path, roles: Sequence[str | tuple[str, dict[str, str]]] = ROLES, **extra_env: str
+) -> AsyncIterator[ProductStack]:
     """A product stack on a nats-server and redis-server of its own (for a module that needs other
     settings than the session's stack), stopped with its servers at the end."""
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)

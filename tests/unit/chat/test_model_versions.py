@@ -67,6 +67,8 @@ async def test_the_router_is_asked_for_the_pinned_version_and_a_retired_one_give
     assert (pinned.model.name, pinned.decided_by) == ("smol@1", DecidedBy.CONVERSATION)
     assert retired.model.name == "smol"
     assert (picked.model.name, picked.decided_by) == ("smol@2", DecidedBy.USER)
+    named = await router.route(PRO, "smol", "hi", len, on_model="smol@1")  # the model, not another version
+    assert (named.model.name, named.decided_by) == ("smol@1", DecidedBy.USER)
     # The version the router answered with is the decided model, not another pool's.
     assert new.answered_by("smol@2").instead_of == ""
     assert new.answered_by("other@1").instead_of == "smol"
