@@ -54,7 +54,7 @@ class ReplyClock:
     content, `final` with the final event once it is written, `close` however the response ends."""
 
     def __init__(self, tier: str, model: str, arrived_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._labels = {"tier": tier, "model": model}
+        self._labels = {"tier": tier, **metrics.model_labels(model)}
         self._arrived_s = arrived_s
         self._clock = clock
         self._last_content_s: float | None = None

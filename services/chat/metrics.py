@@ -35,8 +35,8 @@ IDEMPOTENT_REPEATS = Counter(
 )
 
 # As clients see them (services.chat.latency): from a request's arrival at chat, by the user's tier
-# and the served model.
-_REPLY = ["tier", "model"]
+# and the served model's name and version (model_labels).
+_REPLY = ["tier", "model", "version"]
 TIME_TO_FIRST_TOKEN = Histogram(
     "tandem_chat_time_to_first_token_seconds",
     "From a request's arrival at chat to the first content written to its client (streamed replies)",
@@ -74,7 +74,7 @@ OUTPUT_TOKENS = Counter("tandem_chat_output_tokens_total", "Output tokens of rep
 
 # Refusals by the safety checks, watched as closely as errors: `direction` input (the user's
 # message, refused before anything starts) or output (an answer retracted mid-stream).
-MODERATED = Counter("tandem_chat_moderated_total", "Messages or answers the safety checks refused", ["direction", *_REPLY])
+MODERATED = Counter("tandem_chat_moderated_total", "Messages or answers the safety checks refused", ["direction", "tier", "model"])
 INPUT_CHECK_SECONDS = Histogram(
     "tandem_chat_input_check_seconds",
     "The input check's time on one message (it runs while the prompt is built)",

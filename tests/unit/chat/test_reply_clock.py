@@ -30,7 +30,7 @@ def value(name: str, **labels: str) -> float:
 
 def test_first_content_next_contents_and_the_final_event_give_ttft_itl_e2e_and_usage():
     model, clock = f"m-{uuid.uuid4().hex[:8]}", Clock()
-    labels = {"tier": "plus", "model": model}
+    labels = {"tier": "plus", "model": model, "version": ""}
     reply = ReplyClock("plus", model, arrived_s=49.0, clock=clock)
     for step_s in (0.5, 0.1, 0.3):
         clock.now_s += step_s
@@ -58,14 +58,14 @@ def test_a_stream_closed_before_its_final_event_counts_once_as_client_gone():
     reply.close()
     reply.close()
     reply.final(cancelled_event("r", 3))
-    assert value("tandem_chat_replies_total", outcome="client_gone", tier="free", model=model) == 1
+    assert value("tandem_chat_replies_total", outcome="client_gone", tier="free", model=model, version="") == 1
     assert value("tandem_chat_replies_total", outcome="cancelled", tier="free", model=model) == 0
     assert value("tandem_chat_e2e_latency_seconds_count", tier="free", model=model) == 0
 
 
 def test_a_streamed_reply_records_its_longest_pause_once_the_wait_for_its_final_event_included():
     model, clock = f"m-{uuid.uuid4().hex[:8]}", Clock()
-    labels = {"tier": "pro", "model": model}
+    labels = {"tier": "pro", "model": model, "version": ""}
     reply = ReplyClock("pro", model, arrived_s=49.0, clock=clock)
     for step_s in (5.0, 0.1, 2.5, 0.2):  # the first gap is time to first token, not a pause
         clock.now_s += step_s
@@ -87,7 +87,7 @@ def test_a_streamed_reply_records_its_longest_pause_once_the_wait_for_its_final_
 
 def test_a_stream_closed_mid_pause_counts_the_pause_and_a_whole_reply_none():
     model, clock = f"m-{uuid.uuid4().hex[:8]}", Clock()
-    labels = {"tier": "free", "model": model}
+    labels = {"tier": "free", "model": model, "version": ""}
     gone = ReplyClock("free", model, arrived_s=49.0, clock=clock)
     clock.now_s += 1.0
     gone.content()

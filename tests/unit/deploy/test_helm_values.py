@@ -36,7 +36,7 @@ def secret_generator(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def settings() -> dict[str, str]:
-    (config_map,) = [item for item in render(K8S / "base") if item["kind"] == "ConfigMap"]
+    (config_map,) = [item for item in render(K8S / "base") if item["kind"] == "ConfigMap" and item["metadata"]["name"] == "tandem-settings"]
     return config_map["data"]
 
 
