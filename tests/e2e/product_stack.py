@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import nats
-from helpers import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
@@ -51,6 +51,33 @@ class ProductStack:
 
 
 ROLES = ("router", "decode", "relay", "relay", "chat", "chat")
+
+# Two models for `auto` and the quota fallback: two decode workers load the embedded weights under
+# a large and a small served name (test_model_routing.py, test_quota_fallback.py).
+LARGE, SMALL = "smollm-large", "smollm-small"
+TWO_MODEL_ENV = {"TANDEM_KV_CACHE_MIB": "64", "TANDEM_MAX_ANSWER_TOKENS": "4", "TANDEM_LARGE_MODEL": LARGE, "TANDEM_SMALL_MODEL": SMALL}
+
+
+def two_model_roles(*chats: dict[str, str]) -> list[str | tuple[str, dict[str, str]]]:
+    """A router, the large and the small model's decode workers, a relay, and a chat for each of
+    `chats` (its own settings)."""
+    workers: list[str | tuple[str, dict[str, str]]] = [
+        ("decode", {"TANDEM_SERVED_MODEL_NAME": LARGE}),
+        ("decode", {"TANDEM_SERVED_MODEL_NAME": SMALL}),
+    ]
+    return ["router", *workers, "relay", *(("chat", chat) for chat in chats)]
+
+
+async def wait_listed(stack: ProductStack, models: set[str], headers: dict[str, str]) -> None:
+    """Until every chat of `stack` lists exactly `models` (it has heard each one's workers)."""
+    for url in stack.chat_urls:
+
+        async def listed(url: str = url) -> bool:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                response = await client.get("/v1/models", headers=headers)
+            return response.status_code == 200 and {m["id"] for m in response.json()["data"]} == models
+
+        await wait_until(listed, timeout_s=30)
 
 
 async def start_product_stack(

@@ -7,21 +7,16 @@ paid user's pick is honoured, and that without a classifier the fallback rule de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
-import nats
 import pytest
 import pytest_asyncio
-from helpers import next_heartbeat, service_env, service_process, wait_until
-from product_stack import ALICE, API_KEYS, BOB, read_stream
+from helpers import wait_until
+from product_stack import ALICE, BOB, LARGE, SMALL, TWO_MODEL_ENV, own_product_stack, read_stream, two_model_roles, wait_listed
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.devstack.proc import ChildProcess
-from tandem.devstack.servers import start_nats, start_redis
-
 pytestmark = pytest.mark.real_model
-LARGE, SMALL = "smollm-large", "smollm-small"
 ANSWER = {"temperature": 0, "max_tokens": 4}
 GREETING = "Hello! How are you today?"
 CODE_QUESTION = """My function crashes and I do not understand why. Explain what is wrong, step by step, and
@@ -51,67 +46,14 @@ SHORT_WITH_CODE = "Why does this fail?\n```\nx = [1, 2][5]\n```"
 class TwoModelStack:
     url: str  # chat with the built-in classifier
     fallback_url: str  # chat with TANDEM_DIFFICULTY_CLASSIFIER=none
-    children: list[ChildProcess] = field(default_factory=list)
-
-    def logs(self, num_lines: int = 30) -> str:
-        return "\n".join(f"--- {c.name}\n{c.recent_output(num_lines)}" for c in self.children)
 
 
 @pytest_asyncio.fixture(scope="module")
 async def two_models(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("two-models")
-    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
-    common = {
-        "TANDEM_STORE": "sqlite",
-        "TANDEM_SQLITE_PATH": str(workdir / "conversations.db"),
-        "TANDEM_KV_CACHE_MIB": "64",
-        "TANDEM_API_KEYS": API_KEYS,
-        "TANDEM_MAX_ANSWER_TOKENS": "4",
-        "TANDEM_LARGE_MODEL": LARGE,
-        "TANDEM_SMALL_MODEL": SMALL,
-    }
-    plan = [
-        ("router", {}),
-        ("decode", {"TANDEM_SERVED_MODEL_NAME": LARGE}),
-        ("decode", {"TANDEM_SERVED_MODEL_NAME": SMALL}),
-        ("relay", {}),
-        ("chat", {}),
-        ("chat", {"TANDEM_DIFFICULTY_CLASSIFIER": "none"}),
-    ]
-    children, ids, urls = [], [], []
-    for role, extra in plan:
-        env = service_env(role, nats_server.url, redis_server.url, **common, **extra)
-        child = service_process(role, env)
-        child.start()
-        children.append(child)
-        ids.append((role, env["TANDEM_INSTANCE_ID"]))
-        if role == "chat":
-            urls.append(f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}")
-    stack = TwoModelStack(url=urls[0], fallback_url=urls[1], children=children)
-    nc = await nats.connect(nats_server.url)
-    try:
-        for role, instance_id in ids:
-            await next_heartbeat(nc, role, instance_id, accept=lambda hb: hb.is_ready, timeout_s=180)
-        for url in urls:  # each chat has heard both workers' heartbeats
-
-            async def both_listed(url=url) -> bool:
-                async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-                    response = await client.get("/v1/models", headers=ALICE)
-                return response.status_code == 200 and {m["id"] for m in response.json()["data"]} == {LARGE, SMALL}
-
-            await wait_until(both_listed, timeout_s=30)
-    except (TimeoutError, AssertionError):
-        logs = stack.logs()
-        for child in children:
-            child.stop(timeout_s=5)
-        raise AssertionError(f"the two-model stack never became ready; its logs:\n{logs}") from None
-    finally:
-        await nc.close()
-    yield stack
-    for child in children:
-        child.stop(timeout_s=10)
-    redis_server.stop()
-    nats_server.stop()
+    roles = two_model_roles({}, {"TANDEM_DIFFICULTY_CLASSIFIER": "none"})
+    async with own_product_stack(tmp_path_factory.mktemp("two-models"), roles=roles, **TWO_MODEL_ENV) as stack:
+        await wait_listed(stack, {LARGE, SMALL}, ALICE)
+        yield TwoModelStack(url=stack.chat_urls[0], fallback_url=stack.chat_urls[1])
 
 
 async def new_conversation(client: httpx.AsyncClient, headers) -> str:

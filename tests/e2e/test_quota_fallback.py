@@ -16,16 +16,12 @@ import json
 from collections.abc import AsyncIterator
 
 import httpx
-import nats
 import pytest
 import pytest_asyncio
-from helpers import next_heartbeat, service_env, service_process, wait_until
-from product_stack import API_KEYS, BOB, read_stream
-
-from tandem.devstack.servers import start_nats, start_redis
+from helpers import wait_until
+from product_stack import BOB, LARGE, SMALL, TWO_MODEL_ENV, own_product_stack, read_stream, two_model_roles, wait_listed
 
 pytestmark = pytest.mark.real_model
-LARGE, SMALL = "smollm-large", "smollm-small"
 PROMPT = "apple " * 200  # about 225 tokens with the system prompt and the template: a large message by the fallback rule
 QUOTA_FREE, QUOTA_SMALL_FREE = 300, 500
 
@@ -33,58 +29,11 @@ QUOTA_FREE, QUOTA_SMALL_FREE = 300, 500
 @pytest_asyncio.fixture(scope="module")
 async def fallback_stack(tmp_path_factory) -> AsyncIterator[str]:
     """The chat's URL; the stack: nats, redis, a router, the two decode workers, a relay, a chat."""
-    workdir = tmp_path_factory.mktemp("quota-fallback")
-    nats_server, redis_server = start_nats(workdir), start_redis(workdir)
-    common = {
-        "TANDEM_STORE": "sqlite",
-        "TANDEM_SQLITE_PATH": str(workdir / "conversations.db"),
-        "TANDEM_KV_CACHE_MIB": "64",
-        "TANDEM_API_KEYS": API_KEYS,
-        "TANDEM_MAX_ANSWER_TOKENS": "4",
-        "TANDEM_LARGE_MODEL": LARGE,
-        "TANDEM_SMALL_MODEL": SMALL,
-        "TANDEM_QUOTA_FREE": str(QUOTA_FREE),
-        "TANDEM_QUOTA_SMALL_FREE": str(QUOTA_SMALL_FREE),
-    }
-    plan = [
-        ("router", {}),
-        ("decode", {"TANDEM_SERVED_MODEL_NAME": LARGE}),
-        ("decode", {"TANDEM_SERVED_MODEL_NAME": SMALL}),
-        ("relay", {}),
-        ("chat", {"TANDEM_DIFFICULTY_CLASSIFIER": "none"}),
-    ]
-    children, ids, url = [], [], ""
-    for role, extra in plan:
-        env = service_env(role, nats_server.url, redis_server.url, **common, **extra)
-        child = service_process(role, env)
-        child.start()
-        children.append(child)
-        ids.append((role, env["TANDEM_INSTANCE_ID"]))
-        if role == "chat":
-            url = f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}"
-    nc = await nats.connect(nats_server.url)
-    try:
-        for role, instance_id in ids:
-            await next_heartbeat(nc, role, instance_id, accept=lambda hb: hb.is_ready, timeout_s=180)
-
-        async def both_listed() -> bool:
-            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-                response = await client.get("/v1/models", headers=BOB)
-            return response.status_code == 200 and {m["id"] for m in response.json()["data"]} == {LARGE, SMALL}
-
-        await wait_until(both_listed, timeout_s=30)
-    except (TimeoutError, AssertionError):
-        logs = "\n".join(f"--- {c.name}\n{c.recent_output(30)}" for c in children)
-        for child in children:
-            child.stop(timeout_s=5)
-        raise AssertionError(f"the quota-fallback stack never became ready; its logs:\n{logs}") from None
-    finally:
-        await nc.close()
-    yield url
-    for child in children:
-        child.stop(timeout_s=10)
-    redis_server.stop()
-    nats_server.stop()
+    env = {**TWO_MODEL_ENV, "TANDEM_QUOTA_FREE": str(QUOTA_FREE), "TANDEM_QUOTA_SMALL_FREE": str(QUOTA_SMALL_FREE)}
+    roles = two_model_roles({"TANDEM_DIFFICULTY_CLASSIFIER": "none"})
+    async with own_product_stack(tmp_path_factory.mktemp("quota-fallback"), roles=roles, **env) as stack:
+        await wait_listed(stack, {LARGE, SMALL}, BOB)
+        yield stack.url
 
 
 async def send(client: httpx.AsyncClient) -> tuple[int, dict]:
