@@ -249,13 +249,7 @@ class StallWatcher:
         )
         if continuation is None:
             return  # another relay took it, or it moved on meanwhile
-        request = GenerateRequest.FromString(meta.request)
-        request.reply_id = request.resume_reply_id = seen.reply_id
-        if model_ids.is_versioned(meta.model) and not model_ids.is_versioned(request.model):
-            request.model = meta.model  # the version the rollout gave it (set_answered) continues it, not a new draw
-        del request.generated_token_ids[:]
-        request.generated_token_ids.extend(continuation.token_ids)
-        request.epoch = continuation.epoch
+        request = continuation_request(meta, continuation.token_ids, continuation.epoch)
         log.warning(
             "reply %s stalled after %d tokens; continuing it (epoch %d, continuation %d of %d)",
             seen.reply_id,
@@ -287,3 +281,17 @@ class StallWatcher:
         event.epoch = taken.epoch
         await self._publish_final(event)
         metrics.REPLIES_LOST.inc()
+
+
+def continuation_request(meta: ReplyMeta, token_ids: list[int], epoch: int) -> GenerateRequest:
+    """The reply's request as first sent, resumed after `token_ids` (those logged) by owner
+    `epoch`. On the model that answered it: the version the routers' rollout gave it (recorded
+    by set_answered), not a new draw between versions, so one model writes the whole reply."""
+    request = GenerateRequest.FromString(meta.request)
+    request.reply_id = request.resume_reply_id = meta.reply_id
+    if model_ids.is_versioned(meta.model) and not model_ids.is_versioned(request.model):
+        request.model = meta.model
+    del request.generated_token_ids[:]
+    request.generated_token_ids.extend(token_ids)
+    request.epoch = epoch
+    return request

@@ -4,9 +4,10 @@ grace while it has not). A settable clock stands in for the wall clock."""
 
 from __future__ import annotations
 
-from services.relay.stalls import Claims, StallConfig, is_stalled
+from services.relay.stalls import Claims, StallConfig, continuation_request, is_stalled
 from tandem.bus.events import ReplyStatus
 from tandem.tokenlog import ReplyMeta
+from tandem.v1.generate_pb2 import GenerateRequest
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 CONFIG = StallConfig(stall_timeout_s=2.0, dispatch_grace_s=10.0, max_continuations=3, running_ttl_s=3600)
@@ -196,3 +197,11 @@ def test_finding_the_previous_owner_gone_again_does_not_make_a_continuation_look
     advance(clock, claims, 600)
     claims.note_gone("decode-0")  # pinged again before the new owner's first heartbeat claims it
     assert not is_stalled(continued, claims, CONFIG, clock())
+
+
+def test_a_continuation_resumes_on_the_version_that_answered_the_reply():
+    asked = GenerateRequest(reply_id="r1", model="smol", prompt_token_ids=[1, 2], generated_token_ids=[9]).SerializeToString()
+    resumed = continuation_request(ReplyMeta(reply_id="r1", model="smol@2", request=asked), [5, 6, 7], epoch=2)
+    assert (resumed.model, resumed.resume_reply_id, list(resumed.generated_token_ids), resumed.epoch) == ("smol@2", "r1", [5, 6, 7], 2)
+    unversioned = continuation_request(ReplyMeta(reply_id="r1", model="other", request=asked), [5], epoch=1)
+    assert unversioned.model == "smol"  # another pool answered it: the request's own model, as before
