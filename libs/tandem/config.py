@@ -211,8 +211,10 @@ class Settings(BaseSettings):
     """relay: how long a new reply or continuation may wait for its first worker before it counts as stalled"""
     max_continuations: Annotated[int, Field(ge=0)] = 3
     """relay: continuations of one reply before it ends with an error event and is stored as failed"""
-    running_reply_ttl_s: Annotated[int, Field(ge=60)] = 3600
-    """token log: the expiry of a running reply's keys, pushed back by every event"""
+    running_reply_ttl_s: Annotated[int, Field(ge=1)] = 3600
+    """token log: the expiry of a running reply's keys, pushed back by every event; a finished reply waiting for the store keeps its log this long from each relay sweep (seconds in tests that compress time, an hour or more in production)"""
+    unstored_reply_max_wait_s: Annotated[int, Field(ge=60)] = 604800
+    """relay: the longest a finished reply waits for the store (its log kept meanwhile); past it the reply is given up on, with an error log and tandem_relay_replies_given_up_total"""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 20.0
     """workers: on SIGTERM, how long running replies may go on before the rest are left to continue elsewhere"""
     token_stream_max_age_s: Annotated[int, Field(ge=10)] = 600

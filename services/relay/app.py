@@ -3,7 +3,8 @@ consumer that all relays share) is appended to its reply's Redis token log and t
 acknowledged; a reply's final event gets its assistant turn (a shadow reply's: its shadow
 answer) stored, its quota settled and its outcome published to the routers; a
 sweep several times a second continues replies whose worker was lost and, about once a second,
-cancels replies nobody reads and retries turns the store did not take. The output safety check
+cancels replies nobody reads and retries turns the store did not take, whose logs a loop of its
+own keeps meanwhile (unstored.py). The output safety check
 (moderation.py) reads each reply's newest text every few tokens and ends a reply that trips it."""
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from services.relay.moderation import OutputCheckConfig, OutputModerator
 from services.relay.outcomes import OutcomePublisher
-from services.relay.persist import PersistConfig, persist_reply
+from services.relay.persist import PersistConfig, save_or_keep
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
+from services.relay.unstored import UnstoredConfig, keep_unstored
 from tandem.bus.events import is_final
 from tandem.bus.token_stream import publish_final as publish_final_event
 from tandem.config import Settings
@@ -47,6 +49,11 @@ def build_app(settings: Settings) -> FastAPI:
     store = open_store(settings)
     writer = TokenLogWriter(redis, settings.token_log_ttl_s, running_ttl_s=settings.running_reply_ttl_s)
     persist_config = PersistConfig(ttl_s=settings.token_log_ttl_s, keep_s=settings.running_reply_ttl_s)
+    unstored_config = UnstoredConfig(
+        keep_s=max(settings.running_reply_ttl_s, settings.token_log_ttl_s),  # never shorter than the log would have had
+        max_wait_s=settings.unstored_reply_max_wait_s,
+        ttl_s=settings.token_log_ttl_s,
+    )
     sweep_config = SweepConfig(reader_idle_timeout_s=settings.reader_idle_timeout_s)
     stall_config = StallConfig(
         stall_timeout_s=settings.stall_timeout_s,
@@ -68,18 +75,15 @@ def build_app(settings: Settings) -> FastAPI:
     outcomes = OutcomePublisher(publish)
 
     async def persist(reply_id: str) -> bool:
-        stored = await persist_reply(redis, store, reply_id, persist_config, outcomes)
-        if not stored:
-            metrics.REPLIES_UNPERSISTED.inc()
-        return stored
+        return await save_or_keep(redis, store, reply_id, persist_config, outcomes)
 
     async def persist_soon(reply_id: str) -> None:
         """Stores a finished reply without holding up the events behind it; the append listed it
         as unpersisted, so a sweep retries whatever fails here."""
-        try:
-            await persist(reply_id)
-        except (StoreUnavailable, RedisError, OSError) as exc:
-            log.warning("reply %s: not stored yet (%s); a sweep retries", reply_id, exc)
+        await persist(reply_id)
+
+    async def keep_unstored_replies() -> None:
+        await keep_unstored(redis, unstored_config)
 
     async def log_event(event: TokenEvent) -> None:
         """Raises when the log cannot take it, so the event is redelivered."""
@@ -137,6 +141,7 @@ def build_app(settings: Settings) -> FastAPI:
         spawn(consumer.run(), "token-consumer")
         spawn(every(sweep_config.stall_check_interval_s, sweeper.check_stalls, stalls.found_gone), "stalls")
         spawn(every(sweep_config.sweep_interval_s, sweeper.sweep), "sweep")
+        spawn(every(sweep_config.sweep_interval_s, keep_unstored_replies), "unstored")  # never waits on the store
 
     async def is_consuming() -> bool:
         return consumer is not None and consumer.is_running

@@ -1,6 +1,6 @@
 """The relay's own Prometheus metrics."""
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 EVENTS_LOGGED = Counter("tandem_relay_events_logged_total", "Token events appended to a reply's log")
 EVENTS_DROPPED = Counter(
@@ -21,6 +21,15 @@ OUTCOMES = Counter(
     ["result"],
 )
 SHADOW_ANSWERS = Counter("tandem_relay_shadow_answers_total", "Shadow replies' answers stored, by how they ended", ["status"])
+REPLIES_WAITING_FOR_STORE = Gauge(
+    "tandem_relay_replies_waiting_for_store", "Finished replies not stored yet (their logs kept until they are), at the relay's last count"
+)
+OLDEST_WAIT_FOR_STORE = Gauge(
+    "tandem_relay_oldest_wait_for_store_seconds", "How long the oldest finished reply not stored yet has waited, at the relay's last count"
+)
+REPLIES_GIVEN_UP = Counter(
+    "tandem_relay_replies_given_up_total", "Finished replies given up on after waiting for the store past TANDEM_UNSTORED_REPLY_MAX_WAIT_S"
+)
 PERSIST_RETRIES = Counter("tandem_relay_persist_retries_total", "Tries by a sweep to store a finished reply the store did not take at once")
 MODERATED = Counter(
     "tandem_relay_moderated_total", "Replies the output check ended as moderated while they streamed", ["direction", "tier", "model"]

@@ -8,7 +8,8 @@ saved, the reply's outcome goes to the routers (outcomes.py).
 
 The append that closes a reply's log also lists it as unpersisted, in the same step; it leaves
 that set only here, once it is saved (or has nothing to save). While the store is down the reply
-stays listed, its log's expiry is pushed back on every try, and each sweep tries again, so nothing
+stays listed, each sweep tries it again (a failure of one reply, of any kind, never stops the
+others), and its log's expiry is pushed back for as long as it waits (unstored.py), so nothing
 acknowledged to the user is lost, and no reply goes uncounted."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from services.relay import metrics
 from services.relay.ledger import reply_usage
@@ -36,6 +38,23 @@ log = logging.getLogger(__name__)
 class PersistConfig:
     ttl_s: int  # a stored reply's log stays readable this long (settings.token_log_ttl_s)
     keep_s: int  # an unstored one's log is kept at least this long from each try (settings.running_reply_ttl_s)
+
+
+async def save_or_keep(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig, outcomes: OutcomePublisher) -> bool:
+    """persist_reply that never raises: a reply not stored stays in the unpersisted set, for the
+    next sweep. The store being down is persist_reply's to handle; what is left is told apart by
+    type: Redis not answering, or an error of this reply's save (logged with its traceback)."""
+    try:
+        stored = await persist_reply(redis, store, reply_id, config, outcomes)
+    except RedisError as exc:
+        log.warning("reply %s: not stored yet, Redis did not answer (%s); a sweep retries", reply_id, exc)
+        stored = False
+    except Exception:  # a store error not mapped to StoreUnavailable, a bad record: this reply only
+        log.exception("reply %s: storing it failed; a sweep retries", reply_id)
+        stored = False
+    if not stored:
+        metrics.REPLIES_UNPERSISTED.inc()
+    return stored
 
 
 async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig, outcomes: OutcomePublisher) -> bool:

@@ -1,7 +1,7 @@
 """What the relay checks about running replies, several times a second: stalled replies (their
 worker lost: continued, see stalls.py); and once a second: replies nobody reads (cancelled,
 only those created to track their readers), cancelled replies whose worker never answered (closed
-by the relay itself), replies not yet stored (retried), gaps in a log that do not fill (reported),
+by the relay itself), replies not yet stored (each retried, whatever another's try raised), gaps in a log that do not fill (reported),
 and members of the reply sets whose reply is gone (dropped)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes], Awaitable[None]]
 PublishFinal = Callable[[TokenEvent], Awaitable[None]]
-Persist = Callable[[str], Awaitable[bool]]
+Persist = Callable[[str], Awaitable[bool]]  # True once stored; never raises (persist.py's save_or_keep)
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,9 @@ class Sweeper:
         for meta in states.values():
             if meta is not None and meta.is_running:
                 await self._check_running(meta)
-        for raw in await self._redis.smembers(UNPERSISTED):
+        for reply_id in sorted(as_text(raw) for raw in await self._redis.smembers(UNPERSISTED)):
             metrics.PERSIST_RETRIES.inc()
-            if not await self._persist(as_text(raw)):
-                break  # the store is down: the next sweep tries again
+            await self._persist(reply_id)  # never raises: one reply's failure does not stop the others
 
     async def _check_running(self, meta: ReplyMeta) -> None:
         reply_id = meta.reply_id
