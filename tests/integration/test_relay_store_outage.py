@@ -222,11 +222,8 @@ async def test_no_finished_reply_is_lost_in_a_store_outage_longer_than_the_log_e
             await the_outage_goes_on(OUTLIVE_S)
         outage_s = asyncio.get_running_loop().time() - outage_began
         assert outage_s > 5 * KEEP_S
-        waiting = {reply_id: await redis.sismember(UNPERSISTED, reply_id) for reply_id in [unsaveable, *replies]}
-        assert all(waiting.values()), f"replies dropped from the waiting set during the outage: {waiting}"
-        for reply_id in [unsaveable, *replies]:
-            meta = await load_reply(redis, reply_id)
-            assert meta is not None and meta.last_seq == NUM_TOKENS, f"reply {reply_id}'s log expired while it waited for the store"
+        lost = [reply_id for reply_id in [unsaveable, *replies] if not await _is_waiting_with_its_log(redis, reply_id)]
+        assert lost == [], f"{len(lost)} of {len(replies) + 1} replies lost their logs while they waited for the store"
         assert [(await store.get_message(r)).status for r in replies] == [ReplyStatus.RUNNING] * len(replies)  # nothing stored yet
         assert await relay_metric(ready, "tandem_relay_replies_waiting_for_store") == len(replies) + 1
         assert await relay_metric(ready, "tandem_relay_oldest_wait_for_store_seconds") > 4 * KEEP_S
@@ -243,6 +240,11 @@ async def test_no_finished_reply_is_lost_in_a_store_outage_longer_than_the_log_e
     assert (await store.get_message(unsaveable)).status == ReplyStatus.RUNNING
     no_expiry = [key async for key in redis.scan_iter(count=1000) if await redis.ttl(key) == -1]
     assert no_expiry == []
+
+
+async def _is_waiting_with_its_log(redis, reply_id: str) -> bool:
+    meta = await load_reply(redis, reply_id)
+    return bool(await redis.sismember(UNPERSISTED, reply_id)) and meta is not None and meta.last_seq == NUM_TOKENS
 
 
 async def _is_finished(store: SqliteStore, reply_id: str) -> bool:
