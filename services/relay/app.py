@@ -23,7 +23,7 @@ from services.relay import metrics
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from services.relay.moderation import OutputCheckConfig, OutputModerator
 from services.relay.outcomes import OutcomePublisher
-from services.relay.persist import PersistConfig, save_or_keep
+from services.relay.persist import PersistConfig, Saved, save_or_keep
 from services.relay.quotas import QuotaSettler
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
@@ -74,7 +74,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     outcomes = OutcomePublisher(publish)
 
-    async def persist(reply_id: str) -> bool:
+    async def persist(reply_id: str) -> Saved:
         return await save_or_keep(redis, store, reply_id, persist_config, outcomes)
 
     async def persist_soon(reply_id: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import Enum
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -40,21 +41,28 @@ class PersistConfig:
     keep_s: int  # an unstored one's log is kept at least this long from each try (settings.running_reply_ttl_s)
 
 
-async def save_or_keep(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig, outcomes: OutcomePublisher) -> bool:
+class Saved(Enum):
+    STORED = "stored"  # or nothing to store, or gone
+    KEPT = "kept"  # this reply's save failed: it waits for the next sweep; the others are tried
+    STORE_DOWN = "store_down"  # the store (or Redis) did not answer: the others would fail alike
+
+
+async def save_or_keep(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig, outcomes: OutcomePublisher) -> Saved:
     """persist_reply that never raises: a reply not stored stays in the unpersisted set, for the
-    next sweep. The store being down is persist_reply's to handle; what is left is told apart by
-    type: Redis not answering, or an error of this reply's save (logged with its traceback)."""
+    next sweep. Told apart by type: the store unavailable or Redis not answering (a sweep stops
+    trying the others: each would wait out the same timeout; their logs are kept meanwhile by
+    unstored.py), or an error of this reply's save (logged with its traceback; the others go on)."""
     try:
-        stored = await persist_reply(redis, store, reply_id, config, outcomes)
+        saved = Saved.STORED if await persist_reply(redis, store, reply_id, config, outcomes) else Saved.STORE_DOWN
     except RedisError as exc:
         log.warning("reply %s: not stored yet, Redis did not answer (%s); a sweep retries", reply_id, exc)
-        stored = False
+        saved = Saved.STORE_DOWN
     except Exception:  # a store error not mapped to StoreUnavailable, a bad record: this reply only
         log.exception("reply %s: storing it failed; a sweep retries", reply_id)
-        stored = False
-    if not stored:
+        saved = Saved.KEPT
+    if saved is not Saved.STORED:
         metrics.REPLIES_UNPERSISTED.inc()
-    return stored
+    return saved
 
 
 async def persist_reply(redis: Redis, store: ConversationStore, reply_id: str, config: PersistConfig, outcomes: OutcomePublisher) -> bool:

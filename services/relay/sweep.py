@@ -1,8 +1,9 @@
 """What the relay checks about running replies, several times a second: stalled replies (their
 worker lost: continued, see stalls.py); and once a second: replies nobody reads (cancelled,
 only those created to track their readers), cancelled replies whose worker never answered (closed
-by the relay itself), replies not yet stored (each retried, whatever another's try raised), gaps in a log that do not fill (reported),
-and members of the reply sets whose reply is gone (dropped)."""
+by the relay itself), replies not yet stored (retried: past one whose own save fails, up to the
+store not answering), gaps in a log that do not fill (reported), and members of the reply sets
+whose reply is gone (dropped)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from services.relay import metrics
+from services.relay.persist import Saved
 from services.relay.stalls import StallWatcher
 from tandem.bus import encode, subjects
 from tandem.bus.events import cancelled_event, now_ms
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes], Awaitable[None]]
 PublishFinal = Callable[[TokenEvent], Awaitable[None]]
-Persist = Callable[[str], Awaitable[bool]]  # True once stored; never raises (persist.py's save_or_keep)
+Persist = Callable[[str], Awaitable[Saved]]  # never raises (persist.py's save_or_keep)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ class Sweeper:
                 await self._check_running(meta)
         for reply_id in sorted(as_text(raw) for raw in await self._redis.smembers(UNPERSISTED)):
             metrics.PERSIST_RETRIES.inc()
-            await self._persist(reply_id)  # never raises: one reply's failure does not stop the others
+            if await self._persist(reply_id) is Saved.STORE_DOWN:
+                break  # the next sweep tries again; a failure of one reply's own goes on to the others
 
     async def _check_running(self, meta: ReplyMeta) -> None:
         reply_id = meta.reply_id
