@@ -196,9 +196,14 @@ async def test_shadow_answers_are_stored_and_never_streamed(rollout_stack):
             (shadow,) = await wait_until(recorded, timeout_s=60)
             assert (shadow.model, shadow.shadow_of, shadow.user_id) == (f"{NAME}@2", reply_id, "alice")
             assert shadow.num_output_tokens >= 1 and shadow.finish in ("stop", "length"), shadow
+
             # Never shown: the conversation holds only the stable's answer, and the shadow's id
             # streams nothing to anyone (it belongs to no conversation).
-            messages = (await client.get(f"/v1/conversations/{conversation_id}", headers=ALICE)).json()["messages"]
+            async def stored() -> list[dict] | None:  # the relay stores the shown answer and the shadow independently
+                messages = (await client.get(f"/v1/conversations/{conversation_id}", headers=ALICE)).json()["messages"]
+                return None if any(m["status"] == "running" for m in messages) else messages
+
+            messages = await wait_until(stored, timeout_s=30)
             assert [(m["role"], m["model"]) for m in messages] == [("user", NAME), ("assistant", f"{NAME}@1")]
             assert shadow.reply_id not in {m["id"] for m in messages}
             assert messages[1]["content"] == text
