@@ -215,6 +215,8 @@ class Settings(BaseSettings):
     """token log: the expiry of a running reply's keys, pushed back by every event; a finished reply waiting for the store keeps its log this long from each relay sweep (seconds in tests that compress time, an hour or more in production)"""
     unstored_reply_max_wait_s: Annotated[int, Field(ge=60)] = 604800
     """relay: the longest a finished reply waits for the store (its log kept meanwhile); past it the reply is given up on, with an error log and tandem_relay_replies_given_up_total"""
+    redis_memory_check_s: Annotated[float, Field(gt=0)] = 10.0
+    """relay: how often it reads Redis's memory use, maxmemory and eviction policy for tandem_relay_redis_* and their alerts"""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 20.0
     """workers: on SIGTERM, how long running replies may go on before the rest are left to continue elsewhere"""
     token_stream_max_age_s: Annotated[int, Field(ge=10)] = 600

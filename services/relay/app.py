@@ -25,6 +25,7 @@ from services.relay.moderation import OutputCheckConfig, OutputModerator
 from services.relay.outcomes import OutcomePublisher
 from services.relay.persist import PersistConfig, Saved, save_or_keep
 from services.relay.quotas import QuotaSettler
+from services.relay.redis_memory import MemoryWatch
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
 from services.relay.unstored import UnstoredConfig, keep_unstored
@@ -142,6 +143,7 @@ def build_app(settings: Settings) -> FastAPI:
         spawn(every(sweep_config.stall_check_interval_s, sweeper.check_stalls, stalls.found_gone), "stalls")
         spawn(every(sweep_config.sweep_interval_s, sweeper.sweep), "sweep")
         spawn(every(sweep_config.sweep_interval_s, keep_unstored_replies), "unstored")  # never waits on the store
+        spawn(every(settings.redis_memory_check_s, MemoryWatch(redis).read), "redis-memory")
 
     async def is_consuming() -> bool:
         return consumer is not None and consumer.is_running

@@ -30,6 +30,13 @@ OLDEST_WAIT_FOR_STORE = Gauge(
 REPLIES_GIVEN_UP = Counter(
     "tandem_relay_replies_given_up_total", "Finished replies given up on after waiting for the store past TANDEM_UNSTORED_REPLY_MAX_WAIT_S"
 )
+REDIS_USED_MEMORY = Gauge(
+    "tandem_relay_redis_used_memory_bytes", "Memory the Redis of the token logs and quotas uses, at the relay's last reading"
+)
+REDIS_MAXMEMORY = Gauge("tandem_relay_redis_maxmemory_bytes", "That Redis's maxmemory limit (0: none), at the relay's last reading")
+REDIS_MAY_EVICT = Gauge(
+    "tandem_relay_redis_may_evict", "1 when that Redis's maxmemory-policy may drop keys (anything but noeviction), else 0"
+)
 PERSIST_RETRIES = Counter("tandem_relay_persist_retries_total", "Tries by a sweep to store a finished reply the store did not take at once")
 MODERATED = Counter(
     "tandem_relay_moderated_total", "Replies the output check ended as moderated while they streamed", ["direction", "tier", "model"]

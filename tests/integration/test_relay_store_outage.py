@@ -8,6 +8,10 @@ Meanwhile every reply stays waiting with its log, and the relay exports how many
 long. Once the store is back every turn is stored complete with its whole text, the unsaveable
 reply is still kept and retried without holding up the others, and every key has an expiry.
 
+A full Redis (its maxmemory reached, policy noeviction) refuses the relay's appends: the relay
+hands each event back to the token stream and exports the reading, and once memory is freed
+every event is logged in order and the turn stored whole; a policy that may evict is reported.
+
 Before unstored.py (each sweep stopped at its first failure and pushed back the expiry of that
 one reply), the other replies' logs expired during the outage and their turns were lost.
 
@@ -92,6 +96,7 @@ def relay(workdir, nats_url, redis_server) -> Iterator[Relay]:
         TANDEM_STORE_TIMEOUT_S="0.2",
         TANDEM_TOKEN_LOG_TTL_S=str(LOG_TTL_S),
         TANDEM_RUNNING_REPLY_TTL_S=str(KEEP_S),
+        TANDEM_REDIS_MEMORY_CHECK_S="0.2",
     )
     child = service_process("relay", env)
     child.start()
@@ -253,6 +258,50 @@ async def _is_finished(store: SqliteStore, reply_id: str) -> bool:
 
 async def _waiting_are(relay: Relay, expected: int) -> bool:
     return await relay_metric(relay, "tandem_relay_replies_waiting_for_store") == expected
+
+
+async def test_a_full_redis_refuses_events_and_loses_none(ready, nc, redis, store):
+    js = await ensure_token_stream(nc)
+    reply_id = await new_turn(store, redis)
+    half = NUM_TOKENS // 2
+    for seq in range(1, half + 1):
+        await publish_token(js, token(reply_id, seq))
+    await wait_until(lambda: _has_logged(redis, reply_id, half), timeout_s=20)
+    retried_before = await relay_metric(ready, "tandem_relay_events_retried_total")
+    await redis.config_set("maxmemory", 1)  # every write refused: OOM, with noeviction
+    try:
+        for seq in range(half + 1, NUM_TOKENS + 1):
+            await publish_token(js, token(reply_id, seq))
+        await wait_until(lambda: _metric_is(ready, "tandem_relay_redis_maxmemory_bytes", 1), timeout_s=20)
+        assert await relay_metric(ready, "tandem_relay_redis_used_memory_bytes") > 1
+        await wait_until(lambda: _metric_above(ready, "tandem_relay_events_retried_total", retried_before), timeout_s=20)
+        assert (await load_reply(redis, reply_id)).last_seq == half  # refused, not logged
+    finally:
+        await redis.config_set("maxmemory", 0)
+    await wait_until(lambda: _is_finished(store, reply_id), timeout_s=30)
+    stored = await store.get_message(reply_id)
+    whole_text = "".join(text_of(seq) for seq in range(1, NUM_TOKENS + 1))
+    assert (stored.status, stored.content, stored.tokens) == (ReplyStatus.COMPLETE, whole_text, NUM_TOKENS)
+    assert await relay_metric(ready, "tandem_relay_redis_may_evict") == 0
+    await redis.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        await wait_until(lambda: _metric_is(ready, "tandem_relay_redis_may_evict", 1), timeout_s=20)
+    finally:
+        await redis.config_set("maxmemory-policy", "noeviction")
+    await wait_until(lambda: _metric_is(ready, "tandem_relay_redis_may_evict", 0), timeout_s=20)
+
+
+async def _has_logged(redis, reply_id: str, seq: int) -> bool:
+    meta = await load_reply(redis, reply_id)
+    return meta is not None and meta.last_seq >= seq
+
+
+async def _metric_is(relay: Relay, name: str, value: float) -> bool:
+    return await relay_metric(relay, name) == value
+
+
+async def _metric_above(relay: Relay, name: str, value: float) -> bool:
+    return await relay_metric(relay, name) > value
 
 
 async def test_a_reply_waiting_past_the_bound_is_given_up_and_its_log_left_to_expire(redis_server):

@@ -128,6 +128,8 @@ def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None
         "yes",
         "--appendfsync",
         "everysec",
+        "--maxmemory-policy",
+        "noeviction",  # Redis's default, said aloud: full, it refuses writes rather than drop a log
     ]
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()

@@ -96,6 +96,13 @@ def test_redis_requires_the_password_and_its_healthcheck_logs_in(services: dict)
     assert "grep -q PONG" in redis["healthcheck"]["test"][1]
 
 
+def test_redis_has_a_memory_limit_and_never_evicts(services: dict) -> None:
+    script = services["redis"]["command"][-1]
+    assert "--maxmemory-policy noeviction" in script and "--maxmemory ${TANDEM_REDIS_MAXMEMORY:-" in script
+    helm = yaml.safe_load((ROOT / "deploy" / "helm" / "redis-values.yaml").read_text())["commonConfiguration"].splitlines()
+    assert "maxmemory-policy noeviction" in helm and any(line.startswith("maxmemory ") for line in helm)
+
+
 def test_cassandra_turns_password_authentication_on(services: dict) -> None:
     cassandra = services["cassandra"]
     (mount,) = [volume for volume in cassandra["volumes"] if volume.startswith("./")]
@@ -105,6 +112,10 @@ def test_cassandra_turns_password_authentication_on(services: dict) -> None:
     assert "s/AllowAllAuthenticator/PasswordAuthenticator/" in script
     assert "ALTER ROLE cassandra WITH PASSWORD" in script
     assert "docker-entrypoint.sh cassandra -f" in script  # the image's own start
+    # The commit log is synced before a write is acknowledged, in k8s as in compose (below).
+    (cluster,) = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "data" / "cassandra.yaml").read_text())
+    (datacenter,) = cluster["spec"]["cassandra"]["datacenters"]
+    assert datacenter["config"]["cassandraYaml"]["commitlog_sync"] == "batch"
     assert references(cassandra["environment"]) == {"TANDEM_CASSANDRA_PASSWORD": "TANDEM_CASSANDRA_PASSWORD"}
     assert "$$TANDEM_CASSANDRA_PASSWORD" in cassandra["healthcheck"]["test"][1]
 
@@ -216,16 +227,19 @@ async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(s
 )
 def test_cassandra_entrypoint_switches_either_spelling_of_the_authenticator(services: dict, tmp_path: Path, setting: str) -> None:
     """The script up to where it starts the image's entrypoint, which is not here: it must have
-    switched the setting (comments untouched) and then stop with an error, not wait forever."""
+    switched the setting (comments untouched) and the commit log to batch mode (the period it
+    refuses commented out), and then stop with an error, not wait forever."""
     (mount,) = [volume for volume in services["cassandra"]["volumes"] if volume.startswith("./")]
     comment = "# authenticator: AllowAllAuthenticator is the default\n"
-    (tmp_path / "cassandra.yaml").write_text(comment + setting + "authorizer: AllowAllAuthorizer\n")
+    commit_log = "commitlog_sync: periodic\ncommitlog_sync_period: 10000ms\n"
+    (tmp_path / "cassandra.yaml").write_text(comment + setting + commit_log + "authorizer: AllowAllAuthorizer\n")
     env = {"PATH": "/usr/bin:/bin", "CASSANDRA_CONF": str(tmp_path), "TANDEM_CASSANDRA_PASSWORD": "stand-in"}
     result = subprocess.run(["/bin/sh", str(ROOT / mount.split(":")[0])], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "cassandra exited before its password was set" in result.stderr
     expected = setting.replace("AllowAllAuthenticator", "PasswordAuthenticator")
-    assert (tmp_path / "cassandra.yaml").read_text() == comment + expected + "authorizer: AllowAllAuthorizer\n"
+    batch = "commitlog_sync: batch\n# commitlog_sync_period: 10000ms\n"
+    assert (tmp_path / "cassandra.yaml").read_text() == comment + expected + batch + "authorizer: AllowAllAuthorizer\n"
 
 
 def test_cassandra_entrypoint_refuses_to_start_without_a_password(services: dict, tmp_path: Path) -> None:
