@@ -10,7 +10,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -59,6 +59,13 @@ class StreamResult:
     num_resumes: int = 0
     message_id: str = ""
     conversation_id: str = ""
+    event_unix_s: list[float] = field(default_factory=list)  # when each event came (wall clock)
+
+    def wait_after(self, unix_s: float) -> float | None:
+        """How long after `unix_s` its next event came; None when it had ended by then (or never
+        got an event after it)."""
+        later = [t for t in self.event_unix_s if t >= unix_s]
+        return round(later[0] - unix_s, 2) if later else None
 
 
 @dataclass
@@ -129,6 +136,7 @@ class Client:
                             result.longest_pause_s = now_s - last_event_s
                             result.longest_pause_ended_unix_s = round(time.time(), 3)
                         last_event_s = now_s
+                        result.event_unix_s.append(time.time())
                         result.num_events += 1
                         if sse.id:
                             if last_id and sse.id != last_id + 1:

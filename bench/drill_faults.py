@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from drill_report import DrillReport
 from drill_stack import DrillStack
 
 Fault = Callable[[DrillStack], Awaitable[str]]
+PARTITION_S = 10.0  # how long a partition lasts
+HOST_DRILLS = ("partition_decode", "partition_relay_redis")  # they need every member on a host of its own
 
 
 async def kill_decode(stack: DrillStack) -> str:
@@ -76,6 +79,34 @@ async def pause_nats(stack: DrillStack) -> str:
     return f"SIGSTOP nats-server (pid {pid}) for 10 s"
 
 
+async def partition_decode(stack: DrillStack) -> str:
+    """The busiest decode worker's host loses its network (link down) for PARTITION_S, then gets
+    it back: its replies continue on the other decode worker meanwhile."""
+    name = stack.busiest("decode")
+    host, network = stack.stack.host(name), stack.network
+    network.cut(host)
+    try:
+        await asyncio.sleep(PARTITION_S)  # the fault itself lasts this long
+    finally:
+        network.heal(host)
+        stack.healed_unix_s = time.time()
+    return f"cut {name}'s host ({host.address}) off the network for {PARTITION_S:.0f} s, then healed it"
+
+
+async def partition_relay_redis(stack: DrillStack) -> str:
+    """The relay's host and Redis's host cannot reach each other for PARTITION_S (each still
+    reaches every other host), then can again."""
+    relay, redis = stack.stack.host(stack.members("relay")[0]), stack.stack.host("redis")
+    network = stack.network
+    network.separate(relay, redis)
+    try:
+        await asyncio.sleep(PARTITION_S)  # the fault itself lasts this long
+    finally:
+        network.join(relay, redis)
+        stack.healed_unix_s = time.time()
+    return f"cut the relay's host ({relay.address}) off Redis's ({redis.address}) for {PARTITION_S:.0f} s, then joined them"
+
+
 async def rolling(stack: DrillStack) -> str:
     done = []
     for name in stack.service_members():
@@ -108,6 +139,18 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
         "kill_relay": DrillPlan("kill_relay", kill_relay, n, f"{n}/{n} complete, every stored turn complete"),
         "restart_redis": DrillPlan("restart_redis", restart_redis, n, f"{n}/{n} complete, every stored turn complete"),
         "pause_nats": DrillPlan("pause_nats", pause_nats, n, "every reply completes or errors clearly; 0 hung", check_texts=False),
+        "partition_decode": DrillPlan(
+            "partition_decode",
+            partition_decode,
+            n,
+            f"{n}/{n} complete (continued elsewhere), texts identical, <= 5 s after the heal",
+        ),
+        "partition_relay_redis": DrillPlan(
+            "partition_relay_redis",
+            partition_relay_redis,
+            n,
+            f"{n}/{n} complete, every stored turn complete, <= 5 s after the heal",
+        ),
         "rolling": DrillPlan("rolling", rolling, max(1, n // 2), "0 replies lost (0 hung, 0 errors)", steady=True),
         "resume": DrillPlan(
             "resume", None, args.resume_streams, "every text identical, event ids contiguous", disconnects=args.resume_drops
@@ -122,6 +165,11 @@ def met(report: DrillReport, plan: DrillPlan) -> bool:
         return report.completed == n and identical and report.longest_pause_s <= 3.0
     if plan.name in ("kill_relay", "restart_redis"):
         return report.completed == n and report.stored.get("complete", 0) == n
+    after_heal = report.pause_after_heal_s if report.pause_after_heal_s is not None else float("inf")
+    if plan.name == "partition_decode":
+        return report.completed == n and identical and report.hung == 0 and after_heal <= 5.0
+    if plan.name == "partition_relay_redis":
+        return report.completed == n and report.stored.get("complete", 0) == n and after_heal <= 5.0
     if plan.name == "pause_nats":
         return report.hung == 0
     if plan.name == "resume":

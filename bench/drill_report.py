@@ -18,6 +18,10 @@ class DrillReport:
     hung: int = 0
     refused: int = 0
     longest_pause_s: float = 0.0
+    # partitions: when the partition healed (wall clock), and the longest a reply still streaming
+    # then waited after it for its next event; None for a drill that heals nothing
+    healed_unix_s: float = 0.0
+    pause_after_heal_s: float | None = None
     # the longest pause in the undisturbed run of the same prompts (same stack, same run): what
     # the load alone costs on this machine; None when the drill had no undisturbed run
     undisturbed_longest_pause_s: float | None = None
@@ -35,24 +39,28 @@ class DrillReport:
 def print_row(report: DrillReport) -> None:
     print(
         f"{report.name}: {report.completed}/{report.num_replies} complete, {report.errors} errors, {report.hung} hung, {report.refused} refused, "
-        f"pause {report.longest_pause_s} s, TTFT max {report.longest_ttft_s} s, identical {report.texts_identical} "
+        f"pause {report.longest_pause_s} s{_after_heal(report)}, TTFT max {report.longest_ttft_s} s, identical {report.texts_identical} "
         f"(differing {report.texts_differing}, no baseline {report.texts_without_baseline}), stored {report.stored} "
         f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
         flush=True,
     )
 
 
+def _after_heal(report: DrillReport) -> str:
+    return "" if report.pause_after_heal_s is None else f" ({report.pause_after_heal_s} s after the heal)"
+
+
 def print_table(reports: list[DrillReport]) -> None:
-    header = f"{'drill':<14}{'replies':>8}{'done':>6}{'error':>6}{'hung':>6}{'pause s':>9}{'base s':>8}{'same':>6}  stored / target"
+    header = f"{'drill':<22}{'replies':>8}{'done':>6}{'error':>6}{'hung':>6}{'pause s':>9}{'base s':>8}{'same':>6}  stored / target"
     print("\n" + header)
     for r in reports:
         same = "-" if r.texts_identical is None else str(r.texts_identical)
         base = "-" if r.undisturbed_longest_pause_s is None else str(r.undisturbed_longest_pause_s)
         stored = ",".join(f"{k}:{v}" for k, v in sorted(r.stored.items()))
         print(
-            f"{r.name:<14}{r.num_replies:>8}{r.completed:>6}{r.errors:>6}{r.hung:>6}{r.longest_pause_s:>9}{base:>8}{same:>6}  "
+            f"{r.name:<22}{r.num_replies:>8}{r.completed:>6}{r.errors:>6}{r.hung:>6}{r.longest_pause_s:>9}{base:>8}{same:>6}  "
             f"{stored} / {'PASS' if r.met else 'MISS'} {r.target}"
         )
-        print(f"{'':<14}fault: {r.fault}")
+        print(f"{'':<22}fault: {r.fault}{_after_heal(r)}")
         if r.error_samples:
-            print(f"{'':<14}errors: {'; '.join(r.error_samples)}")
+            print(f"{'':<22}errors: {'; '.join(r.error_samples)}")

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from tandem.bus import BadMessage, decode
 from tandem.config import ApiKey, Tier
+from tandem.devstack.hosts import HostNetwork
 from tandem.devstack.proc import free_ports
 from tandem.devstack.stack import Console, Stack, StackConfig
 from tandem.v1.worker_pb2 import WorkerHeartbeat
@@ -35,6 +36,7 @@ class DrillStack:
         extra_env: dict[str, str] | None = None,
         api_keys: dict[str, ApiKey] | None = None,
         tensor_parallel_size: int = 1,
+        separate_hosts: bool = False,
     ) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-drills-"))
         self.log_path = self._workdir / "stack.log"
@@ -49,12 +51,14 @@ class DrillStack:
             num_chat_instances=chat_instances,
             tensor_parallel_size=tensor_parallel_size,
             stable_after_s=5.0,  # drills kill the same member again soon: restart it after 1 s each time
+            separate_hosts=separate_hosts,
         )
         self._log = self.log_path.open("w")
         self._stack = Stack(self._config, Console(self._log))
         self._nc: Nats | None = None
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
         self.api_key = API_KEY
+        self.healed_unix_s = 0.0  # set by a partition drill when it heals the partition
 
     async def __aenter__(self) -> DrillStack:
         await self._stack.__aenter__()
@@ -85,6 +89,13 @@ class DrillStack:
     @property
     def stack(self) -> Stack:
         return self._stack
+
+    @property
+    def network(self) -> HostNetwork:
+        """The hosts' network (a stack started with separate_hosts)."""
+        if self._stack.network is None:
+            raise RuntimeError("the stack runs on one host: this drill needs --hosts")
+        return self._stack.network
 
     def members(self, role: str) -> list[str]:
         return [member.name for member in self._stack.members_of(role)]

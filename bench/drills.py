@@ -18,6 +18,12 @@ Drills (names for --drills):
   pause_nats     SIGSTOP nats-server for 10 s during N streams, then SIGCONT
   rolling        SIGTERM every service in turn (each restarted by the launcher) under a steady load
   resume         random client disconnects and resumes (Last-Event-ID), alternating chat instances
+  partition_decode       cut the busiest decode worker's host off the network (link down) for 10 s, then heal it
+  partition_relay_redis  cut the relay's host off Redis's host (and only that) for 10 s, then join them
+
+With --hosts (implied by the partition drills) every process runs on a host of its own: a network
+namespace each, with its own address on a bridge (tandem.devstack.hosts; root only). A partition
+drill also reports the longest a reply still streaming at the heal waited for its next event.
 
 Targets are printed beside the numbers as information (PASS/MISS), never as an exit code.
 """
@@ -36,7 +42,7 @@ from pathlib import Path
 
 import httpx
 from drill_client import HANG_S, Client, StreamResult, prompt_of
-from drill_faults import Fault, met, plans
+from drill_faults import HOST_DRILLS, Fault, met, plans
 from drill_report import DrillReport, print_row, print_table
 from drill_stack import DrillStack
 
@@ -73,6 +79,7 @@ async def run_load(
         tasks = [asyncio.create_task(one_slot(i, p, random.Random(rng.random()))) for i, p in enumerate(prompts)]
         fault_text = "none"
         fault_unix_s = 0.0
+        stack.healed_unix_s = 0.0
         try:
             if fault is not None:
                 await _wait_started(streaming, fault_after, tasks, timeout_s=client.hang_s)
@@ -91,6 +98,10 @@ async def run_load(
     report.longest_pause_s = round(longest.longest_pause_s, 2) if longest is not None else 0.0
     report.longest_pause_ended_unix_s = longest.longest_pause_ended_unix_s if longest is not None else 0.0
     report.fault_unix_s = fault_unix_s
+    if stack.healed_unix_s:
+        report.healed_unix_s = round(stack.healed_unix_s, 3)
+        waits = [wait for r in results if (wait := r.wait_after(stack.healed_unix_s)) is not None]
+        report.pause_after_heal_s = max(waits, default=0.0)
     report.longest_ttft_s = round(max((r.ttft_s for r in results), default=0.0), 2)
     report.ids_contiguous = all(r.ids_contiguous for r in results)
     report.stored = stored
@@ -147,7 +158,12 @@ async def main(args: argparse.Namespace) -> int:
         print(f"unknown drill(s) {', '.join(unknown)}; choose from {', '.join(every)}", file=sys.stderr)
         return 2
     stack = DrillStack(
-        decode_workers=2, prefill_workers=1, chat_instances=2, extra_env=_stack_env(args), tensor_parallel_size=args.tensor_parallel_size
+        decode_workers=2,
+        prefill_workers=1,
+        chat_instances=2,
+        extra_env=_stack_env(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        separate_hosts=args.hosts or any(name in HOST_DRILLS for name in chosen),
     )
     reports: list[DrillReport] = []
     async with stack:
@@ -217,6 +233,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="ranks of each prefill and decode worker's engine (kill_decode_rank needs 2 or more)",
+    )
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="every process on a host of its own: a network namespace each (root; the partition drills need it)",
     )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every service (repeatable)")
     parser.add_argument("--out", default="", help="write the reports as JSON here")

@@ -17,7 +17,14 @@ import sys
 import pytest
 from helpers import REPO
 
-DRILLS = ("kill_decode", "kill_relay", "resume")
+from tandem.devstack.hosts import can_make_hosts
+
+# Where hosts of their own can be made (root), every process runs on its own and the partition
+# drills run too: a reply of a cut-off decode worker continues elsewhere, and one whose relay
+# cannot reach Redis resumes once the partition heals.
+HOSTS = can_make_hosts() == ""
+PARTITIONS = ("partition_decode", "partition_relay_redis") if HOSTS else ()
+DRILLS = ("kill_decode", "kill_relay", "resume", *PARTITIONS)
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +58,6 @@ def test_the_faults_happened(drill_reports):
     assert reports["kill_decode"]["fault"].startswith("kill -9 decode-")
     assert reports["kill_relay"]["fault"].startswith("kill -9 relay ")
     assert reports["resume"]["fault"] == "none"
+    for name in PARTITIONS:
+        assert reports[name]["fault"].startswith("cut ") and reports[name]["healed_unix_s"] > reports[name]["fault_unix_s"]
+        assert reports[name]["pause_after_heal_s"] is not None

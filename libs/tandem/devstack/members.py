@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from tandem.config import DEFAULT_GRPC_PORTS, ApiKey, Tier
+from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ApiKey, Tier
 from tandem.devstack.devices import assign_gpus, torch_threads_per_rank
+from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets
 from tandem.errors import StartupError
@@ -51,6 +52,9 @@ class StackConfig:
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
     stable_after_s: float = 30.0  # a member that ran this long restarts from the first backoff step
+    # Every member on a host of its own (tandem.devstack.hosts: a network namespace each, root
+    # only), named after the member; `host` is then unused, each service binds its host's address.
+    separate_hosts: bool = False
 
     def __post_init__(self) -> None:
         if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead
@@ -156,8 +160,16 @@ def member_name(role: str, index: int, num_instances: int) -> str:
     return role if num_instances == 1 else f"{role}-{index}"
 
 
+def member_name_of(role: str, index: int, pool: str, config: StackConfig) -> str:
+    """A service instance's member name (and, on separate hosts, its host's)."""
+    return instance_id_of(role, index, pool) if pool else member_name(role, index, config.num_instances(role))
+
+
 def check_chat_ports_free(config: StackConfig) -> None:
-    """Fails, naming the port and the instance, when a chat instance's port is taken or invalid."""
+    """Fails, naming the port and the instance, when a chat instance's port is taken or invalid
+    (on hosts of their own, every port is free)."""
+    if config.separate_hosts:
+        return
     for index, port in enumerate(config.chat_ports):
         name = member_name("chat", index, config.num_chat_instances)
         setting = "TANDEM_HTTP_PORT or --port" if index == 0 else f"TANDEM_HTTP_PORT or --port ({name} takes that port + {index})"
@@ -191,6 +203,12 @@ def _set_worker_env(env: dict[str, str], config: StackConfig, instance_id: str, 
     env.setdefault("TANDEM_TORCH_THREADS", str(config.torch_threads))
 
 
+def _http_port(config: StackConfig, role: str, index: int, on_host: Host | None) -> int:
+    if role == "chat":
+        return config.chat_port + index
+    return free_port(config.host) if on_host is None else DEFAULT_HTTP_PORTS[role]  # a host's ports are all free
+
+
 def service_member(
     config: StackConfig,
     role: str,
@@ -200,14 +218,16 @@ def service_member(
     secrets: StackSecrets,
     on_line: Callable[[str, str], None],
     pool: str = "",
+    on_host: Host | None = None,
 ) -> Member:
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
     kept across its restarts; chat instance i listens on chat_port + i, the other services and
     decode workers' UCX listeners take a free port each. It logs in to the bus as its role's user
     (the URLs carry no login), with the Redis password and the internal secret of `secrets`.
-    `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i)."""
-    host = config.host
-    http_port = config.chat_port + index if role == "chat" else free_port(host)
+    `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i).
+    `on_host`: it runs on that host (separate_hosts), on its role's default ports."""
+    host = config.host if on_host is None else on_host.address
+    http_port = _http_port(config, role, index, on_host)
     # Kept across restarts: the router sees the same worker come back.
     instance_id = instance_id_of(role, index, pool)
     env = {
@@ -229,10 +249,11 @@ def service_member(
         _set_worker_env(env, config, instance_id, is_small=pool == SMALL_POOL)
     grpc_port = None
     if role in DEFAULT_GRPC_PORTS:
-        grpc_port = free_port(host)
+        grpc_port = free_port(host) if on_host is None else DEFAULT_GRPC_PORTS[role]
         env["TANDEM_GRPC_PORT"] = str(grpc_port)
-    name = instance_id if pool else member_name(role, index, config.num_instances(role))
-    child = ChildProcess(name, [sys.executable, "-m", f"services.{role}"], env=env, on_line=on_line)
+    name = member_name_of(role, index, pool, config)
+    prefix = [] if on_host is None else on_host.prefix
+    child = ChildProcess(name, [*prefix, sys.executable, "-m", f"services.{role}"], env=env, on_line=on_line)
 
     def launch() -> ChildProcess:
         child.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,15 +70,23 @@ def _wait_ready(child: ChildProcess, pattern: str, timeout_s: float) -> None:
         raise StartupError(f"{child.name} {why}; its last output:\n{child.recent_output()}")
 
 
-def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
+def start_nats(
+    workdir: Path,
+    on_line: Callable[[str, str], None] | None = None,
+    port: int | None = None,
+    bind: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> EmbeddedServer:
     """nats-server with JetStream and the work folder's bus users; without a port the server
-    chooses a free one (no race)."""
+    chooses a free one (no race). `bind` and `prefix` put it on a host of its own
+    (tandem.devstack.hosts): its address there, and what runs a command on it."""
     store = workdir / "nats"
     store.mkdir(parents=True, exist_ok=True)
     secrets = load_or_create(workdir)
     config = workdir / "nats-users.conf"
     write_private(config, secrets.nats_config())
     argv = [
+        *prefix,
         nats_server_binary(),
         "-c",
         str(config),
@@ -86,7 +94,7 @@ def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None,
         "-sd",
         str(store),
         "-a",
-        "127.0.0.1",
+        bind,
         "-p",
         str(-1 if port is None else port),
         "-n",
@@ -102,11 +110,18 @@ def start_nats(workdir: Path, on_line: Callable[[str, str], None] | None = None,
     return EmbeddedServer(url=url, child=child, address=address, secrets=secrets)
 
 
-def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None, port: int | None = None) -> EmbeddedServer:
+def start_redis(
+    workdir: Path,
+    on_line: Callable[[str, str], None] | None = None,
+    port: int | None = None,
+    bind: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> EmbeddedServer:
     """redis-server with its append-only file in `workdir`/redis, fsynced every second, so a
     restart (on the same workdir) keeps the token logs: a restart after SIGTERM loses nothing, one
     after SIGKILL at most the last second, which the token stream redelivers. The password is in
-    a config file, not on the command line, where any user's `ps` would show it."""
+    a config file, not on the command line, where any user's `ps` would show it. `bind` and
+    `prefix`: as start_nats's."""
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
@@ -114,10 +129,11 @@ def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None
     config = workdir / "redis-auth.conf"
     write_private(config, f"requirepass {secrets.redis_password}\n")
     argv = [
+        *prefix,
         redis_server_binary(),
         str(config),
         "--bind",
-        "127.0.0.1",
+        bind,
         "--port",
         str(port),
         "--dir",
@@ -134,5 +150,5 @@ def start_redis(workdir: Path, on_line: Callable[[str, str], None] | None = None
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()
     _wait_ready(child, r"Ready to accept connections", READY_TIMEOUT_S)
-    address = f"redis://127.0.0.1:{port}/0"
+    address = f"redis://{bind}:{port}/0"
     return EmbeddedServer(url=with_login(address, "", secrets.redis_password), child=child, address=address, secrets=secrets)

@@ -52,7 +52,8 @@ from types import TracebackType
 from typing import Any
 
 from tandem.bus.permissions import OPERATOR
-from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, service_member
+from tandem.devstack.hosts import Host, HostNetwork
+from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.secrets import env_file_text, write_private
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
@@ -61,6 +62,12 @@ from tandem.devstack.supervisor import signal_child, supervise
 from tandem.errors import StartupError
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
+
+
+def _placed(host: Host | None) -> dict[str, Any]:
+    """A server's bind address and command prefix on `host` (none: the machine's loopback)."""
+    return {} if host is None else {"bind": host.address, "prefix": host.prefix}
+
 
 OPERATOR_FILE = "operator.env"
 
@@ -77,6 +84,7 @@ class Stack:
         self._is_stopped = False
         self.nats_url = ""  # with the operator's login
         self.redis_url = ""  # with the password
+        self.network: HostNetwork | None = None  # config.separate_hosts: every member's host
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -104,12 +112,22 @@ class Stack:
         was asked meanwhile."""
         check_chat_ports_free(self._config)
         self._console.say(f"starting the local stack (pid {os.getpid()}) in {self._workdir}")
-        nats = await self._start_server("nats", lambda port: start_nats(self._workdir, self._console.line, port=port))
-        redis = await self._start_server("redis", lambda port: start_redis(self._workdir, self._console.line, port=port))
+        if self._config.separate_hosts:
+            self.network = HostNetwork()
+            self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
+        on = self._host_for
+        nats_host, redis_host = on("nats"), on("redis")
+        nats = await self._start_server(
+            "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(nats_host)), nats_host
+        )
+        redis = await self._start_server(
+            "redis", lambda port: start_redis(self._workdir, self._console.line, port=port, **_placed(redis_host)), redis_host
+        )
         self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
         for role, index, pool in self._config.planned():
-            member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool)
+            host = on(member_name_of(role, index, pool, self._config))
+            member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host)
             self._members.append(member)
         self._supervisors = [
             asyncio.create_task(
@@ -139,6 +157,8 @@ class Stack:
             await asyncio.gather(*(self._reap(child) for child in running))
         await asyncio.gather(*self._supervisors, return_exceptions=True)
         self._supervisors, self._members = [], []
+        if self.network is not None:
+            self.network.close()
         shutil.rmtree(self._workdir, ignore_errors=True)
         self._console.say("stopped; nothing left running")
 
@@ -167,6 +187,12 @@ class Stack:
     @property
     def chat_urls(self) -> list[str]:
         return [m.url for m in self.members_of("chat")]
+
+    def host(self, name: str) -> Host:
+        """The host member `name` runs on (separate_hosts only)."""
+        if self.network is None:
+            raise KeyError("the stack runs on one host: start it with separate_hosts")
+        return self.network.hosts[name]
 
     def send_signal(self, name: str, signum: int) -> int:
         """Sends `signum` to the member's process now; returns its pid. A process that exits is
@@ -226,7 +252,10 @@ class Stack:
         }
         write_private(self._workdir / OPERATOR_FILE, env_file_text(operator))
 
-    async def _start_server(self, role: str, start: Callable[[int | None], EmbeddedServer]) -> EmbeddedServer:
+    def _host_for(self, name: str) -> Host | None:
+        return None if self.network is None else self.network.add(name)
+
+    async def _start_server(self, role: str, start: Callable[[int | None], EmbeddedServer], host: Host | None) -> EmbeddedServer:
         server = await asyncio.to_thread(start, None)
         port = int(server.address.rsplit(":", 1)[1].split("/")[0])
 
@@ -236,7 +265,7 @@ class Stack:
         member = Member(name=role, role=role, launch=relaunch, readyz_url=None, url=server.address, child=server.child)
         member.is_ready.set()
         self._members.append(member)
-        self._console.say(f"{role} started (pid {server.pid}) at {server.address}")
+        self._console.say(f"{role} started (pid {server.pid}) at {server.address}{f' on host {host.name}' if host else ''}")
         return server
 
     async def _wait_all_ready(self) -> str:
@@ -266,6 +295,8 @@ class Stack:
 
     def _announce(self) -> None:
         host, port = self._config.host, self._config.chat_port
+        if self.network is not None:
+            host = self.network.hosts[self.members_of("chat")[0].name].address if self.members_of("chat") else host
         self._console.say(f"Tandem is up at http://{host}:{port}")
         chats = self.members_of("chat")
         if len(chats) > 1:
