@@ -290,6 +290,17 @@ class Settings(BaseSettings):
     """relay and chat: the Redis ACL user; empty: the URL's, else the default user"""
     redis_password: SecretStr = SecretStr("")
     """relay and chat: the Redis password; empty: the URL's, else none"""
+    # Redis failover (issue 54)
+    redis_sentinels: str = ""
+    """relay and chat: host:port,host:port,... of the Redis sentinels; set: the primary is the one they name (redis_url then gives only the database), and a failover is ridden; empty: redis_url is the primary"""
+    redis_sentinel_master: str = "tandem"
+    """relay and chat: the name the sentinels monitor the primary by"""
+    redis_sentinel_password: SecretStr = SecretStr("")
+    """relay and chat: the sentinels' own password (tandem up --ha: the Redis password); empty: none"""
+    redis_wait_replicas: Annotated[int, Field(ge=0)] = 0
+    """relay: a token event is acknowledged only once its append is on this many replicas (Redis WAIT), else it is redelivered; 0: once the primary has it (tandem up --ha: 1)"""
+    redis_wait_timeout_ms: Annotated[int, Field(ge=1)] = 500
+    """relay: how long an append waits for redis_wait_replicas replicas before its event counts as not logged (and is redelivered); keep it well under the token stream's 3 s ack wait"""
     cassandra_username: str = ""
     """chat and relay: Cassandra's user; empty: no authentication"""
     cassandra_password: SecretStr = SecretStr("")

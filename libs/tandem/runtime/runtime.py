@@ -7,6 +7,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
@@ -20,6 +21,7 @@ from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.bus.events import now_ms
 from tandem.config import Settings
+from tandem.redis_sentinel import SentinelTarget, master_client, sentinel_target
 from tandem.runtime.loop_lag import watch_loop_lag
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
@@ -44,6 +46,7 @@ class RuntimeConfig:
     nats_password: str = field(default="", repr=False)
     redis_username: str = ""
     redis_password: str = field(default="", repr=False)
+    redis_sentinel: SentinelTarget | None = None  # find the primary through these sentinels (redis_url: its db)
 
     @classmethod
     def from_settings(cls, role: str, settings: Settings, *, uses_redis: bool) -> RuntimeConfig:
@@ -59,6 +62,9 @@ class RuntimeConfig:
             nats_password=settings.nats_password.get_secret_value(),
             redis_username=settings.redis_username,
             redis_password=settings.redis_password.get_secret_value(),
+            redis_sentinel=sentinel_target(
+                settings.redis_sentinels, settings.redis_sentinel_master, settings.redis_sentinel_password.get_secret_value()
+            ),
         )
 
 
@@ -69,23 +75,26 @@ def redis_login(username: str, password: str) -> dict[str, str]:
     return {name: value for name, value in login.items() if value}
 
 
-def short_command_client(url: str, max_connections: int, login: dict[str, str]) -> aioredis.Redis:
+def short_command_client(url: str, max_connections: int, login: dict[str, str], sentinel: SentinelTarget | None = None) -> aioredis.Redis:
     """A client for short commands over at most `max_connections` connections: a command waits
     for a free one rather than opening more (a blocking read needs a client of its own, and
     tandem.tokenlog's tail logs in as this one does).
 
     A command that finds its pooled connection closed (Redis restarted since it was last used)
     runs once more on a new connection, instead of failing once per connection the pool holds. A
-    timeout is not retried: the command may have run."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=REDIS_POOL_WAIT_S,
-        socket_timeout=REDIS_COMMAND_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        **login,
-    )
-    return aioredis.Redis.from_pool(pool)
+    timeout is not retried: the command may have run.
+
+    With `sentinel`, every new connection goes to the primary the sentinels name (`url` gives the
+    database): after a failover the retry finds the new one once they have promoted it."""
+    limits: dict[str, Any] = {
+        "max_connections": max_connections,
+        "timeout": REDIS_POOL_WAIT_S,
+        "socket_timeout": REDIS_COMMAND_TIMEOUT_S,
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    }
+    if sentinel is not None:
+        return master_client(sentinel, url, **limits, **login)
+    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(url, **limits, **login))
 
 
 class Runtime:
@@ -95,7 +104,9 @@ class Runtime:
         self.config = config
         self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id, user=config.nats_user, password=config.nats_password))
         login = redis_login(config.redis_username, config.redis_password)
-        self.redis = short_command_client(config.redis_url, config.redis_max_connections, login) if config.redis_url else None
+        self.redis = (
+            short_command_client(config.redis_url, config.redis_max_connections, login, config.redis_sentinel) if config.redis_url else None
+        )
         self.is_draining = False
         self.exit_code = 0  # what the process exits with once stopped; fail() makes it 1
         self._checks: dict[str, ReadinessCheck] = {}

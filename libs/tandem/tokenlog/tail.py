@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem.bus.events import is_final
+from tandem.redis_sentinel import reader_like
 from tandem.tokenlog.keys import ReplyKeys
 from tandem.tokenlog.meta import load_reply_states
 from tandem.tokenlog.reader import UNAVAILABLE_DEADLINE_S, LogUnavailable, ReplyGone, entry_id
@@ -155,10 +156,8 @@ class _ReaderLoop:
             await asyncio.wait([task], timeout=CLOSE_WAIT_S)
 
     async def _run(self) -> None:
-        login = {k: v for k, v in self._wake_redis.get_connection_kwargs().items() if k in ("username", "password") and v}
-        redis = Redis.from_url(
-            self._config.redis_url, socket_timeout=self._config.block_ms / 1000 + 10, single_connection_client=True, **login
-        )
+        # Where the wake client goes (the primary its sentinels name, or redis_url), with its login.
+        redis = reader_like(self._wake_redis, self._config.redis_url, socket_timeout_s=self._config.block_ms / 1000 + 10)
         self._redis = redis
         loop = asyncio.get_running_loop()
         failing_since_s: float | None = None
