@@ -1,7 +1,7 @@
 """Wiring of the relay process: every TokenEvent in the token stream (one durable JetStream
-consumer that all relays share) is appended to its reply's Redis token log and then
-acknowledged; a reply's final event gets its assistant turn (a shadow reply's: its shadow
-answer) stored, its quota settled and its outcome published to the routers; a
+consumer that all relays share) is appended to its reply's Redis token log (and, with
+redis_wait_replicas, is on that many replicas) and then acknowledged; a reply's final event gets
+its assistant turn (a shadow reply's: its shadow answer) stored, its quota settled and its outcome published to the routers; a
 sweep several times a second continues replies whose worker was lost and, about once a second,
 cancels replies nobody reads and retries turns the store did not take, whose logs a loop of its
 own keeps meanwhile (unstored.py). The output safety check
@@ -37,6 +37,7 @@ from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.safety_process import CheckProcess
 from tandem.store import StoreUnavailable, open_store, store_is_available
 from tandem.tokenlog import TokenLogWriter
+from tandem.tokenlog.replicated import ReplicationConfig, on_replicas
 from tandem.v1.tokens_pb2 import TokenEvent
 
 ROLE = "relay"
@@ -49,6 +50,8 @@ def build_app(settings: Settings) -> FastAPI:
     redis = runtime.redis
     store = open_store(settings)
     writer = TokenLogWriter(redis, settings.token_log_ttl_s, running_ttl_s=settings.running_reply_ttl_s)
+    # Acknowledged means on a replica too, where one is asked for (redis_wait_replicas).
+    replication = ReplicationConfig(settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
     persist_config = PersistConfig(ttl_s=settings.token_log_ttl_s, keep_s=settings.running_reply_ttl_s)
     unstored_config = UnstoredConfig(
         keep_s=max(settings.running_reply_ttl_s, settings.token_log_ttl_s),  # never shorter than the log would have had
@@ -91,7 +94,7 @@ def build_app(settings: Settings) -> FastAPI:
         if moderator is not None and is_final(event) and not await moderator.admit_final(event):
             metrics.EVENTS_DROPPED.labels(why="moderated").inc()  # the reply ended as moderated instead
             return
-        appended = await writer.append(event)
+        appended = await on_replicas(redis, replication, lambda client: writer.append(event, on=client))
         if appended.is_stale:
             metrics.EVENTS_DROPPED.labels(why="stale").inc()
         elif appended.num_appended == 0:

@@ -101,7 +101,9 @@ class TokenLogWriter:
         self._running_ttl_s = running_ttl_s
         self._append = redis.register_script(_APPEND)
 
-    async def append(self, event: TokenEvent) -> Appended:
+    async def append(self, event: TokenEvent, on: Redis | None = None) -> Appended:
+        """`on`: another client of the same Redis to run it on (one connection held for a WAIT
+        after it, tandem.tokenlog.replicated)."""
         if not event.reply_id or event.seq < 1:
             raise ValueError(f"a logged event needs a reply id and a seq from 1; got {event.reply_id!r} seq {event.seq}")
         status = status_of_finish(event.finish).value if is_final(event) else ""
@@ -117,7 +119,9 @@ class TokenLogWriter:
             REPLY_SET_TTL_S,
             event.reply_id,
         ]
-        num_appended, last_seq, final, num_held, is_stale = await self._append(keys=[*keys.all(), RUNNING, UNPERSISTED], args=args)
+        num_appended, last_seq, final, num_held, is_stale = await self._append(
+            keys=[*keys.all(), RUNNING, UNPERSISTED], args=args, client=on
+        )
         final_text = as_text(final)
         return Appended(
             int(num_appended), int(last_seq), ReplyStatus(final_text) if final_text else None, int(num_held), is_stale=bool(is_stale)
