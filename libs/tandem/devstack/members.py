@@ -55,6 +55,7 @@ class StackConfig:
     # Every member on a host of its own (tandem.devstack.hosts: a network namespace each, root
     # only), named after the member; `host` is then unused, each service binds its host's address.
     separate_hosts: bool = False
+    ha: bool = False  # tandem up --ha: Redis with failover (tandem.devstack.redis_ha), ...
 
     def __post_init__(self) -> None:
         if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead

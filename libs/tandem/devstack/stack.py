@@ -47,6 +47,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -55,7 +56,8 @@ from tandem.bus.permissions import OPERATOR
 from tandem.devstack.hosts import Host, HostNetwork
 from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
-from tandem.devstack.secrets import env_file_text, write_private
+from tandem.devstack.redis_ha import RedisHA, start_redis_ha
+from tandem.devstack.secrets import env_file_text, with_login, write_private
 from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
 from tandem.devstack.stack_settings import stack_config_from
 from tandem.devstack.supervisor import signal_child, supervise
@@ -85,6 +87,7 @@ class Stack:
         self.nats_url = ""  # with the operator's login
         self.redis_url = ""  # with the password
         self.network: HostNetwork | None = None  # config.separate_hosts: every member's host
+        self.redis_ha: RedisHA | None = None  # --ha: the Sentinel set; redis_url is its first primary
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -116,18 +119,25 @@ class Stack:
             self.network = HostNetwork()
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
-        nats_host, redis_host = on("nats"), on("redis")
+        nats_host = on("nats")
         nats = await self._start_server(
             "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(nats_host)), nats_host
         )
-        redis = await self._start_server(
-            "redis", lambda port: start_redis(self._workdir, self._console.line, port=port, **_placed(redis_host)), redis_host
-        )
+        if self._config.ha:
+            redis = await self._start_redis_ha()
+        else:
+            redis_host = on("redis")
+            redis = await self._start_server(
+                "redis", lambda port: start_redis(self._workdir, self._console.line, port=port, **_placed(redis_host)), redis_host
+            )
         self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
-        for role, index, pool in self._config.planned():
-            host = on(member_name_of(role, index, pool, self._config))
-            member = service_member(self._config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host)
+        config = self._config
+        if self.redis_ha is not None:  # the services find the primary through the sentinels
+            config = replace(config, extra_env={**config.extra_env, **self.redis_ha.service_env()})
+        for role, index, pool in config.planned():
+            host = on(member_name_of(role, index, pool, config))
+            member = service_member(config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host)
             self._members.append(member)
         self._supervisors = [
             asyncio.create_task(
@@ -250,6 +260,8 @@ class Stack:
             "TANDEM_REDIS_URL": redis.address,
             "TANDEM_REDIS_PASSWORD": redis.secrets.redis_password,
         }
+        if self.redis_ha is not None:
+            operator |= self.redis_ha.service_env()
         write_private(self._workdir / OPERATOR_FILE, env_file_text(operator))
 
     def _host_for(self, name: str) -> Host | None:
@@ -267,6 +279,17 @@ class Stack:
         self._members.append(member)
         self._console.say(f"{role} started (pid {server.pid}) at {server.address}{f' on host {host.name}' if host else ''}")
         return server
+
+    async def _start_redis_ha(self) -> EmbeddedServer:
+        """--ha: the Sentinel set, each node and sentinel a member ("redis-0", the first primary,
+        "redis-1", "redis-sentinel-0", ...); its first primary stands for it as the stack's redis."""
+        ha = await asyncio.to_thread(start_redis_ha, self._workdir, self._console.line, place=self._host_for)
+        self.redis_ha = ha
+        self._members += ha.members()
+        primary = ha.nodes[0]
+        self._console.say(f"redis with failover: primary {primary.address}, sentinels {ha.sentinel_spec}")
+        url = with_login(primary.address, "", ha.secrets.redis_password)
+        return EmbeddedServer(url=url, child=ha.children[primary.name], address=primary.address, secrets=ha.secrets)
 
     async def _wait_all_ready(self) -> str:
         """ "" once every member is ready; else what went wrong."""
