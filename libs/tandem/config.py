@@ -25,6 +25,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from tandem.cpu_list import parse_cpu_list as parse_cpu_list  # where bench and tests import it from
 from tandem.errors import StartupError
 
 ROLES = ("prefill", "decode", "router", "relay", "chat")
@@ -48,24 +49,6 @@ class ApiKey:
 
 
 _KEY_ENTRY = re.compile(r"^(?P<key>[^\s=,:]+)=(?P<user>[^\s=,:]+):(?P<tier>[^\s=,:]+)$")
-
-
-_CPU_RANGE = re.compile(r"^(?P<first>\d+)(?:-(?P<last>\d+))?$")
-MAX_CPU_ID = 4095
-
-
-def parse_cpu_list(spec: str) -> frozenset[int]:
-    """`0`, `0-3`, `0,2-3` (Linux's cpu list form) -> the CPU ids; "" -> none."""
-    cpus: set[int] = set()
-    for item in (part.strip() for part in spec.split(",")) if spec.strip() else ():
-        match = _CPU_RANGE.match(item)
-        if match is None:
-            raise ValueError(f"{item!r} is not a CPU or a range of CPUs (write 0, 0-3 or 0,2-3)")
-        first, last = int(match["first"]), int(match["last"] or match["first"])
-        if last < first or last > MAX_CPU_ID:
-            raise ValueError(f"{item!r} is not a range of CPUs from low to high, at most {MAX_CPU_ID}")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus)
 
 
 def parse_api_keys(spec: str) -> dict[str, ApiKey]:
