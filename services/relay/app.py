@@ -36,8 +36,8 @@ from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.safety_process import CheckProcess
 from tandem.store import StoreUnavailable, open_store, store_is_available
-from tandem.tokenlog import TokenLogWriter
-from tandem.tokenlog.replicated import ReplicationConfig, on_replicas
+from tandem.tokenlog import Appended, TokenLogWriter
+from tandem.tokenlog.replicated import NotReplicated, ReplicationConfig, on_replicas
 from tandem.v1.tokens_pb2 import TokenEvent
 
 ROLE = "relay"
@@ -94,7 +94,18 @@ def build_app(settings: Settings) -> FastAPI:
         if moderator is not None and is_final(event) and not await moderator.admit_final(event):
             metrics.EVENTS_DROPPED.labels(why="moderated").inc()  # the reply ended as moderated instead
             return
-        appended = await on_replicas(redis, replication, lambda client: writer.append(event, on=client))
+        try:
+            appended = await on_replicas(redis, replication, lambda client: writer.append(event, on=client))
+        except NotReplicated as short:
+            # The append is on the primary, which will answer its redelivery as a duplicate: what
+            # follows from it (a finished reply stored, its quota settled) happens now, and the
+            # event goes back to the stream until a replica holds it.
+            if isinstance(short.written, Appended):
+                after_append(event, short.written)
+            raise
+        after_append(event, appended)
+
+    def after_append(event: TokenEvent, appended: Appended) -> None:
         if appended.is_stale:
             metrics.EVENTS_DROPPED.labels(why="stale").inc()
         elif appended.num_appended == 0:

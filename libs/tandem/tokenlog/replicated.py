@@ -24,7 +24,14 @@ _READ_MARGIN_S = 1.0  # the WAIT's answer is read for this longer than the WAIT 
 
 
 class NotReplicated(RedisError):
-    """The write reached the primary but not enough replicas in time: it may be lost with the primary."""
+    """The write reached the primary but not enough replicas in time: it may be lost with the
+    primary. `written`: what the write returned (None when its connection was lost before the
+    WAIT), for a caller whose work after the write must not wait for a redelivery that the
+    primary will answer as a duplicate."""
+
+    def __init__(self, message: str, written: object = None) -> None:
+        super().__init__(message)
+        self.written = written
 
 
 @dataclass(frozen=True)
@@ -40,15 +47,19 @@ async def on_replicas(redis: Redis, config: ReplicationConfig, write: Callable[[
         return await write(redis)
     async with redis.client() as pinned:  # one connection, held for the write and its WAIT
         result = await write(pinned)
-        num_acked = await _wait(pinned, config)
+        try:
+            num_acked = await _wait(pinned, config)
+        except NotReplicated as lost:
+            lost.written = result
+            raise
     if num_acked < config.num_replicas:
-        raise NotReplicated(f"on {num_acked} of {config.num_replicas} replicas after {config.timeout_ms} ms")
+        raise NotReplicated(f"on {num_acked} of {config.num_replicas} replicas after {config.timeout_ms} ms", written=result)
     return result
 
 
 async def _wait(pinned: Redis, config: ReplicationConfig) -> int:
     connection = pinned.connection
     if connection is None or not connection.is_connected:  # lost since the write: a WAIT now would vouch for nothing
-        raise NotReplicated("the write's connection was lost before its WAIT")
+        raise NotReplicated("the write's connection was lost before its WAIT")  # `written` set by on_replicas
     await connection.send_command("WAIT", config.num_replicas, config.timeout_ms)
     return int(await connection.read_response(timeout=config.timeout_ms / 1000 + _READ_MARGIN_S))
