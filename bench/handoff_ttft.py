@@ -26,6 +26,7 @@ import nats
 from nats.aio.client import Client
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.token_batches import watch_events
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import local_service_env
 from tandem.devstack.servers import start_nats
@@ -94,13 +95,12 @@ async def _time_one(nc: Client, worker_id: str, assignment: Assignment) -> Timin
     arrivals: list[float] = []
     done = asyncio.get_running_loop().create_future()
 
-    async def on_event(msg) -> None:
-        event = decode(msg.data, TokenEvent)
+    async def on_event(event: TokenEvent) -> None:
         arrivals.append(time.perf_counter())
         if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED and not done.done():
             done.set_result(event)
 
-    subscription = await nc.subscribe(subjects.tokens(assignment.reply_id), cb=on_event)
+    subscription = await watch_events(nc, on_event, assignment.reply_id)
     await nc.flush()
     started_s = time.perf_counter()
     answer = decode((await nc.request(subjects.assign(worker_id), encode(assignment), timeout=30)).data, AssignmentReply)

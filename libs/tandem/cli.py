@@ -147,10 +147,10 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     from pathlib import Path
 
     import nats
-    from nats.aio.msg import Msg
 
     from tandem.bus import decode, encode, subjects
     from tandem.bus.connection import without_credentials
+    from tandem.bus.token_batches import watch_events
     from tandem.models.loader import load_tokenizer
     from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_UNSPECIFIED, SamplingParams
     from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
@@ -178,12 +178,12 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
         ) from None
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-    async def on_event(msg: Msg) -> None:
-        events.put_nowait(decode(msg.data, TokenEvent))
+    async def on_event(event: TokenEvent) -> None:
+        events.put_nowait(event)
 
-    # Subscribed before asking, so no token can arrive before we listen.
-    await nc.subscribe(f"{subjects.PREFIX}.tokens.*", cb=on_event)
-    await nc.subscribe(f"{subjects.PREFIX}.finals.*", cb=on_event)  # a failure the router ends the reply with
+    # Subscribed before asking, so no token can arrive before we listen: every reply's events
+    # (workers' batches, and a failure the router ends the reply with), this one's kept below.
+    await watch_events(nc, on_event)
     try:
         answer = await nc.request(
             subjects.GENERATE, encode(GenerateRequest(model="auto", prompt_token_ids=prompt_ids, sampling=params)), timeout=10

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from nats.aio.client import Client
 from redis.exceptions import RedisError
 
-from services.relay import metrics
+from services.relay.appender import LogAppender
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from services.relay.moderation import OutputCheckConfig, OutputModerator
 from services.relay.outcomes import OutcomePublisher
@@ -29,15 +29,14 @@ from services.relay.redis_memory import MemoryWatch
 from services.relay.stalls import Claims, StallConfig, StallWatcher
 from services.relay.sweep import SweepConfig, Sweeper
 from services.relay.unstored import UnstoredConfig, keep_unstored
-from tandem.bus.events import is_final
 from tandem.bus.token_stream import publish_final as publish_final_event
 from tandem.config import Settings
 from tandem.quota import QuotaConfig, TokenBuckets
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.safety_process import CheckProcess
 from tandem.store import StoreUnavailable, open_store, store_is_available
-from tandem.tokenlog import Appended, TokenLogWriter
-from tandem.tokenlog.replicated import NotReplicated, ReplicationConfig, on_replicas
+from tandem.tokenlog import TokenLogWriter
+from tandem.tokenlog.replicated import ReplicationConfig
 from tandem.v1.tokens_pb2 import TokenEvent
 
 ROLE = "relay"
@@ -89,34 +88,9 @@ def build_app(settings: Settings) -> FastAPI:
     async def keep_unstored_replies() -> None:
         await keep_unstored(redis, unstored_config)
 
-    async def log_event(event: TokenEvent) -> None:
-        """Raises when the log cannot take it, so the event is redelivered."""
-        if moderator is not None and is_final(event) and not await moderator.admit_final(event):
-            metrics.EVENTS_DROPPED.labels(why="moderated").inc()  # the reply ended as moderated instead
-            return
-        try:
-            appended = await on_replicas(redis, replication, lambda client: writer.append(event, on=client))
-        except NotReplicated as short:
-            # The append is on the primary, which will answer its redelivery as a duplicate: what
-            # follows from it (a finished reply stored, its quota settled) happens now, and the
-            # event goes back to the stream until a replica holds it.
-            if isinstance(short.written, Appended):
-                after_append(event, short.written)
-            raise
-        after_append(event, appended)
-
-    def after_append(event: TokenEvent, appended: Appended) -> None:
-        if appended.is_stale:
-            metrics.EVENTS_DROPPED.labels(why="stale").inc()
-        elif appended.num_appended == 0:
-            metrics.EVENTS_DROPPED.labels(why="duplicate_or_held").inc()
-        metrics.EVENTS_LOGGED.inc(appended.num_appended)
-        if appended.final_status is not None:
-            metrics.REPLIES_FINISHED.labels(status=appended.final_status.value).inc()
-            spawn(persist_soon(event.reply_id), f"persist:{event.reply_id}")
-            spawn(quotas.settle(event), f"quota:{event.reply_id}")
-        if moderator is not None:
-            moderator.after_append(event, appended)
+    def on_finished(event: TokenEvent) -> None:
+        spawn(persist_soon(event.reply_id), f"persist:{event.reply_id}")
+        spawn(quotas.settle(event), f"quota:{event.reply_id}")
 
     def spawn(work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
@@ -149,7 +123,8 @@ def build_app(settings: Settings) -> FastAPI:
 
     async def start_watching(client: Client) -> None:
         nonlocal consumer, stalls
-        consumer = TokenConsumer(client, log_event, TokenConsumerConfig(max_age_s=settings.token_stream_max_age_s))
+        appender = LogAppender(writer, moderator, on_finished, replication)
+        consumer = TokenConsumer(client, appender.append, TokenConsumerConfig(max_age_s=settings.token_stream_max_age_s))
         stalls = StallWatcher(redis, client, claims, publish_final, stall_config)
         await claims.listen(client)
         sweeper = Sweeper(redis, publish, publish_final, persist, stalls, sweep_config)

@@ -1,8 +1,11 @@
 """The relay's side of the token stream: one durable pull consumer on JetStream, shared by every
-relay, so each event reaches one of them and stays in the stream until it is acknowledged. An
-event is acknowledged only after its append to the token log succeeded; when Redis fails it is
-handed back (nak, redelivered after a short delay); a message that is not a TokenEvent is
-terminated. A relay that dies leaves its unacknowledged events to be redelivered to another
+relay, so each message reaches one of them and stays in the stream until it is acknowledged. A
+message is one TokenEvent (a reply's subject, or a final's) or a worker's TokenBatch (a step's
+events for all its replies: bus/token_batches.py); the handler gets its events as one list. A
+message is acknowledged only after all its events are in the token log; when Redis fails on any
+of them it is handed back whole (nak, redelivered after a short delay; the log drops the events it
+already holds); a message that is not a TokenEvent or a TokenBatch is terminated, and so are a
+batch's events that fail validation, one by one. A relay that dies leaves its unacknowledged events to be redelivered to another
 relay, or to itself once restarted, after the ack wait.
 
 The relay pulls continuously, as the newer NATS clients' `consume` does: one pull request for
@@ -38,7 +41,8 @@ from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
 
-HandleEvent = Callable[[TokenEvent], Awaitable[None]]  # raises RedisError/OSError when the log cannot take it
+# Appends one message's events, in order; raises RedisError/OSError when the log cannot take them.
+HandleEvents = Callable[[list[TokenEvent]], Awaitable[None]]
 
 
 class Redeliver(Exception):
@@ -93,7 +97,7 @@ class _Inbox:
 
 
 class TokenConsumer:
-    def __init__(self, client: Client, handle: HandleEvent, config: TokenConsumerConfig) -> None:
+    def __init__(self, client: Client, handle: HandleEvents, config: TokenConsumerConfig) -> None:
         self._client = client
         self._handle = handle
         self._config = config
@@ -142,7 +146,7 @@ class TokenConsumer:
                     await self._take_all(events)
                     return
             requested = max(0, requested - len(events))
-            # Each event on its own: the log orders them, whatever order they finish in.
+            # Each message on its own: the log orders their events, whatever order they finish in.
             await self._take_all(events)
 
     async def _take_all(self, events: list[Msg]) -> None:
@@ -176,15 +180,26 @@ class TokenConsumer:
                 log.warning("token stream: cannot consume yet (%s); retrying in %.1f s", exc, self._config.retry_s)
                 await asyncio.sleep(self._config.retry_s)
 
+    def _events_of(self, message: Msg) -> list[TokenEvent]:
+        """The message's valid events (a batch's invalid ones dropped and counted); raises Invalid."""
+        if not subjects.is_token_batch(message.subject):
+            return [validate.token_event(message.data, message.subject)]
+        events, invalid = validate.token_batch(message.data, message.subject)
+        for exc in invalid:
+            metrics.EVENTS_DROPPED.labels(why="bad").inc()
+            validate.drop("token_event", message.subject, exc)
+        return events
+
     async def _take(self, message: Msg) -> None:
         try:
-            event = validate.token_event(message.data, message.subject)
-            await self._handle(event)
+            events = self._events_of(message)
+            if events:
+                await self._handle(events)
         except Redeliver as wait:
             await self._settle(message.nak(delay=wait.delay_s))
         except validate.Invalid as exc:
             metrics.EVENTS_DROPPED.labels(why="bad").inc()
-            validate.drop("token_event", message.subject, exc)
+            validate.drop("token_batch" if subjects.is_token_batch(message.subject) else "token_event", message.subject, exc)
             await self._settle(message.term())
         except ValueError as exc:  # the token log refuses it (tandem.tokenlog.writer)
             metrics.EVENTS_DROPPED.labels(why="bad").inc()
@@ -192,11 +207,11 @@ class TokenConsumer:
             await self._settle(message.term())
         except (RedisError, OSError) as exc:
             metrics.EVENTS_RETRIED.inc()
-            log.warning("could not log an event of reply %s (%s); it will be redelivered", subjects.reply_id_of(message.subject), exc)
+            log.warning("could not log the events on %s (%s); they will be redelivered", message.subject, exc)
             await self._settle(message.nak(delay=self._config.nak_delay_s))
         except Exception:  # a bug must not lose the event either
             metrics.EVENTS_RETRIED.inc()
-            log.exception("could not log an event of reply %s; it will be redelivered", subjects.reply_id_of(message.subject))
+            log.exception("could not log the events on %s; they will be redelivered", message.subject)
             await self._settle(message.nak(delay=self._config.nak_delay_s))
         else:
             await self._settle(message.ack())

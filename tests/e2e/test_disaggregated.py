@@ -26,6 +26,7 @@ import torch
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.token_batches import watch_events
 from tandem.devstack.proc import ChildProcess
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
@@ -109,13 +110,12 @@ async def _ask(nc, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[Toke
     events: list[TokenEvent] = []
     done = asyncio.get_running_loop().create_future()
 
-    async def on_event(msg):
-        event = decode(msg.data, TokenEvent)
+    async def on_event(event: TokenEvent) -> None:
         events.append(event)
         if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED and not done.done():
             done.set_result(None)
 
-    subscription = await nc.subscribe(subjects.tokens(reply_id), cb=on_event)
+    subscription = await watch_events(nc, on_event, reply_id)
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
     request = GenerateRequest(model="auto", prompt_token_ids=prompt, sampling=sampling, reply_id=reply_id)
     reply = decode((await nc.request(subjects.GENERATE, encode(request), timeout=30)).data, GenerateReply)

@@ -18,6 +18,7 @@ from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import now_ms
+from tandem.bus.token_batches import watch_events
 from tandem.devstack.proc import ChildProcess
 from tandem.engine.block_hash import prefix_block_hashes
 from tandem.engine.engine import Engine, EngineConfig, Request
@@ -82,14 +83,13 @@ async def _collect(nc, reply_id: str) -> tuple[asyncio.Future[list[TokenEvent]],
     done = asyncio.get_running_loop().create_future()
     first = asyncio.Event()
 
-    async def on_event(msg):
-        event = decode(msg.data, TokenEvent)
+    async def on_event(event: TokenEvent) -> None:
         events.append(event)
         first.set()
         if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED and not done.done():
             done.set_result(events)
 
-    subscription = await nc.subscribe(subjects.tokens(reply_id), cb=on_event)
+    subscription = await watch_events(nc, on_event, reply_id)
     return done, subscription, first
 
 
@@ -148,11 +148,11 @@ async def test_a_cancel_that_fails_validation_is_dropped_counted_and_stops_nothi
     prompt = smollm2_fp32.tokenizer.encode_chat([{"role": "user", "content": "Tell me a very long story about a knight."}])
     num_seen = 0
 
-    async def count(msg) -> None:
+    async def count(event: TokenEvent) -> None:
         nonlocal num_seen
         num_seen += 1
 
-    counting = await nc.subscribe(subjects.tokens("reply-spared"), cb=count)
+    counting = await watch_events(nc, count, "reply-spared")
     done, subscription, first = await _collect(nc, "reply-spared")
     assert (await _assign(nc, instance_id, "reply-spared", _request(prompt, 2000))).WhichOneof("outcome") == "accepted"
     await asyncio.wait_for(first.wait(), 120)

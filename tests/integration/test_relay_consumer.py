@@ -71,8 +71,8 @@ class Consumed:
     def __init__(self) -> None:
         self.seqs: list[int] = []
 
-    async def handle(self, event: TokenEvent) -> None:
-        self.seqs.append(event.seq)
+    async def handle(self, events: list[TokenEvent]) -> None:
+        self.seqs.extend(event.seq for event in events)
 
     async def has_all(self, count: int) -> bool:
         return set(self.seqs) >= set(range(1, count + 1))

@@ -17,12 +17,14 @@ import pytest
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.token_batches import watch_events
 from tandem.devstack.proc import ChildProcess
 from tandem.models.loader import load_tokenizer
 from tandem.models.tokenizer import Tokenizer
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
 from tandem.v1.generate_pb2 import GenerateRequest
+from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 pytestmark = pytest.mark.real_model
@@ -94,11 +96,11 @@ async def test_a_free_assignment_that_would_wait_past_its_target_is_refused_queu
     await next_heartbeat(nc, "decode", instance_id, accept=lambda hb: hb.is_ready, timeout_s=120)
     first_token = {"reply-warm-up": asyncio.Event(), "reply-seat": asyncio.Event()}
 
-    async def on_token(msg) -> None:
-        if (event := first_token.get(subjects.reply_id_of(msg.subject))) is not None:
+    async def on_token(token: TokenEvent) -> None:
+        if (event := first_token.get(token.reply_id)) is not None:
             event.set()
 
-    tokens = await nc.subscribe(subjects.TOKENS_ALL, cb=on_token)
+    tokens = await watch_events(nc, on_token)
     try:
         # The engine's first prefill step pays its warm-up and is not measured.
         warm_up = _request(_prompt("Hi"), common_pb2.LANE_PAID, 1, "holder")

@@ -30,6 +30,7 @@ from helpers import children_of, service_env, service_process
 from nats.aio.client import Client
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.token_batches import events_in, watch_events
 from tandem.bus.token_stream import STREAM, ensure_token_stream
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.servers import EmbeddedServer, start_nats
@@ -141,14 +142,13 @@ class Stream:
 async def _stream(nc: Client, reply_id: str) -> Stream:
     stream = Stream()
 
-    async def on_event(msg) -> None:
-        event = decode(msg.data, TokenEvent)
+    async def on_event(event: TokenEvent) -> None:
         stream.events.append(event)
         stream.first.set()
         if event.finish != common_pb2.FINISH_REASON_UNSPECIFIED:
             stream.done.set()
 
-    await nc.subscribe(subjects.tokens(reply_id), cb=on_event)
+    await watch_events(nc, on_event, reply_id)
     await nc.flush()
     return stream
 
@@ -174,9 +174,9 @@ def _expected(model: LoadedModel, prompt: list[int], max_tokens: int) -> tuple[l
 
 
 async def _stored_on_jetstream(nc: Client, reply_id: str) -> list[TokenEvent]:
-    """The reply's events as the token stream stored them."""
+    """The reply's events as the token stream stored them (in its worker's batches)."""
     js = nc.jetstream()
-    subscription = await js.pull_subscribe(subjects.tokens(reply_id), stream=STREAM)
+    subscription = await js.pull_subscribe(subjects.TOKEN_BATCHES_ALL, stream=STREAM)
     stored: list[TokenEvent] = []
     try:
         while True:
@@ -185,7 +185,7 @@ async def _stored_on_jetstream(nc: Client, reply_id: str) -> list[TokenEvent]:
             except TimeoutError:  # nothing more stored (nats' own TimeoutError is one too)
                 return stored
             for message in messages:
-                stored.append(decode(message.data, TokenEvent))
+                stored.extend(event for event in events_in(message) if event.reply_id == reply_id)
                 await message.ack()
     finally:
         await subscription.unsubscribe()

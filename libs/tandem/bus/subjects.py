@@ -7,6 +7,7 @@ import re
 PREFIX = "tandem.v1"
 GENERATE = f"{PREFIX}.generate"
 TOKENS_ALL = f"{PREFIX}.tokens.>"
+TOKEN_BATCHES_ALL = f"{PREFIX}.tokens.batch.*"  # inside TOKENS_ALL: one more token than a reply's subject
 FINALS_ALL = f"{PREFIX}.finals.>"  # a reply's failure ended by the router or a relay, never by a worker
 CANCEL_ALL = f"{PREFIX}.cancel.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
@@ -33,6 +34,16 @@ def _token(value: str, what: str) -> str:
 def tokens(reply_id: str) -> str:
     """TokenEvents of one reply."""
     return f"{PREFIX}.tokens.{_token(reply_id, 'reply id')}"
+
+
+def token_batch(worker_id: str) -> str:
+    """TokenBatches of one worker: a step's events for all its replies. Five tokens against a
+    reply's four (`tokens.<reply_id>`), so no reply id can name it."""
+    return f"{PREFIX}.tokens.batch.{_token(worker_id, 'worker id')}"
+
+
+def is_token_batch(subject: str) -> bool:
+    return subject.startswith(TOKEN_BATCHES_ALL.removesuffix("*")) and subject.count(".") == 4
 
 
 def final(reply_id: str) -> str:

@@ -26,7 +26,7 @@ from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import KvEvent, KvState, StoredBlock
-from tandem.v1.tokens_pb2 import Cancel, TokenEvent
+from tandem.v1.tokens_pb2 import Cancel, TokenBatch, TokenEvent
 from tandem.v1.worker_pb2 import LadderStatus, ReplyOutcome, RolloutStatus, VersionWindow, WorkerHeartbeat
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ MAX_VOCAB_SIZE = 1 << 22  # the bound on a token id where the vocabulary is not 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BATCH_EVENTS = 1 << 14  # token events in one TokenBatch
 MAX_REPLY_IDS = 1 << 16  # replies one worker claims in a heartbeat
 MAX_BLOCKS = 1 << 20  # KV blocks in one event or state
 MAX_BLOCK_TOKENS = 1 << 16
@@ -337,6 +338,35 @@ def token_event(data: bytes, subject: str, vocab_size: int | None = None) -> Tok
     check_id_of_subject(event.reply_id, subject, "reply_id")
     if subject.startswith(subjects.FINALS_ALL.removesuffix(">")) and not is_final(event):
         raise Invalid("not_final", f"event {event.seq} on a finals subject is not final: only workers send tokens")
+    check_token_event(event, vocab_size)
+    return event
+
+
+def token_batch(data: bytes, subject: str, vocab_size: int | None = None) -> tuple[list[TokenEvent], list[Invalid]]:
+    """A worker's step of events from `tandem.v1.tokens.batch.<worker_id>`: the events that pass
+    every check `token_event` makes (each from the worker the subject names), and why each other
+    one fails. Raises Invalid when the batch itself is bad (undecodable, too large, another
+    worker's): then none of its events can be trusted."""
+    batch = decoded(data, TokenBatch)
+    check_id_of_subject(batch.worker_id, subject, "worker_id")
+    check_count(len(batch.events), "events", MAX_BATCH_EVENTS)
+    events: list[TokenEvent] = []
+    invalid: list[Invalid] = []
+    for event in batch.events:
+        try:
+            check_id(event.reply_id, "reply_id")
+            if event.worker_id != batch.worker_id:
+                raise Invalid("id_mismatch", f"an event of worker {event.worker_id!r} in a batch of {batch.worker_id!r}")
+            check_token_event(event, vocab_size)
+        except Invalid as exc:
+            invalid.append(exc)
+        else:
+            events.append(event)
+    return events, invalid
+
+
+def check_token_event(event: TokenEvent, vocab_size: int | None = None) -> None:
+    """Every check of a token event but its subject's."""
     check_count(event.seq, "seq", MAX_SEQ)
     if event.seq < 1:
         raise Invalid("out_of_range", "seq is 0; a reply's events count from 1")
@@ -354,7 +384,6 @@ def token_event(data: bytes, subject: str, vocab_size: int | None = None) -> Tok
     for logprob in [event.logprob, *(t.logprob for t in event.top_logprobs)]:
         if not logprob <= 0.0:  # NaN too; -inf is a probability of 0
             raise Invalid("out_of_range", f"a logprob is {logprob}")
-    return event
 
 
 def cancel(data: bytes, subject: str) -> Cancel:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tokens.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xe7\x02\n\nTokenEvent\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\'\n\x06\x66inish\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x1f\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Error\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x18\n\x10produced_unix_ms\x18\t \x01(\x04\x12\r\n\x05\x65poch\x18\n \x01(\r\x12\r\n\x05model\x18\x0b \x01(\t\x12\x14\n\x07logprob\x18\x0c \x01(\x02H\x00\x88\x01\x01\x12-\n\x0ctop_logprobs\x18\r \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x13\n\x0bstop_reason\x18\x0e \x01(\tB\n\n\x08_logprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"*\n\x06\x43\x61ncel\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tokens.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xe7\x02\n\nTokenEvent\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\'\n\x06\x66inish\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x1f\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Error\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x18\n\x10produced_unix_ms\x18\t \x01(\x04\x12\r\n\x05\x65poch\x18\n \x01(\r\x12\r\n\x05model\x18\x0b \x01(\t\x12\x14\n\x07logprob\x18\x0c \x01(\x02H\x00\x88\x01\x01\x12-\n\x0ctop_logprobs\x18\r \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x13\n\x0bstop_reason\x18\x0e \x01(\tB\n\n\x08_logprob\"F\n\nTokenBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.tandem.v1.TokenEvent\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"*\n\x06\x43\x61ncel\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENEVENT']._serialized_start=62
   _globals['_TOKENEVENT']._serialized_end=421
-  _globals['_TOKENLOGPROB']._serialized_start=423
-  _globals['_TOKENLOGPROB']._serialized_end=472
-  _globals['_CANCEL']._serialized_start=474
-  _globals['_CANCEL']._serialized_end=516
+  _globals['_TOKENBATCH']._serialized_start=423
+  _globals['_TOKENBATCH']._serialized_end=493
+  _globals['_TOKENLOGPROB']._serialized_start=495
+  _globals['_TOKENLOGPROB']._serialized_end=544
+  _globals['_CANCEL']._serialized_start=546
+  _globals['_CANCEL']._serialized_end=588
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,14 @@ class TokenEvent(_message.Message):
     stop_reason: str
     def __init__(self, reply_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., produced_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
+class TokenBatch(_message.Message):
+    __slots__ = ("worker_id", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
+
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

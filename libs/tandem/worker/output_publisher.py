@@ -1,8 +1,10 @@
 """The engine's outputs on the bus: each step's outputs become TokenEvents on JetStream, numbered
 per reply from its stream (HeldReplies: contiguous sequence numbers, the assignment's owner epoch).
-A step's events go out together, replies side by side but each reply's in order (and the next
-step's after them); a reply stops being held once its final event (or its handoff's first token)
-is stored, and a prefill waiting for its handoff gets the output that carries it then.
+A step's events go out together in one TokenBatch (bus/token_batches.py), each reply's in order;
+the steps that ran while a batch awaited its acknowledgement go out together in the next, so a
+slow JetStream makes batches larger instead of a queue longer. A reply stops being held once its
+final event (or its handoff's first token) is stored, and a prefill waiting for its handoff gets
+the output that carries it then.
 
 `run` ends only by raising (CannotPublish: the host fails) or by being cancelled."""
 
@@ -13,10 +15,11 @@ import asyncio
 from nats.js import JetStreamContext
 
 from tandem.bus import Bus
+from tandem.bus.token_batches import BatchNumbers, batches
 from tandem.engine.engine import RequestOutput
 from tandem.v1.tokens_pb2 import TokenEvent
 from tandem.worker.replies import HeldReplies, ReplyStream
-from tandem.worker.token_publisher import BusProbe, open_token_stream, publish_event, server_answers
+from tandem.worker.token_publisher import open_token_stream, publish_event, publish_events, server_answers
 from tandem.worker.wire import token_event
 
 
@@ -29,6 +32,7 @@ class OutputPublisher:
         self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
         self._js: JetStreamContext | None = None  # once the token stream is there
+        self._batch_ids = BatchNumbers(worker_id)
 
     @property
     def is_open(self) -> bool:
@@ -62,27 +66,24 @@ class OutputPublisher:
         js = self._js = await open_token_stream(client, self._token_stream_max_age_s)
         while True:
             outputs = await self._outbox.get()
-            by_reply: dict[str, list[TokenEvent]] = {}
+            while not self._outbox.empty():  # the steps that ran while the last batch was stored
+                outputs = outputs + self._outbox.get_nowait()
+            events: list[TokenEvent] = []
             ended: list[tuple[str, ReplyStream]] = []
             for output in outputs:
                 stream = self._replies.stream_of(output.request_id)
                 if stream is None:
                     continue
-                event = token_event(output, stream.next_seq, self._worker_id, stream.epoch, self._model_name)
-                by_reply.setdefault(output.request_id, []).append(event)
+                events.append(token_event(output, stream.next_seq, self._worker_id, stream.epoch, self._model_name))
                 stream.next_seq += 1
                 if output.is_finished or output.handoff is not None:
                     ended.append((output.request_id, stream))
             bus_is_up = server_answers(client)
-            await asyncio.gather(*(_publish_in_order(js, events, bus_is_up) for events in by_reply.values()))
+            for batch in batches(self._worker_id, events):
+                await publish_events(js, batch, self._batch_ids.next_id(), bus_is_up=bus_is_up)
             for reply_id, stream in ended:
                 self._replies.end_stream(reply_id, stream)
             for output in outputs:
                 handoff = self._handoffs.pop(output.request_id, None) if output.is_finished or output.handoff is not None else None
                 if handoff is not None and not handoff.done():
                     handoff.set_result(output)
-
-
-async def _publish_in_order(js: JetStreamContext, events: list[TokenEvent], bus_is_up: BusProbe) -> None:
-    for event in events:
-        await publish_event(js, event, bus_is_up=bus_is_up)

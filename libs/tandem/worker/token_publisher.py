@@ -16,8 +16,9 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from tandem.bus.token_batches import publish_batch
 from tandem.bus.token_stream import ensure_token_stream, publish_token
-from tandem.v1.tokens_pb2 import TokenEvent
+from tandem.v1.tokens_pb2 import TokenBatch, TokenEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,3 +90,12 @@ async def publish_event(
     after `within_s` during which the server answered (`bus_is_up`, e.g. server_answers) and
     JetStream still did not store it. JetStream stores a retried event once (its message id)."""
     await _with_retries(f"publishing event {event.seq} of {event.reply_id}", lambda: publish_token(js, event), within_s, bus_is_up)
+
+
+async def publish_events(
+    js: JetStreamContext, batch: TokenBatch, message_id: str, within_s: float = PUBLISH_RETRY_S, bus_is_up: BusProbe = _always_up
+) -> None:
+    """Publishes a batch of events as `publish_event` publishes one, every retry with the same
+    `message_id`, so JetStream stores it once."""
+    what = f"publishing a batch of {len(batch.events)} events ({message_id})"
+    await _with_retries(what, lambda: publish_batch(js, batch, message_id), within_s, bus_is_up)

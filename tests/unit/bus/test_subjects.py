@@ -17,3 +17,11 @@ def test_subjects_live_under_tandem_v1():
 def test_an_id_can_never_widen_a_subject(bad):
     with pytest.raises(ValueError, match="may hold only"):
         subjects.tokens(bad)
+
+
+def test_a_workers_batch_subject_is_under_the_token_subjects_and_no_reply_id_names_it():
+    assert subjects.token_batch("decode-1") == "tandem.v1.tokens.batch.decode-1"
+    assert subjects.is_token_batch(subjects.token_batch("decode-1"))
+    assert not subjects.is_token_batch(subjects.tokens("batch"))  # a reply called "batch" is a reply
+    assert not subjects.is_token_batch(subjects.tokens("r1"))
+    assert not subjects.is_token_batch(subjects.final("r1"))

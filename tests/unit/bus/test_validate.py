@@ -13,7 +13,7 @@ from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_LENGTH, Erro
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply, HandoffOutcome
 from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest, Refusal
 from tandem.v1.kv_pb2 import BlocksStored, KvEvent, KvState, StoredBlock
-from tandem.v1.tokens_pb2 import Cancel, TokenEvent, TokenLogprob
+from tandem.v1.tokens_pb2 import Cancel, TokenBatch, TokenEvent, TokenLogprob
 from tandem.v1.worker_pb2 import LadderStatus, ModelRollout, ReplyOutcome, RolloutStatus, ServiceHeartbeat, VersionWindow, WorkerHeartbeat
 
 
@@ -131,6 +131,23 @@ def test_a_token_event_belongs_to_its_subject_and_its_error_is_a_code_and_a_shor
     repeating = token_event(finish=FINISH_REASON_LENGTH, stop_reason="repetition")
     assert validate.token_event(encode(repeating), subject).stop_reason == "repetition"
     assert reason_of(validate.token_event, encode(token_event(finish=FINISH_REASON_LENGTH, stop_reason="<b>x</b>")), subject) == "bad_code"
+
+
+def test_a_token_batch_belongs_to_its_workers_subject_and_drops_only_its_bad_events():
+    subject = subjects.token_batch("w1")
+    good = [token_event(reply_id="r1", seq=1, worker_id="w1"), token_event(reply_id="r2", seq=7, worker_id="w1")]
+    bad = [
+        token_event(reply_id="r3", seq=0, worker_id="w1"),
+        token_event(reply_id="r4", worker_id="w2"),
+        token_event(reply_id="a.b", worker_id="w1"),
+    ]
+    events, invalid = validate.token_batch(encode(TokenBatch(worker_id="w1", events=[good[0], *bad, good[1]])), subject)
+    assert [(e.reply_id, e.seq) for e in events] == [("r1", 1), ("r2", 7)]
+    assert [exc.reason for exc in invalid] == ["out_of_range", "id_mismatch", "bad_id"]
+    assert reason_of(validate.token_batch, encode(TokenBatch(worker_id="w2", events=good)), subject) == "id_mismatch"
+    assert reason_of(validate.token_batch, b"\xff\xff", subject) == "undecodable"
+    too_many = TokenBatch(worker_id="w1", events=[good[0]] * (validate.MAX_BATCH_EVENTS + 1))
+    assert reason_of(validate.token_batch, encode(too_many), subject) == "too_large"
 
 
 def test_a_token_events_logprobs_are_at_most_zero_and_name_at_most_twenty_tokens_of_the_vocabulary():
