@@ -244,3 +244,13 @@ def test_structured_output_bench_reports_compile_and_mask_step_costs_at_batch_1_
     assert set(llguidance) == {1, 32}
     for row in llguidance.values():
         assert _is_positive(row["compile_ms"]) and _is_positive(row["step_ms"]) and row["best_step_ms"] <= row["step_ms"]
+
+
+def test_token_path_bench_logs_every_event_both_ways_and_prices_each_per_relay_core(tmp_path):
+    report = _bench("token_path.py", tmp_path / "token_path.json", is_engine_only=False)
+    single, batched = report["phases"]
+    assert (single["mode"], batched["mode"]) == ("single", "batched")
+    assert single["events"] == batched["events"] == report["replies"] * report["tokens_per_reply"] > 0
+    for phase in (single, batched):
+        assert _is_positive(phase["tokens_per_s"]) and _is_positive(phase["tokens_per_relay_cpu_s"]), phase
+    assert report["per_core_ratio"] == pytest.approx(batched["tokens_per_relay_cpu_s"] / single["tokens_per_relay_cpu_s"], rel=0.01)

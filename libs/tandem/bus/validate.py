@@ -343,30 +343,24 @@ def token_event(data: bytes, subject: str, vocab_size: int | None = None) -> Tok
 
 
 def token_batch(data: bytes, subject: str, vocab_size: int | None = None) -> tuple[list[TokenEvent], list[Invalid]]:
-    """A worker's step of events from `tandem.v1.tokens.batch.<worker_id>`: the events that pass
-    every check `token_event` makes (each from the worker the subject names), and why each other
-    one fails. Raises Invalid when the batch itself is bad (undecodable, too large, another
-    worker's): then none of its events can be trusted."""
+    """A worker's step from `tandem.v1.tokens.batch.<worker_id>`: its events that pass `token_event`'s checks (each
+    the subject's worker's), and why each other fails; Invalid when the batch is bad (undecodable, too large)."""
     batch = decoded(data, TokenBatch)
     check_id_of_subject(batch.worker_id, subject, "worker_id")
     check_count(len(batch.events), "events", MAX_BATCH_EVENTS)
-    events: list[TokenEvent] = []
-    invalid: list[Invalid] = []
+    events, invalid = [], []
     for event in batch.events:
         try:
-            check_id(event.reply_id, "reply_id")
-            if event.worker_id != batch.worker_id:
-                raise Invalid("id_mismatch", f"an event of worker {event.worker_id!r} in a batch of {batch.worker_id!r}")
+            check_id_of_subject(event.worker_id, subject, "worker_id")
             check_token_event(event, vocab_size)
+            events.append(event)
         except Invalid as exc:
             invalid.append(exc)
-        else:
-            events.append(event)
     return events, invalid
 
 
-def check_token_event(event: TokenEvent, vocab_size: int | None = None) -> None:
-    """Every check of a token event but its subject's."""
+def check_token_event(event: TokenEvent, vocab_size: int | None = None) -> None:  # all but its subject's
+    check_id(event.reply_id, "reply_id")
     check_count(event.seq, "seq", MAX_SEQ)
     if event.seq < 1:
         raise Invalid("out_of_range", "seq is 0; a reply's events count from 1")
