@@ -126,12 +126,14 @@ async def test_killing_the_primary_mid_stream_loses_no_acknowledged_event_and_du
     acknowledged: list[tuple[str, int]] = []
     handled_at_s: list[float] = []
 
-    async def log_event(event: TokenEvent) -> None:  # the relay's: acknowledged when this returns
-        await on_replicas(redis, WAIT, lambda client: writer.append(event, on=client))
-        acknowledged.append((event.reply_id, event.seq))
+    async def log_events(events: list[TokenEvent]) -> None:  # the relay's: acknowledged when this returns
+        await on_replicas(redis, WAIT, lambda client: writer.append_many(events, on=client))
+        acknowledged.extend((event.reply_id, event.seq) for event in events)
         handled_at_s.append(time.monotonic())
 
-    consumer = TokenConsumer(nc, log_event, TokenConsumerConfig(max_age_s=600, durable=f"failover-{uuid.uuid4().hex[:6]}", nak_delay_s=0.1))
+    consumer = TokenConsumer(
+        nc, log_events, TokenConsumerConfig(max_age_s=600, durable=f"failover-{uuid.uuid4().hex[:6]}", nak_delay_s=0.1)
+    )
     consuming = asyncio.create_task(consumer.run())
     buckets = TokenBuckets(redis, QuotaConfig(6000, 60000, 600000, refill_s=1e9, reservation_ttl_s=600))
     quota_user = f"u-{uuid.uuid4().hex[:6]}"
@@ -139,12 +141,14 @@ async def test_killing_the_primary_mid_stream_loses_no_acknowledged_event_and_du
     reply_ids = [uuid.uuid4().hex for _ in range(NUM_REPLIES)]
     tail = LogTail(TailConfig("redis://127.0.0.1:1/0", num_readers=1, block_ms=500, unavailable_deadline_s=60), redis)
     followed = Collect()
-    await tail.follow(reply_ids[0], followed)
     old_primary = ha.primary()
     assert old_primary is not None
     try:
         for seq in range(1, NUM_TOKENS + 1):
             await asyncio.gather(*(publish_token(js, token(r, seq)) for r in reply_ids))
+            if seq == 1:  # followed once its log exists (a log unknown when followed ends at once)
+                await wait_until(lambda: _has_log(redis, reply_ids[0]), timeout_s=20)
+                await tail.follow(reply_ids[0], followed)
             if seq == NUM_TOKENS // 3:  # mid-stream, with events logged and more in flight
                 await wait_until(lambda: _true(len(acknowledged) >= NUM_REPLIES * 10), timeout_s=20)
                 num_acked_at_kill = len(acknowledged)
@@ -184,6 +188,10 @@ async def test_the_killed_primary_comes_back_as_a_replica_of_the_new_one(ha, red
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _has_log(redis: aioredis.Redis, reply_id: str) -> bool:
+    return await load_reply(redis, reply_id) is not None
 
 
 async def _is_closed(redis: aioredis.Redis, reply_id: str) -> bool:
