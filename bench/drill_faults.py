@@ -18,6 +18,7 @@ from drill_stack import DrillStack
 Fault = Callable[[DrillStack], Awaitable[str]]
 PARTITION_S = 10.0  # how long a partition lasts
 HOST_DRILLS = ("partition_decode", "partition_relay_redis")  # they need every member on a host of its own
+HA_DRILLS = ("kill_redis_primary",)  # they need the stack's servers with failover (--ha)
 
 
 async def kill_decode(stack: DrillStack) -> str:
@@ -79,6 +80,19 @@ async def pause_nats(stack: DrillStack) -> str:
     return f"SIGSTOP nats-server (pid {pid}) for 10 s"
 
 
+async def kill_redis_primary(stack: DrillStack) -> str:
+    """kill -9 the Redis node the sentinels name the primary: they promote a replica, and the
+    relay and chat find it through them."""
+    redis_ha = stack.stack.redis_ha
+    if redis_ha is None:
+        raise RuntimeError("the stack runs one Redis: this drill needs --ha")
+    primary = await asyncio.to_thread(redis_ha.primary)
+    if primary is None:
+        raise RuntimeError("no sentinel names a Redis primary")
+    pid = stack.signal(primary.name, signal.SIGKILL)
+    return f"kill -9 the Redis primary {primary.name} (pid {pid})"
+
+
 async def partition_decode(stack: DrillStack) -> str:
     """The busiest decode worker's host loses its network (link down) for PARTITION_S, then gets
     it back: its replies continue on the other decode worker meanwhile."""
@@ -94,9 +108,14 @@ async def partition_decode(stack: DrillStack) -> str:
 
 
 async def partition_relay_redis(stack: DrillStack) -> str:
-    """The relay's host and Redis's host cannot reach each other for PARTITION_S (each still
-    reaches every other host), then can again."""
-    relay, redis = stack.stack.host(stack.members("relay")[0]), stack.stack.host("redis")
+    """The relay's host and Redis's host (--ha: the primary's) cannot reach each other for
+    PARTITION_S (each still reaches every other host), then can again."""
+    redis_ha = stack.stack.redis_ha
+    primary = await asyncio.to_thread(redis_ha.primary) if redis_ha is not None else None
+    redis_name = "redis" if redis_ha is None else primary.name if primary is not None else ""
+    if not redis_name:
+        raise RuntimeError("no sentinel names a Redis primary")
+    relay, redis = stack.stack.host(stack.members("relay")[0]), stack.stack.host(redis_name)
     network = stack.network
     network.separate(relay, redis)
     try:
@@ -139,6 +158,9 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
         "kill_relay": DrillPlan("kill_relay", kill_relay, n, f"{n}/{n} complete, every stored turn complete"),
         "restart_redis": DrillPlan("restart_redis", restart_redis, n, f"{n}/{n} complete, every stored turn complete"),
         "pause_nats": DrillPlan("pause_nats", pause_nats, n, "every reply completes or errors clearly; 0 hung", check_texts=False),
+        "kill_redis_primary": DrillPlan(
+            "kill_redis_primary", kill_redis_primary, n, f"{n}/{n} complete, texts identical, every stored turn complete, pause <= 5 s"
+        ),
         "partition_decode": DrillPlan(
             "partition_decode",
             partition_decode,
@@ -166,6 +188,9 @@ def met(report: DrillReport, plan: DrillPlan) -> bool:
     if plan.name in ("kill_relay", "restart_redis"):
         return report.completed == n and report.stored.get("complete", 0) == n
     after_heal = report.pause_after_heal_s if report.pause_after_heal_s is not None else float("inf")
+    if plan.name == "kill_redis_primary":
+        stored = report.stored.get("complete", 0) == n
+        return report.completed == n and identical and stored and report.hung == 0 and report.longest_pause_s <= 5.0
     if plan.name == "partition_decode":
         return report.completed == n and identical and report.hung == 0 and after_heal <= 5.0
     if plan.name == "partition_relay_redis":

@@ -37,6 +37,7 @@ class DrillStack:
         api_keys: dict[str, ApiKey] | None = None,
         tensor_parallel_size: int = 1,
         separate_hosts: bool = False,
+        ha: bool = False,
     ) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="tandem-drills-"))
         self.log_path = self._workdir / "stack.log"
@@ -52,6 +53,7 @@ class DrillStack:
             tensor_parallel_size=tensor_parallel_size,
             stable_after_s=5.0,  # drills kill the same member again soon: restart it after 1 s each time
             separate_hosts=separate_hosts,
+            ha=ha,
         )
         self._log = self.log_path.open("w")
         self._stack = Stack(self._config, Console(self._log))

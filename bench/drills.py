@@ -18,6 +18,7 @@ Drills (names for --drills):
   pause_nats     SIGSTOP nats-server for 10 s during N streams, then SIGCONT
   rolling        SIGTERM every service in turn (each restarted by the launcher) under a steady load
   resume         random client disconnects and resumes (Last-Event-ID), alternating chat instances
+  kill_redis_primary     kill -9 the Redis primary (--ha: the sentinels promote a replica)
   partition_decode       cut the busiest decode worker's host off the network (link down) for 10 s, then heal it
   partition_relay_redis  cut the relay's host off Redis's host (and only that) for 10 s, then join them
 
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import httpx
 from drill_client import HANG_S, Client, StreamResult, prompt_of
-from drill_faults import HOST_DRILLS, Fault, met, plans
+from drill_faults import HA_DRILLS, HOST_DRILLS, Fault, met, plans
 from drill_report import DrillReport, print_row, print_table
 from drill_stack import DrillStack
 
@@ -164,6 +165,7 @@ async def main(args: argparse.Namespace) -> int:
         extra_env=_stack_env(args),
         tensor_parallel_size=args.tensor_parallel_size,
         separate_hosts=args.hosts or any(name in HOST_DRILLS for name in chosen),
+        ha=args.ha or any(name in HA_DRILLS for name in chosen),
     )
     reports: list[DrillReport] = []
     async with stack:
@@ -233,6 +235,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="ranks of each prefill and decode worker's engine (kill_decode_rank needs 2 or more)",
+    )
+    parser.add_argument(
+        "--ha",
+        action="store_true",
+        help="the servers with failover, as `tandem up --ha` starts them (the kill_*_primary/node drills need it)",
     )
     parser.add_argument(
         "--hosts",
