@@ -225,6 +225,12 @@ class Settings(BaseSettings):
     """chat: a reply's live events go to its streams at most once this often (0: each as it is read); more events a write, fewer writes"""
     stream_readers: Annotated[int, Field(ge=1, le=64)] = 4
     """chat: Redis connections reading token logs, each one blocking XREAD over many replies"""
+    stream_attach_reads: Annotated[int, Field(ge=1)] = 16
+    """chat: Redis reads new streams attach with (a reply's meta, one read shared by all its new streams) at once; the rest wait in a queue"""
+    stream_attach_queue: Annotated[int, Field(ge=0)] = 4096
+    """chat: such reads that may wait their turn; past it a new stream gets 503 `streams_busy` with Retry-After"""
+    stream_attach_wait_s: Annotated[float, Field(gt=0)] = 15.0
+    """chat: how long a new stream waits for its read (its turn in the queue, a Redis restart) before a 503"""
     redis_max_connections: Annotated[int, Field(ge=2)] = 64
     """chat and relay: Redis connections for short commands; a command waits for a free one"""
     # admission (issue 16)

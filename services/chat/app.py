@@ -22,6 +22,7 @@ from services.chat import (
     usage_api,
     web,
 )
+from services.chat.attach_reads import AttachReads
 from services.chat.body_limit import BodyLimit
 from services.chat.config import ChatConfig
 from services.chat.difficulty import open_judge
@@ -66,6 +67,7 @@ def build_app(settings: Settings) -> FastAPI:
         store=store,
         redis=redis,
         fanout=fanout,
+        attach_reads=AttachReads.of(redis, fanout, config),
         stream_slots=StreamSlots(config.max_streams, config.stream_limits()),
         bus=runtime.bus,
         models=ModelsView(),

@@ -43,6 +43,10 @@ class ChatConfig:
     stream_buffer_events: int = 512  # live events queued for one client before it is dropped
     stream_readers: int = 4  # Redis connections reading token logs
     stream_interval_ms: int = 0  # a reply's live events go to its streams at most once this often
+    # New streams' Redis reads (services.chat.attach_reads): at once, waiting at most, and how long one waits.
+    stream_attach_reads: int = 16
+    stream_attach_queue: int = 4096
+    stream_attach_wait_s: float = 15.0
     # `auto` (services.chat.model_routing): the two models' served ids, the classifier's threshold,
     # and the fallback rule's length; an empty small model: auto is the large one.
     large_model: str = ""
@@ -71,6 +75,9 @@ class ChatConfig:
             stream_buffer_events=settings.stream_buffer_events,
             stream_readers=settings.stream_readers,
             stream_interval_ms=settings.stream_interval_ms,
+            stream_attach_reads=settings.stream_attach_reads,
+            stream_attach_queue=settings.stream_attach_queue,
+            stream_attach_wait_s=settings.stream_attach_wait_s,
             large_model=settings.large_model,
             small_model=settings.small_model,
             difficulty_threshold=settings.difficulty_threshold,

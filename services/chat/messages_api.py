@@ -37,7 +37,7 @@ async def stream(
     message_id: str,
     last_event_id: Annotated[int, Header(alias="Last-Event-ID", ge=0, lt=INT64_LIMIT)] = 0,
 ) -> EventSourceResponse:
-    meta = state.fanout.running_meta(message_id) or await load_reply(state.redis, message_id, with_request=False)
+    meta = await state.attach_reads.meta(message_id)
     if meta is not None and meta.is_running and meta.conversation_id and meta.user_id == user.user_id:
         # A running reply of the caller's conversation: its log says whose it is, so the store is
         # not asked (deleting the conversation stops the reply first).

@@ -24,6 +24,15 @@ STREAM_WRITE_DELAY = Histogram(
     "From a worker producing a token (its produced_unix_ms) to this instance's feed passing it to all the reply's streams; one per pass, its oldest event",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+STREAM_ATTACHES = Counter(
+    "tandem_chat_stream_attaches_total",
+    "New streams of a reply by where their meta came from: feed (a reply this instance reads), shared (another stream's read under way), read (a Redis read of their own)",
+    ["source"],
+)
+STREAM_ATTACH_WAITING = Gauge(
+    "tandem_chat_stream_attach_waiting",
+    "New streams' Redis reads waiting their turn in the attach queue (TANDEM_STREAM_ATTACH_QUEUE bounds it)",
+)
 STREAM_RESUMES = Counter("tandem_chat_stream_resumes_total", "Streams resumed with Last-Event-ID > 0")
 STREAM_DIRECT_WRITES = Counter(
     "tandem_chat_stream_direct_writes_total",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from services.chat.attach_reads import AttachReads
 from services.chat.config import ChatConfig
 from services.chat.difficulty import DifficultyJudge
 from services.chat.door import Door
@@ -31,6 +32,7 @@ class ChatState:
     store: ConversationStore
     redis: Redis  # short commands, from a bounded pool
     fanout: FanoutHub  # live token log reads, one per reply, shared by its streams
+    attach_reads: AttachReads  # new streams' meta reads, one per reply at a time, through a bounded queue
     stream_slots: StreamSlots  # open streams, against the instance's and each user's limits
     bus: Bus
     models: ModelsView

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from helpers import wait_until
 from tokenlog.durable_redis import DurableRedis
 
+from services.chat.attach_reads import AttachReads
 from services.chat.config import ChatConfig
 from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView
@@ -47,12 +48,14 @@ async def state(redis_server, tmp_path) -> AsyncIterator[ChatState]:
     store = SqliteStore(tmp_path / "conversations.db")
     await store.start()
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    fanout = open_fanout(CONFIG, redis_server.url, redis, "test-fanout")
     state = ChatState(
         config=CONFIG,
         api_keys={},
         store=store,
         redis=redis,
-        fanout=open_fanout(CONFIG, redis_server.url, redis, "test-fanout"),
+        fanout=fanout,
+        attach_reads=AttachReads.of(redis, fanout, CONFIG),
         stream_slots=StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         bus=Bus(BusConfig(url="nats://127.0.0.1:1", name="unused")),
         models=ModelsView(),

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
+from services.chat.attach_reads import AttachReads
 from services.chat.config import ChatConfig
 from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
@@ -67,12 +68,14 @@ async def state(redis_server, nats_server, tmp_path) -> AsyncIterator[ChatState]
     store = SqliteStore(tmp_path / "conversations.db")
     await store.start()
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    fanout = open_fanout(CONFIG, redis_server.url, redis, "test-chat")
     state = ChatState(
         config=CONFIG,
         api_keys={},
         store=store,
         redis=redis,
-        fanout=open_fanout(CONFIG, redis_server.url, redis, "test-chat"),
+        fanout=fanout,
+        attach_reads=AttachReads.of(redis, fanout, CONFIG),
         stream_slots=StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         bus=bus,
         models=ModelsView(),

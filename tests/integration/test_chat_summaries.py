@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from helpers import wait_until
 from prometheus_client import REGISTRY
 
+from services.chat.attach_reads import AttachReads
 from services.chat.config import ChatConfig
 from services.chat.fanout import open_fanout
 from services.chat.models_view import ModelsView, ServedModel
@@ -66,12 +67,14 @@ async def state(redis_server, nats_server, tmp_path, tokenizer) -> AsyncIterator
     store = SqliteStore(tmp_path / "conversations.db")
     await store.start()
     redis = aioredis.from_url(redis_server.url, socket_timeout=10)
+    fanout = open_fanout(CONFIG, redis_server.url, redis, "test-chat")
     state = ChatState(
         config=CONFIG,
         api_keys={},
         store=store,
         redis=redis,
-        fanout=open_fanout(CONFIG, redis_server.url, redis, "test-chat"),
+        fanout=fanout,
+        attach_reads=AttachReads.of(redis, fanout, CONFIG),
         stream_slots=StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         bus=bus,
         models=ModelsView(),

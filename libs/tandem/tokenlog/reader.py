@@ -38,7 +38,7 @@ class LogUnavailable(RedisConnectionError):
     handles Redis failures already handles it."""
 
 
-async def _until_answered(call: Callable[[], Awaitable[T]], deadline_s: float) -> T:
+async def until_answered(call: Callable[[], Awaitable[T]], deadline_s: float) -> T:
     """`call()`, retried with backoff while Redis cannot be reached, for at most `deadline_s`."""
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + deadline_s
@@ -77,9 +77,9 @@ async def read(
     keys = ReplyKeys(reply_id)
     last_id = entry_id(after) if after else "0-0"
     while True:
-        response = await _until_answered(partial(redis.xread, {keys.log: last_id}, count=256, block=block_ms), unavailable_deadline_s)
+        response = await until_answered(partial(redis.xread, {keys.log: last_id}, count=256, block=block_ms), unavailable_deadline_s)
         if not response:
-            meta = await _until_answered(partial(load_reply, redis, reply_id), unavailable_deadline_s)
+            meta = await until_answered(partial(load_reply, redis, reply_id), unavailable_deadline_s)
             if meta is None:
                 raise ReplyGone(f"reply {reply_id} is unknown or its log has expired")
             if not meta.is_running and meta.last_seq <= after:
