@@ -16,6 +16,13 @@ from services.chat.errors import Unavailable
 RETRY_AFTER_S = 2.0
 
 
+class StreamsBusy(Unavailable):
+    """A new stream that found the attach queue full, or waited in it too long."""
+
+    default_code = "streams_busy"
+    default_retry_after_s = RETRY_AFTER_S
+
+
 class AttachQueue:
     def __init__(self, max_reads: int, max_waiting: int) -> None:
         self._reads = asyncio.Semaphore(max_reads)
@@ -25,17 +32,17 @@ class AttachQueue:
 
     @contextlib.asynccontextmanager
     async def turn(self, wait_s: float) -> AsyncIterator[None]:
-        """A read's turn, within `wait_s`; raises Unavailable (streams_busy) when `max_waiting` wait
-        already, or when the turn does not come in time."""
+        """A read's turn, within `wait_s`; raises StreamsBusy when `max_waiting` wait already, or
+        when the turn does not come in time."""
         if self._reads.locked():
             if self.num_waiting >= self._max_waiting:
-                raise _busy(f"{self.num_waiting} new streams wait to attach on this instance")
+                raise StreamsBusy(f"{self.num_waiting} new streams wait to attach on this instance; retry shortly")
             self.num_waiting += 1
             try:
                 async with asyncio.timeout(wait_s):
                     await self._reads.acquire()
             except TimeoutError:
-                raise _busy(f"a new stream waited {wait_s:.0f} s to attach on this instance") from None
+                raise StreamsBusy(f"a new stream waited {wait_s:.0f} s to attach on this instance; retry shortly") from None
             finally:
                 self.num_waiting -= 1
         else:
@@ -44,8 +51,3 @@ class AttachQueue:
             yield
         finally:
             self._reads.release()
-
-
-def _busy(why: str) -> Unavailable:
-    metrics.STREAMS_REFUSED.labels("streams_busy").inc()
-    return Unavailable(f"{why}; retry shortly", code="streams_busy", retry_after_s=RETRY_AFTER_S)

@@ -14,7 +14,7 @@ from functools import partial
 from redis.asyncio import Redis
 
 from services.chat import metrics
-from services.chat.attach_queue import AttachQueue
+from services.chat.attach_queue import AttachQueue, StreamsBusy
 from services.chat.config import ChatConfig
 from services.chat.fanout import FanoutHub
 from tandem.tokenlog import ReplyMeta, load_reply
@@ -36,8 +36,8 @@ class AttachReads:
         return cls(redis, fanout, AttachQueue(config.stream_attach_reads, config.stream_attach_queue), config.stream_attach_wait_s)
 
     async def meta(self, reply_id: str) -> ReplyMeta | None:
-        """The reply's meta without its request; None when its log is gone. Raises Unavailable
-        (streams_busy) past the queue's bound or wait, LogUnavailable when Redis stays away."""
+        """The reply's meta without its request; None when its log is gone. Raises StreamsBusy (a
+        503) past the queue's bound or wait, LogUnavailable when Redis stays away."""
         running = self._fanout.running_meta(reply_id)
         if running is not None:
             metrics.STREAM_ATTACHES.labels("feed").inc()
@@ -53,6 +53,8 @@ class AttachReads:
         try:
             return await asyncio.shield(flight)  # a stream that leaves does not cancel the others' read
         except Exception as exc:
+            if isinstance(exc, StreamsBusy):  # each stream refused counts, also those that shared the read
+                metrics.STREAMS_REFUSED.labels(exc.code).inc()
             raise copy.copy(exc) from exc  # each stream its own, so no traceback grows shared
 
     async def _read(self, reply_id: str) -> ReplyMeta | None:
