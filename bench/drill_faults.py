@@ -14,11 +14,14 @@ from pathlib import Path
 
 from drill_report import DrillReport
 from drill_stack import DrillStack
+from drill_storm import reconnect_storm, storm_met, storm_target
 
 Fault = Callable[[DrillStack], Awaitable[str]]
 PARTITION_S = 10.0  # how long a partition lasts
 HOST_DRILLS = ("partition_decode", "partition_relay_redis")  # they need every member on a host of its own
 HA_DRILLS = ("kill_redis_primary",)  # they need the stack's servers with failover (--ha)
+# A drill that drives its own load and fault (the reconnect storm) instead of drills.run_load's.
+OwnRun = Callable[[DrillStack, argparse.Namespace], Awaitable[DrillReport]]
 
 
 async def kill_decode(stack: DrillStack) -> str:
@@ -145,6 +148,7 @@ class DrillPlan:
     disconnects: int = 0
     check_texts: bool = True
     steady: bool = False  # the load lasts as long as the fault: each reply is sent again once it ends
+    own_run: OwnRun | None = None
 
 
 def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
@@ -177,6 +181,9 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
         "resume": DrillPlan(
             "resume", None, args.resume_streams, "every text identical, event ids contiguous", disconnects=args.resume_drops
         ),
+        "reconnect_storm": DrillPlan(
+            "reconnect_storm", None, args.storm_streams, storm_target(args), check_texts=False, own_run=reconnect_storm
+        ),
     }
 
 
@@ -197,6 +204,8 @@ def met(report: DrillReport, plan: DrillPlan) -> bool:
         return report.completed == n and report.stored.get("complete", 0) == n and after_heal <= 5.0
     if plan.name == "pause_nats":
         return report.hung == 0
+    if plan.name == "reconnect_storm":
+        return storm_met(report)
     if plan.name == "resume":
         return report.completed == n and identical and report.ids_contiguous
     return report.completed == n

@@ -34,6 +34,17 @@ class DrillReport:
     met: bool = False
     seconds: float = 0.0
     error_samples: list[str] = field(default_factory=list)
+    # The reconnect storm's (bench/drill_storm.py; None for the other drills): its streams over
+    # `replies` replies, those that resumed on the other instance after the fault, the answers
+    # with a 5xx, the streams whose ids or events differ from the log, and how long after the
+    # fault the last stream's reconnect was sent. Its completed/errors/hung count streams.
+    streams: int | None = None
+    replies: int | None = None
+    resumed: int | None = None
+    num_5xx: int | None = None
+    gaps: int | None = None
+    reconnected_within_s: float | None = None
+    pause_across_fault_s: float | None = None  # the longest from a stream's last event before the fault to its first after
 
 
 def print_row(report: DrillReport) -> None:
@@ -44,6 +55,13 @@ def print_row(report: DrillReport) -> None:
         f"[{'PASS' if report.met else 'MISS'}: {report.target}]",
         flush=True,
     )
+    if report.streams is not None:
+        print(
+            f"{report.name}: {report.streams} streams of {report.replies} replies, {report.resumed} resumed, "
+            f"{report.num_5xx} 5xx, {report.gaps} gaps, last reconnect {report.reconnected_within_s} s after the fault, "
+            f"longest pause across it {report.pause_across_fault_s} s",
+            flush=True,
+        )
 
 
 def _after_heal(report: DrillReport) -> str:

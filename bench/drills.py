@@ -21,6 +21,7 @@ Drills (names for --drills):
   kill_redis_primary     kill -9 the Redis primary (--ha: the sentinels promote a replica)
   partition_decode       cut the busiest decode worker's host off the network (link down) for 10 s, then heal it
   partition_relay_redis  cut the relay's host off Redis's host (and only that) for 10 s, then join them
+  reconnect_storm        kill -9 a chat instance holding N streams (--storm-streams); all reconnect to the other at once
 
 With --hosts (implied by the partition drills) every process runs on a host of its own: a network
 namespace each, with its own address on a bridge (tandem.devstack.hosts; root only). A partition
@@ -42,10 +43,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+import uvloop
 from drill_client import HANG_S, Client, StreamResult, prompt_of
 from drill_faults import HA_DRILLS, HOST_DRILLS, Fault, met, plans
 from drill_report import DrillReport, print_row, print_table
 from drill_stack import DrillStack
+from drill_storm import STORM_KEYS
 
 
 async def run_load(
@@ -163,6 +166,7 @@ async def main(args: argparse.Namespace) -> int:
         prefill_workers=1,
         chat_instances=2,
         extra_env=_stack_env(args),
+        api_keys=STORM_KEYS,
         tensor_parallel_size=args.tensor_parallel_size,
         separate_hosts=args.hosts or any(name in HOST_DRILLS for name in chosen),
         ha=args.ha or any(name in HA_DRILLS for name in chosen),
@@ -175,6 +179,12 @@ async def main(args: argparse.Namespace) -> int:
         for name in chosen:
             plan = every[name]
             await stack.wait_all_ready(timeout_s=300.0)
+            if plan.own_run is not None:
+                report = await plan.own_run(stack, args)
+                report.met = met(report, plan)
+                reports.append(report)
+                print_row(report)
+                continue
             prompts = [prompt_of(i, plan.long_prompts) for i in range(plan.num_streams)]
             if plan.check_texts and plan.long_prompts not in baselines:
                 count = max(p.num_streams for p in every.values() if p.long_prompts == plan.long_prompts and p.name in chosen)
@@ -223,11 +233,14 @@ def _stack_env(args: argparse.Namespace) -> dict[str, str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drills", default="kill_decode,kill_prefill,kill_relay,restart_redis,pause_nats,rolling,resume")
+    parser.add_argument("--drills", default="kill_decode,kill_prefill,kill_relay,restart_redis,pause_nats,rolling,resume,reconnect_storm")
     parser.add_argument("--streams", type=int, default=16, help="replies streaming during a drill (prefill and rolling use half)")
     parser.add_argument("--max-tokens", type=int, default=64, help="each greedy answer's length")
     parser.add_argument("--resume-streams", type=int, default=40, help="replies of the resume drill")
     parser.add_argument("--resume-drops", type=int, default=5, help="disconnects per reply in the resume drill")
+    parser.add_argument("--storm-streams", type=int, default=2000, help="streams the reconnect storm holds on the instance it kills")
+    parser.add_argument("--storm-replies", type=int, default=8, help="replies those streams read")
+    parser.add_argument("--storm-tokens", type=int, default=400, help="each storm reply's max_tokens (long enough to outlast the storm)")
     parser.add_argument("--hang-s", type=float, default=HANG_S, help="a reply with no final event by then is hung")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -254,4 +267,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(asyncio.run(main(parse_args())))
+    # uvloop: the reconnect storm's thousands of streams are read on this process's loop, beside the stack it drills.
+    sys.exit(uvloop.run(main(parse_args())))
