@@ -45,7 +45,10 @@ _POLL_S = 0.1
 
 @dataclass(frozen=True)
 class SentinelTiming:
-    down_after_ms: int = 2000  # the primary unanswering this long counts as down
+    # The primary unanswering this long counts as down: short, for a stack on one machine (or its
+    # namespaces), where nothing but a dead node goes a second without answering; a fleet across
+    # real links wants seconds more (docs/operations.md).
+    down_after_ms: int = 1000
     failover_timeout_ms: int = 10_000  # a failover not done by then is tried again (by another sentinel)
 
     @property
