@@ -1,6 +1,6 @@
-"""The `tandem` command: `tandem up` (the whole local stack), `tandem serve <role>` (one service,
+"""The `tandem` command: `tandem up` (the whole local stack; --ha with a NATS cluster), `tandem serve <role>` (one service,
 every setting also a flag), `tandem generate` (one answer from the in-process engine), and the
-operators' tools (`tandem plan`, `tandem top`, `tandem usage export`, ...)."""
+operators' tools (`tandem plan`, `tandem top`, `tandem usage export`, `tandem bus init`, ...)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tandem.config import ROLES, load_settings, settings_flags
 from tandem.devstack import cassandra_node, secrets
 from tandem.errors import StartupError
 from tandem.models.files import open_model
-from tandem.ops import bench_serve, plan, top, usage_export
+from tandem.ops import bench_serve, bus_init, plan, top, usage_export
 from tandem.runtime import run_service
 
 VIA_BUS_IDLE_S = 300.0  # tandem generate --via-bus gives up when its reply sends nothing for this long
@@ -30,7 +30,7 @@ def _up(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.settings, prog="tandem up", **({"host": args.host} if args.host else {}))
     flags = settings_flags(args.settings, prog="tandem up")() if args.settings else {}
-    config = stack_config_from(settings, chat_port=args.port, flags={name: str(value) for name, value in flags.items()})
+    config = stack_config_from(settings, chat_port=args.port, flags={name: str(value) for name, value in flags.items()}, is_ha=args.ha)
     # Fail before anything starts when the stack could not come up anyway.
     check_split(open_model(settings.model_path), settings.tensor_parallel_size)
     check_chat_ports_free(config)  # every chat instance's: chat_port, chat_port + 1, ...
@@ -149,7 +149,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     import nats
 
     from tandem.bus import decode, encode, subjects
-    from tandem.bus.connection import without_credentials
+    from tandem.bus.connection import server_urls, without_credentials
     from tandem.bus.token_batches import watch_events
     from tandem.models.loader import load_tokenizer
     from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_UNSPECIFIED, SamplingParams
@@ -169,7 +169,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     url = without_credentials(settings.nats_url)
     try:
         nc = await asyncio.wait_for(
-            nats.connect(settings.nats_url, **login, connect_timeout=2, allow_reconnect=False, error_cb=_quiet), timeout=5
+            nats.connect(server_urls(settings.nats_url), **login, connect_timeout=2, allow_reconnect=False, error_cb=_quiet), timeout=5
         )
     except Exception as exc:  # a refused login says so: allow_reconnect=False raises the server's answer
         raise StartupError(
@@ -248,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the large model: a .gguf file, a safetensors folder or a Hugging Face id in the local cache "
         "(the same as --model-path, TANDEM_MODEL_PATH; default: the embedded SmolLM2)",
     )
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="three clustered NATS nodes with the token stream on all three (TANDEM_TOKEN_STREAM_REPLICAS, default 3 here); "
+        "services are given every node's URL and ride one node's loss",
+    )
     up.set_defaults(run=_up, settings=[])
     generate = commands.add_parser("generate", help="stream one chat answer from the in-process engine")
     generate.add_argument("prompt")
@@ -295,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve.add_cli(commands)
     top.add_cli(commands)
     usage_export.add_cli(commands)
+    bus_init.add_cli(commands)
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

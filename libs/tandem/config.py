@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", frozen=True, extra="ignore", use_attribute_docstrings=True)
 
     nats_url: str = "nats://127.0.0.1:4222"
-    """the bus"""
+    """the bus: one URL, or a comma-separated list of a cluster's nodes (every one, so a client rides any node's loss)"""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """token logs and rate limits (relay and chat)"""
     host: str = "127.0.0.1"
@@ -202,8 +202,12 @@ class Settings(BaseSettings):
     """relay: how often it reads Redis's memory use, maxmemory and eviction policy for tandem_relay_redis_* and their alerts"""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 20.0
     """workers: on SIGTERM, how long running replies may go on before the rest are left to continue elsewhere"""
-    token_stream_max_age_s: Annotated[int, Field(ge=10)] = 600
-    """NATS JetStream: how long an unacknowledged token event is kept for redelivery"""
+    token_stream_max_age_s: Annotated[int, Field(ge=10)] = 86400
+    """tandem bus init: how long an unacknowledged token event is kept for redelivery (a day: a relay or Redis outage overnight loses nothing)"""
+    token_stream_replicas: Annotated[int, Field(ge=1, le=5)] = 1
+    """tandem bus init: the token stream's copies on distinct NATS nodes, at most the cluster's nodes (tandem up --ha: 3)"""
+    token_stream_max_bytes: Annotated[int, Field(ge=1 << 20)] = 1 << 30
+    """tandem bus init: the token stream's byte limit; full, it refuses new events (publishers back off and retry) rather than drop any"""
     decode_workers: Annotated[int, Field(ge=1, le=16)] = 1
     """tandem up: decode worker processes"""
     prefill_workers: Annotated[int, Field(ge=0, le=16)] = 1

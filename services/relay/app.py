@@ -124,7 +124,7 @@ def build_app(settings: Settings) -> FastAPI:
     async def start_watching(client: Client) -> None:
         nonlocal consumer, stalls
         appender = LogAppender(writer, moderator, on_finished, replication)
-        consumer = TokenConsumer(client, appender.append, TokenConsumerConfig(max_age_s=settings.token_stream_max_age_s))
+        consumer = TokenConsumer(client, appender.append, TokenConsumerConfig())
         stalls = StallWatcher(redis, client, claims, publish_final, stall_config)
         await claims.listen(client)
         sweeper = Sweeper(redis, publish, publish_final, persist, stalls, sweep_config)

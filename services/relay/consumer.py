@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from services.relay import metrics
 from tandem.bus import subjects, validate
-from tandem.bus.token_stream import STREAM, ensure_token_stream
+from tandem.bus.token_stream import STREAM, wait_for_token_stream
 from tandem.v1.tokens_pb2 import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ _PENDING_MESSAGES = "Nats-Pending-Messages"
 
 @dataclass(frozen=True)
 class TokenConsumerConfig:
-    max_age_s: float  # settings.token_stream_max_age_s
     durable: str = "relay"
     batch: int = 256  # events a pull request asks for; the next is sent when half have come
     expires_s: float = 30.0  # how long a pull request stays open at the server
@@ -173,7 +172,7 @@ class TokenConsumer:
         )
         while True:
             try:
-                js = await ensure_token_stream(self._client, self._config.max_age_s)
+                js = await wait_for_token_stream(self._client, self._config.retry_s)  # `tandem bus init` makes it
                 await js.add_consumer(STREAM, config)  # creates it, or brings an older one to these subjects
                 return await self._client.subscribe(self._client.new_inbox(), cb=inbox.put)
             except (nats.errors.Error, TimeoutError) as exc:

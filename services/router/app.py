@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import nats.errors
 from fastapi import FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 
 from services.router.cached_tokens import IndexedCachedTokens
 from services.router.dispatch import DispatchConfig, nats_assign
@@ -32,7 +30,7 @@ from services.router.workers import WORKER_ROLES, WorkerRegistry
 from services.router.workers_api import workers_router
 from tandem import metrics
 from tandem.bus import subjects, validate
-from tandem.bus.token_stream import ensure_token_stream, publish_final
+from tandem.bus.token_stream import publish_final, wait_for_token_stream
 from tandem.config import Settings
 from tandem.runtime import Runtime, RuntimeConfig, create_app
 from tandem.v1.tokens_pb2 import TokenEvent
@@ -107,7 +105,7 @@ def build_app(settings: Settings) -> FastAPI:
         for role in WORKER_ROLES:
             await client.subscribe(subjects.heartbeats_of(role), cb=on_heartbeat)
         await client.subscribe(subjects.KV_EVENTS_ALL, cb=on_kv_event)
-        token_stream = await _token_stream(client, settings.token_stream_max_age_s)
+        token_stream = await wait_for_token_stream(client, retry_s=0.5)  # made by `tandem bus init`
 
         async def publish_event(event: TokenEvent) -> None:
             await publish_final(token_stream, event)
@@ -160,16 +158,3 @@ def build_app(settings: Settings) -> FastAPI:
     runtime.add_check("subscribed", has_subscribed)
 
     return create_app(runtime, routers=[workers_router(workers, placement, index)], on_stop=on_stop)
-
-
-async def _token_stream(client: Client, max_age_s: float) -> JetStreamContext:
-    """The token stream, retried until JetStream answers (this runs once, at the first connect:
-    without it the router would never subscribe, so never be ready)."""
-    delay_s = 0.5
-    while True:
-        try:
-            return await ensure_token_stream(client, max_age_s)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("the token stream is not available yet (%s); retrying in %.1f s", exc or type(exc).__name__, delay_s)
-        await asyncio.sleep(delay_s)
-        delay_s = min(2 * delay_s, 5.0)

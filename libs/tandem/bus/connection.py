@@ -1,6 +1,8 @@
 """The one way Tandem connects to NATS: retry until reachable, reconnect forever, drain on close.
 With a user and password it logs in as its role's bus user (tandem.bus.permissions); a publish or
-subscribe the server refuses is logged as an error naming the user, and the process goes on."""
+subscribe the server refuses is logged as an error naming the user, and the process goes on.
+The URL may list a cluster's nodes, comma-separated: the client connects to one and, when it is
+lost, reconnects to another (its subscriptions and the JetStream stream ride along)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,14 @@ from nats.aio.client import Client
 log = logging.getLogger(__name__)
 
 
+def server_urls(url: str) -> list[str]:
+    """The nodes of `url`: one URL, or a comma-separated list of them."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
 @dataclass(frozen=True)
 class BusConfig:
-    url: str
+    url: str  # one node's, or every node's comma-separated
     name: str  # shows in the server's connection list
     connect_timeout_s: float = 2.0
     reconnect_wait_s: float = 0.5
@@ -30,7 +37,9 @@ class BusConfig:
 
 
 def without_credentials(url: str) -> str:
-    """The URL as it may be logged: any user and password in it left out."""
+    """The URL (or comma-separated URLs) as it may be logged: any user and password left out."""
+    if "," in url:
+        return ",".join(without_credentials(one) for one in server_urls(url))
     parts = urlsplit(url)
     if parts.password is None and parts.username is None:
         return url
@@ -77,7 +86,7 @@ class Bus:
         while True:
             try:
                 self._nc = await nats.connect(
-                    self._config.url,
+                    server_urls(self._config.url),
                     **credentials,
                     name=self._config.name,
                     connect_timeout=self._config.connect_timeout_s,
@@ -105,7 +114,8 @@ class Bus:
             await callback(self.client)
 
     async def _reconnected(self) -> None:
-        log.info("reconnected to NATS")
+        url = self._nc.connected_url if self._nc is not None else None
+        log.info("reconnected to NATS%s", f" at {without_credentials(url.geturl())}" if url is not None else "")
 
     async def _disconnected(self) -> None:
         log.warning("disconnected from NATS; reconnecting")

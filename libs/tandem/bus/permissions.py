@@ -1,6 +1,7 @@
 """Who may publish and subscribe to what on the bus: one NATS user per service role, each allowed
 only the subjects its role uses, plus an `operator` user for tools (tandem generate --via-bus,
-benches, tests) with every right. `render_config` turns the table into nats-server's
+benches, tests, `tandem bus init`) with every right: the only user that may create, update or
+delete a stream (STREAM_ADMIN is denied to every service role). `render_config` turns the table into nats-server's
 `authorization` block, with literal passwords (tandem up) or `$VARIABLE` references that the
 server reads from its environment (containers: deploy/nats/nats.conf).
 
@@ -34,13 +35,16 @@ _KV_EVENTS = subjects.KV_EVENTS_ALL
 _KV_STATES = f"{_P}.kv.state.*"
 _PINGS = f"{_P}.ping.*"
 _WORKER_HEARTBEATS = (subjects.heartbeats_of("prefill"), subjects.heartbeats_of("decode"))
-# Creating or updating the token stream, and the account probe a worker uses to tell a bus that
-# is down from one that refuses.
-_TOKEN_STREAM_ADMIN = (
-    "$JS.API.INFO",
-    f"$JS.API.STREAM.CREATE.{STREAM}",
-    f"$JS.API.STREAM.UPDATE.{STREAM}",
-    f"$JS.API.STREAM.INFO.{STREAM}",
+# Looking the token stream up (a service waits for it), and the account probe a worker uses to
+# tell a bus that is down from one that refuses.
+_TOKEN_STREAM_LOOKUP = ("$JS.API.INFO", f"$JS.API.STREAM.INFO.{STREAM}")
+# What only the operator may: make, change or empty a stream (`tandem bus init` does). Denied to
+# every service role by name, so no allow added later (a wildcard) can give it back.
+STREAM_ADMIN = (
+    "$JS.API.STREAM.CREATE.*",
+    "$JS.API.STREAM.UPDATE.*",
+    "$JS.API.STREAM.DELETE.*",
+    "$JS.API.STREAM.PURGE.*",
 )
 # The relay's durable pull consumer: look it up, create it, pull from it, acknowledge.
 _TOKEN_CONSUMER = (
@@ -57,17 +61,19 @@ class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     allow_responses: bool = True  # may answer requests it received (pings, assignments, ...)
+    publish_deny: tuple[str, ...] = ()  # refused even where an allow matches
 
 
 def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...]) -> Permissions:
-    """Every service sends its heartbeat, answers pings and may make requests."""
+    """Every service sends its heartbeat, answers pings and may make requests; none may change a stream."""
     return Permissions(
         publish=(subjects.heartbeats_of(role), *publish),
         subscribe=(_PINGS, INBOXES, *subscribe),
+        publish_deny=STREAM_ADMIN,
     )
 
 
-_WORKER_PUBLISHES = (_TOKENS, _KV_EVENTS, *_TOKEN_STREAM_ADMIN)
+_WORKER_PUBLISHES = (_TOKENS, _KV_EVENTS, *_TOKEN_STREAM_LOOKUP)
 _WORKER_SUBSCRIBES = (_ASSIGNS, _CANCELS, _KV_STATES)
 
 PERMISSIONS: dict[str, Permissions] = {
@@ -75,12 +81,12 @@ PERMISSIONS: dict[str, Permissions] = {
     "decode": _service("decode", _WORKER_PUBLISHES, _WORKER_SUBSCRIBES),
     "router": _service(
         "router",
-        (_ASSIGNS, _KV_STATES, subjects.LADDER, subjects.ROLLOUT, _FINALS, *_TOKEN_STREAM_ADMIN),
+        (_ASSIGNS, _KV_STATES, subjects.LADDER, subjects.ROLLOUT, _FINALS, *_TOKEN_STREAM_LOOKUP),
         (*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE, subjects.OUTCOMES, subjects.ROLLOUT),
     ),
     "relay": _service(
         "relay",
-        (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, subjects.OUTCOMES, *_TOKEN_STREAM_ADMIN, *_TOKEN_CONSUMER),
+        (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, subjects.OUTCOMES, *_TOKEN_STREAM_LOOKUP, *_TOKEN_CONSUMER),
         _WORKER_HEARTBEATS,
     ),
     "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER, subjects.ROLLOUT)),
@@ -112,7 +118,8 @@ def render_config(password_of: Callable[[str], str], header: str = "") -> str:
     for user in USERS:
         rights = PERMISSIONS[user]
         lines.append(f"    {{user: {json.dumps(user)}, password: {password_of(user)}, permissions: {{")
-        lines.append(f"      publish: {{allow: {json.dumps(list(rights.publish))}}}")
+        deny = f", deny: {json.dumps(list(rights.publish_deny))}" if rights.publish_deny else ""
+        lines.append(f"      publish: {{allow: {json.dumps(list(rights.publish))}{deny}}}")
         lines.append(f"      subscribe: {{allow: {json.dumps(list(rights.subscribe))}}}")
         if rights.allow_responses:
             lines.append("      allow_responses: true")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from tandem.bus.token_stream import TokenStreamConfig
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ApiKey, Tier
 from tandem.devstack.devices import assign_gpus, torch_threads_per_rank
 from tandem.devstack.hosts import Host
@@ -22,6 +23,7 @@ from tandem.errors import StartupError
 from tandem.runtime.run import bind_port
 
 SERVER_ROLES = ("nats", "redis")
+HA_NATS_NODES = 3
 SERVICE_ROLES = ("router", "relay", "prefill", "decode", "chat")
 NAME_WIDTH = 15  # "small-decode-0" and a space
 SMALL_POOL = "small"  # the small model's decode workers: small-decode-0, small-decode-1, ...
@@ -55,11 +57,23 @@ class StackConfig:
     # Every member on a host of its own (tandem.devstack.hosts: a network namespace each, root
     # only), named after the member; `host` is then unused, each service binds its host's address.
     separate_hosts: bool = False
-    ha: bool = False  # tandem up --ha: Redis with failover (tandem.devstack.redis_ha), ...
+    # tandem up --ha: NATS as a cluster of HA_NATS_NODES (members nats-0, nats-1, ...), services
+    # given every node's URL, and Redis with failover (tandem.devstack.redis_ha).
+    ha: bool = False
+    token_stream: TokenStreamConfig = TokenStreamConfig()  # what the stack's `tandem bus init` makes
 
     def __post_init__(self) -> None:
         if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead
             raise ValueError("set StackConfig.tensor_parallel_size, not TANDEM_TENSOR_PARALLEL_SIZE in extra_env")
+        if self.token_stream.num_replicas > self.num_nats_nodes:
+            raise StartupError(
+                f"the token stream's {self.token_stream.num_replicas} replicas need as many NATS nodes; this stack runs "
+                f"{self.num_nats_nodes}: set TANDEM_TOKEN_STREAM_REPLICAS to at most that (or use tandem up --ha)"
+            )
+
+    @property
+    def num_nats_nodes(self) -> int:
+        return HA_NATS_NODES if self.ha else 1
 
     def num_instances(self, role: str) -> int:
         counts = {"decode": self.num_decode_workers, "prefill": self.num_prefill_workers, "chat": self.num_chat_instances}
@@ -223,7 +237,8 @@ def service_member(
 ) -> Member:
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
     kept across its restarts; chat instance i listens on chat_port + i, the other services and
-    decode workers' UCX listeners take a free port each. It logs in to the bus as its role's user
+    decode workers' UCX listeners take a free port each. `nats_url` is every NATS node's,
+    comma-separated, on a stack with a cluster. It logs in to the bus as its role's user
     (the URLs carry no login), with the Redis password and the internal secret of `secrets`.
     `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i).
     `on_host`: it runs on that host (separate_hosts), on its role's default ports."""

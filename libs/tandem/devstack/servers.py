@@ -1,22 +1,33 @@
 """The embedded nats-server and redis-server, from PyPI wheels, started as child processes on
 free loopback ports. `tandem up` and the test fixtures use them; nothing here is mocked.
 
+`start_nats_cluster` starts three (or N) clustered nats-server nodes instead of one (tandem up
+--ha): JetStream replicates the token stream across them, and clients given every node's URL ride
+any node's loss. A fresh server or cluster has no token stream: `init_token_stream` is the admin
+step (`tandem bus init`) every stack and fixture runs once it is up.
+
 Both require a login: nats-server has a user per role with its rights (tandem.bus.permissions),
 redis-server a password. The credentials are the work folder's set (tandem.devstack.secrets),
 written there readable by this user alone; a server started again on the folder keeps them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.bus.permissions import OPERATOR
+from tandem.bus.token_stream import TokenStreamConfig
+from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, load_or_create, with_login, write_private
 from tandem.errors import StartupError
+from tandem.ops.bus_init import init_bus
 
 READY_TIMEOUT_S = 30.0
 
@@ -108,6 +119,107 @@ def start_nats(
     address = f"nats://{listening[1]}:{listening[2]}"
     url = with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR])
     return EmbeddedServer(url=url, child=child, address=address, secrets=secrets)
+
+
+def init_token_stream(server: EmbeddedServer | NatsCluster, config: TokenStreamConfig = TokenStreamConfig()) -> None:
+    """`tandem bus init` on a server or cluster just started, with its operator's login: makes the
+    token stream the services wait for. Runs in a thread of its own, so an event loop may call it."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, init_bus(server.url, config)).result()
+
+
+@dataclass(frozen=True)
+class NatsNode:
+    """One node of a cluster: its ports and store stay the same across its restarts."""
+
+    index: int
+    client_port: int
+    cluster_port: int
+    host: str = "127.0.0.1"  # its address: the loopback, or its own host's (tandem.devstack.hosts)
+    prefix: tuple[str, ...] = ()  # what runs a command on its host
+
+    @property
+    def name(self) -> str:
+        return f"nats-{self.index}"
+
+
+@dataclass
+class NatsCluster:
+    nodes: list[EmbeddedServer]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL with the operator's login, comma-separated (TANDEM_NATS_URL takes it)."""
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def address(self) -> str:
+        return ",".join(node.address for node in self.nodes)
+
+    @property
+    def secrets(self) -> StackSecrets:
+        return self.nodes[0].secrets
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for node in self.nodes:
+            node.stop(timeout_s)
+
+
+def plan_nats_cluster(num_nodes: int = 3, hosts: Sequence[Host | None] = ()) -> list[NatsNode]:
+    """The nodes' ports: free loopback ones, or NATS's usual ones on hosts of their own (`hosts`,
+    one per node)."""
+    nodes = []
+    for index in range(num_nodes):
+        host = hosts[index] if index < len(hosts) else None
+        if host is None:
+            nodes.append(NatsNode(index, free_port(), free_port()))
+        else:
+            nodes.append(NatsNode(index, 4222, 6222, host.address, tuple(host.prefix)))
+    return nodes
+
+
+def _cluster_node_config(workdir: Path, node: NatsNode, nodes: list[NatsNode], secrets: StackSecrets) -> str:
+    routes = ", ".join(json.dumps(f"nats-route://{peer.host}:{peer.cluster_port}") for peer in nodes if peer != node)
+    return (
+        f"server_name: {json.dumps(f'tandem-{node.name}')}\n"
+        f'listen: "{node.host}:{node.client_port}"\n'
+        f"jetstream {{ store_dir: {json.dumps(str(workdir / node.name))} }}\n"
+        f'cluster {{ name: "tandem-local", listen: "{node.host}:{node.cluster_port}", routes: [{routes}] }}\n' + secrets.nats_config()
+    )
+
+
+def start_nats_node(
+    workdir: Path, node: NatsNode, nodes: list[NatsNode], on_line: Callable[[str, str], None] | None = None
+) -> EmbeddedServer:
+    """One node of the cluster `nodes` (again, after a restart: the same ports and store)."""
+    secrets = load_or_create(workdir)
+    config = workdir / f"{node.name}.conf"
+    write_private(config, _cluster_node_config(workdir, node, nodes, secrets))
+    child = ChildProcess(node.name, [*node.prefix, nats_server_binary(), "-c", str(config)], on_line=on_line)
+    child.start()
+    _wait_ready(child, r"Server is ready", READY_TIMEOUT_S)
+    address = f"nats://{node.host}:{node.client_port}"
+    return EmbeddedServer(
+        url=with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR]), child=child, address=address, secrets=secrets
+    )
+
+
+def start_nats_cluster(
+    workdir: Path, num_nodes: int = 3, on_line: Callable[[str, str], None] | None = None, nodes: list[NatsNode] | None = None
+) -> NatsCluster:
+    """`num_nodes` nats-server nodes with JetStream, routed to each other, each with its own client
+    port and store under `workdir`, the same bus users as start_nats. JetStream elects its leader
+    after they meet: `init_token_stream` waits for it."""
+    nodes = nodes or plan_nats_cluster(num_nodes)
+    started: list[EmbeddedServer] = []
+    try:
+        for node in nodes:
+            started.append(start_nats_node(workdir, node, nodes, on_line))
+    except StartupError:
+        for server in started:
+            server.stop()
+        raise
+    return NatsCluster(started)
 
 
 def start_redis(

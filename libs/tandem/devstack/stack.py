@@ -26,7 +26,7 @@ The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
         await stack.wait_ready("decode-1", timeout_s=120)
 
 A member's name is its role when the stack runs one of that role ("router", "relay", "nats",
-"redis", and "decode", "prefill", "chat" when there is one), else its instance id ("decode-0",
+"redis"; with --ha (StackConfig.ha) the NATS nodes are "nats-0", "nats-1", "nats-2"), and "decode", "prefill", "chat" when there is one), else its instance id ("decode-0",
 "decode-1"). Each service instance has its own instance id, HTTP port and (workers) gRPC port,
 kept across its restarts: chat instance i listens on chat_port + i (each checked free at start),
 the others take free ports, and decode workers' UCX listeners a free port each. Servers restart on
@@ -36,7 +36,9 @@ survive a restart.
 Both servers require a login (tandem.devstack.servers): each service gets its role's bus user, the
 Redis password and the internal shared secret in its environment; the stack's own URLs carry the
 operator's login for tools, and <work folder>/operator.env holds it as settings (TANDEM_NATS_USER,
-...). A new `tandem up` makes a new set; nothing outlives the stack's work folder.
+...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
+up the stack runs `tandem bus init` (tandem.ops.bus_init) as the operator: the token stream, on
+every node of an --ha cluster, exists before any service starts.
 """
 
 from __future__ import annotations
@@ -54,14 +56,23 @@ from typing import Any
 
 from tandem.bus.permissions import OPERATOR
 from tandem.devstack.hosts import Host, HostNetwork
-from tandem.devstack.members import Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
+from tandem.devstack.members import HA_NATS_NODES, Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.redis_ha import RedisHA, start_redis_ha
 from tandem.devstack.secrets import env_file_text, with_login, write_private
-from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
+from tandem.devstack.servers import (
+    EmbeddedServer,
+    NatsCluster,
+    NatsNode,
+    plan_nats_cluster,
+    start_nats,
+    start_nats_node,
+    start_redis,
+)
 from tandem.devstack.stack_settings import stack_config_from
 from tandem.devstack.supervisor import signal_child, supervise
 from tandem.errors import StartupError
+from tandem.ops.bus_init import describe, init_bus
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
 
@@ -119,10 +130,7 @@ class Stack:
             self.network = HostNetwork()
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
-        nats_host = on("nats")
-        nats = await self._start_server(
-            "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(nats_host)), nats_host
-        )
+        nats = await self._start_bus()
         if self._config.ha:
             redis = await self._start_redis_ha()
         else:
@@ -251,7 +259,30 @@ class Stack:
 
     # -- members -----------------------------------------------------------------------------
 
-    def _write_operator_file(self, nats: EmbeddedServer, redis: EmbeddedServer) -> None:
+    async def _start_bus(self) -> EmbeddedServer | NatsCluster:
+        """NATS (--ha: a cluster, members nats-0, nats-1, ...), then the admin step that makes the
+        token stream (`tandem bus init`, as the operator): the services only wait for it."""
+        if not self._config.ha:
+            host = self._host_for("nats")
+            nats: EmbeddedServer | NatsCluster = await self._start_server(
+                "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host)), host
+            )
+        else:
+            hosts = [self._host_for(f"nats-{index}") for index in range(HA_NATS_NODES)]
+            nodes = plan_nats_cluster(HA_NATS_NODES, hosts)
+            started = []
+            for node, node_host in zip(nodes, hosts, strict=True):  # each restarts on its own ports and store
+
+                def start(_: int | None, node: NatsNode = node) -> EmbeddedServer:
+                    return start_nats_node(self._workdir, node, nodes, self._console.line)
+
+                started.append(await self._start_server("nats", start, node_host, name=node.name))
+            nats = NatsCluster(started)
+        stream = await init_bus(nats.url, self._config.token_stream)
+        self._console.say(f"tandem bus init: token stream {describe(stream)}")
+        return nats
+
+    def _write_operator_file(self, nats: EmbeddedServer | NatsCluster, redis: EmbeddedServer) -> None:
         """The operator's login as settings, for tools run next to the stack (`set -a; . FILE`)."""
         operator = {
             "TANDEM_NATS_URL": nats.address,
@@ -267,17 +298,19 @@ class Stack:
     def _host_for(self, name: str) -> Host | None:
         return None if self.network is None else self.network.add(name)
 
-    async def _start_server(self, role: str, start: Callable[[int | None], EmbeddedServer], host: Host | None) -> EmbeddedServer:
+    async def _start_server(
+        self, role: str, start: Callable[[int | None], EmbeddedServer], host: Host | None = None, name: str = ""
+    ) -> EmbeddedServer:
         server = await asyncio.to_thread(start, None)
         port = int(server.address.rsplit(":", 1)[1].split("/")[0])
 
         def relaunch() -> ChildProcess:  # the same port, so every client reconnects by itself
             return start(port).child
 
-        member = Member(name=role, role=role, launch=relaunch, readyz_url=None, url=server.address, child=server.child)
+        member = Member(name=name or role, role=role, launch=relaunch, readyz_url=None, url=server.address, child=server.child)
         member.is_ready.set()
         self._members.append(member)
-        self._console.say(f"{role} started (pid {server.pid}) at {server.address}{f' on host {host.name}' if host else ''}")
+        self._console.say(f"{member.name} started (pid {server.pid}) at {server.address}{f' on host {host.name}' if host else ''}")
         return server
 
     async def _start_redis_ha(self) -> EmbeddedServer:

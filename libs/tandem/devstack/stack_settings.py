@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.bus.token_stream import TokenStreamConfig
 from tandem.config import Settings
 from tandem.devstack.devices import host_gpus
-from tandem.devstack.members import StackConfig, dev_api_keys
+from tandem.devstack.members import HA_NATS_NODES, StackConfig, dev_api_keys
 from tandem.errors import StartupError
 from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
 
@@ -38,15 +39,19 @@ _STACK_OWNED_SETTINGS = frozenset(
         "large_model",
         "small_model",
         "tensor_parallel_size",  # the small model's workers run one rank
+        "token_stream_replicas",  # the stack's `tandem bus init`'s, not the services'
+        "token_stream_max_bytes",
+        "token_stream_max_age_s",
     }
 )
 
 
-def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str, str] | None = None) -> StackConfig:
+def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str, str] | None = None, is_ha: bool = False) -> StackConfig:
     """`flags`: the settings given to `tandem up` as flags (name -> value as typed); each reaches
     every service as its TANDEM_ variable, except those the stack sets per member. On a host with
     GPUs (unless TANDEM_DEVICE is cpu) each worker rank gets one of its own: NotEnoughGpus here,
-    before anything starts, when there are too few."""
+    before anything starts, when there are too few. `is_ha` (tandem up --ha): a NATS cluster and
+    the token stream on HA_NATS_NODES replicas unless TANDEM_TOKEN_STREAM_REPLICAS says otherwise."""
     extra_env: dict[str, str] = {"TANDEM_LOG_LEVEL": settings.log_level}
     if settings.model_path is not None:
         extra_env["TANDEM_MODEL_PATH"] = str(settings.model_path)
@@ -73,9 +78,22 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
         small_worker_env=small_worker_env,
         tensor_parallel_size=settings.tensor_parallel_size,
         gpus=_worker_gpus(settings.device),
+        ha=is_ha,
+        token_stream=token_stream_of(settings, is_ha),
     )
     config.visible_gpus()  # fails now, not in each worker, when the host has too few GPUs
     return config
+
+
+def token_stream_of(settings: Settings, is_ha: bool) -> TokenStreamConfig:
+    """The token stream the stack's `tandem bus init` makes: on every node of an HA stack's
+    cluster unless the replicas are set."""
+    is_set = "token_stream_replicas" in settings.model_fields_set
+    return TokenStreamConfig(
+        num_replicas=HA_NATS_NODES if is_ha and not is_set else settings.token_stream_replicas,
+        max_bytes=settings.token_stream_max_bytes,
+        max_age_s=settings.token_stream_max_age_s,
+    )
 
 
 def _worker_gpus(device: str) -> tuple[str, ...]:

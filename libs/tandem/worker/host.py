@@ -27,7 +27,6 @@ from nats.aio.msg import Msg
 
 from tandem.bus import Bus, subjects, validate
 from tandem.bus.cancels import RecentCancels
-from tandem.bus.token_stream import DEFAULT_MAX_AGE_S
 from tandem.engine.block_pool import KvEvent
 from tandem.engine.engine import Engine, EngineStats, ImportReservation, QueueWait, Request, RequestOutput
 from tandem.engine.sequence import Lane
@@ -62,7 +61,6 @@ class EngineHost:
         spec: EngineSpec,
         worker_id: str,
         targets: TtftTargets,
-        token_stream_max_age_s: float = DEFAULT_MAX_AGE_S,
         engine_metrics: EngineMetrics | None = None,
     ) -> None:
         self._spec = spec
@@ -74,7 +72,7 @@ class EngineHost:
         self._peers: PeerRanks | None = None  # the other ranks of a tensor-parallel engine on a thread
         self._kv_events: KvEventPublisher | None = None  # from start()
         self._replies = HeldReplies()
-        self._outputs = OutputPublisher(self._replies, worker_id, spec.model.name, token_stream_max_age_s)
+        self._outputs = OutputPublisher(self._replies, worker_id, spec.model.name)
         self._failure: str | None = None
         self._failed = asyncio.Event()
         self._cancels = RecentCancels()  # a cancel may overtake the reply's assignment

@@ -24,11 +24,10 @@ from tandem.worker.wire import token_event
 
 
 class OutputPublisher:
-    def __init__(self, replies: HeldReplies, worker_id: str, model_name: str, token_stream_max_age_s: float) -> None:
+    def __init__(self, replies: HeldReplies, worker_id: str, model_name: str) -> None:
         self._replies = replies
         self._worker_id = worker_id
         self._model_name = model_name
-        self._token_stream_max_age_s = token_stream_max_age_s
         self._outbox: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
         self._handoffs: dict[str, asyncio.Future[RequestOutput]] = {}
         self._js: JetStreamContext | None = None  # once the token stream is there
@@ -63,7 +62,7 @@ class OutputPublisher:
 
     async def run(self, bus: Bus) -> None:
         client = await bus.wait_connected()
-        js = self._js = await open_token_stream(client, self._token_stream_max_age_s)
+        js = self._js = await open_token_stream(client)
         while True:
             outputs = await self._outbox.get()
             while not self._outbox.empty():  # the steps that ran while the last batch was stored

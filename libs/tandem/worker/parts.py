@@ -90,7 +90,7 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     runtime_config = RuntimeConfig.from_settings(role, settings, uses_redis=False)
     targets = TtftTargets.from_settings(settings, spec.device)
     engine_metrics = EngineMetrics(role, model.name, settings.worker_hour_cost)
-    host = EngineHost(spec, runtime_config.instance_id, targets, settings.token_stream_max_age_s, engine_metrics)
+    host = EngineHost(spec, runtime_config.instance_id, targets, engine_metrics)
     heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load, host.claimed_reply_ids)
     runtime = Runtime(runtime_config, heartbeat=heartbeats.build)
     runtime.add_check("engine", host.is_ready)

@@ -3,7 +3,8 @@ PUBLISH_RETRY_S of a connected bus means this worker cannot deliver its replies:
 CannotPublish, and the worker gives up its replies (another worker continues them) and exits.
 Time during which the NATS server itself does not answer (stopped, frozen, restarting) does not
 count against that bound, so an outage of the whole bus does not make every worker exit; it
-counts against NATS_OUTAGE_S."""
+counts against NATS_OUTAGE_S. So does a full stream (it refuses new events until relays catch
+up): the worker backs off and retries, its replies pause."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from tandem.bus.token_batches import publish_batch
-from tandem.bus.token_stream import ensure_token_stream, publish_token
+from tandem.bus.token_stream import STREAM, find_token_stream, is_stream_full, publish_token
 from tandem.v1.tokens_pb2 import TokenBatch, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ async def _with_retries(what: str, attempt: Callable[[], Awaitable[T]], within_s
         try:
             return await attempt()
         except nats.errors.Error as exc:
-            if not await bus_is_up():
-                # The server itself does not answer (NATS stopped, frozen or reconnecting): a bus
-                # outage is not this worker's failure, so it does not count against `within_s`.
+            if is_stream_full(exc) or not await bus_is_up():
+                # The server itself does not answer (NATS stopped, frozen or reconnecting), or the
+                # stream is full until relays catch up: not this worker's failure, so it does not
+                # count against `within_s`.
                 deadline = max(deadline, loop.time() + within_s)
             if loop.time() >= min(deadline, started + NATS_OUTAGE_S):
                 raise CannotPublish(f"{what}: {type(exc).__name__} {exc}") from exc
@@ -79,8 +81,12 @@ async def _with_retries(what: str, attempt: Callable[[], Awaitable[T]], within_s
             backoff_s = min(2 * backoff_s, _MAX_BACKOFF_S)
 
 
-async def open_token_stream(client: Client, max_age_s: float, within_s: float = OPEN_STREAM_RETRY_S) -> JetStreamContext:
-    return await _with_retries("creating the token stream", lambda: ensure_token_stream(client, max_age_s), within_s)
+async def open_token_stream(client: Client, within_s: float = OPEN_STREAM_RETRY_S) -> JetStreamContext:
+    """The token stream, once it exists: the admin step makes it, never a worker. CannotPublish
+    after `within_s` without it (the worker exits; its supervisor starts it again)."""
+    return await _with_retries(
+        f"finding the token stream {STREAM} (`tandem bus init` creates it)", lambda: find_token_stream(client), within_s
+    )
 
 
 async def publish_event(

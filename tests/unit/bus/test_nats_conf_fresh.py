@@ -2,7 +2,17 @@
 
 from pathlib import Path
 
-from tandem.bus.permissions import PERMISSIONS, USERS, literal, password_variable, render_config, render_container_config
+from tandem.bus.permissions import (
+    OPERATOR,
+    PERMISSIONS,
+    SERVICE_ROLES,
+    STREAM_ADMIN,
+    USERS,
+    literal,
+    password_variable,
+    render_config,
+    render_container_config,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -36,3 +46,12 @@ def test_each_role_publishes_only_its_own_heartbeats():
     for role in ("prefill", "decode", "router", "relay", "chat"):
         heartbeats = [s for s in PERMISSIONS[role].publish if s.startswith("tandem.v1.heartbeat.")]
         assert heartbeats == [f"tandem.v1.heartbeat.{role}.*"]
+
+
+def test_no_service_role_may_create_update_or_delete_a_stream_and_the_operator_may():
+    for role in SERVICE_ROLES:
+        rights = PERMISSIONS[role]
+        assert set(rights.publish_deny) >= set(STREAM_ADMIN), role
+        assert not [s for s in rights.publish if s.startswith(("$JS.API.STREAM.CREATE", "$JS.API.STREAM.UPDATE", "$JS.API.STREAM.DELETE"))]
+    assert PERMISSIONS[OPERATOR].publish == (">",)
+    assert PERMISSIONS[OPERATOR].publish_deny == ()

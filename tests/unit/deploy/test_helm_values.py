@@ -55,6 +55,7 @@ def test_nats_users_are_the_bus_permissions_with_passwords_from_the_secret() -> 
         rights = PERMISSIONS[user["user"]]
         variable = password_variable(user["user"])
         assert user["permissions"]["publish"]["allow"] == list(rights.publish), user["user"]
+        assert user["permissions"]["publish"].get("deny", []) == list(rights.publish_deny), user["user"]
         assert user["permissions"]["subscribe"]["allow"] == list(rights.subscribe), user["user"]
         assert user["permissions"]["allow_responses"] == rights.allow_responses, user["user"]
         assert user["password"] == f"<< ${variable} >>", "the chart writes << >> unquoted: nats-server reads the variable"

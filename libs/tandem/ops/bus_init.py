@@ -1,0 +1,115 @@
+"""`tandem bus init`: the admin step that creates the token stream, or brings an existing one to
+the settings (token_stream_replicas, token_stream_max_bytes, token_stream_max_age_s). It logs
+in as the operator, the one bus user allowed to change a stream (tandem.bus.permissions); the
+services only wait for the stream. Run it once the bus is up and again after changing a setting:
+`tandem up` runs it after NATS starts, compose as its one-shot `bus-init` service, Kubernetes as
+the `tandem-bus-init` Job. Running it twice changes nothing the second time.
+
+A clustered JetStream answers only once its nodes have met and elected a leader, so it retries
+what the bus answers while it is not ready yet, for `within_s`; a stream the cluster cannot place
+(more replicas than nodes) fails at once, naming the setting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import nats
+import nats.errors
+from nats.js.api import StreamConfig
+from nats.js.errors import APIError, ServiceUnavailableError
+
+from tandem.bus.connection import server_urls, without_credentials
+from tandem.bus.token_stream import STREAM, TokenStreamConfig, ensure_token_stream
+from tandem.errors import StartupError
+
+log = logging.getLogger(__name__)
+
+INIT_WITHIN_S = 60.0
+_RETRY_S = 0.25
+# JetStream's answers while a cluster is still forming (no leader yet): try again.
+_NOT_READY = frozenset({10008})  # JetStream system temporarily unavailable
+# JetStream's answers to a stream it cannot place: no use trying again.
+_CANNOT_PLACE = frozenset({10005, 10074})  # no suitable peers; replicas > 1 on a server not clustered
+
+
+async def init_bus(
+    url: str, config: TokenStreamConfig, user: str = "", password: str = "", within_s: float = INIT_WITHIN_S
+) -> StreamConfig:
+    """Creates or updates the token stream on the bus at `url` (one URL or every node's,
+    comma-separated; the login in it, or `user` and `password`); returns the stream's
+    configuration as JetStream holds it. Raises StartupError when the bus is not there in
+    `within_s` or cannot hold the stream as configured."""
+    login = {"user": user, "password": password} if user else {}
+    shown = without_credentials(url)
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(server_urls(url), **login, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5),
+            within_s,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        raise StartupError(f"tandem bus init: cannot reach NATS at {shown} ({type(exc).__name__} {exc})") from None
+    try:
+        return await _ensure_within(nc, config, within_s)
+    finally:
+        await nc.close()
+
+
+async def _ensure_within(nc: nats.NATS, config: TokenStreamConfig, within_s: float) -> StreamConfig:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            js = await ensure_token_stream(nc, config)
+            return (await js.stream_info(STREAM)).config
+        except APIError as exc:
+            if exc.err_code in _CANNOT_PLACE:
+                raise StartupError(
+                    f"tandem bus init: the bus cannot keep {config.num_replicas} replicas of {STREAM} ({exc.description}): "
+                    "set TANDEM_TOKEN_STREAM_REPLICAS to at most the cluster's nodes (1 for a single server)"
+                ) from None
+            if exc.err_code not in _NOT_READY and not isinstance(exc, ServiceUnavailableError):
+                raise StartupError(f"tandem bus init: JetStream refused {STREAM}: {exc.description} (code {exc.err_code})") from None
+            problem: BaseException = exc
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as exc:
+            problem = exc
+        if loop.time() >= deadline:
+            raise StartupError(f"tandem bus init: JetStream not ready after {within_s:.0f} s ({type(problem).__name__} {problem})")
+        log.info("JetStream not ready yet (%s); retrying", type(problem).__name__)
+        await asyncio.sleep(_RETRY_S)
+
+
+def describe(stream: StreamConfig) -> str:
+    return (
+        f"{stream.name}: {stream.num_replicas} replica(s), at most {stream.max_bytes} bytes (discard {stream.discard}), "
+        f"events kept {stream.max_age:.0f} s"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tandem.config import load_settings
+
+    settings = load_settings()
+    config = TokenStreamConfig(
+        num_replicas=settings.token_stream_replicas,
+        max_bytes=settings.token_stream_max_bytes,
+        max_age_s=settings.token_stream_max_age_s,
+    )
+    stream = asyncio.run(init_bus(settings.nats_url, config, settings.nats_user, settings.nats_password.get_secret_value(), args.within_s))
+    print(f"token stream {describe(stream)}")
+    return 0
+
+
+def add_cli(commands: argparse._SubParsersAction) -> None:
+    bus = commands.add_parser("bus", help="the bus's admin steps")
+    actions = bus.add_subparsers(dest="action", required=True)
+    init = actions.add_parser(
+        "init",
+        help="create or update the token stream (the operator's login)",
+        description="Creates the JetStream token stream, or brings it to the settings: TANDEM_TOKEN_STREAM_REPLICAS, "
+        "TANDEM_TOKEN_STREAM_MAX_BYTES, TANDEM_TOKEN_STREAM_MAX_AGE_S. Logs in as TANDEM_NATS_USER (the operator: no "
+        "service may change a stream) at TANDEM_NATS_URL (one URL, or every node's comma-separated). Idempotent.",
+    )
+    init.add_argument("--within-s", type=float, default=INIT_WITHIN_S, help="how long to wait for the bus and JetStream")
+    init.set_defaults(run=_run)
