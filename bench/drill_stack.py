@@ -17,8 +17,11 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 
 from tandem.bus import BadMessage, decode
+from tandem.bus.connection import server_urls
+from tandem.bus.token_stream import TokenStreamConfig
 from tandem.config import ApiKey, Tier
 from tandem.devstack.hosts import HostNetwork
+from tandem.devstack.members import HA_NATS_NODES
 from tandem.devstack.proc import free_ports
 from tandem.devstack.stack import Console, Stack, StackConfig
 from tandem.v1.worker_pb2 import WorkerHeartbeat
@@ -51,9 +54,10 @@ class DrillStack:
             num_prefill_workers=prefill_workers,
             num_chat_instances=chat_instances,
             tensor_parallel_size=tensor_parallel_size,
+            ha=ha,  # as tandem up --ha: a NATS cluster, the token stream on every node
+            token_stream=TokenStreamConfig(num_replicas=HA_NATS_NODES if ha else 1),
             stable_after_s=5.0,  # drills kill the same member again soon: restart it after 1 s each time
             separate_hosts=separate_hosts,
-            ha=ha,
         )
         self._log = self.log_path.open("w")
         self._stack = Stack(self._config, Console(self._log))
@@ -64,7 +68,7 @@ class DrillStack:
 
     async def __aenter__(self) -> DrillStack:
         await self._stack.__aenter__()
-        self._nc = await nats.connect(self._stack.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self._nc = await nats.connect(server_urls(self._stack.nats_url), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         await self._nc.subscribe("tandem.v1.heartbeat.*.*", cb=self._on_heartbeat)
         return self
 

@@ -29,7 +29,7 @@ from tandem.bus import decode, encode, subjects
 from tandem.bus.token_batches import watch_events
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import local_service_env
-from tandem.devstack.servers import start_nats
+from tandem.devstack.servers import init_token_stream, start_nats
 from tandem.models.loader import load_tokenizer
 from tandem.v1 import common_pb2
 from tandem.v1.dispatch_pb2 import Assignment, AssignmentReply
@@ -145,6 +145,7 @@ def measure_ttft(num_tokens: int, repeats: int, dtype: str, num_threads: int | N
     prompt = prompt_of(num_tokens)
     with tempfile.TemporaryDirectory() as workdir:
         server = start_nats(Path(workdir))
+        init_token_stream(server)
         try:
             runs = asyncio.run(_measure(server.url, prompt, repeats, dtype, num_threads, cpus))
         finally:

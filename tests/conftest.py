@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
+from tandem.devstack.servers import EmbeddedServer, init_token_stream, start_nats, start_redis
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "integration", "e2e", "bench")
@@ -49,6 +49,7 @@ def servers_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def nats_server(servers_dir: Path) -> Iterator[EmbeddedServer]:
     server = start_nats(servers_dir)
+    init_token_stream(server)  # the admin step: services only wait for the stream
     yield server
     server.stop()
 

@@ -15,7 +15,7 @@ import nats
 from helpers import next_heartbeat, service_env, service_process, wait_until
 
 from tandem.devstack.proc import ChildProcess
-from tandem.devstack.servers import EmbeddedServer, start_nats, start_redis
+from tandem.devstack.servers import EmbeddedServer, init_token_stream, start_nats, start_redis
 
 API_KEYS = "key-alice=alice:plus,key-bob=bob:free,key-carol=carol:plus"
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -133,6 +133,7 @@ async def own_product_stack(
     """A product stack on a nats-server and redis-server of its own (for a module that needs other
     settings than the session's stack), stopped with its servers at the end."""
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
+    init_token_stream(nats_server)  # the admin step: services only wait for the stream
     try:
         nc = await nats.connect(nats_server.url)
         try:

@@ -18,7 +18,7 @@ from helpers import cassandra_tools_missing, wait_until
 from product_stack import ALICE, SseReader, read_stream, start_product_stack, text_of
 
 from tandem.devstack.cassandra_node import NodeConfig, start_node, stop_node
-from tandem.devstack.servers import start_nats, start_redis
+from tandem.devstack.servers import init_token_stream, start_nats, start_redis
 
 pytestmark = pytest.mark.real_model
 STORE_TIMEOUT_S = 3.0
@@ -38,6 +38,7 @@ async def cassandra_stack(node_config, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cassandra-servers")
     node = start_node(node_config)
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
+    init_token_stream(nats_server)  # the admin step: services only wait for the stream
     nc = await nats.connect(nats_server.url)
     stack = await start_product_stack(
         nc,

@@ -22,7 +22,7 @@ from helpers import next_heartbeat, service_env, service_process, wait_until
 from product_stack import ALICE, API_KEYS
 
 from tandem.bus.events import now_ms
-from tandem.devstack.servers import start_nats
+from tandem.devstack.servers import init_token_stream, start_nats
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 
@@ -419,6 +419,7 @@ async def test_a_refused_send_shows_why_and_gives_the_text_back(product_stack, c
 async def chat_without_workers(product_stack, tmp_path):
     """A chat instance on a bus of its own where no worker runs: every send is refused with 503."""
     bus = start_nats(tmp_path)
+    init_token_stream(bus)
     env = service_env(
         "chat", bus.url, product_stack.redis_url, TANDEM_STORE="sqlite", TANDEM_SQLITE_PATH=str(tmp_path / "c.db"), TANDEM_API_KEYS=API_KEYS
     )

@@ -26,7 +26,7 @@ from tandem.bus import decode, encode, subjects
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.config import Tier
 from tandem.devstack.proc import ChildProcess
-from tandem.devstack.servers import start_nats, start_redis
+from tandem.devstack.servers import init_token_stream, start_nats, start_redis
 from tandem.quota import QuotaConfig, TokenBuckets, reservation_key, worst_case_units
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
@@ -50,6 +50,7 @@ def store_path(tmp_path_factory) -> str:
 def servers(tmp_path_factory) -> Iterator[tuple[str, str]]:
     workdir = tmp_path_factory.mktemp("relay-servers")
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
+    init_token_stream(nats_server)  # the admin step: services only wait for the stream
     yield nats_server.url, redis_server.url
     redis_server.stop()
     nats_server.stop()

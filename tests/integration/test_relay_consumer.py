@@ -82,7 +82,7 @@ class Consumed:
 async def consumed(own_nats: Nats) -> AsyncIterator[Consumed]:
     client = await _connect(own_nats.server.url)
     result = Consumed()
-    config = TokenConsumerConfig(max_age_s=600, heartbeat_s=HEARTBEAT_S, expires_s=30 * HEARTBEAT_S, retry_s=0.1)
+    config = TokenConsumerConfig(heartbeat_s=HEARTBEAT_S, expires_s=30 * HEARTBEAT_S, retry_s=0.1)
     task = asyncio.create_task(TokenConsumer(client, result.handle, config).run())
     yield result
     task.cancel()

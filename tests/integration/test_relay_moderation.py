@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import ReplyStatus, now_ms
-from tandem.devstack.servers import start_nats, start_redis
+from tandem.devstack.servers import init_token_stream, start_nats, start_redis
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import ReplyMeta, create_reply, load_reply, read
@@ -49,6 +49,7 @@ def check_spec(request) -> str:
 def stack(tmp_path_factory, check_spec) -> Iterator[tuple[str, str, str, int]]:
     workdir = tmp_path_factory.mktemp("relay-moderation")
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
+    init_token_stream(nats_server)  # the admin step: services only wait for the stream
     store_path = str(workdir / "conversations.db")
     env = service_env(
         "relay",

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from tandem.bus.connection import without_credentials
+from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
 from tandem.errors import StartupError
 
@@ -102,8 +102,9 @@ def with_login(url: str, user: str, password: str) -> str:
 
 
 def login_of(url: str) -> tuple[str, str, str]:
-    """(the URL without its login, its user, its password); "" for what it lacks."""
-    parts = urlsplit(url)
+    """(the URL without its login, its user, its password); "" for what it lacks. A cluster's
+    comma-separated URLs carry one login: the first's."""
+    parts = urlsplit(server_urls(url)[0])
     return without_credentials(url), unquote(parts.username or ""), unquote(parts.password or "")
 
 
