@@ -17,7 +17,7 @@ import logging
 
 import nats
 import nats.errors
-from nats.js.api import StreamConfig
+from nats.js.api import DiscardPolicy, StreamConfig
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from tandem.bus.connection import server_urls, without_credentials
@@ -82,7 +82,7 @@ async def _ensure_within(nc: nats.NATS, config: TokenStreamConfig, within_s: flo
 
 def describe(stream: StreamConfig) -> str:
     return (
-        f"{stream.name}: {stream.num_replicas} replica(s), at most {stream.max_bytes} bytes (discard {stream.discard}), "
+        f"{stream.name}: {stream.num_replicas} replica(s), at most {stream.max_bytes} bytes (discard {DiscardPolicy(stream.discard or DiscardPolicy.OLD).value}), "
         f"events kept {stream.max_age:.0f} s"
     )
 
