@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 import nats
 import nats.errors
@@ -113,3 +114,21 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
     )
     init.add_argument("--within-s", type=float, default=INIT_WITHIN_S, help="how long to wait for the bus and JetStream")
     init.set_defaults(run=_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.ops.bus_init`: the same step where only the package is installed (the
+    compose service and the Kubernetes Job run it so)."""
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bus", "init", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.run(args))
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    sys.exit(main())

@@ -247,3 +247,13 @@ def test_cassandra_entrypoint_refuses_to_start_without_a_password(services: dict
     env = {"PATH": "/usr/bin:/bin", "CASSANDRA_CONF": str(tmp_path)}
     result = subprocess.run(["/bin/sh", str(ROOT / mount.split(":")[0])], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "TANDEM_CASSANDRA_PASSWORD" in result.stderr
+
+
+def test_bus_init_runs_as_the_operator_before_every_service(services: dict) -> None:
+    init = services["bus-init"]
+    assert init["command"] == ["python", "-m", "tandem.ops.bus_init"]
+    assert init["environment"]["TANDEM_NATS_USER"] == "operator"
+    assert references(init["environment"]) == {"TANDEM_NATS_PASSWORD": password_variable("operator")}
+    assert init["depends_on"]["nats"] == {"condition": "service_healthy"}
+    for role in ROLES:
+        assert services[role]["depends_on"]["bus-init"] == {"condition": "service_completed_successfully"}, role

@@ -282,3 +282,21 @@ def test_every_object_lands_in_the_tandem_namespace(rendered: list[Object]) -> N
     for item in rendered:
         if item["kind"] != "Namespace":
             assert item["metadata"].get("namespace") == "tandem", f"{item['kind']}/{item['metadata']['name']}"
+
+
+def test_bus_init_job_runs_as_the_operator_with_a_replica_per_nats_node(
+    rendered: list[Object], secrets: list[Object], secret_set: StackSecrets
+) -> None:
+    job = by_kind(rendered, "Job")["bus-init"]
+    pod = job["spec"]["template"]["spec"]
+    (init,) = pod["containers"]
+    assert init["command"] == ["python", "-m", "tandem.ops.bus_init"]
+    env = {item["name"]: item.get("value") for item in init["env"]}
+    assert env["TANDEM_NATS_USER"] == "operator"
+    nats_nodes = yaml.safe_load((ROOT / "deploy" / "helm" / "nats-values.yaml").read_text())["config"]["cluster"]["replicas"]
+    assert int(env["TANDEM_TOKEN_STREAM_REPLICAS"]) == nats_nodes
+    assert {"secretRef": {"name": "tandem-bus-admin"}} in init["envFrom"]
+    admin = {s["metadata"]["name"]: s for s in secrets if s["kind"] == "Secret"}["tandem-bus-admin"]
+    assert set(admin["data"]) == {"TANDEM_NATS_PASSWORD"}
+    assert base64.b64decode(admin["data"]["TANDEM_NATS_PASSWORD"]).decode() == secret_set.nats_passwords["operator"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and init["securityContext"]["allowPrivilegeEscalation"] is False
