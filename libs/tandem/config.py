@@ -305,7 +305,6 @@ class Settings(BaseSettings):
     # operations (issue 14)
     worker_hour_cost: Annotated[float, Field(ge=0)] = 0.0
     """workers: what one hour of this worker costs (any currency), for the cost per million output tokens; 0: unknown"""
-
     # models and the assistant's judgement (issue 13)
     cpu_gemm: Literal["auto", "fastest", "packed", "amx", "onednn"] = "auto"
     """workers on a CPU: which kernel multiplies each packed projection's rows, timed on this machine once and kept in ~/.cache/tandem/kernels (kernels/gemm_choice.py): auto (one kernel a projection for every row count, the best overall among those as fast at one row: a row's bits do not depend on its batch), fastest (each bucket of rows its fastest kernel: faster where they differ, but a reply's text may then depend on its batch), or one kernel forced where it serves (packed: AVX512-BF16/AVX2 dot products; amx: AMX tiles; onednn: torch's matmul)"""
@@ -364,8 +363,7 @@ class Settings(BaseSettings):
     @field_validator("model_path", mode="before")
     @classmethod
     def _empty_model_path_is_embedded(cls, value: object) -> object:
-        # compose passes TANDEM_MODEL_PATH= when the user names no model
-        return None if value == "" else value
+        return None if value == "" else value  # compose passes TANDEM_MODEL_PATH= when the user names no model
 
     @field_validator("http_port", "grpc_port")
     @classmethod
