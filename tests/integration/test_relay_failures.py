@@ -29,7 +29,7 @@ from tandem.bus.events import ReplyStatus, now_ms
 from tandem.bus.token_stream import ensure_token_stream, publish_token
 from tandem.config import Tier
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.servers import start_nats
+from tandem.devstack.servers import init_token_stream, start_nats
 from tandem.quota import QuotaConfig, TokenBuckets, reservation_key, worst_case_units
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
@@ -93,6 +93,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nats_url(workdir) -> Iterator[str]:
     server = start_nats(workdir)
+    init_token_stream(server)  # the admin step: the relay only waits for the stream
     yield server.url
     server.stop()
 

@@ -42,7 +42,7 @@ from services.relay.unstored import UnstoredConfig, keep_unstored
 from tandem.bus.events import ReplyStatus, now_ms
 from tandem.bus.token_stream import ensure_token_stream, publish_token
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.servers import start_nats
+from tandem.devstack.servers import init_token_stream, start_nats
 from tandem.store import Conversation, NewMessage, Role
 from tandem.store.sqlite import SqliteStore
 from tandem.tokenlog import UNPERSISTED, ReplyKeys, ReplyMeta, create_reply, load_reply
@@ -74,6 +74,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nats_url(workdir) -> Iterator[str]:
     server = start_nats(workdir)
+    init_token_stream(server)  # the admin step: the relay only waits for the stream
     yield server.url
     server.stop()
 

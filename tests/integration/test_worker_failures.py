@@ -33,7 +33,7 @@ from tandem.bus import decode, encode, subjects
 from tandem.bus.token_batches import events_in, watch_events
 from tandem.bus.token_stream import STREAM, ensure_token_stream
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.servers import EmbeddedServer, start_nats
+from tandem.devstack.servers import EmbeddedServer, init_token_stream, start_nats
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
 from tandem.kernels import select_attention
@@ -56,6 +56,7 @@ STORY = [{"role": "user", "content": "Tell me a very long story about a dragon w
 @pytest.fixture(scope="module")
 def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
     server = start_nats(Path(tmp_path_factory.mktemp("worker-failures-nats")))
+    init_token_stream(server)  # the admin step: workers only wait for the stream
     yield server
     server.stop()
 

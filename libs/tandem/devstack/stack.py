@@ -278,7 +278,11 @@ class Stack:
 
                 started.append(await self._start_server("nats", start, node_host, name=node.name))
             nats = NatsCluster(started)
-        stream = await init_bus(nats.url, self._config.token_stream)
+        try:
+            stream = await init_bus(nats.url, self._config.token_stream)
+        except StartupError:
+            await self.stop()  # the servers started so far
+            raise
         self._console.say(f"tandem bus init: token stream {describe(stream)}")
         return nats
 
