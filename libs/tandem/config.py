@@ -7,11 +7,8 @@ Components never read Settings directly; each process's wiring hands them the fi
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +22,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from tandem.api_keys import ApiKey as ApiKey  # imported from here too
+from tandem.api_keys import Tier as Tier
+from tandem.api_keys import parse_api_keys as parse_api_keys
 from tandem.cpu_list import parse_cpu_list as parse_cpu_list  # where bench and tests import it from
 from tandem.errors import StartupError
 
@@ -34,40 +34,6 @@ DEFAULT_GRPC_PORTS = {"prefill": 50061, "decode": 50062}
 DeviceSetting = Literal["auto", "cpu", "cuda"]
 DtypeSetting = Literal["auto", "bf16", "fp32"]
 KvCacheDtypeSetting = Literal["auto", "bf16", "fp32", "fp8"]
-
-
-class Tier(str, Enum):
-    FREE = "free"
-    PLUS = "plus"
-    PRO = "pro"
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    user_id: str
-    tier: Tier
-
-
-_KEY_ENTRY = re.compile(r"^(?P<key>[^\s=,:]+)=(?P<user>[^\s=,:]+):(?P<tier>[^\s=,:]+)$")
-
-
-def parse_api_keys(spec: str) -> dict[str, ApiKey]:
-    """Parses "key1=user1:plus,key2=user2:free"; raises ValueError naming the bad entry."""
-    keys: dict[str, ApiKey] = {}
-    tiers = ", ".join(t.value for t in Tier)
-    for raw in spec.split(","):
-        entry = raw.strip()
-        if not entry:
-            continue
-        match = _KEY_ENTRY.match(entry)
-        if match is None:
-            raise ValueError(f"entry {entry!r} must look like key=user:tier (tier one of {tiers})")
-        if match["tier"] not in {t.value for t in Tier}:
-            raise ValueError(f"entry {entry!r} has unknown tier {match['tier']!r} (one of {tiers})")
-        if match["key"] in keys:
-            raise ValueError(f"key {match['key']!r} is listed twice")
-        keys[match["key"]] = ApiKey(user_id=match["user"], tier=Tier(match["tier"]))
-    return keys
 
 
 class Settings(BaseSettings):
