@@ -126,11 +126,11 @@ async def test_a_killed_node_loses_no_acknowledged_event_and_the_publisher_and_r
     timeline = Timeline()
     writer = TokenLogWriter(redis, ttl_s=300, running_ttl_s=300)
 
-    async def log_event(event: TokenEvent) -> None:
-        await writer.append(event)
-        timeline.append_times.append(time.monotonic())
+    async def log_events(events: list[TokenEvent]) -> None:  # a delivery: one event, or a worker's batch
+        await writer.append_many(events)
+        timeline.append_times.extend(time.monotonic() for _ in events)
 
-    consumer = asyncio.create_task(TokenConsumer(relay_client, log_event, TokenConsumerConfig()).run())
+    consumer = asyncio.create_task(TokenConsumer(relay_client, log_events, TokenConsumerConfig()).run())
     killed = asyncio.Event()
     reply_ids = [f"chatcmpl-ha-{uuid.uuid4().hex[:8]}-{i}" for i in range(NUM_REPLIES)]
     js = publisher.jetstream()
