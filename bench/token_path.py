@@ -54,7 +54,7 @@ async def relay_main(nats_url: str, redis_url: str) -> None:
     client = await nats.connect(nats_url)
     redis = short_command_client(redis_url, 64, {})  # as the relay's runtime makes it
     appender = LogAppender(TokenLogWriter(redis, ttl_s=600, running_ttl_s=600), None, lambda event: None)
-    consumer = TokenConsumer(client, appender.append, TokenConsumerConfig(max_age_s=600))
+    consumer = TokenConsumer(client, appender.append, TokenConsumerConfig())
     task = asyncio.create_task(consumer.run())
     deadline_s = time.monotonic() + 30
     while not consumer.is_running:

@@ -131,9 +131,7 @@ async def test_killing_the_primary_mid_stream_loses_no_acknowledged_event_and_du
         acknowledged.extend((event.reply_id, event.seq) for event in events)
         handled_at_s.append(time.monotonic())
 
-    consumer = TokenConsumer(
-        nc, log_events, TokenConsumerConfig(max_age_s=600, durable=f"failover-{uuid.uuid4().hex[:6]}", nak_delay_s=0.1)
-    )
+    consumer = TokenConsumer(nc, log_events, TokenConsumerConfig(durable=f"failover-{uuid.uuid4().hex[:6]}", nak_delay_s=0.1))
     consuming = asyncio.create_task(consumer.run())
     buckets = TokenBuckets(redis, QuotaConfig(6000, 60000, 600000, refill_s=1e9, reservation_ttl_s=600))
     quota_user = f"u-{uuid.uuid4().hex[:6]}"

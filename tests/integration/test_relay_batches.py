@@ -62,7 +62,7 @@ class Relay:
         self.writer = TokenLogWriter(redis, ttl_s=60, running_ttl_s=60)
         self.finished: list[str] = []
         self.handler = FailsOnce(LogAppender(self.writer, None, lambda event: self.finished.append(event.reply_id)), self.writer)
-        config = TokenConsumerConfig(max_age_s=600, durable="relay-batches", heartbeat_s=0.2, expires_s=6.0, nak_delay_s=0.1, retry_s=0.1)
+        config = TokenConsumerConfig(durable="relay-batches", heartbeat_s=0.2, expires_s=6.0, nak_delay_s=0.1, retry_s=0.1)
         self.task = asyncio.create_task(TokenConsumer(client, self.handler.append, config).run())
 
 

@@ -138,6 +138,9 @@ class HostNetwork:
     def close(self) -> None:
         """Removes every host (its namespace, and with it its veth pair) and the bridge."""
         for host in self.hosts.values():
+            # The pair goes with its end here at once; with the namespace it goes only once the
+            # kernel's cleanup gets to it, later.
+            subprocess.run(["ip", "link", "del", host.port_device], capture_output=True, timeout=_COMMAND_TIMEOUT_S, check=False)
             subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True, timeout=_COMMAND_TIMEOUT_S, check=False)
         self.hosts = {}
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=_COMMAND_TIMEOUT_S, check=False)
