@@ -7,10 +7,12 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from drill_report import DrillReport
 from drill_stack import DrillStack
@@ -19,7 +21,7 @@ from drill_storm import reconnect_storm, storm_met, storm_target
 Fault = Callable[[DrillStack], Awaitable[str]]
 PARTITION_S = 10.0  # how long a partition lasts
 HOST_DRILLS = ("partition_decode", "partition_relay_redis")  # they need every member on a host of its own
-HA_DRILLS = ("kill_redis_primary",)  # they need the stack's servers with failover (--ha)
+HA_DRILLS = ("kill_redis_primary", "kill_nats_node")  # they need the stack's servers with failover (--ha)
 # A drill that drives its own load and fault (the reconnect storm) instead of drills.run_load's.
 OwnRun = Callable[[DrillStack, argparse.Namespace], Awaitable[DrillReport]]
 
@@ -81,6 +83,44 @@ async def pause_nats(stack: DrillStack) -> str:
     await asyncio.sleep(10.0)  # the fault itself lasts 10 s
     stack.signal("nats", signal.SIGCONT)
     return f"SIGSTOP nats-server (pid {pid}) for 10 s"
+
+
+def connected_peers(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) at the other end of each established TCP connection of process `pid`,
+    read from /proc (its own network namespace's table)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    peers = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
+            address, port = fields[2].split(":")
+            peers.add((socket.inet_ntoa(bytes.fromhex(address)[::-1]), int(port, 16)))
+    return peers
+
+
+async def kill_nats_node(stack: DrillStack) -> str:
+    """kill -9 the NATS node the relay is connected to (--ha: a cluster of three); the relay and
+    every service on it reconnect to another node."""
+    relay = stack.members("relay")[0]
+    relay_pid = stack.stack.member(relay).pid
+    if relay_pid is None:
+        raise RuntimeError("the relay is not running")
+    peers = connected_peers(relay_pid)
+    nodes = stack.stack.members_of("nats")
+    if len(nodes) < 2:
+        raise RuntimeError("the stack runs one NATS node: this drill needs --ha")
+    node = next((m for m in nodes if (urlsplit(m.url).hostname, urlsplit(m.url).port) in peers), None)
+    if node is None:
+        raise RuntimeError(f"the relay (pid {relay_pid}) is connected to no NATS node; its peers: {sorted(peers)}")
+    pid = stack.signal(node.name, signal.SIGKILL)
+    return f"kill -9 {node.name} (pid {pid}), the NATS node the relay was connected to"
 
 
 async def kill_redis_primary(stack: DrillStack) -> str:
@@ -162,6 +202,9 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
         "kill_relay": DrillPlan("kill_relay", kill_relay, n, f"{n}/{n} complete, every stored turn complete"),
         "restart_redis": DrillPlan("restart_redis", restart_redis, n, f"{n}/{n} complete, every stored turn complete"),
         "pause_nats": DrillPlan("pause_nats", pause_nats, n, "every reply completes or errors clearly; 0 hung", check_texts=False),
+        "kill_nats_node": DrillPlan(
+            "kill_nats_node", kill_nats_node, n, f"{n}/{n} complete, texts identical, every stored turn complete, pause <= 5 s"
+        ),
         "kill_redis_primary": DrillPlan(
             "kill_redis_primary", kill_redis_primary, n, f"{n}/{n} complete, texts identical, every stored turn complete, pause <= 5 s"
         ),
@@ -195,7 +238,7 @@ def met(report: DrillReport, plan: DrillPlan) -> bool:
     if plan.name in ("kill_relay", "restart_redis"):
         return report.completed == n and report.stored.get("complete", 0) == n
     after_heal = report.pause_after_heal_s if report.pause_after_heal_s is not None else float("inf")
-    if plan.name == "kill_redis_primary":
+    if plan.name in ("kill_redis_primary", "kill_nats_node"):
         stored = report.stored.get("complete", 0) == n
         return report.completed == n and identical and stored and report.hung == 0 and report.longest_pause_s <= 5.0
     if plan.name == "partition_decode":
