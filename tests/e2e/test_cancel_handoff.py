@@ -16,6 +16,7 @@ import pytest
 from helpers import next_heartbeat, service_env, service_process
 
 from tandem.bus import decode, encode, subjects
+from tandem.bus.token_batches import watch_events
 from tandem.devstack.proc import ChildProcess
 from tandem.models.loader import load_tokenizer
 from tandem.models.tokenizer import Tokenizer
@@ -99,11 +100,10 @@ async def _worker_heartbeat_where(nc, role: str, instance_id: str, condition, ti
 async def _start(nc, prompt: list[int]) -> tuple[str, asyncio.Queue[TokenEvent], object]:
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-    async def on_event(msg):
-        if msg.subject.startswith(("tandem.v1.tokens.", "tandem.v1.finals.")):  # workers' events and the router's finals
-            events.put_nowait(decode(msg.data, TokenEvent))
+    async def on_event(event: TokenEvent) -> None:  # workers' events (single or batched) and the router's finals
+        events.put_nowait(event)
 
-    subscription = await nc.subscribe("tandem.v1.*.*", cb=on_event)
+    subscription = await watch_events(nc, on_event)
     request = GenerateRequest(model="auto", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=300))
     reply = decode((await nc.request(subjects.GENERATE, encode(request), timeout=30)).data, GenerateReply)
     assert reply.WhichOneof("outcome") == "reply_id", reply
