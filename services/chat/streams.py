@@ -14,7 +14,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat.errors import Gone, Unavailable
 from services.chat.sse import SseEvent, error_data, meta_event, moderated_event, sse_response
-from tandem.bus.events import ReplyStatus, finish_name, finish_of_status, now_ms
+from tandem.bus.events import ReplyStatus, finish_name, finish_of_status, now_ms, served_model
 from tandem.runtime.request_id import current_request_id
 from tandem.store import ConversationStore, Message
 from tandem.tokenlog import load_reply, logged_events
@@ -25,7 +25,7 @@ REPLY_FAILED = "the reply failed before it finished; the text it had is kept; re
 
 async def as_logged(redis: Redis, store: ConversationStore, message: Message, grace_s: float) -> Message:
     """A message the store still has as running, as its token log has it now: the text so far,
-    or its final text, status and tokens when the reply ended before the relay stored it; failed
+    or its final text, status, tokens and served model when the reply ended before the relay stored it; failed
     (settled in the store) when its log is gone (see `is_starting` for `grace_s`)."""
     meta = await load_reply(redis, message.id)
     if meta is None:
@@ -37,7 +37,8 @@ async def as_logged(redis: Redis, store: ConversationStore, message: Message, gr
     tokens = events[-1].usage.output_tokens if events else 0
     if meta.status == ReplyStatus.MODERATED:  # withdrawn by the output check: its text is not shown
         text = ""
-    return replace(message, content=text, status=meta.status, tokens=tokens)
+    # As the relay will store it: the version that wrote it, not the name the turn was asked with.
+    return replace(message, content=text, status=meta.status, tokens=tokens, model=served_model(events) or message.model)
 
 
 def is_starting(message: Message, grace_s: float) -> bool:

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from services.relay import metrics
 from services.relay.ledger import reply_usage
 from services.relay.outcomes import OutcomePublisher, reply_outcome
-from tandem.bus.events import ReplyStatus, finish_name, is_final
+from tandem.bus.events import ReplyStatus, finish_name, is_final, served_model
 from tandem.store import ConversationStore, ShadowAnswer, StoreUnavailable
 from tandem.tokenlog import REPLY_SET_TTL_S, UNPERSISTED, ReplyKeys, ReplyMeta, load_reply, logged_events
 from tandem.tokenlog.reader import entry_id
@@ -133,11 +133,6 @@ def _text(meta: ReplyMeta, events: list[TokenEvent]) -> str:
     return "" if meta.status == ReplyStatus.MODERATED else "".join(event.text for event in events)
 
 
-def _served_model(events: list[TokenEvent]) -> str:
-    """The served model the worker's final event names (a router's or relay's final names none)."""
-    return next((event.model for event in reversed(events) if event.model), "")
-
-
 def _shadow_answer(meta: ReplyMeta, request: GenerateRequest, events: list[TokenEvent], outcome: ReplyOutcome) -> ShadowAnswer:
     final = events[-1] if events and is_final(events[-1]) else None
     num_output_tokens = 0 if final is None else final.usage.output_tokens or max(0, final.seq - 1)  # no usage: an error's
@@ -166,5 +161,5 @@ async def _store_turn(store: ConversationStore, meta: ReplyMeta, events: list[To
         content=_text(meta, events),
         status=meta.status,
         tokens=num_output_tokens,
-        model=_served_model(events),
+        model=served_model(events),
     )

@@ -258,6 +258,19 @@ async def test_a_turn_stored_a_moment_ago_without_its_log_yet_is_not_settled(sta
     assert (await stored(state, turn)).status == ReplyStatus.RUNNING
 
 
+async def test_a_turn_whose_log_ended_before_the_relay_stored_it_reads_with_the_version_that_wrote_it(state):
+    turn = await running_turn(state)  # asked of "m"; the router sent it to version 1
+    await create_reply(state.redis, ReplyMeta(reply_id=turn.id, model="m"), track_readers=True)
+    writer = TokenLogWriter(state.redis, ttl_s=60)
+    await writer.append(TokenEvent(reply_id=turn.id, seq=1, text="red"))
+    final = final_event(turn.id, 2, FINISH_REASON_STOP)
+    final.model = "m@1"
+    await writer.append(final)
+    shown = await streams_of(state).as_logged(turn)
+    assert (shown.status, shown.content, shown.model) == (ReplyStatus.COMPLETE, "red", "m@1")
+    await vanish(state, turn.id)
+
+
 async def test_a_log_that_vanishes_mid_stream_settles_its_stored_turn_as_failed_with_the_text_streamed(state):
     turn = await running_turn(state)
     await create_reply(state.redis, ReplyMeta(reply_id=turn.id, message_id=turn.id, model="m"), track_readers=True)

@@ -53,6 +53,12 @@ def is_final(event: TokenEvent) -> bool:
     return event.finish != FINISH_REASON_UNSPECIFIED
 
 
+def served_model(events: list[TokenEvent]) -> str:
+    """The served model a reply's worker named on its final event (a router's or relay's final
+    names none): the version that wrote the reply; empty when no event names one."""
+    return next((event.model for event in reversed(events) if event.model), "")
+
+
 def finish_name(finish: int) -> str:
     """The client-facing name: "stop", "length", "cancelled", "content_filter" or "error"; raises ValueError for an event that ends nothing."""
     try:
