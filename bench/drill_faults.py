@@ -119,8 +119,15 @@ async def kill_nats_node(stack: DrillStack) -> str:
     node = next((m for m in nodes if (urlsplit(m.url).hostname, urlsplit(m.url).port) in peers), None)
     if node is None:
         raise RuntimeError(f"the relay (pid {relay_pid}) is connected to no NATS node; its peers: {sorted(peers)}")
+    stream_leader, consumer_leader = await stack.stream_leaders()
+    led = [
+        what
+        for what, leader in (("the token stream", stream_leader), ("the relay's consumer", consumer_leader))
+        if leader == f"tandem-{node.name}"
+    ]
     pid = stack.signal(node.name, signal.SIGKILL)
-    return f"kill -9 {node.name} (pid {pid}), the NATS node the relay was connected to"
+    # A leader's loss waits for nats-server's raft election (4-9 s, fixed in its code).
+    return f"kill -9 {node.name} (pid {pid}), the NATS node the relay was connected to; it led {' and '.join(led) or 'neither the token stream nor the relay consumer'}"
 
 
 async def kill_redis_primary(stack: DrillStack) -> str:

@@ -16,9 +16,10 @@ import nats
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 
+from services.relay.consumer import TokenConsumerConfig
 from tandem.bus import BadMessage, decode
 from tandem.bus.connection import server_urls
-from tandem.bus.token_stream import TokenStreamConfig
+from tandem.bus.token_stream import STREAM, TokenStreamConfig
 from tandem.config import ApiKey, Tier
 from tandem.devstack.hosts import HostNetwork
 from tandem.devstack.members import HA_NATS_NODES
@@ -87,6 +88,15 @@ class DrillStack:
         except BadMessage:
             return
         self.heartbeats[heartbeat.service.instance_id] = heartbeat
+
+    async def stream_leaders(self) -> tuple[str, str]:
+        """The servers leading the token stream and the relay's consumer now (a cluster's raft
+        groups; a node's loss that takes a leader waits for an election)."""
+        assert self._nc is not None
+        js = self._nc.jetstream()
+        stream = await js.stream_info(STREAM)
+        consumer = await js.consumer_info(STREAM, TokenConsumerConfig().durable)
+        return (stream.cluster.leader if stream.cluster else "") or "", (consumer.cluster.leader if consumer.cluster else "") or ""
 
     @property
     def chat_urls(self) -> list[str]:

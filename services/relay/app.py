@@ -154,7 +154,12 @@ def build_app(settings: Settings) -> FastAPI:
             await moderator.stop()
         await store.close()
 
+    async def pull_again() -> None:
+        if consumer is not None:
+            await consumer.reconnected()
+
     runtime.bus.on_connect(start_watching)
+    runtime.bus.on_reconnect(pull_again)
     runtime.add_check("subscribed", is_consuming)
     runtime.add_check("store", store_answers)
     return create_app(runtime, on_start=on_start, on_stop=on_stop)

@@ -15,7 +15,9 @@ sends a pull request per event whenever events come one at a time (a lone reply 
 for 40 such events, against one here (tests/integration/test_relay_consumer.py). The server's
 idle heartbeats tell a live pull from a lost one (NATS restarted, its store lost, a request
 dropped): when neither an event nor a heartbeat has come for MISSED_HEARTBEATS heartbeats, the
-relay subscribes again."""
+relay subscribes again. When the client reconnects (its NATS node lost, the client on another one
+of the cluster), the relay asks again at once (`reconnected`) instead of waiting out the
+heartbeats: a pull request sent through the lost node may be gone with it."""
 
 from __future__ import annotations
 
@@ -79,14 +81,20 @@ class _Inbox:
     def __init__(self) -> None:
         self._messages: list[Msg] = []
         self._arrived = asyncio.Event()
+        self.reconnected = False  # the client reconnected since the last take: pull again
 
     async def put(self, message: Msg) -> None:  # the subscription's callback
         self._messages.append(message)
         self._arrived.set()
 
+    def wake_reconnected(self) -> None:
+        self.reconnected = True
+        self._arrived.set()
+
     async def take(self, timeout_s: float) -> list[Msg]:
-        """Everything that came, waiting up to `timeout_s` for something; [] when nothing did."""
-        if not self._messages:
+        """Everything that came, waiting up to `timeout_s` for something; [] when nothing did (or
+        the client reconnected meanwhile: `reconnected`)."""
+        if not self._messages and not self.reconnected:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout_s):
                     await self._arrived.wait()
@@ -100,13 +108,20 @@ class TokenConsumer:
         self._client = client
         self._handle = handle
         self._config = config
+        self._inbox: _Inbox | None = None
         self.is_running = False
+
+    async def reconnected(self) -> None:
+        """The client is connected again (nats-py's reconnected callback): the pull is sent again
+        now, through the node the client is on."""
+        if self._inbox is not None:
+            self._inbox.wake_reconnected()
 
     async def run(self) -> None:
         """Consumes until cancelled. A pull that is lost or refused (NATS gone, the consumer or
         stream lost with a server's store) subscribes again."""
         while True:
-            inbox = _Inbox()
+            inbox = self._inbox = _Inbox()
             subscription = await self._subscribe(inbox)
             self.is_running = True
             try:
@@ -128,7 +143,11 @@ class TokenConsumer:
                 await self._pull(inbox_subject, self._config.batch - requested)
                 requested = self._config.batch
             messages = await inbox.take(MISSED_HEARTBEATS * self._config.heartbeat_s)
-            if not messages:
+            if inbox.reconnected:  # the open request may be lost with the node: ask afresh (more asked is harmless)
+                inbox.reconnected = False
+                log.info("token stream: reconnected; pulling again")
+                requested = 0
+            elif not messages:
                 log.warning("token stream: no word from the server for %d heartbeats; subscribing again", MISSED_HEARTBEATS)
                 return
             events = []

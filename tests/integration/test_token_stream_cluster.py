@@ -25,6 +25,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import wait_until
 from nats.aio.client import Client
+from redis.exceptions import RedisError
 
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig
 from tandem.bus.token_stream import STREAM, TokenStreamConfig, token_stream_config
@@ -170,6 +171,75 @@ async def test_a_killed_node_loses_no_acknowledged_event_and_the_publisher_and_r
     print(f"\nkilled nats-{victim} ({role}): longest pause publishing {publish_pause_s:.2f} s, relaying {relay_pause_s:.2f} s")
     bound_s = MAX_LEADER_LOSS_PAUSE_S if led else MAX_PAUSE_S
     assert publish_pause_s <= bound_s and relay_pause_s <= bound_s, (publish_pause_s, relay_pause_s)
+
+
+async def test_the_relay_pulls_again_as_soon_as_it_is_on_another_node(cluster, redis):
+    # The relay's node dies leading neither the stream nor the consumer: no election, so the pause
+    # is the relay's own. Heartbeats 20 s apart (loss noticed after 60 s) leave only the reconnect
+    # to send the pull again through the node the client is now on.
+    probe = await _connect(cluster.url.split(","))
+    starter = asyncio.create_task(TokenConsumer(probe, _ignore, TokenConsumerConfig()).run())  # the durable consumer exists
+    await wait_until(lambda: _consumer_exists(probe), timeout_s=30)
+    starter.cancel()
+    await asyncio.gather(starter, return_exceptions=True)
+    leaders = {await _stream_leader(probe), await _consumer_leader(probe)}
+    victim = next(i for i in range(len(cluster.nodes)) if f"tandem-nats-{i}" not in leaders)
+    urls = cluster.url.split(",")
+    others = [url for i, url in enumerate(urls) if i != victim]
+
+    async def pull_again() -> None:  # the relay's wiring (services/relay/app.py)
+        await consumer.reconnected()
+
+    relay_client = await nats.connect(
+        [urls[victim], *others], dont_randomize=True, max_reconnect_attempts=-1, reconnect_time_wait=0.1, reconnected_cb=pull_again
+    )
+    publisher = await _connect(others)
+    appended: list[int] = []
+    writer = TokenLogWriter(redis, ttl_s=300, running_ttl_s=300)
+
+    async def log_events(events: list[TokenEvent]) -> None:
+        await writer.append_many(events)
+        appended.extend(event.seq for event in events)
+
+    consumer = TokenConsumer(relay_client, log_events, TokenConsumerConfig(heartbeat_s=20.0, expires_s=60.0))
+    consuming = asyncio.create_task(consumer.run())
+    reply_id = f"chatcmpl-ha-{uuid.uuid4().hex[:8]}"
+    js = publisher.jetstream()
+
+    async def publish() -> None:
+        for seq in range(1, 100_000):  # until cancelled
+            await publish_event(js, TokenEvent(reply_id=reply_id, seq=seq, text="t"), within_s=30)  # back to back
+
+    publishing = asyncio.create_task(publish())
+    try:
+        await wait_until(lambda: _at_least(appended, 50), timeout_s=60)
+        os.kill(cluster.nodes[victim].pid, signal.SIGKILL)
+        at_kill = len(appended)
+        await wait_until(lambda: _at_least(appended, at_kill + 50), timeout_s=MAX_PAUSE_S + 5)  # 60 s without the reconnect's pull
+    finally:
+        publishing.cancel()
+        consuming.cancel()
+        await asyncio.gather(publishing, consuming, return_exceptions=True)
+        for client in (relay_client, publisher, probe):
+            await client.close()
+    logged = [event.seq for event in await logged_events(redis, reply_id)]
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) >= at_kill + 50, "the log holds each event once, in order"
+
+
+async def _ignore(events: list[TokenEvent]) -> None:
+    raise RedisError("not taking events yet")  # handed back: the test's relay takes them
+
+
+async def _consumer_exists(client: Client) -> bool:
+    try:
+        await client.jetstream(timeout=2).consumer_info(STREAM, TokenConsumerConfig().durable)
+    except nats.errors.Error:
+        return False
+    return True
+
+
+async def _at_least(seqs: list[int], count: int) -> bool:
+    return len(seqs) >= count
 
 
 async def _consumer_leader(client: Client) -> str:

@@ -56,6 +56,7 @@ class Bus:
         self._nc: Client | None = None
         self._connected = asyncio.Event()
         self._on_connect: list[Callable[[Client], Awaitable[None]]] = []
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -70,6 +71,11 @@ class Bus:
 
     def on_connect(self, callback: Callable[[Client], Awaitable[None]]) -> None:
         self._on_connect.append(callback)
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """`callback` runs each time the client is connected again (to the same node or, on a
+        cluster, another one); nats-py has already restored its subscriptions."""
+        self._on_reconnect.append(callback)
 
     def start(self) -> None:
         """Connects in the background; `wait_connected` or `is_connected` tell when it is up."""
@@ -116,6 +122,8 @@ class Bus:
     async def _reconnected(self) -> None:
         url = self._nc.connected_url if self._nc is not None else None
         log.info("reconnected to NATS%s", f" at {without_credentials(url.geturl())}" if url is not None else "")
+        for callback in self._on_reconnect:
+            await callback()
 
     async def _disconnected(self) -> None:
         log.warning("disconnected from NATS; reconnecting")

@@ -24,7 +24,9 @@ from tandem.v1.tokens_pb2 import TokenBatch, TokenEvent
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PUBLISH_RETRY_S = 5.0
+# Long enough to ride out the election of a new stream leader when a clustered node dies:
+# nats-server's raft waits 4-9 s (fixed in its code) before a follower campaigns; two rounds.
+PUBLISH_RETRY_S = 20.0
 NATS_OUTAGE_S = 120.0  # a bus away longer than this: the worker gives up as when it cannot publish
 OPEN_STREAM_RETRY_S = 30.0
 _FIRST_BACKOFF_S = 0.05
