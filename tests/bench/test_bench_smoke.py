@@ -246,11 +246,22 @@ def test_structured_output_bench_reports_compile_and_mask_step_costs_at_batch_1_
         assert _is_positive(row["compile_ms"]) and _is_positive(row["step_ms"]) and row["best_step_ms"] <= row["step_ms"]
 
 
-def test_token_path_bench_logs_every_event_both_ways_and_prices_each_per_relay_core(tmp_path):
+def test_token_path_bench_logs_every_event_every_way_and_prices_each_and_the_wait_per_relay_core(tmp_path):
     report = _bench("token_path.py", tmp_path / "token_path.json", is_engine_only=False)
-    single, batched = report["phases"]
-    assert (single["mode"], batched["mode"]) == ("single", "batched")
-    assert single["events"] == batched["events"] == report["replies"] * report["tokens_per_reply"] > 0
-    for phase in (single, batched):
+    single, batched, waited = report["phases"]
+    assert (single["mode"], batched["mode"], waited["mode"]) == ("single", "batched", "batched+wait")
+    assert single["events"] == batched["events"] == waited["events"] == report["replies"] * report["tokens_per_reply"] > 0
+    for phase in (single, batched, waited):
         assert _is_positive(phase["tokens_per_s"]) and _is_positive(phase["tokens_per_relay_cpu_s"]), phase
     assert report["per_core_ratio"] == pytest.approx(batched["tokens_per_relay_cpu_s"] / single["tokens_per_relay_cpu_s"], rel=0.01)
+    # The WAIT phase ran the product path: the primary ran a WAIT per batch the relay appended
+    # (one batch a step), and none without it.
+    assert single["redis_waits"] == batched["redis_waits"] == 0
+    assert waited["redis_waits"] >= report["tokens_per_reply"]
+    cost = report["wait_cost"]
+    assert cost["replicas"] == 1 and cost["appends"] > 0
+    assert cost["per_core_ratio"] == pytest.approx(waited["tokens_per_relay_cpu_s"] / batched["tokens_per_relay_cpu_s"], rel=0.01)
+    assert cost["tokens_per_s_ratio"] == pytest.approx(waited["tokens_per_s"] / batched["tokens_per_s"], rel=0.01)
+    assert _is_positive(cost["append_ms_p50"]) and _is_positive(cost["append_wait_ms_p50"])
+    assert cost["extra_ms_per_append_p50"] == pytest.approx(cost["append_wait_ms_p50"] - cost["append_ms_p50"], abs=0.002)
+    assert set(cost["meaning"]) == set(cost) - {"meaning"}
