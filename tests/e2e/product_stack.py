@@ -171,6 +171,21 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[Sse]:
             fields[name] = fields.get(name, "") + value.removeprefix(" ")
 
 
+def parse_sse(body: str | bytes) -> list[Sse]:
+    """Every event of a whole SSE body (comments and keep-alives skipped)."""
+    text = body.decode() if isinstance(body, bytes) else body
+    events = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in block.split("\n"):
+            if line and not line.startswith(":"):
+                name, _, value = line.partition(":")
+                fields[name] = fields.get(name, "") + value.removeprefix(" ")
+        if "data" in fields:
+            events.append(Sse(int(fields.get("id", "0") or 0), fields.get("event", "message"), json.loads(fields["data"])))
+    return events
+
+
 class SseReader:
     """Reads one SSE response in parts: some events now, the rest later."""
 

@@ -25,7 +25,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import next_heartbeat, service_env, service_process
-from product_stack import ALICE, API_KEYS, READER_IDLE_TIMEOUT_S, Sse
+from product_stack import ALICE, API_KEYS, READER_IDLE_TIMEOUT_S, Sse, parse_sse
 from scraped_metrics import grew, scrape
 
 from services.chat.sse import sse_events as sse_of_log
@@ -102,19 +102,6 @@ def parse_answer(raw: bytes) -> tuple[int, bytes]:
         parts.append(body[end + 2 : end + 2 + size])
         at = end + 2 + size + 2
     return status, b"".join(parts)
-
-
-def parse_sse(body: bytes) -> list[Sse]:
-    events = []
-    for block in body.decode().replace("\r\n", "\n").split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in block.split("\n"):
-            if line and not line.startswith(":"):
-                name, _, value = line.partition(":")
-                fields[name] = fields.get(name, "") + value.removeprefix(" ")
-        if "data" in fields:
-            events.append(Sse(int(fields.get("id", "0") or 0), fields.get("event", "message"), json.loads(fields["data"])))
-    return events
 
 
 class Storm:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import next_heartbeat, service_env, service_process
-from product_stack import ALICE, API_KEYS, BOB, READER_IDLE_TIMEOUT_S, Sse, sse_events
+from product_stack import ALICE, API_KEYS, BOB, READER_IDLE_TIMEOUT_S, Sse, parse_sse, sse_events
 from scraped_metrics import grew, scrape
 
 from services.chat.sse import sse_events as sse_of_log
@@ -101,20 +100,6 @@ async def log_sequence(redis_url: str, reply_id: str) -> list[tuple[int, str, di
     finally:
         await redis.aclose()
     return [(sse.id, sse.event, sse.data) for event in events for sse in sse_of_log(event)]
-
-
-def parse_sse(body: str) -> list[Sse]:
-    """Every event of a whole SSE body (comments and keep-alives skipped)."""
-    events = []
-    for block in body.replace("\r\n", "\n").split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in block.split("\n"):
-            if line and not line.startswith(":"):
-                name, _, value = line.partition(":")
-                fields[name] = fields.get(name, "") + value.removeprefix(" ")
-        if "data" in fields:
-            events.append(Sse(int(fields.get("id", "0") or 0), fields.get("event", "message"), json.loads(fields["data"])))
-    return events
 
 
 async def read_whole(
