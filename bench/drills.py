@@ -38,8 +38,10 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -188,7 +190,11 @@ async def main(args: argparse.Namespace) -> int:
                 continue
             prompts = [prompt_of(i, plan.long_prompts) for i in range(plan.num_streams)]
             if plan.check_texts and plan.long_prompts not in baselines:
-                count = max(p.num_streams for p in every.values() if p.long_prompts == plan.long_prompts and p.name in chosen)
+                count = max(
+                    p.num_streams
+                    for p in every.values()
+                    if p.own_run is None and p.check_texts and p.long_prompts == plan.long_prompts and p.name in chosen
+                )
                 all_prompts = [prompt_of(i, plan.long_prompts) for i in range(count)]
                 undisturbed, results = await run_load(stack, client, all_prompts, None, 0, None, "undisturbed", "")
                 baselines[plan.long_prompts] = {r.index: r.text for r in results if r.outcome == "complete"}
@@ -223,6 +229,18 @@ async def main(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(r) for r in reports], indent=2) + "\n")
     return 0
+
+
+async def until_terminated(run: Awaitable[int]) -> int:
+    """`run`, cancelled on SIGTERM as Ctrl-C cancels it: the stack stops and its hosts'
+    namespaces are removed either way (a killed run would leave them behind)."""
+    task = asyncio.ensure_future(run)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        print("terminated: the stack is stopped", file=sys.stderr)
+        return 143
 
 
 def _stack_env(args: argparse.Namespace) -> dict[str, str]:
@@ -269,4 +287,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # uvloop: the reconnect storm's thousands of streams are read on this process's loop, beside the stack it drills.
-    sys.exit(uvloop.run(main(parse_args())))
+    sys.exit(uvloop.run(until_terminated(main(parse_args()))))
