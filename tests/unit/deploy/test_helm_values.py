@@ -79,8 +79,17 @@ def test_redis_has_a_password_from_its_secret(settings: dict[str, str]) -> None:
     secret = secret_generator("tandem-redis")
     assert secret["keys"][redis["auth"]["existingSecretPasswordKey"]] == "generated/secrets/TANDEM_REDIS_PASSWORD"
     assert "password" not in redis["auth"]
-    # The Bitnami chart's primary Service is <release>-master; deploy/README.md installs release redis.
-    assert settings["TANDEM_REDIS_URL"].startswith(f"redis://redis-master.{secret['namespace']}.svc:")
+    # With sentinel on, the Bitnami chart's Service <release> (deploy/README.md installs release
+    # redis) serves the sentinels on 26379; they name the primary, and ask for the same password.
+    assert redis["sentinel"]["enabled"] is True and redis["auth"]["sentinel"] is True
+    assert settings["TANDEM_REDIS_SENTINELS"] == f"redis.{secret['namespace']}.svc:26379"
+    assert settings["TANDEM_REDIS_SENTINEL_MASTER"] == redis["sentinel"]["masterSet"]
+    assert settings["TANDEM_REDIS_URL"].startswith(f"redis://redis.{secret['namespace']}.svc:")
+    assert redis["sentinel"]["quorum"] == 2 and redis["replica"]["replicaCount"] == 3
+    assert int(settings["TANDEM_REDIS_WAIT_REPLICAS"]) >= 1, "an acknowledged event is on a replica"
+    for role in ("chat", "relay"):
+        keys = secret_generator(f"tandem-{role}")["keys"]
+        assert keys["TANDEM_REDIS_SENTINEL_PASSWORD"] == keys["TANDEM_REDIS_PASSWORD"] == "generated/secrets/TANDEM_REDIS_PASSWORD"
 
 
 def test_cassandra_has_authentication_on_with_the_superuser_from_its_secret(settings: dict[str, str]) -> None:
