@@ -56,11 +56,12 @@ class Storming:
 
 
 class Storm:
-    """Every stream, opened on `victim_port`; after `cut()` every reconnect goes to `other_port`."""
+    """Every stream, opened on the `victim` instance (its host and port); after `cut()` every
+    reconnect goes to the `other` (on a host of its own under --hosts, often on the same port)."""
 
-    def __init__(self, host: str, victim_port: int, other_port: int, reply_ids: list[str], num_streams: int) -> None:
-        self._jobs = {port: Job(host, port, STORM_KEY, []) for port in (victim_port, other_port)}
-        self._port, self._other_port = victim_port, other_port
+    def __init__(self, victim: tuple[str, int], other: tuple[str, int], reply_ids: list[str], num_streams: int) -> None:
+        self._jobs = {address: Job(address[0], address[1], STORM_KEY, []) for address in (victim, other)}
+        self._address, self._other_address = victim, other
         self.streams = [Storming(StreamResult(reply_ids[i % len(reply_ids)])) for i in range(num_streams)]
         self._connecting = asyncio.Semaphore(MAX_CONNECTING)
         self._num_ended = 0
@@ -76,7 +77,7 @@ class Storm:
     def cut(self) -> None:
         """The fault is now: from here on every stream reconnects to the other instance."""
         self.cut_s = time.time()
-        self._port = self._other_port
+        self._address = self._other_address
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -88,7 +89,7 @@ class Storm:
         that is cut before its end, refused, or cannot connect is asked again (after a refusal's
         Retry-After)."""
         loop = asyncio.get_running_loop()
-        port = self._port
+        address = self._address
         was_answered = False
 
         def on_answer() -> None:
@@ -100,7 +101,7 @@ class Storm:
                 answered()
             if reader.status >= 500:
                 stream.num_5xx += 1
-            elif reader.status == 200 and self.cut_s and port == self._other_port:
+            elif reader.status == 200 and self.cut_s and address == self._other_address:
                 stream.is_resumed = True
 
         def on_end(ended: SseStream) -> None:
@@ -113,11 +114,12 @@ class Storm:
                 return
             self._end(stream)
 
-        reader = SseStream(self._jobs[port], stream.result, last_event_id, on_answer, on_end)
+        job = self._jobs[address]
+        reader = SseStream(job, stream.result, last_event_id, on_answer, on_end)
         if self.cut_s and not stream.reconnected_s:
             stream.reconnected_s = time.time()
         try:
-            await loop.create_connection(lambda: reader, self._jobs[port].host, port)
+            await loop.create_connection(lambda: reader, job.host, job.port)
         except OSError:
             if answered is not None:
                 answered()
@@ -208,7 +210,7 @@ async def reconnect_storm(stack: DrillStack, args: argparse.Namespace) -> DrillR
     victim = stack.members("chat")[0]
     victim_url, other_url = stack.chat_urls[0], stack.chat_urls[1]
     reply_ids, own_streams = await start_replies(other_url, args.storm_replies, args.storm_tokens)
-    storm = Storm(urlsplit(victim_url).hostname or "127.0.0.1", port_of(victim_url), port_of(other_url), reply_ids, n)
+    storm = Storm(address_of(victim_url), address_of(other_url), reply_ids, n)
     redis = Redis.from_url(stack.stack.redis_url)
     try:
         await storm.open_all()
@@ -267,8 +269,9 @@ def pause_across(result: StreamResult, cut_s: float) -> float:
     return after[0] - before[-1] if before and after else 0.0
 
 
-def port_of(url: str) -> int:
-    return urlsplit(url).port or 80
+def address_of(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 def storm_target(args: argparse.Namespace) -> str:
