@@ -72,7 +72,25 @@ class TokenConsumerConfig:
     ack_wait_s: float = 3.0  # an event a relay took and did not acknowledge goes to another after this
     max_ack_pending: int = 100_000
     nak_delay_s: float = 0.5
-    retry_s: float = 1.0  # after JetStream failed to answer
+    # After JetStream failed to answer, at an even pace: a cluster that lost a leader answers again
+    # the moment its election ends (nats-server: 4-9 s), and a relay backing off would miss it by seconds.
+    retry_s: float = 0.25
+    first_answer_s: float = 0.5  # how long creating the consumer waits for JetStream, at first
+    short_answers_s: float = 20.0  # ... for this long (two raft elections), then longer each try
+    max_answer_s: float = 4.0
+
+
+def consumer_config(config: TokenConsumerConfig) -> ConsumerConfig:
+    """The relay's durable pull consumer, as every relay creates (or finds) it."""
+    return ConsumerConfig(
+        durable_name=config.durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=config.ack_wait_s,
+        max_ack_pending=config.max_ack_pending,
+        max_deliver=-1,
+        filter_subjects=[subjects.TOKENS_ALL, subjects.FINALS_ALL],
+    )
 
 
 class _Inbox:
@@ -180,23 +198,24 @@ class TokenConsumer:
         await self._client.publish(subject, json.dumps(request).encode(), reply=inbox_subject)
 
     async def _subscribe(self, inbox: _Inbox) -> Subscription:
-        config = ConsumerConfig(
-            durable_name=self._config.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=self._config.ack_wait_s,
-            max_ack_pending=self._config.max_ack_pending,
-            max_deliver=-1,
-            filter_subjects=[subjects.TOKENS_ALL, subjects.FINALS_ALL],
-        )
+        config = consumer_config(self._config)
+        # A consumer without a leader (its node lost, the election under way) drops requests
+        # unanswered: short waits for the answer, tried again at once, find the new leader soon after
+        # it is elected (a request sent during the election is never answered). Past the longest
+        # election, the wait grows: a JetStream that is only slow gets the time it needs.
+        answer_s = self._config.first_answer_s
+        grow_after_s = asyncio.get_running_loop().time() + self._config.short_answers_s
         while True:
             try:
-                js = await wait_for_token_stream(self._client, self._config.retry_s)  # `tandem bus init` makes it
+                await wait_for_token_stream(self._client, self._config.retry_s, self._config.retry_s)  # `tandem bus init` makes it
+                js = self._client.jetstream(timeout=answer_s)
                 await js.add_consumer(STREAM, config)  # creates it, or brings an older one to these subjects
                 return await self._client.subscribe(self._client.new_inbox(), cb=inbox.put)
             except (nats.errors.Error, TimeoutError) as exc:
-                log.warning("token stream: cannot consume yet (%s); retrying in %.1f s", exc, self._config.retry_s)
+                log.warning("token stream: cannot consume yet (%s); retrying in %.2f s", exc, self._config.retry_s)
                 await asyncio.sleep(self._config.retry_s)
+                if asyncio.get_running_loop().time() > grow_after_s:
+                    answer_s = min(2 * answer_s, self._config.max_answer_s)
 
     def _events_of(self, message: Msg) -> list[TokenEvent]:
         """The message's valid events (a batch's invalid ones dropped and counted); raises Invalid."""

@@ -30,7 +30,7 @@ PUBLISH_RETRY_S = 20.0
 NATS_OUTAGE_S = 120.0  # a bus away longer than this: the worker gives up as when it cannot publish
 OPEN_STREAM_RETRY_S = 30.0
 _FIRST_BACKOFF_S = 0.05
-_MAX_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 0.25  # a stream without a leader refuses at once; its new one answers the moment it is elected
 
 
 class CannotPublish(Exception):
