@@ -21,7 +21,7 @@ from drill_storm import reconnect_storm, storm_met, storm_target
 Fault = Callable[[DrillStack], Awaitable[str]]
 PARTITION_S = 10.0  # how long a partition lasts
 HOST_DRILLS = ("partition_decode", "partition_relay_redis")  # they need every member on a host of its own
-HA_DRILLS = ("kill_redis_primary", "kill_nats_node")  # they need the stack's servers with failover (--ha)
+HA_DRILLS = ("kill_redis_primary", "kill_nats_node", "kill_nats_leader")  # they need the stack's servers with failover (--ha)
 # A drill that drives its own load and fault (the reconnect storm) instead of drills.run_load's.
 OwnRun = Callable[[DrillStack, argparse.Namespace], Awaitable[DrillReport]]
 
@@ -130,6 +130,18 @@ async def kill_nats_node(stack: DrillStack) -> str:
     return f"kill -9 {node.name} (pid {pid}), the NATS node the relay was connected to; it led {' and '.join(led) or 'neither the token stream nor the relay consumer'}"
 
 
+async def kill_nats_leader(stack: DrillStack) -> str:
+    """kill -9 the NATS node leading the token stream (--ha), the worst node to lose: publishes
+    wait until the other two elect a new leader (nats-server's raft: 4-9 s, fixed in its code)."""
+    stream_leader, consumer_leader = await stack.stream_leaders()
+    node = next((m for m in stack.stack.members_of("nats") if f"tandem-{m.name}" == stream_leader), None)
+    if node is None:
+        raise RuntimeError(f"no NATS member of the stack leads the token stream (its leader: {stream_leader!r}); this drill needs --ha")
+    also = " and the relay's consumer" if consumer_leader == stream_leader else ""
+    pid = stack.signal(node.name, signal.SIGKILL)
+    return f"kill -9 {node.name} (pid {pid}), the leader of the token stream{also}"
+
+
 async def kill_redis_primary(stack: DrillStack) -> str:
     """kill -9 the Redis node the sentinels name the primary: they promote a replica, and the
     relay and chat find it through them."""
@@ -212,6 +224,9 @@ def plans(args: argparse.Namespace) -> dict[str, DrillPlan]:
         "kill_nats_node": DrillPlan(
             "kill_nats_node", kill_nats_node, n, f"{n}/{n} complete, texts identical, every stored turn complete, pause <= 5 s"
         ),
+        "kill_nats_leader": DrillPlan(
+            "kill_nats_leader", kill_nats_leader, n, f"{n}/{n} complete, texts identical, every stored turn complete, pause <= 5 s"
+        ),
         "kill_redis_primary": DrillPlan(
             "kill_redis_primary", kill_redis_primary, n, f"{n}/{n} complete, texts identical, every stored turn complete, pause <= 5 s"
         ),
@@ -245,7 +260,7 @@ def met(report: DrillReport, plan: DrillPlan) -> bool:
     if plan.name in ("kill_relay", "restart_redis"):
         return report.completed == n and report.stored.get("complete", 0) == n
     after_heal = report.pause_after_heal_s if report.pause_after_heal_s is not None else float("inf")
-    if plan.name in ("kill_redis_primary", "kill_nats_node"):
+    if plan.name in ("kill_redis_primary", "kill_nats_node", "kill_nats_leader"):
         stored = report.stored.get("complete", 0) == n
         return report.completed == n and identical and stored and report.hung == 0 and report.longest_pause_s <= 5.0
     if plan.name == "partition_decode":

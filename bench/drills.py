@@ -19,6 +19,7 @@ Drills (names for --drills):
   rolling        SIGTERM every service in turn (each restarted by the launcher) under a steady load
   resume         random client disconnects and resumes (Last-Event-ID), alternating chat instances
   kill_nats_node         kill -9 the NATS node the relay is connected to (--ha: a cluster of three)
+  kill_nats_leader       kill -9 the NATS node leading the token stream (--ha): the worst node to lose
   kill_redis_primary     kill -9 the Redis primary (--ha: the sentinels promote a replica)
   partition_decode       cut the busiest decode worker's host off the network (link down) for 10 s, then heal it
   partition_relay_redis  cut the relay's host off Redis's host (and only that) for 10 s, then join them
