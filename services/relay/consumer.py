@@ -76,8 +76,9 @@ class TokenConsumerConfig:
     # the moment its election ends (nats-server: 4-9 s), and a relay backing off would miss it by seconds.
     retry_s: float = 0.25
     first_answer_s: float = 0.5  # how long creating the consumer waits for JetStream, at first
-    short_answers_s: float = 20.0  # ... for this long (two raft elections), then longer each try
+    short_answers_s: float = 20.0  # ... for this long (two raft elections); then longer each try,
     max_answer_s: float = 4.0
+    late_retry_s: float = 2.0  # ... and tries this far apart (a lasting refusal is not logged 4 times a second)
 
 
 def consumer_config(config: TokenConsumerConfig) -> ConsumerConfig:
@@ -207,14 +208,16 @@ class TokenConsumer:
         grow_after_s = asyncio.get_running_loop().time() + self._config.short_answers_s
         while True:
             try:
-                await wait_for_token_stream(self._client, self._config.retry_s, self._config.retry_s)  # `tandem bus init` makes it
+                await wait_for_token_stream(self._client, self._config.retry_s, 1.0)  # `tandem bus init` makes it
                 js = self._client.jetstream(timeout=answer_s)
                 await js.add_consumer(STREAM, config)  # creates it, or brings an older one to these subjects
                 return await self._client.subscribe(self._client.new_inbox(), cb=inbox.put)
             except (nats.errors.Error, TimeoutError) as exc:
-                log.warning("token stream: cannot consume yet (%s); retrying in %.2f s", exc, self._config.retry_s)
-                await asyncio.sleep(self._config.retry_s)
-                if asyncio.get_running_loop().time() > grow_after_s:
+                is_late = asyncio.get_running_loop().time() > grow_after_s
+                pause_s = self._config.late_retry_s if is_late else self._config.retry_s
+                log.warning("token stream: cannot consume yet (%s); retrying in %.2f s", exc, pause_s)
+                await asyncio.sleep(pause_s)
+                if is_late:
                     answer_s = min(2 * answer_s, self._config.max_answer_s)
 
     def _events_of(self, message: Msg) -> list[TokenEvent]:
