@@ -181,7 +181,11 @@ class Stack:
         self._console.say("stopped; nothing left running")
 
     async def __aenter__(self) -> Stack:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:  # cancelled or failed part way: stop what started, remove the hosts
+            await self.stop()
+            raise
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
