@@ -254,10 +254,10 @@ def test_token_path_bench_logs_every_event_every_way_and_prices_each_and_the_wai
     for phase in (single, batched, waited):
         assert _is_positive(phase["tokens_per_s"]) and _is_positive(phase["tokens_per_relay_cpu_s"]), phase
     assert report["per_core_ratio"] == pytest.approx(batched["tokens_per_relay_cpu_s"] / single["tokens_per_relay_cpu_s"], rel=0.01)
-    # The WAIT phase ran the product path: the primary ran a WAIT per batch the relay appended
-    # (one batch a step), and none without it.
+    # The WAIT phase ran the product path: the primary ran WAITs after the relay's appends, and none
+    # without it (counted when the last event is logged: the last batches' WAITs may still be running).
     assert single["redis_waits"] == batched["redis_waits"] == 0
-    assert waited["redis_waits"] >= report["tokens_per_reply"]
+    assert 1 <= waited["redis_waits"] <= report["tokens_per_reply"] * report["replies"]
     cost = report["wait_cost"]
     assert cost["replicas"] == 1 and cost["appends"] > 0
     assert cost["per_core_ratio"] == pytest.approx(waited["tokens_per_relay_cpu_s"] / batched["tokens_per_relay_cpu_s"], rel=0.01)
