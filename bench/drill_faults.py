@@ -127,7 +127,8 @@ async def kill_nats_node(stack: DrillStack) -> str:
     ]
     pid = stack.signal(node.name, signal.SIGKILL)
     # A leader's loss waits for nats-server's raft election (4-9 s, fixed in its code).
-    return f"kill -9 {node.name} (pid {pid}), the NATS node the relay was connected to; it led {' and '.join(led) or 'neither the token stream nor the relay consumer'}"
+    held = " and ".join(led) or "neither the token stream nor the relay's consumer"
+    return f"kill -9 {node.name} (pid {pid}), the NATS node the relay was connected to; it led {held}"
 
 
 async def kill_nats_leader(stack: DrillStack) -> str:

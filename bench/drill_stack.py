@@ -94,9 +94,9 @@ class DrillStack:
         groups; a node's loss that takes a leader waits for an election)."""
         assert self._nc is not None
         js = self._nc.jetstream()
-        stream = await js.stream_info(STREAM)
-        consumer = await js.consumer_info(STREAM, TokenConsumerConfig().durable)
-        return (stream.cluster.leader if stream.cluster else "") or "", (consumer.cluster.leader if consumer.cluster else "") or ""
+        stream = (await js.stream_info(STREAM)).cluster
+        consumer = (await js.consumer_info(STREAM, TokenConsumerConfig().durable)).cluster
+        return (stream and stream.leader) or "", (consumer and consumer.leader) or ""
 
     @property
     def chat_urls(self) -> list[str]:
