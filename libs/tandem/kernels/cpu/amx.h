@@ -8,6 +8,34 @@
 // nothing to a sum (x + 0 = x): a kernel can pad and align its tiles without changing any bits.
 #pragma once
 
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+namespace tandem::cpu {
+
+// A buffer whose rows a tile loads or stores starts on a cache line: a tile row that straddles two
+// lines takes two loads, and the prefill's tile products ran at a third of their rate so.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using aligned_vector = std::vector<T, LineAligned<T>>;
+
+}  // namespace tandem::cpu
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>

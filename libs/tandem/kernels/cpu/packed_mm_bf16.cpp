@@ -279,7 +279,7 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
   const int64_t xs = x.stride(0);
   const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> widened(widens_once ? kTileGroups * pairs * kPackedGroup : 0);
+    aligned_vector<int32_t> widened(widens_once ? kTileGroups * pairs * kPackedGroup : 0);
     float tile_scale[kTileGroups * kPackedGroup];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t group0 = t * kTileGroups, width = std::min(kTileGroups, groups - group0);
@@ -313,7 +313,7 @@ void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10:
   const int64_t xs = x.stride(0);
   const int64_t panels = (groups + 1) / 2, chunks = (M + kAmxChunkRows - 1) / kAmxChunkRows;
   at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> widened(is_int8 ? 2 * pairs * kPackedGroup : 0);
+    aligned_vector<int32_t> widened(is_int8 ? 2 * pairs * kPackedGroup : 0);
     float panel_scale[2 * kPackedGroup];
     int64_t widened_panel = -1;
     for (int64_t task = begin; task < end; ++task) {

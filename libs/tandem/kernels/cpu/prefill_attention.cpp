@@ -3,8 +3,10 @@
 // queries over a bf16 cache) or AVX2 and FMA; prefill_supported says where it serves. Where the
 // CPU has AMX, bf16 queries over a bf16 cache take its tiles by default (prefill_amx_supported):
 // the scores and the V sums are tile products (amx.h), 16 queries by 16 keys or dimensions a
-// tile, and the softmax between them goes on the vector units; about 3.5 times the dot products'
+// tile, and the softmax between them goes on the vector units (each query's largest score taken
+// as its scores are stored, so the softmax reads them once); about 4.5 times the dot products'
 // rate on a 2,000-token prompt (bench/attention.py), the same bits however the prompt is chunked.
+// Every buffer a tile reads or writes starts on a cache line (aligned_vector).
 //
 // A sliding window (window > 0): row j attends to positions max(0, start + j + 1 - window) ..
 // start + j. A tile scores and sums from its first row's window start (rounded down to the key
@@ -136,28 +138,41 @@ inline __m512 exp2_nonpositive16(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The largest of sums[first .. len), sixteen at a time (the tail under a mask).
+inline float largest(const float* sums, int64_t first, int64_t len) {
+  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = first; t < len; t += 16) {
+    const __mmask16 m = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1);
+    peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, sums + t));
+  }
+  return _mm512_reduce_max_ps(peak);
+}
+
 // A query's weights for the AMX sums, from its raw scores (sums[t], t in [first, len), times
-// `scale` > 0): weights[from .. end) are e^(scale (s - max s)) rounded to bf16 inside [first, len)
-// and zeros outside it. Returns the float32 sum of the numerators before rounding, sixteen at a
-// time from `first`, the tail under a mask: its bits and order depend on len - first alone.
-inline float softmax_weights(const float* sums, int64_t from, int64_t first, int64_t len, int64_t end, float scale, c10::BFloat16* weights) {
+// `scale` > 0) and their largest, `peak`: weights[from .. end) are e^(scale (s - peak)) rounded
+// to bf16 inside [first, len) and zeros outside it. Returns the float32 sum of the numerators
+// before rounding, sixteen at a time from `first`, the tail under a mask: its bits and order
+// depend on len - first alone.
+inline float softmax_weights(const float* sums, float peak, int64_t from, int64_t first, int64_t len, int64_t end, float scale,
+                             c10::BFloat16* weights) {
   std::fill(weights + from, weights + first, c10::BFloat16(0.f));
   std::fill(weights + len, weights + end, c10::BFloat16(0.f));
   const float* s = sums + first;
   c10::BFloat16* w = weights + first;
-  const int64_t count = len - first;
-  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < count; t += 16) {
-    const __mmask16 m = count - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (count - t)) - 1);
-    peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, s + t));
-  }
+  const int64_t count = len - first, whole = count / 16 * 16;
   // e^(scale (s - max)) = 2^(s c - max c), c = scale log2(e): one fused multiply-add a score
   // (at the maximum, a rounding's worth from 0)
   const float c = scale * 1.44269504f;
-  const __m512 times = _mm512_set1_ps(c), shift = _mm512_set1_ps(-_mm512_reduce_max_ps(peak) * c);
+  const __m512 times = _mm512_set1_ps(c), shift = _mm512_set1_ps(-peak * c);
   __m512 total = _mm512_setzero_ps();
-  for (int64_t t = 0; t < count; t += 16) {
-    const __mmask16 m = count - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (count - t)) - 1);
+  int64_t t = 0;
+  for (; t < whole; t += 16) {
+    const __m512 e = exp2_nonpositive16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), times, shift));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    total = _mm512_add_ps(total, e);
+  }
+  if (t < count) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (count - t)) - 1);
     const __m512 e = _mm512_maskz_mov_ps(m, exp2_nonpositive16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + t), times, shift)));
     _mm256_mask_storeu_epi16(w + t, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     total = _mm512_add_ps(total, e);
@@ -243,11 +258,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   // Every kv head's keys transposed once, kKeysAtOnce at a time (lanes past seq_len zero), for all
   // the tiles that read them (done per tile, it took about as long as the scoring): widened to
   // float32, or in bf16 pairs for kPairs.
-  std::vector<float> all_keys_t(kPairs ? 0 : num_kv_heads * key_groups * HD * kKeysAtOnce);
-  std::vector<int32_t> all_keys_p(kPairs ? num_kv_heads * key_groups * (HD / 2) * kKeysAtOnce : 0);
+  aligned_vector<float> all_keys_t(kPairs ? 0 : num_kv_heads * key_groups * HD * kKeysAtOnce);
+  aligned_vector<int32_t> all_keys_p(kPairs ? num_kv_heads * key_groups * (HD / 2) * kKeysAtOnce : 0);
   // For kPairs, the V rows too, as pairs of consecutive positions (value_pairs; zeros past
   // seq_len): weighted by bf16 pairs of a query's softmax numerators, two positions a dot product.
-  std::vector<int32_t> all_values_p(kPairs ? num_kv_heads * padded_len * HD / 2 : 0);
+  aligned_vector<int32_t> all_values_p(kPairs ? num_kv_heads * padded_len * HD / 2 : 0);
   at::parallel_for(0, num_kv_heads * key_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / key_groups, key0 = (item % key_groups) * kKeysAtOnce;
@@ -295,11 +310,12 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     // The AMX path's tiles take 16 queries at a time: the buffers are padded to whole tiles (the
     // padding's sums are never read).
     const int64_t max_queries = (kPrefillTileRows * group + 15) / 16 * 16;
-    std::vector<float> queries(max_queries * HD), rows(kPairs ? 0 : block_size * HD), acc(max_queries * HD), totals(max_queries);
-    std::vector<int32_t> query_pairs(kPairs ? max_queries * HD / 2 : 0);
-    std::vector<float> scores(max_queries * padded_len);
-    std::vector<c10::BFloat16> weights(kPairs ? max_queries * padded_len : 0);  // bf16 numerators, for kPairs
+    aligned_vector<float> queries(max_queries * HD), rows(kPairs ? 0 : block_size * HD), acc(max_queries * HD), totals(max_queries);
+    aligned_vector<int32_t> query_pairs(kPairs ? max_queries * HD / 2 : 0);
+    aligned_vector<float> scores(max_queries * padded_len);
+    aligned_vector<c10::BFloat16> weights(kPairs ? max_queries * padded_len : 0);  // bf16 numerators, for kPairs
     std::vector<int64_t> lens(max_queries), firsts(max_queries);
+    aligned_vector<float> peaks(max_queries * 16);  // per query, sixteen lanes of its largest score so far
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (use_amx) amx::configure(amx::kRows);
 #endif
@@ -324,6 +340,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           lens[index] = start + r + 1;
           firsts[index] = window_start(start + r, window);
         }
+      std::fill(peaks.begin(), peaks.end(), -std::numeric_limits<float>::infinity());
       // Scores, 32 keys (one lane each) at a time; the scores of keys past `context` (or before a
       // query's window) are never read.
       for (int64_t key0 = tile_first / kKeysAtOnce * kKeysAtOnce; key0 < context; key0 += kKeysAtOnce) {
@@ -337,6 +354,25 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           amx::product_tiles(reinterpret_cast<const char*>(query_pairs.data()), HD * 2, amx::kPairs * 4, (num_queries + 15) / 16,
                              reinterpret_cast<const char*>(keys_p), amx::kCols * 4, key_row, amx::kPairs * key_row, count > 16 ? 2 : 1, HD / 32,
                              out, padded_len * 4);
+          // each query's largest score so far, from the group just stored (still in the core's
+          // nearest cache): the softmax below reads its row once
+          if (softcap == 0.f)
+            for (int64_t index = 0; index < num_queries; ++index) {
+              const int64_t from = std::max(key0, firsts[index]), to = std::min(key0 + count, lens[index]);
+              if (from >= to) continue;
+              const float* row = scores.data() + index * padded_len;
+              float* pv = peaks.data() + index * 16;
+              __m512 p = _mm512_load_ps(pv);
+              if (from == key0 && to == key0 + kKeysAtOnce) {
+                p = _mm512_max_ps(p, _mm512_max_ps(_mm512_load_ps(row + key0), _mm512_load_ps(row + key0 + 16)));
+              } else {
+                for (int64_t t = from; t < to; t += 16) {
+                  const __mmask16 m = to - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (to - t)) - 1);
+                  p = _mm512_mask_max_ps(p, m, p, _mm512_maskz_loadu_ps(m, row + t));
+                }
+              }
+              _mm512_store_ps(pv, p);
+            }
           continue;  // unscaled: the softmax below scales them
         }
 #endif
@@ -385,7 +421,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             cap_scores(row, firsts[index], lens[index], softcap);
             row_scale = 1.f;
           }
-          totals[index] = softmax_weights(row, w_first, firsts[index], lens[index], w_end, row_scale, weights.data() + index * padded_len);
+          const float peak = softcap > 0.f ? largest(row, firsts[index], lens[index]) : _mm512_reduce_max_ps(_mm512_load_ps(peaks.data() + index * 16));
+          totals[index] = softmax_weights(row, peak, w_first, firsts[index], lens[index], w_end, row_scale, weights.data() + index * padded_len);
         }
         const int32_t* values = all_values_p.data() + (h * padded_len + w_first) * HD / 2;
         constexpr int64_t pair_row = HD * sizeof(int32_t);  // a pair of positions' HD dimensions
@@ -463,6 +500,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           const int64_t index = (r - first_row) * group + g;
           T* dst = out_ptr + r * os + (h * group + g) * oh;
           const float inverse = 1.f / totals[index];
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {  // rounded to nearest even, as the cast below
+            for (int64_t d = 0; d < HD; d += 16) {
+              const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + index * HD + d), _mm512_set1_ps(inverse));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value)));
+            }
+            continue;
+          }
+#endif
           for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<T>(acc[index * HD + d] * inverse);
         }
     }
