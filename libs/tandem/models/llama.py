@@ -155,6 +155,20 @@ class StepCut(Exception):
     before any attention reads them."""
 
 
+AddNorm = Callable[[torch.Tensor, torch.Tensor, RMSNorm], tuple[torch.Tensor, torch.Tensor]]
+
+
+def add_rms_norm_triton(residual: torch.Tensor, added: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + added, the RMSNorm of that sum) in one launch, the sum written over `residual`."""
+    return residual, fused_triton.add_rms_norm(added, residual, norm.weight, norm.eps)
+
+
+def add_rms_norm_cpu(residual: torch.Tensor, added: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + added, the RMSNorm of that sum) in one call of the C++ kernel, the sum a new tensor."""
+    total, normed = torch.ops.tandem.add_rms_norm(residual, added, norm.weight, norm.eps)
+    return total, normed
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionFn, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -205,6 +219,8 @@ class LlamaModel(nn.Module):
         k_caches, v_caches = kv_cache.select(2, 0).unbind(1), kv_cache.select(2, 1).unbind(1)
         if self.plain_layers and fused_triton.serves(h):
             return self._forward_fused(h, cos, sin, k_caches, v_caches, meta)
+        if self.plain_layers and has_cpu_kernels(h):
+            return self._forward_fused(h, cos, sin, k_caches, v_caches, meta, add_norm=add_rms_norm_cpu)
         should_cut = self.should_cut
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             if should_cut is not None and should_cut():
@@ -220,22 +236,30 @@ class LlamaModel(nn.Module):
         k_caches: tuple[torch.Tensor, ...],
         v_caches: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
+        add_norm: AddNorm = add_rms_norm_triton,
     ) -> torch.Tensor:
-        """The layers on a GPU, each residual add fused with the norm after it (one launch for
-        both, fused_triton.add_rms_norm): the residual stream is updated in place, rounded as
-        `h + x` rounds, so the result is the loop above's."""
+        """The layers with each residual add fused with the norm after it (one call for both): on a
+        GPU fused_triton.add_rms_norm, which updates the residual stream in place, and on a CPU the
+        C++ add_rms_norm (add_norm); either rounds the sum as `h + x` rounds it, so the result is
+        the loop above's."""
         residual = h  # the embedding's output, this step's own tensor
         branch: torch.Tensor | None = None  # the last MLP's output, not yet added
+        should_cut = self.should_cut
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
+            if should_cut is not None and should_cut():
+                raise StepCut
             norm = layer.input_layernorm
-            x = norm.forward(residual) if branch is None else fused_triton.add_rms_norm(branch, residual, norm.weight, norm.eps)
+            if branch is None:
+                x = norm.forward(residual)
+            else:
+                residual, x = add_norm(residual, branch, norm)
             attended = layer.self_attn.forward(x, cos, sin, k_cache, v_cache, meta)
-            norm = layer.post_attention_layernorm
-            branch = self.tp.all_reduce(layer.mlp.forward(fused_triton.add_rms_norm(attended, residual, norm.weight, norm.eps)))
+            residual, x = add_norm(residual, attended, layer.post_attention_layernorm)
+            branch = self.tp.all_reduce(layer.mlp.forward(x))
         if branch is None:
             return self.norm.forward(residual)
-        return fused_triton.add_rms_norm(branch, residual, self.norm.weight, self.norm.eps)
+        return add_norm(residual, branch, self.norm)[1]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,7 +9,9 @@ import pytest
 import torch
 from reference_model import random_model, reference_logits, tiny_config
 
+from tandem.kernels import cpu_extension
 from tandem.kernels.attention_reference import paged_attention_reference
+from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 
 TIGHT = dict(atol=2e-5, rtol=1e-5)  # float32: only summation order differs
 
@@ -106,3 +108,35 @@ def test_kv_cache_scales_fold_around_attention_and_keep_the_one_call_decode_off(
     if cpu_extension.load():
         assert pack_model(plain).model.fast_decode is not None
         assert pack_model(scaled).model.fast_decode is None
+
+
+@pytest.mark.skipif(not cpu_extension.load(), reason="needs the C++ CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_cpu_layers_with_each_residual_add_fused_into_the_next_norm_give_the_plain_loops_bits(dtype: torch.dtype) -> None:
+    config = tiny_config(vocab_size=128, max_position_embeddings=64)
+    model = random_model(config, seed=1, attention=paged_attention_reference).to(dtype).model
+    num_tokens, block_size = 20, 16
+    kv_cache = torch.zeros(KvCacheShape(4, config.num_layers, block_size, config.num_kv_heads, config.head_dim).as_tuple(), dtype=dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.tensor([[2, 0]], dtype=torch.int32),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        is_decode_only=False,
+    )
+    ids, positions = torch.randint(0, 128, (num_tokens,), generator=torch.Generator().manual_seed(2)), torch.arange(num_tokens)
+    with torch.inference_mode():
+        fused_cache = kv_cache.clone()
+        fused = model(ids, positions, fused_cache, meta)  # the CPU's fused path
+        h = model.embed(ids)
+        cos, sin = model.rotary_emb(positions)
+        plain_cache = kv_cache.clone()
+        for layer, k_cache, v_cache in zip(
+            model.layers, plain_cache.select(2, 0).unbind(1), plain_cache.select(2, 1).unbind(1), strict=True
+        ):
+            h = layer.forward(h, cos, sin, k_cache, v_cache, meta)
+        plain = model.norm(h)
+    assert fused.dtype == dtype and torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
