@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from common import kv_blocks_for, percentile, run_timed
-from roofline import ModelCost, measure_peak_flops
+from roofline import ModelCost, measure_matmul_flops
 
 from tandem.engine.engine import Engine, EngineConfig, Request
 from tandem.engine.sequence import SamplingOptions
@@ -62,21 +62,23 @@ def prefill_once(loaded: LoadedModel, prompt: list[int], kv_cache_dtype: torch.d
 def prefill_against_peak(
     loaded: LoadedModel,
     prompt: list[int],
-    peak: Callable[[], float],
+    matmul_rates: Callable[[], dict[str, float]],
     kv_cache_dtype: torch.dtype | None,
     enforce_eager: bool,
     rounds: int = 3,
-) -> list[tuple[float, float]]:
+) -> list[tuple[float, float, float]]:
     """(seconds to the first token, the peak matmul rate measured just before and just after it,
-    the higher) for each of `rounds` prefills: where the matrix unit's rate swings with the host's
-    other load (a shared 2-vCPU Xeon measured 750 to 2,100 GFLOP/s for the same AMX matmul within
-    seconds), a prefill's share of peak is its rate over the peak of its own moment."""
-    pairs = []
+    the higher, and torch's matmul rate likewise) for each of `rounds` prefills: where the matrix
+    unit's rate swings with the host's other load (a shared 2-vCPU Xeon measured 750 to 2,100
+    GFLOP/s for the same AMX matmul within seconds), a prefill's share of peak is its rate over the
+    peak of its own moment."""
+    measured = []
     for _ in range(rounds):
-        before = peak()
+        before = matmul_rates()
         seconds = prefill_once(loaded, prompt, kv_cache_dtype, enforce_eager)
-        pairs.append((seconds, max(before, peak())))
-    return pairs
+        after = matmul_rates()
+        measured.append((seconds, max(*before.values(), *after.values()), max(before["torch"], after["torch"])))
+    return measured
 
 
 def long_prompt(prompts: list[list[int]], num_tokens: int) -> list[int]:
@@ -93,10 +95,13 @@ def measure_variant(
     args: argparse.Namespace,
     cost: ModelCost,
     peak_flops: float,
+    torch_flops: float,
     kv_cache_dtype: torch.dtype,
     enforce_eager: bool,
 ) -> dict:
-    """The workload at every batch size, batch-1 TPOT and the lone prefill, on one model variant."""
+    """The workload at every batch size, batch-1 TPOT and the lone prefill, on one model variant.
+    The prefill's share of peak is against `peak_flops` (the fastest matmul kernel here) and
+    `torch_flops` (torch's own matmul), each as measured at the run's start and around each round."""
     # Warm-up. On a GPU with every prompt, so the big prefill steps' first-use costs (triton's
     # compiles, cuBLAS's choices for their shapes) fall here, not in the first variant's batch.
     is_gpu = next(loaded.model.parameters()).device.type == "cuda"
@@ -110,9 +115,9 @@ def measure_variant(
     device = next(loaded.model.parameters()).device.type
     dtype = next(loaded.model.parameters()).dtype
     rounds = prefill_against_peak(
-        loaded, prefill_ids, lambda: measure_peak_flops(dtype, args.matmul_size, 3, device), kv_cache_dtype, enforce_eager
+        loaded, prefill_ids, lambda: measure_matmul_flops(dtype, args.matmul_size, 3, device), kv_cache_dtype, enforce_eager
     )
-    prefill_s = min(seconds for seconds, _ in rounds)
+    prefill_s = min(seconds for seconds, _, _ in rounds)
     prefill_flops = cost.prefill_flops(len(prefill_ids))
     return {
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
@@ -134,9 +139,11 @@ def measure_variant(
             "tokens_per_s": len(prefill_ids) / prefill_s,
             "flops_per_s": prefill_flops / prefill_s,
             "of_peak": prefill_flops / prefill_s / peak_flops,
-            # each round's rate over the peak measured around it, the median; and the rounds
-            "of_peak_paired": statistics.median(prefill_flops / seconds / peak for seconds, peak in rounds),
-            "rounds": [{"seconds": seconds, "peak_flops": peak} for seconds, peak in rounds],
+            "of_torch_peak": prefill_flops / prefill_s / torch_flops,
+            # each round's rate over the peak (and torch's matmul) measured around it, the median; and the rounds
+            "of_peak_paired": statistics.median(prefill_flops / seconds / peak for seconds, peak, _ in rounds),
+            "of_torch_peak_paired": statistics.median(prefill_flops / seconds / torch_peak for seconds, _, torch_peak in rounds),
+            "rounds": [{"seconds": seconds, "peak_flops": peak, "torch_flops": torch_peak} for seconds, peak, torch_peak in rounds],
         },
     }
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.models.loader import LoadedModel
-from tandem.ops.measure import measure_copy_bandwidth, measure_peak_flops
+from tandem.ops.measure import measure_copy_bandwidth, measure_matmul_flops, measure_peak_flops
 
 __all__ = [
     "ModelCost",
@@ -18,6 +18,7 @@ __all__ = [
     "batch_roofline",
     "decode_roofline_tokens_per_s",
     "measure_copy_bandwidth",  # measured in tandem.ops.measure, which `tandem plan` shares
+    "measure_matmul_flops",
     "measure_peak_flops",
 ]
 

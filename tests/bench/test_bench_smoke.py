@@ -106,10 +106,12 @@ def test_engine_bench_reports_each_batch_size_and_variant_the_prefill_and_the_pe
         assert prefill["num_tokens"] == 256 and prefill["of_peak"] == pytest.approx(prefill["flops_per_s"] / result["peak_flops"])
         # the prefill's best round is its TTFT; each round's rate over the peak measured around it, the median
         rounds = prefill["rounds"]
-        assert len(rounds) == 3 and all(_is_positive(r["peak_flops"]) for r in rounds)
+        assert len(rounds) == 3 and all(_is_positive(r["peak_flops"]) and 0 < r["torch_flops"] <= r["peak_flops"] for r in rounds)
         assert min(r["seconds"] for r in rounds) == pytest.approx(prefill["ttft_ms"] / 1e3)
         flops = prefill["flops_per_s"] * prefill["ttft_ms"] / 1e3
         assert prefill["of_peak_paired"] == pytest.approx(statistics.median(flops / r["seconds"] / r["peak_flops"] for r in rounds))
+        assert prefill["of_torch_peak_paired"] == pytest.approx(statistics.median(flops / r["seconds"] / r["torch_flops"] for r in rounds))
+        assert prefill["of_torch_peak"] == pytest.approx(prefill["flops_per_s"] / result["matmul_flops"]["torch"])
         ratio = result["targets"][f"{name}_vs_peer_b4"]["ratio"]
         assert ratio == pytest.approx(variant["batches"]["4"]["tokens_per_s"] / PEER["tokens_per_s"])
         assert result["targets"][f"{name}_tpot_b1_vs_peer"]["ratio"] == pytest.approx(variant["tpot_b1_ms"] / PEER["tpot_b1_ms"])

@@ -29,26 +29,31 @@ def best_s(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float
     return fastest_s
 
 
-def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int, device: str = "cpu") -> float:
+def measure_matmul_flops(dtype: torch.dtype, size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     """FLOP/s of a large square matmul in `dtype` on `device` (all torch threads on a CPU), best of
-    `repeats`: torch's matmul, or on a CPU the engine's packed kernels where they serve the dtype
-    (models/packed.py: the dot products', and AMX tiles') and are the faster, so that no rate the
-    engine reaches is above this peak."""
+    `repeats`, by kernel: torch's matmul ("torch"), and on a CPU the engine's packed kernels where
+    they serve the dtype (models/packed.py: "packed", the dot products', and "amx", AMX tiles')."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device, dtype)
     b = torch.randn(size, size, generator=generator).to(device, dtype)
     out = torch.empty(size, size, dtype=dtype, device=device)
-    fastest_s = best_s(lambda: torch.matmul(a, b, out=out), repeats, device)
+    flops = 2 * size**3
+    rates = {"torch": flops / best_s(lambda: torch.matmul(a, b, out=out), repeats, device)}
     if torch.device(device).type == "cpu":
         from tandem.models.packed import can_pack, pack_weight  # the engine's kernel: built and loaded only when measured
 
         weight = b.T.contiguous()  # packed_mm multiplies by its weight's transpose
         if can_pack(weight, dtype):
             packed = pack_weight(weight, dtype)
-            fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None), repeats))
+            rates["packed"] = flops / best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None), repeats)
             if torch.ops.tandem.packed_mm_amx_supported(size, dtype):  # its AMX kernel (kernels/gemm_choice.py)
-                fastest_s = min(fastest_s, best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None, 1), repeats))
-    return 2 * size**3 / fastest_s
+                rates["amx"] = flops / best_s(lambda: torch.ops.tandem.packed_mm(a, packed, None, 1), repeats)
+    return rates
+
+
+def measure_peak_flops(dtype: torch.dtype, size: int, repeats: int, device: str = "cpu") -> float:
+    """The fastest of measure_matmul_flops' kernels: no rate the engine reaches is above this peak."""
+    return max(measure_matmul_flops(dtype, size, repeats, device).values())
 
 
 def measure_copy_bandwidth(num_mib: int, repeats: int, device: str = "cpu") -> float:
