@@ -206,6 +206,14 @@ class Settings(BaseSettings):
     # admission (issue 16)
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1048576
     """chat: larger request bodies are refused with 413 before they are read"""
+    http_max_connections: Annotated[int, Field(ge=0)] = 0
+    """every service: open HTTP connections; a request past it gets 503 `server_busy` with Retry-After (0: chat max_streams + 1024, others 1024)"""
+    http_backlog: Annotated[int, Field(ge=1)] = 2048
+    """every service: connections the kernel queues before the server accepts them (capped by net.core.somaxconn)"""
+    http_header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """every service: a request's headers must arrive within this of the connection opening or the request starting; else it is closed"""
+    http_body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """every service: a request's whole body must arrive within this of its headers; else the connection is closed"""
     quota_free: Annotated[int, Field(ge=0)] = 25000
     """chat: the free tier's token bucket in cost units (uncached in x1 + cached in x0.1 + out x4)"""
     quota_plus: Annotated[int, Field(ge=0)] = 250000

@@ -21,6 +21,7 @@ from tandem.config import Settings, load_settings
 from tandem.errors import StartupError
 from tandem.runtime.affinity import pin_process
 from tandem.runtime.collector import settle_started_service
+from tandem.runtime.http_limits import HttpLimits, default_max_connections, protocol_with
 from tandem.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,14 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def http_limits_for(role: str, settings: Settings) -> HttpLimits:
+    return HttpLimits(
+        max_connections=settings.http_max_connections or default_max_connections(role, settings.max_streams),
+        header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s,
+    )
+
+
 def fail(role: str, message: str) -> NoReturn:
     print(f"tandem {role}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -90,7 +99,7 @@ def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: S
         pin_process(settings.cpus)  # before the app starts its threads
         app = build_app(settings)
         sock = bind_port(settings.host, settings.http_port_for(role), "TANDEM_HTTP_PORT")
-        sock.listen(2048)
+        sock.listen(settings.http_backlog)
     except StartupError as exc:
         fail(role, str(exc))
     signal.signal(signal.SIGTERM, _ignore_signal)
@@ -103,6 +112,8 @@ def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: S
             access_log=False,
             timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s / 2)),
             lifespan="on",
+            http=protocol_with(http_limits_for(role, settings)),
+            backlog=settings.http_backlog,
         ),
         runtime,
     )
