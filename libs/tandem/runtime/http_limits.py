@@ -15,6 +15,9 @@ responses, streaming and flow control are untouched) with two timers per connect
 When one fires, the connection is closed (counted in `tandem_http_connections_cut_total`). Once
 a request is read, no timer runs: a response streamed for hours (SSE) is never cut. Between
 requests, uvicorn's own keep-alive timeout closes an idle connection.
+A pipelined request (sent before the previous answer ended) pauses reading until that answer
+ends, so a body still arriving then can run out its deadline: browsers and HTTP clients do not
+pipeline.
 
 Past `max_connections` open connections (slow ones included: the timers bound how long those
 last), a request is answered 503 `server_busy` with Retry-After and the connection closed,
