@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.chat.context import Budget
 from tandem.config import Settings, Tier
 
 
@@ -89,6 +90,16 @@ class ChatConfig:
 
     def prompt_budget_for(self, tier: Tier) -> int:
         return self.prompt_budget_free if tier == Tier.FREE else self.prompt_budget_plus
+
+    def prompt_budget(self, tier: Tier, window_tokens: int, num_framing_tokens: int = 0) -> Budget:
+        """What a prompt of `tier` may hold on a model of `window_tokens`, keeping room for the
+        tier's default answer (at most half the window). `num_framing_tokens`: tokens the prompt
+        will hold that its count leaves out (the chat template's generation prompt)."""
+        return Budget(
+            window_tokens=window_tokens - num_framing_tokens,
+            tier_prompt_tokens=self.prompt_budget_for(tier),
+            answer_tokens=min(self.answer_length(tier).default_tokens, window_tokens // 2),
+        )
 
     def stream_limits(self) -> dict[Tier, int]:
         return {Tier.FREE: self.stream_limit_free, Tier.PLUS: self.stream_limit_plus, Tier.PRO: self.stream_limit_pro}

@@ -24,6 +24,11 @@ class Budget:
     def prompt_tokens(self) -> int:
         return min(self.window_tokens, self.tier_prompt_tokens) - self.answer_tokens
 
+    def check(self, num_tokens: int, what: str = "the message and the system prompt") -> None:
+        """Raises PromptTooLong for a prompt of `num_tokens` over the budget."""
+        if num_tokens > self.prompt_tokens:
+            raise PromptTooLong(num_tokens, self.prompt_tokens, what)
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -40,12 +45,12 @@ class Context:
 
 
 class PromptTooLong(ValueError):
-    def __init__(self, num_tokens: int, budget_tokens: int) -> None:
+    """`what`: what needs the tokens, as the message names it."""
+
+    def __init__(self, num_tokens: int, budget_tokens: int, what: str = "the message and the system prompt") -> None:
         self.num_tokens = num_tokens
         self.budget_tokens = budget_tokens
-        super().__init__(
-            f"the message and the system prompt need {num_tokens} tokens but this conversation may send at most {budget_tokens}"
-        )
+        super().__init__(f"{what} need {num_tokens} tokens but this conversation may send at most {budget_tokens}")
 
 
 # A conversation is a tree: each message follows its parent (an answer follows the user turn it
@@ -112,8 +117,7 @@ def build_context(system: Turn, summary: Turn | None, history: Sequence[Message]
     """Fits the newest history turns that fit whole, stopping at the first that does not (no holes)."""
     fixed = [system] + ([summary] if summary is not None else [])
     num_fixed_tokens = sum(turn.tokens for turn in fixed) + new.tokens
-    if num_fixed_tokens > budget.prompt_tokens:
-        raise PromptTooLong(num_fixed_tokens, budget.prompt_tokens)
+    budget.check(num_fixed_tokens)
     room = budget.prompt_tokens - num_fixed_tokens
     kept: list[Turn] = []
     for message in reversed(history):

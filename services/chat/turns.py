@@ -17,13 +17,14 @@ from redis.asyncio import Redis
 
 from services.chat import metrics
 from services.chat.config import ChatConfig
-from services.chat.context import Budget, PromptTooLong, Turn, active_history, build_context, parent_seqs, stored_parent_seq
+from services.chat.context import PromptTooLong, Turn, active_history, build_context, parent_seqs, stored_parent_seq
 from services.chat.door import Door
-from services.chat.errors import ChatError, InvalidRequest, Moderated, TooLarge
+from services.chat.errors import ChatError, InvalidRequest, Moderated
 from services.chat.model_routing import ModelRouter, Route, conversation_model, turn_model
 from services.chat.models_view import ModelsView, ServedModel
 from services.chat.moderation import MODERATED_MESSAGE, InputCheck, start_input_check
 from services.chat.prompt import LoadedTokenizer, PromptCounter, encode_prompt
+from services.chat.prompt_limits import check_message_chars, prompt_too_long
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.summaries import Summaries, schedule_summary
 from services.chat.summary_prompt import summary_of_branch
@@ -89,9 +90,7 @@ class Turns:
     def check_content(self, content: str) -> None:
         if not content.strip():
             raise InvalidRequest("the message is empty", code="empty_message", param="content")
-        if len(content) > self.config.max_message_chars:
-            message = f"the message has {len(content)} characters; at most {self.config.max_message_chars} are accepted"
-            raise TooLarge(message, code="message_too_long", param="content")
+        check_message_chars(content, self.config.max_message_chars, "content")
 
     async def send_message(
         self,
@@ -175,11 +174,7 @@ class Turns:
         counter: PromptCounter,
     ) -> _Prompt:
         config = self.config
-        budget = Budget(
-            window_tokens=model.window_tokens - counter.generation_prompt_tokens,
-            tier_prompt_tokens=config.prompt_budget_for(user.tier),
-            answer_tokens=min(config.answer_length(user.tier).default_tokens, model.window_tokens // 2),
-        )
+        budget = config.prompt_budget(user.tier, model.window_tokens, counter.generation_prompt_tokens)
         system = Turn("system", config.system_prompt, counter.count(config.system_prompt))
         summary = Turn("system", f"Summary of the conversation so far: {conversation.summary}", 0) if conversation.summary else None
         if summary is not None:
@@ -187,7 +182,7 @@ class Turns:
         try:
             context = build_context(system, summary, history, new_turn, budget)
         except PromptTooLong as exc:
-            raise TooLarge(str(exc), code="prompt_too_long") from None
+            raise prompt_too_long(exc) from None
         ids, num_public = encode_prompt(self.tokenizer.get(), context.turns)
         return _Prompt(ids, num_public, context.num_dropped)
 
