@@ -3,13 +3,15 @@ worst case before anything of it is stored or sent, and gets it back whole if it
 the relay settles it when it ends. A request the bucket cannot afford yet is refused with 429
 `quota_exceeded` and a Retry-After saying when it could (unless its tier falls back to the small
 model: services.chat.replies.ReplyStarter draws on the small model's bucket then); every authenticated answer says how
-much is left (`x-ratelimit-*-tokens`, OpenAI's names)."""
+much is left (`x-ratelimit-*-tokens`, OpenAI's names). Calls that handle tokens without a reply
+(`/tokenize`, `/detokenize`) draw on the same bucket: `charge_tokens`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -21,7 +23,8 @@ from services.chat import metrics
 from services.chat.auth import caller
 from services.chat.errors import InvalidRequest, RateLimited, Unauthenticated
 from tandem.config import ApiKey
-from tandem.quota import Bucket, ExceedsCapacity, TokenBuckets, worst_case_units
+from tandem.quota import Admission, Bucket, ExceedsCapacity, TokenBuckets, worst_case_units
+from tandem.v1.common_pb2 import Usage
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +57,38 @@ async def reserve(
         metrics.REPLIES_REFUSED.labels(code="exceeds_quota").inc()
         raise InvalidRequest(message, code="exceeds_quota", param="max_tokens") from None
     if not admission.is_admitted:
-        wait_s = math.ceil(admission.retry_after_s)
-        which = "" if bucket is Bucket.MAIN else " and its small-model quota"
-        message = (
-            f"you have used your {user.tier.value} tier's token quota{which} for now ({admission.remaining_units:.0f} units left, "
-            f"this request needs up to {worst_case:.0f}); try again in {wait_phrase(wait_s)}"
-        )
-        raise QuotaExhausted(message, retry_after_s=wait_s)
+        raise exhausted(user, admission, f"up to {worst_case:.0f}", bucket)
+
+
+def exhausted(user: ApiKey, admission: Admission, needs: str, bucket: Bucket = Bucket.MAIN) -> QuotaExhausted:
+    """The refusal of a request the user's `bucket` cannot afford yet (`needs`: the units it asked)."""
+    wait_s = math.ceil(admission.retry_after_s)
+    which = "" if bucket is Bucket.MAIN else " and its small-model quota"
+    message = (
+        f"you have used your {user.tier.value} tier's token quota{which} for now ({admission.remaining_units:.0f} units left, "
+        f"this request needs {needs}); try again in {wait_phrase(wait_s)}"
+    )
+    return QuotaExhausted(message, retry_after_s=wait_s)
+
+
+async def charge_tokens(buckets: TokenBuckets | None, user: ApiKey, num_tokens: int, param: str) -> None:
+    """Charges a call that handles `num_tokens` tokens and starts no reply (`/tokenize`,
+    `/detokenize`) to the user's main bucket, as that many uncached prompt tokens and at least one
+    unit, so every call counts. Refused as a reply is (QuotaExhausted, 429 with Retry-After) when
+    the bucket cannot afford it yet; InvalidRequest (400 exceeds_quota, naming `param`) when the
+    tier's whole bucket could not. Reserved and settled at once: nothing is left to expire."""
+    if buckets is None:
+        return
+    units = max(1, num_tokens)
+    call_id = f"call-{uuid.uuid4().hex}"
+    try:
+        admission = await buckets.reserve(user.user_id, user.tier, units, call_id, num_tokens)
+    except ExceedsCapacity as exc:
+        message = f"this request handles {num_tokens} tokens, more than the {user.tier.value} tier's whole quota of {exc.capacity_units}"
+        raise InvalidRequest(message, code="exceeds_quota", param=param) from None
+    if not admission.is_admitted:
+        raise exhausted(user, admission, str(units))
+    await buckets.settle(call_id, Usage(input_tokens=units))
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,11 @@
 """vLLM's server extras beside the OpenAI API, in vLLM's shapes: `POST /tokenize` (a prompt, or
 chat messages through the chat template), `POST /detokenize`, `GET /version` and `GET /health`
-(200 once a completion can start: the tokenizer is loaded and a model is served, else 503)."""
+(200 once a completion can start: the tokenizer is loaded and a model is served, else 503).
+
+`/tokenize` and `/detokenize` are metered as completions are: each call draws on the caller's token
+quota (services.chat.quotas.charge_tokens) what its tokens would cost as a prompt, at least one
+unit; past the quota it is a 429 with Retry-After. A detokenize is charged before it decodes (its
+count is in the request); a tokenize once it has counted, before it answers."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.limits import MAX_MESSAGES, ModelName
 from services.chat.models_view import ModelsView
 from services.chat.openai_schemas import ChatMessage
+from services.chat.quotas import charge_tokens
 from tandem import __version__
 
 router = APIRouter(tags=["openai"])
@@ -49,6 +55,7 @@ async def tokenize(state: Chat, user: CurrentUser, body: TokenizeBody) -> dict[s
     else:
         add_bos = body.add_special_tokens is not False
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "", add_bos)
+    await charge_tokens(state.quotas, user, len(ids), "messages" if body.messages is not None else "prompt")
     return {"count": len(ids), "max_model_len": window_tokens, "tokens": ids, "token_strs": None}
 
 
@@ -59,6 +66,7 @@ async def detokenize(state: Chat, user: CurrentUser, body: DetokenizeBody) -> di
     outside = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
     if outside is not None:
         raise InvalidRequest(f"token id {outside} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})", param="tokens")
+    await charge_tokens(state.quotas, user, len(body.tokens), "tokens")
     return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
 
 
