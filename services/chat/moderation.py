@@ -4,8 +4,9 @@ Python would otherwise hold the GIL that the prompt build needs), started the mo
 has passed its size checks, while the caller builds the prompt: it adds to the time to first
 token only what it takes beyond the prompt build, not its whole latency. The product API waits
 for the verdict before it reserves quota or stores the turn (a refused turn is stored as
-moderated); the OpenAI endpoints, which store nothing, wait for it once the reply's quota is
-reserved and its log created, just before the router is asked (both undone when it refuses), so
+moderated); the OpenAI endpoints, which store nothing and are sent the whole conversation each
+time, check every user message of it, each on its own, and wait for the verdict once the
+reply's quota is reserved and its log created, just before the router is asked (both undone when it refuses), so
 that those round trips overlap the check. Messages checked at once are scored in one call.
 
 A refused message is answered with one clear, non-judgemental message (an HTTP 400, code
@@ -101,16 +102,24 @@ class PendingCheck:
         return verdict.flagged
 
 
-def start_input_check(input_check: InputCheck | None, text: str) -> PendingCheck:
-    """Starts checking `text` now, so the caller can build the prompt meanwhile. A caller that
-    fails before it asks for the verdict leaves the check to finish unread."""
-    if input_check is None or not text.strip():
+def start_input_check(input_check: InputCheck | None, *texts: str) -> PendingCheck:
+    """Starts checking `texts` now (each on its own: a flagged message is not diluted by the
+    others), so the caller can build the prompt meanwhile; the verdict is the highest score's,
+    flagged when any is. A caller that fails before it asks for the verdict leaves the check to
+    finish unread."""
+    to_check = list(dict.fromkeys(text for text in texts if text.strip()))
+    if input_check is None or not to_check:
         return PendingCheck(None)
-    running = asyncio.ensure_future(input_check.judge_timed(text))
+    running = asyncio.ensure_future(_judge_all(input_check, to_check))
     _RUNNING.add(running)  # a task only the loop refers to may be collected before it ends
     running.add_done_callback(_RUNNING.discard)
     running.add_done_callback(_mark_retrieved)
     return PendingCheck(running)
+
+
+async def _judge_all(input_check: InputCheck, texts: list[str]) -> Verdict:
+    verdicts = await asyncio.gather(*(input_check.judge_timed(text) for text in texts))
+    return max(verdicts, key=lambda verdict: verdict.score)
 
 
 async def refuse_openai_input(checking: PendingCheck, tier: str, model: str) -> None:
@@ -123,6 +132,13 @@ async def refuse_openai_input(checking: PendingCheck, tier: str, model: str) -> 
 def last_user_text(messages: Sequence[Mapping[str, str]]) -> str:
     """What an OpenAI chat request's user says now: its last user message ("" when none)."""
     return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+
+
+def user_texts(messages: Sequence[Mapping[str, str]]) -> list[str]:
+    """Every user message of an OpenAI chat request: the client writes the whole conversation,
+    earlier turns too, and none of it was checked before (the product API checks each message
+    as it is sent, and stores it)."""
+    return [m["content"] for m in messages if m["role"] == "user"]
 
 
 def _mark_retrieved(future: asyncio.Future[Verdict]) -> None:

@@ -214,6 +214,15 @@ async def test_the_openai_endpoints_refuse_in_openais_shape_with_code_content_fi
     assert moderated_count("plus", "m1") == before + 1
 
 
+async def test_texts_checked_together_are_refused_when_any_one_is_flagged():
+    """An OpenAI request's user messages: one flagged among them, first or last, refuses the request."""
+    check = InputCheck.in_thread(Blocklist(["idiot"]), 0.5)
+    before = moderated_count("plus", "m2")
+    assert not await start_input_check(check, "hello there", "", "what is the capital of France?").is_refused("plus", "m2")
+    assert await start_input_check(check, "you are an idiot", "what is the capital of France?").is_refused("plus", "m2")
+    assert moderated_count("plus", "m2") == before + 1, "one request refused, counted once"
+
+
 async def test_a_check_that_fails_refuses_with_a_503_not_a_message_let_through():
     with pytest.raises(Unavailable) as failed:
         await start_input_check(InputCheck.in_thread(FailingCheck(), 0.5), "hello").is_refused("free", "m1")
