@@ -1,6 +1,7 @@
 """OpenAI's legacy `POST /v1/completions`: a prompt in (text, or token ids as vLLM accepts), text
 out, whole or streamed, through the same machinery as chat completions. One prompt per request:
-a batch of prompts is refused; `n` choices of the one are answered."""
+a batch of prompts is refused; `n` choices of the one are answered. The prompt meets the product
+API's caps as a chat completion's messages do (services.chat.openai_api)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from services.chat.deps import Answers, Arrived, Chat, CurrentUser, Router
+from services.chat.deps import Answers, Arrived, Chat, CurrentUser, Router, StreamAdmission
 from services.chat.errors import InvalidRequest
 from services.chat.latency import ReplyClock
 from services.chat.limits import TopLogprobs
@@ -20,6 +21,7 @@ from services.chat.moderation import refuse_openai_input, start_input_check
 from services.chat.openai_replies import served_model
 from services.chat.openai_schemas import GenerationBody
 from services.chat.openai_shape import TEXT
+from services.chat.prompt_limits import check_message_chars
 from tandem.models.tokenizer import Tokenizer
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -51,10 +53,18 @@ class TextCompletionBody(GenerationBody):
 
 @router.post("/completions", response_model=None)
 async def completions(
-    state: Chat, router: Router, answers: Answers, user: CurrentUser, arrived: Arrived, body: TextCompletionBody
+    state: Chat,
+    router: Router,
+    answers: Answers,
+    user: CurrentUser,
+    slot: StreamAdmission,  # taken before the reply starts, streamed or not (503/429 past a limit)
+    arrived: Arrived,
+    body: TextCompletionBody,
 ) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     prompt = body.only_prompt()
+    if isinstance(prompt, str):  # token ids: their tokens are counted against the prompt budget
+        check_message_chars(prompt, state.config.max_message_chars, "prompt")
     state.door.check_all(user.tier, state.models.models)  # before any work for a prompt that cannot start
     tokenizer = state.tokenizer.get()
     if isinstance(prompt, str):

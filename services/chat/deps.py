@@ -48,8 +48,9 @@ Arrived = Annotated[float, Depends(arrival)]
 
 
 async def admit_stream(state: Chat, user: CurrentUser) -> AsyncIterator[StreamSlot]:
-    """An open stream's slot (services.chat.stream_slots), taken before the route runs and given
-    back once the response has been sent, or when the route raises."""
+    """A reply's slot (services.chat.stream_slots), taken before the route runs and given back
+    once the response has been sent (a stream's last event, a whole answer's body), or when the
+    route raises."""
     slot = state.stream_slots.admit(user)
     try:
         yield slot
@@ -104,11 +105,11 @@ async def openai_answers(state: Chat, starter: Starter) -> OpenAIAnswers:
     config = state.config
     return OpenAIAnswers(
         starter,
-        state.stream_slots,
         state.fanout,
         state.bus,
         state.tokenizer,
         answer_lengths=config.answer_lengths(),
+        prompt_budget=config.prompt_budget,
         keepalive_s=config.keepalive_s,
     )
 

@@ -1,5 +1,5 @@
-"""What the OpenAI endpoints share once they have a prompt's token ids: check it fits the model,
-start the reply, and answer it whole or as SSE chunks read from its token log, in the endpoint's
+"""What the OpenAI endpoints share once they have a prompt's token ids: check it fits the model
+and the caller's tier's prompt budget, start the reply, and answer it whole or as SSE chunks read from its token log, in the endpoint's
 `ReplyShape` (openai_shape.py). Replies are
 not stored as conversations; a client that goes away cannot resume, so its reply is cancelled."""
 
@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from fastapi.responses import JSONResponse
 
 from services.chat.config import AnswerLength
+from services.chat.context import Budget
 from services.chat.errors import InvalidRequest, NotFound, Unavailable
 from services.chat.fanout import FanoutHub
 from services.chat.latency import ReplyClock
@@ -28,9 +29,9 @@ from services.chat.openai_schemas import GenerationBody, openai_finish_reason
 from services.chat.openai_shape import ReplyShape
 from services.chat.openai_tools import ToolCallStream, parse_tool_calls
 from services.chat.prompt import LoadedTokenizer, PromptCounter
+from services.chat.prompt_limits import check_prompt_tokens
 from services.chat.replies import ReplyRequest, ReplyStarter, cancel_reply, new_reply_id
 from services.chat.sse import OPENAI_SEPARATOR, StreamResponse, sse_response
-from services.chat.stream_slots import StreamSlots
 from services.chat.streaming import log_events
 from tandem import __version__
 from tandem.bus import Bus
@@ -70,28 +71,28 @@ async def served_model(router: ModelRouter, tokenizer: Tokenizer, user: ApiKey, 
 
 
 class OpenAIAnswers:
-    """Starts the OpenAI endpoints' replies (`starter`) and answers them, whole or streamed (taking
-    a stream slot of `stream_slots`), read through `fanout`, their logprobs' tokens spelt by
+    """Starts the OpenAI endpoints' replies (`starter`) and answers them, whole or streamed, read
+    through `fanout`, each prompt within its tier's `prompt_budget` (ChatConfig.prompt_budget), their logprobs' tokens spelt by
     `tokenizer`; a reply whose client goes away is cancelled over `bus`. A request for `n` choices is `n` replies to one prompt
     (ReplyStarter.start_choices), answered together: a choice's object and chunks carry its index."""
 
     def __init__(
         self,
         starter: ReplyStarter,
-        stream_slots: StreamSlots,
         fanout: FanoutHub,
         bus: Bus,
         tokenizer: LoadedTokenizer,
         *,
         answer_lengths: Mapping[Tier, AnswerLength],
+        prompt_budget: Callable[[Tier, int], Budget],
         keepalive_s: float,
     ) -> None:
         self._starter = starter
         self._tokenizer = tokenizer
-        self._stream_slots = stream_slots
         self._fanout = fanout
         self._bus = bus
         self._answer_lengths = answer_lengths
+        self._prompt_budget = prompt_budget
         self._keepalive_s = keepalive_s
 
     async def answer(
@@ -107,8 +108,10 @@ class OpenAIAnswers:
         tool_style: str | None = None,
     ) -> JSONResponse | StreamResponse:
         """Starts the reply to `prompt_ids` (one per choice) and answers it as `body.stream` asks,
-        measured by `clock`; a stream takes one of the instance's and the user's stream slots
-        (services.chat.stream_slots) until it ends. `cleared` (the input check's verdict) is awaited
+        measured by `clock` (the route holds the request's stream slot, services.chat.stream_slots,
+        streamed or not). A prompt over the model's window is a 400 (`context_length_exceeded`,
+        as OpenAI's), one within it but over the tier's budget a 413 (`prompt_too_long`, as the
+        product API's). `cleared` (the input check's verdict) is awaited
         before the first reply's request is sent (services.chat.replies.ReplyRequest.cleared).
         `tool_style` (services.chat.openai_tools): the reply's tool calls are read out of its text.
         A single choice whose quota is spent is answered by `choice.fallback`'s model, which the
@@ -121,6 +124,7 @@ class OpenAIAnswers:
                 code="context_length_exceeded",
                 param=prompt_param,
             )
+        check_prompt_tokens(len(prompt_ids), self._prompt_budget(user.tier, model.window_tokens), prompt_param)
         sampling = body.sampling(self._answer_lengths[user.tier], room)
         reply_id = f"{shape.id_prefix}{new_reply_id()}"
         ignored = ignored_fields_text(body.ignored_fields())
@@ -161,15 +165,9 @@ class OpenAIAnswers:
                 return _name_routed(_name_ignored(whole, ignored), routed_by)
             finally:
                 clock.close()
-        slot = self._stream_slots.admit(user)  # before the reply starts: a refused stream begins nothing
-        try:
-            head["model"], routed_by = await self._start(choices)
-        except BaseException:
-            slot.release()
-            raise
+        head["model"], routed_by = await self._start(choices)
         chunks = self.reply_chunks(reply_ids, head, shape, body.wants_usage_chunk, clock, logprobs, tool_style)
         response = sse_response(chunks, self._keepalive_s, sep=OPENAI_SEPARATOR)
-        response.on_close(slot.release)
         response.on_close(clock.close)
         return _name_routed(_name_ignored(response, ignored), routed_by)
 

@@ -2,6 +2,8 @@
 capacity is refused with 503 (`streams_full`), one past the user's tier limit with 429
 (`too_many_streams`), both with Retry-After, before the response starts (so they are real HTTP
 statuses) and before any reply is begun. A slot is held until the stream ends, for any reason.
+An OpenAI completion takes one whether streamed or not (a whole answer holds its reply as long as
+a stream does), until its answer has been sent.
 
 Routes take a slot as a dependency (services.chat.deps.StreamAdmission): FastAPI resolves it
 before the route runs and releases it after the response has been sent, or when the route raises."""

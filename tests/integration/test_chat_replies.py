@@ -98,11 +98,11 @@ def starter_of(state: ChatState) -> ReplyStarter:
 def answers_of(state: ChatState) -> OpenAIAnswers:
     return OpenAIAnswers(
         starter_of(state),
-        state.stream_slots,
         state.fanout,
         state.bus,
         state.tokenizer,
         answer_lengths=state.config.answer_lengths(),
+        prompt_budget=state.config.prompt_budget,
         keepalive_s=state.config.keepalive_s,
     )
 

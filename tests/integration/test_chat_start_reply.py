@@ -26,7 +26,6 @@ from services.chat.openai_schemas import ChatCompletionBody
 from services.chat.openai_shape import CHAT
 from services.chat.prompt import LoadedTokenizer
 from services.chat.replies import ReplyStarter
-from services.chat.stream_slots import StreamSlots
 from services.chat.turns import SamplingChoice, Turns
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.bus.events import final_event
@@ -191,11 +190,11 @@ async def test_an_openai_completion_reserves_its_reply_once(redis_server, redis,
     fanout = open_fanout(CONFIG, redis_server.url, redis, "test-chat")
     answers = OpenAIAnswers(
         starter(redis, bus, quotas, Door()),
-        StreamSlots(CONFIG.max_streams, CONFIG.stream_limits()),
         fanout,
         bus,
         LoadedTokenizer(),
         answer_lengths=CONFIG.answer_lengths(),
+        prompt_budget=CONFIG.prompt_budget,
         keepalive_s=CONFIG.keepalive_s,
     )
     user = free_user()
