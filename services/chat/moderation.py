@@ -5,9 +5,10 @@ has passed its size checks, while the caller builds the prompt: it adds to the t
 token only what it takes beyond the prompt build, not its whole latency. The product API waits
 for the verdict before it reserves quota or stores the turn (a refused turn is stored as
 moderated); the OpenAI endpoints, which store nothing and are sent the whole conversation each
-time, check every user message of it, each on its own, and wait for the verdict once the
-reply's quota is reserved and its log created, just before the router is asked (both undone when it refuses), so
-that those round trips overlap the check. Messages checked at once are scored in one call.
+time, check every user message of it, each on its own, and wait for the verdict once the reply's
+quota is reserved and its log created, just before the router is asked (both undone when it
+refuses), so that those round trips overlap the check. Messages checked at once are scored in
+one call.
 
 A refused message is answered with one clear, non-judgemental message (an HTTP 400, code
 `moderated` on the product API, which stores the user turn as `moderated` so the conversation
