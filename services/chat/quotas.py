@@ -20,8 +20,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.chat import metrics
-from services.chat.auth import caller
-from services.chat.errors import InvalidRequest, RateLimited, Unauthenticated
+from services.chat.errors import InvalidRequest, RateLimited
 from tandem.config import ApiKey
 from tandem.quota import Admission, Bucket, ExceedsCapacity, TokenBuckets, worst_case_units
 from tandem.v1.common_pb2 import Usage
@@ -143,16 +142,15 @@ class QuotaHeaders:
             return
         request = Request(scope)
         buckets: TokenBuckets | None = request.app.state.chat.quotas  # None: no quotas apply
-        try:
-            user = caller(request)
-        except Unauthenticated:
-            user = None
-        if buckets is None or user is None:
+        if buckets is None:
             await self.app(scope, receive, send)
             return
 
         async def send_with_level(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            # Looked up as the answer starts: the route has checked the key by then (a key is
+            # hashed, and a wrong one counted, by the route's dependency alone).
+            user = request.app.state.chat.auth.known_caller(request) if message["type"] == "http.response.start" else None
+            if buckets is not None and user is not None:
                 await _add_level(MutableHeaders(scope=message), buckets, user)
             await send(message)
 

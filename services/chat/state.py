@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from services.chat.attach_reads import AttachReads
+from services.chat.auth import Authenticator
 from services.chat.config import ChatConfig
 from services.chat.difficulty import DifficultyJudge
 from services.chat.door import Door
@@ -20,7 +21,6 @@ from services.chat.shadow import Shadows
 from services.chat.stream_slots import StreamSlots
 from services.chat.summaries import Summaries
 from tandem.bus import Bus
-from tandem.config import ApiKey
 from tandem.quota import TokenBuckets
 from tandem.store import ConversationStore
 
@@ -28,7 +28,7 @@ from tandem.store import ConversationStore
 @dataclass
 class ChatState:
     config: ChatConfig
-    api_keys: dict[str, ApiKey]
+    auth: Authenticator  # the API keys and the throttle on wrong ones
     store: ConversationStore
     redis: Redis  # short commands, from a bounded pool
     fanout: FanoutHub  # live token log reads, one per reply, shared by its streams

@@ -17,8 +17,10 @@ from helpers import wait_until
 from tokenlog.durable_redis import DurableRedis
 
 from services.chat.attach_reads import AttachReads
+from services.chat.auth import Authenticator
 from services.chat.config import ChatConfig
 from services.chat.fanout import open_fanout
+from services.chat.key_ring import KeyRing
 from services.chat.models_view import ModelsView
 from services.chat.state import ChatState
 from services.chat.stream_slots import StreamSlots
@@ -51,7 +53,7 @@ async def state(redis_server, tmp_path) -> AsyncIterator[ChatState]:
     fanout = open_fanout(CONFIG, redis_server.url, redis, "test-fanout")
     state = ChatState(
         config=CONFIG,
-        api_keys={},
+        auth=Authenticator(KeyRing.load({}, None)),
         store=store,
         redis=redis,
         fanout=fanout,

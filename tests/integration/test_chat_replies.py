@@ -25,9 +25,11 @@ from sse_starlette.sse import EventSourceResponse
 
 from services.chat import metrics
 from services.chat.attach_reads import AttachReads
+from services.chat.auth import Authenticator
 from services.chat.config import ChatConfig
 from services.chat.errors import Unavailable, answer
 from services.chat.fanout import open_fanout
+from services.chat.key_ring import KeyRing
 from services.chat.latency import ReplyClock
 from services.chat.models_view import ModelsView
 from services.chat.openai_replies import OpenAIAnswers
@@ -71,7 +73,7 @@ async def state(redis_server, nats_server, tmp_path) -> AsyncIterator[ChatState]
     fanout = open_fanout(CONFIG, redis_server.url, redis, "test-chat")
     state = ChatState(
         config=CONFIG,
-        api_keys={},
+        auth=Authenticator(KeyRing.load({}, None)),
         store=store,
         redis=redis,
         fanout=fanout,

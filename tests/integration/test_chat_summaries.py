@@ -20,8 +20,10 @@ from helpers import wait_until
 from prometheus_client import REGISTRY
 
 from services.chat.attach_reads import AttachReads
+from services.chat.auth import Authenticator
 from services.chat.config import ChatConfig
 from services.chat.fanout import open_fanout
+from services.chat.key_ring import KeyRing
 from services.chat.models_view import ModelsView, ServedModel
 from services.chat.prompt import LoadedTokenizer
 from services.chat.state import ChatState
@@ -70,7 +72,7 @@ async def state(redis_server, nats_server, tmp_path, tokenizer) -> AsyncIterator
     fanout = open_fanout(CONFIG, redis_server.url, redis, "test-chat")
     state = ChatState(
         config=CONFIG,
-        api_keys={},
+        auth=Authenticator(KeyRing.load({}, None)),
         store=store,
         redis=redis,
         fanout=fanout,

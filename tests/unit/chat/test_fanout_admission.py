@@ -17,8 +17,10 @@ from fastapi import FastAPI
 from helpers import wait_until
 
 from services.chat import errors
+from services.chat.auth import Authenticator
 from services.chat.config import ChatConfig
 from services.chat.deps import Chat, StreamAdmission
+from services.chat.key_ring import KeyRing
 from services.chat.sse import StreamResponse, sse_response
 from services.chat.stream_slots import StreamSlots
 from tandem.config import ApiKey, Tier
@@ -29,7 +31,7 @@ KEYS = {"free-key": ApiKey("u-free", Tier.FREE), "pro-key": ApiKey("u-pro", Tier
 
 def build_app(slots: StreamSlots) -> FastAPI:
     app = FastAPI()
-    app.state.chat = SimpleNamespace(config=CONFIG, api_keys=KEYS, stream_slots=slots)
+    app.state.chat = SimpleNamespace(config=CONFIG, auth=Authenticator(KeyRing.load(KEYS, None)), stream_slots=slots)
     errors.install(app)
 
     @app.get("/stream")

@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY
 
 from services.chat import errors, feedback_api
+from services.chat.auth import Authenticator
+from services.chat.key_ring import KeyRing
 from services.chat.metrics import model_labels
 from services.chat.schemas import MAX_FEEDBACK_COMMENT_CHARS, MAX_FEEDBACK_REASON_CHARS
 from tandem.bus.events import ReplyStatus
@@ -41,7 +43,7 @@ async def client(store: SqliteStore) -> AsyncIterator[httpx.AsyncClient]:
     app = FastAPI()
     app.include_router(feedback_api.router)
     errors.install(app)
-    app.state.chat = SimpleNamespace(store=store, api_keys=KEYS)  # the route reads only these
+    app.state.chat = SimpleNamespace(store=store, auth=Authenticator(KeyRing.load(KEYS, None)))  # the route reads only these
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         yield client
 
