@@ -233,7 +233,7 @@ def test_compose_variables_are_all_defaulted_or_required() -> None:
 
 def test_compose_refuses_to_start_without_api_keys_and_has_no_default_key(compose: dict) -> None:
     with pytest.raises(MissingVariable, match=r"TANDEM_API_KEYS: set TANDEM_API_KEYS to key=user:tier") as caught:
-        interpolate(compose, {})
+        interpolate(compose, GENERATED_SECRETS)
     assert "there is no default key" in str(caught.value)
     # Nor a default credential: the generated ones must be passed too.
     with pytest.raises(MissingVariable, match=r"TANDEM_\w*(PASSWORD|SECRET)\w*: run tandem secrets"):
@@ -241,6 +241,8 @@ def test_compose_refuses_to_start_without_api_keys_and_has_no_default_key(compos
     filled = interpolate(compose, {"TANDEM_API_KEYS": "k=u:plus", **GENERATED_SECRETS})
     assert isinstance(filled, dict)
     assert filled["services"]["chat"]["environment"]["TANDEM_API_KEYS"] == "k=u:plus"
+    given_keys = [name for name, service in filled["services"].items() if "TANDEM_API_KEYS" in service.get("environment", {})]
+    assert given_keys == ["chat"]  # the one service that checks them
     assert filled["services"]["chat"]["environment"]["TANDEM_MODEL_PATH"] == ""  # the embedded model
 
 

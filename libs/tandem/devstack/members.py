@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import sys
 import threading
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets
 from tandem.errors import StartupError
+from tandem.key_file import generate_key
 from tandem.runtime.run import bind_port
 
 SERVER_ROLES = ("nats", "redis")
@@ -201,7 +201,7 @@ def api_keys_spec(keys: dict[str, ApiKey]) -> str:
 
 
 def dev_api_keys() -> dict[str, ApiKey]:
-    return {f"tdm-dev-{secrets.token_urlsafe(12)}": ApiKey(user_id="dev", tier=Tier.PLUS)}
+    return {generate_key("tdm-dev"): ApiKey(user_id="dev", tier=Tier.PLUS)}
 
 
 def _set_worker_env(env: dict[str, str], config: StackConfig, instance_id: str, is_small: bool) -> None:
@@ -254,13 +254,17 @@ def service_member(
         "TANDEM_HTTP_PORT": str(http_port),
         "TANDEM_NATS_URL": nats_url,
         "TANDEM_REDIS_URL": redis_url,
-        "TANDEM_API_KEYS": api_keys_spec(config.api_keys),
         "TANDEM_INSTANCE_ID": instance_id,
         "TANDEM_UCX_PORT": "0",
         "TANDEM_REDIS_USERNAME": "",  # not one from the caller's environment
         **secrets.service_env(role),
         **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
+    if role == "chat":  # the one service that checks keys: no other process is handed them
+        env["TANDEM_API_KEYS"] = api_keys_spec(config.api_keys)
+    else:
+        env.pop("TANDEM_API_KEYS", None)
+        env.pop("TANDEM_API_KEYS_FILE", None)
     if role in WORKER_ROLES:
         _set_worker_env(env, config, instance_id, is_small=pool == SMALL_POOL)
     grpc_port = None

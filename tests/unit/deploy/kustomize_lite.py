@@ -119,7 +119,7 @@ def _generated_secrets(folder: Path, spec: Object) -> list[Object]:
                 "kind": "Secret",
                 "metadata": metadata,
                 "type": generator.get("type", "Opaque"),
-                "data": {key: base64.b64encode(value).decode() for key, value in data.items()},
+                "data": {key: _base64(value) for key, value in data.items()},
             }
         )
     return secrets
@@ -139,3 +139,12 @@ def _set_image(current: str, image: Object) -> str:
     name = image.get("newName", name)
     tag = image.get("newTag", tag)
     return f"{name}:{tag}" if tag else name
+
+
+def _base64(value: bytes) -> str:
+    """As kustomize writes a Secret's value: base64 in lines of 70, each ended by a newline once
+    there are two or more."""
+    text = base64.b64encode(value).decode()
+    if len(text) < 70:
+        return text
+    return "".join(f"{text[start : start + 70]}\n" for start in range(0, len(text), 70))

@@ -16,8 +16,9 @@ import pytest
 import yaml
 from kustomize_lite import Object, load_objects, render
 
-from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES
+from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES, ApiKey, Tier
 from tandem.devstack.secrets import StackSecrets, write_container_set
+from tandem.key_file import entry_for, generate_key, key_id_of, parse_key_file
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
@@ -25,6 +26,7 @@ KUBERNETES_VERSION = "1.33"  # the oldest release the manifests target; its sche
 WORKERS = ("prefill", "decode")
 # The kinds whose schemas come from CRDs (checked by the structural tests below instead).
 CUSTOM_KINDS = {"PodMonitor", "PrometheusRule"}
+K8S_KEY = generate_key()
 # What each role's Secret holds: its own credentials and nothing else.
 ROLE_SECRET_KEYS = {
     "chat": {
@@ -32,7 +34,6 @@ ROLE_SECRET_KEYS = {
         "TANDEM_REDIS_PASSWORD",
         "TANDEM_REDIS_SENTINEL_PASSWORD",
         "TANDEM_CASSANDRA_PASSWORD",
-        "TANDEM_API_KEYS",
     },
     "relay": {"TANDEM_NATS_PASSWORD", "TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_SENTINEL_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
     "router": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
@@ -71,7 +72,7 @@ def secrets_folder(tmp_path_factory: pytest.TempPathFactory, secret_set: StackSe
     folder = tmp_path_factory.mktemp("k8s") / "secrets"
     shutil.copytree(K8S / "secrets", folder)
     write_container_set(folder / "generated", secret_set, is_overwrite=False)
-    (folder / "generated" / "TANDEM_API_KEYS").write_text("k8s-key=ops:pro")
+    (folder / "generated" / "api-keys").write_text(entry_for(K8S_KEY, ApiKey("ops", Tier.PRO)).line() + "\n")
     return folder
 
 
@@ -229,6 +230,22 @@ def test_each_role_takes_its_own_secret_which_holds_its_credentials_only(
         if "TANDEM_CASSANDRA_PASSWORD" in ROLE_SECRET_KEYS[role]:
             superuser = generated["tandem-cassandra-superuser"]["data"]
             assert _env(deployment)["TANDEM_CASSANDRA_USERNAME"] == base64.b64decode(superuser["username"]).decode()
+
+
+def test_only_the_chat_mounts_the_api_keys_and_they_are_hashes(rendered: list[Object], secrets: list[Object]) -> None:
+    keys_secret = next(s for s in secrets if s["kind"] == "Secret" and s["metadata"]["name"] == "tandem-chat-api-keys")
+    held = base64.b64decode(keys_secret["data"]["api-keys"]).decode()
+    entries, problems = parse_key_file(held)
+    assert not problems and entries[key_id_of(K8S_KEY)].matches(K8S_KEY)
+    assert K8S_KEY not in held and K8S_KEY.split(".", 1)[1] not in held
+    for role, deployment in by_kind(rendered, "Deployment").items():
+        mounts = [v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
+        if role == "chat":
+            assert mounts == ["tandem-chat-api-keys"]
+            assert _env(deployment)["TANDEM_API_KEYS_FILE"] == "/etc/tandem/api-keys/api-keys"
+        else:  # nor in its Secret: ROLE_SECRET_KEYS
+            assert "tandem-chat-api-keys" not in mounts, role
+            assert not {"TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE"} & set(_env(deployment)), role
 
 
 def test_no_manifest_holds_a_literal_credential() -> None:

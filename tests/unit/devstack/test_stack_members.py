@@ -13,11 +13,12 @@ import pytest
 
 from tandem.config import ApiKey, Tier, load_settings, settings_flags
 from tandem.devstack.devices import torch_threads_per_rank
-from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, service_member
+from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, dev_api_keys, service_member
 from tandem.devstack.proc import free_ports
 from tandem.devstack.secrets import StackSecrets
 from tandem.devstack.stack import Stack, stack_config_from
 from tandem.errors import StartupError
+from tandem.key_file import MIN_KEY_BYTES, num_key_bytes_of
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
 SECRETS = StackSecrets.generate()
@@ -51,6 +52,28 @@ def test_each_worker_instance_has_its_own_name_instance_id_and_ports():
     assert len(set(http_ports + grpc_ports)) == len(http_ports) + len(grpc_ports), "no two ports clash"
     chat = planned[-1]
     assert (chat.http_port, chat.url, chat.readyz_url) == (18080, "http://127.0.0.1:18080", "http://127.0.0.1:18080/readyz")
+
+
+def test_only_the_chat_is_handed_the_api_keys(monkeypatch):
+    monkeypatch.setenv("TANDEM_API_KEYS", "from-the-shell=u:plus")  # the caller's environment reaches no other role
+    monkeypatch.setenv("TANDEM_API_KEYS_FILE", "/keys")
+    config = StackConfig(host="127.0.0.1", chat_port=18080, api_keys=KEYS, extra_env={}, num_decode_workers=1, num_prefill_workers=1)
+    given = {m.role: {name for name in m.env if name.startswith("TANDEM_API_KEYS")} for m in members(config)}
+    assert given == {
+        "router": set(),
+        "relay": set(),
+        "prefill": set(),
+        "decode": set(),
+        "chat": {"TANDEM_API_KEYS", "TANDEM_API_KEYS_FILE"},
+    }
+    assert next(m for m in members(config) if m.role == "chat").env["TANDEM_API_KEYS"] == "k=u:plus"
+
+
+def test_dev_keys_carry_the_minimum_random_bytes():
+    key = next(iter(dev_api_keys()))
+    assert key.startswith("tdm-dev-")  # as the docs show it
+    assert num_key_bytes_of(key) >= MIN_KEY_BYTES
+    assert key != next(iter(dev_api_keys()))
 
 
 def test_chat_instances_take_consecutive_ports_from_the_chat_port():
