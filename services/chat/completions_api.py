@@ -63,7 +63,7 @@ async def completions(
 ) -> JSONResponse | EventSourceResponse:
     body.refuse_unsupported()
     prompt = body.only_prompt()
-    if isinstance(prompt, str):  # token ids: their tokens are counted against the prompt budget
+    if isinstance(prompt, str):  # a text's characters; token ids meet the prompt budget alone
         check_message_chars(prompt, state.config.max_message_chars, "prompt")
     state.door.check_all(user.tier, state.models.models)  # before any work for a prompt that cannot start
     tokenizer = state.tokenizer.get()
