@@ -45,11 +45,15 @@ def stack_secrets(nats_url: str) -> StackSecrets | None:
 
 def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[str, str]:
     """Environment for one service process on free ports, with fast heartbeats. The URLs are the
-    servers' `.url` (with the operator's login and Redis's password): the process logs in as its
-    role's bus user instead, with the Redis password and the internal secret as settings."""
+    servers' `.url` (with the operator's login and Redis's admin password): the process logs in as
+    its role's bus user instead, and as its role's Redis user (tandem.redis_acl) where the Redis
+    is of the same set, else with the URL's login; the internal secret as a setting."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(local_service_env(role, nats_url))
     plain_redis_url, redis_username, redis_password = login_of(redis_url)
+    made = stack_secrets(nats_url)
+    if made is not None and redis_password == made.redis_password and role in made.redis_passwords:
+        redis_username, redis_password = role, made.redis_passwords[role]
     env.update(
         PYTHONUNBUFFERED="1",
         TANDEM_REDIS_URL=plain_redis_url,

@@ -302,9 +302,12 @@ class ReplyStarter:
 
 
 async def forget_reply(redis: Redis, reply_id: str) -> None:
-    """A reply that never started: nothing to keep."""
+    """A reply that never started: nothing to keep. Its log and pending events are the relay's
+    (the chat's Redis user may only read them): a reply that never started has none, and what a
+    late event left there expires with its TTL."""
+    keys = ReplyKeys(reply_id)
     await redis.srem(RUNNING, reply_id)
-    await redis.delete(*ReplyKeys(reply_id).all())
+    await redis.delete(keys.meta, keys.readers)
 
 
 async def cancel_reply(bus: Bus, reply_id: str, reason: str) -> None:

@@ -1,8 +1,10 @@
 """Redis with automatic failover for `tandem up --ha` and the tests and drills that kill its
 primary: one primary, two replicas and three sentinels, every one a redis-server from the same
 binary (tandem.devstack.servers) on a free loopback port (or, placed on hosts of their own by
-tandem.devstack.hosts, on its host's address and Redis's usual port), all requiring the work folder's Redis
-password (the nodes' `requirepass`/`masterauth`, the sentinels' `requirepass`/`auth-pass`).
+tandem.devstack.hosts, on its host's address and Redis's usual port), all requiring a password
+of the work folder's set: the nodes the admin's (`requirepass`/`masterauth`, the sentinels'
+`auth-pass`), each node with the roles' ACL users too (tandem.redis_acl; ACL changes are not
+replicated), and the sentinels their own (`requirepass`), which the services hold.
 
 Clients find the primary through the sentinels (tandem.redis_sentinel): `service_env` gives a
 service the settings that say where they are. When the primary dies, the sentinels agree it is
@@ -31,7 +33,7 @@ from tandem.devstack.hosts import Host
 from tandem.devstack.members import Member
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, load_or_create, write_private
-from tandem.devstack.servers import READY_TIMEOUT_S, redis_server_binary
+from tandem.devstack.servers import READY_TIMEOUT_S, redis_auth_config, redis_server_binary
 from tandem.errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,7 @@ class RedisHA:
         return {
             "TANDEM_REDIS_SENTINELS": self.sentinel_spec,
             "TANDEM_REDIS_SENTINEL_MASTER": MASTER_NAME,
-            "TANDEM_REDIS_SENTINEL_PASSWORD": self.secrets.redis_password,
+            "TANDEM_REDIS_SENTINEL_PASSWORD": self.secrets.redis_sentinel_password,
             "TANDEM_REDIS_WAIT_REPLICAS": "1",
         }
 
@@ -237,7 +239,8 @@ class RedisHA:
         return num_replicas == len(self.nodes) - 1 and num_others == NUM_SENTINELS - 1
 
     def _client(self, node: RedisNode) -> redis.Redis:
-        return redis.Redis(host=node.host, port=node.port, password=self.secrets.redis_password, socket_timeout=1.0, decode_responses=True)
+        password = self.secrets.redis_sentinel_password if node in self.sentinels else self.secrets.redis_password
+        return redis.Redis(host=node.host, port=node.port, password=password, socket_timeout=1.0, decode_responses=True)
 
     def _write_node_config(self, node: RedisNode, primary: RedisNode | None) -> None:
         (node.folder / "data").mkdir(parents=True, exist_ok=True)
@@ -246,7 +249,7 @@ class RedisHA:
             f"bind {node.host}",
             f"port {node.port}",
             f"dir {node.folder / 'data'}",
-            f"requirepass {password}",
+            redis_auth_config(self.secrets, redis_server_binary()).strip(),  # the admin's password and the roles' users
             f"masterauth {password}",
             'save ""',
             "appendonly yes",
@@ -265,7 +268,8 @@ class RedisHA:
             f"bind {sentinel.host}",
             f"port {sentinel.port}",
             f"dir {sentinel.folder}",
-            f"requirepass {password}",  # the sentinels log in to each other with it too
+            # Their own password, which the services hold: the nodes' admin password stays with the admin.
+            f"requirepass {self.secrets.redis_sentinel_password}",  # the sentinels log in to each other with it too
             f"sentinel monitor {MASTER_NAME} {primary.host} {primary.port} {QUORUM}",
             f"sentinel auth-pass {MASTER_NAME} {password}",
             f"sentinel down-after-milliseconds {MASTER_NAME} {self.timing.down_after_ms}",

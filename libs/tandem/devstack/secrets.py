@@ -25,8 +25,10 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
 from tandem.errors import StartupError
+from tandem.redis_acl import ROLES as REDIS_ROLES
 
-REDIS_PASSWORD = "TANDEM_REDIS_PASSWORD"
+REDIS_PASSWORD = "TANDEM_REDIS_PASSWORD"  # the admin's (Redis's default user); no service is given it
+REDIS_USERNAME = "TANDEM_REDIS_USERNAME"
 INTERNAL_SECRET = "TANDEM_INTERNAL_SECRET"
 CASSANDRA_PASSWORD = "TANDEM_CASSANDRA_PASSWORD"
 LOCAL_FILE = "secrets.env"
@@ -37,7 +39,9 @@ _NUM_RANDOM_BYTES = 24
 class StackSecrets:
     nats_passwords: dict[str, str] = field(repr=False)  # bus user -> password, for every user of USERS
     redis_password: str = field(repr=False)
+    redis_passwords: dict[str, str] = field(repr=False)  # Redis ACL user (a role of tandem.redis_acl) -> password
     internal_secret: str = field(repr=False)
+    redis_sentinel_password: str = field(default="", repr=False)  # tandem up --ha: the sentinels' own, which services hold
     cassandra_password: str = field(default="", repr=False)  # containers only: tandem up runs no Cassandra
 
     @classmethod
@@ -46,6 +50,7 @@ class StackSecrets:
         return cls(
             nats_passwords={user: _random() for user in USERS},
             redis_password=_random(),
+            redis_passwords={role: _random() for role in REDIS_ROLES},
             internal_secret=_random(),
             cassandra_password=_random(),
         )
@@ -56,29 +61,39 @@ class StackSecrets:
         return cls(
             nats_passwords={user: operator_password if user == OPERATOR else _derive(operator_password, f"nats:{user}") for user in USERS},
             redis_password=_derive(operator_password, "redis"),
+            redis_passwords={role: _derive(operator_password, f"redis:{role}") for role in REDIS_ROLES},
             internal_secret=_derive(operator_password, "internal"),
+            redis_sentinel_password=_derive(operator_password, "redis-sentinel"),
         )
 
     def variables(self) -> dict[str, str]:
         """Every secret under its environment variable's name."""
         found = {password_variable(user): password for user, password in self.nats_passwords.items()}
         found[REDIS_PASSWORD] = self.redis_password
+        found.update({redis_password_variable(role): password for role, password in self.redis_passwords.items()})
         found[INTERNAL_SECRET] = self.internal_secret
         if self.cassandra_password:
             found[CASSANDRA_PASSWORD] = self.cassandra_password
         return found
 
     def service_env(self, role: str) -> dict[str, str]:
-        """What one service process of `role` needs: its bus login, Redis's password, the internal secret."""
+        """What one service process of `role` needs: its bus login, its role's Redis login (a role
+        without Redis: none), the internal secret."""
+        redis_login = {REDIS_USERNAME: role, REDIS_PASSWORD: self.redis_passwords[role]} if role in self.redis_passwords else {}
         return {
             "TANDEM_NATS_USER": role,
             "TANDEM_NATS_PASSWORD": self.nats_passwords[role],
-            REDIS_PASSWORD: self.redis_password,
+            **redis_login,
             INTERNAL_SECRET: self.internal_secret,
         }
 
     def nats_config(self) -> str:
         return render_config(lambda user: literal(self.nats_passwords[user]), "Tandem's bus users (tandem up); generated, do not edit.")
+
+
+def redis_password_variable(role: str) -> str:
+    """Where `tandem secrets` puts a Redis role's password: TANDEM_REDIS_CHAT_PASSWORD; a service reads it as TANDEM_REDIS_PASSWORD."""
+    return f"TANDEM_REDIS_{role.upper()}_PASSWORD"
 
 
 def _random() -> str:

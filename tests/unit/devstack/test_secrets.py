@@ -10,7 +10,8 @@ import pytest
 
 from tandem.bus.permissions import USERS, password_variable
 from tandem.cli import main
-from tandem.devstack.secrets import StackSecrets, load_or_create, local_service_env, login_of, with_login
+from tandem.devstack.secrets import StackSecrets, load_or_create, local_service_env, login_of, redis_password_variable, with_login
+from tandem.redis_acl import ROLES as REDIS_ROLES
 
 
 def _mode(path: Path) -> int:
@@ -24,11 +25,15 @@ def _env_file(path: Path) -> dict[str, str]:
 def test_tandem_secrets_writes_an_env_file_and_a_file_per_secret_for_its_owner_alone(tmp_path: Path):
     assert main(["secrets", str(tmp_path / "set")]) == 0
     variables = _env_file(tmp_path / "set" / "tandem.env")
-    expected = {password_variable(user) for user in USERS} | {
-        "TANDEM_REDIS_PASSWORD",
-        "TANDEM_INTERNAL_SECRET",
-        "TANDEM_CASSANDRA_PASSWORD",
-    }
+    expected = (
+        {password_variable(user) for user in USERS}
+        | {
+            "TANDEM_REDIS_PASSWORD",
+            "TANDEM_INTERNAL_SECRET",
+            "TANDEM_CASSANDRA_PASSWORD",
+        }
+        | {redis_password_variable(role) for role in REDIS_ROLES}
+    )
     assert set(variables) == expected
     assert len(set(variables.values())) == len(variables), "every secret is its own random value"
     for name, value in variables.items():
@@ -67,6 +72,16 @@ def test_a_service_on_a_local_bus_logs_in_as_its_role_at_the_url_without_the_ope
     assert (env["TANDEM_NATS_USER"], env["TANDEM_NATS_PASSWORD"]) == ("decode", made.nats_passwords["decode"])
     assert env["TANDEM_INTERNAL_SECRET"] == made.internal_secret
     assert local_service_env("decode", "nats://127.0.0.1:4222") == {"TANDEM_NATS_URL": "nats://127.0.0.1:4222"}
+
+
+@pytest.mark.parametrize("made", [StackSecrets.derived_from("operator-password"), StackSecrets.generate()])
+def test_chat_and_relay_get_their_own_redis_login_and_no_other_role_gets_one(made: StackSecrets):
+    logins = {role: made.service_env(role) for role in ("chat", "relay", "router", "prefill", "decode")}
+    for role in ("chat", "relay"):
+        assert (logins[role]["TANDEM_REDIS_USERNAME"], logins[role]["TANDEM_REDIS_PASSWORD"]) == (role, made.redis_passwords[role])
+    assert len({made.redis_password, *made.redis_passwords.values()}) == 3, "no role holds the admin's password"
+    for role in ("router", "prefill", "decode"):
+        assert not {"TANDEM_REDIS_USERNAME", "TANDEM_REDIS_PASSWORD"} & set(logins[role]), role
 
 
 def test_a_login_in_a_url_survives_characters_urls_reserve():
