@@ -19,8 +19,10 @@ from helpers import wait_until
 from tandem.bus.permissions import USERS, password_variable
 from tandem.config import DEFAULT_HTTP_PORTS, ROLES
 from tandem.devstack.proc import free_port
-from tandem.devstack.secrets import StackSecrets, write_container_set
+from tandem.devstack.secrets import StackSecrets, redis_password_variable, write_container_set
 from tandem.devstack.servers import nats_server_binary, redis_server_binary
+from tandem.redis_acl import ROLES as REDIS_ROLES
+from tandem.redis_acl import binary_version, can_read_only, config_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 _REFERENCE = re.compile(r"^\$\{(?P<name>\w+):\?run tandem secrets[^}]*\}$")
@@ -59,8 +61,11 @@ def test_each_service_gets_its_own_role_credentials_and_no_others(services: dict
         assert set(credentials) == ROLE_CREDENTIALS[role], role
         assert environment["TANDEM_NATS_USER"] == role
         assert credentials["TANDEM_NATS_PASSWORD"] == password_variable(role)
-        for name in ("TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD", "TANDEM_INTERNAL_SECRET"):
+        for name in ("TANDEM_CASSANDRA_PASSWORD", "TANDEM_INTERNAL_SECRET"):
             assert credentials.get(name, name) == name, f"{role}: {name} from {credentials.get(name)}"
+        if "TANDEM_REDIS_PASSWORD" in credentials:  # its own ACL user's, never the admin's
+            assert environment["TANDEM_REDIS_USERNAME"] == role
+            assert credentials["TANDEM_REDIS_PASSWORD"] == redis_password_variable(role)
         if "TANDEM_CASSANDRA_PASSWORD" in credentials:
             assert environment["TANDEM_CASSANDRA_USERNAME"] == "cassandra"  # the superuser the entrypoint sets up
 
@@ -92,8 +97,21 @@ def test_redis_requires_the_password_and_its_healthcheck_logs_in(services: dict)
     redis = services["redis"]
     script = redis["command"][-1]
     assert script.startswith("exec redis-server - ") and "requirepass $$TANDEM_REDIS_PASSWORD" in script
-    assert references(redis["environment"]) == {"TANDEM_REDIS_PASSWORD": "TANDEM_REDIS_PASSWORD", "REDISCLI_AUTH": "TANDEM_REDIS_PASSWORD"}
+    roles = {redis_password_variable(role): redis_password_variable(role) for role in REDIS_ROLES}
+    assert references(redis["environment"]) == {
+        "TANDEM_REDIS_PASSWORD": "TANDEM_REDIS_PASSWORD",
+        "REDISCLI_AUTH": "TANDEM_REDIS_PASSWORD",
+        **roles,
+    }
     assert "grep -q PONG" in redis["healthcheck"]["test"][1]
+
+
+def test_redis_users_are_the_ones_tandem_redis_acl_makes(services: dict) -> None:
+    """Compose runs redis:7, so the chat's log pattern is read-only (`%R~`) there."""
+    assert services["redis"]["image"] == "redis:7"
+    script = services["redis"]["command"][-1]
+    users = [line.strip() for line in script.splitlines() if line.strip().startswith("user ")]
+    assert users == config_lines({role: f"$${redis_password_variable(role)}" for role in REDIS_ROLES}, can_read_only=True)
 
 
 def test_redis_has_a_memory_limit_and_never_evicts(services: dict) -> None:
@@ -194,11 +212,16 @@ async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(s
     port = free_port()
     script = script.replace("$$", "$").replace("exec redis-server ", f"exec {redis_server_binary()} ", 1)
     script = script.replace("--dir /data", f"--dir {tmp_path} --port {port} --bind 127.0.0.1", 1)
+    if not can_read_only(binary_version(redis_server_binary())):  # Redis 6 here: what redis_acl leaves out for it
+        script = script.replace("%R~", "~").replace(" -function", "")
     password = "stand-in-password"
+    role_passwords = {role: f"stand-in-{role}" for role in REDIS_ROLES}
     env = {"PATH": os.environ.get("PATH", ""), "TANDEM_REDIS_PASSWORD": password}
+    env |= {redis_password_variable(role): value for role, value in role_passwords.items()}
     server = subprocess.Popen([shell, flag, script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     anonymous = redis.asyncio.Redis(port=port)
     logged_in = redis.asyncio.Redis(port=port, password=password)
+    chat = redis.asyncio.Redis(port=port, username="chat", password=role_passwords["chat"])
     try:
 
         async def answers() -> bool:
@@ -211,7 +234,13 @@ async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(s
         with pytest.raises(redis.AuthenticationError):
             await anonymous.ping()
         assert await logged_in.config_get("appendonly") == {"appendonly": "yes"}  # the rest of the command applies
+        assert await chat.set("tandem:idempotency:u:d", "r", ex=60)  # the chat's own user, from its variable
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await chat.flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await chat.get("tandem:replies:unpersisted")
     finally:
+        await chat.aclose()
         await anonymous.aclose()
         await logged_in.aclose()
         server.terminate()

@@ -13,6 +13,8 @@ import yaml
 from kustomize_lite import Object, load_objects, render
 
 from tandem.bus.permissions import PERMISSIONS, USERS, password_variable
+from tandem.devstack.secrets import redis_password_variable
+from tandem.redis_acl import ROLES as REDIS_ROLES
 
 ROOT = Path(__file__).resolve().parents[3]
 HELM = ROOT / "deploy" / "helm"
@@ -72,6 +74,27 @@ def test_nats_values_match_the_compose_config() -> None:
         assert f'{{user: "{user}", password: ${password_variable(user)},' in conf
 
 
+def test_redis_acl_users_are_the_ones_tandem_redis_acl_makes_with_passwords_from_their_secret() -> None:
+    acl = values("redis-values.yaml")["auth"]["acl"]
+    assert acl["enabled"] is True
+    expected = [
+        {
+            "username": role.name,
+            "enabled": "on",
+            "keys": " ".join(role.key_rules(can_read_only=True)),  # the chart's images are Redis 7 or later
+            "channels": "resetchannels",
+            "commands": " ".join(role.command_rules(can_read_only=True)),
+        }
+        for role in REDIS_ROLES.values()
+    ]
+    assert acl["users"] == expected
+    secret = secret_generator(acl["userSecret"])
+    assert secret["namespace"] == secret_generator("tandem-redis")["namespace"]
+    assert secret["keys"] == {role: f"generated/secrets/{redis_password_variable(role)}" for role in REDIS_ROLES}
+    for role in REDIS_ROLES:  # the service logs in with the same password
+        assert secret_generator(f"tandem-{role}")["keys"]["TANDEM_REDIS_PASSWORD"] == secret["keys"][role]
+
+
 def test_redis_has_a_password_from_its_secret(settings: dict[str, str]) -> None:
     redis = values("redis-values.yaml")
     assert redis["auth"]["enabled"] is True
@@ -89,7 +112,9 @@ def test_redis_has_a_password_from_its_secret(settings: dict[str, str]) -> None:
     assert int(settings["TANDEM_REDIS_WAIT_REPLICAS"]) >= 1, "an acknowledged event is on a replica"
     for role in ("chat", "relay"):
         keys = secret_generator(f"tandem-{role}")["keys"]
-        assert keys["TANDEM_REDIS_SENTINEL_PASSWORD"] == keys["TANDEM_REDIS_PASSWORD"] == "generated/secrets/TANDEM_REDIS_PASSWORD"
+        # The chart's sentinels take the admin's password, having none of their own (docs/security.md).
+        assert keys["TANDEM_REDIS_SENTINEL_PASSWORD"] == "generated/secrets/TANDEM_REDIS_PASSWORD"
+        assert keys["TANDEM_REDIS_PASSWORD"] == f"generated/secrets/{redis_password_variable(role)}"
 
 
 def test_cassandra_has_authentication_on_with_the_superuser_from_its_secret(settings: dict[str, str]) -> None:

@@ -227,6 +227,10 @@ def test_each_role_takes_its_own_secret_which_holds_its_credentials_only(
         password = base64.b64decode(secret["data"]["TANDEM_NATS_PASSWORD"]).decode()
         assert password == secret_set.nats_passwords[role], f"{role} does not log in as itself"
         assert _env(deployment)["TANDEM_NATS_USER"] == role
+        if "TANDEM_REDIS_PASSWORD" in ROLE_SECRET_KEYS[role]:  # its own ACL user, never the admin's default
+            assert _env(deployment)["TANDEM_REDIS_USERNAME"] == role
+            password = base64.b64decode(secret["data"]["TANDEM_REDIS_PASSWORD"]).decode()
+            assert password == secret_set.redis_passwords[role] != secret_set.redis_password, role
         if "TANDEM_CASSANDRA_PASSWORD" in ROLE_SECRET_KEYS[role]:
             superuser = generated["tandem-cassandra-superuser"]["data"]
             assert _env(deployment)["TANDEM_CASSANDRA_USERNAME"] == base64.b64decode(superuser["username"]).decode()
