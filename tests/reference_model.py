@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from tandem.kernels.metadata import AttentionFn
+from tandem.kernels.metadata import AttentionFn, AttentionMetadata, KvCacheShape
 from tandem.models.checkpoint_names import hf_state_dict
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -119,6 +119,26 @@ def tiny_config(**overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def one_prefill(
+    config: ModelConfig, num_tokens: int, dtype: torch.dtype = torch.float32, seed: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(token ids, positions, a zeroed KV cache of 4 blocks of 16, its metadata) for one prompt of
+    `num_tokens` (at most 32) prefilled in one step into blocks 2 and 0."""
+    block_size = 16
+    kv_cache = torch.zeros(KvCacheShape(4, config.num_layers, block_size, config.num_kv_heads, config.head_dim).as_tuple(), dtype=dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.tensor([[2, 0]], dtype=torch.int32),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        is_decode_only=False,
+    )
+    ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.arange(num_tokens), kv_cache, meta
 
 
 def save_safetensors_folder(model: LlamaForCausalLM, folder: Path) -> None:

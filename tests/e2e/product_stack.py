@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,19 @@ class ProductStack:
 
     def logs(self, num_lines: int = 30) -> str:
         return "\n".join(f"--- {c.name}\n{c.recent_output(num_lines)}" for c in self.children)
+
+    @contextlib.contextmanager
+    def relays_paused(self) -> Iterator[None]:
+        """Every relay stopped (SIGSTOP) meanwhile: no reply's tokens reach its log, so a reply
+        started now runs, and holds what it holds, until this ends."""
+        relays = [child for child in self.children if child.name == "relay"]
+        for relay in relays:
+            os.kill(relay.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for relay in relays:
+                os.kill(relay.pid, signal.SIGCONT)
 
 
 ROLES = ("router", "decode", "relay", "relay", "chat", "chat")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -20,7 +18,7 @@ import pytest
 import pytest_asyncio
 from helpers import wait_until
 from product_stack import LEAN_ROLES, ProductStack, own_product_stack
-from prometheus_client.parser import text_string_to_metric_families
+from scraped_metrics import scrape, total
 
 from services.chat.moderation import MODERATED_MESSAGE
 
@@ -54,28 +52,8 @@ async def caps_stack(tmp_path_factory) -> AsyncIterator[ProductStack]:
         yield stack
 
 
-@contextlib.contextmanager
-def relay_paused(stack: ProductStack) -> Iterator[None]:
-    """No reply's tokens reach its log meanwhile: a completion started now runs until this ends."""
-    relays = [child for child in stack.children if child.name == "relay"]
-    for relay in relays:
-        os.kill(relay.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for relay in relays:
-            os.kill(relay.pid, signal.SIGCONT)
-
-
 async def streams_open(client: httpx.AsyncClient) -> float:
-    response = await client.get("/metrics")
-    assert response.status_code == 200
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-        if sample.name == "tandem_chat_streams_open"
-    )
+    return total(await scrape(client, ""), "tandem_chat_streams_open")
 
 
 def completion(content: str = PLAIN, **extra: object) -> dict[str, object]:
@@ -95,7 +73,7 @@ async def test_a_non_streamed_completion_holds_a_stream_slot_until_it_is_answere
     async with httpx.AsyncClient(base_url=caps_stack.url, timeout=60) as client:
         conversation_id = (await client.post("/v1/conversations", headers=key("bob"), json={})).json()["id"]
         assert await streams_open(client) == 0
-        with relay_paused(caps_stack):
+        with caps_stack.relays_paused():
             first = asyncio.create_task(client.post("/v1/chat/completions", headers=key("bob"), json=completion()))
             with _cancelled_on_error(first):
                 await wait_until(lambda: _holds(client, 1), timeout_s=15)

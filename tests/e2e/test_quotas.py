@@ -11,12 +11,9 @@ before the last request of the burst is admitted or refused: the count is exact.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
-import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -43,18 +40,6 @@ async def quota_stack(tmp_path_factory) -> AsyncIterator[ProductStack]:
     env = {"TANDEM_QUOTA_FREE": str(QUOTA_FREE), "TANDEM_MAX_ANSWER_TOKENS": str(MAX_ANSWER_TOKENS), "TANDEM_STREAM_LIMIT_FREE": "100"}
     async with own_product_stack(tmp_path_factory.mktemp("quota"), **env) as stack:
         yield stack
-
-
-@contextlib.contextmanager
-def relays_paused(stack: ProductStack) -> Iterator[None]:
-    relays = [child for child in stack.children if child.name == "relay"]
-    for relay in relays:
-        os.kill(relay.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for relay in relays:
-            os.kill(relay.pid, signal.SIGCONT)
 
 
 async def send(client: httpx.AsyncClient, conversation_id: str, answered: asyncio.Queue[int]) -> tuple[int, httpx.Headers, object]:
@@ -92,7 +77,7 @@ async def test_a_burst_from_one_free_key_is_admitted_as_far_as_its_bucket_afford
         assert "x-ratelimit-remaining-tokens" not in (await clients[0].get("/v1/models")).headers, "only for a known key"
         conversation_ids = [(await clients[0].post("/v1/conversations", headers=BOB, json={})).json()["id"] for _ in range(NUM_BURST)]
         answered: asyncio.Queue[int] = asyncio.Queue()
-        with relays_paused(quota_stack):
+        with quota_stack.relays_paused():
             sends = [asyncio.create_task(send(clients[i % 2], cid, answered)) for i, cid in enumerate(conversation_ids)]
             statuses = [await asyncio.wait_for(answered.get(), 60) for _ in range(NUM_BURST)]
             assert sorted(statuses) == [200] * NUM_AFFORDED + [429] * (NUM_BURST - NUM_AFFORDED)

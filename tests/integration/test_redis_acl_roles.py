@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from followed_log import Collect
 from helpers import service_env
 from redis.exceptions import AuthenticationError, NoPermissionError
 
@@ -72,18 +73,6 @@ async def admin(redis_server: EmbeddedServer) -> AsyncIterator[aioredis.Redis]:
 
 async def server_version(admin: aioredis.Redis) -> str:
     return str((await admin.info("server"))["redis_version"])
-
-
-class Collect:
-    def __init__(self) -> None:
-        self.seqs: list[int] = []
-        self.ended: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-
-    def deliver(self, events: Sequence[TokenEvent], is_caught_up: bool) -> None:
-        self.seqs += [event.seq for event in events]
-
-    def end(self, error: Exception | None) -> None:
-        self.ended.set_result(error)
 
 
 def tokens(reply_id: str) -> list[TokenEvent]:

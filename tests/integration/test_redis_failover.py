@@ -12,13 +12,14 @@ import asyncio
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from followed_log import Collect
 from helpers import wait_until
 from nats.aio.client import Client
 
@@ -80,20 +81,6 @@ async def redis(ha) -> AsyncIterator[aioredis.Redis]:
     client = short_command_client(config.redis_url, 64, redis_login("", config.redis_password), config.redis_sentinel)
     yield client
     await client.aclose()
-
-
-class Collect:
-    """A followed log's events, as a chat stream gets them."""
-
-    def __init__(self) -> None:
-        self.seqs: list[int] = []
-        self.ended: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-
-    def deliver(self, events: Sequence[TokenEvent], is_caught_up: bool) -> None:
-        self.seqs += [event.seq for event in events]
-
-    def end(self, error: Exception | None) -> None:
-        self.ended.set_result(error)
 
 
 def token(reply_id: str, seq: int) -> TokenEvent:

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from reference_model import random_model, tiny_config
+from reference_model import one_prefill, random_model, tiny_config
 
 from tandem.kernels import fused_triton
 from tandem.kernels.attention_reference import paged_attention_reference, write_kv
-from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 from tandem.models.rotary import apply_rotary
 
 # Tolerances for what may round differently (reductions' order, exp and rsqrt's last bits): a
@@ -101,18 +100,7 @@ def fused_layers_case() -> dict:
     against its plain loop, on one 20-token prefill: float32, reference attention."""
     config = tiny_config(vocab_size=128, max_position_embeddings=64)
     model = random_model(config, seed=1, attention=paged_attention_reference).model
-    num_tokens, block_size = 20, 16
-    kv_cache = torch.zeros(KvCacheShape(4, config.num_layers, block_size, config.num_kv_heads, config.head_dim).as_tuple())
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.tensor([[2, 0]], dtype=torch.int32),
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        is_decode_only=False,
-    )
-    ids, positions = torch.randint(0, 128, (num_tokens,), generator=torch.Generator().manual_seed(2)), torch.arange(num_tokens)
+    ids, positions, kv_cache, meta = one_prefill(config, 20)
     with torch.inference_mode():
         want = model(ids, positions, kv_cache.clone(), meta)
         h = model.embed_tokens(ids)

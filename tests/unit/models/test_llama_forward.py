@@ -7,11 +7,10 @@ import dataclasses
 
 import pytest
 import torch
-from reference_model import random_model, reference_logits, tiny_config
+from reference_model import one_prefill, random_model, reference_logits, tiny_config
 
 from tandem.kernels import cpu_extension
 from tandem.kernels.attention_reference import paged_attention_reference
-from tandem.kernels.metadata import AttentionMetadata, KvCacheShape
 
 TIGHT = dict(atol=2e-5, rtol=1e-5)  # float32: only summation order differs
 
@@ -115,18 +114,7 @@ def test_kv_cache_scales_fold_around_attention_and_keep_the_one_call_decode_off(
 def test_the_cpu_layers_with_each_residual_add_fused_into_the_next_norm_give_the_plain_loops_bits(dtype: torch.dtype) -> None:
     config = tiny_config(vocab_size=128, max_position_embeddings=64)
     model = random_model(config, seed=1, attention=paged_attention_reference).to(dtype).model
-    num_tokens, block_size = 20, 16
-    kv_cache = torch.zeros(KvCacheShape(4, config.num_layers, block_size, config.num_kv_heads, config.head_dim).as_tuple(), dtype=dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.tensor([[2, 0]], dtype=torch.int32),
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        is_decode_only=False,
-    )
-    ids, positions = torch.randint(0, 128, (num_tokens,), generator=torch.Generator().manual_seed(2)), torch.arange(num_tokens)
+    ids, positions, kv_cache, meta = one_prefill(config, 20, dtype)
     with torch.inference_mode():
         fused_cache = kv_cache.clone()
         fused = model(ids, positions, fused_cache, meta)  # the CPU's fused path
