@@ -31,6 +31,8 @@ CASSANDRA_VERSION = "5.0.8"
 TEMPLATES = Path(__file__).parent / "cassandra"
 STATE_FILE = "node.json"  # pid and ports of a running node, in its folder
 READY_LINE = "Startup complete"  # logged right after the CQL port is bound
+SUPERUSER_LINE = "Created default superuser role"  # a new node's first start: its superuser can log in
+SUPERUSER = ("cassandra", "cassandra")  # the well-known first superuser: loopback nodes only
 KILLED_EXIT_WAIT_S = 30.0  # how long a SIGKILLed node may take to be gone
 
 # conf/jvm17-server.options of Cassandra 5.0: without them "unable to access required classes".
@@ -207,6 +209,7 @@ def _jvm_argv(config: NodeConfig, java: str, lib: Path, yaml_path: Path, logs: P
         f"-Dlogback.configurationFile={TEMPLATES / 'logback.xml'}",
         "-Dcassandra.skip_wait_for_gossip_to_settle=0",
         "-Dcassandra.ring_delay_ms=1000",
+        "-Dcassandra.superuser_setup_delay_ms=0",  # the default 10 s would keep a new node's superuser out
         *no_sync,
         "-cp",
         ":".join(str(j) for j in jars),
@@ -214,14 +217,14 @@ def _jvm_argv(config: NodeConfig, java: str, lib: Path, yaml_path: Path, logs: P
     ]
 
 
-def _wait_ready(process: subprocess.Popen[bytes], system_log: Path, deadline: float) -> None:
-    """Reads system.log as it grows until READY_LINE; the node's exit or the deadline ends it."""
+def _wait_ready(process: subprocess.Popen[bytes], system_log: Path, deadline: float, lines: tuple[str, ...]) -> None:
+    """Reads system.log as it grows until it holds each of `lines`; the node's exit or the deadline ends it."""
     seen = b""
-    while READY_LINE.encode() not in seen:
+    while not all(line.encode() in seen for line in lines):
         if process.poll() is not None:
             raise StartupError(f"Cassandra exited at start ({process.returncode})")
         if time.monotonic() > deadline:
-            raise StartupError("Cassandra did not log 'Startup complete' in time")
+            raise StartupError(f"Cassandra did not log {' and '.join(repr(line) for line in lines)} in time")
         if system_log.is_file():
             seen = system_log.read_bytes()
         time.sleep(0.1)  # a bounded poll of the log file: logback gives no other signal
@@ -245,6 +248,7 @@ def start_node(config: NodeConfig, *, die_with_parent: bool = True) -> RunningNo
             if probe.connect_ex((host, port)) == 0:
                 raise StartupError(f"{host}:{port} is already taken by another process")
     logs = config.node_dir / "logs"
+    is_new = not (config.node_dir / "data").is_dir()  # its superuser is made after CQL opens
     for sub in (logs, config.node_dir / "data", config.node_dir / "triggers"):
         sub.mkdir(parents=True, exist_ok=True)
     yaml_path = (config.node_dir / "cassandra.yaml").resolve()
@@ -264,7 +268,8 @@ def start_node(config: NodeConfig, *, die_with_parent: bool = True) -> RunningNo
         )
     node = RunningNode(pid=process.pid, host=host, native_port=native_port, storage_port=storage_port, node_dir=config.node_dir)
     try:
-        _wait_ready(process, logs / "system.log", time.monotonic() + config.start_timeout_s)
+        ready_lines = (READY_LINE, SUPERUSER_LINE) if is_new else (READY_LINE,)
+        _wait_ready(process, logs / "system.log", time.monotonic() + config.start_timeout_s, ready_lines)
     except StartupError as exc:
         _stop_pid(process.pid, timeout_s=10)
         process.wait()
