@@ -24,11 +24,12 @@ import uvicorn
 from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
-from tandem.devstack.cassandra_node import find_java17
+from tandem.devstack.cassandra_node import SUPERUSER, find_java17
 from tandem.devstack.devices import torch_threads_per_rank
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, local_service_env, login_of
 from tandem.errors import StartupError
+from tandem.ops.store_migrate import migrate_store
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,6 +167,38 @@ def cassandra_tools_missing() -> str | None:
     except StartupError as exc:
         return str(exc)
     return None
+
+
+CASSANDRA_APP_PASSWORD = f"app-{os.urandom(8).hex()}"  # the services' role's, for every keyspace of this run
+
+
+def cassandra_admin() -> tuple[str, str]:
+    """The admin login: TANDEM_CASSANDRA_USERNAME/_PASSWORD beside a TANDEM_CASSANDRA_HOSTS cluster, else a launched node's superuser."""
+    if os.environ.get("TANDEM_CASSANDRA_USERNAME"):
+        return os.environ["TANDEM_CASSANDRA_USERNAME"], os.environ.get("TANDEM_CASSANDRA_PASSWORD", "")
+    return SUPERUSER
+
+
+def cassandra_app_role(keyspace: str) -> str:
+    """A role per keyspace: a migration leaves its role's grants on its own keyspace alone."""
+    return f"{keyspace}_app"
+
+
+async def migrate_cassandra(hosts: str, keyspace: str, bucket_size: int | None = None) -> dict[str, str]:
+    """`tandem store migrate`'s step on `keyspace`, as the admin; returns the login a store of the
+    services uses there (its application role's username and password)."""
+    admin_username, admin_password = cassandra_admin()
+    role = cassandra_app_role(keyspace)
+    await migrate_store(
+        hosts,
+        admin_username=admin_username,
+        admin_password=admin_password,
+        keyspace=keyspace,
+        app_role=role,
+        app_password=CASSANDRA_APP_PASSWORD,
+        bucket_size=bucket_size,
+    )
+    return {"username": role, "password": CASSANDRA_APP_PASSWORD}
 
 
 @contextlib.contextmanager

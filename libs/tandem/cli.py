@@ -15,7 +15,7 @@ from tandem.config import ROLES, load_settings, settings_flags
 from tandem.devstack import cassandra_node, secrets
 from tandem.errors import StartupError
 from tandem.models.files import open_model
-from tandem.ops import bench_serve, bus_init, keys_cli, plan, top, usage_export
+from tandem.ops import bench_serve, bus_init, keys_cli, plan, store_migrate, top, usage_export
 from tandem.runtime import run_service
 
 VIA_BUS_IDLE_S = 300.0  # tandem generate --via-bus gives up when its reply sends nothing for this long
@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     top.add_cli(commands)
     usage_export.add_cli(commands)
     bus_init.add_cli(commands)
+    store_migrate.add_cli(commands)
     keys_cli.add_cli(commands)
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "up":

@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     cassandra_keyspace: str = "tandem"
     """the Cassandra keyspace of conversations and messages"""
     cassandra_replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}"
-    """the keyspace's CQL replication map; a cluster wants NetworkTopologyStrategy"""
+    """tandem store migrate: the keyspace's CQL replication map; a cluster wants NetworkTopologyStrategy"""
     cassandra_consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM"] = "LOCAL_QUORUM"
     """the consistency level of every store read and write"""
     store_timeout_s: float = 5.0
@@ -278,6 +278,8 @@ class Settings(BaseSettings):
     """chat and relay: Cassandra's user; empty: no authentication"""
     cassandra_password: SecretStr = SecretStr("")
     """chat and relay: Cassandra's password"""
+    cassandra_app_password: SecretStr = SecretStr("")
+    """tandem store migrate: the password it gives the application role (tandem_app) that chat and relay log in as"""
     internal_secret: SecretStr = SecretStr("")
     """workers (and the tools that call them): the shared secret every gRPC control call and KV handoff carries; empty: none (tandem up makes one), only on a loopback host unless allow_insecure_internal"""
     allow_insecure_internal: bool = False

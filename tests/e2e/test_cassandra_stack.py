@@ -14,7 +14,7 @@ import httpx
 import nats
 import pytest
 import pytest_asyncio
-from helpers import cassandra_tools_missing, wait_until
+from helpers import cassandra_tools_missing, migrate_cassandra, wait_until
 from product_stack import ALICE, SseReader, read_stream, start_product_stack, text_of
 
 from tandem.devstack.cassandra_node import NodeConfig, start_node, stop_node
@@ -37,6 +37,7 @@ def node_config(tmp_path_factory):
 async def cassandra_stack(node_config, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cassandra-servers")
     node = start_node(node_config)
+    login = await migrate_cassandra(node.hosts, "tandem")  # the admin step; the services log in as its role
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
     init_token_stream(nats_server)  # the admin step: services only wait for the stream
     nc = await nats.connect(nats_server.url)
@@ -47,6 +48,8 @@ async def cassandra_stack(node_config, tmp_path_factory):
         workdir,
         TANDEM_STORE="cassandra",
         TANDEM_CASSANDRA_HOSTS=node.hosts,
+        TANDEM_CASSANDRA_USERNAME=login["username"],
+        TANDEM_CASSANDRA_PASSWORD=login["password"],
         TANDEM_STORE_TIMEOUT_S=str(STORE_TIMEOUT_S),
     )
     await nc.close()

@@ -24,14 +24,14 @@ if TYPE_CHECKING:
 
 
 def open_store(settings: Settings) -> ConversationStore:
-    """The configured store, not yet started (`await store.start()` connects and creates the schema)."""
+    """The configured store, not yet started (`await store.start()` connects; SQLite creates its
+    schema there, Cassandra's is made beforehand by `tandem store migrate`)."""
     if settings.store == "cassandra":
         from tandem.store.cassandra import CassandraStore
 
         return CassandraStore(
             settings.cassandra_hosts,
             keyspace=settings.cassandra_keyspace,
-            replication=settings.cassandra_replication,
             consistency=settings.cassandra_consistency,
             timeout_s=settings.store_timeout_s,
             username=settings.cassandra_username,

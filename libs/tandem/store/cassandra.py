@@ -50,11 +50,11 @@ from tandem.store.cassandra_schema import (
     DEFAULT_BUCKET_SIZE,
     MESSAGE_COLUMNS,
     QUERIES,
+    check_schema,
     conversation_from_row,
     feedback_from_row,
     in_keyspace,
     message_from_row,
-    migrate,
     shadow_answer_from_row,
 )
 from tandem.store.cassandra_session import CassandraSession
@@ -89,7 +89,6 @@ class CassandraStore:
         hosts: str,
         *,
         keyspace: str = "tandem",
-        replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}",
         consistency: str = "LOCAL_QUORUM",
         timeout_s: float = 5.0,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -102,17 +101,17 @@ class CassandraStore:
         self._hosts = hosts
         self._session = CassandraSession(hosts, consistency=consistency, timeout_s=timeout_s, username=username, password=password)
         self._keyspace = keyspace
-        self._replication = replication
         self._timeout_s = timeout_s
         self._bucket_size = bucket_size
 
     async def start(self) -> None:
-        """Connects, creates or migrates the schema, and prepares the queries."""
+        """Connects, checks the schema (`tandem store migrate` makes it: the service's role may not),
+        and prepares the queries."""
         if self._session.is_connected:
             return
         await self._session.connect()
         try:
-            await migrate(self._session, self._keyspace, self._replication, self._bucket_size)
+            await check_schema(self._session, self._keyspace, self._bucket_size)
             await self._session.prepare({name: in_keyspace(query, self._keyspace) for name, query in QUERIES.items()})
         except BaseException:
             await self.close()

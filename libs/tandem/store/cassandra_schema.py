@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cassandra import InvalidRequest, Unauthorized
+
 from tandem.bus.events import ReplyStatus, now_ms
+from tandem.errors import StartupError
 from tandem.store import shadow
 from tandem.store.base import Conversation, Feedback, Message, Rating, Role, StoreUnavailable
 from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession
@@ -115,8 +118,31 @@ def in_keyspace(query: str, keyspace: str) -> str:
     return re.sub(r"\b(FROM|INTO|UPDATE) (?=[a-z_]+\b)", rf"\1 {keyspace}.", query)
 
 
+async def check_schema(session: CassandraSession, keyspace: str, bucket_size: int) -> None:
+    """What a service checks at start, as the application role, which may change no schema: the
+    keyspace is at SCHEMA_VERSION with `bucket_size`; else a StartupError naming the admin step."""
+    try:
+        rows = (await session.execute(_GET_SCHEMA.format(ks=keyspace), ())).current_rows
+    except (InvalidRequest, Unauthorized) as exc:
+        reason = "may not be read by this login" if isinstance(exc, Unauthorized) else "does not exist"
+        raise StartupError(
+            f"cassandra keyspace {keyspace} {reason}: run `tandem store migrate` with the admin's login (it creates the keyspace "
+            "and grants the application role)"
+        ) from None
+    version, stored_bucket_size = (rows[0]["version"], rows[0]["bucket_size"]) if rows else (0, bucket_size)
+    if version > SCHEMA_VERSION:
+        raise StoreUnavailable(f"cassandra keyspace {keyspace} has schema version {version}, newer than this code ({SCHEMA_VERSION})")
+    if version < SCHEMA_VERSION:
+        raise StartupError(
+            f"cassandra keyspace {keyspace} has schema version {version}, this code needs {SCHEMA_VERSION}: run `tandem store migrate`"
+        )
+    if stored_bucket_size != bucket_size:
+        raise ValueError(f"keyspace {keyspace} buckets messages by {stored_bucket_size}, not {bucket_size}: it cannot change")
+
+
 async def migrate(session: CassandraSession, keyspace: str, replication: str, bucket_size: int) -> None:
-    """Creates the keyspace and brings its tables up to SCHEMA_VERSION, one recorded step at a time."""
+    """The admin's step (`tandem store migrate`): creates the keyspace and brings its tables up to
+    SCHEMA_VERSION, one recorded step at a time."""
     ks = keyspace
     await _ddl(session, f"CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = {replication}")
     await _ddl(

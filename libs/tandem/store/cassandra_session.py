@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cassandra import ConsistencyLevel, OperationTimedOut, RequestExecutionException
+from cassandra import AuthenticationFailed, ConsistencyLevel, OperationTimedOut, RequestExecutionException
 from cassandra.auth import PlainTextAuthProvider
 from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, NoHostAvailable, ResponseFuture, ResultSet, Session
 from cassandra.connection import ConnectionException, DefaultEndPoint
@@ -35,6 +35,10 @@ DRIVER_ERRORS = (
     OverloadedErrorMessage,
     IsBootstrappingErrorMessage,
 )
+
+
+class LoginRefused(StoreUnavailable):
+    """Every host refused the username and password."""
 
 
 def parse_hosts(hosts: str) -> list[DefaultEndPoint]:
@@ -111,7 +115,8 @@ class CassandraSession:
     def unavailable(self, exc: BaseException) -> StoreUnavailable:
         if isinstance(exc, NoHostAvailable):
             why = "; ".join(f"{host}: {error}" for host, error in list(exc.errors.items())[:2]) or "no host is up"
-            return StoreUnavailable(f"cassandra {self._hosts}: no host available ({why})")
+            is_refused = bool(exc.errors) and all(isinstance(error, AuthenticationFailed) for error in exc.errors.values())
+            return (LoginRefused if is_refused else StoreUnavailable)(f"cassandra {self._hosts}: no host available ({why})")
         if isinstance(exc, TimeoutError):
             return StoreUnavailable(f"cassandra {self._hosts}: no answer within {self._timeout_s} s")
         detail = " ".join(str(exc).split()) or "no detail"

@@ -1,8 +1,10 @@
 """The conversation store on real SQLite files and a real Cassandra node.
 
-Cassandra: TANDEM_CASSANDRA_HOSTS names a running cluster; otherwise one node is started per
-session (JDK 17 and mvn needed, see tandem.devstack.cassandra_node). Without them the Cassandra cases are
-skipped with one line saying why; TANDEM_REQUIRE_CASSANDRA=1 (CI) makes that a failure.
+Cassandra: TANDEM_CASSANDRA_HOSTS names a running cluster (TANDEM_CASSANDRA_USERNAME/_PASSWORD
+its admin); otherwise one node is started per session (JDK 17 and mvn needed, see
+tandem.devstack.cassandra_node). Without them the Cassandra cases are skipped with one line saying
+why; TANDEM_REQUIRE_CASSANDRA=1 (CI) makes that a failure. The stores log in as the services do:
+as the keyspace's application role, after `tandem store migrate`'s step made the keyspace.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from helpers import cassandra_tools_missing
+from helpers import cassandra_tools_missing, migrate_cassandra
 
 from tandem.devstack.cassandra_node import NodeConfig, RunningNode, start_node, stop_node
 from tandem.store import ConversationStore
@@ -94,6 +96,12 @@ def keyspace() -> str:
     return f"test_{uuid.uuid4().hex[:12]}"
 
 
+@pytest_asyncio.fixture(scope="session")
+async def cassandra_login(cassandra_hosts: str, keyspace: str, bucket_size: int) -> dict[str, str]:
+    """The session keyspace, migrated; the login of its application role."""
+    return await migrate_cassandra(cassandra_hosts, keyspace, bucket_size)
+
+
 @pytest.fixture(params=["sqlite", "cassandra"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -107,8 +115,8 @@ def make_client(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path)
     """A new, unstarted client of this test's store: the same SQLite file or Cassandra keyspace."""
     if store_kind == "sqlite":
         return lambda: SqliteStore(tmp_path / "store" / "conversations.db", timeout_s=TIMEOUT_S)
-    hosts, keyspace = request.getfixturevalue("cassandra_hosts"), request.getfixturevalue("keyspace")
-    return lambda: CassandraStore(hosts, keyspace=keyspace, timeout_s=TIMEOUT_S, bucket_size=BUCKET_SIZE)
+    hosts, keyspace, login = (request.getfixturevalue(name) for name in ("cassandra_hosts", "keyspace", "cassandra_login"))
+    return lambda: CassandraStore(hosts, keyspace=keyspace, timeout_s=TIMEOUT_S, bucket_size=BUCKET_SIZE, **login)
 
 
 @pytest_asyncio.fixture

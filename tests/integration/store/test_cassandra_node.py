@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -11,14 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tandem.devstack.cassandra_node import NodeConfig, find_java17, java_major_version, read_state, start_node
+from tandem.devstack.cassandra_node import SUPERUSER, NodeConfig, find_java17, java_major_version, read_state, start_node
 from tandem.errors import StartupError
 from tandem.store import Conversation
 from tandem.store.cassandra import CassandraStore
+from tandem.store.cassandra_roles import APP_ROLE
 
 
-def tandem(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=300)
+def tandem(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=300, env=os.environ | (env or {})
+    )
 
 
 def test_a_java_other_than_17_is_refused() -> None:
@@ -53,7 +57,17 @@ async def test_up_starts_a_node_that_outlives_the_command_and_down_stops_it(tmp_
         assert up.returncode == 0, up.stderr
         hosts = re.search(r"TANDEM_CASSANDRA_HOSTS=(\S+)", up.stdout)[1]
         assert tandem("cassandra", "status", "--dir", str(node_dir)).returncode == 0
-        store = CassandraStore(hosts, keyspace="cli_node")
+        admin, app = {"TANDEM_CASSANDRA_USERNAME": SUPERUSER[0], "TANDEM_CASSANDRA_PASSWORD": SUPERUSER[1]}, "an app password"
+        migrate = tandem(
+            "store",
+            "migrate",
+            env={"TANDEM_STORE": "cassandra", "TANDEM_CASSANDRA_HOSTS": hosts, "TANDEM_CASSANDRA_KEYSPACE": "cli_node"}
+            | admin
+            | {"TANDEM_CASSANDRA_APP_PASSWORD": app},
+        )
+        assert migrate.returncode == 0, migrate.stderr
+        assert "keyspace cli_node at schema version" in migrate.stdout
+        store = CassandraStore(hosts, keyspace="cli_node", username=APP_ROLE, password=app)
         await store.start()
         conversation = Conversation(id=f"conv-{uuid.uuid4().hex}", user_id="u", title="t", model="m", created_at_ms=1, updated_at_ms=1)
         assert await store.create_conversation(conversation) == conversation

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import freeze
+from helpers import freeze, migrate_cassandra
 
 from tandem.devstack.cassandra_node import RunningNode, stop_node
 from tandem.devstack.proc import free_port
@@ -39,7 +39,7 @@ async def test_cassandra_store_is_unavailable_while_the_node_is_down_and_recover
 ) -> None:
     node = own_cassandra_node()
     timeout_s = 2.0
-    store = CassandraStore(node.hosts, keyspace="recovery", timeout_s=timeout_s)
+    store = CassandraStore(node.hosts, keyspace="recovery", timeout_s=timeout_s, **await migrate_cassandra(node.hosts, "recovery"))
     await store.start()
     try:
         conversation = await store.create_conversation(new_conversation())
@@ -160,9 +160,9 @@ async def test_sqlite_appends_from_two_processes_get_distinct_contiguous_seqs(tm
 
 
 async def test_cassandra_append_that_died_after_taking_its_seq_is_finished_by_its_retry(
-    cassandra_hosts: str, keyspace: str, bucket_size: int
+    cassandra_hosts: str, keyspace: str, bucket_size: int, cassandra_login: dict[str, str]
 ) -> None:
-    store = CassandraStore(cassandra_hosts, keyspace=keyspace, bucket_size=bucket_size)
+    store = CassandraStore(cassandra_hosts, keyspace=keyspace, bucket_size=bucket_size, **cassandra_login)
     await store.start()
     try:
         conversation = await store.create_conversation(new_conversation())

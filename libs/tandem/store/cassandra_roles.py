@@ -1,0 +1,98 @@
+"""The Cassandra application role: the login chat and relay use, limited to reading and writing
+rows of the application keyspace, so that a stolen service credential cannot drop or alter a
+table, read another keyspace (system_auth's password hashes among them) or manage roles (issue 50).
+
+Only `tandem store migrate` (tandem.ops.store_migrate) logs in as the admin: it creates the keyspace
+and tables, then this role and its grants. Each run brings the role back to exactly what
+APP_PERMISSIONS says: it sets the password where the role does not log in with it yet (a
+rotation is a run with a new one), makes sure the
+role logs in and is no superuser, grants SELECT and MODIFY on the keyspace, and revokes any other
+permission the role holds on data (a keyspace, a table, all keyspaces) and any role granted to
+it. A permission on anything
+else (roles, functions, MBeans) it cannot be sure how to name, so it stops and names it instead.
+
+MODIFY covers INSERT, UPDATE, DELETE and TRUNCATE of the keyspace's tables; lightweight
+transactions need SELECT too. Neither lets the role create, alter or drop anything.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tandem.errors import StartupError
+from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession, LoginRefused
+
+APP_ROLE = "tandem_app"
+APP_PERMISSIONS = ("SELECT", "MODIFY")
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")  # unquoted in CQL, which lowercases it
+# How LIST PERMISSIONS shows a data resource, and how GRANT/REVOKE names it.
+_DATA_RESOURCES = (
+    (re.compile(r"^<all keyspaces>$"), "ALL KEYSPACES"),
+    (re.compile(r"^<keyspace ([A-Za-z0-9_]+)>$"), "KEYSPACE {0}"),
+    (re.compile(r"^<table ([A-Za-z0-9_]+\.[A-Za-z0-9_]+)>$"), "TABLE {0}"),
+)
+
+
+def cql_literal(text: str) -> str:
+    """`text` as a CQL string constant (a quote is doubled)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def check_name(name: str, kind: str) -> None:
+    """A keyspace or role name tandem writes into CQL unquoted."""
+    if not _NAME.match(name):
+        raise StartupError(f"{name!r} is not a Cassandra {kind} name tandem accepts (a letter, then letters, digits, _)")
+
+
+def create_statement(role: str, password: str) -> str:
+    return f"CREATE ROLE IF NOT EXISTS {role} WITH PASSWORD = {cql_literal(password)} AND LOGIN = true"
+
+
+def alter_statement(role: str, password: str, is_password_set: bool) -> str:
+    """The role brought back to a login that is no superuser, with `password` unless
+    `is_password_set` (Cassandra 5.0 refuses a role's second password change within 5 s)."""
+    password_option = "" if is_password_set else f"PASSWORD = {cql_literal(password)} AND "
+    return f"ALTER ROLE {role} WITH {password_option}LOGIN = true AND SUPERUSER = false"
+
+
+def revoke_statement(role: str, resource: str, permission: str) -> str:
+    """REVOKE `permission` on a resource as LIST PERMISSIONS shows it ("<table ks.t>")."""
+    for pattern, cql in _DATA_RESOURCES:
+        if found := pattern.match(resource):
+            return f"REVOKE {permission} ON {cql.format(*found.groups())} FROM {role}"
+    raise StartupError(
+        f"Cassandra role {role} holds {permission} on {resource}, beyond its keyspace's {' and '.join(APP_PERMISSIONS)}: revoke it by hand"
+    )
+
+
+async def can_log_in(hosts: str, role: str, password: str, timeout_s: float) -> bool:
+    """Whether `role` logs in with `password` now (False also when the role does not exist)."""
+    session = CassandraSession(hosts, consistency="ONE", timeout_s=timeout_s, username=role, password=password)
+    try:
+        await session.connect()
+    except LoginRefused:
+        return False
+    await session.close()
+    return True
+
+
+async def ensure_app_role(session: CassandraSession, hosts: str, role: str, password: str, keyspace: str) -> None:
+    """Run as the admin on `hosts`: the role exists, logs in with `password`, and may do
+    APP_PERMISSIONS on `keyspace` and nothing else. `role` and `keyspace` are checked names, in lowercase."""
+    await session.execute(create_statement(role, password), (), timeout_s=DDL_TIMEOUT_S)
+    is_password_set = await can_log_in(hosts, role, password, DDL_TIMEOUT_S)
+    await session.execute(alter_statement(role, password, is_password_set), (), timeout_s=DDL_TIMEOUT_S)
+    rows = await _rows(session, f"LIST ALL PERMISSIONS OF {role} NORECURSIVE")
+    held = {(row["resource"], row["permission"]) for row in rows}
+    wanted = {(f"<keyspace {keyspace}>", permission) for permission in APP_PERMISSIONS}
+    statements = [f"GRANT {permission} ON KEYSPACE {keyspace} TO {role}" for _, permission in sorted(wanted - held)]
+    statements += [revoke_statement(role, resource, permission) for resource, permission in sorted(held - wanted)]
+    for statement in statements:
+        await session.execute(statement, (), timeout_s=DDL_TIMEOUT_S)
+    for granted in {row["role"] for row in await _rows(session, f"LIST ROLES OF {role} NORECURSIVE")} - {role}:
+        quoted = '"' + granted.replace('"', '""') + '"'
+        await session.execute(f"REVOKE {quoted} FROM {role}", (), timeout_s=DDL_TIMEOUT_S)  # a granted role's permissions would be its
+
+
+async def _rows(session: CassandraSession, statement: str) -> list[dict]:
+    return list((await session.execute(statement, (), timeout_s=DDL_TIMEOUT_S)).current_rows)
