@@ -1,8 +1,9 @@
 #!/bin/sh
-# Cassandra for the compose stack with password authentication on. The official image has no
-# setting for it, so this script (the container's entrypoint) switches the image's cassandra.yaml
-# to PasswordAuthenticator, runs the image's own entrypoint, and once CQL answers changes the
-# superuser's well-known first password ("cassandra") to TANDEM_CASSANDRA_PASSWORD. After a
+# Cassandra for the compose stack with password authentication and grants on. The official image
+# has no setting for them, so this script (the container's entrypoint) switches the image's
+# cassandra.yaml to PasswordAuthenticator and CassandraAuthorizer, runs the image's own
+# entrypoint, and once CQL answers changes the superuser's well-known first password
+# ("cassandra") to TANDEM_CASSANDRA_PASSWORD (the admin's: only store-migrate logs in with it). After a
 # restart the data volume already holds the new password and the change is skipped.
 set -eu
 
@@ -17,6 +18,13 @@ config="${CASSANDRA_CONF:-/etc/cassandra}/cassandra.yaml"  # the image sets CASS
 sed -i -E '/^[[:space:]]*#/!s/AllowAllAuthenticator/PasswordAuthenticator/' "$config"
 if ! grep -Eq '^[^#]*PasswordAuthenticator' "$config"; then
     echo "entrypoint: no authenticator setting found in $config" >&2
+    exit 1
+fi
+# Grants count: the services' role may read and write its keyspace and nothing else
+# (`tandem store migrate` grants it); with AllowAllAuthorizer every login may do everything.
+sed -i -E '/^[[:space:]]*#/!s/AllowAllAuthorizer/CassandraAuthorizer/' "$config"
+if ! grep -Eq '^[^#]*CassandraAuthorizer' "$config"; then
+    echo "entrypoint: no authorizer setting found in $config" >&2
     exit 1
 fi
 

@@ -1,6 +1,7 @@
 """Credentials for the internal surfaces: a bus password per user of tandem.bus.permissions, the
 Redis password, the shared secret of gRPC control calls and KV handoffs, and (containers) the
-Cassandra password.
+Cassandra passwords: the admin's, which only `tandem store migrate` logs in with, and the
+application role's, which chat and relay log in with.
 
 `tandem up` and the test servers make a set per work folder with `load_or_create`: every
 password is derived from one random key, which is the `operator` user's own password. The
@@ -30,7 +31,8 @@ from tandem.redis_acl import ROLES as REDIS_ROLES
 REDIS_PASSWORD = "TANDEM_REDIS_PASSWORD"  # the admin's (Redis's default user); no service is given it
 REDIS_USERNAME = "TANDEM_REDIS_USERNAME"
 INTERNAL_SECRET = "TANDEM_INTERNAL_SECRET"
-CASSANDRA_PASSWORD = "TANDEM_CASSANDRA_PASSWORD"
+CASSANDRA_PASSWORD = "TANDEM_CASSANDRA_PASSWORD"  # the admin's (the superuser); no service is given it
+CASSANDRA_APP_PASSWORD = "TANDEM_CASSANDRA_APP_PASSWORD"  # the application role's (tandem.store.cassandra_roles)
 LOCAL_FILE = "secrets.env"
 _NUM_RANDOM_BYTES = 24
 
@@ -43,6 +45,7 @@ class StackSecrets:
     internal_secret: str = field(repr=False)
     redis_sentinel_password: str = field(default="", repr=False)  # tandem up --ha: the sentinels' own, which services hold
     cassandra_password: str = field(default="", repr=False)  # containers only: tandem up runs no Cassandra
+    cassandra_app_password: str = field(default="", repr=False)  # containers only, as the admin's
 
     @classmethod
     def generate(cls) -> StackSecrets:
@@ -53,6 +56,7 @@ class StackSecrets:
             redis_passwords={role: _random() for role in REDIS_ROLES},
             internal_secret=_random(),
             cassandra_password=_random(),
+            cassandra_app_password=_random(),
         )
 
     @classmethod
@@ -74,6 +78,7 @@ class StackSecrets:
         found[INTERNAL_SECRET] = self.internal_secret
         if self.cassandra_password:
             found[CASSANDRA_PASSWORD] = self.cassandra_password
+            found[CASSANDRA_APP_PASSWORD] = self.cassandra_app_password
         return found
 
     def service_env(self, role: str) -> dict[str, str]:
@@ -182,7 +187,7 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         help="write a new set of internal credentials for containers (compose, Kubernetes)",
         description="Writes DIR/tandem.env (KEY=value lines for compose's env_file) and DIR/secrets/<VARIABLE>, "
         "one file per secret (for compose, or for Kubernetes: `tandem secrets deploy/k8s/secrets/generated` makes one Secret per role, deploy/README.md): "
-        "a bus password per user, the Redis and Cassandra passwords and the internal shared secret. "
+        "a bus password per user, the Redis passwords, the Cassandra admin's and application role's passwords and the internal shared secret. "
         "Files are readable by you alone.",
     )
     parser.add_argument("dir", type=Path, help="the folder to write to (created if missing)")

@@ -19,10 +19,11 @@ from helpers import wait_until
 from tandem.bus.permissions import USERS, password_variable
 from tandem.config import DEFAULT_HTTP_PORTS, ROLES
 from tandem.devstack.proc import free_port
-from tandem.devstack.secrets import StackSecrets, redis_password_variable, write_container_set
+from tandem.devstack.secrets import CASSANDRA_APP_PASSWORD, CASSANDRA_PASSWORD, StackSecrets, redis_password_variable, write_container_set
 from tandem.devstack.servers import nats_server_binary, redis_server_binary
 from tandem.redis_acl import ROLES as REDIS_ROLES
 from tandem.redis_acl import binary_version, can_read_only, config_lines
+from tandem.store.cassandra_roles import APP_ROLE
 
 ROOT = Path(__file__).resolve().parents[3]
 _REFERENCE = re.compile(r"^\$\{(?P<name>\w+):\?run tandem secrets[^}]*\}$")
@@ -61,13 +62,14 @@ def test_each_service_gets_its_own_role_credentials_and_no_others(services: dict
         assert set(credentials) == ROLE_CREDENTIALS[role], role
         assert environment["TANDEM_NATS_USER"] == role
         assert credentials["TANDEM_NATS_PASSWORD"] == password_variable(role)
-        for name in ("TANDEM_CASSANDRA_PASSWORD", "TANDEM_INTERNAL_SECRET"):
-            assert credentials.get(name, name) == name, f"{role}: {name} from {credentials.get(name)}"
+        assert credentials.get("TANDEM_INTERNAL_SECRET", "TANDEM_INTERNAL_SECRET") == "TANDEM_INTERNAL_SECRET", role
         if "TANDEM_REDIS_PASSWORD" in credentials:  # its own ACL user's, never the admin's
             assert environment["TANDEM_REDIS_USERNAME"] == role
             assert credentials["TANDEM_REDIS_PASSWORD"] == redis_password_variable(role)
-        if "TANDEM_CASSANDRA_PASSWORD" in credentials:
-            assert environment["TANDEM_CASSANDRA_USERNAME"] == "cassandra"  # the superuser the entrypoint sets up
+        if "TANDEM_CASSANDRA_PASSWORD" in credentials:  # the application role's, never the superuser's
+            assert environment["TANDEM_CASSANDRA_USERNAME"] == APP_ROLE
+            assert credentials["TANDEM_CASSANDRA_PASSWORD"] == CASSANDRA_APP_PASSWORD
+            assert services[role]["depends_on"]["store-migrate"] == {"condition": "service_completed_successfully"}, role
 
 
 _LITERAL_PASSWORD_ARGUMENT = re.compile(r"(requirepass|--password|-p)\s+(?![\"']?\$\$)\S")
@@ -128,6 +130,7 @@ def test_cassandra_turns_password_authentication_on(services: dict) -> None:
     assert cassandra["entrypoint"] == ["/bin/sh", target]
     script = (ROOT / source).read_text()
     assert "s/AllowAllAuthenticator/PasswordAuthenticator/" in script
+    assert "s/AllowAllAuthorizer/CassandraAuthorizer/" in script  # grants count
     assert "ALTER ROLE cassandra WITH PASSWORD" in script
     assert "docker-entrypoint.sh cassandra -f" in script  # the image's own start
     # The commit log is synced before a write is acknowledged, in k8s as in compose (below).
@@ -268,7 +271,7 @@ def test_cassandra_entrypoint_switches_either_spelling_of_the_authenticator(serv
     assert "cassandra exited before its password was set" in result.stderr
     expected = setting.replace("AllowAllAuthenticator", "PasswordAuthenticator")
     batch = "commitlog_sync: batch\n# commitlog_sync_period: 10000ms\n"
-    assert (tmp_path / "cassandra.yaml").read_text() == comment + expected + batch + "authorizer: AllowAllAuthorizer\n"
+    assert (tmp_path / "cassandra.yaml").read_text() == comment + expected + batch + "authorizer: CassandraAuthorizer\n"
 
 
 def test_cassandra_entrypoint_refuses_to_start_without_a_password(services: dict, tmp_path: Path) -> None:
@@ -276,6 +279,16 @@ def test_cassandra_entrypoint_refuses_to_start_without_a_password(services: dict
     env = {"PATH": "/usr/bin:/bin", "CASSANDRA_CONF": str(tmp_path)}
     result = subprocess.run(["/bin/sh", str(ROOT / mount.split(":")[0])], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "TANDEM_CASSANDRA_PASSWORD" in result.stderr
+
+
+def test_store_migrate_runs_as_the_cassandra_superuser_and_hands_the_role_its_password(services: dict) -> None:
+    migrate = services["store-migrate"]
+    assert migrate["command"] == ["python", "-m", "tandem.ops.store_migrate"]
+    environment = migrate["environment"]
+    assert (environment["TANDEM_STORE"], environment["TANDEM_CASSANDRA_USERNAME"]) == ("cassandra", "cassandra")
+    assert references(environment) == {CASSANDRA_PASSWORD: CASSANDRA_PASSWORD, CASSANDRA_APP_PASSWORD: CASSANDRA_APP_PASSWORD}
+    assert migrate["depends_on"] == {"cassandra": {"condition": "service_healthy"}}
+    assert migrate["build"]["target"] in {"chat", "relay"}  # the images with the Cassandra driver
 
 
 def test_bus_init_runs_as_the_operator_before_every_service(services: dict) -> None:

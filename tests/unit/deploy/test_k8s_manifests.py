@@ -19,6 +19,7 @@ from kustomize_lite import Object, load_objects, render
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES, ApiKey, Tier
 from tandem.devstack.secrets import StackSecrets, write_container_set
 from tandem.key_file import entry_for, generate_key, key_id_of, parse_key_file
+from tandem.store.cassandra_roles import APP_ROLE
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
@@ -231,9 +232,10 @@ def test_each_role_takes_its_own_secret_which_holds_its_credentials_only(
             assert _env(deployment)["TANDEM_REDIS_USERNAME"] == role
             password = base64.b64decode(secret["data"]["TANDEM_REDIS_PASSWORD"]).decode()
             assert password == secret_set.redis_passwords[role] != secret_set.redis_password, role
-        if "TANDEM_CASSANDRA_PASSWORD" in ROLE_SECRET_KEYS[role]:
-            superuser = generated["tandem-cassandra-superuser"]["data"]
-            assert _env(deployment)["TANDEM_CASSANDRA_USERNAME"] == base64.b64decode(superuser["username"]).decode()
+        if "TANDEM_CASSANDRA_PASSWORD" in ROLE_SECRET_KEYS[role]:  # the application role, never the superuser
+            assert _env(deployment)["TANDEM_CASSANDRA_USERNAME"] == APP_ROLE
+            password = base64.b64decode(secret["data"]["TANDEM_CASSANDRA_PASSWORD"]).decode()
+            assert password == secret_set.cassandra_app_password != secret_set.cassandra_password, role
 
 
 def test_only_the_chat_mounts_the_api_keys_and_they_are_hashes(rendered: list[Object], secrets: list[Object]) -> None:
@@ -327,3 +329,25 @@ def test_bus_init_job_runs_as_the_operator_with_a_replica_per_nats_node(
     assert set(admin["data"]) == {"TANDEM_NATS_PASSWORD"}
     assert base64.b64decode(admin["data"]["TANDEM_NATS_PASSWORD"]).decode() == secret_set.nats_passwords["operator"]
     assert pod["securityContext"]["runAsNonRoot"] is True and init["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_store_migrate_job_runs_as_the_cassandra_superuser_and_gives_the_role_its_password(
+    rendered: list[Object], secrets: list[Object], secret_set: StackSecrets
+) -> None:
+    pod = by_kind(rendered, "Job")["store-migrate"]["spec"]["template"]["spec"]
+    (migrate,) = pod["containers"]
+    assert migrate["command"] == ["python", "-m", "tandem.ops.store_migrate"]
+    assert migrate["image"] == container(by_kind(rendered, "Deployment")["relay"])["image"]  # it has the Cassandra driver
+    generated = {s["metadata"]["name"]: s for s in secrets if s["kind"] == "Secret"}
+    superuser = generated["tandem-cassandra-superuser"]["data"]
+    assert {item["name"]: item.get("value") for item in migrate["env"]}["TANDEM_CASSANDRA_USERNAME"] == base64.b64decode(
+        superuser["username"]
+    ).decode()
+    assert {"secretRef": {"name": "tandem-store-admin"}} in migrate["envFrom"]
+    admin = {name: base64.b64decode(value).decode() for name, value in generated["tandem-store-admin"]["data"].items()}
+    assert admin == {
+        "TANDEM_CASSANDRA_PASSWORD": secret_set.cassandra_password,
+        "TANDEM_CASSANDRA_APP_PASSWORD": secret_set.cassandra_app_password,
+    }
+    assert base64.b64decode(superuser["password"]).decode() == secret_set.cassandra_password
+    assert pod["securityContext"]["runAsNonRoot"] is True and migrate["securityContext"]["allowPrivilegeEscalation"] is False

@@ -31,6 +31,7 @@ def test_tandem_secrets_writes_an_env_file_and_a_file_per_secret_for_its_owner_a
             "TANDEM_REDIS_PASSWORD",
             "TANDEM_INTERNAL_SECRET",
             "TANDEM_CASSANDRA_PASSWORD",
+            "TANDEM_CASSANDRA_APP_PASSWORD",
         }
         | {redis_password_variable(role) for role in REDIS_ROLES}
     )
