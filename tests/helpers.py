@@ -29,7 +29,8 @@ from tandem.devstack.devices import torch_threads_per_rank
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, local_service_env, login_of
 from tandem.errors import StartupError
-from tandem.ops.store_migrate import migrate_store
+from tandem.store.cassandra_admin import migrate_store
+from tandem.store.cassandra_schema import DEFAULT_BUCKET_SIZE
 from tandem.v1.worker_pb2 import ServiceHeartbeat, WorkerHeartbeat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -184,7 +185,7 @@ def cassandra_app_role(keyspace: str) -> str:
     return f"{keyspace}_app"
 
 
-async def migrate_cassandra(hosts: str, keyspace: str, bucket_size: int | None = None) -> dict[str, str]:
+async def migrate_cassandra(hosts: str, keyspace: str, bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, str]:
     """`tandem store migrate`'s step on `keyspace`, as the admin; returns the login a store of the
     services uses there (its application role's username and password)."""
     admin_username, admin_password = cassandra_admin()

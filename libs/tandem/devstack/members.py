@@ -17,10 +17,12 @@ from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ApiKey, Tier
 from tandem.devstack.devices import assign_gpus, torch_threads_per_rank
 from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.secrets import StackSecrets
+from tandem.devstack.secrets import CASSANDRA_LOGIN, StackSecrets
 from tandem.errors import StartupError
 from tandem.key_file import generate_key
+from tandem.ops.store_migrate import StoreAdmin
 from tandem.runtime.run import bind_port
+from tandem.store.cassandra_roles import STORE_ROLES
 
 SERVER_ROLES = ("nats", "redis")
 HA_NATS_NODES = 3
@@ -61,6 +63,9 @@ class StackConfig:
     # given every node's URL, and Redis with failover (tandem.devstack.redis_ha).
     ha: bool = False
     token_stream: TokenStreamConfig = TokenStreamConfig()  # what the stack's `tandem bus init` makes
+    # TANDEM_STORE=cassandra: the admin's login the stack's `tandem store migrate` runs with; the
+    # services are handed the application role's instead.
+    store_admin: StoreAdmin | None = None
 
     def __post_init__(self) -> None:
         if "TANDEM_TENSOR_PARALLEL_SIZE" in self.extra_env:  # every worker's would be the stack's instead
@@ -260,6 +265,10 @@ def service_member(
         **secrets.service_env(role),
         **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
+    for name in CASSANDRA_LOGIN:  # the caller's is the admin's: only the stack's migrate step uses it
+        env.pop(name, None)
+    if config.store_admin is not None and role in STORE_ROLES:
+        env.update(secrets.cassandra_login())
     if role == "chat":  # the one service that checks keys: no other process is handed them
         env["TANDEM_API_KEYS"] = api_keys_spec(config.api_keys)
     else:

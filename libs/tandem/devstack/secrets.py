@@ -27,12 +27,14 @@ from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
 from tandem.errors import StartupError
 from tandem.redis_acl import ROLES as REDIS_ROLES
+from tandem.store.cassandra_roles import APP_ROLE
 
 REDIS_PASSWORD = "TANDEM_REDIS_PASSWORD"  # the admin's (Redis's default user); no service is given it
 REDIS_USERNAME = "TANDEM_REDIS_USERNAME"
 INTERNAL_SECRET = "TANDEM_INTERNAL_SECRET"
 CASSANDRA_PASSWORD = "TANDEM_CASSANDRA_PASSWORD"  # the admin's (the superuser); no service is given it
 CASSANDRA_APP_PASSWORD = "TANDEM_CASSANDRA_APP_PASSWORD"  # the application role's (tandem.store.cassandra_roles)
+CASSANDRA_LOGIN = ("TANDEM_CASSANDRA_USERNAME", CASSANDRA_PASSWORD, CASSANDRA_APP_PASSWORD)
 LOCAL_FILE = "secrets.env"
 _NUM_RANDOM_BYTES = 24
 
@@ -45,7 +47,7 @@ class StackSecrets:
     internal_secret: str = field(repr=False)
     redis_sentinel_password: str = field(default="", repr=False)  # tandem up --ha: the sentinels' own, which services hold
     cassandra_password: str = field(default="", repr=False)  # containers only: tandem up runs no Cassandra
-    cassandra_app_password: str = field(default="", repr=False)  # containers only, as the admin's
+    cassandra_app_password: str = field(default="", repr=False)  # the application role's (tandem up: when the store is Cassandra)
 
     @classmethod
     def generate(cls) -> StackSecrets:
@@ -68,6 +70,7 @@ class StackSecrets:
             redis_passwords={role: _derive(operator_password, f"redis:{role}") for role in REDIS_ROLES},
             internal_secret=_derive(operator_password, "internal"),
             redis_sentinel_password=_derive(operator_password, "redis-sentinel"),
+            cassandra_app_password=_derive(operator_password, "cassandra:app"),
         )
 
     def variables(self) -> dict[str, str]:
@@ -91,6 +94,10 @@ class StackSecrets:
             **redis_login,
             INTERNAL_SECRET: self.internal_secret,
         }
+
+    def cassandra_login(self) -> dict[str, str]:
+        """The application role's login, as chat's and relay's settings."""
+        return {"TANDEM_CASSANDRA_USERNAME": APP_ROLE, CASSANDRA_PASSWORD: self.cassandra_app_password}
 
     def nats_config(self) -> str:
         return render_config(lambda user: literal(self.nats_passwords[user]), "Tandem's bus users (tandem up); generated, do not edit.")

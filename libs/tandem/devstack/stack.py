@@ -38,7 +38,9 @@ Redis password and the internal shared secret in its environment; the stack's ow
 operator's login for tools, and <work folder>/operator.env holds it as settings (TANDEM_NATS_USER,
 ...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
 up the stack runs `tandem bus init` (tandem.ops.bus_init) as the operator: the token stream, on
-every node of an --ha cluster, exists before any service starts.
+every node of an --ha cluster, exists before any service starts. With TANDEM_STORE=cassandra
+(a node of its own: `tandem cassandra up`) it runs `tandem store migrate` with the caller's
+Cassandra login, the admin's, and hands chat and relay the application role's login instead.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ from tandem.devstack.stack_settings import stack_config_from
 from tandem.devstack.supervisor import signal_child, supervise
 from tandem.errors import StartupError
 from tandem.ops.bus_init import describe, init_bus
+from tandem.ops.store_migrate import StoreAdmin
+from tandem.store.cassandra_roles import APP_ROLE
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
 
@@ -141,6 +145,8 @@ class Stack:
         self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
         config = self._config
+        if config.store_admin is not None:
+            await self._migrate_store(config.store_admin, nats.secrets.cassandra_app_password)
         if self.redis_ha is not None:  # the services find the primary through the sentinels
             config = replace(config, extra_env={**config.extra_env, **self.redis_ha.service_env()})
         for role, index, pool in config.planned():
@@ -289,6 +295,16 @@ class Stack:
             raise
         self._console.say(f"tandem bus init: token stream {describe(stream)}")
         return nats
+
+    async def _migrate_store(self, admin: StoreAdmin, app_password: str) -> None:
+        """`tandem store migrate` with the caller's Cassandra login (the admin's); the services are
+        handed the application role's, with this stack's password for it (service_member)."""
+        try:
+            await admin.migrate(APP_ROLE, app_password)
+        except StartupError:
+            await self.stop()  # the servers started so far
+            raise
+        self._console.say(f"tandem store migrate: keyspace {admin.keyspace}; chat and relay log in as {APP_ROLE}")
 
     def _write_operator_file(self, nats: EmbeddedServer | NatsCluster, redis: EmbeddedServer) -> None:
         """The operator's login as settings, for tools run next to the stack (`set -a; . FILE`)."""

@@ -12,6 +12,7 @@ from tandem.devstack.devices import host_gpus
 from tandem.devstack.members import HA_NATS_NODES, StackConfig, dev_api_keys
 from tandem.errors import StartupError
 from tandem.models.files import EMBEDDED_MODEL_NAME, open_model
+from tandem.ops.store_migrate import StoreAdmin
 
 # Settings the stack sets for each service itself; any other setting given to `tandem up` as a
 # flag reaches every service as its variable.
@@ -77,6 +78,7 @@ def stack_config_from(settings: Settings, chat_port: int | None, flags: dict[str
         num_small_decode_workers=settings.small_decode_workers,
         small_worker_env=small_worker_env,
         tensor_parallel_size=settings.tensor_parallel_size,
+        store_admin=StoreAdmin.from_settings(settings),
         gpus=_worker_gpus(settings.device),
         ha=is_ha,
         token_stream=token_stream_of(settings, is_ha),

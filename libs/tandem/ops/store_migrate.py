@@ -15,76 +15,76 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.errors import StartupError
 from tandem.store.base import StoreUnavailable
+from tandem.store.cassandra_roles import APP_PERMISSIONS, APP_ROLE
 
-# The driver is imported when the step runs, not with the `tandem` command every service starts from.
+if TYPE_CHECKING:
+    from tandem.config import Settings
 
 
-async def migrate_store(
-    hosts: str,
-    *,
-    admin_username: str,
-    admin_password: str,
-    keyspace: str,
-    app_role: str,
-    app_password: str,
-    replication: str = "{'class': 'SimpleStrategy', 'replication_factor': 1}",
-    consistency: str = "LOCAL_QUORUM",
-    timeout_s: float = 10.0,
-    bucket_size: int | None = None,
-) -> None:
-    """The keyspace at SCHEMA_VERSION and `app_role` allowed APP_PERMISSIONS on it, as the admin.
-    `bucket_size`: None, the store's default. Raises StartupError for a bad name or a missing
-    password, StoreUnavailable when the cluster does not answer or refuses the admin."""
-    from tandem.store.cassandra_roles import check_name, ensure_app_role
-    from tandem.store.cassandra_schema import DEFAULT_BUCKET_SIZE, migrate
-    from tandem.store.cassandra_session import CassandraSession
+@dataclass(frozen=True)
+class StoreAdmin:
+    """The admin's login and the keyspace's settings: what the step migrates with."""
 
-    check_name(keyspace, "keyspace")
-    check_name(app_role, "role")
-    if not app_password:
-        raise StartupError(
-            f"no password for the Cassandra role {app_role}: set TANDEM_CASSANDRA_APP_PASSWORD (tandem secrets DIR writes one)"
+    hosts: str
+    username: str
+    password: str = field(repr=False)
+    keyspace: str
+    replication: str
+    consistency: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StoreAdmin | None:
+        """None for a store that makes its own schema (SQLite)."""
+        if settings.store != "cassandra":
+            return None
+        return cls(
+            hosts=settings.cassandra_hosts,
+            username=settings.cassandra_username,
+            password=settings.cassandra_password.get_secret_value(),
+            keyspace=settings.cassandra_keyspace,
+            replication=settings.cassandra_replication,
+            consistency=settings.cassandra_consistency,
         )
-    session = CassandraSession(hosts, consistency=consistency, timeout_s=timeout_s, username=admin_username, password=admin_password)
-    await session.connect()
-    try:
-        await migrate(session, keyspace, replication, bucket_size or DEFAULT_BUCKET_SIZE)
-        await ensure_app_role(session, hosts, app_role.lower(), app_password, keyspace.lower())
-    finally:
-        await session.close()
+
+    async def migrate(self, app_role: str, app_password: str) -> None:
+        """The step; raises StartupError naming what to fix (the driver is imported here, not
+        with the `tandem` command every service starts from)."""
+        from tandem.store.cassandra_admin import migrate_store
+
+        try:
+            await migrate_store(
+                self.hosts,
+                admin_username=self.username,
+                admin_password=self.password,
+                keyspace=self.keyspace,
+                app_role=app_role,
+                app_password=app_password,
+                replication=self.replication,
+                consistency=self.consistency,
+            )
+        except StoreUnavailable as exc:
+            raise StartupError(f"tandem store migrate: {exc}") from None
 
 
 def _run(args: argparse.Namespace) -> int:
     from tandem.config import load_settings
-    from tandem.store.cassandra_roles import APP_PERMISSIONS, APP_ROLE
-    from tandem.store.cassandra_schema import SCHEMA_VERSION
 
     settings = load_settings()
-    app_role = args.app_role or APP_ROLE
-    if settings.store != "cassandra":
+    admin = StoreAdmin.from_settings(settings)
+    if admin is None:
         print(f"nothing to migrate: TANDEM_STORE={settings.store} makes its own schema when a service starts")
         return 0
-    try:
-        asyncio.run(
-            migrate_store(
-                settings.cassandra_hosts,
-                admin_username=settings.cassandra_username,
-                admin_password=settings.cassandra_password.get_secret_value(),
-                keyspace=settings.cassandra_keyspace,
-                app_role=app_role,
-                app_password=settings.cassandra_app_password.get_secret_value(),
-                replication=settings.cassandra_replication,
-                consistency=settings.cassandra_consistency,
-            )
-        )
-    except StoreUnavailable as exc:
-        raise StartupError(f"tandem store migrate: {exc}") from None
+    app_role = args.app_role or APP_ROLE
+    asyncio.run(admin.migrate(app_role, settings.cassandra_app_password.get_secret_value()))
+    from tandem.store.cassandra_schema import SCHEMA_VERSION  # loaded by the step
+
     print(
-        f"keyspace {settings.cassandra_keyspace} at schema version {SCHEMA_VERSION}; "
-        f"role {app_role} may {' and '.join(APP_PERMISSIONS)} in it, nothing else"
+        f"keyspace {admin.keyspace} at schema version {SCHEMA_VERSION}; role {app_role} may {' and '.join(APP_PERMISSIONS)} in it, nothing else"
     )
     return 0
 
@@ -100,7 +100,7 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         "SELECT and MODIFY on the keyspace. Logs in as TANDEM_CASSANDRA_USERNAME (a superuser) at "
         "TANDEM_CASSANDRA_HOSTS. Idempotent; run it again to rotate the role's password.",
     )
-    migrate_cli.add_argument("--app-role", help="the services' role (default tandem_app)")
+    migrate_cli.add_argument("--app-role", help=f"the services' role (default {APP_ROLE})")
     migrate_cli.set_defaults(run=_run)
 
 

@@ -1,6 +1,8 @@
 """The Cassandra application role: the login chat and relay use, limited to reading and writing
 rows of the application keyspace, so that a stolen service credential cannot drop or alter a
 table, read another keyspace (system_auth's password hashes among them) or manage roles (issue 50).
+This module holds its name, its grants and the CQL that makes it, without the driver (`tandem up`
+and `tandem secrets` name the role); tandem.store.cassandra_admin runs the CQL.
 
 Only `tandem store migrate` (tandem.ops.store_migrate) logs in as the admin: it creates the keyspace
 and tables, then this role and its grants. Each run brings the role back to exactly what
@@ -20,9 +22,9 @@ from __future__ import annotations
 import re
 
 from tandem.errors import StartupError
-from tandem.store.cassandra_session import DDL_TIMEOUT_S, CassandraSession, LoginRefused
 
 APP_ROLE = "tandem_app"
+STORE_ROLES = ("chat", "relay")  # the services that log in as it
 APP_PERMISSIONS = ("SELECT", "MODIFY")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,47}$")  # unquoted in CQL, which lowercases it
 # How LIST PERMISSIONS shows a data resource, and how GRANT/REVOKE names it.
@@ -63,36 +65,3 @@ def revoke_statement(role: str, resource: str, permission: str) -> str:
     raise StartupError(
         f"Cassandra role {role} holds {permission} on {resource}, beyond its keyspace's {' and '.join(APP_PERMISSIONS)}: revoke it by hand"
     )
-
-
-async def can_log_in(hosts: str, role: str, password: str, timeout_s: float) -> bool:
-    """Whether `role` logs in with `password` now (False also when the role does not exist)."""
-    session = CassandraSession(hosts, consistency="ONE", timeout_s=timeout_s, username=role, password=password)
-    try:
-        await session.connect()
-    except LoginRefused:
-        return False
-    await session.close()
-    return True
-
-
-async def ensure_app_role(session: CassandraSession, hosts: str, role: str, password: str, keyspace: str) -> None:
-    """Run as the admin on `hosts`: the role exists, logs in with `password`, and may do
-    APP_PERMISSIONS on `keyspace` and nothing else. `role` and `keyspace` are checked names, in lowercase."""
-    await session.execute(create_statement(role, password), (), timeout_s=DDL_TIMEOUT_S)
-    is_password_set = await can_log_in(hosts, role, password, DDL_TIMEOUT_S)
-    await session.execute(alter_statement(role, password, is_password_set), (), timeout_s=DDL_TIMEOUT_S)
-    rows = await _rows(session, f"LIST ALL PERMISSIONS OF {role} NORECURSIVE")
-    held = {(row["resource"], row["permission"]) for row in rows}
-    wanted = {(f"<keyspace {keyspace}>", permission) for permission in APP_PERMISSIONS}
-    statements = [f"GRANT {permission} ON KEYSPACE {keyspace} TO {role}" for _, permission in sorted(wanted - held)]
-    statements += [revoke_statement(role, resource, permission) for resource, permission in sorted(held - wanted)]
-    for statement in statements:
-        await session.execute(statement, (), timeout_s=DDL_TIMEOUT_S)
-    for granted in {row["role"] for row in await _rows(session, f"LIST ROLES OF {role} NORECURSIVE")} - {role}:
-        quoted = '"' + granted.replace('"', '""') + '"'
-        await session.execute(f"REVOKE {quoted} FROM {role}", (), timeout_s=DDL_TIMEOUT_S)  # a granted role's permissions would be its
-
-
-async def _rows(session: CassandraSession, statement: str) -> list[dict]:
-    return list((await session.execute(statement, (), timeout_s=DDL_TIMEOUT_S)).current_rows)

@@ -15,10 +15,11 @@ from tandem.config import ApiKey, Tier, load_settings, settings_flags
 from tandem.devstack.devices import torch_threads_per_rank
 from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, dev_api_keys, service_member
 from tandem.devstack.proc import free_ports
-from tandem.devstack.secrets import StackSecrets
+from tandem.devstack.secrets import CASSANDRA_LOGIN, StackSecrets
 from tandem.devstack.stack import Stack, stack_config_from
 from tandem.errors import StartupError
 from tandem.key_file import MIN_KEY_BYTES, num_key_bytes_of
+from tandem.store.cassandra_roles import APP_ROLE
 
 KEYS = {"k": ApiKey(user_id="u", tier=Tier.PLUS)}
 SECRETS = StackSecrets.generate()
@@ -212,3 +213,17 @@ async def test_a_stack_whose_chat_port_is_taken_starts_nothing():
     with listening(first + 1), pytest.raises(StartupError, match=f"chat-1: port {first + 1} "):
         await Stack(config, Console(out)).start()
     assert "started" not in out.getvalue(), out.getvalue()
+
+
+def test_with_a_cassandra_store_chat_and_relay_get_the_app_role_and_no_service_the_callers_login(monkeypatch):
+    monkeypatch.setenv("TANDEM_CASSANDRA_USERNAME", "cassandra")  # the admin's, as given to `tandem up`
+    monkeypatch.setenv("TANDEM_CASSANDRA_PASSWORD", "the-admins")
+    flags = ("--store", "cassandra", "--decode-workers", "1", "--prefill-workers", "1")
+    config = config_of(*flags)
+    assert config.store_admin is not None and (config.store_admin.username, config.store_admin.password) == ("cassandra", "the-admins")
+    app_login = {"TANDEM_CASSANDRA_USERNAME": APP_ROLE, "TANDEM_CASSANDRA_PASSWORD": SECRETS.cassandra_app_password}
+    for stack_config, store_login in ((config, app_login), (config_of("--decode-workers", "1", "--prefill-workers", "1"), {})):
+        given = {m.role: {name: value for name, value in m.env.items() if name in CASSANDRA_LOGIN} for m in members(stack_config)}
+        assert given == {
+            role: store_login if role in ("chat", "relay") else {} for role in ("router", "relay", "prefill", "decode", "chat")
+        }

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tandem.errors import StartupError
-from tandem.ops.store_migrate import migrate_store
+from tandem.store.cassandra_admin import migrate_store
 from tandem.store.cassandra_roles import alter_statement, check_name, cql_literal, revoke_statement
 
 
