@@ -7,11 +7,10 @@ and `tandem secrets` name the role); tandem.store.cassandra_admin runs the CQL.
 Only `tandem store migrate` (tandem.ops.store_migrate) logs in as the admin: it creates the keyspace
 and tables, then this role and its grants. Each run brings the role back to exactly what
 APP_PERMISSIONS says: it sets the password where the role does not log in with it yet (a
-rotation is a run with a new one), makes sure the
-role logs in and is no superuser, grants SELECT and MODIFY on the keyspace, and revokes any other
-permission the role holds on data (a keyspace, a table, all keyspaces) and any role granted to
-it. A permission on anything
-else (roles, functions, MBeans) it cannot be sure how to name, so it stops and names it instead.
+rotation is a run with a new one), makes sure the role logs in and is no superuser, grants
+SELECT and MODIFY on the keyspace, and revokes any other permission the role holds on data (a
+keyspace, a table, all keyspaces) and any role granted to it. A permission on anything else
+(functions, MBeans, roles) it cannot be sure how to name, so it stops and names it instead.
 
 MODIFY covers INSERT, UPDATE, DELETE and TRUNCATE of the keyspace's tables; lightweight
 transactions need SELECT too. Neither lets the role create, alter or drop anything.
