@@ -1,9 +1,12 @@
-"""Who may publish and subscribe to what on the bus: one NATS user per service role, each allowed
-only the subjects its role uses, plus an `operator` user for tools (tandem generate --via-bus,
-benches, tests, `tandem bus init`) with every right: the only user that may create, update or
-delete a stream (STREAM_ADMIN is denied to every service role). `render_config` turns the table into nats-server's
-`authorization` block, with literal passwords (tandem up) or `$VARIABLE` references that the
-server reads from its environment (containers: deploy/nats/nats.conf).
+"""Who may publish and subscribe to what on the bus: each service process logs in as its own
+instance's user (`Identity`: tandem up, tests), allowed only the subjects its role uses and, where
+a subject names an instance, only its own (`rights_of`); containers still have one user per role
+(PERMISSIONS: every instance of the role). Plus an `operator` user for tools (tandem generate
+--via-bus, benches, tests, `tandem bus init`) with every right: the only user that may create,
+update or delete a stream (STREAM_ADMIN is denied to every service). `render_config` turns a
+list of users into nats-server's `authorization` block, with literal passwords (tandem up) or
+`$VARIABLE` references that the server reads from its environment (containers:
+deploy/nats/nats.conf).
 
 Every service answers pings and requests through `allow_responses` (a reply may go only to the
 inbox of a request it received) rather than a right to publish on every inbox. Token subjects
