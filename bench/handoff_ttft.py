@@ -27,8 +27,8 @@ from nats.aio.client import Client
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.token_batches import watch_events
+from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.secrets import local_service_env
 from tandem.devstack.servers import init_token_stream, start_nats
 from tandem.models.loader import load_tokenizer
 from tandem.v1 import common_pb2
@@ -62,10 +62,10 @@ def prompt_of(num_tokens: int) -> list[int]:
 def _worker(role: str, nats_url: str, dtype: str, num_threads: int | None, cpus: str = "") -> tuple[ChildProcess, str]:
     instance_id = f"{role}-bench-{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(local_service_env(role, nats_url))  # its role's login on the bus, the internal secret
+    env.update(join_local_bus(role, instance_id, nats_url))  # its instance's login on the bus, the internal secret
     env.update(
         PYTHONUNBUFFERED="1", TANDEM_HTTP_PORT=str(free_port()), TANDEM_GRPC_PORT=str(free_port()),
-        TANDEM_INSTANCE_ID=instance_id, TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DTYPE=dtype, TANDEM_KV_CACHE_MIB="256",
+        TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DTYPE=dtype, TANDEM_KV_CACHE_MIB="256",
     )  # fmt: skip
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)

@@ -40,9 +40,10 @@ from stream_report import FD_ALLOWANCE, capacity_counts, percentile_of, print_ta
 
 from services.chat.sse import sse_events
 from tandem.config import ApiKey, Tier, parse_cpu_list
+from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.members import api_keys_spec
 from tandem.devstack.proc import ChildProcess, free_ports
-from tandem.devstack.secrets import local_service_env, login_of
+from tandem.devstack.secrets import login_of
 from tandem.devstack.stack import Console, Stack, StackConfig
 from tandem.tokenlog import logged_events
 from tandem.tokenlog.keys import ReplyKeys
@@ -268,7 +269,7 @@ async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any
     port = free_ports(1)
     child_env = {
         **os.environ, **env, "PYTHONUNBUFFERED": "1", "TANDEM_HOST": HOST, "TANDEM_HTTP_PORT": str(port),
-        **local_service_env("chat", stack.nats_url), "TANDEM_REDIS_URL": login_of(stack.redis_url)[0], "TANDEM_INSTANCE_ID": "chat-capped",
+        **join_local_bus("chat", "chat-capped", stack.nats_url), "TANDEM_REDIS_URL": login_of(stack.redis_url)[0],
         "TANDEM_API_KEYS": api_keys_spec(KEYS), "TANDEM_MAX_STREAMS": str(args.capacity),
     }  # fmt: skip
     capped = ChildProcess("chat-cap", [sys.executable, "-m", "services.chat"], env=child_env, on_line=lambda *_: None)

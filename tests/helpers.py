@@ -24,10 +24,11 @@ import uvicorn
 from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
+from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.cassandra_node import SUPERUSER, find_java17
 from tandem.devstack.devices import torch_threads_per_rank
 from tandem.devstack.proc import ChildProcess, free_port
-from tandem.devstack.secrets import StackSecrets, local_service_env, login_of
+from tandem.devstack.secrets import StackSecrets, login_of
 from tandem.errors import StartupError
 from tandem.store.cassandra_admin import migrate_store
 from tandem.store.cassandra_schema import DEFAULT_BUCKET_SIZE
@@ -48,10 +49,11 @@ def stack_secrets(nats_url: str) -> StackSecrets | None:
 def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[str, str]:
     """Environment for one service process on free ports, with fast heartbeats. The URLs are the
     servers' `.url` (with the operator's login and Redis's admin password): the process logs in as
-    its role's bus user instead, and as its role's Redis user (tandem.redis_acl) where the Redis
-    is of the same set, else with the URL's login; the internal secret as a setting."""
+    its own instance's bus user instead (admitted on the running server: tandem.devstack.bus_users),
+    and as its role's Redis user (tandem.redis_acl) where the Redis is of the same set, else with
+    the URL's login; the internal secret as a setting."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(local_service_env(role, nats_url))
+    env.update(join_local_bus(role, extra.get("TANDEM_INSTANCE_ID", f"{role}-test-{free_port()}"), nats_url))
     plain_redis_url, redis_username, redis_password = login_of(redis_url)
     made = stack_secrets(nats_url)
     if made is not None and redis_password == made.redis_password and role in made.redis_passwords:
@@ -62,7 +64,6 @@ def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[
         TANDEM_REDIS_USERNAME=redis_username,
         TANDEM_REDIS_PASSWORD=redis_password,
         TANDEM_HTTP_PORT=str(free_port()),
-        TANDEM_INSTANCE_ID=f"{role}-test-{free_port()}",
         TANDEM_HEARTBEAT_INTERVAL_S="0.2",
         TANDEM_API_KEYS="test-key=tester:plus",
     )

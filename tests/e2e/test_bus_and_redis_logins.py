@@ -1,5 +1,5 @@
-"""The bus and Redis behind the product stack take only logged-in clients, and a role's login
-buys only its role's subjects: chat's (the service facing the internet) cannot put tokens into a
+"""The bus and Redis behind the product stack take only logged-in clients, and an instance's login
+buys only its role's subjects, bound to its instance: chat's (the service facing the internet) cannot put tokens into a
 reply, pose as a worker or send KV events, and what the server refuses never reaches the relay."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import uuid
 import nats
 import pytest
 import redis.asyncio as aioredis
-from helpers import stack_secrets, wait_until
+from helpers import wait_until
 from redis.exceptions import AuthenticationError
 
 from tandem.bus import encode, subjects
+from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.secrets import login_of
 from tandem.tokenlog.keys import ReplyKeys
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
@@ -48,15 +49,14 @@ async def test_a_bus_client_without_a_login_or_with_a_wrong_password_is_refused(
 
 async def test_chat_cannot_publish_tokens_heartbeats_or_kv_events_and_the_relay_never_logs_a_forged_token(product_stack):
     assert not _violations(product_stack), "the stack's own traffic stayed within each role's rights"
-    secrets = stack_secrets(product_stack.nats_url)
-    assert secrets is not None
+    env = join_local_bus("chat", f"chat-intruder-{uuid.uuid4().hex[:8]}", product_stack.nats_url)  # a chat instance's own login
     refusals: asyncio.Queue[Exception] = asyncio.Queue()
 
     async def on_error(exc: Exception) -> None:
         refusals.put_nowait(exc)
 
     address = login_of(product_stack.nats_url)[0]
-    chat = await nats.connect(address, user="chat", password=secrets.nats_passwords["chat"], error_cb=on_error)
+    chat = await nats.connect(address, user=env["TANDEM_NATS_USER"], password=env["TANDEM_NATS_PASSWORD"], error_cb=on_error)
     operator = await nats.connect(product_stack.nats_url)
     redis = aioredis.from_url(product_stack.redis_url)
     forged_id, control_id = f"forged-{uuid.uuid4().hex}", f"control-{uuid.uuid4().hex}"

@@ -1,4 +1,4 @@
-"""tandem.bus.Bus logs in as its role's user: the server refuses what the role may not do, and
+"""tandem.bus.Bus logs in as its instance's user: the server refuses what the role may not do, and
 the Bus says so in the log as an error and stays connected; a wrong password is refused at
 connect, logged, and retried rather than crashing the process."""
 
@@ -9,9 +9,10 @@ import logging
 
 import nats
 import pytest
-from helpers import stack_secrets, wait_until
+from helpers import wait_until
 
 from tandem.bus import Bus, BusConfig, subjects
+from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.secrets import login_of
 from tandem.devstack.servers import EmbeddedServer
 
@@ -29,10 +30,8 @@ async def _until_logged(caplog: pytest.LogCaptureFixture, text: str, num_times: 
 async def test_a_publish_outside_the_roles_rights_is_logged_as_refused_and_the_bus_stays_up(
     nats_server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ):
-    secrets = stack_secrets(nats_server.url)
-    assert secrets is not None
-    address = login_of(nats_server.url)[0]
-    bus = Bus(BusConfig(url=address, name="chat-login", user="chat", password=secrets.nats_passwords["chat"]))
+    env = join_local_bus("chat", "chat-login", nats_server.url)
+    bus = Bus(BusConfig(url=env["TANDEM_NATS_URL"], name="chat-login", user="chat-login", password=env["TANDEM_NATS_PASSWORD"]))
     operator = await nats.connect(nats_server.url)
     generate_requests: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -47,7 +46,7 @@ async def test_a_publish_outside_the_roles_rights_is_logged_as_refused_and_the_b
         with caplog.at_level(logging.ERROR, logger="tandem.bus.connection"):
             await client.publish(subjects.tokens("not-chats-to-write"), b"x")
             await client.flush()
-            refused = await _until_logged(caplog, "NATS refused user 'chat'")
+            refused = await _until_logged(caplog, "NATS refused user 'chat-login'")
         assert subjects.tokens("not-chats-to-write") in refused[0]
         assert bus.is_connected
         await client.publish(subjects.GENERATE, b"allowed")  # what chat may do still goes through

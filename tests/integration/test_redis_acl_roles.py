@@ -202,7 +202,7 @@ async def test_the_chats_user_cannot_write_the_token_log(admin, chat, relay):
 async def test_the_router_has_no_redis_user(redis_server):
     assert redis_server.secrets is not None
     assert "router" not in redis_server.secrets.redis_passwords
-    assert "TANDEM_REDIS_PASSWORD" not in redis_server.secrets.service_env("router")
+    assert "TANDEM_REDIS_PASSWORD" not in redis_server.secrets.service_env("router", "router-0")
     client = aioredis.from_url(redis_server.address, username="router", password=redis_server.secrets.redis_password)
     try:
         with pytest.raises(AuthenticationError):

@@ -34,6 +34,7 @@ class BusConfig:
     drain_timeout_s: float = 3.0
     user: str = ""  # empty: the URL's credentials, if any
     password: str = field(default="", repr=False)
+    inbox_prefix: str = ""  # empty: nats-py's _INBOX; a service's own (tandem.bus.permissions.inbox_prefix)
 
 
 def without_credentials(url: str) -> str:
@@ -89,11 +90,13 @@ class Bus:
         delay_s = self._config.first_retry_s
         url = without_credentials(self._config.url)
         credentials = {"user": self._config.user, "password": self._config.password} if self._config.user else {}
+        inbox = {"inbox_prefix": self._config.inbox_prefix} if self._config.inbox_prefix else {}
         while True:
             try:
                 self._nc = await nats.connect(
                     server_urls(self._config.url),
                     **credentials,
+                    **inbox,
                     name=self._config.name,
                     connect_timeout=self._config.connect_timeout_s,
                     reconnect_time_wait=self._config.reconnect_wait_s,

@@ -1,9 +1,12 @@
-"""Who may publish and subscribe to what on the bus: one NATS user per service role, each allowed
-only the subjects its role uses, plus an `operator` user for tools (tandem generate --via-bus,
-benches, tests, `tandem bus init`) with every right: the only user that may create, update or
-delete a stream (STREAM_ADMIN is denied to every service role). `render_config` turns the table into nats-server's
-`authorization` block, with literal passwords (tandem up) or `$VARIABLE` references that the
-server reads from its environment (containers: deploy/nats/nats.conf).
+"""Who may publish and subscribe to what on the bus: each service process logs in as its own
+instance's user (`Identity`: tandem up, tests), allowed only the subjects its role uses and, where
+a subject names an instance, only its own (`rights_of`); containers still have one user per role
+(PERMISSIONS: every instance of the role). Plus an `operator` user for tools (tandem generate
+--via-bus, benches, tests, `tandem bus init`) with every right: the only user that may create,
+update or delete a stream (STREAM_ADMIN is denied to every service). `render_config` turns a
+list of users into nats-server's `authorization` block, with literal passwords (tandem up) or
+`$VARIABLE` references that the server reads from its environment (containers:
+deploy/nats/nats.conf).
 
 Every service answers pings and requests through `allow_responses` (a reply may go only to the
 inbox of a request it received) rather than a right to publish on every inbox. Token subjects
@@ -14,7 +17,7 @@ clients never can."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.bus import subjects
@@ -25,8 +28,7 @@ OPERATOR = "operator"
 USERS = (*SERVICE_ROLES, OPERATOR)
 
 _P = subjects.PREFIX
-INBOXES = "_INBOX.>"  # request/reply answers, JetStream API answers and pulled messages
-_TOKENS = subjects.TOKENS_ALL
+_TOKEN_EVENTS = f"{_P}.tokens.*"  # one reply's events; a batch (tokens.batch.<worker>) has a token more
 _FINALS = subjects.FINALS_ALL  # the router's and the relays' final events: never a token
 _CANCELS = subjects.CANCEL_ALL
 _HANDOFFS = subjects.HANDOFFS_ALL
@@ -64,34 +66,65 @@ class Permissions:
     publish_deny: tuple[str, ...] = ()  # refused even where an allow matches
 
 
-def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...]) -> Permissions:
-    """Every service sends its heartbeat, answers pings and may make requests; none may change a stream."""
-    return Permissions(
-        publish=(subjects.heartbeats_of(role), *publish),
-        subscribe=(_PINGS, INBOXES, *subscribe),
-        publish_deny=STREAM_ADMIN,
-    )
+ANY_INSTANCE = "*"  # a role's user (containers): its rights hold for every instance of the role
 
 
-_WORKER_PUBLISHES = (_TOKENS, _KV_EVENTS, *_TOKEN_STREAM_LOOKUP)
-_WORKER_SUBSCRIBES = (_ASSIGNS, _CANCELS, _KV_STATES)
+def _checked_token(value: str, what: str) -> str:
+    if not subjects.is_token(value):
+        raise ValueError(f"{what} {value!r} may hold only letters, digits, '-' and '_'")
+    return value
+
+
+def inbox_prefix(role: str, instance_id: str) -> str:
+    """Where a service's replies arrive (nats-py's `inbox_prefix`): request/reply answers, the
+    JetStream API's and the relay's pulled token events. Under `_INBOX.<role>.<instance>`, so a
+    user may read its own and no other's; the operator keeps nats-py's `_INBOX.<random>`."""
+    return f"_INBOX.{_checked_token(role, 'role')}.{_checked_token(instance_id, 'instance id')}"
+
+
+def rights_of(role: str, own: str = ANY_INSTANCE) -> Permissions:
+    """What a service of `role` may do, bound to the instance `own`: its heartbeat, pings, inbox,
+    assignments, KV state requests, KV events and token batches name it. With ANY_INSTANCE, every
+    instance of the role (a role's user). Cancels and per-reply token events stay role-wide: a
+    reply id names no instance."""
+    if own != ANY_INSTANCE:
+        _checked_token(own, "instance id")
+    publish = [f"{_P}.heartbeat.{role}.{own}"]
+    subscribe = [f"{_P}.ping.{own}", f"_INBOX.{role}.{own}.>"]
+    if role in ("prefill", "decode"):
+        publish += [_TOKEN_EVENTS, f"{_P}.tokens.batch.{own}", f"{_P}.kv.events.{own}", *_TOKEN_STREAM_LOOKUP]
+        subscribe += [f"{_P}.worker.{own}.assign", _CANCELS, f"{_P}.kv.state.{own}"]
+    if role == "prefill":
+        publish.append(_HANDOFFS)
+    if role == "router":
+        publish += [_ASSIGNS, _KV_STATES, subjects.LADDER, subjects.ROLLOUT, _FINALS, *_TOKEN_STREAM_LOOKUP]
+        subscribe += [*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE, subjects.OUTCOMES, subjects.ROLLOUT]
+    if role == "relay":
+        publish += [subjects.GENERATE, _CANCELS, _PINGS, _FINALS, subjects.OUTCOMES, *_TOKEN_STREAM_LOOKUP, *_TOKEN_CONSUMER]
+        subscribe += _WORKER_HEARTBEATS
+    if role == "chat":
+        publish += [subjects.GENERATE, _CANCELS]
+        subscribe += [subjects.heartbeats_of("decode"), subjects.LADDER, subjects.ROLLOUT]
+    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe), publish_deny=STREAM_ADMIN)
+
 
 PERMISSIONS: dict[str, Permissions] = {
-    "prefill": _service("prefill", (*_WORKER_PUBLISHES, _HANDOFFS), _WORKER_SUBSCRIBES),
-    "decode": _service("decode", _WORKER_PUBLISHES, _WORKER_SUBSCRIBES),
-    "router": _service(
-        "router",
-        (_ASSIGNS, _KV_STATES, subjects.LADDER, subjects.ROLLOUT, _FINALS, *_TOKEN_STREAM_LOOKUP),
-        (*_WORKER_HEARTBEATS, _KV_EVENTS, _CANCELS, _HANDOFFS, subjects.GENERATE, subjects.OUTCOMES, subjects.ROLLOUT),
-    ),
-    "relay": _service(
-        "relay",
-        (subjects.GENERATE, _CANCELS, _PINGS, _FINALS, subjects.OUTCOMES, *_TOKEN_STREAM_LOOKUP, *_TOKEN_CONSUMER),
-        _WORKER_HEARTBEATS,
-    ),
-    "chat": _service("chat", (subjects.GENERATE, _CANCELS), (subjects.heartbeats_of("decode"), subjects.LADDER, subjects.ROLLOUT)),
+    **{role: rights_of(role) for role in SERVICE_ROLES},
     OPERATOR: Permissions(publish=(">",), subscribe=(">",)),
 }
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One service process's bus user (tandem up, tests): its instance id is its user name, its
+    rights are its role's bound to that instance."""
+
+    role: str
+    instance_id: str
+
+    @property
+    def rights(self) -> Permissions:
+        return rights_of(self.role, self.instance_id)
 
 
 def password_variable(user: str) -> str:
@@ -109,15 +142,14 @@ def env_reference(user: str) -> str:
     return f"${password_variable(user)}"
 
 
-def render_config(password_of: Callable[[str], str], header: str = "") -> str:
-    """nats-server's `authorization` block for every user of USERS; `password_of(user)` gives
-    the password's config text (`literal(...)` or `env_reference(user)`)."""
+def render_config(users: Sequence[tuple[str, Permissions, str]], header: str = "") -> str:
+    """nats-server's `authorization` block for `users`: (name, rights, the password's config
+    text: `literal(...)` or `env_reference(name)`)."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     lines.append("authorization {")
     lines.append("  users = [")
-    for user in USERS:
-        rights = PERMISSIONS[user]
-        lines.append(f"    {{user: {json.dumps(user)}, password: {password_of(user)}, permissions: {{")
+    for user, rights, password in users:
+        lines.append(f"    {{user: {json.dumps(user)}, password: {password}, permissions: {{")
         deny = f", deny: {json.dumps(list(rights.publish_deny))}" if rights.publish_deny else ""
         lines.append(f"      publish: {{allow: {json.dumps(list(rights.publish))}{deny}}}")
         lines.append(f"      subscribe: {{allow: {json.dumps(list(rights.subscribe))}}}")
@@ -129,6 +161,11 @@ def render_config(password_of: Callable[[str], str], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def role_users(password_of: Callable[[str], str]) -> list[tuple[str, Permissions, str]]:
+    """A user per role and the operator (containers), each with `password_of(user)`'s text."""
+    return [(user, PERMISSIONS[user], password_of(user)) for user in USERS]
+
+
 CONTAINER_HEADER = """Tandem's bus users and what each may publish and subscribe to, for containers.
 Generated by libs/tandem/bus/permissions.py (tests/unit/bus/test_nats_conf_fresh.py checks it is
 current); do not edit by hand. Each password comes from the server's environment:
@@ -137,4 +174,4 @@ come from the server's command line."""
 
 
 def render_container_config() -> str:
-    return render_config(env_reference, CONTAINER_HEADER)
+    return render_config(role_users(env_reference), CONTAINER_HEADER)

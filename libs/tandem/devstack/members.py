@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from tandem.bus.permissions import Identity
 from tandem.bus.token_stream import TokenStreamConfig
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ApiKey, Tier
 from tandem.devstack.devices import assign_gpus, torch_threads_per_rank
@@ -83,6 +84,10 @@ class StackConfig:
     def num_instances(self, role: str) -> int:
         counts = {"decode": self.num_decode_workers, "prefill": self.num_prefill_workers, "chat": self.num_chat_instances}
         return counts.get(role, 1)
+
+    def identities(self) -> list[Identity]:
+        """The bus user of every planned service instance (tandem.devstack.bus_users)."""
+        return [Identity(role, instance_id_of(role, index, pool)) for role, index, pool in self.planned()]
 
     def planned(self) -> list[tuple[str, int, str]]:
         """(role, index, pool) of every service instance, in start order; pool "" is the large
@@ -243,7 +248,7 @@ def service_member(
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
     kept across its restarts; chat instance i listens on chat_port + i, the other services and
     decode workers' UCX listeners take a free port each. `nats_url` is every NATS node's,
-    comma-separated, on a stack with a cluster. It logs in to the bus as its role's user
+    comma-separated, on a stack with a cluster. It logs in to the bus as its instance's user
     (the URLs carry no login), with the Redis password and the internal secret of `secrets`.
     `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i).
     `on_host`: it runs on that host (separate_hosts), on its role's default ports."""
@@ -259,10 +264,9 @@ def service_member(
         "TANDEM_HTTP_PORT": str(http_port),
         "TANDEM_NATS_URL": nats_url,
         "TANDEM_REDIS_URL": redis_url,
-        "TANDEM_INSTANCE_ID": instance_id,
         "TANDEM_UCX_PORT": "0",
         "TANDEM_REDIS_USERNAME": "",  # not one from the caller's environment
-        **secrets.service_env(role),
+        **secrets.service_env(role, instance_id),
         **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
     for name in CASSANDRA_LOGIN:  # the caller's is the admin's: only the stack's migrate step uses it

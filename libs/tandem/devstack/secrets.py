@@ -7,7 +7,7 @@ application role's, which chat and relay log in with.
 password is derived from one random key, which is the `operator` user's own password. The
 operator may already publish and subscribe to everything, so whoever holds its password gains
 nothing from deriving the others; it lets a test that knows only the server's operator URL give
-each service process its own role's login (tests/helpers.py does). `tandem secrets DIR` makes an
+each service process its own instance's login (tests/helpers.py does). `tandem secrets DIR` makes an
 independent random value for each secret, for containers: DIR/tandem.env (an env file) and one
 file per secret under DIR/secrets/, each named like its variable."""
 
@@ -19,12 +19,13 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from tandem.bus.connection import server_urls, without_credentials
-from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
+from tandem.bus.permissions import OPERATOR, PERMISSIONS, USERS, Identity, literal, password_variable, render_config
 from tandem.errors import StartupError
 from tandem.redis_acl import ROLES as REDIS_ROLES
 from tandem.store.cassandra_roles import APP_ROLE
@@ -84,13 +85,19 @@ class StackSecrets:
             found[CASSANDRA_APP_PASSWORD] = self.cassandra_app_password
         return found
 
-    def service_env(self, role: str) -> dict[str, str]:
-        """What one service process of `role` needs: its bus login, its role's Redis login (a role
-        without Redis: none), the internal secret."""
+    def instance_password(self, instance_id: str) -> str:
+        """The bus password of a local service instance (tandem up, tests), whose user name is its
+        instance id: derived from the operator's, as the module's docstring says."""
+        return _derive(self.nats_passwords[OPERATOR], f"nats-instance:{instance_id}")
+
+    def service_env(self, role: str, instance_id: str) -> dict[str, str]:
+        """What one local service process of `role` needs: its instance's bus login, its role's
+        Redis login (a role without Redis: none), the internal secret."""
         redis_login = {REDIS_USERNAME: role, REDIS_PASSWORD: self.redis_passwords[role]} if role in self.redis_passwords else {}
         return {
-            "TANDEM_NATS_USER": role,
-            "TANDEM_NATS_PASSWORD": self.nats_passwords[role],
+            "TANDEM_INSTANCE_ID": instance_id,
+            "TANDEM_NATS_USER": instance_id,
+            "TANDEM_NATS_PASSWORD": self.instance_password(instance_id),
             **redis_login,
             INTERNAL_SECRET: self.internal_secret,
         }
@@ -99,8 +106,14 @@ class StackSecrets:
         """The application role's login, as chat's and relay's settings."""
         return {"TANDEM_CASSANDRA_USERNAME": APP_ROLE, CASSANDRA_PASSWORD: self.cassandra_app_password}
 
-    def nats_config(self) -> str:
-        return render_config(lambda user: literal(self.nats_passwords[user]), "Tandem's bus users (tandem up); generated, do not edit.")
+    def nats_config(self, identities: Iterable[Identity]) -> str:
+        """The local server's users: the operator and one per service instance of `identities`."""
+        users = [(OPERATOR, PERMISSIONS[OPERATOR], literal(self.nats_passwords[OPERATOR]))]
+        for identity in identities:
+            if identity.instance_id in USERS:
+                raise StartupError(f"instance id {identity.instance_id!r} is the name of a bus user of its own")
+            users.append((identity.instance_id, identity.rights, literal(self.instance_password(identity.instance_id))))
+        return render_config(users, "Tandem's bus users (tandem up); generated, do not edit.")
 
 
 def redis_password_variable(role: str) -> str:
@@ -135,14 +148,15 @@ def login_of(url: str) -> tuple[str, str, str]:
     return without_credentials(url), unquote(parts.username or ""), unquote(parts.password or "")
 
 
-def local_service_env(role: str, nats_url: str) -> dict[str, str]:
-    """The settings of a service of `role` on a local bus known by its operator URL (a test
-    server's or a stack's `.url`): the URL without the login, the role's own, the Redis password
-    and the internal secret of that set."""
+def local_service_env(role: str, instance_id: str, nats_url: str) -> dict[str, str]:
+    """The settings of instance `instance_id` of `role` on a local bus known by its operator URL
+    (a test server's or a stack's `.url`): the URL without the login, the instance's own (the
+    server must list it: tandem.devstack.bus_users), the Redis password and the internal secret
+    of that set."""
     address, _, operator_password = login_of(nats_url)
-    env = {"TANDEM_NATS_URL": address}
+    env = {"TANDEM_NATS_URL": address, "TANDEM_INSTANCE_ID": instance_id}
     if operator_password:
-        env.update(StackSecrets.derived_from(operator_password).service_env(role))
+        env.update(StackSecrets.derived_from(operator_password).service_env(role, instance_id))
     return env
 
 

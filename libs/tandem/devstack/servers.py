@@ -6,7 +6,7 @@ free loopback ports. `tandem up` and the test fixtures use them; nothing here is
 any node's loss. A fresh server or cluster has no token stream: `init_token_stream` is the admin
 step (`tandem bus init`) every stack and fixture runs once it is up.
 
-Both require a login: nats-server has a user per role with its rights (tandem.bus.permissions),
+Both require a login: nats-server has a user per service instance with its rights (tandem.devstack.bus_users),
 redis-server a password. The credentials are the work folder's set (tandem.devstack.secrets),
 written there readable by this user alone; a server started again on the folder keeps them."""
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tandem.bus.permissions import OPERATOR
 from tandem.bus.token_stream import TokenStreamConfig
+from tandem.devstack.bus_users import write_auth
 from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.secrets import StackSecrets, load_or_create, with_login, write_private
@@ -103,7 +104,8 @@ def start_nats(
     store.mkdir(parents=True, exist_ok=True)
     secrets = load_or_create(workdir)
     config = workdir / "nats-users.conf"
-    write_private(config, secrets.nats_config())
+    # The name in the file, not as -n: nats-server refuses a reload (SIGHUP) whose file lacks a name the command line gave.
+    write_private(config, 'server_name: "tandem-local"\n' + write_auth(workdir, secrets))
     argv = [
         *prefix,
         nats_server_binary(),
@@ -116,8 +118,6 @@ def start_nats(
         bind,
         "-p",
         str(-1 if port is None else port),
-        "-n",
-        "tandem-local",
     ]
     child = ChildProcess("nats", argv, on_line=on_line)
     child.start()
@@ -192,7 +192,8 @@ def _cluster_node_config(workdir: Path, node: NatsNode, nodes: list[NatsNode], s
         f"server_name: {json.dumps(f'tandem-{node.name}')}\n"
         f'listen: "{node.host}:{node.client_port}"\n'
         f"jetstream {{ store_dir: {json.dumps(str(workdir / node.name))} }}\n"
-        f'cluster {{ name: "tandem-local", listen: "{node.host}:{node.cluster_port}", routes: [{routes}] }}\n' + secrets.nats_config()
+        f'cluster {{ name: "tandem-local", listen: "{node.host}:{node.cluster_port}", routes: [{routes}] }}\n'
+        + write_auth(workdir, secrets)
     )
 
 

@@ -57,11 +57,12 @@ from types import TracebackType
 from typing import Any
 
 from tandem.bus.permissions import OPERATOR
+from tandem.devstack.bus_users import admit
 from tandem.devstack.hosts import Host, HostNetwork
 from tandem.devstack.members import HA_NATS_NODES, Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.redis_ha import RedisHA, start_redis_ha
-from tandem.devstack.secrets import env_file_text, with_login, write_private
+from tandem.devstack.secrets import env_file_text, load_or_create, with_login, write_private
 from tandem.devstack.servers import (
     EmbeddedServer,
     NatsCluster,
@@ -134,6 +135,7 @@ class Stack:
             self.network = HostNetwork()
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
+        admit(self._workdir, load_or_create(self._workdir), self._config.identities())  # before the bus reads its users
         nats = await self._start_bus()
         if self._config.ha:
             redis = await self._start_redis_ha()

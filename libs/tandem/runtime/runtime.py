@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from tandem import __version__, metrics
 from tandem.bus import Bus, BusConfig, encode, subjects
 from tandem.bus.events import now_ms
+from tandem.bus.permissions import inbox_prefix
 from tandem.config import Settings
 from tandem.redis_sentinel import SentinelTarget, master_client, sentinel_target
 from tandem.runtime.loop_lag import watch_loop_lag
@@ -42,7 +43,7 @@ class RuntimeConfig:
     redis_url: str | None  # None: this service does not use Redis
     heartbeat_interval_s: float
     redis_max_connections: int = 64
-    nats_user: str = ""  # this role's bus user; empty: none (or the URL's)
+    nats_user: str = ""  # this instance's bus user (a role's, in containers); empty: none (or the URL's)
     nats_password: str = field(default="", repr=False)
     redis_username: str = ""
     redis_password: str = field(default="", repr=False)
@@ -102,7 +103,15 @@ class Runtime:
 
     def __init__(self, config: RuntimeConfig, heartbeat: HeartbeatBuilder | None = None) -> None:
         self.config = config
-        self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id, user=config.nats_user, password=config.nats_password))
+        self.bus = Bus(
+            BusConfig(
+                url=config.nats_url,
+                name=config.instance_id,
+                user=config.nats_user,
+                password=config.nats_password,
+                inbox_prefix=inbox_prefix(config.role, config.instance_id),
+            )
+        )
         login = redis_login(config.redis_username, config.redis_password)
         self.redis = (
             short_command_client(config.redis_url, config.redis_max_connections, login, config.redis_sentinel) if config.redis_url else None

@@ -2,16 +2,22 @@
 
 from pathlib import Path
 
+import pytest
+
 from tandem.bus.permissions import (
     OPERATOR,
     PERMISSIONS,
     SERVICE_ROLES,
     STREAM_ADMIN,
     USERS,
+    Identity,
+    inbox_prefix,
     literal,
     password_variable,
     render_config,
     render_container_config,
+    rights_of,
+    role_users,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -29,14 +35,14 @@ def test_container_config_takes_every_password_from_the_environment():
 
 
 def test_a_literal_password_is_quoted_so_a_dollar_in_it_is_not_read_as_a_variable():
-    rendered = render_config(lambda user: literal(user + "-$x"))
+    rendered = render_config(role_users(lambda user: literal(user + "-$x")))
     assert 'password: "chat-$x",' in rendered
 
 
 def test_only_workers_may_publish_tokens_and_kv_events_and_only_router_and_relay_end_a_reply():
-    tokens = [u for u in USERS if "tandem.v1.tokens.>" in PERMISSIONS[u].publish]
+    tokens = [u for u in USERS if "tandem.v1.tokens.*" in PERMISSIONS[u].publish]
     finals = [u for u in USERS if "tandem.v1.finals.>" in PERMISSIONS[u].publish]
-    kv_events = [u for u in USERS if "tandem.v1.kv.events.>" in PERMISSIONS[u].publish]
+    kv_events = [u for u in USERS if "tandem.v1.kv.events.*" in PERMISSIONS[u].publish]
     assert tokens == ["prefill", "decode"]
     assert finals == ["router", "relay"]
     assert kv_events == ["prefill", "decode"]
@@ -46,6 +52,26 @@ def test_each_role_publishes_only_its_own_heartbeats():
     for role in ("prefill", "decode", "router", "relay", "chat"):
         heartbeats = [s for s in PERMISSIONS[role].publish if s.startswith("tandem.v1.heartbeat.")]
         assert heartbeats == [f"tandem.v1.heartbeat.{role}.*"]
+
+
+@pytest.mark.parametrize("role", SERVICE_ROLES)
+def test_an_instances_rights_name_its_own_id_where_a_roles_name_any(role: str):
+    """Its heartbeat, pings, inbox (and a worker's assignments, KV state requests, KV events and
+    token batches): the subjects a role's user may use for any instance, an instance's for itself."""
+    mine, roles = Identity(role, f"{role}-3").rights, PERMISSIONS[role]
+    assert [s.replace(f"{role}-3", "*") for s in mine.publish] == list(roles.publish)
+    assert [s.replace(f"{role}-3", "*") for s in mine.subscribe] == list(roles.subscribe)
+    assert f"tandem.v1.heartbeat.{role}.{role}-3" in mine.publish and f"tandem.v1.ping.{role}-3" in mine.subscribe
+    assert f"_INBOX.{role}.{role}-3.>" in mine.subscribe and inbox_prefix(role, f"{role}-3") == f"_INBOX.{role}.{role}-3"
+    assert not [s for s in mine.subscribe if s.startswith("_INBOX") and s != f"_INBOX.{role}.{role}-3.>"]
+    if role in ("prefill", "decode"):
+        assert {f"tandem.v1.worker.{role}-3.assign", f"tandem.v1.kv.state.{role}-3"} <= set(mine.subscribe)
+        assert {f"tandem.v1.tokens.batch.{role}-3", f"tandem.v1.kv.events.{role}-3"} <= set(mine.publish)
+
+
+def test_an_instance_id_that_could_widen_a_subject_is_refused():
+    with pytest.raises(ValueError):
+        rights_of("decode", "decode.>")
 
 
 def test_no_service_role_may_create_update_or_delete_a_stream_and_the_operator_may():

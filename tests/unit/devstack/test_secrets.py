@@ -65,19 +65,24 @@ def test_a_work_folder_keeps_its_set_and_the_operator_password_gives_each_role_i
     assert load_or_create(tmp_path / "other") != made
 
 
-def test_a_service_on_a_local_bus_logs_in_as_its_role_at_the_url_without_the_operator_login(tmp_path: Path):
+def test_a_service_on_a_local_bus_logs_in_as_its_instance_at_the_url_without_the_operator_login(tmp_path: Path):
     made = load_or_create(tmp_path)
     url = with_login("nats://127.0.0.1:4222", "operator", made.nats_passwords["operator"])
-    env = local_service_env("decode", url)
+    env = local_service_env("decode", "decode-7", url)
     assert env["TANDEM_NATS_URL"] == "nats://127.0.0.1:4222"
-    assert (env["TANDEM_NATS_USER"], env["TANDEM_NATS_PASSWORD"]) == ("decode", made.nats_passwords["decode"])
+    assert (env["TANDEM_INSTANCE_ID"], env["TANDEM_NATS_USER"]) == ("decode-7", "decode-7")
+    assert env["TANDEM_NATS_PASSWORD"] == made.instance_password("decode-7")
     assert env["TANDEM_INTERNAL_SECRET"] == made.internal_secret
-    assert local_service_env("decode", "nats://127.0.0.1:4222") == {"TANDEM_NATS_URL": "nats://127.0.0.1:4222"}
+    assert len({made.instance_password("decode-7"), made.instance_password("decode-8"), *made.nats_passwords.values()}) == len(USERS) + 2
+    assert local_service_env("decode", "decode-7", "nats://127.0.0.1:4222") == {
+        "TANDEM_NATS_URL": "nats://127.0.0.1:4222",
+        "TANDEM_INSTANCE_ID": "decode-7",
+    }
 
 
 @pytest.mark.parametrize("made", [StackSecrets.derived_from("operator-password"), StackSecrets.generate()])
 def test_chat_and_relay_get_their_own_redis_login_and_no_other_role_gets_one(made: StackSecrets):
-    logins = {role: made.service_env(role) for role in ("chat", "relay", "router", "prefill", "decode")}
+    logins = {role: made.service_env(role, f"{role}-0") for role in ("chat", "relay", "router", "prefill", "decode")}
     for role in ("chat", "relay"):
         assert (logins[role]["TANDEM_REDIS_USERNAME"], logins[role]["TANDEM_REDIS_PASSWORD"]) == (role, made.redis_passwords[role])
     assert len({made.redis_password, *made.redis_passwords.values()}) == 3, "no role holds the admin's password"
