@@ -269,6 +269,7 @@ async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any
     child_env = {
         **os.environ, **env, "PYTHONUNBUFFERED": "1", "TANDEM_HOST": HOST, "TANDEM_HTTP_PORT": str(port),
         **local_service_env("chat", stack.nats_url), "TANDEM_REDIS_URL": login_of(stack.redis_url)[0], "TANDEM_INSTANCE_ID": "chat-capped",
+        **(stack.certs.settings("chat").env() if stack.certs else {}),
         "TANDEM_API_KEYS": api_keys_spec(KEYS), "TANDEM_MAX_STREAMS": str(args.capacity),
     }  # fmt: skip
     capped = ChildProcess("chat-cap", [sys.executable, "-m", "services.chat"], env=child_env, on_line=lambda *_: None)

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from tandem.config import ApiKey, Tier
 from tandem.devstack.members import StackConfig
 from tandem.devstack.stack import Console, Stack
+from tandem.tls import nats_tls_options
 
 DEADLINE_S = 30.0
 
@@ -61,7 +62,7 @@ async def test_a_killed_server_is_restarted_on_its_port(stack):
     old_pid = stack.send_signal("nats", signal.SIGKILL)
     await new_pid(stack, "nats", old_pid)
     await stack.wait_ready("nats", DEADLINE_S)
-    client = await nats.connect(stack.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    client = await nats.connect(stack.nats_url, **nats_tls_options(stack.operator_tls), connect_timeout=2, max_reconnect_attempts=0)
     assert client.is_connected
     await client.close()
 
@@ -73,7 +74,7 @@ async def test_a_held_server_stays_down_until_released(stack):
         socket.create_connection(address_of(stack.nats_url), timeout=2).close()
     assert stack.member("nats").pid is None, "the supervisor left it down"
     await stack.release("nats", DEADLINE_S)
-    client = await nats.connect(stack.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    client = await nats.connect(stack.nats_url, **nats_tls_options(stack.operator_tls), connect_timeout=2, max_reconnect_attempts=0)
     await client.close()
 
 

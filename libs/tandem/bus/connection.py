@@ -15,6 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 import nats
 from nats.aio.client import Client
 
+from tandem.tls import TlsSettings, nats_tls_options
+
 log = logging.getLogger(__name__)
 
 
@@ -34,6 +36,7 @@ class BusConfig:
     drain_timeout_s: float = 3.0
     user: str = ""  # empty: the URL's credentials, if any
     password: str = field(default="", repr=False)
+    tls: TlsSettings | None = None  # the CA and certificate to connect with (tandem.tls); none: in clear
 
 
 def without_credentials(url: str) -> str:
@@ -94,6 +97,7 @@ class Bus:
                 self._nc = await nats.connect(
                     server_urls(self._config.url),
                     **credentials,
+                    **nats_tls_options(self._config.tls),
                     name=self._config.name,
                     connect_timeout=self._config.connect_timeout_s,
                     reconnect_time_wait=self._config.reconnect_wait_s,

@@ -55,6 +55,7 @@ from types import TracebackType
 from typing import Any
 
 from tandem.bus.permissions import OPERATOR
+from tandem.devstack.certs import CertSet, make_cert_set
 from tandem.devstack.hosts import Host, HostNetwork
 from tandem.devstack.members import HA_NATS_NODES, Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
@@ -73,6 +74,7 @@ from tandem.devstack.stack_settings import stack_config_from
 from tandem.devstack.supervisor import signal_child, supervise
 from tandem.errors import StartupError
 from tandem.ops.bus_init import describe, init_bus
+from tandem.tls import TlsSettings
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
 
@@ -99,6 +101,7 @@ class Stack:
         self.redis_url = ""  # with the password
         self.network: HostNetwork | None = None  # config.separate_hosts: every member's host
         self.redis_ha: RedisHA | None = None  # --ha: the Sentinel set; redis_url is its first primary
+        self.certs: CertSet | None = None  # the development CA and every service's certificate, once started
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -130,6 +133,7 @@ class Stack:
             self.network = HostNetwork()
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
+        self.certs = make_cert_set(self._workdir)
         nats = await self._start_bus()
         if self._config.ha:
             redis = await self._start_redis_ha()
@@ -145,7 +149,9 @@ class Stack:
             config = replace(config, extra_env={**config.extra_env, **self.redis_ha.service_env()})
         for role, index, pool in config.planned():
             host = on(member_name_of(role, index, pool, config))
-            member = service_member(config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host)
+            member = service_member(
+                config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host, self.certs
+            )
             self._members.append(member)
         self._supervisors = [
             asyncio.create_task(
@@ -192,6 +198,12 @@ class Stack:
         await self.stop()
 
     # -- what drills use ---------------------------------------------------------------------
+
+    @property
+    def operator_tls(self) -> TlsSettings | None:
+        """The operator's certificate, what a tool or test connects to the stack's NATS with
+        (`nats.connect(stack.nats_url, **nats_tls_options(stack.operator_tls))`)."""
+        return None if self.certs is None else self.certs.settings(OPERATOR)
 
     @property
     def members(self) -> list[Member]:
@@ -269,7 +281,7 @@ class Stack:
         if not self._config.ha:
             host = self._host_for("nats")
             nats: EmbeddedServer | NatsCluster = await self._start_server(
-                "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host)), host
+                "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host), certs=self.certs), host
             )
         else:
             hosts = [self._host_for(f"nats-{index}") for index in range(HA_NATS_NODES)]
@@ -278,12 +290,12 @@ class Stack:
             for node, node_host in zip(nodes, hosts, strict=True):  # each restarts on its own ports and store
 
                 def start(_: int | None, node: NatsNode = node) -> EmbeddedServer:
-                    return start_nats_node(self._workdir, node, nodes, self._console.line)
+                    return start_nats_node(self._workdir, node, nodes, self._console.line, self.certs)
 
                 started.append(await self._start_server("nats", start, node_host, name=node.name))
             nats = NatsCluster(started)
         try:
-            stream = await init_bus(nats.url, self._config.token_stream)
+            stream = await init_bus(nats.url, self._config.token_stream, tls=self.operator_tls)
         except StartupError:
             await self.stop()  # the servers started so far
             raise
@@ -298,6 +310,7 @@ class Stack:
             "TANDEM_NATS_PASSWORD": nats.secrets.nats_passwords[OPERATOR],
             "TANDEM_REDIS_URL": redis.address,
             "TANDEM_REDIS_PASSWORD": redis.secrets.redis_password,
+            **(self.operator_tls.env() if self.operator_tls is not None else {}),
         }
         if self.redis_ha is not None:
             operator |= self.redis_ha.service_env()
@@ -379,7 +392,8 @@ class Stack:
         routers = self.members_of("router")
         if routers:  # its port is a free one: top needs to be told
             self._console.say(f"watch: tandem top --router-url {routers[0].url} --chat-url http://{host}:{port}")
-        self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} tandem generate --via-bus "Hello"')
+        tls = "".join(f"{name}={value} " for name, value in self.operator_tls.env().items()) if self.operator_tls else ""
+        self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} {tls}tandem generate --via-bus "Hello"')
         self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")
         self._console.say("Ctrl-C stops everything")
 

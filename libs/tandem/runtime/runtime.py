@@ -23,6 +23,7 @@ from tandem.bus.events import now_ms
 from tandem.config import Settings
 from tandem.redis_sentinel import SentinelTarget, master_client, sentinel_target
 from tandem.runtime.loop_lag import watch_loop_lag
+from tandem.tls import TlsSettings
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class RuntimeConfig:
     redis_username: str = ""
     redis_password: str = field(default="", repr=False)
     redis_sentinel: SentinelTarget | None = None  # find the primary through these sentinels (redis_url: its db)
+    tls: TlsSettings | None = None  # this process's CA and certificate (TANDEM_TLS_*); none: the bus in clear
 
     @classmethod
     def from_settings(cls, role: str, settings: Settings, *, uses_redis: bool) -> RuntimeConfig:
@@ -65,6 +67,7 @@ class RuntimeConfig:
             redis_sentinel=sentinel_target(
                 settings.redis_sentinels, settings.redis_sentinel_master, settings.redis_sentinel_password.get_secret_value()
             ),
+            tls=TlsSettings(),
         )
 
 
@@ -102,7 +105,9 @@ class Runtime:
 
     def __init__(self, config: RuntimeConfig, heartbeat: HeartbeatBuilder | None = None) -> None:
         self.config = config
-        self.bus = Bus(BusConfig(url=config.nats_url, name=config.instance_id, user=config.nats_user, password=config.nats_password))
+        self.bus = Bus(
+            BusConfig(url=config.nats_url, name=config.instance_id, user=config.nats_user, password=config.nats_password, tls=config.tls)
+        )
         login = redis_login(config.redis_username, config.redis_password)
         self.redis = (
             short_command_client(config.redis_url, config.redis_max_connections, login, config.redis_sentinel) if config.redis_url else None

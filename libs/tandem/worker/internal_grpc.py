@@ -5,7 +5,10 @@ without it, before any handler runs. `tandem up`, compose and Kubernetes always 
 An empty secret turns the check off, which is safe only where nobody else can connect: a worker
 on a loopback host (a bare `tandem serve`) may run without one; on any other host it refuses to
 start (check_internal_secret) unless TANDEM_ALLOW_INSECURE_INTERNAL says so, since anyone who
-reaches its gRPC port could drain it or reserve its KV blocks."""
+reaches its gRPC port could drain it or reserve its KV blocks.
+
+With TANDEM_TLS_* set (tandem.tls: `tandem up`, compose, Kubernetes) the port is mutual TLS as
+well, and the secret travels only inside it."""
 
 from __future__ import annotations
 
@@ -13,12 +16,14 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client import Counter
 
 from tandem.errors import StartupError
+from tandem.tls import TlsSettings, server_name
 
 SECRET_METADATA_KEY = "x-tandem-internal-secret"
 CALLS_REFUSED = Counter("tandem_grpc_calls_unauthenticated_total", "gRPC calls refused for a missing or wrong internal secret")
@@ -98,7 +103,28 @@ class _WithSecret(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(with_secret, request)
 
 
-def internal_channel(address: str, secret: str) -> grpc.aio.Channel:
-    """A channel to a worker's gRPC port whose every call carries the secret (none when empty)."""
+def internal_channel(address: str, secret: str, tls: TlsSettings | None = None, peer_role: str = "") -> grpc.aio.Channel:
+    """A channel to a worker's gRPC port whose every call carries the secret (none when empty).
+    With `tls` it is mutual TLS, and the server must hold `peer_role`'s certificate
+    (decode.tandem.internal) whatever `address` is: an address from a spoofed heartbeat leads to
+    no handshake, so the secret is never sent there."""
     interceptors = [_WithSecret(secret)] if secret else None
-    return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    if tls is None or not tls.is_enabled:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    options = [("grpc.ssl_target_name_override", server_name(peer_role))]
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options, interceptors=interceptors)
+
+
+def _pem_files(tls: TlsSettings) -> tuple[bytes, bytes, bytes]:
+    return Path(tls.ca_file).read_bytes(), Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes()
+
+
+def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
+    """Mutual TLS: a caller without a certificate of the CA gets no handshake (nor a plaintext one)."""
+    ca, key, cert = _pem_files(tls)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+
+def channel_credentials(tls: TlsSettings) -> grpc.ChannelCredentials:
+    ca, key, cert = _pem_files(tls)
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
