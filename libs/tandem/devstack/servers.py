@@ -26,6 +26,7 @@ from tandem.bus.token_stream import TokenStreamConfig
 from tandem.devstack.certs import CertSet, nats_tls_config
 from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.redis_listen import RedisListener, choose_transport, listener
 from tandem.devstack.secrets import StackSecrets, load_or_create, with_login, write_private
 from tandem.errors import StartupError
 from tandem.ops.bus_init import init_bus
@@ -42,6 +43,7 @@ class EmbeddedServer:
     address: str  # the same without a login, for a service given its own
     secrets: StackSecrets
     tls: TlsSettings | None = None  # what a tool connects with when the server requires TLS (the operator's certificate)
+    listener: RedisListener | None = None  # Redis: how it listens (TLS, a unix socket, TCP)
 
     @property
     def pid(self) -> int:
@@ -249,27 +251,30 @@ def start_redis(
     port: int | None = None,
     bind: str = "127.0.0.1",
     prefix: Sequence[str] = (),
+    certs: CertSet | None = None,
+    is_socket_allowed: bool = True,
+    binary: str | None = None,
 ) -> EmbeddedServer:
     """redis-server with its append-only file in `workdir`/redis, fsynced every second, so a
     restart (on the same workdir) keeps the token logs: a restart after SIGTERM loses nothing, one
     after SIGKILL at most the last second, which the token stream redelivers. The password is in
     a config file, not on the command line, where any user's `ps` would show it. `bind` and
-    `prefix`: as start_nats's."""
+    `prefix`: as start_nats's. With `certs` no plaintext TCP port is open: a TLS port, or where
+    the binary has no TLS a unix socket (`is_socket_allowed`) (tandem.devstack.redis_listen;
+    `.listener` says which). `binary`: another redis-server than redis_server_binary()'s."""
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
     secrets = load_or_create(workdir)
-    binary = redis_server_binary()
+    binary = binary or redis_server_binary()
     config = workdir / "redis-auth.conf"
     write_private(config, redis_auth_config(secrets, binary))
+    listens = listener(choose_transport(binary, certs, is_socket_allowed), workdir, bind, port, certs)
     argv = [
         *prefix,
         binary,
         str(config),
-        "--bind",
-        bind,
-        "--port",
-        str(port),
+        *listens.args,
         "--dir",
         str(data),
         "--save",
@@ -283,6 +288,11 @@ def start_redis(
     ]
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()
-    _wait_ready(child, r"Ready to accept connections", READY_TIMEOUT_S)
-    address = f"redis://{bind}:{port}/0"
-    return EmbeddedServer(url=with_login(address, "", secrets.redis_password), child=child, address=address, secrets=secrets)
+    _wait_ready(child, r"(?i)ready to accept connections", READY_TIMEOUT_S)  # Redis 6.2 on a unix socket says it in lower case
+    return EmbeddedServer(
+        url=with_login(listens.address, "", secrets.redis_password),
+        child=child,
+        address=listens.address,
+        secrets=secrets,
+        listener=listens,
+    )

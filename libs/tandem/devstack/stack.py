@@ -53,6 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
 from tandem.bus.permissions import OPERATOR
 from tandem.devstack.certs import CertSet, make_cert_set
@@ -140,8 +141,19 @@ class Stack:
         else:
             redis_host = on("redis")
             redis = await self._start_server(
-                "redis", lambda port: start_redis(self._workdir, self._console.line, port=port, **_placed(redis_host)), redis_host
+                "redis",
+                lambda port: start_redis(
+                    self._workdir,
+                    self._console.line,
+                    port=port,
+                    **_placed(redis_host),
+                    certs=self.certs,
+                    is_socket_allowed=not self._config.separate_hosts,
+                ),
+                redis_host,
             )
+            if redis.listener is not None:
+                self._console.say(f"redis listens on {redis.listener.describe()}")
         self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
         config = self._config
@@ -323,7 +335,7 @@ class Stack:
         self, role: str, start: Callable[[int | None], EmbeddedServer], host: Host | None = None, name: str = ""
     ) -> EmbeddedServer:
         server = await asyncio.to_thread(start, None)
-        port = int(server.address.rsplit(":", 1)[1].split("/")[0])
+        port = urlsplit(server.address).port  # none: a unix socket, the same path each time
 
         def relaunch() -> ChildProcess:  # the same port, so every client reconnects by itself
             return start(port).child
