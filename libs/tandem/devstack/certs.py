@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tandem.devstack.secrets import write_private
 from tandem.tls import TlsSettings, server_name
 
 # Every process that holds a certificate: the servers, the services, and `operator` for tools
@@ -83,8 +83,17 @@ def make_cert_set(parent: Path, services: tuple[str, ...] = SERVICES, valid_days
         )
         made.cert_file(service).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        write_private(made.key_file(service), key_pem.decode())
+        _write_key(made.key_file(service), key_pem)
     return made
+
+
+def _write_key(path: Path, pem: bytes) -> None:
+    """Readable by this user alone from the start (tandem secrets imports this module, so its
+    write_private cannot be used here)."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as out:
+        out.write(pem)
 
 
 def _builder(

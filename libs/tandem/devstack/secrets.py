@@ -25,6 +25,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.permissions import OPERATOR, USERS, literal, password_variable, render_config
+from tandem.devstack.certs import make_cert_set
 from tandem.errors import StartupError
 from tandem.redis_acl import ROLES as REDIS_ROLES
 
@@ -193,8 +194,6 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tandem.devstack.certs import make_cert_set  # which imports this module
-
     written = write_container_set(args.dir, StackSecrets.generate(), args.force)
     certs = make_cert_set(args.dir)
     written += sorted(certs.folder.iterdir())
