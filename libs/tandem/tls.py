@@ -12,7 +12,9 @@ tests' servers) the links stay in clear, as before."""
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
+from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 INTERNAL_DOMAIN = "tandem.internal"
@@ -34,6 +36,16 @@ class TlsSettings(BaseSettings):
     """PEM file of this process's certificate (its role's: chat, relay, router, prefill, decode)"""
     key_file: str = ""
     """PEM file of that certificate's key"""
+
+    @model_validator(mode="after")
+    def _files_exist(self) -> TlsSettings:
+        """A half-set certificate or a missing file fails at start, naming the setting."""
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("set TANDEM_TLS_CERT_FILE and TANDEM_TLS_KEY_FILE together")
+        for name, path in (("CA", self.ca_file), ("CERT", self.cert_file), ("KEY", self.key_file)):
+            if path and not Path(path).is_file():
+                raise ValueError(f"TANDEM_TLS_{name}_FILE: no file at {path}")
+        return self
 
     @property
     def is_enabled(self) -> bool:
