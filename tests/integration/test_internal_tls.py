@@ -2,7 +2,8 @@
 (tandem.devstack.certs): NATS with TLS required takes only a client that speaks TLS, trusts our CA
 and shows a certificate of it; a worker's gRPC port is mutual TLS and refuses a plaintext
 channel, a channel without a client certificate, and one that finds a certificate of another
-service where it expected the decode worker's."""
+service where it expected the decode worker's; and each of its services takes only the roles
+that call it (KvHandoff: prefill workers; WorkerControl: the operator and routers)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from tandem.devstack.servers import EmbeddedServer, start_nats
 from tandem.runtime import Runtime, RuntimeConfig
 from tandem.tls import TlsSettings, nats_tls_options
 from tandem.v1 import control_pb2, control_pb2_grpc
+from tandem.v1.kv_handoff_pb2 import ReleaseRequest
+from tandem.v1.kv_handoff_pb2_grpc import KvHandoffServicer, KvHandoffStub, add_KvHandoffServicer_to_server
 from tandem.worker.control import ControlServer, WorkerControl
 from tandem.worker.heartbeat import WorkerHeartbeats
 from tandem.worker.internal_grpc import internal_channel
@@ -107,11 +110,13 @@ async def test_nats_refuses_a_client_that_cannot_show_our_ca(tls_nats: EmbeddedS
 @pytest_asyncio.fixture(scope="module")
 async def worker_port(certs: CertSet) -> AsyncIterator[str]:
     """A worker's control server with the decode worker's certificate (its runtime never connects:
-    Health answers NOT_SERVING, which is an answer)."""
+    Health answers NOT_SERVING, which is an answer), and KvHandoff's generated base servicer,
+    whose every method answers UNIMPLEMENTED once a call gets that far."""
     address = f"127.0.0.1:{free_port()}"
     runtime = Runtime(RuntimeConfig("decode", "decode-tls", "http://127.0.0.1:1", "nats://127.0.0.1:1", None, 1.0))
     heartbeats = WorkerHeartbeats("m", address, lambda: None, lambda: ())
     server = ControlServer(WorkerControl(runtime, heartbeats), address, SECRET, tls=certs.settings("decode"))
+    server.add_service(lambda grpc_server: add_KvHandoffServicer_to_server(KvHandoffServicer(), grpc_server))
     await server.start()
     yield address
     await server.stop()
@@ -122,8 +127,29 @@ async def _health(channel: grpc.aio.Channel) -> control_pb2.HealthReply:
 
 
 async def test_a_workers_grpc_port_serves_a_mutual_tls_channel_with_the_secret(worker_port: str, certs: CertSet):
-    async with internal_channel(worker_port, SECRET, certs.settings("prefill"), peer_role="decode") as channel:
+    async with internal_channel(worker_port, SECRET, certs.settings("operator"), peer_role="decode") as channel:
         assert (await _health(channel)).status in (control_pb2.HealthReply.STATUS_SERVING, control_pb2.HealthReply.STATUS_NOT_SERVING)
+
+
+@pytest.mark.parametrize(
+    ("caller", "service", "expected"),
+    [
+        ("prefill", "KvHandoff", grpc.StatusCode.UNIMPLEMENTED),  # let through, to the bare servicer
+        ("decode", "KvHandoff", grpc.StatusCode.PERMISSION_DENIED),  # another worker may not reserve its blocks
+        ("chat", "KvHandoff", grpc.StatusCode.PERMISSION_DENIED),
+        ("prefill", "WorkerControl", grpc.StatusCode.PERMISSION_DENIED),  # nor drain it
+    ],
+)
+async def test_each_service_takes_only_the_certificates_of_the_roles_that_call_it(
+    worker_port: str, certs: CertSet, caller: str, service: str, expected: grpc.StatusCode
+):
+    async with internal_channel(worker_port, SECRET, certs.settings(caller), peer_role="decode") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            if service == "KvHandoff":
+                await KvHandoffStub(channel).Release(ReleaseRequest(reply_id="reply-x"), timeout=TIMEOUT_S)
+            else:
+                await control_pb2_grpc.WorkerControlStub(channel).Drain(control_pb2.DrainRequest(), timeout=TIMEOUT_S)
+    assert refused.value.code() == expected
 
 
 @pytest.mark.parametrize("who", ["plaintext", "no client certificate", "another CA", "expects another service"])

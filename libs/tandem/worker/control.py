@@ -55,11 +55,12 @@ class ControlServer:
         self._registrations.append(register)
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(interceptors=server_interceptors(self._secret))
+        is_mutual_tls = self._tls is not None and self._tls.is_enabled
+        self._server = grpc.aio.server(interceptors=server_interceptors(self._secret, is_mutual_tls))
         control_pb2_grpc.add_WorkerControlServicer_to_server(self._servicer, self._server)
         for register in self._registrations:
             register(self._server)
-        if self._tls is not None and self._tls.is_enabled:
+        if self._tls is not None and is_mutual_tls:
             self._server.add_secure_port(self._address, server_credentials(self._tls))
         else:
             self._server.add_insecure_port(self._address)

@@ -23,7 +23,7 @@ import grpc
 from prometheus_client import Counter
 
 from tandem.errors import StartupError
-from tandem.tls import TlsSettings, server_name
+from tandem.tls import INTERNAL_DOMAIN, TlsSettings, server_name
 
 SECRET_METADATA_KEY = "x-tandem-internal-secret"
 CALLS_REFUSED = Counter("tandem_grpc_calls_unauthenticated_total", "gRPC calls refused for a missing or wrong internal secret")
@@ -62,6 +62,50 @@ async def _unauthenticated(request: bytes, context: grpc.aio.ServicerContext) ->
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the internal secret (TANDEM_INTERNAL_SECRET)")
 
 
+# Under mutual TLS, the roles whose certificate may call each service: only a prefill worker
+# hands a decode worker KV, only the operator's tools (and a router) drive WorkerControl.
+CALLER_ROLES = {"tandem.v1.KvHandoff": frozenset({"prefill"}), "tandem.v1.WorkerControl": frozenset({"operator", "router"})}
+CALLS_FORBIDDEN = Counter(
+    "tandem_grpc_calls_forbidden_total", "gRPC calls refused for a client certificate of a role not allowed the service"
+)
+
+
+class CallerRoleInterceptor(grpc.aio.ServerInterceptor):
+    """Under mutual TLS: serves a call only when the caller's certificate (its common name,
+    <role>.tandem.internal) is of a role CALLER_ROLES allows for the service; else
+    PERMISSION_DENIED before the handler runs. Every method of both services is unary."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        allowed = CALLER_ROLES.get(method.strip("/").split("/")[0])
+        if handler is None or allowed is None or handler.unary_unary is None:
+            return handler
+        behavior = handler.unary_unary
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            role = caller_role(context)
+            if role not in allowed:
+                CALLS_FORBIDDEN.inc()
+                log.warning("refused a gRPC call to %s from a %r certificate", method, role)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this certificate's role may not call this service")
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            checked, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def caller_role(context: grpc.aio.ServicerContext) -> str:
+    """The role named by the caller's certificate ("" without one)."""
+    names = context.auth_context().get("x509_common_name", [])
+    return names[0].decode().removesuffix(f".{INTERNAL_DOMAIN}") if names else ""
+
+
 def is_loopback_host(host: str) -> bool:
     """Only this machine can connect to it: `localhost` or a loopback address. A wildcard, another
     address or any other name may be reachable from elsewhere."""
@@ -88,8 +132,9 @@ def check_internal_secret(host: str, secret: str, *, is_insecure_allowed: bool) 
     )
 
 
-def server_interceptors(secret: str) -> list[grpc.aio.ServerInterceptor]:
-    return [SharedSecretInterceptor(secret)] if secret else []
+def server_interceptors(secret: str, is_mutual_tls: bool = False) -> list[grpc.aio.ServerInterceptor]:
+    by_secret: list[grpc.aio.ServerInterceptor] = [SharedSecretInterceptor(secret)] if secret else []
+    return [*by_secret, CallerRoleInterceptor()] if is_mutual_tls else by_secret
 
 
 class _WithSecret(grpc.aio.UnaryUnaryClientInterceptor):
