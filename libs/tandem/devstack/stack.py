@@ -36,9 +36,9 @@ survive a restart.
 Both servers require a login (tandem.devstack.servers), and neither takes a plaintext TCP client:
 NATS requires TLS, Redis has a TLS port or only a unix socket (tandem.devstack.redis_listen), with
 the development CA and certificates made at each start (tandem.devstack.certs). Each service gets
-its role's bus user, certificate, the Redis password and the internal shared secret in its environment; the stack's own URLs carry the
-operator's login for tools, and <work folder>/operator.env holds it as settings (TANDEM_NATS_USER,
-...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
+its role's bus user, certificate, the Redis password and the internal shared secret in its
+environment; the stack's own URLs carry the operator's login for tools, and <work
+folder>/operator.env holds it as settings (TANDEM_NATS_USER, TANDEM_TLS_CA_FILE, ...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
 up the stack runs `tandem bus init` (tandem.ops.bus_init) as the operator: the token stream, on
 every node of an --ha cluster, exists before any service starts.
 """
