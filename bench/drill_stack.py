@@ -25,6 +25,7 @@ from tandem.devstack.hosts import HostNetwork
 from tandem.devstack.members import HA_NATS_NODES
 from tandem.devstack.proc import free_ports
 from tandem.devstack.stack import Console, Stack, StackConfig
+from tandem.tls import nats_tls_options
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 API_KEY = "drill-key"
@@ -69,7 +70,12 @@ class DrillStack:
 
     async def __aenter__(self) -> DrillStack:
         await self._stack.__aenter__()
-        self._nc = await nats.connect(server_urls(self._stack.nats_url), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self._nc = await nats.connect(
+            server_urls(self._stack.nats_url),
+            **nats_tls_options(self._stack.operator_tls),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
         await self._nc.subscribe("tandem.v1.heartbeat.*.*", cb=self._on_heartbeat)
         return self
 

@@ -49,6 +49,7 @@ from procs import CpuMeter, descendants, pin, processes_by_role
 from tandem.bus import subjects
 from tandem.bus.connection import server_urls
 from tandem.config import ApiKey, Tier, parse_cpu_list
+from tandem.tls import nats_tls_options
 
 WARM_UP_AT_ONCE = 8  # paid users sending their first, unmeasured message together
 
@@ -83,7 +84,7 @@ async def main(args: argparse.Namespace) -> int:
             pin_engine_apart(stack, parse_cpu_list(args.engine_cpus))
         chat = urlsplit(stack.chat_urls[0])
         pool = Pool(chat.hostname or "127.0.0.1", chat.port or 80)
-        nc = await nats.connect(server_urls(stack.stack.nats_url))
+        nc = await nats.connect(server_urls(stack.stack.nats_url), **nats_tls_options(stack.stack.operator_tls))
         ladder = LadderWatch()
         await nc.subscribe(subjects.LADDER, cb=ladder.on_status)
         try:

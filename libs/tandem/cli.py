@@ -152,6 +152,7 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     from tandem.bus.connection import server_urls, without_credentials
     from tandem.bus.token_batches import watch_events
     from tandem.models.loader import load_tokenizer
+    from tandem.tls import TlsSettings, nats_tls_options
     from tandem.v1.common_pb2 import FINISH_REASON_ERROR, FINISH_REASON_UNSPECIFIED, SamplingParams
     from tandem.v1.generate_pb2 import GenerateReply, GenerateRequest
     from tandem.v1.tokens_pb2 import TokenEvent
@@ -169,7 +170,15 @@ async def _generate_via_bus(args: argparse.Namespace, sampling) -> int:
     url = without_credentials(settings.nats_url)
     try:
         nc = await asyncio.wait_for(
-            nats.connect(server_urls(settings.nats_url), **login, connect_timeout=2, allow_reconnect=False, error_cb=_quiet), timeout=5
+            nats.connect(
+                server_urls(settings.nats_url),
+                **login,
+                **nats_tls_options(TlsSettings()),
+                connect_timeout=2,
+                allow_reconnect=False,
+                error_cb=_quiet,
+            ),
+            timeout=5,
         )
     except Exception as exc:  # a refused login says so: allow_reconnect=False raises the server's answer
         raise StartupError(

@@ -124,7 +124,7 @@ class PrefillWorker:
 
     def _stub(self, address: str) -> KvHandoffStub:
         if address not in self._stubs:
-            channel = internal_channel(address, self._internal_secret)
+            channel = internal_channel(address, self._internal_secret, self._runtime.config.tls, peer_role="decode")
             self._stubs[address] = (channel, KvHandoffStub(channel))
         return self._stubs[address][1]
 

@@ -29,6 +29,7 @@ from scraped_metrics import Samples, grew, is_exported, scrape, total
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.models.files import EMBEDDED_MODEL_NAME
 from tandem.models.loader import resolve_dtype
+from tandem.tls import TlsSettings, nats_tls_options
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 
 UP_TIMEOUT_S = 180
@@ -45,8 +46,20 @@ class MakeRun:
     up: ChildProcess
     url: str  # the chat port
     api_key: str
-    nats_url: str  # with the operator's login
+    bus_env: dict[str, str]  # TANDEM_NATS_URL with the operator's login, and the operator's TANDEM_TLS_* files
     pids: dict[str, int]  # from the "started (pid N)" lines; a process without one is missing
+
+    @property
+    def nats_url(self) -> str:
+        return self.bus_env["TANDEM_NATS_URL"]
+
+    @property
+    def nats_tls(self) -> dict[str, object]:
+        """nats.connect's TLS arguments for the operator's certificate."""
+        env = self.bus_env
+        return nats_tls_options(
+            TlsSettings(ca_file=env["TANDEM_TLS_CA_FILE"], cert_file=env["TANDEM_TLS_CERT_FILE"], key_file=env["TANDEM_TLS_KEY_FILE"])
+        )
 
     @property
     def headers(self) -> dict[str, str]:
@@ -82,9 +95,10 @@ def _announced(up: ChildProcess) -> MakeRun:
         if started := up.wait_for_line(rf"^up\s*\| {name} started \(pid (\d+)\)", 1):
             pids[name] = int(started[1])
     api_key = up.wait_for_line(r"API key: (tdm-dev-\S+)", 1)
-    nats_url = up.wait_for_line(r"internal clients: TANDEM_NATS_URL=(\S+)", 1)
-    assert api_key is not None and nats_url is not None, up.recent_output(40)
-    return MakeRun(up=up, url=ready[1], api_key=api_key[1], nats_url=nats_url[1], pids=pids)
+    bus = up.wait_for_line(r"internal clients: ((?:TANDEM_\w+=\S+ )+)tandem generate", 1)
+    assert api_key is not None and bus is not None, up.recent_output(40)
+    bus_env = dict(assignment.split("=", 1) for assignment in bus[1].split())
+    return MakeRun(up=up, url=ready[1], api_key=api_key[1], bus_env=bus_env, pids=pids)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +116,7 @@ def make_run() -> Iterator[MakeRun]:
 async def _worker_heartbeats(make_run: MakeRun) -> dict[str, WorkerHeartbeat]:
     """model -> the next ready heartbeat of the worker the stack runs for it (its /metrics is at
     .service.http_url: the stack gives workers free ports and prints none of them)."""
-    nc = await nats.connect(make_run.nats_url)
+    nc = await nats.connect(make_run.nats_url, **make_run.nats_tls)
     try:
         heartbeats = {}
         for model, instance_id in WORKER_IDS.items():
@@ -173,7 +187,7 @@ def test_make_run_answers_a_chat_message_over_http_and_a_generate_over_the_bus(m
     _chat_over_http(make_run.url, make_run.api_key)
     answer = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "generate", "--via-bus", "What is the capital of France?"],
-        env={**_env(), "TANDEM_NATS_URL": make_run.nats_url},
+        env={**_env(), **make_run.bus_env},
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,6 +1,7 @@
 """The stack's control API that the failure drills use, on the real servers (a stack that runs
 no services): a killed server comes back on its port, a restarted Redis keeps what was written
-(its append-only file), and a held server stays down until released."""
+(its append-only file), a held server stays down until released; and neither server takes a
+plaintext client."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import asyncio
 import io
 import signal
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import nats
+import nats.errors
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
@@ -19,6 +22,7 @@ import redis.asyncio as aioredis
 from tandem.config import ApiKey, Tier
 from tandem.devstack.members import StackConfig
 from tandem.devstack.stack import Console, Stack
+from tandem.tls import nats_tls_options
 
 DEADLINE_S = 30.0
 
@@ -61,7 +65,7 @@ async def test_a_killed_server_is_restarted_on_its_port(stack):
     old_pid = stack.send_signal("nats", signal.SIGKILL)
     await new_pid(stack, "nats", old_pid)
     await stack.wait_ready("nats", DEADLINE_S)
-    client = await nats.connect(stack.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    client = await nats.connect(stack.nats_url, **nats_tls_options(stack.operator_tls), connect_timeout=2, max_reconnect_attempts=0)
     assert client.is_connected
     await client.close()
 
@@ -73,7 +77,7 @@ async def test_a_held_server_stays_down_until_released(stack):
         socket.create_connection(address_of(stack.nats_url), timeout=2).close()
     assert stack.member("nats").pid is None, "the supervisor left it down"
     await stack.release("nats", DEADLINE_S)
-    client = await nats.connect(stack.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    client = await nats.connect(stack.nats_url, **nats_tls_options(stack.operator_tls), connect_timeout=2, max_reconnect_attempts=0)
     await client.close()
 
 
@@ -88,3 +92,15 @@ async def test_a_stopped_process_keeps_its_pid_and_continues(stack):
     assert await fresh.ping()
     await client.aclose()
     await fresh.aclose()
+
+
+async def test_the_stacks_servers_take_no_plaintext_client(stack):
+    """What `tandem up` starts, as it starts it: its NATS requires TLS, and its Redis has no
+    plaintext TCP port (a TLS one, or only a unix socket: tandem.devstack.redis_listen)."""
+    with pytest.raises((ssl.SSLError, nats.errors.Error, OSError)):  # no TLS options: no certificate of the stack's CA
+        plain = await nats.connect(stack.nats_url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        await plain.close()
+    assert urlsplit(stack.redis_url).scheme in ("rediss", "unix")
+    client = aioredis.from_url(stack.redis_url, socket_timeout=5)
+    assert await client.config_get("port") == {"port": "0"}
+    await client.aclose()

@@ -15,6 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 import nats
 from nats.aio.client import Client
 
+from tandem.tls import TlsSettings, nats_tls_options
+
 log = logging.getLogger(__name__)
 
 
@@ -35,6 +37,7 @@ class BusConfig:
     user: str = ""  # empty: the URL's credentials, if any
     password: str = field(default="", repr=False)
     inbox_prefix: str = ""  # empty: nats-py's _INBOX; a service's own (tandem.bus.permissions.inbox_prefix)
+    tls: TlsSettings | None = None  # the CA and certificate to connect with (tandem.tls); none: in clear
 
 
 def without_credentials(url: str) -> str:
@@ -97,6 +100,7 @@ class Bus:
                     server_urls(self._config.url),
                     **credentials,
                     **inbox,
+                    **nats_tls_options(self._config.tls),
                     name=self._config.name,
                     connect_timeout=self._config.connect_timeout_s,
                     reconnect_time_wait=self._config.reconnect_wait_s,

@@ -20,8 +20,10 @@ import nats
 
 from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.permissions import Identity
+from tandem.devstack.certs import FOLDER, CertSet
 from tandem.devstack.secrets import StackSecrets, local_service_env, login_of, write_private
 from tandem.errors import StartupError
+from tandem.tls import TlsSettings, nats_tls_options
 
 INSTANCES_FILE = "nats-instances.txt"  # "<role> <instance id>" a line
 AUTH_FILE = "nats-auth.conf"
@@ -54,16 +56,24 @@ def admit(workdir: Path, secrets: StackSecrets, identities: Iterable[Identity]) 
     return bool(new)
 
 
-def reload(pids: Iterable[int], address: str, identity: Identity, secrets: StackSecrets, timeout_s: float = LOGIN_TIMEOUT_S) -> None:
+def reload(
+    pids: Iterable[int],
+    address: str,
+    identity: Identity,
+    secrets: StackSecrets,
+    tls: TlsSettings | None,
+    timeout_s: float = LOGIN_TIMEOUT_S,
+) -> None:
     """Has the servers `pids` reread their config, and returns once `identity` can log in at each
-    node of `address`; StartupError past `timeout_s`."""
+    node of `address` (over TLS with `tls` where the servers require it); StartupError past
+    `timeout_s`."""
     for pid in pids:
         os.kill(pid, signal.SIGHUP)
     with ThreadPoolExecutor(1) as pool:  # a caller's event loop may be running
-        pool.submit(asyncio.run, _until_login(address, identity, secrets, timeout_s)).result()
+        pool.submit(asyncio.run, _until_login(address, identity, secrets, tls, timeout_s)).result()
 
 
-async def _until_login(address: str, identity: Identity, secrets: StackSecrets, timeout_s: float) -> None:
+async def _until_login(address: str, identity: Identity, secrets: StackSecrets, tls: TlsSettings | None, timeout_s: float) -> None:
     deadline_s = time.monotonic() + timeout_s
     for url in server_urls(address):
         while True:
@@ -72,6 +82,7 @@ async def _until_login(address: str, identity: Identity, secrets: StackSecrets, 
                     url,
                     user=identity.instance_id,
                     password=secrets.instance_password(identity.instance_id),
+                    **nats_tls_options(tls),
                     allow_reconnect=False,
                     max_reconnect_attempts=0,
                     connect_timeout=1,
@@ -89,16 +100,22 @@ async def _until_login(address: str, identity: Identity, secrets: StackSecrets, 
 def join_local_bus(role: str, instance_id: str, nats_url: str) -> dict[str, str]:
     """The settings of a new process of `role` on a running local bus known by its operator URL
     (a test server's or a stack's `.url`, a bench's): admits `instance_id` on the nats-server(s)
-    listening at the URL's ports on this machine, and returns once its login works."""
+    listening at the URL's ports on this machine, and returns once its login works. Where the
+    servers' work folder holds a certificate set (a stack's: its NATS requires TLS), the settings
+    carry the role's certificate too."""
     env = local_service_env(role, instance_id, nats_url)
     address, _, operator_password = login_of(nats_url)
     if not operator_password:
         return env
     secrets = StackSecrets.derived_from(operator_password)
     servers = [_local_server(url) for url in server_urls(address)]
+    certs = CertSet(servers[0][1] / FOLDER)
+    tls = certs.settings(role) if certs.ca_file.is_file() else None
+    if tls is not None:
+        env.update(tls.env())
     identity = Identity(role, instance_id)
     if admit(servers[0][1], secrets, [identity]):
-        reload([pid for pid, _ in servers], address, identity, secrets)
+        reload([pid for pid, _ in servers], address, identity, secrets, tls)
     return env
 
 

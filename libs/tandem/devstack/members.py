@@ -15,6 +15,7 @@ from typing import TextIO
 from tandem.bus.permissions import Identity
 from tandem.bus.token_stream import TokenStreamConfig
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ApiKey, Tier
+from tandem.devstack.certs import CertSet
 from tandem.devstack.devices import assign_gpus, torch_threads_per_rank
 from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
@@ -244,6 +245,7 @@ def service_member(
     on_line: Callable[[str, str], None],
     pool: str = "",
     on_host: Host | None = None,
+    certs: CertSet | None = None,
 ) -> Member:
     """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
     kept across its restarts; chat instance i listens on chat_port + i, the other services and
@@ -251,7 +253,8 @@ def service_member(
     comma-separated, on a stack with a cluster. It logs in to the bus as its instance's user
     (the URLs carry no login), with the Redis password and the internal secret of `secrets`.
     `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i).
-    `on_host`: it runs on that host (separate_hosts), on its role's default ports."""
+    `on_host`: it runs on that host (separate_hosts), on its role's default ports. `certs`: it
+    is given its role's certificate (TANDEM_TLS_*, tandem.tls)."""
     host = config.host if on_host is None else on_host.address
     http_port = _http_port(config, role, index, on_host)
     # Kept across restarts: the router sees the same worker come back.
@@ -267,6 +270,7 @@ def service_member(
         "TANDEM_UCX_PORT": "0",
         "TANDEM_REDIS_USERNAME": "",  # not one from the caller's environment
         **secrets.service_env(role, instance_id),
+        **(certs.settings(role).env() if certs is not None else {}),
         **(config.small_worker_env if pool == SMALL_POOL else {}),
     }
     for name in CASSANDRA_LOGIN:  # the caller's is the admin's: only the stack's migrate step uses it

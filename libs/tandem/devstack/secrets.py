@@ -8,8 +8,9 @@ password is derived from one random key, which is the `operator` user's own pass
 operator may already publish and subscribe to everything, so whoever holds its password gains
 nothing from deriving the others; it lets a test that knows only the server's operator URL give
 each service process its own instance's login (tests/helpers.py does). `tandem secrets DIR` makes an
-independent random value for each secret, for containers: DIR/tandem.env (an env file) and one
-file per secret under DIR/secrets/, each named like its variable."""
+independent random value for each secret, for containers: DIR/tandem.env (an env file), one
+file per secret under DIR/secrets/, each named like its variable, and the TLS certificates under
+DIR/tls/ (tandem.devstack.certs)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.permissions import OPERATOR, PERMISSIONS, USERS, Identity, literal, password_variable, render_config
+from tandem.devstack.certs import make_cert_set
 from tandem.errors import StartupError
 from tandem.redis_acl import ROLES as REDIS_ROLES
 from tandem.store.cassandra_roles import APP_ROLE
@@ -208,16 +210,19 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         help="write a new set of internal credentials for containers (compose, Kubernetes)",
         description="Writes DIR/tandem.env (KEY=value lines for compose's env_file) and DIR/secrets/<VARIABLE>, "
         "one file per secret (for compose, or for Kubernetes: `tandem secrets deploy/k8s/secrets/generated` makes one Secret per role, deploy/README.md): "
-        "a bus password per user, the Redis passwords, the Cassandra admin's and application role's passwords and the internal shared secret. "
+        "a bus password per user, the Redis passwords, the Cassandra admin's and application role's passwords and the internal shared secret; "
+        "and DIR/tls/: a new CA (ca.pem) and a certificate and key per service for TLS on every internal link. "
         "Files are readable by you alone.",
     )
     parser.add_argument("dir", type=Path, help="the folder to write to (created if missing)")
-    parser.add_argument("--force", action="store_true", help="replace an existing set (rotates every secret)")
+    parser.add_argument("--force", action="store_true", help="replace an existing set (rotates every secret, and the CA)")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     written = write_container_set(args.dir, StackSecrets.generate(), args.force)
+    certs = make_cert_set(args.dir)
+    written += sorted(certs.folder.iterdir())
     for path in written:
         print(path)
     return 0

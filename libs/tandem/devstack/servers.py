@@ -24,12 +24,15 @@ from pathlib import Path
 from tandem.bus.permissions import OPERATOR
 from tandem.bus.token_stream import TokenStreamConfig
 from tandem.devstack.bus_users import write_auth
+from tandem.devstack.certs import CertSet, nats_tls_config
 from tandem.devstack.hosts import Host
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.redis_listen import RedisListener, choose_transport, listener
 from tandem.devstack.secrets import StackSecrets, load_or_create, with_login, write_private
 from tandem.errors import StartupError
 from tandem.ops.bus_init import init_bus
 from tandem.redis_acl import binary_version, can_read_only, config_lines
+from tandem.tls import TlsSettings
 
 READY_TIMEOUT_S = 30.0
 
@@ -40,6 +43,8 @@ class EmbeddedServer:
     child: ChildProcess
     address: str  # the same without a login, for a service given its own
     secrets: StackSecrets
+    tls: TlsSettings | None = None  # what a tool connects with when the server requires TLS (the operator's certificate)
+    listener: RedisListener | None = None  # Redis: how it listens (TLS, a unix socket, TCP)
 
     @property
     def pid(self) -> int:
@@ -96,16 +101,20 @@ def start_nats(
     port: int | None = None,
     bind: str = "127.0.0.1",
     prefix: Sequence[str] = (),
+    certs: CertSet | None = None,
 ) -> EmbeddedServer:
     """nats-server with JetStream and the work folder's bus users; without a port the server
     chooses a free one (no race). `bind` and `prefix` put it on a host of its own
-    (tandem.devstack.hosts): its address there, and what runs a command on it."""
+    (tandem.devstack.hosts): its address there, and what runs a command on it. With `certs`
+    every client must speak TLS (tandem.devstack.certs)."""
     store = workdir / "nats"
     store.mkdir(parents=True, exist_ok=True)
     secrets = load_or_create(workdir)
     config = workdir / "nats-users.conf"
     # The name in the file, not as -n: nats-server refuses a reload (SIGHUP) whose file lacks a name the command line gave.
-    write_private(config, 'server_name: "tandem-local"\n' + write_auth(workdir, secrets))
+    write_private(
+        config, 'server_name: "tandem-local"\n' + write_auth(workdir, secrets) + (nats_tls_config(certs.settings("nats")) if certs else "")
+    )
     argv = [
         *prefix,
         nats_server_binary(),
@@ -126,14 +135,15 @@ def start_nats(
     assert listening is not None  # "Server is ready" comes after it
     address = f"nats://{listening[1]}:{listening[2]}"
     url = with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR])
-    return EmbeddedServer(url=url, child=child, address=address, secrets=secrets)
+    return EmbeddedServer(url=url, child=child, address=address, secrets=secrets, tls=certs.settings(OPERATOR) if certs else None)
 
 
 def init_token_stream(server: EmbeddedServer | NatsCluster, config: TokenStreamConfig = TokenStreamConfig()) -> None:
     """`tandem bus init` on a server or cluster just started, with its operator's login: makes the
     token stream the services wait for. Runs in a thread of its own, so an event loop may call it."""
+    tls = server.nodes[0].tls if isinstance(server, NatsCluster) else server.tls
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, init_bus(server.url, config)).result()
+        pool.submit(asyncio.run, init_bus(server.url, config, tls=tls)).result()
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,7 @@ def plan_nats_cluster(num_nodes: int = 3, hosts: Sequence[Host | None] = ()) -> 
     return nodes
 
 
-def _cluster_node_config(workdir: Path, node: NatsNode, nodes: list[NatsNode], secrets: StackSecrets) -> str:
+def _cluster_node_config(workdir: Path, node: NatsNode, nodes: list[NatsNode], secrets: StackSecrets, certs: CertSet | None) -> str:
     routes = ", ".join(json.dumps(f"nats-route://{peer.host}:{peer.cluster_port}") for peer in nodes if peer != node)
     return (
         f"server_name: {json.dumps(f'tandem-{node.name}')}\n"
@@ -194,22 +204,28 @@ def _cluster_node_config(workdir: Path, node: NatsNode, nodes: list[NatsNode], s
         f"jetstream {{ store_dir: {json.dumps(str(workdir / node.name))} }}\n"
         f'cluster {{ name: "tandem-local", listen: "{node.host}:{node.cluster_port}", routes: [{routes}] }}\n'
         + write_auth(workdir, secrets)
+        + (nats_tls_config(certs.settings("nats")) if certs else "")
     )
 
 
 def start_nats_node(
-    workdir: Path, node: NatsNode, nodes: list[NatsNode], on_line: Callable[[str, str], None] | None = None
+    workdir: Path, node: NatsNode, nodes: list[NatsNode], on_line: Callable[[str, str], None] | None = None, certs: CertSet | None = None
 ) -> EmbeddedServer:
-    """One node of the cluster `nodes` (again, after a restart: the same ports and store)."""
+    """One node of the cluster `nodes` (again, after a restart: the same ports and store); with
+    `certs` its clients must speak TLS (the routes between nodes stay in clear: docs/security.md)."""
     secrets = load_or_create(workdir)
     config = workdir / f"{node.name}.conf"
-    write_private(config, _cluster_node_config(workdir, node, nodes, secrets))
+    write_private(config, _cluster_node_config(workdir, node, nodes, secrets, certs))
     child = ChildProcess(node.name, [*node.prefix, nats_server_binary(), "-c", str(config)], on_line=on_line)
     child.start()
     _wait_ready(child, r"Server is ready", READY_TIMEOUT_S)
     address = f"nats://{node.host}:{node.client_port}"
     return EmbeddedServer(
-        url=with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR]), child=child, address=address, secrets=secrets
+        url=with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR]),
+        child=child,
+        address=address,
+        secrets=secrets,
+        tls=certs.settings(OPERATOR) if certs else None,
     )
 
 
@@ -237,27 +253,30 @@ def start_redis(
     port: int | None = None,
     bind: str = "127.0.0.1",
     prefix: Sequence[str] = (),
+    certs: CertSet | None = None,
+    is_socket_allowed: bool = True,
+    binary: str | None = None,
 ) -> EmbeddedServer:
     """redis-server with its append-only file in `workdir`/redis, fsynced every second, so a
     restart (on the same workdir) keeps the token logs: a restart after SIGTERM loses nothing, one
     after SIGKILL at most the last second, which the token stream redelivers. The password is in
     a config file, not on the command line, where any user's `ps` would show it. `bind` and
-    `prefix`: as start_nats's."""
+    `prefix`: as start_nats's. With `certs` no plaintext TCP port is open: a TLS port, or where
+    the binary has no TLS a unix socket (`is_socket_allowed`) (tandem.devstack.redis_listen;
+    `.listener` says which). `binary`: another redis-server than redis_server_binary()'s."""
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
     secrets = load_or_create(workdir)
-    binary = redis_server_binary()
+    binary = binary or redis_server_binary()
     config = workdir / "redis-auth.conf"
     write_private(config, redis_auth_config(secrets, binary))
+    listens = listener(choose_transport(binary, certs, is_socket_allowed), workdir, bind, port, certs)
     argv = [
         *prefix,
         binary,
         str(config),
-        "--bind",
-        bind,
-        "--port",
-        str(port),
+        *listens.args,
         "--dir",
         str(data),
         "--save",
@@ -271,6 +290,11 @@ def start_redis(
     ]
     child = ChildProcess("redis", argv, on_line=on_line)
     child.start()
-    _wait_ready(child, r"Ready to accept connections", READY_TIMEOUT_S)
-    address = f"redis://{bind}:{port}/0"
-    return EmbeddedServer(url=with_login(address, "", secrets.redis_password), child=child, address=address, secrets=secrets)
+    _wait_ready(child, r"(?i)ready to accept connections", READY_TIMEOUT_S)  # Redis 6.2 on a unix socket says it in lower case
+    return EmbeddedServer(
+        url=with_login(listens.address, "", secrets.redis_password),
+        child=child,
+        address=listens.address,
+        secrets=secrets,
+        listener=listens,
+    )

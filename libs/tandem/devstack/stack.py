@@ -33,10 +33,12 @@ the others take free ports, and decode workers' UCX listeners a free port each. 
 the same port with the same data directory: JetStream's store and Redis's append-only file
 survive a restart.
 
-Both servers require a login (tandem.devstack.servers): each service gets its role's bus user, the
-Redis password and the internal shared secret in its environment; the stack's own URLs carry the
-operator's login for tools, and <work folder>/operator.env holds it as settings (TANDEM_NATS_USER,
-...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
+Both servers require a login (tandem.devstack.servers), and neither takes a plaintext TCP client:
+NATS requires TLS, Redis has a TLS port or only a unix socket (tandem.devstack.redis_listen), with
+the development CA and certificates made at each start (tandem.devstack.certs). Each service gets
+its role's bus user, certificate, the Redis password and the internal shared secret in its
+environment; the stack's own URLs carry the operator's login for tools, and <work
+folder>/operator.env holds it as settings (TANDEM_NATS_USER, TANDEM_TLS_CA_FILE, ...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
 up the stack runs `tandem bus init` (tandem.ops.bus_init) as the operator: the token stream, on
 every node of an --ha cluster, exists before any service starts. With TANDEM_STORE=cassandra
 (a node of its own: `tandem cassandra up`) it runs `tandem store migrate` with the caller's
@@ -55,9 +57,11 @@ from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
 from tandem.bus.permissions import OPERATOR
 from tandem.devstack.bus_users import admit
+from tandem.devstack.certs import CertSet, make_cert_set
 from tandem.devstack.hosts import Host, HostNetwork
 from tandem.devstack.members import HA_NATS_NODES, Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
@@ -78,6 +82,7 @@ from tandem.errors import StartupError
 from tandem.ops.bus_init import describe, init_bus
 from tandem.ops.store_migrate import StoreAdmin
 from tandem.store.cassandra_roles import APP_ROLE
+from tandem.tls import TlsSettings
 
 __all__ = ["Console", "Member", "Stack", "StackConfig", "stack_config_from"]
 
@@ -104,6 +109,7 @@ class Stack:
         self.redis_url = ""  # with the password
         self.network: HostNetwork | None = None  # config.separate_hosts: every member's host
         self.redis_ha: RedisHA | None = None  # --ha: the Sentinel set; redis_url is its first primary
+        self.certs: CertSet | None = None  # the development CA and every service's certificate, once started
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -136,14 +142,26 @@ class Stack:
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
         admit(self._workdir, load_or_create(self._workdir), self._config.identities())  # before the bus reads its users
+        self.certs = make_cert_set(self._workdir)
         nats = await self._start_bus()
         if self._config.ha:
             redis = await self._start_redis_ha()
         else:
             redis_host = on("redis")
             redis = await self._start_server(
-                "redis", lambda port: start_redis(self._workdir, self._console.line, port=port, **_placed(redis_host)), redis_host
+                "redis",
+                lambda port: start_redis(
+                    self._workdir,
+                    self._console.line,
+                    port=port,
+                    **_placed(redis_host),
+                    certs=self.certs,
+                    is_socket_allowed=not self._config.separate_hosts,
+                ),
+                redis_host,
             )
+            if redis.listener is not None:
+                self._console.say(f"redis listens on {redis.listener.describe()}")
         self.nats_url, self.redis_url = nats.url, redis.url
         self._write_operator_file(nats, redis)
         config = self._config
@@ -153,7 +171,9 @@ class Stack:
             config = replace(config, extra_env={**config.extra_env, **self.redis_ha.service_env()})
         for role, index, pool in config.planned():
             host = on(member_name_of(role, index, pool, config))
-            member = service_member(config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host)
+            member = service_member(
+                config, role, index, nats.address, redis.address, nats.secrets, self._console.line, pool, host, self.certs
+            )
             self._members.append(member)
         self._supervisors = [
             asyncio.create_task(
@@ -200,6 +220,12 @@ class Stack:
         await self.stop()
 
     # -- what drills use ---------------------------------------------------------------------
+
+    @property
+    def operator_tls(self) -> TlsSettings | None:
+        """The operator's certificate, what a tool or test connects to the stack's NATS with
+        (`nats.connect(stack.nats_url, **nats_tls_options(stack.operator_tls))`)."""
+        return None if self.certs is None else self.certs.settings(OPERATOR)
 
     @property
     def members(self) -> list[Member]:
@@ -277,7 +303,7 @@ class Stack:
         if not self._config.ha:
             host = self._host_for("nats")
             nats: EmbeddedServer | NatsCluster = await self._start_server(
-                "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host)), host
+                "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host), certs=self.certs), host
             )
         else:
             hosts = [self._host_for(f"nats-{index}") for index in range(HA_NATS_NODES)]
@@ -286,12 +312,12 @@ class Stack:
             for node, node_host in zip(nodes, hosts, strict=True):  # each restarts on its own ports and store
 
                 def start(_: int | None, node: NatsNode = node) -> EmbeddedServer:
-                    return start_nats_node(self._workdir, node, nodes, self._console.line)
+                    return start_nats_node(self._workdir, node, nodes, self._console.line, self.certs)
 
                 started.append(await self._start_server("nats", start, node_host, name=node.name))
             nats = NatsCluster(started)
         try:
-            stream = await init_bus(nats.url, self._config.token_stream)
+            stream = await init_bus(nats.url, self._config.token_stream, tls=self.operator_tls)
         except StartupError:
             await self.stop()  # the servers started so far
             raise
@@ -316,6 +342,7 @@ class Stack:
             "TANDEM_NATS_PASSWORD": nats.secrets.nats_passwords[OPERATOR],
             "TANDEM_REDIS_URL": redis.address,
             "TANDEM_REDIS_PASSWORD": redis.secrets.redis_password,
+            **(self.operator_tls.env() if self.operator_tls is not None else {}),
         }
         if self.redis_ha is not None:
             operator |= self.redis_ha.service_env()
@@ -328,7 +355,7 @@ class Stack:
         self, role: str, start: Callable[[int | None], EmbeddedServer], host: Host | None = None, name: str = ""
     ) -> EmbeddedServer:
         server = await asyncio.to_thread(start, None)
-        port = int(server.address.rsplit(":", 1)[1].split("/")[0])
+        port = urlsplit(server.address).port  # none: a unix socket, the same path each time
 
         def relaunch() -> ChildProcess:  # the same port, so every client reconnects by itself
             return start(port).child
@@ -397,7 +424,8 @@ class Stack:
         routers = self.members_of("router")
         if routers:  # its port is a free one: top needs to be told
             self._console.say(f"watch: tandem top --router-url {routers[0].url} --chat-url http://{host}:{port}")
-        self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} tandem generate --via-bus "Hello"')
+        tls = "".join(f"{name}={value} " for name, value in self.operator_tls.env().items()) if self.operator_tls else ""
+        self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} {tls}tandem generate --via-bus "Hello"')
         self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")
         self._console.say("Ctrl-C stops everything")
 

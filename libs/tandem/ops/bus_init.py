@@ -24,6 +24,7 @@ from nats.js.errors import APIError, ServiceUnavailableError
 from tandem.bus.connection import server_urls, without_credentials
 from tandem.bus.token_stream import STREAM, TokenStreamConfig, ensure_token_stream
 from tandem.errors import StartupError
+from tandem.tls import TlsSettings, nats_tls_options
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +37,20 @@ _CANNOT_PLACE = frozenset({10005, 10074})  # no suitable peers; replicas > 1 on 
 
 
 async def init_bus(
-    url: str, config: TokenStreamConfig, user: str = "", password: str = "", within_s: float = INIT_WITHIN_S
+    url: str, config: TokenStreamConfig, user: str = "", password: str = "", within_s: float = INIT_WITHIN_S, tls: TlsSettings | None = None
 ) -> StreamConfig:
     """Creates or updates the token stream on the bus at `url` (one URL or every node's,
     comma-separated; the login in it, or `user` and `password`); returns the stream's
     configuration as JetStream holds it. Raises StartupError when the bus is not there in
-    `within_s` or cannot hold the stream as configured."""
+    `within_s` or cannot hold the stream as configured. `tls`: the CA and certificate it connects
+    with (tandem.tls; none: in clear)."""
     login = {"user": user, "password": password} if user else {}
     shown = without_credentials(url)
     try:
         nc = await asyncio.wait_for(
-            nats.connect(server_urls(url), **login, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5),
+            nats.connect(
+                server_urls(url), **login, **nats_tls_options(tls), connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5
+            ),
             within_s,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
@@ -97,7 +101,9 @@ def _run(args: argparse.Namespace) -> int:
         max_bytes=settings.token_stream_max_bytes,
         max_age_s=settings.token_stream_max_age_s,
     )
-    stream = asyncio.run(init_bus(settings.nats_url, config, settings.nats_user, settings.nats_password.get_secret_value(), args.within_s))
+    stream = asyncio.run(
+        init_bus(settings.nats_url, config, settings.nats_user, settings.nats_password.get_secret_value(), args.within_s, TlsSettings())
+    )
     print(f"token stream {describe(stream)}")
     return 0
 

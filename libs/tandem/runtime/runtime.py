@@ -24,6 +24,7 @@ from tandem.bus.permissions import inbox_prefix
 from tandem.config import Settings
 from tandem.redis_sentinel import SentinelTarget, master_client, sentinel_target
 from tandem.runtime.loop_lag import watch_loop_lag
+from tandem.tls import TlsSettings
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class RuntimeConfig:
     redis_username: str = ""
     redis_password: str = field(default="", repr=False)
     redis_sentinel: SentinelTarget | None = None  # find the primary through these sentinels (redis_url: its db)
+    tls: TlsSettings | None = None  # this process's CA and certificate (TANDEM_TLS_*); none: the bus in clear
 
     @classmethod
     def from_settings(cls, role: str, settings: Settings, *, uses_redis: bool) -> RuntimeConfig:
@@ -66,6 +68,7 @@ class RuntimeConfig:
             redis_sentinel=sentinel_target(
                 settings.redis_sentinels, settings.redis_sentinel_master, settings.redis_sentinel_password.get_secret_value()
             ),
+            tls=TlsSettings(),
         )
 
 
@@ -110,6 +113,7 @@ class Runtime:
                 user=config.nats_user,
                 password=config.nats_password,
                 inbox_prefix=inbox_prefix(config.role, config.instance_id),
+                tls=config.tls,
             )
         )
         login = redis_login(config.redis_username, config.redis_password)

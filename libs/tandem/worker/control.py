@@ -8,10 +8,11 @@ from collections.abc import Callable
 import grpc
 
 from tandem.runtime import Runtime
+from tandem.tls import TlsSettings
 from tandem.v1 import control_pb2, control_pb2_grpc
 from tandem.v1.worker_pb2 import WorkerHeartbeat
 from tandem.worker.heartbeat import WorkerHeartbeats
-from tandem.worker.internal_grpc import server_interceptors
+from tandem.worker.internal_grpc import server_credentials, server_interceptors
 
 
 class WorkerControl(control_pb2_grpc.WorkerControlServicer):
@@ -36,8 +37,12 @@ class WorkerControl(control_pb2_grpc.WorkerControlServicer):
 
 
 class ControlServer:
-    def __init__(self, servicer: WorkerControl, address: str, secret: str = "", grace_s: float = 2.0) -> None:
-        """`address`: host:port to listen on; `secret`: the internal secret calls must carry (empty: none)."""
+    def __init__(
+        self, servicer: WorkerControl, address: str, secret: str = "", grace_s: float = 2.0, tls: TlsSettings | None = None
+    ) -> None:
+        """`address`: host:port to listen on; `secret`: the internal secret calls must carry (empty:
+        none); `tls`: mutual TLS with this certificate (none or disabled: in clear)."""
+        self._tls = tls
         self._servicer = servicer
         self._address = address
         self._secret = secret
@@ -50,11 +55,15 @@ class ControlServer:
         self._registrations.append(register)
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(interceptors=server_interceptors(self._secret))
+        is_mutual_tls = self._tls is not None and self._tls.is_enabled
+        self._server = grpc.aio.server(interceptors=server_interceptors(self._secret, is_mutual_tls))
         control_pb2_grpc.add_WorkerControlServicer_to_server(self._servicer, self._server)
         for register in self._registrations:
             register(self._server)
-        self._server.add_insecure_port(self._address)
+        if self._tls is not None and is_mutual_tls:
+            self._server.add_secure_port(self._address, server_credentials(self._tls))
+        else:
+            self._server.add_insecure_port(self._address)
         await self._server.start()
 
     async def stop(self) -> None:

@@ -5,7 +5,10 @@ without it, before any handler runs. `tandem up`, compose and Kubernetes always 
 An empty secret turns the check off, which is safe only where nobody else can connect: a worker
 on a loopback host (a bare `tandem serve`) may run without one; on any other host it refuses to
 start (check_internal_secret) unless TANDEM_ALLOW_INSECURE_INTERNAL says so, since anyone who
-reaches its gRPC port could drain it or reserve its KV blocks."""
+reaches its gRPC port could drain it or reserve its KV blocks.
+
+With TANDEM_TLS_* set (tandem.tls: `tandem up`, compose, Kubernetes) the port is mutual TLS as
+well, and the secret travels only inside it."""
 
 from __future__ import annotations
 
@@ -13,12 +16,14 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client import Counter
 
 from tandem.errors import StartupError
+from tandem.tls import INTERNAL_DOMAIN, TlsSettings, server_name
 
 SECRET_METADATA_KEY = "x-tandem-internal-secret"
 CALLS_REFUSED = Counter("tandem_grpc_calls_unauthenticated_total", "gRPC calls refused for a missing or wrong internal secret")
@@ -57,6 +62,50 @@ async def _unauthenticated(request: bytes, context: grpc.aio.ServicerContext) ->
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the internal secret (TANDEM_INTERNAL_SECRET)")
 
 
+# Under mutual TLS, the roles whose certificate may call each service: only a prefill worker
+# hands a decode worker KV, only the operator's tools (and a router) drive WorkerControl.
+CALLER_ROLES = {"tandem.v1.KvHandoff": frozenset({"prefill"}), "tandem.v1.WorkerControl": frozenset({"operator", "router"})}
+CALLS_FORBIDDEN = Counter(
+    "tandem_grpc_calls_forbidden_total", "gRPC calls refused for a client certificate of a role not allowed the service"
+)
+
+
+class CallerRoleInterceptor(grpc.aio.ServerInterceptor):
+    """Under mutual TLS: serves a call only when the caller's certificate (its common name,
+    <role>.tandem.internal) is of a role CALLER_ROLES allows for the service; else
+    PERMISSION_DENIED before the handler runs. Every method of both services is unary."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        allowed = CALLER_ROLES.get(method.strip("/").split("/")[0])
+        if handler is None or allowed is None or handler.unary_unary is None:
+            return handler
+        behavior = handler.unary_unary
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            role = caller_role(context)
+            if role not in allowed:
+                CALLS_FORBIDDEN.inc()
+                log.warning("refused a gRPC call to %s from a %r certificate", method, role)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this certificate's role may not call this service")
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            checked, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def caller_role(context: grpc.aio.ServicerContext) -> str:
+    """The role named by the caller's certificate ("" without one)."""
+    names = context.auth_context().get("x509_common_name", [])
+    return names[0].decode().removesuffix(f".{INTERNAL_DOMAIN}") if names else ""
+
+
 def is_loopback_host(host: str) -> bool:
     """Only this machine can connect to it: `localhost` or a loopback address. A wildcard, another
     address or any other name may be reachable from elsewhere."""
@@ -83,8 +132,9 @@ def check_internal_secret(host: str, secret: str, *, is_insecure_allowed: bool) 
     )
 
 
-def server_interceptors(secret: str) -> list[grpc.aio.ServerInterceptor]:
-    return [SharedSecretInterceptor(secret)] if secret else []
+def server_interceptors(secret: str, is_mutual_tls: bool = False) -> list[grpc.aio.ServerInterceptor]:
+    by_secret: list[grpc.aio.ServerInterceptor] = [SharedSecretInterceptor(secret)] if secret else []
+    return [*by_secret, CallerRoleInterceptor()] if is_mutual_tls else by_secret
 
 
 class _WithSecret(grpc.aio.UnaryUnaryClientInterceptor):
@@ -98,7 +148,28 @@ class _WithSecret(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(with_secret, request)
 
 
-def internal_channel(address: str, secret: str) -> grpc.aio.Channel:
-    """A channel to a worker's gRPC port whose every call carries the secret (none when empty)."""
+def internal_channel(address: str, secret: str, tls: TlsSettings | None = None, peer_role: str = "") -> grpc.aio.Channel:
+    """A channel to a worker's gRPC port whose every call carries the secret (none when empty).
+    With `tls` it is mutual TLS, and the server must hold `peer_role`'s certificate
+    (decode.tandem.internal) whatever `address` is: an address from a spoofed heartbeat leads to
+    no handshake, so the secret is never sent there."""
     interceptors = [_WithSecret(secret)] if secret else None
-    return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    if tls is None or not tls.is_enabled:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    options = [("grpc.ssl_target_name_override", server_name(peer_role))]
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options, interceptors=interceptors)
+
+
+def _pem_files(tls: TlsSettings) -> tuple[bytes, bytes, bytes]:
+    return Path(tls.ca_file).read_bytes(), Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes()
+
+
+def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
+    """Mutual TLS: a caller without a certificate of the CA gets no handshake (nor a plaintext one)."""
+    ca, key, cert = _pem_files(tls)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+
+def channel_credentials(tls: TlsSettings) -> grpc.ChannelCredentials:
+    ca, key, cert = _pem_files(tls)
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

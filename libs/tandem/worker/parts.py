@@ -94,5 +94,5 @@ def build_worker_parts(role: str, settings: Settings) -> WorkerParts:
     heartbeats = WorkerHeartbeats(model.name, f"{settings.reachable_host()}:{grpc_port}", host.load, host.claimed_reply_ids)
     runtime = Runtime(runtime_config, heartbeat=heartbeats.build)
     runtime.add_check("engine", host.is_ready)
-    control = ControlServer(WorkerControl(runtime, heartbeats), f"{settings.host}:{grpc_port}", secret)
+    control = ControlServer(WorkerControl(runtime, heartbeats), f"{settings.host}:{grpc_port}", secret, tls=runtime_config.tls)
     return WorkerParts(runtime, host, control, settings.drain_timeout_s, HandoffMetrics(role, model.name))

@@ -18,7 +18,9 @@ from helpers import wait_until
 
 from tandem.bus.permissions import USERS, password_variable
 from tandem.config import DEFAULT_HTTP_PORTS, ROLES
+from tandem.devstack.certs import make_cert_set
 from tandem.devstack.proc import free_port
+from tandem.devstack.redis_listen import supports_tls
 from tandem.devstack.secrets import CASSANDRA_APP_PASSWORD, CASSANDRA_PASSWORD, StackSecrets, redis_password_variable, write_container_set
 from tandem.devstack.servers import nats_server_binary, redis_server_binary
 from tandem.redis_acl import ROLES as REDIS_ROLES
@@ -198,7 +200,11 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboards_folder(servic
 def test_nats_server_accepts_the_compose_command_with_the_generated_passwords(services: dict, tmp_path: Path) -> None:
     nats = services["nats"]
     mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in nats["volumes"] if volume.startswith("./")}
-    command = [str(ROOT / mounts[word]) if word in mounts else word for word in nats["command"]]
+    certs = make_cert_set(tmp_path / "set")  # where the tls volume has them: the certs service copies DIR/tls
+    command = [
+        str(ROOT / mounts[word]) if word in mounts else word.replace("/etc/tandem/tls/", f"{certs.folder}/") for word in nats["command"]
+    ]
+    assert "--tlsverify" in command, "compose's NATS takes clients without TLS"
     command[command.index("-sd") + 1] = str(tmp_path / "data")
     write_container_set(tmp_path / "set", StackSecrets.generate(), is_overwrite=False)
     generated = dict(line.split("=", 1) for line in (tmp_path / "set" / "tandem.env").read_text().splitlines())
@@ -213,18 +219,27 @@ async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(s
     """Compose's own command, with the real redis-server (on a free port, data in tmp_path)."""
     shell, flag, script = services["redis"]["command"]
     port = free_port()
-    script = script.replace("$$", "$").replace("exec redis-server ", f"exec {redis_server_binary()} ", 1)
-    script = script.replace("--dir /data", f"--dir {tmp_path} --port {port} --bind 127.0.0.1", 1)
-    if not can_read_only(binary_version(redis_server_binary())):  # Redis 6 here: what redis_acl leaves out for it
+    binary = redis_server_binary()
+    script = script.replace("$$", "$").replace("exec redis-server ", f"exec {binary} ", 1)
+    assert "--port 0 --tls-port 6379 " in script, "compose's Redis has a plaintext port"
+    if supports_tls(binary):  # its TLS port alone, with the certificates `tandem secrets` writes
+        certs = make_cert_set(tmp_path)
+        script = script.replace("/etc/tandem/tls/", f"{certs.folder}/").replace("--tls-port 6379", f"--tls-port {port}")
+        script = script.replace("--dir /data", f"--dir {tmp_path} --bind 127.0.0.1", 1)
+        tls = {"ssl": True, "ssl_ca_certs": str(certs.ca_file)}
+    else:  # the embedded redis-server has no TLS (tests/integration/test_redis_listen.py): the rest on a plaintext port
+        script = re.sub(r" --tls-[a-z-]+ \S+", "", script).replace("--dir /data", f"--dir {tmp_path} --port {port} --bind 127.0.0.1", 1)
+        tls = {}
+    if not can_read_only(binary_version(binary)):  # Redis 6 here: what redis_acl leaves out for it
         script = script.replace("%R~", "~").replace(" -function", "")
     password = "stand-in-password"
     role_passwords = {role: f"stand-in-{role}" for role in REDIS_ROLES}
     env = {"PATH": os.environ.get("PATH", ""), "TANDEM_REDIS_PASSWORD": password}
     env |= {redis_password_variable(role): value for role, value in role_passwords.items()}
     server = subprocess.Popen([shell, flag, script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    anonymous = redis.asyncio.Redis(port=port)
-    logged_in = redis.asyncio.Redis(port=port, password=password)
-    chat = redis.asyncio.Redis(port=port, username="chat", password=role_passwords["chat"])
+    anonymous = redis.asyncio.Redis(port=port, **tls)
+    logged_in = redis.asyncio.Redis(port=port, password=password, **tls)
+    chat = redis.asyncio.Redis(port=port, username="chat", password=role_passwords["chat"], **tls)
     try:
 
         async def answers() -> bool:

@@ -247,7 +247,7 @@ def test_only_the_chat_mounts_the_api_keys_and_they_are_hashes(rendered: list[Ob
     for role, deployment in by_kind(rendered, "Deployment").items():
         mounts = [v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
         if role == "chat":
-            assert mounts == ["tandem-chat-api-keys"]
+            assert sorted(mounts) == ["tandem-chat-api-keys", "tandem-chat-tls"]
             assert _env(deployment)["TANDEM_API_KEYS_FILE"] == "/etc/tandem/api-keys/api-keys"
         else:  # nor in its Secret: ROLE_SECRET_KEYS
             assert "tandem-chat-api-keys" not in mounts, role
@@ -351,3 +351,19 @@ def test_store_migrate_job_runs_as_the_cassandra_superuser_and_gives_the_role_it
     }
     assert base64.b64decode(superuser["password"]).decode() == secret_set.cassandra_password
     assert pod["securityContext"]["runAsNonRoot"] is True and migrate["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_each_pod_mounts_its_own_roles_certificate_which_cert_manager_issues_from_tandems_ca(rendered: list[Object]) -> None:
+    certificates = {item["spec"]["secretName"]: item for item in yaml.safe_load_all((K8S / "tls" / "certificates.yaml").read_text())}
+    settings = by_kind(rendered, "ConfigMap")["tandem-settings"]["data"]
+    assert settings["TANDEM_TLS_CA_FILE"] == "/etc/tandem/tls/ca.crt"
+    pods = {role: d["spec"]["template"]["spec"] for role, d in by_kind(rendered, "Deployment").items()}
+    pods["operator"] = by_kind(rendered, "Job")["bus-init"]["spec"]["template"]["spec"]
+    for role, pod in pods.items():
+        (tls,) = [volume for volume in pod["volumes"] if volume["name"] == "tls"]
+        assert tls["secret"]["secretName"] == f"tandem-{role}-tls", role
+        assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in pod["containers"][0]["volumeMounts"], role
+        assert pod["securityContext"]["fsGroup"] == 10001, f"{role} cannot read its key (mode 0440)"
+        certificate = certificates[f"tandem-{role}-tls"]["spec"]
+        assert f"{role}.tandem.internal" in certificate["dnsNames"] and certificate["issuerRef"]["name"] == "tandem-ca", role
+    assert "nats.tandem.internal" in certificates["nats-tls"]["spec"]["dnsNames"]  # what every NATS client checks

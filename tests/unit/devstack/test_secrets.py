@@ -43,17 +43,21 @@ def test_tandem_secrets_writes_an_env_file_and_a_file_per_secret_for_its_owner_a
         assert _mode(one) == 0o600
     assert _mode(tmp_path / "set" / "tandem.env") == 0o600
     assert _mode(tmp_path / "set" / "secrets") == 0o700
+    assert _mode(tmp_path / "set" / "tls") == 0o700
+    assert all(_mode(key) == 0o600 for key in (tmp_path / "set" / "tls").glob("*.key"))
 
 
 def test_tandem_secrets_replaces_a_set_only_when_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     main(["secrets", str(tmp_path)])
     before = _env_file(tmp_path / "tandem.env")
+    ca_before = (tmp_path / "tls" / "ca.pem").read_bytes()
     assert main(["secrets", str(tmp_path)]) == 2
     assert "--force" in capsys.readouterr().err
     assert _env_file(tmp_path / "tandem.env") == before
     main(["secrets", str(tmp_path), "--force"])
     after = _env_file(tmp_path / "tandem.env")
     assert all(after[name] != before[name] for name in before), "a rotation changes every secret"
+    assert (tmp_path / "tls" / "ca.pem").read_bytes() != ca_before, "and the CA"
 
 
 def test_a_work_folder_keeps_its_set_and_the_operator_password_gives_each_role_its_own_login(tmp_path: Path):
