@@ -177,12 +177,12 @@ async def test_openai_replies_count_streamed_ttft_and_every_reply_s_e2e(product_
         model = (await client.get("/v1/models", headers=ALICE)).json()["data"][0]["id"]
         labels = {"tier": "plus", "model": model}
         request = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8, "temperature": 0}
-        before = await scrape(client, product_stack.url)
+        before = await scrape(client, product_stack.chat_ops_url)
         whole = await client.post("/v1/chat/completions", headers=ALICE, json=request)
         assert whole.status_code == 200, whole.text
         async with client.stream("POST", "/v1/chat/completions", headers=ALICE, json={**request, "stream": True}) as streamed:
             chunks = [line async for line in streamed.aiter_lines() if line.startswith("data:")]
-        after = await scrape(client, product_stack.url)
+        after = await scrape(client, product_stack.chat_ops_url)
     assert chunks[-1] == "data: [DONE]"
 
     assert grew(before, after, "tandem_chat_e2e_latency_seconds_count", **labels) >= 2, "whole and streamed"
