@@ -66,7 +66,7 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
     urls = await http_urls(product_stack)
     chat_url, decode_url = product_stack.url, urls["decode"][0]
     async with httpx.AsyncClient(base_url=chat_url, timeout=60) as client:
-        chat_before, decode_before = await scrape(client, chat_url), await scrape(client, decode_url)
+        chat_before, decode_before = await scrape(client, product_stack.chat_ops_url), await scrape(client, decode_url)
         conversation = (await client.post("/v1/conversations", headers=ALICE, json={})).json()["id"]
         done = asyncio.Event()
         watching = asyncio.create_task(peak_kv_usage(client, decode_url, done))
@@ -76,7 +76,7 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
             done.set()
         peak = await watching
         second = await send(client, conversation, "And what happened the next morning?")
-        chat_after, decode_after = await scrape(client, chat_url), await scrape(client, decode_url)
+        chat_after, decode_after = await scrape(client, product_stack.chat_ops_url), await scrape(client, decode_url)
 
     assert first[-1].event == "done" and second[-1].event == "done", (first[-1], second[-1])
     model = first[0].data["model"]
