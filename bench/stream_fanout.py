@@ -163,7 +163,7 @@ async def read_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], n
         chat_cpu_s = cpu_s(probe.pid) - cpu_before_s
         streaming_s = time.time() - started_s
         others_cpu_s = others.stop()
-        seen = chat_metrics((await http.get("/metrics")).text)
+        seen = chat_metrics((await http.get(f"{chat.ops_url}/metrics")).text)
         await asyncio.gather(*replies)
         stop.set()
         await asyncio.gather(*watchers, watcher)
@@ -266,9 +266,9 @@ async def settled(probe: ChatProbe, timeout_s: float = 15.0) -> dict[str, int]:
 async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any], env: dict[str, str]) -> dict[str, Any]:
     """A second chat instance with TANDEM_MAX_STREAMS=capacity, asked for 2x its capacity in
     streams of replies running on the first."""
-    port = free_ports(1)
+    port, ops_port = free_ports(1), free_ports(1)
     child_env = {
-        **os.environ, **env, "PYTHONUNBUFFERED": "1", "TANDEM_HOST": HOST, "TANDEM_HTTP_PORT": str(port),
+        **os.environ, **env, "PYTHONUNBUFFERED": "1", "TANDEM_HOST": HOST, "TANDEM_HTTP_PORT": str(port), "TANDEM_OPS_PORT": str(ops_port),
         **join_local_bus("chat", "chat-capped", stack.nats_url), "TANDEM_REDIS_URL": login_of(stack.redis_url)[0],
         "TANDEM_API_KEYS": api_keys_spec(KEYS), "TANDEM_MAX_STREAMS": str(args.capacity),
     }  # fmt: skip
@@ -276,7 +276,7 @@ async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any
     capped.start()
     try:
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=None) as http:
-            await wait_ready(http, f"http://{HOST}:{port}/readyz")
+            await wait_ready(http, f"http://{HOST}:{ops_port}/readyz")
             http.base_url = httpx.URL(stack.member("chat").url)
             futures = [asyncio.get_running_loop().create_future() for _ in range(args.replies)]
             replies = [asyncio.create_task(start_reply(http, i, args.reply_tokens, f)) for i, f in enumerate(futures)]
@@ -288,7 +288,7 @@ async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any
             capped_counts: dict[str, float] = {}
 
             async def count_capped() -> None:
-                capped_counts.update(stream_slot_counts((await http.get(f"http://{HOST}:{port}/metrics")).text))
+                capped_counts.update(stream_slot_counts((await http.get(f"http://{HOST}:{ops_port}/metrics")).text))
 
             summaries = [s for part in await ask(conns, jobs, while_held=count_capped) for s in part]
             replies_running = sum(1 for r in replies if not r.done())

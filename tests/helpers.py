@@ -64,6 +64,7 @@ def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[
         TANDEM_REDIS_USERNAME=redis_username,
         TANDEM_REDIS_PASSWORD=redis_password,
         TANDEM_HTTP_PORT=str(free_port()),
+        TANDEM_OPS_PORT=str(free_port()),
         TANDEM_HEARTBEAT_INTERVAL_S="0.2",
         TANDEM_API_KEYS="test-key=tester:plus",
     )
@@ -73,6 +74,12 @@ def service_env(role: str, nats_url: str, redis_url: str, **extra: str) -> dict[
         env["TANDEM_TORCH_THREADS"] = str(torch_threads_per_rank(TEST_WORKERS_SHARING_CORES))
     env.update(extra)
     return env
+
+
+def ops_url(env: dict[str, str]) -> str:
+    """The base URL of /healthz, /readyz, /metrics, /version and the API docs of a process started
+    with `env` (service_env's): its ops port, never its HTTP port."""
+    return f"http://127.0.0.1:{env['TANDEM_OPS_PORT']}"
 
 
 def service_process(role: str, env: dict[str, str]) -> ChildProcess:

@@ -49,9 +49,11 @@ class Settings(BaseSettings):
     advertise_host: str = ""
     """address others dial to reach this process (in heartbeats); empty: host, or the hostname when host is a wildcard"""
     http_port: int | None = None
-    """health, metrics and API; unset: the role's (chat 8080, router 8081, relay 8082, prefill 8083, decode 8084)"""
+    """the service's API (the chat's public one); unset: the role's (chat 8080, router 8081, relay 8082, prefill 8083, decode 8084)"""
     grpc_port: int | None = None
     """workers' control server; unset: prefill 50061, decode 50062"""
+    ops_port: int | None = None
+    """internal port of /healthz, /readyz, /metrics, /version and the API docs; unset: the HTTP port + 1000 (chat 9080); 0: any free port"""
     instance_id: str = ""
     """name in heartbeats and NATS; empty: <role>-<hostname>-<pid>"""
     heartbeat_interval_s: float = 1.0
@@ -347,7 +349,7 @@ class Settings(BaseSettings):
     def _empty_model_path_is_embedded(cls, value: object) -> object:
         return None if value == "" else value  # compose passes TANDEM_MODEL_PATH= when the user names no model
 
-    @field_validator("http_port", "grpc_port")
+    @field_validator("http_port", "grpc_port", "ops_port")
     @classmethod
     def _check_port(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 65535:

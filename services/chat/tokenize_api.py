@@ -1,6 +1,8 @@
 """vLLM's server extras beside the OpenAI API, in vLLM's shapes: `POST /tokenize` (a prompt, or
-chat messages through the chat template), `POST /detokenize`, `GET /version` and `GET /health`
-(200 once a completion can start: the tokenizer is loaded and a model is served, else 503).
+chat messages through the chat template), `POST /detokenize` and `GET /health`
+(200 once a completion can start: the tokenizer is loaded and a model is served, else 503; it reads
+only this process's memory, no Redis or store, so it stays cheap for anyone to ask). `GET /version`
+is on the ops port (tandem.runtime.app.ops_app).
 
 `/tokenize` and `/detokenize` are metered as completions are: each call draws on the caller's token
 quota (services.chat.quotas.charge_tokens) what its tokens would cost as a prompt, at least one
@@ -20,7 +22,6 @@ from services.chat.limits import MAX_MESSAGES, ModelName
 from services.chat.models_view import ModelsView
 from services.chat.openai_schemas import ChatMessage
 from services.chat.quotas import charge_tokens
-from tandem import __version__
 
 router = APIRouter(tags=["openai"])
 MAX_DETOKENIZE_TOKENS = 1 << 20
@@ -68,11 +69,6 @@ async def detokenize(state: Chat, user: CurrentUser, body: DetokenizeBody) -> di
         raise InvalidRequest(f"token id {outside} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})", param="tokens")
     await charge_tokens(state.quotas, user, len(body.tokens), "tokens")
     return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
-
-
-@router.get("/version")
-async def version() -> dict[str, str]:
-    return {"version": __version__}
 
 
 @router.get("/health")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import nats
-from helpers import next_heartbeat, service_env, service_process, wait_until
+from helpers import next_heartbeat, ops_url, service_env, service_process, wait_until
 
 from tandem.devstack.proc import ChildProcess
 from tandem.devstack.servers import EmbeddedServer, init_token_stream, start_nats, start_redis
@@ -41,12 +41,19 @@ class ProductStack:
     nats_url: str
     redis_url: str
     children: list[ChildProcess] = field(default_factory=list)
-    urls: dict[str, str] = field(default_factory=dict)  # each instance's HTTP base URL (health, metrics, API)
+    urls: dict[str, str] = field(default_factory=dict)  # each instance's HTTP port: its API (the router's /workers)
+    ops_urls: dict[str, str] = field(default_factory=dict)  # each instance's ops port: /healthz, /readyz, /metrics, /version
     nats_server: EmbeddedServer | None = None  # its log says what the server refused
+    redis_server: EmbeddedServer | None = None
 
     @property
     def url(self) -> str:
         return self.chat_urls[0]
+
+    @property
+    def chat_ops_url(self) -> str:
+        """The first chat instance's ops port (chat_urls[0] is its public one)."""
+        return self.ops_urls[self.ids["chat"][0]]
 
     def logs(self, num_lines: int = 30) -> str:
         return "\n".join(f"--- {c.name}\n{c.recent_output(num_lines)}" for c in self.children)
@@ -124,6 +131,7 @@ async def start_product_stack(
         stack.children.append(child)
         stack.ids.setdefault(role, []).append(env["TANDEM_INSTANCE_ID"])
         stack.urls[env["TANDEM_INSTANCE_ID"]] = f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}"
+        stack.ops_urls[env["TANDEM_INSTANCE_ID"]] = ops_url(env)
         if role == "chat":
             stack.chat_urls.append(f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}")
     for role, instance_ids in stack.ids.items():
@@ -155,7 +163,7 @@ async def own_product_stack(
             stack = await start_product_stack(nc, nats_server.url, redis_server.url, workdir, roles=roles, **extra_env)
         finally:
             await nc.close()
-        stack.nats_server = nats_server
+        stack.nats_server, stack.redis_server = nats_server, redis_server
         try:
             yield stack
         finally:

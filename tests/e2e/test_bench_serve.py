@@ -67,7 +67,9 @@ async def test_bench_serve_writes_its_table_json_and_plots_then_top_shows_the_de
         router = await next_heartbeat(nc, "router", product_stack.ids["router"][0], timeout_s=30)
     finally:
         await nc.close()
-    rc, out, err = await tandem("top", "--once", "--interval", "0.5", "--router-url", router.http_url, "--chat-url", product_stack.url)
+    router_url = product_stack.urls[product_stack.ids["router"][0]]
+    top = ("--router-url", router_url, "--router-ops-url", router.http_url, "--chat-url", product_stack.chat_ops_url)
+    rc, out, err = await tandem("top", "--once", "--interval", "0.5", *top)
     assert rc == 0, (out, err)
     decode_id = product_stack.ids["decode"][0]
     row = next(line for line in out.splitlines() if line.startswith("decode")).split()

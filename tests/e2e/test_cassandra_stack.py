@@ -127,7 +127,7 @@ async def test_a_dead_node_is_a_clear_503_and_the_service_recovers_when_it_is_ba
         assert "Traceback" not in response.text and response.headers.get("Retry-After")
         posted = await client.post(f"/v1/conversations/{conversation_id}/messages", headers=ALICE, json={"content": "hi"})
         assert posted.status_code == 503
-        assert (await client.get("/readyz")).status_code == 503
+        assert (await client.get(f"{stack.chat_ops_url}/readyz")).status_code == 503
 
         cassandra_stack["node"] = start_node(
             NodeConfig(node_dir=node_config.node_dir, native_port=node.native_port, storage_port=node.storage_port, is_durable=False)

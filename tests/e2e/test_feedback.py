@@ -52,7 +52,7 @@ async def test_a_rating_is_stored_with_the_answer_replaced_by_the_next_hidden_fr
         question, answer = await tree(client, conversation_id)
         assert (question["feedback"], answer["feedback"]) == (None, None)
         labels = {"model": answer["model"].partition("@")[0], "version": answer["model"].partition("@")[2]}
-        before = await scrape(client, product_stack.url)
+        before = await scrape(client, product_stack.chat_ops_url)
 
         url = f"/v1/messages/{answer_id}/feedback"
         assert (await client.post(url, headers=ALICE, json={"rating": "up"})).status_code == 204
@@ -70,7 +70,7 @@ async def test_a_rating_is_stored_with_the_answer_replaced_by_the_next_hidden_fr
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "rating", bad.text
         assert (await tree(client, conversation_id))[1]["feedback"]["rating"] == "down", "a refused rating changed the stored one"
 
-        after = await scrape(client, product_stack.url)
+        after = await scrape(client, product_stack.chat_ops_url)
         assert grew(before, after, "tandem_feedback_total", vote="up", **labels) == 1
         assert grew(before, after, "tandem_feedback_total", vote="down", **labels) == 1
 
@@ -78,7 +78,7 @@ async def test_a_rating_is_stored_with_the_answer_replaced_by_the_next_hidden_fr
 async def test_a_regeneration_counts_against_the_version_of_the_answer_it_replaces(product_stack):
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
         conversation_id = (await client.post("/v1/conversations", headers=ALICE, json={})).json()["id"]
-        before = await scrape(client, product_stack.url)
+        before = await scrape(client, product_stack.chat_ops_url)
         answer_id = await answered(client, conversation_id, "Name a fruit.")
         model = (await final(client, conversation_id, answer_id))["model"]
         labels = {"model": model.partition("@")[0], "version": model.partition("@")[2]}
@@ -88,6 +88,6 @@ async def test_a_regeneration_counts_against_the_version_of_the_answer_it_replac
             again = await read_stream(response)
         assert again[-1].event == "done", again
         await final(client, conversation_id, again[0].data["message_id"])
-        after = await scrape(client, product_stack.url)
+        after = await scrape(client, product_stack.chat_ops_url)
         assert grew(before, after, "tandem_regenerations_total", **labels) == 1
         assert grew(before, after, "tandem_answers_total", **labels) == 2, "the first answer and its regeneration"

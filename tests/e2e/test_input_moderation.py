@@ -37,9 +37,9 @@ def post_message(client: httpx.AsyncClient, conversation_id: str, content: str):
     )
 
 
-async def refused_input_count(client: httpx.AsyncClient) -> float:
+async def refused_input_count(client: httpx.AsyncClient, ops_url: str) -> float:
     """tandem_chat_moderated_total{direction="input"} of this chat instance, all tiers and models."""
-    response = await client.get("/metrics")
+    response = await client.get(f"{ops_url}/metrics")
     assert response.status_code == 200
     return sum(
         sample.value
@@ -51,14 +51,14 @@ async def refused_input_count(client: httpx.AsyncClient) -> float:
 
 async def test_a_flagged_message_is_refused_stored_as_moderated_and_left_out_of_the_next_prompt(product_stack):
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as client:
-        counted_before = await refused_input_count(client)
+        counted_before = await refused_input_count(client, product_stack.chat_ops_url)
         conversation_id = await new_conversation(client)
         async with post_message(client, conversation_id, FLAGGED) as response:
             body = await response.aread()
         assert response.status_code == 400, body
         error = response.json()["error"]
         assert (error["code"], error["message"]) == ("moderated", MODERATED_MESSAGE)
-        assert await refused_input_count(client) == counted_before + 1
+        assert await refused_input_count(client, product_stack.chat_ops_url) == counted_before + 1
 
         shown = (await client.get(f"/v1/conversations/{conversation_id}", headers=ALICE)).json()
         assert [(m["role"], m["status"], m["content"]) for m in shown["messages"]] == [("user", "moderated", FLAGGED)]
@@ -78,8 +78,8 @@ async def test_a_flagged_message_is_refused_stored_as_moderated_and_left_out_of_
         ]
 
 
-async def replies_started(client: httpx.AsyncClient) -> float:
-    response = await client.get("/metrics")
+async def replies_started(client: httpx.AsyncClient, ops_url: str) -> float:
+    response = await client.get(f"{ops_url}/metrics")
     assert response.status_code == 200
     return sum(
         sample.value
@@ -97,7 +97,7 @@ async def test_the_openai_sdk_gets_a_bad_request_with_code_content_filter(produc
     model = (await client.models.list()).data[0].id
     earlier = [{"role": "user", "content": PLAIN}, {"role": "assistant", "content": "Paris."}]
     async with httpx.AsyncClient(base_url=product_stack.url, timeout=120) as http:
-        started_before = await replies_started(http)
+        started_before = await replies_started(http, product_stack.chat_ops_url)
         level = await http.get("/v1/models", headers=ALICE)
         remaining_before = int(level.headers["x-ratelimit-remaining-tokens"])
         with pytest.raises(openai.BadRequestError) as refused:
@@ -109,7 +109,7 @@ async def test_the_openai_sdk_gets_a_bad_request_with_code_content_filter(produc
         assert refused.value.code == "content_filter"
         # The bucket only refills meanwhile: a reservation kept would have taken its worst case.
         assert int(refused.value.response.headers["x-ratelimit-remaining-tokens"]) >= remaining_before
-        assert await replies_started(http) == started_before
+        assert await replies_started(http, product_stack.chat_ops_url) == started_before
 
     plain = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": PLAIN}], **GREEDY)
     assert plain.choices[0].message.content and plain.choices[0].finish_reason in ("stop", "length")

@@ -1,5 +1,5 @@
 """`make run` (that is, `tandem up`): every process comes up, the small model's int8 decode worker
-beside the large model's, /readyz answers through the chat port, GET /v1/models lists both models
+beside the large model's, /readyz answers on the chat's ops port (as announced), GET /v1/models lists both models
 and each answers by name, one chat message shows its latency, KV and prefix-cache figures on chat's
 and the worker's /metrics, a SIGKILLed service is reported and restarted, and Ctrl-C leaves nothing
 behind.
@@ -45,6 +45,7 @@ POLL_S = 0.05  # between scrapes while a reply runs
 class MakeRun:
     up: ChildProcess
     url: str  # the chat port
+    ops_url: str  # the chat's ops port: /readyz, /metrics
     api_key: str
     bus_env: dict[str, str]  # TANDEM_NATS_URL with the operator's login, and the operator's TANDEM_TLS_* files
     pids: dict[str, int]  # from the "started (pid N)" lines; a process without one is missing
@@ -94,11 +95,13 @@ def _announced(up: ChildProcess) -> MakeRun:
     for name in (*ROLES, SMALL_WORKER, "nats", "redis"):
         if started := up.wait_for_line(rf"^up\s*\| {name} started \(pid (\d+)\)", 1):
             pids[name] = int(started[1])
+    ops = up.wait_for_line(r"try: curl -s (http://\S+)/readyz", 1)
+    assert ops is not None, up.recent_output(40)
     api_key = up.wait_for_line(r"API key: (tdm-dev-\S+)", 1)
     bus = up.wait_for_line(r"internal clients: ((?:TANDEM_\w+=\S+ )+)tandem generate", 1)
     assert api_key is not None and bus is not None, up.recent_output(40)
     bus_env = dict(assignment.split("=", 1) for assignment in bus[1].split())
-    return MakeRun(up=up, url=ready[1], api_key=api_key[1], bus_env=bus_env, pids=pids)
+    return MakeRun(up=up, url=ready[1], ops_url=ops[1], api_key=api_key[1], bus_env=bus_env, pids=pids)
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +186,7 @@ def _chat_over_http(url: str, api_key: str) -> None:
 
 
 def test_make_run_answers_a_chat_message_over_http_and_a_generate_over_the_bus(make_run):
-    assert httpx.get(f"{make_run.url}/readyz", timeout=10).status_code == 200
+    assert httpx.get(f"{make_run.ops_url}/readyz", timeout=10).status_code == 200
     _chat_over_http(make_run.url, make_run.api_key)
     answer = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "generate", "--via-bus", "What is the capital of France?"],
@@ -233,7 +236,7 @@ async def test_after_one_chat_message_chat_and_its_worker_show_ttft_itl_kv_and_p
     (the reusable KV the worker keeps) is the KV figure that stays above 0."""
     worker_url = (await _worker_heartbeats(make_run))[LARGE_MODEL].service.http_url
     async with httpx.AsyncClient(base_url=make_run.url, timeout=120) as client:
-        chat_before, worker_before = await scrape(client, make_run.url), await scrape(client, worker_url)
+        chat_before, worker_before = await scrape(client, make_run.ops_url), await scrape(client, worker_url)
         done = asyncio.Event()
         watching = asyncio.create_task(_peak_kv_usage(client, worker_url, LARGE_MODEL, done))
         try:
@@ -243,7 +246,7 @@ async def test_after_one_chat_message_chat_and_its_worker_show_ttft_itl_kv_and_p
         peak = await watching
         assert events[-1].event == "done" and events[-1].data["model"] == LARGE_MODEL, events[-1]
         usage = events[-1].data["usage"]
-        chat_after = await scrape(client, make_run.url)  # chat observed the reply before it wrote `done`
+        chat_after = await scrape(client, make_run.ops_url)  # chat observed the reply before it wrote `done`
         worker_scrapes: list[Samples] = []
 
         async def worker_counted_the_reply() -> bool:
@@ -290,7 +293,7 @@ def test_make_run_restarts_a_killed_service_and_ctrl_c_leaves_nothing_behind(mak
         assert int(restarted[1]) != pids["decode"]
         pids["decode (restarted)"] = int(restarted[1])
         assert up.wait_for_line(r"^up\s*\| decode ready", UP_TIMEOUT_S, since=mark) is not None
-        assert httpx.get(f"{make_run.url}/readyz", timeout=10).status_code == 200
+        assert httpx.get(f"{make_run.ops_url}/readyz", timeout=10).status_code == 200
     finally:
         interrupt_and_wait(up)
     assert up.wait_for_line(r"^up\s*\| stopped; nothing left running", 1) is not None, up.recent_output(40)

@@ -246,7 +246,7 @@ async def test_a_failing_candidate_is_rolled_back_automatically(rollout_stack):
         # Rolled back: every new conversation is the stable's, though the candidate is still served.
         after = [await first_message(client) for _ in range(6)]
         assert [(status, meta["model"]) for _, status, meta in after] == [(200, f"{NAME}@1")] * 6
-        router_url = rollout_stack.urls[rollout_stack.ids["router"][0]]
+        router_url = rollout_stack.ops_urls[rollout_stack.ids["router"][0]]
         metrics = (await client.get(f"{router_url}/metrics")).text
     rollbacks = {
         frozenset(sample.labels.items()): sample.value

@@ -46,6 +46,8 @@ SHORT_WITH_CODE = "Why does this fail?\n```\nx = [1, 2][5]\n```"
 class TwoModelStack:
     url: str  # chat with the built-in classifier
     fallback_url: str  # chat with TANDEM_DIFFICULTY_CLASSIFIER=none
+    ops_url: str  # the first chat's ops port
+    fallback_ops_url: str
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -53,7 +55,8 @@ async def two_models(tmp_path_factory):
     roles = two_model_roles({}, {"TANDEM_DIFFICULTY_CLASSIFIER": "none"})
     async with own_product_stack(tmp_path_factory.mktemp("two-models"), roles=roles, **TWO_MODEL_ENV) as stack:
         await wait_listed(stack, {LARGE, SMALL}, ALICE)
-        yield TwoModelStack(url=stack.chat_urls[0], fallback_url=stack.chat_urls[1])
+        chat_ops = [stack.ops_urls[instance_id] for instance_id in stack.ids["chat"]]
+        yield TwoModelStack(url=stack.chat_urls[0], fallback_url=stack.chat_urls[1], ops_url=chat_ops[0], fallback_ops_url=chat_ops[1])
 
 
 async def new_conversation(client: httpx.AsyncClient, headers) -> str:
@@ -87,8 +90,8 @@ async def stored_turns(client: httpx.AsyncClient, conversation_id: str, headers)
     return await wait_until(saved, timeout_s=30)
 
 
-async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    response = await client.get("/metrics")
+async def scrape(client: httpx.AsyncClient, ops_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    response = await client.get(f"{ops_url}/metrics")
     assert response.status_code == 200, response.text
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
@@ -129,7 +132,7 @@ async def test_auto_sends_a_greeting_small_and_a_long_code_question_large_and_th
             ("assistant", SMALL),
         ]
         assert [(m["role"], m["model"]) for m in await stored_turns(client, asked, BOB)] == [("user", LARGE), ("assistant", LARGE)]
-        metrics = await scrape(client)
+        metrics = await scrape(client, two_models.ops_url)
     assert metrics[("tandem_chat_model_routes_total", frozenset({("model", SMALL), ("decided_by", "classifier")}))] == 1
     assert metrics[("tandem_chat_model_routes_total", frozenset({("model", SMALL), ("decided_by", "conversation")}))] == 1
     assert metrics[("tandem_chat_difficulty_score_count", frozenset())] == 2
@@ -149,7 +152,7 @@ async def test_without_a_classifier_the_fallback_rule_decides(two_models):
         assert (meta["model"], done["model"], meta["route"]["decided_by"], meta["route"]["score"]) == (SMALL, SMALL, "fallback", None)
         meta, done = await send(client, await new_conversation(client, BOB), SHORT_WITH_CODE, BOB)
         assert (meta["model"], done["model"], meta["route"]["decided_by"]) == (LARGE, LARGE, "fallback")
-        metrics = await scrape(client)
+        metrics = await scrape(client, two_models.fallback_ops_url)
     assert metrics[("tandem_chat_difficulty_fallbacks_total", frozenset({("reason", "none")}))] == 2
 
 

@@ -1,11 +1,14 @@
 """The OpenAI-compatible endpoints against the whole stack: /v1/models, chat completions
-streamed and not, sampling options honoured, and OpenAI's error shape."""
+streamed and not, sampling options honoured, and OpenAI's error shape; the ops paths (/metrics,
+/openapi.json, ...) only on the chat's ops port, and the public /health without Redis."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import signal
 import time
 
 import httpx
@@ -13,6 +16,7 @@ import jsonschema
 import nats
 import openai
 import pytest
+from helpers import freeze
 from product_stack import ALICE
 from pydantic import BaseModel, Field
 
@@ -24,6 +28,7 @@ from tandem.v1.tokens_pb2 import Cancel
 
 pytestmark = pytest.mark.real_model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+OPS_PATHS = ("/metrics", "/readyz", "/healthz", "/version", "/docs", "/redoc", "/openapi.json")  # the ops port's, never the public one's
 
 
 async def served_model(client: httpx.AsyncClient) -> str:
@@ -371,12 +376,33 @@ async def test_tokenize_counts_what_a_completion_bills_and_detokenize_inverts_it
         assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
 
 
-async def test_version_and_health_answer_without_a_key(product_stack):
-    async with httpx.AsyncClient(base_url=product_stack.url, timeout=30) as client:
-        version = await client.get("/version")
-        assert version.status_code == 200 and version.json()["version"] == tandem.__version__
-        health = await client.get("/health")
-        assert health.status_code == 200 and health.json() == {"status": "ok"}
+async def test_ops_paths_answer_on_the_ops_port_and_are_404_on_the_public_one(product_stack):
+    async with httpx.AsyncClient(timeout=30) as client:
+        for path in OPS_PATHS:
+            public = await client.get(f"{product_stack.url}{path}")
+            assert public.status_code == 404, (path, public.status_code)
+            ops = await client.get(f"{product_stack.chat_ops_url}{path}")
+            assert ops.status_code == 200, (path, ops.status_code)
+        version = await client.get(f"{product_stack.chat_ops_url}/version")
+        assert version.json()["version"] == tandem.__version__
+        paths = (await client.get(f"{product_stack.chat_ops_url}/openapi.json")).json()["paths"]
+        assert "/v1/chat/completions" in paths and "/metrics" not in paths, "the schema is the public API's"
+
+
+async def test_the_public_health_answers_without_a_key_or_redis_while_readyz_reports_redis_down(product_stack):
+    """/health reads only the chat's own memory: with Redis frozen it still answers 200, while the
+    ops port's /readyz (a Redis ping) says 503."""
+    assert product_stack.redis_server is not None
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await client.get(f"{product_stack.url}/health")).json() == {"status": "ok"}
+        freeze(product_stack.redis_server.pid)
+        try:
+            health = await client.get(f"{product_stack.url}/health", timeout=5)
+            ready = await client.get(f"{product_stack.chat_ops_url}/readyz", timeout=10)
+        finally:
+            os.kill(product_stack.redis_server.pid, signal.SIGCONT)
+    assert health.status_code == 200, health.text
+    assert ready.status_code == 503 and ready.json()["checks"]["redis"] is False, ready.text
 
 
 async def test_the_sdk_completes_a_text_prompt_whole_and_streamed_alike(product_stack):

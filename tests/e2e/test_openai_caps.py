@@ -52,8 +52,8 @@ async def caps_stack(tmp_path_factory) -> AsyncIterator[ProductStack]:
         yield stack
 
 
-async def streams_open(client: httpx.AsyncClient) -> float:
-    return total(await scrape(client, ""), "tandem_chat_streams_open")
+async def streams_open(client: httpx.AsyncClient, ops_url: str) -> float:
+    return total(await scrape(client, ops_url), "tandem_chat_streams_open")
 
 
 def completion(content: str = PLAIN, **extra: object) -> dict[str, object]:
@@ -72,11 +72,11 @@ def assert_refused(response: httpx.Response, status: int, code: str, param: str 
 async def test_a_non_streamed_completion_holds_a_stream_slot_until_it_is_answered(caps_stack):
     async with httpx.AsyncClient(base_url=caps_stack.url, timeout=60) as client:
         conversation_id = (await client.post("/v1/conversations", headers=key("bob"), json={})).json()["id"]
-        assert await streams_open(client) == 0
+        assert await streams_open(client, caps_stack.chat_ops_url) == 0
         with caps_stack.relays_paused():
             first = asyncio.create_task(client.post("/v1/chat/completions", headers=key("bob"), json=completion()))
             with _cancelled_on_error(first):
-                await wait_until(lambda: _holds(client, 1), timeout_s=15)
+                await wait_until(lambda: _holds(client, caps_stack.chat_ops_url, 1), timeout_s=15)
                 for path, body in (("/v1/chat/completions", completion()), ("/v1/completions", {"model": "auto", "prompt": PLAIN})):
                     second = await client.post(path, headers=key("bob"), json=body)
                     error = assert_refused(second, 429, "too_many_streams")
@@ -87,7 +87,7 @@ async def test_a_non_streamed_completion_holds_a_stream_slot_until_it_is_answere
                 assert not first.done(), "the first completion cannot end while the relay is paused"
         answered = await asyncio.wait_for(first, 60)
         assert answered.status_code == 200 and answered.json()["object"] == "chat.completion", answered.text
-        await wait_until(lambda: _holds(client, 0), timeout_s=30)  # given back once the answer is sent
+        await wait_until(lambda: _holds(client, caps_stack.chat_ops_url, 0), timeout_s=30)  # given back once the answer is sent
         again = await client.post("/v1/completions", headers=key("bob"), json={"model": "auto", "prompt": PLAIN, "max_tokens": 2})
         assert again.status_code == 200, again.text
 
@@ -101,8 +101,8 @@ def _cancelled_on_error(task: asyncio.Task) -> Iterator[None]:
         raise
 
 
-async def _holds(client: httpx.AsyncClient, num_open: int) -> bool:
-    return await streams_open(client) == num_open
+async def _holds(client: httpx.AsyncClient, ops_url: str, num_open: int) -> bool:
+    return await streams_open(client, ops_url) == num_open
 
 
 async def test_a_message_over_the_character_limit_is_413_on_both_endpoints_as_on_the_product_api(caps_stack):

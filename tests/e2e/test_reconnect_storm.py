@@ -24,7 +24,7 @@ import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from helpers import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, ops_url, service_env, service_process
 from product_stack import ALICE, API_KEYS, READER_IDLE_TIMEOUT_S, Sse, parse_sse
 from scraped_metrics import grew, scrape
 
@@ -41,9 +41,10 @@ SOURCES = ("feed", "shared", "read")  # where a new stream's meta came from (tan
 
 
 @pytest_asyncio.fixture(scope="module")
-async def storm_chat(product_stack) -> AsyncIterator[str]:
+async def storm_chat(product_stack) -> AsyncIterator[tuple[str, str]]:
     """A chat instance of this module's own on the product stack's servers and workers, whose
-    plus users may hold thousands of streams, with answers long enough to storm."""
+    plus users may hold thousands of streams, with answers long enough to storm: its URL and its
+    ops port's."""
     env = service_env(
         "chat", product_stack.nats_url, product_stack.redis_url,
         TANDEM_STORE="sqlite", TANDEM_SQLITE_PATH=str(product_stack.store_path), TANDEM_API_KEYS=API_KEYS,
@@ -57,7 +58,7 @@ async def storm_chat(product_stack) -> AsyncIterator[str]:
         await next_heartbeat(nc, "chat", env["TANDEM_INSTANCE_ID"], accept=lambda hb: hb.is_ready, timeout_s=60)
         for _ in range(2):  # chat learns the served model from a decode heartbeat
             await next_heartbeat(nc, "decode", product_stack.ids["decode"][0], timeout_s=30)
-        yield f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}"
+        yield f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}", ops_url(env)
     finally:
         await nc.close()
         child.stop(timeout_s=10)
@@ -236,19 +237,20 @@ class ReplyCommands:
 
 
 async def test_2000_readers_attaching_at_once_get_every_event_and_no_5xx_with_coalesced_reads(storm_chat, product_stack):
+    chat_url, chat_ops_url = storm_chat
     redis = aioredis.from_url(product_stack.redis_url)
     try:
-        async with httpx.AsyncClient(base_url=storm_chat, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=chat_url, timeout=120) as http:
             reply_id, own = await start_reply(http)
-            metrics_before = await scrape(http, storm_chat)
-            storm = Storm(storm_chat, reply_id, NUM_READERS)
+            metrics_before = await scrape(http, chat_ops_url)
+            storm = Storm(chat_url, reply_id, NUM_READERS)
             await storm.connect()
             async with ReplyCommands(product_stack.redis_url, reply_id) as commands:
                 storming = asyncio.create_task(storm.burst())
                 await asyncio.wait([storming, asyncio.ensure_future(storm.all_answered.wait())], return_when=asyncio.FIRST_COMPLETED)
                 calls = {name: commands.calls[name] for name in READ_COMMANDS}  # every reader has its answer: attached
             reads = await storming
-            metrics_after = await scrape(http, storm_chat)
+            metrics_after = await scrape(http, chat_ops_url)
             own_events = await own
         meta = await load_reply(redis, reply_id)
         expected = [(sse.id, sse.event, sse.data) for event in await logged_events(redis, reply_id) for sse in sse_of_log(event)]

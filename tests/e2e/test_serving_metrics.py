@@ -66,7 +66,7 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
     urls = await http_urls(product_stack)
     chat_url, decode_url = product_stack.url, urls["decode"][0]
     async with httpx.AsyncClient(base_url=chat_url, timeout=60) as client:
-        chat_before, decode_before = await scrape(client, chat_url), await scrape(client, decode_url)
+        chat_before, decode_before = await scrape(client, product_stack.chat_ops_url), await scrape(client, decode_url)
         conversation = (await client.post("/v1/conversations", headers=ALICE, json={})).json()["id"]
         done = asyncio.Event()
         watching = asyncio.create_task(peak_kv_usage(client, decode_url, done))
@@ -76,7 +76,7 @@ async def test_after_chat_messages_chat_and_the_decode_worker_show_latency_kv_us
             done.set()
         peak = await watching
         second = await send(client, conversation, "And what happened the next morning?")
-        chat_after, decode_after = await scrape(client, chat_url), await scrape(client, decode_url)
+        chat_after, decode_after = await scrape(client, product_stack.chat_ops_url), await scrape(client, decode_url)
 
     assert first[-1].event == "done" and second[-1].event == "done", (first[-1], second[-1])
     model = first[0].data["model"]
@@ -177,12 +177,12 @@ async def test_openai_replies_count_streamed_ttft_and_every_reply_s_e2e(product_
         model = (await client.get("/v1/models", headers=ALICE)).json()["data"][0]["id"]
         labels = {"tier": "plus", "model": model}
         request = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8, "temperature": 0}
-        before = await scrape(client, product_stack.url)
+        before = await scrape(client, product_stack.chat_ops_url)
         whole = await client.post("/v1/chat/completions", headers=ALICE, json=request)
         assert whole.status_code == 200, whole.text
         async with client.stream("POST", "/v1/chat/completions", headers=ALICE, json={**request, "stream": True}) as streamed:
             chunks = [line async for line in streamed.aiter_lines() if line.startswith("data:")]
-        after = await scrape(client, product_stack.url)
+        after = await scrape(client, product_stack.chat_ops_url)
     assert chunks[-1] == "data: [DONE]"
 
     assert grew(before, after, "tandem_chat_e2e_latency_seconds_count", **labels) >= 2, "whole and streamed"

@@ -51,7 +51,7 @@ async def test_two_decode_workers_and_a_prefill_worker_each_run_supervised_and_t
         async with Stack(config, Console(log)) as stack:
             decode = stack.members_of("decode")
             assert [m.name for m in decode] == ["decode-0", "decode-1"]
-            ports = [p for m in stack.members for p in (m.http_port, m.grpc_port) if p is not None]
+            ports = [p for m in stack.members for p in (m.http_port, m.ops_port, m.grpc_port) if p is not None]
             assert len(ports) == len(set(ports))
             router = stack.member("router").url
             await router_lists(router, {"decode-0", "decode-1"}, "decode")
@@ -66,7 +66,7 @@ async def test_two_decode_workers_and_a_prefill_worker_each_run_supervised_and_t
 
             await stack.restart("redis", timeout_s=30)
             async with httpx.AsyncClient(timeout=5) as http, asyncio.timeout(60):
-                while (await http.get(f"{stack.chat_urls[0]}/readyz")).status_code != 200:
+                while (await http.get(f"{stack.member('chat').ops_url}/readyz")).status_code != 200:
                     await asyncio.sleep(0.2)
             assert "Paris" in await answer(stack.chat_urls[0])
     except BaseException:

@@ -18,7 +18,7 @@ import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from helpers import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, ops_url, service_env, service_process
 from product_stack import ALICE, API_KEYS, BOB, READER_IDLE_TIMEOUT_S, Sse, parse_sse, sse_events
 from scraped_metrics import grew, scrape
 
@@ -32,7 +32,8 @@ FREE_STREAM_LIMIT = 3
 
 @pytest_asyncio.fixture(scope="module")
 async def chats(product_stack) -> AsyncIterator[dict[str, str]]:
-    """The URLs of the two extra chat instances, ready and knowing the served model."""
+    """The URLs of the two extra chat instances ("wide", "narrow"; their ops ports' "wide-ops",
+    "narrow-ops"), ready and knowing the served model."""
     common = {
         "TANDEM_STORE": "sqlite", "TANDEM_SQLITE_PATH": str(product_stack.store_path), "TANDEM_API_KEYS": API_KEYS,
         "TANDEM_READER_IDLE_TIMEOUT_S": str(READER_IDLE_TIMEOUT_S), "TANDEM_MAX_ANSWER_TOKENS": "400",
@@ -52,7 +53,9 @@ async def chats(product_stack) -> AsyncIterator[dict[str, str]]:
             await next_heartbeat(nc, "chat", env["TANDEM_INSTANCE_ID"], accept=lambda hb: hb.is_ready, timeout_s=60)
         for _ in range(2):  # chat learns the served model from a decode heartbeat
             await next_heartbeat(nc, "decode", product_stack.ids["decode"][0], timeout_s=30)
-        yield {name: f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}" for name, env in envs.items()}
+        yield {name: f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}" for name, env in envs.items()} | {
+            f"{name}-ops": ops_url(env) for name, env in envs.items()
+        }
     finally:
         await nc.close()
         for child in children.values():
@@ -144,12 +147,12 @@ def after_meta(events: list[Sse]) -> list[tuple[int, str, dict]]:
 
 async def test_500_readers_of_one_running_reply_receive_its_identical_complete_log(chats, product_stack):
     async with client(chats["wide"]) as http:
-        before = await scrape(http, chats["wide"])
+        before = await scrape(http, chats["wide-ops"])
         reply = await Reply(http, ALICE, max_tokens=48).start()
         opening = asyncio.Semaphore(32)
         readers = await asyncio.gather(*(read_on(http, reply.id, ALICE, [], opening=opening) for _ in range(500)))
         own = await reply.finished()
-        after = await scrape(http, chats["wide"])
+        after = await scrape(http, chats["wide-ops"])
     # Readers waiting at the log's end were written live events by the reply's feed (uvicorn's
     # connections), the rest by their own tasks: the sequences below are equal either way.
     assert grew(before, after, "tandem_chat_stream_direct_writes_total") > 0

@@ -95,6 +95,6 @@ async def test_a_conversation_longer_than_the_free_budget_gets_a_summary_that_th
         assert question(1) not in prompt
         assert prompt.index(summary["text"]) < prompt.index(question(num_turns + 1))
 
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get(f"{summary_stack.chat_ops_url}/metrics")).text
         assert 'tandem_chat_summaries_total{outcome="written"}' in metrics
     await redis.aclose()

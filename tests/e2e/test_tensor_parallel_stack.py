@@ -47,7 +47,7 @@ def one_rank_answer(question: str, max_tokens: int) -> str:
 
 
 async def test_a_long_prompt_goes_from_the_prefill_group_to_the_decode_group_and_is_answered(tp_stack):
-    prefill, decode = tp_stack.urls[tp_stack.ids["prefill"][0]], tp_stack.urls[tp_stack.ids["decode"][0]]
+    prefill, decode = tp_stack.ops_urls[tp_stack.ids["prefill"][0]], tp_stack.ops_urls[tp_stack.ids["decode"][0]]
     async with httpx.AsyncClient(base_url=tp_stack.url, timeout=180) as client:
         model = (await client.get("/v1/models", headers=ALICE)).json()["data"][0]["id"]
         sent, received = await scrape(client, prefill), await scrape(client, decode)

@@ -10,7 +10,7 @@ import re
 import uuid
 
 import httpx
-from helpers import next_heartbeat, service_env, service_process, wait_until
+from helpers import next_heartbeat, ops_url, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
 from tandem.v1.common_pb2 import SamplingParams
@@ -62,7 +62,7 @@ async def test_the_router_drops_bad_bus_messages_counts_them_and_keeps_serving(n
             assert spoofer not in listed and victim not in listed
 
             async def all_counted() -> str:  # KV events have a subscription (and a task) of their own
-                text = (await client.get("/metrics")).text
+                text = (await client.get(f"{ops_url(env)}/metrics")).text
                 return text if dropped(text, "kv_event", "id_mismatch") >= 1 else ""
 
             metrics_text = await wait_until(all_counted, timeout_s=WAIT_S)

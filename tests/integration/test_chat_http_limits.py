@@ -1,7 +1,8 @@
 """The limits of the HTTP server every service runs (tandem.runtime.run), on a real chat process,
 the one that faces clients, with the timeouts and the connection limit set short by its
 environment: a slowloris client and a stalled body are cut off, a request past the connection
-limit gets 503 with Retry-After, and a plain request is answered throughout."""
+limit gets 503 with Retry-After while the ops port (a limit of its own) still answers, and a plain
+request is answered throughout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import service_env, service_process
+from helpers import ops_url, service_env, service_process
 
 from tandem.devstack.servers import EmbeddedServer
 
@@ -43,11 +44,11 @@ def port(chat: dict[str, str]) -> int:
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200:
+            if httpx.get(f"{ops_url(chat)}/healthz", timeout=10).status_code == 200:
                 return port
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, "chat did not answer /healthz within 60 s"
+        assert time.monotonic() < deadline, "chat did not answer /healthz on its ops port within 60 s"
         time.sleep(0.2)
 
 
@@ -76,10 +77,10 @@ def seconds_until_closed(client: socket.socket, drip: bytes, give_up_s: float) -
 
 def test_a_slowloris_client_is_cut_off_within_the_header_timeout_and_plain_requests_are_answered(port):
     with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
-        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
         closed_after_s = seconds_until_closed(client, b"X-Slow: yes\r\n", give_up_s=HEADER_TIMEOUT_S + MARGIN_S)
     assert closed_after_s >= HEADER_TIMEOUT_S - DRIP_S, "closed by the timer, not at once"
-    assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{port}/", timeout=10).status_code == 200
 
 
 def test_a_stalled_body_is_cut_off_within_the_body_timeout(port):
@@ -92,11 +93,12 @@ def test_a_stalled_body_is_cut_off_within_the_body_timeout(port):
     assert closed_after_s >= BODY_TIMEOUT_S - DRIP_S
 
 
-def test_a_request_past_the_connection_limit_gets_503_with_retry_after(port):
-    url = f"http://127.0.0.1:{port}/healthz"
+def test_a_request_past_the_connection_limit_gets_503_with_retry_after_and_the_ops_port_still_answers(port, chat):
+    url = f"http://127.0.0.1:{port}/"
     with socket.create_connection(("127.0.0.1", port), timeout=10) as holder:
-        holder.sendall(b"GET /healthz HTTP/1.1\r\n")  # accepted before the next: the one connection allowed
+        holder.sendall(b"GET / HTTP/1.1\r\n")  # accepted before the next: the one connection allowed
         refused = httpx.get(url, timeout=10)
+        assert httpx.get(f"{ops_url(chat)}/healthz", timeout=10).status_code == 200, "a probe is not starved by the public port"
     assert refused.status_code == 503, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "server_busy"

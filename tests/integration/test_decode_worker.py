@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from helpers import next_heartbeat, service_env, service_process, wait_until
+from helpers import next_heartbeat, ops_url, service_env, service_process, wait_until
 
 from tandem.bus import decode, encode, subjects
 from tandem.bus.events import now_ms
@@ -160,7 +160,7 @@ async def test_a_cancel_that_fails_validation_is_dropped_counted_and_stops_nothi
     await nc.publish(subjects.cancel("reply-spared"), encode(Cancel(reply_id="reply-other", reason="user")))
     await nc.publish(subjects.cancel("reply-spared"), b"\xff\xff\xff")
     await nc.flush()
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{decode_env['TANDEM_HTTP_PORT']}", timeout=10) as http:
+    async with httpx.AsyncClient(base_url=ops_url(decode_env), timeout=10) as http:
 
         async def both_counted() -> str:
             text = (await http.get("/metrics")).text

@@ -20,7 +20,7 @@ import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from helpers import next_heartbeat, service_env, service_process, wait_until
+from helpers import next_heartbeat, ops_url, service_env, service_process, wait_until
 from nats.aio.client import Client
 from tokenlog.durable_redis import DurableRedis
 
@@ -343,7 +343,7 @@ async def test_a_reply_whose_worker_is_lost_is_continued_through_the_router(read
 
 async def _relay_metric(relay: Relay, name: str) -> float:
     async with httpx.AsyncClient(timeout=5) as client:
-        text = (await client.get(f"http://127.0.0.1:{relay.env['TANDEM_HTTP_PORT']}/metrics")).text
+        text = (await client.get(f"{ops_url(relay.env)}/metrics")).text
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
     assert values, f"{name} is not exported"
     return values[0]

@@ -62,7 +62,7 @@ def stack(tmp_path_factory, check_spec) -> Iterator[tuple[str, str, str, int]]:
     )
     relay = service_process("relay", env)
     relay.start()
-    yield nats_server.url, redis_server.url, store_path, int(env["TANDEM_HTTP_PORT"])
+    yield nats_server.url, redis_server.url, store_path, int(env["TANDEM_OPS_PORT"])  # its /readyz and /metrics
     relay.stop(timeout_s=10)
     redis_server.stop()
     nats_server.stop()

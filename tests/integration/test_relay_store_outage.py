@@ -34,7 +34,7 @@ import nats
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from helpers import next_heartbeat, service_env, service_process, wait_until
+from helpers import next_heartbeat, ops_url, service_env, service_process, wait_until
 from nats.aio.client import Client
 from tokenlog.durable_redis import DurableRedis
 
@@ -63,7 +63,7 @@ class Relay:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.env['TANDEM_HTTP_PORT']}/metrics"
+        return f"{ops_url(self.env)}/metrics"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import httpx
 import nats.errors
 import nats.js.errors
 import pytest_asyncio
-from helpers import next_heartbeat, service_env, service_process
+from helpers import next_heartbeat, ops_url, service_env, service_process
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -53,8 +53,9 @@ DEAF = "deaf"  # not subscribed at all: the router gets "no responders"
 @dataclass
 class Router:
     child: ChildProcess
-    url: str
+    url: str  # its /workers
     instance_id: str
+    ops_url: str  # its /metrics
 
 
 async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer, nc: Client, **extra_env: str) -> Router:
@@ -69,7 +70,7 @@ async def start_router(nats_server: EmbeddedServer, redis_server: EmbeddedServer
     )
     child = service_process("router", env)
     child.start()
-    router = Router(child, f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}", env["TANDEM_INSTANCE_ID"])
+    router = Router(child, f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}", env["TANDEM_INSTANCE_ID"], ops_url(env))
     # Ready means subscribed to heartbeats and generate, and flushed to the server.
     await next_heartbeat(nc, "router", router.instance_id, accept=lambda hb: hb.is_ready, timeout_s=30)
     return router
@@ -336,7 +337,7 @@ async def test_each_invalid_request_is_refused_with_its_reason(router, stand_in,
     assert (await ask_refused(nc, no_room)).reason == "bad_max_tokens"
     assert worker.assignments.empty()  # refused requests never reach a worker
     async with httpx.AsyncClient(base_url=router.url) as http:
-        body = (await http.get("/metrics")).text
+        body = (await http.get(f"{router.ops_url}/metrics")).text
     for reason in ("empty_prompt", "unknown_model", "prompt_too_long", "bad_max_tokens"):
         assert f'tandem_router_requests_refused_total{{reason="{reason}"}} 1.0' in body
 
@@ -474,7 +475,7 @@ async def test_a_fleet_98_percent_busy_climbs_to_rung_3_where_free_is_refused_an
     paid = await ask_accepted(nc, generate_request(lane=LANE_PAID))
     assert (await worker.next_assignment()).reply_id == paid.reply_id
     async with httpx.AsyncClient(base_url=router.url) as http:
-        body = (await http.get("/metrics")).text
+        body = (await http.get(f"{router.ops_url}/metrics")).text
     assert "tandem_router_ladder_rung 3.0" in body
 
 
@@ -505,7 +506,7 @@ async def test_a_small_model_request_goes_to_the_large_pool_while_the_small_one_
         assert full.model == MODEL, "every small worker refused the lane lately: the large pool takes it"
         assert (await large.next_assignment()).reply_id == full.reply_id
         async with httpx.AsyncClient(base_url=router.url) as http:
-            text = (await http.get("/metrics")).text
+            text = (await http.get(f"{router.ops_url}/metrics")).text
         for why, count in (("down", 1), ("full", 2)):  # full: once placing the reply, once at the door
             line = f'tandem_router_model_fallbacks_total{{from_model="{small_model}",to_model="{MODEL}",why="{why}"}} {count:.1f}'
             assert line in text, (why, [line for line in text.splitlines() if "fallbacks" in line])

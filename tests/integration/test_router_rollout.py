@@ -82,7 +82,7 @@ async def test_a_bare_name_is_split_a_full_id_pinned_and_a_failing_candidate_rol
         after = [(await ask_accepted(nc, generate_request(model=MODEL))).model for _ in range(20)]
         assert after == [STABLE] * 20, "rolled back: every new conversation is the stable's"
         async with httpx.AsyncClient(base_url=router.url) as http:
-            text = (await http.get("/metrics")).text
+            text = (await http.get(f"{router.ops_url}/metrics")).text
         labels = f'model="{MODEL}",reason="error_rate",version="2"'
         assert f"tandem_router_rollbacks_total{{{labels}}} 1.0" in text, [line for line in text.splitlines() if "rollback" in line]
         assert f'tandem_router_rollout_percent{{model="{MODEL}",version="2"}} 0.0' in text

@@ -1,5 +1,6 @@
-"""Every service as a real process against real NATS and Redis: health, readiness, metrics,
-heartbeats, the workers' gRPC control, and a clean exit 0 on SIGTERM."""
+"""Every service as a real process against real NATS and Redis: health, readiness, metrics on its
+ops port (never on its HTTP port), heartbeats, the workers' gRPC control, and a clean exit 0 on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from helpers import REPO, next_heartbeat, service_env, service_process
+from helpers import REPO, next_heartbeat, ops_url, service_env, service_process
 
 from tandem.devstack.proc import ChildProcess, free_port
 from tandem.devstack.servers import EmbeddedServer
@@ -26,6 +27,7 @@ class Running:
     def __init__(self, role: str, env: dict[str, str], child: ChildProcess) -> None:
         self.role, self.env, self.child = role, env, child
         self.url = f"http://127.0.0.1:{env['TANDEM_HTTP_PORT']}"
+        self.ops_url = ops_url(env)
         self.instance_id = env["TANDEM_INSTANCE_ID"]
 
 
@@ -50,8 +52,11 @@ async def test_service_is_ready_heartbeats_and_exits_zero_on_sigterm(role, start
     service = start_service(role)
     heartbeat = await next_heartbeat(nc, role, service.instance_id, accept=lambda hb: hb.is_ready)
     service_heartbeat = heartbeat.service if role in ("prefill", "decode") else heartbeat
-    assert service_heartbeat.http_url == service.url
+    assert service_heartbeat.http_url == service.ops_url
     async with httpx.AsyncClient(base_url=service.url) as http:
+        for path in ("/metrics", "/readyz", "/healthz", "/openapi.json", "/docs"):
+            assert (await http.get(path)).status_code == 404, f"{path} on the HTTP port"
+    async with httpx.AsyncClient(base_url=service.ops_url) as http:
         assert (await http.get("/healthz")).json() == {"status": "ok", "role": role}
         ready = await http.get("/readyz")
         assert ready.status_code == 200, ready.text
@@ -66,7 +71,7 @@ async def test_service_is_ready_heartbeats_and_exits_zero_on_sigterm(role, start
 async def test_a_service_without_redis_is_alive_but_not_ready(start_service, nc):
     service = start_service("relay", TANDEM_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
     await next_heartbeat(nc, "relay", service.instance_id, accept=lambda hb: not hb.is_ready)
-    async with httpx.AsyncClient(base_url=service.url) as http:
+    async with httpx.AsyncClient(base_url=service.ops_url) as http:
         assert (await http.get("/healthz")).status_code == 200
         ready = await http.get("/readyz")
         assert ready.status_code == 503
@@ -91,7 +96,7 @@ async def test_worker_control_health_stats_and_drain(start_service, nc):
         assert "not_draining" in health.detail
     draining = await next_heartbeat(nc, "decode", worker.instance_id, accept=lambda hb: hb.is_draining)
     assert not draining.service.is_ready
-    async with httpx.AsyncClient(base_url=worker.url) as http:
+    async with httpx.AsyncClient(base_url=worker.ops_url) as http:
         assert (await http.get("/readyz")).status_code == 503
 
 
@@ -127,7 +132,9 @@ def test_malformed_api_keys_fail_at_start(nats_server, redis_server):
     _one_clear_line(result, "chat", "TANDEM_API_KEYS", "key=user:tier")
 
 
-@pytest.mark.parametrize(("role", "setting"), [("relay", "TANDEM_HTTP_PORT"), ("prefill", "TANDEM_GRPC_PORT")])
+@pytest.mark.parametrize(
+    ("role", "setting"), [("relay", "TANDEM_HTTP_PORT"), ("relay", "TANDEM_OPS_PORT"), ("prefill", "TANDEM_GRPC_PORT")]
+)
 def test_port_in_use_fails_at_start(nats_server, redis_server, role, setting):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -24,6 +24,7 @@ from dockerfile_parse import DockerfileParser
 
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES
 from tandem.models.files import EMBEDDED_MODEL_WHEEL
+from tandem.runtime.ops_port import OPS_PORT_OFFSET
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ROLES = ("prefill", "decode")
@@ -110,17 +111,20 @@ def test_target_runs_its_service_as_non_root(stages: dict[str, Stage], role: str
     users = effective(stages, role, "USER")
     assert users and users[-1].split(":")[0] not in ("root", "0"), f"{role} runs as root"
     assert effective_env(stages, role).get("TANDEM_HOST") == "0.0.0.0"
-    # Healthy means ready: compose's depends_on waits for it.
-    assert "/readyz" in effective(stages, role, "HEALTHCHECK")[-1]
+    # Healthy means ready: compose's depends_on waits for it; /readyz is on the ops port only.
+    healthcheck = effective(stages, role, "HEALTHCHECK")[-1]
+    assert "/readyz" in healthcheck and "TANDEM_OPS_PORT" in healthcheck and "TANDEM_HTTP_PORT" not in healthcheck
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_target_exposes_its_default_ports(stages: dict[str, Stage], role: str) -> None:
     exposed = {int(port.split("/")[0]) for value in effective(stages, role, "EXPOSE") for port in value.split()}
-    expected = {DEFAULT_HTTP_PORTS[role]} | ({DEFAULT_GRPC_PORTS[role]} if role in DEFAULT_GRPC_PORTS else set())
+    ops_port = DEFAULT_HTTP_PORTS[role] + OPS_PORT_OFFSET
+    expected = {DEFAULT_HTTP_PORTS[role], ops_port} | ({DEFAULT_GRPC_PORTS[role]} if role in DEFAULT_GRPC_PORTS else set())
     assert exposed == expected
-    # The healthcheck asks TANDEM_HTTP_PORT, so it must name the port the service listens on.
+    # The healthcheck asks TANDEM_OPS_PORT, so it must name the ops port the service listens on.
     assert effective_env(stages, role).get("TANDEM_HTTP_PORT") == str(DEFAULT_HTTP_PORTS[role])
+    assert effective_env(stages, role).get("TANDEM_OPS_PORT") == str(ops_port)
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -23,6 +23,7 @@ from tandem.devstack.secrets import CASSANDRA_LOGIN, StackSecrets
 from tandem.errors import StartupError
 from tandem.key_file import generate_key
 from tandem.ops.store_migrate import StoreAdmin
+from tandem.runtime.ops_port import OPS_PORT_OFFSET
 from tandem.runtime.run import bind_port
 from tandem.store.cassandra_roles import STORE_ROLES
 
@@ -156,6 +157,8 @@ class Member:
     instance_id: str = ""  # services: TANDEM_INSTANCE_ID, kept across restarts
     url: str = ""  # servers: nats://... or redis://...; services: http://host:port
     http_port: int | None = None
+    ops_url: str = ""  # services: http://host:ops_port, where /healthz, /readyz and /metrics answer
+    ops_port: int | None = None
     grpc_port: int | None = None  # workers' control server
     env: dict[str, str] = field(default_factory=dict)  # services: the environment each start gets
     child: ChildProcess | None = None
@@ -247,9 +250,9 @@ def service_member(
     on_host: Host | None = None,
     certs: CertSet | None = None,
 ) -> Member:
-    """Instance `index` of a service role: its own instance id, HTTP port and (workers) gRPC port,
-    kept across its restarts; chat instance i listens on chat_port + i, the other services and
-    decode workers' UCX listeners take a free port each. `nats_url` is every NATS node's,
+    """Instance `index` of a service role: its own instance id, HTTP port, ops port and (workers)
+    gRPC port, kept across its restarts; chat instance i listens on chat_port + i, the other
+    services, every ops port and decode workers' UCX listeners take a free port each. `nats_url` is every NATS node's,
     comma-separated, on a stack with a cluster. It logs in to the bus as its instance's user
     (the URLs carry no login), with the Redis password and the internal secret of `secrets`.
     `pool` SMALL_POOL: a small-model decode worker, named by its instance id (small-decode-i).
@@ -257,6 +260,7 @@ def service_member(
     is given its role's certificate (TANDEM_TLS_*, tandem.tls)."""
     host = config.host if on_host is None else on_host.address
     http_port = _http_port(config, role, index, on_host)
+    ops_port = free_port(host) if on_host is None else DEFAULT_HTTP_PORTS[role] + OPS_PORT_OFFSET
     # Kept across restarts: the router sees the same worker come back.
     instance_id = instance_id_of(role, index, pool)
     env = {
@@ -265,6 +269,7 @@ def service_member(
         "PYTHONUNBUFFERED": "1",
         "TANDEM_HOST": host,
         "TANDEM_HTTP_PORT": str(http_port),
+        "TANDEM_OPS_PORT": str(ops_port),
         "TANDEM_NATS_URL": nats_url,
         "TANDEM_REDIS_URL": redis_url,
         "TANDEM_UCX_PORT": "0",
@@ -296,15 +301,17 @@ def service_member(
         child.start()
         return child
 
-    url = f"http://{host}:{http_port}"
+    ops_url = f"http://{host}:{ops_port}"
     return Member(
         name=name,
         role=role,
         launch=launch,
-        readyz_url=f"{url}/readyz",
+        readyz_url=f"{ops_url}/readyz",
         instance_id=instance_id,
-        url=url,
+        url=f"http://{host}:{http_port}",
         http_port=http_port,
+        ops_url=ops_url,
+        ops_port=ops_port,
         grpc_port=grpc_port,
         env=env,
     )

@@ -27,9 +27,10 @@ The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
 
 A member's name is its role when the stack runs one of that role ("router", "relay", "nats",
 "redis"; with --ha (StackConfig.ha) the NATS nodes are "nats-0", "nats-1", "nats-2"), and "decode", "prefill", "chat" when there is one), else its instance id ("decode-0",
-"decode-1"). Each service instance has its own instance id, HTTP port and (workers) gRPC port,
-kept across its restarts: chat instance i listens on chat_port + i (each checked free at start),
-the others take free ports, and decode workers' UCX listeners a free port each. Servers restart on
+"decode-1"). Each service instance has its own instance id, HTTP port, ops port (/healthz, /readyz, /metrics:
+Member.ops_url, said at start) and (workers) gRPC port, kept across its restarts: chat instance i
+listens on chat_port + i (each checked free at start), the others and every ops port take free
+ports, and decode workers' UCX listeners a free port each. Servers restart on
 the same port with the same data directory: JetStream's store and Redis's append-only file
 survive a restart.
 
@@ -420,10 +421,16 @@ class Stack:
                 f'models: {env["TANDEM_LARGE_MODEL"]} (large), {env["TANDEM_SMALL_MODEL"]} (small, {small}); "auto" picks one'
             )
         self._announce_ranks()
-        self._console.say(f"try: curl -s http://{host}:{port}/readyz")
+        services = [m for m in self._members if m.ops_url]
+        if services:  # free ports: each is said once here
+            self._console.say("ops ports (/healthz /readyz /metrics /docs): " + ", ".join(f"{m.name} {m.ops_url}" for m in services))
+        if chats:
+            self._console.say(f"try: curl -s {chats[0].ops_url}/readyz")
         routers = self.members_of("router")
-        if routers:  # its port is a free one: top needs to be told
-            self._console.say(f"watch: tandem top --router-url {routers[0].url} --chat-url http://{host}:{port}")
+        if routers and chats:
+            self._console.say(
+                f"watch: tandem top --router-url {routers[0].url} --router-ops-url {routers[0].ops_url} --chat-url {chats[0].ops_url}"
+            )
         tls = "".join(f"{name}={value} " for name, value in self.operator_tls.env().items()) if self.operator_tls else ""
         self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} {tls}tandem generate --via-bus "Hello"')
         self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")

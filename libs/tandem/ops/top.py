@@ -1,6 +1,7 @@
 """`tandem top`: a live terminal view of a running stack for people without Grafana. Every
-interval it asks the router for its workers (GET /workers), reads each worker's, the router's and
-a chat instance's /metrics, and redraws one frame (plain ANSI: clear and print)."""
+interval it asks the router for its workers (GET /workers, on the router's HTTP port), reads each
+worker's, the router's and a chat instance's /metrics (on their ops ports: a worker's is in the
+router's listing), and redraws one frame (plain ANSI: clear and print)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 from tandem.config import DEFAULT_HTTP_PORTS
 from tandem.errors import StartupError
 from tandem.ops.top_frame import Metrics, Snapshot, WorkerView, render_frame
+from tandem.runtime.ops_port import OPS_PORT_OFFSET
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -58,12 +60,12 @@ async def _worker_view(http: httpx.AsyncClient, listed: dict[str, object], probl
     )
 
 
-async def take_snapshot(http: httpx.AsyncClient, router_url: str, chat_url: str) -> Snapshot:
+async def take_snapshot(http: httpx.AsyncClient, router_url: str, router_ops_url: str, chat_ops_url: str) -> Snapshot:
     problems: list[str] = []
     listed = await _workers(http, router_url, problems)
     chat, router, *workers = await asyncio.gather(
-        _metrics(http, chat_url, "chat", problems),
-        _metrics(http, router_url, "router", problems),
+        _metrics(http, chat_ops_url, "chat", problems),
+        _metrics(http, router_ops_url, "router", problems),
         *(_worker_view(http, w, problems) for w in listed),
     )
     return Snapshot(time.time(), chat, router, list(workers), problems)  # type: ignore[arg-type]
@@ -71,10 +73,10 @@ async def take_snapshot(http: httpx.AsyncClient, router_url: str, chat_url: str)
 
 async def _top(args: argparse.Namespace) -> int:
     async with httpx.AsyncClient(timeout=args.timeout_s) as http:
-        before = await take_snapshot(http, args.router_url, args.chat_url)
+        before = await take_snapshot(http, args.router_url, args.router_ops_url, args.chat_url)
         while True:
             await asyncio.sleep(args.interval)
-            now = await take_snapshot(http, args.router_url, args.chat_url)
+            now = await take_snapshot(http, args.router_url, args.router_ops_url, args.chat_url)
             frame = render_frame(now, before, args.interval)
             if args.once:
                 print(frame)
@@ -95,16 +97,20 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_cli(commands: argparse._SubParsersAction) -> None:
     router_url = f"http://127.0.0.1:{DEFAULT_HTTP_PORTS['router']}"
-    chat_url = f"http://127.0.0.1:{DEFAULT_HTTP_PORTS['chat']}"
+    router_ops_url = f"http://127.0.0.1:{DEFAULT_HTTP_PORTS['router'] + OPS_PORT_OFFSET}"
+    chat_url = f"http://127.0.0.1:{DEFAULT_HTTP_PORTS['chat'] + OPS_PORT_OFFSET}"
     parser = commands.add_parser(
         "top",
         help="a live view of the stack: workers, KV use, queues, tokens/s, TTFT p95",
-        description="Redraws every --interval seconds from the router's GET /workers and the processes' /metrics. "
+        description="Redraws every --interval seconds from the router's GET /workers and the processes' /metrics (on their ops ports). "
         "Rates and percentiles cover the last interval (percentiles: since start until the interval has observations). "
         "A figure a process does not export shows as '-'. Ctrl-C quits.",
     )
-    parser.add_argument("--router-url", default=router_url, help=f"the router's HTTP address (default {router_url})")
-    parser.add_argument("--chat-url", default=chat_url, help=f"a chat instance's HTTP address (default {chat_url})")
+    parser.add_argument("--router-url", default=router_url, help=f"the router's HTTP address, for GET /workers (default {router_url})")
+    parser.add_argument(
+        "--router-ops-url", default=router_ops_url, help=f"the router's ops address, for /metrics (default {router_ops_url})"
+    )
+    parser.add_argument("--chat-url", default=chat_url, help=f"a chat instance's ops address, for /metrics (default {chat_url})")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default 2)")
     parser.add_argument("--once", action="store_true", help="print one frame (after one interval, for its rates) and exit")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="per HTTP request")

@@ -1,8 +1,10 @@
-"""A service's FastAPI app: its lifespan owns the runtime, every app answers /healthz, /readyz
-and /metrics, and every answer carries a request id (tandem.runtime.request_id). An error is
-answered as `{"error": {"message", "type", "code", "request_id"}}` and never carries an
-exception's text: that goes to the log under the request id. A service may install its own
-handlers over these (the chat does)."""
+"""A service's FastAPI apps: the service's own (its API, whose lifespan owns the runtime) and its
+ops app (/healthz, /readyz, /metrics, /version, and the service API's /docs, /redoc and
+/openapi.json), which run_service serves on the internal ops port (tandem.runtime.ops_port): the
+service's own port answers none of them. Every answer carries a request id
+(tandem.runtime.request_id). An error is answered as `{"error": {"message", "type", "code",
+"request_id"}}` and never carries an exception's text: that goes to the log under the request id.
+A service may install its own handlers over these (the chat does)."""
 
 from __future__ import annotations
 
@@ -73,13 +75,34 @@ def create_app(
                 await on_stop()
             await runtime.stop()
 
-    app = TandemApp(title=f"tandem {runtime.config.role}", version=__version__, lifespan=lifespan)
+    # No schema or docs on the service's port: the ops app serves this app's.
+    app = TandemApp(title=f"tandem {runtime.config.role}", version=__version__, lifespan=lifespan, openapi_url=None)
     app.state.runtime = runtime  # run_service drains it on SIGTERM and exits with its exit code
+    _answer_errors(app)
+    for router in routers:
+        app.include_router(router)
+    app.state.ops_app = ops_app(runtime, app)  # run_service serves it on the ops port
+    return app
+
+
+def ops_app(runtime: Runtime, service_app: FastAPI) -> FastAPI:
+    """The ops port's app: health, readiness, metrics, the version, and `service_app`'s API schema
+    with its /docs and /redoc (read when asked, so routes added after this are in it). No
+    lifespan: the service app's owns the runtime."""
+    app = TandemApp(title=f"tandem {runtime.config.role} (ops)", version=__version__)
+    app.openapi = service_app.openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema
+    _answer_errors(app)
+    app.include_router(health_router(runtime))
+    app.include_router(metrics_router())
+
+    @app.get("/version", tags=["health"])
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    return app
+
+
+def _answer_errors(app: FastAPI) -> None:
     app.add_exception_handler(FrameworkHttpError, _answer_framework)
     app.add_exception_handler(RequestValidationError, _answer_invalid)
     app.add_exception_handler(Exception, _answer_unexpected)
-    app.include_router(health_router(runtime))
-    app.include_router(metrics_router())
-    for router in routers:
-        app.include_router(router)
-    return app

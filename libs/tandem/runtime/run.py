@@ -1,18 +1,24 @@
-"""The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0 (1 for a
-runtime that failed); and the port checks that make a bad setting fail at start in one line."""
+"""The `__main__` of every service: settings, apps, sockets, serve until SIGTERM, exit 0 (1 for a
+runtime that failed); and the port checks that make a bad setting fail at start in one line.
+
+Two servers share the event loop: the service's own on its HTTP port and the ops app on the ops
+port (tandem.runtime.app.ops_app), each with its own connection limit, so a flood on the service's
+port never starves a probe. The ops server stops after the service's has drained: /readyz
+answers 503 while it drains, rather than refusing connections."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import FrameType
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,7 +27,8 @@ from tandem.config import Settings, load_settings
 from tandem.errors import StartupError
 from tandem.runtime.affinity import pin_process
 from tandem.runtime.collector import settle_started_service
-from tandem.runtime.http_limits import HttpLimits, default_max_connections, protocol_with
+from tandem.runtime.http_limits import SPARE_CONNECTIONS, HttpLimits, default_max_connections, protocol_with
+from tandem.runtime.ops_port import ops_port_for
 from tandem.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -50,6 +57,15 @@ def _ignore_signal(signum: int, frame: object) -> None:
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; this handler makes that a no-op,
     # so a stopped service exits 0 instead of dying by the signal.
     pass
+
+
+class _OpsServer(uvicorn.Server):
+    """The ops port's server: the service's server owns the signals, and run_service stops this
+    one once that one is done."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 class _DrainingServer(uvicorn.Server):
@@ -85,7 +101,7 @@ def fail(role: str, message: str) -> NoReturn:
 
 
 def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: Settings | None = None) -> NoReturn:
-    """The `__main__` of every service: settings, app, socket, serve until SIGTERM, exit 0.
+    """The `__main__` of every service: settings, apps, sockets, serve until SIGTERM, exit 0.
     `settings`: already read (`tandem serve`); None reads this process's flags, then the
     environment and the toml file."""
     try:
@@ -97,28 +113,49 @@ def run_service(role: str, build_app: Callable[[Settings], FastAPI], settings: S
             stream=sys.stdout,
         )
         pin_process(settings.cpus)  # before the app starts its threads
+        ops_port = ops_port_for(settings, role)
+        ops_sock = bind_port(settings.host, ops_port, "TANDEM_OPS_PORT")
+        if ops_port == 0:  # heartbeats carry the port taken
+            settings = settings.model_copy(update={"ops_port": ops_sock.getsockname()[1]})
         app = build_app(settings)
         sock = bind_port(settings.host, settings.http_port_for(role), "TANDEM_HTTP_PORT")
         sock.listen(settings.http_backlog)
+        ops_sock.listen(settings.http_backlog)
     except StartupError as exc:
         fail(role, str(exc))
     signal.signal(signal.SIGTERM, _ignore_signal)
     signal.signal(signal.SIGINT, _ignore_signal)
     runtime = getattr(app.state, "runtime", None)  # every service's (tandem.runtime.create_app)
-    server = _DrainingServer(
-        uvicorn.Config(
-            app,
-            log_level=settings.log_level.lower(),
-            access_log=False,
-            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s / 2)),
-            lifespan="on",
-            http=protocol_with(http_limits_for(role, settings)),
-            backlog=settings.http_backlog,
-        ),
-        runtime,
-    )
+    limits = http_limits_for(role, settings)
+    server = _DrainingServer(_server_config(app, settings, limits, lifespan="on"), runtime)
+    # The service's timeouts; room for probes and scrapes, whatever the service's own limit.
+    ops_limits = dataclasses.replace(limits, max_connections=SPARE_CONNECTIONS)
+    ops_server = _OpsServer(_server_config(app.state.ops_app, settings, ops_limits, lifespan="off"))
     log.info("%s listening on http://%s:%d", role, settings.host, sock.getsockname()[1])
-    server.run(sockets=[sock])
+    log.info("%s ops (health, readiness, metrics, API docs) on http://%s:%d", role, settings.host, ops_sock.getsockname()[1])
+
+    async def serve_both() -> None:
+        ops = asyncio.create_task(ops_server.serve(sockets=[ops_sock]), name="ops-server")
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            ops_server.should_exit = True
+            await ops
+
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        runner.run(serve_both())
     # A worker's runtime says 1 when it stopped because it failed.
     exit_code = runtime.exit_code if runtime is not None else 0
     raise SystemExit(exit_code if server.started else 1)
+
+
+def _server_config(app: FastAPI, settings: Settings, limits: HttpLimits, *, lifespan: Literal["on", "off"]) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s / 2)),
+        lifespan=lifespan,
+        http=protocol_with(limits),
+        backlog=settings.http_backlog,
+    )

@@ -24,6 +24,7 @@ from tandem.bus.permissions import inbox_prefix
 from tandem.config import Settings
 from tandem.redis_sentinel import SentinelTarget, master_client, sentinel_target
 from tandem.runtime.loop_lag import watch_loop_lag
+from tandem.runtime.ops_port import ops_url
 from tandem.tls import TlsSettings
 from tandem.v1.worker_pb2 import ServiceHeartbeat
 
@@ -39,7 +40,7 @@ HeartbeatBuilder = Callable[[ServiceHeartbeat], Message]
 class RuntimeConfig:
     role: str
     instance_id: str
-    http_url: str
+    http_url: str  # its ops port's: /healthz, /readyz and /metrics (tandem.runtime.ops_port)
     nats_url: str
     redis_url: str | None  # None: this service does not use Redis
     heartbeat_interval_s: float
@@ -56,7 +57,7 @@ class RuntimeConfig:
         return cls(
             role=role,
             instance_id=settings.instance_id_for(role),
-            http_url=f"http://{settings.reachable_host()}:{settings.http_port_for(role)}",
+            http_url=ops_url(settings, role),
             nats_url=settings.nats_url,
             redis_url=settings.redis_url if uses_redis else None,
             heartbeat_interval_s=settings.heartbeat_interval_s,

@@ -25,6 +25,7 @@ from tandem.devstack.secrets import CASSANDRA_APP_PASSWORD, CASSANDRA_PASSWORD, 
 from tandem.devstack.servers import nats_server_binary, redis_server_binary
 from tandem.redis_acl import ROLES as REDIS_ROLES
 from tandem.redis_acl import binary_version, can_read_only, config_lines
+from tandem.runtime.ops_port import OPS_PORT_OFFSET
 from tandem.store.cassandra_roles import APP_ROLE
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -164,14 +165,14 @@ def test_tandem_secrets_writes_every_variable_compose_requires(tmp_path: Path) -
     assert result.returncode == 0, result.stderr
 
 
-def test_prometheus_scrapes_every_service_on_its_port(services: dict) -> None:
+def test_prometheus_scrapes_every_service_on_its_ops_port(services: dict) -> None:
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == set(ROLES)
     for role, job in jobs.items():
         (discovery,) = job["dns_sd_configs"]
         assert discovery["names"] == [role] and role in services  # every replica of the compose service
-        assert discovery["port"] == DEFAULT_HTTP_PORTS[role]
+        assert discovery["port"] == DEFAULT_HTTP_PORTS[role] + OPS_PORT_OFFSET
         assert job.get("metrics_path", "/metrics") == "/metrics"
     mounted = {volume.split(":")[1] for volume in services["prometheus"]["volumes"] if volume.startswith("./")}
     assert set(config["rule_files"]) <= mounted

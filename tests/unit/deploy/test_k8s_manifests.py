@@ -19,6 +19,7 @@ from kustomize_lite import Object, load_objects, render
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES, ApiKey, Tier
 from tandem.devstack.secrets import StackSecrets, write_container_set
 from tandem.key_file import entry_for, generate_key, key_id_of, parse_key_file
+from tandem.runtime.ops_port import OPS_PORT_OFFSET
 from tandem.store.cassandra_roles import APP_ROLE
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -140,17 +141,21 @@ def test_a_deployment_and_service_per_role_from_its_dockerfile_target(rendered: 
         assert image.rsplit(":", 1)[1], f"{role}: no tag"
         ports = {port["name"]: port["containerPort"] for port in container(deployments[role])["ports"]}
         assert ports["http"] == DEFAULT_HTTP_PORTS[role]
+        assert ports["ops"] == DEFAULT_HTTP_PORTS[role] + OPS_PORT_OFFSET, "the image's TANDEM_OPS_PORT"
+        assert "ops" not in [port["targetPort"] for port in services[role]["spec"]["ports"]], f"{role}: its Service has no ops port"
         if role in DEFAULT_GRPC_PORTS:
             assert ports["grpc"] == DEFAULT_GRPC_PORTS[role]
         assert services[role]["spec"]["selector"] == deployments[role]["spec"]["template"]["metadata"]["labels"]
         assert services[role]["spec"].get("type", "ClusterIP") == "ClusterIP", f"{role} exposed by its Service"
 
 
-def test_probes_ask_readyz_and_healthz(rendered: list[Object]) -> None:
+def test_probes_ask_readyz_and_healthz_on_the_ops_port(rendered: list[Object]) -> None:
     for role, deployment in by_kind(rendered, "Deployment").items():
         probes = container(deployment)
-        assert probes["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}, role
-        assert probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}, role
+        assert probes["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ops"}, role
+        assert probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "ops"}, role
+        if "startupProbe" in probes:
+            assert probes["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "ops"}, role
 
 
 def _setting(objects: list[Object], name: str) -> float:
@@ -268,12 +273,12 @@ def test_no_manifest_holds_a_literal_credential() -> None:
 def test_only_chat_is_reachable_from_outside(rendered: list[Object]) -> None:
     ingresses = by_kind(rendered, "Ingress")
     backends = {
-        path["backend"]["service"]["name"]
+        (path["backend"]["service"]["name"], path["backend"]["service"]["port"]["name"])
         for ingress in ingresses.values()
         for rule in ingress["spec"]["rules"]
         for path in rule["http"]["paths"]
     }
-    assert backends == {"chat"}
+    assert backends == {("chat", "http")}, "the chat's public port only, never its ops port"
     for name, service in by_kind(rendered, "Service").items():
         assert service["spec"].get("type", "ClusterIP") == "ClusterIP", name
     policies = by_kind(rendered, "NetworkPolicy").values()
@@ -286,11 +291,11 @@ def test_only_chat_is_reachable_from_outside(rendered: list[Object]) -> None:
                 assert [port["port"] for port in rule["ports"]] == [DEFAULT_HTTP_PORTS["chat"]]
 
 
-def test_prometheus_scrapes_every_pod_on_its_http_port(gpu: list[Object]) -> None:
+def test_prometheus_scrapes_every_pod_on_its_ops_port(gpu: list[Object]) -> None:
     (monitor,) = by_kind(gpu, "PodMonitor").values()
     assert monitor["metadata"]["namespace"] == "tandem"
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["path"] == "/metrics"
+    assert (endpoint["path"], endpoint["port"]) == ("/metrics", "ops")
     for role, deployment in by_kind(gpu, "Deployment").items():
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), role

@@ -47,12 +47,14 @@ def test_each_worker_instance_has_its_own_name_instance_id_and_ports():
     names = [m.name for m in planned]
     assert names == ["router", "relay", "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "chat"]
     assert len({m.instance_id for m in planned}) == len(planned)
-    http_ports = [m.http_port for m in planned]
+    http_ports = [m.http_port for m in planned] + [m.ops_port for m in planned]
     grpc_ports = [m.grpc_port for m in planned if m.grpc_port is not None]
     assert len(grpc_ports) == 5, "every worker has a gRPC port, no other service does"
     assert len(set(http_ports + grpc_ports)) == len(http_ports) + len(grpc_ports), "no two ports clash"
     chat = planned[-1]
-    assert (chat.http_port, chat.url, chat.readyz_url) == (18080, "http://127.0.0.1:18080", "http://127.0.0.1:18080/readyz")
+    assert (chat.http_port, chat.url) == (18080, "http://127.0.0.1:18080")
+    assert chat.readyz_url == f"{chat.ops_url}/readyz" == f"http://127.0.0.1:{chat.ops_port}/readyz", "readiness on the ops port"
+    assert all(m.env["TANDEM_OPS_PORT"] == str(m.ops_port) for m in planned)
 
 
 def test_only_the_chat_is_handed_the_api_keys(monkeypatch):

@@ -57,9 +57,9 @@ async def test_framework_and_validation_refusals_carry_the_request_id_too(client
 
 
 async def test_every_answer_gets_a_fresh_id_unless_the_caller_sent_a_sane_one(client):
-    first, second = (await client.get("/healthz")), (await client.get("/healthz"))
+    first, second = (await client.get("/items/1")), (await client.get("/items/1"))
     assert first.headers["x-request-id"] != second.headers["x-request-id"]
-    insane = await client.get("/healthz", headers={"X-Request-Id": 'a b"<script>'})
+    insane = await client.get("/items/1", headers={"X-Request-Id": 'a b"<script>'})
     assert insane.headers["x-request-id"] != 'a b"<script>'
 
 
