@@ -2,14 +2,12 @@
 services (N decode and M prefill workers, one router, one relay, one or more chat instances) —
 with prefixed logs, readiness, restarts with backoff, and an orderly stop on Ctrl-C.
 
-It serves two models: the large one (the configured weights, or the embedded SmolLM2, in the
-dtype) on those workers, and a small one on `small_decode_workers` more decode workers
-("small-decode-0", ...; no prefill workers: they prefill locally) that keep the weights as int8
-(small_model_quantization) from small_model_path, or the large model's file. Chat and router are
-told both names (TANDEM_LARGE_MODEL, TANDEM_SMALL_MODEL) for `auto` and the pools' fallbacks.
-With --tensor-parallel-size N the large model's prefill and decode workers are N ranks each (the
-small model's one): on a host with GPUs each worker takes N of its own, else every rank a share of
-the cores (tandem.devstack.devices).
+It serves two models: the large one (the configured weights, or the embedded SmolLM2) on those
+workers, and a small one on `small_decode_workers` more decode workers ("small-decode-0", ...;
+they prefill locally) with int8 weights from small_model_path or the large model's file; chat and
+router are told both names for `auto` and the pools' fallbacks. With --tensor-parallel-size N the
+large model's workers are N ranks each: on a host with GPUs N GPUs each, else a share of the
+cores each rank (tandem.devstack.devices).
 
 The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
 
@@ -26,24 +24,22 @@ The same `Stack` is the failure drills' harness (bench/drills.py), from Python:
         await stack.wait_ready("decode-1", timeout_s=120)
 
 A member's name is its role when the stack runs one of that role ("router", "relay", "nats",
-"redis"; with --ha (StackConfig.ha) the NATS nodes are "nats-0", "nats-1", "nats-2"), and "decode", "prefill", "chat" when there is one), else its instance id ("decode-0",
-"decode-1"). Each service instance has its own instance id, HTTP port, ops port (/healthz, /readyz, /metrics:
-Member.ops_url, said at start) and (workers) gRPC port, kept across its restarts: chat instance i
-listens on chat_port + i (each checked free at start), the others and every ops port take free
-ports, and decode workers' UCX listeners a free port each. Servers restart on
+"redis"; --ha's NATS nodes are "nats-0" .. "nats-2"), else its instance id ("decode-0"). Each
+service instance keeps its instance id, HTTP port, ops port (/healthz, /readyz, /metrics:
+Member.ops_url, said at start) and (workers) gRPC port across its restarts: chat instance i
+listens on chat_port + i (checked free at start), the rest take free ports. Servers restart on
 the same port with the same data directory: JetStream's store and Redis's append-only file
 survive a restart.
 
-Both servers require a login (tandem.devstack.servers), and neither takes a plaintext TCP client:
-NATS requires TLS, Redis has a TLS port or only a unix socket (tandem.devstack.redis_listen), with
-the development CA and certificates made at each start (tandem.devstack.certs). Each service gets
-its role's bus user, certificate, the Redis password and the internal shared secret in its
-environment; the stack's own URLs carry the operator's login for tools, and <work
-folder>/operator.env holds it as settings (TANDEM_NATS_USER, TANDEM_TLS_CA_FILE, ...). A new `tandem up` makes a new set; nothing outlives the stack's work folder. Once NATS is
-up the stack runs `tandem bus init` (tandem.ops.bus_init) as the operator: the token stream, on
-every node of an --ha cluster, exists before any service starts. With TANDEM_STORE=cassandra
-(a node of its own: `tandem cassandra up`) it runs `tandem store migrate` with the caller's
-Cassandra login, the admin's, and hands chat and relay the application role's login instead.
+Both servers require a login (tandem.devstack.servers) and take no plaintext TCP client: NATS
+requires TLS, Redis has a TLS port or only a unix socket (tandem.devstack.redis_listen), with a
+development CA and certificates made at each start (tandem.devstack.certs). Each service gets its
+instance's bus user, its role's certificate and Redis user, and the internal secret; the stack's
+URLs carry the operator's login for tools, and <work folder>/operator.env holds it as settings.
+Nothing outlives the work folder. Once NATS is up the stack runs `tandem bus init` as the
+operator, so the token stream exists before any service starts. With TANDEM_STORE=cassandra (a
+node of its own: `tandem cassandra up`) it runs `tandem store migrate` with the caller's login,
+the admin's, and hands chat and relay the application role's login instead.
 """
 
 from __future__ import annotations
