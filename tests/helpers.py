@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import uvicorn
 from nats.aio.client import Client
 
 from tandem.bus import decode, subjects
+from tandem.bus.permissions import inbox_prefix
 from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.cassandra_node import SUPERUSER, find_java17
 from tandem.devstack.devices import torch_threads_per_rank
@@ -227,3 +228,17 @@ def served_in_thread(app: Any, **config: Any) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+async def instance_client(nats_url: str, role: str, instance_id: str, on_error: Callable[[Exception], Awaitable[None]]) -> Client:
+    """A bus client logged in as `instance_id`'s own user with its own inbox (admitted on the
+    running server at `nats_url`, its operator URL), the server's refusals going to `on_error`."""
+    env = join_local_bus(role, instance_id, nats_url)
+    return await nats.connect(
+        env["TANDEM_NATS_URL"],
+        user=env["TANDEM_NATS_USER"],
+        password=env["TANDEM_NATS_PASSWORD"],
+        inbox_prefix=inbox_prefix(role, instance_id),
+        error_cb=on_error,
+        allow_reconnect=False,
+    )

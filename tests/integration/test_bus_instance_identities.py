@@ -11,6 +11,7 @@ import uuid
 
 import nats
 import pytest
+from helpers import instance_client
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -28,20 +29,12 @@ def _instance(role: str) -> str:
 
 async def _connect_as(nats_server: EmbeddedServer, role: str, instance_id: str) -> tuple[Client, asyncio.Queue[Exception]]:
     """A client with `instance_id`'s own login and inbox, and the refusals the server reports to it."""
-    env = join_local_bus(role, instance_id, nats_server.url)
     refusals: asyncio.Queue[Exception] = asyncio.Queue()
 
     async def on_error(exc: Exception) -> None:
         refusals.put_nowait(exc)
 
-    client = await nats.connect(
-        env["TANDEM_NATS_URL"],
-        user=env["TANDEM_NATS_USER"],
-        password=env["TANDEM_NATS_PASSWORD"],
-        inbox_prefix=inbox_prefix(role, instance_id),
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
+    client = await instance_client(nats_server.url, role, instance_id, on_error)
     return client, refusals
 
 

@@ -23,13 +23,11 @@ import nats.errors
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from helpers import wait_until
+from helpers import instance_client, wait_until
 from nats.aio.client import Client
 
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig, consumer_config
-from tandem.bus.permissions import inbox_prefix
 from tandem.bus.token_stream import STREAM, TokenStreamConfig, token_stream_config
-from tandem.devstack.bus_users import join_local_bus
 from tandem.devstack.servers import EmbeddedServer, NatsCluster, init_token_stream, start_nats, start_nats_cluster
 from tandem.runtime.runtime import short_command_client
 from tandem.tokenlog import TokenLogWriter, logged_events
@@ -289,20 +287,12 @@ async def test_bus_init_creates_the_stream_and_running_it_again_changes_nothing(
 @pytest.mark.parametrize("role", ["relay", "decode", "router"])
 async def test_a_service_instance_is_refused_changing_or_deleting_the_token_stream(nats_server, role):
     instance_id = f"{role}-admin-{uuid.uuid4().hex[:8]}"
-    env = join_local_bus(role, instance_id, nats_server.url)  # its own instance's login and inbox
     refusals: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
         refusals.append(exc)
 
-    client = await nats.connect(
-        env["TANDEM_NATS_URL"],
-        user=env["TANDEM_NATS_USER"],
-        password=env["TANDEM_NATS_PASSWORD"],
-        inbox_prefix=inbox_prefix(role, instance_id),
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
+    client = await instance_client(nats_server.url, role, instance_id, on_error)  # its own instance's login and inbox
     try:
         js = client.jetstream(timeout=1)
         before = (await js.stream_info(STREAM)).config  # looking it up is allowed: services wait for it
