@@ -42,7 +42,8 @@ def address(certs: CertSet, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     folder: Path = tmp_path_factory.mktemp("mapped-nats")
     config = folder / "nats.conf"
     config.write_text(mapped_tls_config(str(certs.folder)) + render_config(cert_mapped_users([DECODE_0, DECODE_1, RELAY_0])))
-    child = ChildProcess("nats", [nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", "-1"])
+    argv = [nats_server_binary(), "-c", str(config), "-js", "-sd", str(folder / "store"), "-a", "127.0.0.1", "-p", "-1"]
+    child = ChildProcess("nats", argv)
     child.start()
     listening = child.wait_for_line(r"Listening for client connections on ([\d.]+):(\d+)", READY_TIMEOUT_S)
     assert listening is not None, child.recent_output()
@@ -130,3 +131,20 @@ async def test_a_certificate_of_the_ca_that_names_no_user_is_refused(address: st
     server, and the user or password it sends is not looked at."""
     with pytest.raises(nats.errors.Error, match="(?i)authorization"):
         await _connect(address, certs, "decode", inbox_prefix("decode", "decode-0"), **login)
+
+
+async def test_decode_0s_certificate_looks_the_stream_up_and_may_not_make_one_which_the_operators_may(address: str, certs: CertSet):
+    """A worker's start waits for the token stream through the JetStream API, its answers coming
+    to its own inbox; only the operator's certificate makes a stream."""
+    worker, refusals = await _connect(address, certs, "decode-0", inbox_prefix("decode", "decode-0"))
+    operator, _ = await _connect(address, certs, OPERATOR, "_INBOX.operator")
+    try:
+        assert (await worker.jetstream(timeout=WAIT_S).account_info()) is not None
+        with pytest.raises(nats.errors.TimeoutError):  # refused: no answer comes
+            await worker.jetstream(timeout=1).add_stream(name="CERT_MAPPED_WORKER", subjects=["cert.mapped.worker"])
+        await _refused(refusals, "$JS.API.STREAM.CREATE.CERT_MAPPED_WORKER")
+        made = await operator.jetstream(timeout=WAIT_S).add_stream(name="CERT_MAPPED_OPERATOR", subjects=["cert.mapped.operator"])
+        assert made.config.name == "CERT_MAPPED_OPERATOR"
+    finally:
+        await worker.close()
+        await operator.close()
