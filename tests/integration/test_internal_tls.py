@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from cryptography import x509
 
-from tandem.bus.permissions import OPERATOR
+from tandem.bus.permissions import OPERATOR, Identity
 from tandem.devstack.certs import SERVICES, CertSet, make_cert_set
 from tandem.devstack.proc import free_port
 from tandem.devstack.servers import EmbeddedServer, start_nats
@@ -37,9 +37,12 @@ SECRET = "internal-tls-test-secret"
 TIMEOUT_S = 10.0
 
 
+INSTANCES = (Identity("prefill", "prefill-0"), Identity("decode", "decode-0"))  # containers' certificates
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertSet:
-    return make_cert_set(tmp_path_factory.mktemp("tls"))
+    return make_cert_set(tmp_path_factory.mktemp("tls"), instances=INSTANCES)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def tls_nats(tmp_path_factory: pytest.TempPathFactory, certs: CertSet) -> Iterat
 
 
 def test_the_ca_key_is_never_written_and_each_certificate_names_its_service(certs: CertSet):
-    assert {path.name for path in certs.folder.glob("*.key")} == {f"{service}.key" for service in SERVICES}
+    assert {path.name for path in certs.folder.glob("*.key")} == {f"{holder}.key" for holder in [*SERVICES, "prefill-0", "decode-0"]}
     decode = x509.load_pem_x509_certificate(certs.cert_file("decode").read_bytes())
     names = decode.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
     assert names == ["decode", "decode.tandem.internal", "localhost"]
@@ -138,6 +141,8 @@ async def test_a_workers_grpc_port_serves_a_mutual_tls_channel_with_the_secret(w
         ("decode", "KvHandoff", grpc.StatusCode.PERMISSION_DENIED),  # another worker may not reserve its blocks
         ("chat", "KvHandoff", grpc.StatusCode.PERMISSION_DENIED),
         ("prefill", "WorkerControl", grpc.StatusCode.PERMISSION_DENIED),  # nor drain it
+        ("prefill-0", "KvHandoff", grpc.StatusCode.UNIMPLEMENTED),  # an instance's certificate names its role too
+        ("decode-0", "KvHandoff", grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
 async def test_each_service_takes_only_the_certificates_of_the_roles_that_call_it(

@@ -6,7 +6,10 @@ compose mounts). Keys are EC P-256, made fresh each time; the CA's key is never 
 Each certificate names its service three ways (SANs): `nats`, `nats.tandem.internal` (what
 clients verify, tandem.tls.server_name, whatever address they dialed) and localhost with the
 loopback addresses; it serves and it calls (serverAuth and clientAuth), since a worker's gRPC
-port is mutual. Kubernetes gets the same names from cert-manager (deploy/k8s/base/certificates.yaml)."""
+port is mutual. Kubernetes gets the same names from cert-manager (deploy/k8s/tls, and each service
+pod's own from cert-manager's csi-driver). A service instance's certificate (containers: compose's
+`decode-0`) carries one name more, its instance's (tandem.bus.permissions.cert_user), which
+nats-server maps to the instance's bus user."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import datetime
 import ipaddress
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tandem.bus.permissions import Identity, cert_user
 from tandem.tls import TlsSettings, server_name
 
 # Every process that holds a certificate: the servers, the services, and `operator` for tools
@@ -54,8 +59,11 @@ class CertSet:
         return TlsSettings(ca_file=str(self.ca_file), cert_file=str(self.cert_file(service)), key_file=str(self.key_file(service)))
 
 
-def make_cert_set(parent: Path, services: tuple[str, ...] = SERVICES, valid_days: int = VALID_DAYS) -> CertSet:
-    """A new CA and one certificate per service under `parent`/tls (replacing what was there)."""
+def make_cert_set(
+    parent: Path, services: tuple[str, ...] = SERVICES, valid_days: int = VALID_DAYS, instances: Sequence[Identity] = ()
+) -> CertSet:
+    """A new CA and one certificate per service under `parent`/tls (replacing what was there), and
+    one per instance of `instances`, under its instance id's name (decode-0.pem)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"Tandem development CA {now:%Y-%m-%d %H:%M:%S}")])
@@ -69,21 +77,23 @@ def make_cert_set(parent: Path, services: tuple[str, ...] = SERVICES, valid_days
     made = CertSet(parent / FOLDER)
     made.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     made.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for service in services:
+    holders = [(service, server_name(service), _names(service)) for service in services]
+    holders += [(i.instance_id, cert_user(i), _names(i.role, cert_user(i))) for i in instances]
+    for holder, common_name, names in holders:
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name(service))])
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         cert = (
             _builder(subject, ca.subject, key.public_key(), now, valid_days)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(is_ca=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(_names(service), critical=False)
+            .add_extension(names, critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256())
         )
-        made.cert_file(service).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        made.cert_file(holder).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        _write_key(made.key_file(service), key_pem)
+        _write_key(made.key_file(holder), key_pem)
     return made
 
 
@@ -124,8 +134,8 @@ def _key_usage(is_ca: bool) -> x509.KeyUsage:
     )
 
 
-def _names(service: str) -> x509.SubjectAlternativeName:
-    dns = [x509.DNSName(name) for name in (service, server_name(service), "localhost")]
+def _names(service: str, *more: str) -> x509.SubjectAlternativeName:
+    dns = [x509.DNSName(name) for name in (service, server_name(service), *more, "localhost")]
     ips = [x509.IPAddress(ipaddress.ip_address(address)) for address in ("127.0.0.1", "::1")]
     return x509.SubjectAlternativeName([*dns, *ips])
 

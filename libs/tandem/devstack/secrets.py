@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from tandem.bus.connection import server_urls, without_credentials
-from tandem.bus.permissions import OPERATOR, PERMISSIONS, USERS, Identity, literal, password_variable, render_config
+from tandem.bus.permissions import COMPOSE_INSTANCES, OPERATOR, PERMISSIONS, USERS, Identity, literal, password_variable, render_config
 from tandem.devstack.certs import make_cert_set
 from tandem.errors import StartupError
 from tandem.redis_acl import ROLES as REDIS_ROLES
@@ -211,7 +211,8 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         description="Writes DIR/tandem.env (KEY=value lines for compose's env_file) and DIR/secrets/<VARIABLE>, "
         "one file per secret (for compose, or for Kubernetes: `tandem secrets deploy/k8s/secrets/generated` makes one Secret per role, deploy/README.md): "
         "a bus password per user, the Redis passwords, the Cassandra admin's and application role's passwords and the internal shared secret; "
-        "and DIR/tls/: a new CA (ca.pem) and a certificate and key per service for TLS on every internal link. "
+        "and DIR/tls/: a new CA (ca.pem) and a certificate and key per service for TLS on every internal link, "
+        "plus one per compose service instance (decode-0.pem, ...): NATS maps each to that instance's bus user. "
         "Files are readable by you alone.",
     )
     parser.add_argument("dir", type=Path, help="the folder to write to (created if missing)")
@@ -221,7 +222,7 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     written = write_container_set(args.dir, StackSecrets.generate(), args.force)
-    certs = make_cert_set(args.dir)
+    certs = make_cert_set(args.dir, instances=COMPOSE_INSTANCES)
     written += sorted(certs.folder.iterdir())
     for path in written:
         print(path)

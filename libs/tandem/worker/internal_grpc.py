@@ -101,9 +101,11 @@ class CallerRoleInterceptor(grpc.aio.ServerInterceptor):
 
 
 def caller_role(context: grpc.aio.ServicerContext) -> str:
-    """The role named by the caller's certificate ("" without one)."""
+    """The role named by the caller's certificate ("" without one): prefill.tandem.internal, or an
+    instance's prefill-0.prefill.tandem.internal (containers' certificates, whose instance ids
+    hold no dot: tandem.bus.permissions.cert_user)."""
     names = context.auth_context().get("x509_common_name", [])
-    return names[0].decode().removesuffix(f".{INTERNAL_DOMAIN}") if names else ""
+    return names[0].decode().removesuffix(f".{INTERNAL_DOMAIN}").rsplit(".", 1)[-1] if names else ""
 
 
 def is_loopback_host(host: str) -> bool:

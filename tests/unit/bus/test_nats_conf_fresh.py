@@ -1,23 +1,26 @@
-"""The committed deploy/nats/nats.conf must be what the permission table renders now."""
+"""The committed deploy/nats/nats.conf and deploy/helm/nats-values.yaml's users must be what the
+permission table renders now."""
 
 from pathlib import Path
 
 import pytest
 
 from tandem.bus.permissions import (
+    K8S_POOL_SIZES,
     OPERATOR,
     PERMISSIONS,
     SERVICE_ROLES,
     STREAM_ADMIN,
     USERS,
     Identity,
+    cert_user,
     inbox_prefix,
     literal,
     password_variable,
     render_config,
     render_container_config,
     rights_of,
-    role_users,
+    with_helm_users,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -28,14 +31,26 @@ def test_committed_nats_conf_is_the_rendering_of_the_permission_table():
     assert committed == render_container_config(), "regenerate deploy/nats/nats.conf from tandem.bus.permissions"
 
 
-def test_container_config_takes_every_password_from_the_environment():
+def test_committed_helm_values_hold_the_rendering_of_the_kubernetes_user_pool():
+    committed = (REPO / "deploy" / "helm" / "nats-values.yaml").read_text()
+    assert committed == with_helm_users(committed), "regenerate: PYTHONPATH=libs python -m tandem.bus.permissions"
+    last_decode = cert_user(Identity("decode", f"decode-{K8S_POOL_SIZES['decode'] - 1}"))
+    assert f'- user: "{last_decode}"' in committed
+
+
+def test_container_config_maps_certificates_to_instance_users_and_holds_no_password():
     rendered = render_container_config()
-    for user in USERS:
-        assert f"password: ${password_variable(user)}," in rendered
+    assert "verify_and_map: true" in rendered and "password" not in rendered
+    for role in SERVICE_ROLES:
+        assert f'{{user: "{role}-0.{role}.tandem.internal", permissions: {{' in rendered
+        assert f'"tandem.v1.heartbeat.{role}.{role}-0"' in rendered
+    assert '{user: "operator.tandem.internal", permissions: {' in rendered
+    assert not [user for user in USERS if f'{{user: "{user}",' in rendered], "a role's user would take every instance's subjects"
+    assert password_variable("decode") not in rendered
 
 
 def test_a_literal_password_is_quoted_so_a_dollar_in_it_is_not_read_as_a_variable():
-    rendered = render_config(role_users(lambda user: literal(user + "-$x")))
+    rendered = render_config([("chat", PERMISSIONS["chat"], literal("chat-$x"))])
     assert 'password: "chat-$x",' in rendered
 
 

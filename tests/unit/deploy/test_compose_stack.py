@@ -16,7 +16,7 @@ import yaml
 from compose_cli import MISSING, compose_command
 from helpers import wait_until
 
-from tandem.bus.permissions import USERS, password_variable
+from tandem.bus.permissions import COMPOSE_INSTANCES, CONTAINER_TLS_FOLDER, cert_user
 from tandem.config import DEFAULT_HTTP_PORTS, ROLES
 from tandem.devstack.certs import make_cert_set
 from tandem.devstack.proc import free_port
@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parents[3]
 _REFERENCE = re.compile(r"^\$\{(?P<name>\w+):\?run tandem secrets[^}]*\}$")
 _CREDENTIAL_NAME = re.compile(r"PASSWORD|SECRET|_AUTH$")
 # The credentials each role is given, under the names its settings read: variable -> source.
-_NATS = {"TANDEM_NATS_PASSWORD"}
+# No bus password: each logs in to NATS with its instance's certificate.
 ROLE_CREDENTIALS = {
-    "chat": _NATS | {"TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
-    "relay": _NATS | {"TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
-    "router": _NATS | {"TANDEM_INTERNAL_SECRET"},
-    "prefill": _NATS | {"TANDEM_INTERNAL_SECRET"},
-    "decode": _NATS | {"TANDEM_INTERNAL_SECRET"},
+    "chat": {"TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
+    "relay": {"TANDEM_REDIS_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
+    "router": {"TANDEM_INTERNAL_SECRET"},
+    "prefill": {"TANDEM_INTERNAL_SECRET"},
+    "decode": {"TANDEM_INTERNAL_SECRET"},
 }
 
 
@@ -63,8 +63,12 @@ def test_each_service_gets_its_own_role_credentials_and_no_others(services: dict
         environment = services[role]["environment"]
         credentials = references(environment)
         assert set(credentials) == ROLE_CREDENTIALS[role], role
-        assert environment["TANDEM_NATS_USER"] == role
-        assert credentials["TANDEM_NATS_PASSWORD"] == password_variable(role)
+        assert "TANDEM_NATS_USER" not in environment, role
+        (instance,) = [i for i in COMPOSE_INSTANCES if i.role == role]
+        assert environment["TANDEM_INSTANCE_ID"] == instance.instance_id
+        assert environment["TANDEM_TLS_CERT_FILE"] == f"/etc/tandem/tls/{instance.instance_id}.pem", (
+            f"{role}: not its instance's certificate"
+        )
         assert credentials.get("TANDEM_INTERNAL_SECRET", "TANDEM_INTERNAL_SECRET") == "TANDEM_INTERNAL_SECRET", role
         if "TANDEM_REDIS_PASSWORD" in credentials:  # its own ACL user's, never the admin's
             assert environment["TANDEM_REDIS_USERNAME"] == role
@@ -88,14 +92,15 @@ def test_no_credential_is_written_in_the_file(services: dict) -> None:
     assert not _LITERAL_PASSWORD_ARGUMENT.search('cqlsh -u cassandra -p "$$TANDEM_CASSANDRA_PASSWORD"')
 
 
-def test_nats_has_a_user_per_role_with_passwords_from_the_generated_file(services: dict) -> None:
+def test_nats_has_a_user_per_compose_instance_mapped_from_its_certificate(services: dict) -> None:
     nats = services["nats"]
     config = nats["command"][nats["command"].index("-c") + 1]
     assert f"./deploy/nats/nats.conf:{config}:ro" in nats["volumes"]
-    assert references(nats["environment"]) == {password_variable(user): password_variable(user) for user in USERS}
+    assert "environment" not in nats, "no bus password for the server to read"
     text = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
-    for user in USERS:
-        assert f"password: ${password_variable(user)}," in text
+    assert "verify_and_map: true" in text and "password" not in text
+    for instance in COMPOSE_INSTANCES:
+        assert f'{{user: "{cert_user(instance)}", permissions: {{' in text
 
 
 def test_redis_requires_the_password_and_its_healthcheck_logs_in(services: dict) -> None:
@@ -198,22 +203,20 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboards_folder(servic
     assert grafana["environment"]["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
 
 
-def test_nats_server_accepts_the_compose_command_with_the_generated_passwords(services: dict, tmp_path: Path) -> None:
+def test_nats_server_accepts_the_compose_command_with_the_generated_certificates(services: dict, tmp_path: Path) -> None:
     nats = services["nats"]
     mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in nats["volumes"] if volume.startswith("./")}
-    certs = make_cert_set(tmp_path / "set")  # where the tls volume has them: the certs service copies DIR/tls
-    command = [
-        str(ROOT / mounts[word]) if word in mounts else word.replace("/etc/tandem/tls/", f"{certs.folder}/") for word in nats["command"]
-    ]
-    assert "--tlsverify" in command, "compose's NATS takes clients without TLS"
+    certs = make_cert_set(tmp_path / "set", instances=COMPOSE_INSTANCES)  # where the tls volume has them: the certs service copies DIR/tls
+    config = (ROOT / mounts[nats["command"][nats["command"].index("-c") + 1]]).read_text()
+    assert config.count(CONTAINER_TLS_FOLDER + "/") == 3, "compose's NATS takes clients without TLS"
+    (tmp_path / "nats.conf").write_text(config.replace(CONTAINER_TLS_FOLDER + "/", f"{certs.folder}/"))
+    command = [str(tmp_path / "nats.conf") if word in mounts else word for word in nats["command"]]
     command[command.index("-sd") + 1] = str(tmp_path / "data")
-    write_container_set(tmp_path / "set", StackSecrets.generate(), is_overwrite=False)
-    generated = dict(line.split("=", 1) for line in (tmp_path / "set" / "tandem.env").read_text().splitlines())
     env = {name: value for name, value in os.environ.items() if not name.startswith("TANDEM_")}
-    checked = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, env=env | generated, timeout=60)
+    checked = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, env=env, timeout=60)
     assert checked.returncode == 0, checked.stderr
-    refused = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, env=env, timeout=60)
-    assert refused.returncode != 0 and "TANDEM_NATS_PASSWORD_" in refused.stderr
+    for instance in COMPOSE_INSTANCES:
+        assert certs.cert_file(instance.instance_id).is_file(), "tandem secrets issues each compose instance its certificate"
 
 
 async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(services: dict, tmp_path: Path) -> None:
@@ -310,8 +313,8 @@ def test_store_migrate_runs_as_the_cassandra_superuser_and_hands_the_role_its_pa
 def test_bus_init_runs_as_the_operator_before_every_service(services: dict) -> None:
     init = services["bus-init"]
     assert init["command"] == ["python", "-m", "tandem.ops.bus_init"]
-    assert init["environment"]["TANDEM_NATS_USER"] == "operator"
-    assert references(init["environment"]) == {"TANDEM_NATS_PASSWORD": password_variable("operator")}
+    assert "TANDEM_NATS_USER" not in init["environment"] and not references(init["environment"])
+    assert init["environment"]["TANDEM_TLS_CERT_FILE"] == "/etc/tandem/tls/operator.pem", "the operator's certificate is its login"
     assert init["depends_on"]["nats"] == {"condition": "service_healthy"}
     for role in ROLES:
         assert services[role]["depends_on"]["bus-init"] == {"condition": "service_completed_successfully"}, role

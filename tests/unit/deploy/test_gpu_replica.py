@@ -49,7 +49,7 @@ def worksheet(capsys: pytest.CaptureFixture[str], args: list[str]) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def k8s_workers() -> dict[str, Object]:
-    deployments = {item["metadata"]["name"]: item for item in render(GPU_OVERLAY) if item["kind"] == "Deployment"}
+    deployments = {item["metadata"]["name"]: item for item in render(GPU_OVERLAY) if item["kind"] == "StatefulSet"}
     return {role: deployments[role] for role in WORKERS}
 
 

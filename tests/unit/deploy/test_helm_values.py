@@ -1,6 +1,6 @@
 """The data stores' and monitoring's chart values in deploy/helm (and k8ssandra's cluster) agree
-with the rest: NATS has exactly tandem.bus.permissions' users with passwords from the tandem-nats
-Secret, Redis and Cassandra have authentication on from their Secrets, the settings name their
+with the rest: NATS has exactly tandem.bus.permissions' users (the operator and a pool per role,
+each mapped from its certificate, no password), Redis and Cassandra have authentication on from their Secrets, the settings name their
 services, and every metric the autoscalers and alerts use is one the services export."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kustomize_lite import Object, load_objects, render
 
-from tandem.bus.permissions import PERMISSIONS, USERS, password_variable
+from tandem.bus.permissions import K8S_POOL_SIZES, OPERATOR, OPERATOR_CERT_USER, PERMISSIONS, cert_user, pool
 from tandem.devstack.secrets import redis_password_variable
 from tandem.redis_acl import ROLES as REDIS_ROLES
 
@@ -48,30 +48,22 @@ def is_exported(metric: str) -> bool:
     return any(f'"{name}"' in path.read_text() for path in SERVICE_CODE)
 
 
-def test_nats_users_are_the_bus_permissions_with_passwords_from_the_secret() -> None:
+def test_nats_users_are_the_operator_and_the_instance_pool_each_mapped_from_its_certificate() -> None:
     nats = values("nats-values.yaml")
     users = nats["config"]["merge"]["authorization"]["users"]
-    assert [user["user"] for user in users] == list(USERS)
-    secret = secret_generator("tandem-nats")
+    expected = {OPERATOR_CERT_USER: PERMISSIONS[OPERATOR]} | {cert_user(i): i.rights for i in pool(K8S_POOL_SIZES)}
+    assert [user["user"] for user in users] == list(expected)
     for user in users:
-        rights = PERMISSIONS[user["user"]]
-        variable = password_variable(user["user"])
+        rights = expected[user["user"]]
+        assert "password" not in user, user["user"]
         assert user["permissions"]["publish"]["allow"] == list(rights.publish), user["user"]
         assert user["permissions"]["publish"].get("deny", []) == list(rights.publish_deny), user["user"]
         assert user["permissions"]["subscribe"]["allow"] == list(rights.subscribe), user["user"]
         assert user["permissions"]["allow_responses"] == rights.allow_responses, user["user"]
-        assert user["password"] == f"<< ${variable} >>", "the chart writes << >> unquoted: nats-server reads the variable"
-        source = nats["container"]["env"][variable]["valueFrom"]["secretKeyRef"]
-        assert source == {"name": "tandem-nats", "key": variable}
-        assert secret["keys"][variable] == f"generated/secrets/{variable}"
+    assert nats["config"]["nats"]["tls"]["merge"]["verify_and_map"] is True
+    assert "env" not in nats.get("container", {}), "no bus password for the server to read"
     assert nats["config"]["jetstream"]["enabled"] is True
     assert nats["natsBox"]["enabled"] is False
-
-
-def test_nats_values_match_the_compose_config() -> None:
-    conf = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
-    for user in USERS:
-        assert f'{{user: "{user}", password: ${password_variable(user)},' in conf
 
 
 def test_redis_acl_users_are_the_ones_tandem_redis_acl_makes_with_passwords_from_their_secret() -> None:
@@ -136,14 +128,14 @@ def _hpas() -> list[Object]:
     return [item for item in render(K8S / "overlays" / "gpu") if item["kind"] == "HorizontalPodAutoscaler"]
 
 
-def test_autoscalers_target_the_worker_deployments_on_their_load_never_request_count() -> None:
+def test_autoscalers_target_the_worker_statefulsets_on_their_load_never_request_count() -> None:
     rendered = render(K8S / "overlays" / "gpu")
-    deployments = {item["metadata"]["name"] for item in rendered if item["kind"] == "Deployment"}
+    deployments = {item["metadata"]["name"] for item in rendered if item["kind"] == "StatefulSet"}
     hpas = {hpa["metadata"]["name"]: hpa for hpa in _hpas()}
     assert set(hpas) == {"prefill", "decode"}
     for name, hpa in hpas.items():
         target = hpa["spec"]["scaleTargetRef"]
-        assert target["kind"] == "Deployment" and target["name"] == name and name in deployments
+        assert target["kind"] == "StatefulSet" and target["name"] == name and name in deployments
         assert all(metric["type"] == "Pods" for metric in hpa["spec"]["metrics"]), "CPU or request rate is not a worker's load"
         assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300, "a removed worker drains first"
     decode = {metric["pods"]["metric"]["name"] for metric in hpas["decode"]["spec"]["metrics"]}

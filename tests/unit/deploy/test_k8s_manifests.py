@@ -16,11 +16,13 @@ import pytest
 import yaml
 from kustomize_lite import Object, load_objects, render
 
+from tandem.bus.permissions import K8S_POOL_SIZES, OPERATOR_CERT_USER, Identity, cert_user
 from tandem.config import DEFAULT_GRPC_PORTS, DEFAULT_HTTP_PORTS, ROLES, ApiKey, Tier
 from tandem.devstack.secrets import StackSecrets, write_container_set
 from tandem.key_file import entry_for, generate_key, key_id_of, parse_key_file
 from tandem.runtime.ops_port import OPS_PORT_OFFSET
 from tandem.store.cassandra_roles import APP_ROLE
+from tandem.tls import server_name
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
@@ -32,15 +34,14 @@ K8S_KEY = generate_key()
 # What each role's Secret holds: its own credentials and nothing else.
 ROLE_SECRET_KEYS = {
     "chat": {
-        "TANDEM_NATS_PASSWORD",
         "TANDEM_REDIS_PASSWORD",
         "TANDEM_REDIS_SENTINEL_PASSWORD",
         "TANDEM_CASSANDRA_PASSWORD",
     },
-    "relay": {"TANDEM_NATS_PASSWORD", "TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_SENTINEL_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
-    "router": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
-    "prefill": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
-    "decode": {"TANDEM_NATS_PASSWORD", "TANDEM_INTERNAL_SECRET"},
+    "relay": {"TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_SENTINEL_PASSWORD", "TANDEM_CASSANDRA_PASSWORD"},
+    "router": {"TANDEM_INTERNAL_SECRET"},
+    "prefill": {"TANDEM_INTERNAL_SECRET"},
+    "decode": {"TANDEM_INTERNAL_SECRET"},
 }
 
 
@@ -104,7 +105,7 @@ def test_every_object_passes_the_kubernetes_schema(base: list[Object], gpu: list
 
 
 def test_the_schema_check_catches_a_misspelt_field(base: list[Object]) -> None:
-    deployment = by_kind(base, "Deployment")["chat"]
+    deployment = by_kind(base, "StatefulSet")["chat"]
     broken = yaml.safe_load(yaml.safe_dump(deployment))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -131,7 +132,7 @@ def test_renders_what_kubectl_kustomize_renders(folder: str, secrets_folder: Pat
 
 
 def test_a_deployment_and_service_per_role_from_its_dockerfile_target(rendered: list[Object]) -> None:
-    deployments, services = by_kind(rendered, "Deployment"), by_kind(rendered, "Service")
+    deployments, services = by_kind(rendered, "StatefulSet"), by_kind(rendered, "Service")
     assert set(deployments) == set(services) == set(ROLES)
     dockerfile = (ROOT / "Dockerfile").read_text()
     for role in ROLES:
@@ -150,7 +151,7 @@ def test_a_deployment_and_service_per_role_from_its_dockerfile_target(rendered: 
 
 
 def test_probes_ask_readyz_and_healthz_on_the_ops_port(rendered: list[Object]) -> None:
-    for role, deployment in by_kind(rendered, "Deployment").items():
+    for role, deployment in by_kind(rendered, "StatefulSet").items():
         probes = container(deployment)
         assert probes["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ops"}, role
         assert probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "ops"}, role
@@ -165,7 +166,7 @@ def _setting(objects: list[Object], name: str) -> float:
 def test_grace_period_outlasts_the_drain_and_the_shutdown(rendered: list[Object]) -> None:
     drain_s = _setting(rendered, "TANDEM_DRAIN_TIMEOUT_S")
     shutdown_s = _setting(rendered, "TANDEM_SHUTDOWN_TIMEOUT_S")
-    for role, deployment in by_kind(rendered, "Deployment").items():
+    for role, deployment in by_kind(rendered, "StatefulSet").items():
         pod = deployment["spec"]["template"]["spec"]
         pre_stop = container(deployment).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         pre_stop_s = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
@@ -174,14 +175,14 @@ def test_grace_period_outlasts_the_drain_and_the_shutdown(rendered: list[Object]
 
 
 def test_every_container_requests_cpu_and_memory(rendered: list[Object]) -> None:
-    for role, deployment in by_kind(rendered, "Deployment").items():
+    for role, deployment in by_kind(rendered, "StatefulSet").items():
         requests = container(deployment)["resources"]["requests"]
         assert {"cpu", "memory"} <= set(requests), role
         assert "memory" in container(deployment)["resources"]["limits"], role
 
 
 def test_gpu_workers_get_a_gpu_per_rank_and_the_rest_none(base: list[Object], gpu: list[Object]) -> None:
-    for role, deployment in by_kind(gpu, "Deployment").items():
+    for role, deployment in by_kind(gpu, "StatefulSet").items():
         resources = container(deployment)["resources"]
         if role in WORKERS:
             env = {item["name"]: item.get("value") for item in container(deployment)["env"]}
@@ -191,12 +192,12 @@ def test_gpu_workers_get_a_gpu_per_rank_and_the_rest_none(base: list[Object], gp
             assert float(env["TANDEM_WORKER_HOUR_COST"]) > 0  # the dashboard's cost per Mtok
         else:
             assert "nvidia.com/gpu" not in resources["requests"], role
-    for deployment in by_kind(base, "Deployment").values():
+    for deployment in by_kind(base, "StatefulSet").values():
         assert "nvidia.com/gpu" not in container(deployment)["resources"]["requests"]
 
 
 def test_workers_have_a_disruption_budget(rendered: list[Object]) -> None:
-    deployments = by_kind(rendered, "Deployment")
+    deployments = by_kind(rendered, "StatefulSet")
     budgets = by_kind(rendered, "PodDisruptionBudget").values()
     for role in WORKERS:
         labels = deployments[role]["spec"]["template"]["metadata"]["labels"]
@@ -206,7 +207,7 @@ def test_workers_have_a_disruption_budget(rendered: list[Object]) -> None:
 
 
 def test_pods_run_restricted(rendered: list[Object]) -> None:
-    for role, deployment in by_kind(rendered, "Deployment").items():
+    for role, deployment in by_kind(rendered, "StatefulSet").items():
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, role
         security = container(deployment)["securityContext"]
@@ -222,7 +223,7 @@ def test_each_role_takes_its_own_secret_which_holds_its_credentials_only(
 ) -> None:
     assert not by_kind(rendered, "Secret"), "credentials belong in deploy/k8s/secrets, from tandem secrets"
     generated = {s["metadata"]["name"]: s for s in secrets if s["kind"] == "Secret"}
-    for role, deployment in by_kind(rendered, "Deployment").items():
+    for role, deployment in by_kind(rendered, "StatefulSet").items():
         sources = container(deployment)["envFrom"]
         assert {"configMapRef": {"name": "tandem-settings"}} in sources
         secret_refs = [source["secretRef"]["name"] for source in sources if "secretRef" in source]
@@ -230,9 +231,7 @@ def test_each_role_takes_its_own_secret_which_holds_its_credentials_only(
         secret = generated[f"tandem-{role}"]
         assert secret["metadata"]["namespace"] == deployment["metadata"]["namespace"]
         assert set(secret["data"]) == ROLE_SECRET_KEYS[role], role
-        password = base64.b64decode(secret["data"]["TANDEM_NATS_PASSWORD"]).decode()
-        assert password == secret_set.nats_passwords[role], f"{role} does not log in as itself"
-        assert _env(deployment)["TANDEM_NATS_USER"] == role
+        assert "TANDEM_NATS_USER" not in _env(deployment), f"{role}: its certificate is its bus login"
         if "TANDEM_REDIS_PASSWORD" in ROLE_SECRET_KEYS[role]:  # its own ACL user, never the admin's default
             assert _env(deployment)["TANDEM_REDIS_USERNAME"] == role
             password = base64.b64decode(secret["data"]["TANDEM_REDIS_PASSWORD"]).decode()
@@ -249,10 +248,10 @@ def test_only_the_chat_mounts_the_api_keys_and_they_are_hashes(rendered: list[Ob
     entries, problems = parse_key_file(held)
     assert not problems and entries[key_id_of(K8S_KEY)].matches(K8S_KEY)
     assert K8S_KEY not in held and K8S_KEY.split(".", 1)[1] not in held
-    for role, deployment in by_kind(rendered, "Deployment").items():
+    for role, deployment in by_kind(rendered, "StatefulSet").items():
         mounts = [v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
         if role == "chat":
-            assert sorted(mounts) == ["tandem-chat-api-keys", "tandem-chat-tls"]
+            assert mounts == ["tandem-chat-api-keys"]
             assert _env(deployment)["TANDEM_API_KEYS_FILE"] == "/etc/tandem/api-keys/api-keys"
         else:  # nor in its Secret: ROLE_SECRET_KEYS
             assert "tandem-chat-api-keys" not in mounts, role
@@ -296,7 +295,7 @@ def test_prometheus_scrapes_every_pod_on_its_ops_port(gpu: list[Object]) -> None
     assert monitor["metadata"]["namespace"] == "tandem"
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["path"], endpoint["port"]) == ("/metrics", "ops")
-    for role, deployment in by_kind(gpu, "Deployment").items():
+    for role, deployment in by_kind(gpu, "StatefulSet").items():
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), role
         assert endpoint["port"] in {port["name"] for port in container(deployment)["ports"]}, role
@@ -305,7 +304,7 @@ def test_prometheus_scrapes_every_pod_on_its_ops_port(gpu: list[Object]) -> None
 def test_gpu_model_readers_mount_the_model_the_settings_name(gpu: list[Object]) -> None:
     model_path = by_kind(gpu, "ConfigMap")["tandem-settings"]["data"]["TANDEM_MODEL_PATH"]
     for role in (*WORKERS, "chat"):
-        deployment = by_kind(gpu, "Deployment")[role]
+        deployment = by_kind(gpu, "StatefulSet")[role]
         mounts = {mount["name"]: mount for mount in container(deployment)["volumeMounts"]}
         assert mounts["models"]["readOnly"] is True and model_path.startswith(mounts["models"]["mountPath"] + "/"), role
         volumes = {volume["name"]: volume for volume in deployment["spec"]["template"]["spec"]["volumes"]}
@@ -326,13 +325,15 @@ def test_bus_init_job_runs_as_the_operator_with_a_replica_per_nats_node(
     (init,) = pod["containers"]
     assert init["command"] == ["python", "-m", "tandem.ops.bus_init"]
     env = {item["name"]: item.get("value") for item in init["env"]}
-    assert env["TANDEM_NATS_USER"] == "operator"
+    assert "TANDEM_NATS_USER" not in env, "the operator's certificate is its login"
     nats_nodes = yaml.safe_load((ROOT / "deploy" / "helm" / "nats-values.yaml").read_text())["config"]["cluster"]["replicas"]
     assert int(env["TANDEM_TOKEN_STREAM_REPLICAS"]) == nats_nodes
-    assert {"secretRef": {"name": "tandem-bus-admin"}} in init["envFrom"]
-    admin = {s["metadata"]["name"]: s for s in secrets if s["kind"] == "Secret"}["tandem-bus-admin"]
-    assert set(admin["data"]) == {"TANDEM_NATS_PASSWORD"}
-    assert base64.b64decode(admin["data"]["TANDEM_NATS_PASSWORD"]).decode() == secret_set.nats_passwords["operator"]
+    assert init["envFrom"] == [{"configMapRef": {"name": "tandem-settings"}}]
+    (tls,) = [volume for volume in pod["volumes"] if volume["name"] == "tls"]
+    assert tls["secret"]["secretName"] == "tandem-operator-tls"
+    operator = {item["spec"]["secretName"]: item for item in yaml.safe_load_all((K8S / "tls" / "certificates.yaml").read_text())}
+    assert operator["tandem-operator-tls"]["spec"]["dnsNames"] == [OPERATOR_CERT_USER], "the name NATS maps to the operator"
+    assert not [s for s in secrets if s["kind"] == "Secret" and "NATS" in str(s["data"])], "no bus password is handed out"
     assert pod["securityContext"]["runAsNonRoot"] is True and init["securityContext"]["allowPrivilegeEscalation"] is False
 
 
@@ -342,7 +343,7 @@ def test_store_migrate_job_runs_as_the_cassandra_superuser_and_gives_the_role_it
     pod = by_kind(rendered, "Job")["store-migrate"]["spec"]["template"]["spec"]
     (migrate,) = pod["containers"]
     assert migrate["command"] == ["python", "-m", "tandem.ops.store_migrate"]
-    assert migrate["image"] == container(by_kind(rendered, "Deployment")["relay"])["image"]  # it has the Cassandra driver
+    assert migrate["image"] == container(by_kind(rendered, "StatefulSet")["relay"])["image"]  # it has the Cassandra driver
     generated = {s["metadata"]["name"]: s for s in secrets if s["kind"] == "Secret"}
     superuser = generated["tandem-cassandra-superuser"]["data"]
     assert {item["name"]: item.get("value") for item in migrate["env"]}["TANDEM_CASSANDRA_USERNAME"] == base64.b64decode(
@@ -358,17 +359,62 @@ def test_store_migrate_job_runs_as_the_cassandra_superuser_and_gives_the_role_it
     assert pod["securityContext"]["runAsNonRoot"] is True and migrate["securityContext"]["allowPrivilegeEscalation"] is False
 
 
-def test_each_pod_mounts_its_own_roles_certificate_which_cert_manager_issues_from_tandems_ca(rendered: list[Object]) -> None:
-    certificates = {item["spec"]["secretName"]: item for item in yaml.safe_load_all((K8S / "tls" / "certificates.yaml").read_text())}
+def _nats_users() -> set[str]:
+    values = yaml.safe_load((ROOT / "deploy" / "helm" / "nats-values.yaml").read_text())
+    return {user["user"] for user in values["config"]["merge"]["authorization"]["users"]}
+
+
+def test_each_service_is_a_statefulset_whose_pods_take_their_instance_id_from_their_name(rendered: list[Object]) -> None:
+    for role, statefulset in by_kind(rendered, "StatefulSet").items():
+        assert statefulset["spec"]["serviceName"] == role and statefulset["spec"]["podManagementPolicy"] == "Parallel", role
+        assert _env(statefulset)["TANDEM_INSTANCE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}, role
+    assert not by_kind(rendered, "Deployment"), "a Deployment's pod names are random: no bus user waits for them"
+
+
+def test_each_pod_mounts_a_certificate_for_itself_alone_naming_its_bus_user(rendered: list[Object]) -> None:
+    """cert-manager's csi-driver issues it when the pod starts, with the pod's name in it: the
+    name nats-server maps to that instance's user (tandem.bus.permissions.cert_user)."""
     settings = by_kind(rendered, "ConfigMap")["tandem-settings"]["data"]
-    assert settings["TANDEM_TLS_CA_FILE"] == "/etc/tandem/tls/ca.crt"
-    pods = {role: d["spec"]["template"]["spec"] for role, d in by_kind(rendered, "Deployment").items()}
-    pods["operator"] = by_kind(rendered, "Job")["bus-init"]["spec"]["template"]["spec"]
-    for role, pod in pods.items():
+    assert (settings["TANDEM_TLS_CA_FILE"], settings["TANDEM_TLS_CERT_FILE"]) == ("/etc/tandem/tls/ca.crt", "/etc/tandem/tls/tls.crt")
+    for role, statefulset in by_kind(rendered, "StatefulSet").items():
+        pod = statefulset["spec"]["template"]["spec"]
         (tls,) = [volume for volume in pod["volumes"] if volume["name"] == "tls"]
-        assert tls["secret"]["secretName"] == f"tandem-{role}-tls", role
+        assert tls["csi"]["driver"] == "csi.cert-manager.io" and tls["csi"]["readOnly"] is True, role
+        attributes = tls["csi"]["volumeAttributes"]
+        own = cert_user(Identity(role, "POD")).replace("POD", "${POD_NAME}")
+        assert attributes["csi.cert-manager.io/common-name"] == own, role
+        names = attributes["csi.cert-manager.io/dns-names"].split(",")
+        assert names[0] == own and server_name(role) in names, f"{role}: a prefill worker checks {server_name(role)}"
+        assert not [name for name in names[1:] if "${POD_NAME}" in name or name in _nats_users()], (
+            f"{role}: a second name could map to another user"
+        )
+        assert (attributes["csi.cert-manager.io/issuer-name"], attributes["csi.cert-manager.io/issuer-kind"]) == (
+            "tandem-ca",
+            "ClusterIssuer",
+        )
+        assert (
+            "client auth" in attributes["csi.cert-manager.io/key-usages"] and "server auth" in attributes["csi.cert-manager.io/key-usages"]
+        )
+        assert attributes["csi.cert-manager.io/fs-group"] == str(pod["securityContext"]["fsGroup"]), f"{role} cannot read its key"
         assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in pod["containers"][0]["volumeMounts"], role
-        assert pod["securityContext"]["fsGroup"] == 10001, f"{role} cannot read its key (mode 0440)"
-        certificate = certificates[f"tandem-{role}-tls"]["spec"]
-        assert f"{role}.tandem.internal" in certificate["dnsNames"] and certificate["issuerRef"]["name"] == "tandem-ca", role
+
+
+def test_the_nats_user_pool_covers_every_pod_a_statefulset_may_run(gpu: list[Object], base: list[Object]) -> None:
+    users = _nats_users()
+    hpas = {hpa["spec"]["scaleTargetRef"]["name"]: hpa for hpa in by_kind(gpu, "HorizontalPodAutoscaler").values()}
+    for rendered in (base, gpu):
+        for role, statefulset in by_kind(rendered, "StatefulSet").items():
+            most = hpas[role]["spec"]["maxReplicas"] if role in hpas and rendered is gpu else statefulset["spec"].get("replicas", 1)
+            assert {cert_user(Identity(role, f"{role}-{index}")) for index in range(most)} <= users, (
+                f"{role}: pod {role}-{most - 1} has no bus user"
+            )
+    for role, hpa in hpas.items():
+        assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+        assert K8S_POOL_SIZES[role] == hpa["spec"]["maxReplicas"], f"{role}: the pool is the autoscaler's maximum"
+        assert cert_user(Identity(role, f"{role}-{hpa['spec']['maxReplicas']}")) not in users, f"{role}: users for pods that never run"
+
+
+def test_role_certificates_are_gone_and_the_operators_and_nats_remain() -> None:
+    certificates = {item["spec"]["secretName"]: item for item in yaml.safe_load_all((K8S / "tls" / "certificates.yaml").read_text())}
+    assert set(certificates) == {"tandem-operator-tls", "nats-tls"}, "a role's shared certificate would log in as no instance"
     assert "nats.tandem.internal" in certificates["nats-tls"]["spec"]["dnsNames"]  # what every NATS client checks
