@@ -276,7 +276,10 @@ async def capacity_phase(args: argparse.Namespace, stack: Stack, conns: list[Any
     capped.start()
     try:
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=None) as http:
-            await wait_ready(http, f"http://{HOST}:{ops_port}/readyz")
+            try:
+                await wait_ready(http, f"http://{HOST}:{ops_port}/readyz")
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; the capped chat's last lines:\n{capped.recent_output(30)}") from None
             http.base_url = httpx.URL(stack.member("chat").url)
             futures = [asyncio.get_running_loop().create_future() for _ in range(args.replies)]
             replies = [asyncio.create_task(start_reply(http, i, args.reply_tokens, f)) for i, f in enumerate(futures)]

@@ -48,6 +48,8 @@ def without_credentials(url: str) -> str:
     if parts.password is None and parts.username is None:
         return url
     host = parts.hostname or ""
+    if not host:  # a unix socket's (unix://:pw@/path): urlunsplit would drop the empty netloc's `//`
+        return f"{parts.scheme}://{parts.path}" + (f"?{parts.query}" if parts.query else "")
     return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host))
 
 

@@ -51,3 +51,10 @@ def test_a_cluster_url_is_every_node_and_its_logins_are_left_out_of_what_is_logg
     assert without_credentials(url) == "nats://127.0.0.1:4222,nats://127.0.0.1:4223,nats://127.0.0.1:4224"
     assert without_credentials("nats://u:p@host:4222") == "nats://host:4222"  # one URL as before
     assert login_of(url) == (without_credentials(url), "operator", "s3cret")
+
+
+def test_a_unix_socket_url_keeps_its_path_without_its_login():
+    """tandem up's Redis on a socket (no TCP port): its URL's login left out, still a unix:// URL."""
+    url = "unix://relay:s3cret@/tmp/work/redis-socket/redis.sock?db=0"
+    assert without_credentials(url) == "unix:///tmp/work/redis-socket/redis.sock?db=0"
+    assert login_of(url) == ("unix:///tmp/work/redis-socket/redis.sock?db=0", "relay", "s3cret")
