@@ -194,9 +194,10 @@ def cassandra_app_role(keyspace: str) -> str:
     return f"{keyspace}_app"
 
 
-async def migrate_cassandra(hosts: str, keyspace: str, bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, str]:
-    """`tandem store migrate`'s step on `keyspace`, as the admin; returns the login a store of the
-    services uses there (its application role's username and password)."""
+async def migrate_cassandra(hosts: str, keyspace: str, bucket_size: int = DEFAULT_BUCKET_SIZE, *, ca_file: str) -> dict[str, str]:
+    """`tandem store migrate`'s step on `keyspace`, as the admin, over TLS verified against
+    `ca_file` (empty: in clear); returns the login a store of the services uses there (its
+    application role's username and password, and the CA)."""
     admin_username, admin_password = cassandra_admin()
     role = cassandra_app_role(keyspace)
     await migrate_store(
@@ -207,8 +208,9 @@ async def migrate_cassandra(hosts: str, keyspace: str, bucket_size: int = DEFAUL
         app_role=role,
         app_password=CASSANDRA_APP_PASSWORD,
         bucket_size=bucket_size,
+        ca_file=ca_file,
     )
-    return {"username": role, "password": CASSANDRA_APP_PASSWORD}
+    return {"username": role, "password": CASSANDRA_APP_PASSWORD, "ca_file": ca_file}
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@
 # cassandra.yaml to PasswordAuthenticator and CassandraAuthorizer, runs the image's own
 # entrypoint, and once CQL answers changes the superuser's well-known first password
 # ("cassandra") to TANDEM_CASSANDRA_PASSWORD (the admin's: only store-migrate logs in with it). After a
-# restart the data volume already holds the new password and the change is skipped.
+# restart the data volume already holds the new password and the change is skipped. CQL is TLS
+# only (below).
 set -eu
 
 : "${TANDEM_CASSANDRA_PASSWORD:?the superuser password; tandem secrets DIR writes one}"
@@ -37,12 +38,32 @@ if ! grep -Eq '^commitlog_sync: batch' "$config"; then
     exit 1
 fi
 
+# CQL takes TLS clients only (optional: false), with the `cassandra` certificate of the tls volume
+# (tandem secrets DIR; the certs service writes its key and certificate as one PEM keystore the
+# cassandra user may read). The image's client_encryption_options block (up to the next top-level
+# key) is replaced by this one. cqlsh below and in the healthcheck checks the node against the CA
+# (SSL_CERTFILE, SSL_VALIDATE: the service's environment).
+keystore=${TANDEM_CASSANDRA_KEYSTORE:-/etc/tandem/tls/cassandra-keystore.pem}
+truststore=${SSL_CERTFILE:-/etc/tandem/tls/ca.pem}
+edited=$(awk '/^client_encryption_options:/ {skip = 1; next} skip && /^[^[:space:]#]/ {skip = 0} !skip' "$config")
+printf '%s\n%s\n' "$edited" "client_encryption_options:
+  enabled: true
+  optional: false
+  ssl_context_factory:
+    class_name: org.apache.cassandra.security.PEMBasedSslContextFactory
+  keystore: $keystore
+  truststore: $truststore" > "$config"
+if [ "$(grep -c '^client_encryption_options:' "$config")" != 1 ]; then
+    echo "entrypoint: client_encryption_options not set once in $config" >&2
+    exit 1
+fi
+
 docker-entrypoint.sh cassandra -f &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT
 
 can_log_in() {
-    cqlsh -u cassandra -p "$1" -e 'SELECT release_version FROM system.local' >/dev/null 2>&1
+    cqlsh --ssl -u cassandra -p "$1" -e 'SELECT release_version FROM system.local' >/dev/null 2>&1
 }
 
 started=$(date +%s)
@@ -60,12 +81,12 @@ until can_log_in "$TANDEM_CASSANDRA_PASSWORD"; do
     fi
     # The default superuser appears some seconds after CQL opens; until then this fails.
     if can_log_in cassandra; then
-        cqlsh -u cassandra -p cassandra -e "ALTER ROLE cassandra WITH PASSWORD = '$TANDEM_CASSANDRA_PASSWORD'" >/dev/null 2>&1 || true
+        cqlsh --ssl -u cassandra -p cassandra -e "ALTER ROLE cassandra WITH PASSWORD = '$TANDEM_CASSANDRA_PASSWORD'" >/dev/null 2>&1 || true
     else
         sleep 5
     fi
 done
-echo "entrypoint: password authentication is on"
+echo "entrypoint: password authentication and client TLS are on"
 
 status=0
 wait "$pid" || status=$?

@@ -136,6 +136,8 @@ class Settings(BaseSettings):
     """tandem store migrate: the keyspace's CQL replication map; a cluster wants NetworkTopologyStrategy"""
     cassandra_consistency: Literal["ONE", "LOCAL_ONE", "QUORUM", "LOCAL_QUORUM"] = "LOCAL_QUORUM"
     """the consistency level of every store read and write"""
+    cassandra_ca_file: str = ""
+    """chat, relay and tandem store migrate: TLS to Cassandra, whose certificate (cassandra.tandem.internal) must be of this CA (PEM); empty: in clear"""
     store_timeout_s: float = 5.0
     """bounds every store call"""
     # token log and replies (relay and chat)

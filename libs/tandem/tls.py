@@ -1,6 +1,7 @@
 """TLS on the internal links: where a process finds its certificate, and the client and server
 contexts built from it for NATS (gRPC's credentials: tandem.worker.internal_grpc, the one place
-grpc is installed; Redis takes its CA from a `rediss://` URL's ssl_ca_certs). tandem.devstack.certs makes the files; docs/security.md says what each protects.
+grpc is installed; Redis takes its CA from a `rediss://` URL's ssl_ca_certs; Cassandra's store its
+own, TANDEM_CASSANDRA_CA_FILE, in tandem.store.cassandra_session). tandem.devstack.certs makes the files; docs/security.md says what each protects.
 
 Every internal name is verified against the deployment's own CA, never the system's: a NATS
 client checks that the server holds the `nats` certificate (SERVER_NAMES) whatever address it
@@ -58,11 +59,18 @@ class TlsSettings(BaseSettings):
     def client_context(self) -> ssl.SSLContext:
         """Verifies the peer against the CA alone (TLS 1.2 at least) and shows our certificate
         when we have one."""
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)  # with a cafile: no system roots
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context = verifying_context(self.ca_file)
         if self.cert_file:
             context.load_cert_chain(self.cert_file, self.key_file)
         return context
+
+
+def verifying_context(ca_file: str) -> ssl.SSLContext:
+    """A client context that checks the server's certificate and name against `ca_file` alone
+    (TLS 1.2 at least), showing no certificate of its own (Cassandra's clients log in with a password)."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)  # with a cafile: no system roots
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 def nats_tls_options(tls: TlsSettings | None) -> dict[str, object]:

@@ -37,7 +37,7 @@ def node_config(tmp_path_factory):
 async def cassandra_stack(node_config, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cassandra-servers")
     node = start_node(node_config)
-    login = await migrate_cassandra(node.hosts, "tandem")  # the admin step; the services log in as its role
+    login = await migrate_cassandra(node.hosts, "tandem", ca_file=node.ca_file)  # the admin step; the services log in as its role
     nats_server, redis_server = start_nats(workdir), start_redis(workdir)
     init_token_stream(nats_server)  # the admin step: services only wait for the stream
     nc = await nats.connect(nats_server.url)
@@ -50,6 +50,7 @@ async def cassandra_stack(node_config, tmp_path_factory):
         TANDEM_CASSANDRA_HOSTS=node.hosts,
         TANDEM_CASSANDRA_USERNAME=login["username"],
         TANDEM_CASSANDRA_PASSWORD=login["password"],
+        TANDEM_CASSANDRA_CA_FILE=node.ca_file,  # the node takes TLS clients only
         TANDEM_STORE_TIMEOUT_S=str(STORE_TIMEOUT_S),
     )
     await nc.close()

@@ -4,6 +4,12 @@ cassandra-all and its runtime jars come from Maven Central (`mvn`, into a cache 
 the repo); the node runs as a plain JVM (CassandraDaemon) on JDK 17 with a cassandra.yaml this
 module writes into the node's folder. Cassandra 5.0 calls System.setSecurityManager, which
 throws on JDK 18+, so only a JDK 17 is accepted.
+
+Its CQL port takes TLS clients only (client_encryption_options, not optional): at its first start
+the node makes a development CA and its `cassandra` certificate in <node folder>/tls
+(tandem.devstack.certs) and keeps them across starts, so a client that trusts
+<node folder>/tls/ca.pem (TANDEM_CASSANDRA_CA_FILE, RunningNode.ca_file) keeps trusting it after a
+restart. Cassandra reads them as PEM (PEMBasedSslContextFactory): no JKS, no keystore password.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from tandem.devstack.certs import CertSet, make_cert_set
 from tandem.devstack.proc import free_port
 from tandem.errors import StartupError
 
@@ -34,6 +41,7 @@ READY_LINE = "Startup complete"  # logged right after the CQL port is bound
 SUPERUSER_LINE = "Created default superuser role"  # a new node's first start: its superuser can log in
 SUPERUSER = ("cassandra", "cassandra")  # the well-known first superuser: loopback nodes only
 KILLED_EXIT_WAIT_S = 30.0  # how long a SIGKILLed node may take to be gone
+KEYSTORE_FILE = "cassandra-keystore.pem"  # the node's key and certificate in one file, as PEMBasedSslContextFactory reads them
 
 # conf/jvm17-server.options of Cassandra 5.0: without them "unable to access required classes".
 _JPMS_OPTIONS = [
@@ -88,6 +96,11 @@ class RunningNode:
     def hosts(self) -> str:
         """The value for TANDEM_CASSANDRA_HOSTS."""
         return f"{self.host}:{self.native_port}"
+
+    @property
+    def ca_file(self) -> str:
+        """The value for TANDEM_CASSANDRA_CA_FILE: the CA of the node's certificate."""
+        return str(CertSet(self.node_dir / "tls").ca_file)
 
     def is_alive(self) -> bool:
         """Its process still runs (and the pid was not reused by another program)."""
@@ -217,6 +230,19 @@ def _jvm_argv(config: NodeConfig, java: str, lib: Path, yaml_path: Path, logs: P
     ]
 
 
+def node_certs(node_dir: Path) -> Path:
+    """The node's CA and certificate, made at its first start and kept; returns its keystore."""
+    certs = CertSet(node_dir / "tls")
+    keystore = certs.folder / KEYSTORE_FILE
+    if not keystore.is_file():
+        certs = make_cert_set(node_dir, services=("cassandra",))
+        key_and_cert = certs.key_file("cassandra").read_bytes() + certs.cert_file("cassandra").read_bytes()
+        descriptor = os.open(keystore, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(key_and_cert)
+    return keystore
+
+
 def _wait_ready(process: subprocess.Popen[bytes], system_log: Path, deadline: float, lines: tuple[str, ...]) -> None:
     """Reads system.log as it grows until it holds each of `lines`; the node's exit or the deadline ends it."""
     seen = b""
@@ -253,7 +279,12 @@ def start_node(config: NodeConfig, *, die_with_parent: bool = True) -> RunningNo
         sub.mkdir(parents=True, exist_ok=True)
     yaml_path = (config.node_dir / "cassandra.yaml").resolve()
     template = Template((TEMPLATES / "cassandra.yaml").read_text())
-    yaml_path.write_text(template.substitute(host=host, native_port=native_port, storage_port=storage_port))
+    keystore = node_certs(config.node_dir)
+    yaml_path.write_text(
+        template.substitute(
+            host=host, native_port=native_port, storage_port=storage_port, keystore=keystore, truststore=CertSet(keystore.parent).ca_file
+        )
+    )
     (logs / "system.log").unlink(missing_ok=True)
     argv = _jvm_argv(config, java, lib, yaml_path, logs.resolve())
     with open(logs / "stdout.log", "wb") as stdout:
@@ -355,7 +386,7 @@ def _cli(args: argparse.Namespace) -> int:
         started_s = time.monotonic()
         node = start_node(NodeConfig(node_dir=args.dir, native_port=args.port, heap_mib=args.heap_mib), die_with_parent=False)
         print(f"Cassandra {CASSANDRA_VERSION} ready in {time.monotonic() - started_s:.1f} s (pid {node.pid}, logs {args.dir / 'logs'})")
-        print(f"TANDEM_STORE=cassandra TANDEM_CASSANDRA_HOSTS={node.hosts}")
+        print(f"TANDEM_STORE=cassandra TANDEM_CASSANDRA_HOSTS={node.hosts} TANDEM_CASSANDRA_CA_FILE={node.ca_file}")
         return 0
     if args.action == "down":
         if node is not None:

@@ -36,6 +36,7 @@ class StoreAdmin:
     keyspace: str
     replication: str
     consistency: str
+    ca_file: str = ""  # TLS to the cluster, verified against this CA; empty: in clear
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StoreAdmin | None:
@@ -49,6 +50,7 @@ class StoreAdmin:
             keyspace=settings.cassandra_keyspace,
             replication=settings.cassandra_replication,
             consistency=settings.cassandra_consistency,
+            ca_file=settings.cassandra_ca_file,
         )
 
     async def migrate(self, app_role: str, app_password: str) -> None:
@@ -66,6 +68,7 @@ class StoreAdmin:
                 app_password=app_password,
                 replication=self.replication,
                 consistency=self.consistency,
+                ca_file=self.ca_file,
             )
         except StoreUnavailable as exc:
             raise StartupError(f"tandem store migrate: {exc}") from None

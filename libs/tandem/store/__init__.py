@@ -36,6 +36,7 @@ def open_store(settings: Settings) -> ConversationStore:
             timeout_s=settings.store_timeout_s,
             username=settings.cassandra_username,
             password=settings.cassandra_password.get_secret_value(),
+            ca_file=settings.cassandra_ca_file,
         )
     from tandem.store.sqlite import SqliteStore
 

@@ -94,12 +94,16 @@ class CassandraStore:
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         username: str = "",
         password: str = "",
+        ca_file: str = "",
     ) -> None:
-        """`username`: log in with it and `password` (the node's PasswordAuthenticator); empty: no login."""
+        """`username`: log in with it and `password` (the node's PasswordAuthenticator); empty: no login.
+        `ca_file`: TLS to the nodes, verified against that CA (CassandraSession); empty: in clear."""
         if not _KEYSPACE.match(keyspace):
             raise ValueError(f"{keyspace!r} is not a keyspace name (letters, digits, _)")
         self._hosts = hosts
-        self._session = CassandraSession(hosts, consistency=consistency, timeout_s=timeout_s, username=username, password=password)
+        self._session = CassandraSession(
+            hosts, consistency=consistency, timeout_s=timeout_s, username=username, password=password, ca_file=ca_file
+        )
         self._keyspace = keyspace
         self._timeout_s = timeout_s
         self._bucket_size = bucket_size

@@ -3,12 +3,17 @@
 Every driver request is bounded by timeout_s; driver errors become StoreUnavailable. The driver
 reconnects by itself (ExponentialReconnectionPolicy, 0.5-5 s). Reactor: libev (the driver's C
 loop, in its wheel), else the driver's asyncio reactor.
+
+With a CA file (TANDEM_CASSANDRA_CA_FILE) every connection is TLS, and the node must show a
+certificate of that CA for cassandra.tandem.internal (tandem.tls.server_name), whatever address
+was dialed; without one the link is in clear.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from cassandra import AuthenticationFailed, ConsistencyLevel, OperationTimedOut, RequestExecutionException
@@ -19,7 +24,9 @@ from cassandra.policies import DCAwareRoundRobinPolicy, ExponentialReconnectionP
 from cassandra.protocol import IsBootstrappingErrorMessage, OverloadedErrorMessage
 from cassandra.query import PreparedStatement, dict_factory
 
+from tandem.errors import StartupError
 from tandem.store.base import StoreUnavailable
+from tandem.tls import server_name, verifying_context
 
 try:  # libev: the driver's C event loop (bundled in the wheel); asyncore is gone from Python 3.12
     from cassandra.io.libevreactor import LibevConnection as _Connection
@@ -53,14 +60,22 @@ def parse_hosts(hosts: str) -> list[DefaultEndPoint]:
 
 
 class CassandraSession:
-    def __init__(self, hosts: str, *, consistency: str, timeout_s: float, username: str = "", password: str = "") -> None:
-        """`username`: log in with it and `password` (the node's PasswordAuthenticator); empty: no login."""
+    def __init__(
+        self, hosts: str, *, consistency: str, timeout_s: float, username: str = "", password: str = "", ca_file: str = ""
+    ) -> None:
+        """`username`: log in with it and `password` (the node's PasswordAuthenticator); empty: no login.
+        `ca_file`: TLS, verified against that CA; empty: in clear."""
         self._hosts = hosts
         self._endpoints = parse_hosts(hosts)
         self._consistency = ConsistencyLevel.name_to_value[consistency]
         self._serial = ConsistencyLevel.LOCAL_SERIAL if consistency.startswith("LOCAL") else ConsistencyLevel.SERIAL
         self._timeout_s = timeout_s
         self._auth = PlainTextAuthProvider(username, password) if username else None
+        if ca_file and not Path(ca_file).is_file():
+            raise StartupError(f"TANDEM_CASSANDRA_CA_FILE: no file at {ca_file}")
+        self._tls = (
+            {"ssl_context": verifying_context(ca_file), "ssl_options": {"server_hostname": server_name("cassandra")}} if ca_file else {}
+        )
         self._cluster: Cluster | None = None
         self._session: Session | None = None
         self._prepared: dict[str, PreparedStatement] = {}
@@ -87,6 +102,7 @@ class CassandraSession:
             control_connection_timeout=self._timeout_s,
             idle_heartbeat_interval=10,
             auth_provider=self._auth,
+            **self._tls,
         )
         try:
             session = await asyncio.wait_for(asyncio.to_thread(cluster.connect), DDL_TIMEOUT_S)

@@ -1,7 +1,8 @@
 """The conversation store on real SQLite files and a real Cassandra node.
 
 Cassandra: TANDEM_CASSANDRA_HOSTS names a running cluster (TANDEM_CASSANDRA_USERNAME/_PASSWORD
-its admin); otherwise one node is started per session (JDK 17 and mvn needed, see
+its admin, TANDEM_CASSANDRA_CA_FILE the CA of its TLS certificate, empty: in clear); otherwise one
+node is started per session, which takes TLS clients only (JDK 17 and mvn needed, see
 tandem.devstack.cassandra_node). Without them the Cassandra cases are skipped with one line saying
 why; TANDEM_REQUIRE_CASSANDRA=1 (CI) makes that a failure. The stores log in as the services do:
 as the keyspace's application role, after `tandem store migrate`'s step made the keyspace.
@@ -50,17 +51,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 @pytest.fixture(scope="session")
-def cassandra_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cassandra_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """The session's cluster: its hosts and the CA its clients verify it with."""
     if os.environ.get("TANDEM_CASSANDRA_HOSTS"):
-        yield os.environ["TANDEM_CASSANDRA_HOSTS"]
+        yield os.environ["TANDEM_CASSANDRA_HOSTS"], os.environ.get("TANDEM_CASSANDRA_CA_FILE", "")
         return
     if (reason := cassandra_missing()) is not None:
         skip_cassandra(reason)
     started_s = time.monotonic()
     node = start_node(NodeConfig(node_dir=tmp_path_factory.mktemp("cassandra"), is_durable=False))
     print(f"\nCassandra node ready in {time.monotonic() - started_s:.1f} s on {node.hosts}")
-    yield node.hosts
+    yield node.hosts, node.ca_file
     stop_node(node, kill=True)  # a throwaway node: no drain needed
+
+
+@pytest.fixture(scope="session")
+def cassandra_hosts(cassandra_cluster: tuple[str, str]) -> str:
+    return cassandra_cluster[0]
+
+
+@pytest.fixture(scope="session")
+def cassandra_ca_file(cassandra_cluster: tuple[str, str]) -> str:
+    return cassandra_cluster[1]
 
 
 @pytest.fixture
@@ -97,9 +109,9 @@ def keyspace() -> str:
 
 
 @pytest_asyncio.fixture(scope="session")
-async def cassandra_login(cassandra_hosts: str, keyspace: str, bucket_size: int) -> dict[str, str]:
+async def cassandra_login(cassandra_hosts: str, cassandra_ca_file: str, keyspace: str, bucket_size: int) -> dict[str, str]:
     """The session keyspace, migrated; the login of its application role."""
-    return await migrate_cassandra(cassandra_hosts, keyspace, bucket_size)
+    return await migrate_cassandra(cassandra_hosts, keyspace, bucket_size, ca_file=cassandra_ca_file)
 
 
 @pytest.fixture(params=["sqlite", "cassandra"])

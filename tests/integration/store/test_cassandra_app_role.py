@@ -27,12 +27,14 @@ def app_keyspace() -> str:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def app_login(cassandra_hosts: str, app_keyspace: str) -> dict[str, str]:
-    return await migrate_cassandra(cassandra_hosts, app_keyspace)
+async def app_login(cassandra_hosts: str, cassandra_ca_file: str, app_keyspace: str) -> dict[str, str]:
+    return await migrate_cassandra(cassandra_hosts, app_keyspace, ca_file=cassandra_ca_file)
 
 
-async def connected(hosts: str, username: str, password: str) -> CassandraSession:
-    session = CassandraSession(hosts, consistency="LOCAL_QUORUM", timeout_s=TIMEOUT_S, username=username, password=password)
+async def connected(hosts: str, username: str, password: str, ca_file: str) -> CassandraSession:
+    session = CassandraSession(
+        hosts, consistency="LOCAL_QUORUM", timeout_s=TIMEOUT_S, username=username, password=password, ca_file=ca_file
+    )
     await session.connect()
     return session
 
@@ -46,8 +48,8 @@ async def as_app(cassandra_hosts: str, app_login: dict[str, str]) -> AsyncIterat
 
 
 @pytest_asyncio.fixture(scope="module")
-async def as_admin(cassandra_hosts: str) -> AsyncIterator[CassandraSession]:
-    session = await connected(cassandra_hosts, *cassandra_admin())
+async def as_admin(cassandra_hosts: str, cassandra_ca_file: str) -> AsyncIterator[CassandraSession]:
+    session = await connected(cassandra_hosts, *cassandra_admin(), cassandra_ca_file)
     yield session
     await session.close()
 
@@ -75,10 +77,10 @@ async def test_the_app_role_cannot_alter_drop_or_create_a_table(as_app: Cassandr
 
 
 async def test_the_app_role_cannot_read_system_auth_or_another_keyspace(
-    cassandra_hosts: str, as_app: CassandraSession, app_keyspace: str
+    cassandra_hosts: str, cassandra_ca_file: str, as_app: CassandraSession, app_keyspace: str
 ) -> None:
     other_keyspace = f"other_{uuid.uuid4().hex[:12]}"
-    await migrate_cassandra(cassandra_hosts, other_keyspace)  # another deployment, with its own role
+    await migrate_cassandra(cassandra_hosts, other_keyspace, ca_file=cassandra_ca_file)  # another deployment, with its own role
     for statement in ("SELECT role, salted_hash FROM system_auth.roles", f"SELECT * FROM {other_keyspace}.conversations"):
         with pytest.raises(Unauthorized):
             await as_app.execute(statement, ())
@@ -124,7 +126,7 @@ async def test_migrate_twice_leaves_the_role_as_it_was_and_takes_back_extra_gran
     role, other_role = cassandra_app_role(app_keyspace), f"extra_{uuid.uuid4().hex[:12]}"
     granted = {(f"<keyspace {app_keyspace}>", "SELECT"), (f"<keyspace {app_keyspace}>", "MODIFY")}
     assert await permissions_of(as_admin, role) == granted
-    assert await migrate_cassandra(cassandra_hosts, app_keyspace) == app_login
+    assert await migrate_cassandra(cassandra_hosts, app_keyspace, ca_file=app_login["ca_file"]) == app_login
     assert await permissions_of(as_admin, role) == granted
 
     for statement in (
@@ -136,7 +138,7 @@ async def test_migrate_twice_leaves_the_role_as_it_was_and_takes_back_extra_gran
     ):
         await as_admin.execute(statement, ())
     assert len(await permissions_of(as_admin, role)) == len(granted) + 3
-    await migrate_cassandra(cassandra_hosts, app_keyspace)
+    await migrate_cassandra(cassandra_hosts, app_keyspace, ca_file=app_login["ca_file"])
     assert await permissions_of(as_admin, role) == granted
     roles = (await as_admin.execute(f"LIST ROLES OF {role}", ())).current_rows
     assert [(row["role"], row["super"], row["login"]) for row in roles] == [(role, False, True)]

@@ -56,18 +56,20 @@ async def test_up_starts_a_node_that_outlives_the_command_and_down_stops_it(tmp_
     try:
         assert up.returncode == 0, up.stderr
         hosts = re.search(r"TANDEM_CASSANDRA_HOSTS=(\S+)", up.stdout)[1]
+        ca_file = re.search(r"TANDEM_CASSANDRA_CA_FILE=(\S+)", up.stdout)[1]
         assert tandem("cassandra", "status", "--dir", str(node_dir)).returncode == 0
         admin, app = {"TANDEM_CASSANDRA_USERNAME": SUPERUSER[0], "TANDEM_CASSANDRA_PASSWORD": SUPERUSER[1]}, "an app password"
         migrate = tandem(
             "store",
             "migrate",
             env={"TANDEM_STORE": "cassandra", "TANDEM_CASSANDRA_HOSTS": hosts, "TANDEM_CASSANDRA_KEYSPACE": "cli_node"}
+            | {"TANDEM_CASSANDRA_CA_FILE": ca_file}
             | admin
             | {"TANDEM_CASSANDRA_APP_PASSWORD": app},
         )
         assert migrate.returncode == 0, migrate.stderr
         assert "keyspace cli_node at schema version" in migrate.stdout
-        store = CassandraStore(hosts, keyspace="cli_node", username=APP_ROLE, password=app)
+        store = CassandraStore(hosts, keyspace="cli_node", username=APP_ROLE, password=app, ca_file=ca_file)
         await store.start()
         conversation = Conversation(id=f"conv-{uuid.uuid4().hex}", user_id="u", title="t", model="m", created_at_ms=1, updated_at_ms=1)
         assert await store.create_conversation(conversation) == conversation

@@ -248,13 +248,14 @@ async def test_an_append_with_a_title_names_the_conversation_and_its_retry_or_a_
 async def test_open_store_builds_the_store_the_settings_name(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if store_kind == "cassandra":
         hosts, keyspace = request.getfixturevalue("cassandra_hosts"), f"settings_{uuid.uuid4().hex[:8]}"
-        login = await migrate_cassandra(hosts, keyspace)
+        login = await migrate_cassandra(hosts, keyspace, ca_file=request.getfixturevalue("cassandra_ca_file"))
         settings = load_settings(
             store="cassandra",
             cassandra_hosts=hosts,
             cassandra_keyspace=keyspace,
             cassandra_username=login["username"],
             cassandra_password=login["password"],
+            cassandra_ca_file=login["ca_file"],
             store_timeout_s=10,
         )
     else:
@@ -371,6 +372,7 @@ async def test_a_store_written_by_schema_1_code_gains_ratings_when_newer_code_st
 
     keyspace, login = f"upgrade_{uuid.uuid4().hex[:8]}", {}
     hosts = request.getfixturevalue("cassandra_hosts") if store_kind == "cassandra" else ""
+    ca_file = request.getfixturevalue("cassandra_ca_file") if store_kind == "cassandra" else ""
     with monkeypatch.context() as schema_1:
         if store_kind == "sqlite":
             schema_1.setattr(sqlite, "SCHEMA_VERSION", 1)
@@ -379,7 +381,7 @@ async def test_a_store_written_by_schema_1_code_gains_ratings_when_newer_code_st
             schema_1.setattr(cassandra_schema, "SCHEMA_VERSION", 1)
             queries = {name: query for name, query in cassandra_schema.QUERIES.items() if not any(t in query for t in LATER_TABLES)}
             schema_1.setattr(cassandra_store, "QUERIES", queries)
-            login = await migrate_cassandra(hosts, keyspace)
+            login = await migrate_cassandra(hosts, keyspace, ca_file=ca_file)
         old = client()
         await old.start()
         conversation = await old.create_conversation(new_conversation())
@@ -389,7 +391,7 @@ async def test_a_store_written_by_schema_1_code_gains_ratings_when_newer_code_st
     if store_kind == "cassandra":
         with pytest.raises(StartupError, match=r"schema version 1, this code needs \d+: run `tandem store migrate`"):
             await new.start()
-        await migrate_cassandra(hosts, keyspace)
+        await migrate_cassandra(hosts, keyspace, ca_file=ca_file)
     await new.start()
     try:
         assert await new.rate_message(Feedback(answer.id, conversation.id, Rating.UP, reason="clear")) is None

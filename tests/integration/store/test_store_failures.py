@@ -39,7 +39,9 @@ async def test_cassandra_store_is_unavailable_while_the_node_is_down_and_recover
 ) -> None:
     node = own_cassandra_node()
     timeout_s = 2.0
-    store = CassandraStore(node.hosts, keyspace="recovery", timeout_s=timeout_s, **await migrate_cassandra(node.hosts, "recovery"))
+    store = CassandraStore(
+        node.hosts, keyspace="recovery", timeout_s=timeout_s, **await migrate_cassandra(node.hosts, "recovery", ca_file=node.ca_file)
+    )
     await store.start()
     try:
         conversation = await store.create_conversation(new_conversation())

@@ -149,6 +149,16 @@ def test_cassandra_turns_password_authentication_on(services: dict) -> None:
     assert "$$TANDEM_CASSANDRA_PASSWORD" in cassandra["healthcheck"]["test"][1]
 
 
+def test_every_cassandra_client_verifies_the_node_against_the_tls_volumes_ca(services: dict) -> None:
+    clients = [name for name, service in services.items() if service.get("environment", {}).get("TANDEM_STORE") == "cassandra"]
+    assert sorted(clients) == ["chat", "relay", "store-migrate"]
+    for name in clients:
+        assert services[name]["environment"]["TANDEM_CASSANDRA_CA_FILE"] == "/etc/tandem/tls/ca.pem", name
+        assert "tls:/etc/tandem/tls:ro" in services[name]["volumes"], name
+    assert "tls:/etc/tandem/tls:ro" in services["cassandra"]["volumes"]
+    assert "cqlsh --ssl " in services["cassandra"]["healthcheck"]["test"][1]
+
+
 def test_every_mounted_file_is_in_the_repo(services: dict) -> None:
     mounts = [volume for service in services.values() for volume in service.get("volumes", []) if volume.startswith("./")]
     assert len(mounts) >= 6
@@ -269,6 +279,20 @@ async def test_redis_started_as_compose_starts_it_refuses_all_but_the_password(s
         server.wait(timeout=20)
 
 
+# The shape of the image's block (Cassandra 5.0's cassandra.yaml): replaced whole by the entrypoint.
+IMAGE_CLIENT_ENCRYPTION = """client_encryption_options:
+  # Enable client-to-server encryption
+  enabled: false
+  # optional: true
+  keystore: conf/.keystore
+  keystore_password: cassandra
+  # cipher_suites: [TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384]
+
+# internode_compression controls whether traffic between nodes is compressed.
+internode_compression: dc
+"""
+
+
 @pytest.mark.parametrize(
     "setting",
     [
@@ -283,14 +307,25 @@ def test_cassandra_entrypoint_switches_either_spelling_of_the_authenticator(serv
     (mount,) = [volume for volume in services["cassandra"]["volumes"] if volume.startswith("./")]
     comment = "# authenticator: AllowAllAuthenticator is the default\n"
     commit_log = "commitlog_sync: periodic\ncommitlog_sync_period: 10000ms\n"
-    (tmp_path / "cassandra.yaml").write_text(comment + setting + commit_log + "authorizer: AllowAllAuthorizer\n")
+    (tmp_path / "cassandra.yaml").write_text(comment + setting + commit_log + IMAGE_CLIENT_ENCRYPTION + "authorizer: AllowAllAuthorizer\n")
     env = {"PATH": "/usr/bin:/bin", "CASSANDRA_CONF": str(tmp_path), "TANDEM_CASSANDRA_PASSWORD": "stand-in"}
+    env |= {"SSL_CERTFILE": services["cassandra"]["environment"]["SSL_CERTFILE"]}
     result = subprocess.run(["/bin/sh", str(ROOT / mount.split(":")[0])], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "cassandra exited before its password was set" in result.stderr
     expected = setting.replace("AllowAllAuthenticator", "PasswordAuthenticator")
     batch = "commitlog_sync: batch\n# commitlog_sync_period: 10000ms\n"
-    assert (tmp_path / "cassandra.yaml").read_text() == comment + expected + batch + "authorizer: CassandraAuthorizer\n"
+    edited = (tmp_path / "cassandra.yaml").read_text()
+    kept = "internode_compression: dc\n"  # the key after the image's block
+    assert edited.startswith(comment + expected + batch + kept + "authorizer: CassandraAuthorizer\n"), edited
+    assert edited.count("client_encryption_options:") == 1, edited
+    assert yaml.safe_load(edited)["client_encryption_options"] == {
+        "enabled": True,
+        "optional": False,  # a plaintext client is refused
+        "ssl_context_factory": {"class_name": "org.apache.cassandra.security.PEMBasedSslContextFactory"},
+        "keystore": "/etc/tandem/tls/cassandra-keystore.pem",  # the certs service writes it
+        "truststore": "/etc/tandem/tls/ca.pem",
+    }
 
 
 def test_cassandra_entrypoint_refuses_to_start_without_a_password(services: dict, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import socket
 import pytest
 
 from tandem.config import ApiKey, Tier, load_settings, settings_flags
+from tandem.devstack.certs import make_cert_set
 from tandem.devstack.devices import torch_threads_per_rank
 from tandem.devstack.members import Console, StackConfig, check_chat_ports_free, dev_api_keys, service_member
 from tandem.devstack.proc import free_ports
@@ -215,6 +216,16 @@ async def test_a_stack_whose_chat_port_is_taken_starts_nothing():
     with listening(first + 1), pytest.raises(StartupError, match=f"chat-1: port {first + 1} "):
         await Stack(config, Console(out)).start()
     assert "started" not in out.getvalue(), out.getvalue()
+
+
+def test_with_a_cassandra_store_the_callers_cassandra_ca_reaches_the_migrate_step_chat_and_relay(monkeypatch, tmp_path):
+    """`tandem cassandra up`'s node has a CA of its own, not the stack's: the caller names it."""
+    node_ca = str(make_cert_set(tmp_path, services=("cassandra",)).ca_file)
+    monkeypatch.setenv("TANDEM_CASSANDRA_CA_FILE", node_ca)
+    config = config_of("--store", "cassandra", "--decode-workers", "1", "--prefill-workers", "1")
+    assert config.store_admin is not None and config.store_admin.ca_file == node_ca
+    given = {m.role: m.env.get("TANDEM_CASSANDRA_CA_FILE") for m in members(config)}
+    assert (given["chat"], given["relay"]) == (node_ca, node_ca)
 
 
 def test_with_a_cassandra_store_chat_and_relay_get_the_app_role_and_no_service_the_callers_login(monkeypatch):
