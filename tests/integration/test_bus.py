@@ -13,7 +13,7 @@ from tandem.devstack.servers import EmbeddedServer, start_nats
 
 async def test_connects_once_a_late_server_comes_up(tmp_path):
     port = free_port()
-    operator_password = load_or_create(tmp_path).nats_passwords["operator"]  # the login the server will take
+    operator_password = load_or_create(tmp_path).operator_password  # the login the server will take
     url = f"nats://127.0.0.1:{port}"
     bus = Bus(BusConfig(url=url, name="late", first_retry_s=0.05, max_retry_s=0.2, user="operator", password=operator_password))
     bus.start()

@@ -81,7 +81,7 @@ def _answer_to_plaintext(address: str, password: str) -> bytes:
 
 
 def test_nats_closes_a_plaintext_client_without_answering_it(tls_nats: EmbeddedServer):
-    assert b"PONG" not in _answer_to_plaintext(tls_nats.address, tls_nats.secrets.nats_passwords[OPERATOR])
+    assert b"PONG" not in _answer_to_plaintext(tls_nats.address, tls_nats.secrets.operator_password)
 
 
 async def test_nats_takes_a_client_with_a_certificate_of_its_ca(tls_nats: EmbeddedServer):

@@ -44,7 +44,9 @@ _NUM_RANDOM_BYTES = 24
 
 @dataclass(frozen=True)
 class StackSecrets:
-    nats_passwords: dict[str, str] = field(repr=False)  # bus user -> password, for every user of USERS
+    operator_password: str = field(
+        repr=False
+    )  # the bus operator's; services log in as their instances (tandem up) or with certificates (containers)
     redis_password: str = field(repr=False)
     redis_passwords: dict[str, str] = field(repr=False)  # Redis ACL user (a role of tandem.redis_acl) -> password
     internal_secret: str = field(repr=False)
@@ -56,7 +58,7 @@ class StackSecrets:
     def generate(cls) -> StackSecrets:
         """Independent random values (containers)."""
         return cls(
-            nats_passwords={user: _random() for user in USERS},
+            operator_password=_random(),
             redis_password=_random(),
             redis_passwords={role: _random() for role in REDIS_ROLES},
             internal_secret=_random(),
@@ -68,7 +70,7 @@ class StackSecrets:
     def derived_from(cls, operator_password: str) -> StackSecrets:
         """The local set whose operator password is `operator_password` (see the module's docstring)."""
         return cls(
-            nats_passwords={user: operator_password if user == OPERATOR else _derive(operator_password, f"nats:{user}") for user in USERS},
+            operator_password=operator_password,
             redis_password=_derive(operator_password, "redis"),
             redis_passwords={role: _derive(operator_password, f"redis:{role}") for role in REDIS_ROLES},
             internal_secret=_derive(operator_password, "internal"),
@@ -78,7 +80,7 @@ class StackSecrets:
 
     def variables(self) -> dict[str, str]:
         """Every secret under its environment variable's name."""
-        found = {password_variable(user): password for user, password in self.nats_passwords.items()}
+        found = {password_variable(OPERATOR): self.operator_password}
         found[REDIS_PASSWORD] = self.redis_password
         found.update({redis_password_variable(role): password for role, password in self.redis_passwords.items()})
         found[INTERNAL_SECRET] = self.internal_secret
@@ -90,7 +92,7 @@ class StackSecrets:
     def instance_password(self, instance_id: str) -> str:
         """The bus password of a local service instance (tandem up, tests), whose user name is its
         instance id: derived from the operator's, as the module's docstring says."""
-        return _derive(self.nats_passwords[OPERATOR], f"nats-instance:{instance_id}")
+        return _derive(self.operator_password, f"nats-instance:{instance_id}")
 
     def service_env(self, role: str, instance_id: str) -> dict[str, str]:
         """What one local service process of `role` needs: its instance's bus login, its role's
@@ -110,7 +112,7 @@ class StackSecrets:
 
     def nats_config(self, identities: Iterable[Identity]) -> str:
         """The local server's users: the operator and one per service instance of `identities`."""
-        users = [(OPERATOR, PERMISSIONS[OPERATOR], literal(self.nats_passwords[OPERATOR]))]
+        users = [(OPERATOR, PERMISSIONS[OPERATOR], literal(self.operator_password))]
         for identity in identities:
             if identity.instance_id in USERS:
                 raise StartupError(f"instance id {identity.instance_id!r} is the name of a bus user of its own")

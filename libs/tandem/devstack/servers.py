@@ -134,7 +134,7 @@ def start_nats(
     _wait_ready(child, r"Server is ready", READY_TIMEOUT_S)
     assert listening is not None  # "Server is ready" comes after it
     address = f"nats://{listening[1]}:{listening[2]}"
-    url = with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR])
+    url = with_login(address, OPERATOR, secrets.operator_password)
     return EmbeddedServer(url=url, child=child, address=address, secrets=secrets, tls=certs.settings(OPERATOR) if certs else None)
 
 
@@ -221,7 +221,7 @@ def start_nats_node(
     _wait_ready(child, r"Server is ready", READY_TIMEOUT_S)
     address = f"nats://{node.host}:{node.client_port}"
     return EmbeddedServer(
-        url=with_login(address, OPERATOR, secrets.nats_passwords[OPERATOR]),
+        url=with_login(address, OPERATOR, secrets.operator_password),
         child=child,
         address=address,
         secrets=secrets,

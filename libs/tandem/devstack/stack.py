@@ -336,7 +336,7 @@ class Stack:
         operator = {
             "TANDEM_NATS_URL": nats.address,
             "TANDEM_NATS_USER": OPERATOR,
-            "TANDEM_NATS_PASSWORD": nats.secrets.nats_passwords[OPERATOR],
+            "TANDEM_NATS_PASSWORD": nats.secrets.operator_password,
             "TANDEM_REDIS_URL": redis.address,
             "TANDEM_REDIS_PASSWORD": redis.secrets.redis_password,
             **(self.operator_tls.env() if self.operator_tls is not None else {}),

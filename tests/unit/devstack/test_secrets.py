@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bus.permissions import USERS, password_variable
+from tandem.bus.permissions import OPERATOR, password_variable
 from tandem.cli import main
 from tandem.devstack.secrets import StackSecrets, load_or_create, local_service_env, login_of, redis_password_variable, with_login
 from tandem.redis_acl import ROLES as REDIS_ROLES
@@ -26,7 +26,7 @@ def test_tandem_secrets_writes_an_env_file_and_a_file_per_secret_for_its_owner_a
     assert main(["secrets", str(tmp_path / "set")]) == 0
     variables = _env_file(tmp_path / "set" / "tandem.env")
     expected = (
-        {password_variable(user) for user in USERS}
+        {password_variable(OPERATOR)}  # no role password: services log in as their instances or with certificates
         | {
             "TANDEM_REDIS_PASSWORD",
             "TANDEM_INTERNAL_SECRET",
@@ -64,20 +64,20 @@ def test_a_work_folder_keeps_its_set_and_the_operator_password_gives_each_role_i
     made = load_or_create(tmp_path)
     assert load_or_create(tmp_path) == made, "a server restarted on the folder keeps its logins"
     assert _mode(tmp_path / "secrets.env") == 0o600
-    assert StackSecrets.derived_from(made.nats_passwords["operator"]) == made
-    assert len({*made.nats_passwords.values(), made.redis_password, made.internal_secret}) == len(USERS) + 2
+    assert StackSecrets.derived_from(made.operator_password) == made
+    assert len({made.operator_password, made.redis_password, made.internal_secret}) == 3
     assert load_or_create(tmp_path / "other") != made
 
 
 def test_a_service_on_a_local_bus_logs_in_as_its_instance_at_the_url_without_the_operator_login(tmp_path: Path):
     made = load_or_create(tmp_path)
-    url = with_login("nats://127.0.0.1:4222", "operator", made.nats_passwords["operator"])
+    url = with_login("nats://127.0.0.1:4222", "operator", made.operator_password)
     env = local_service_env("decode", "decode-7", url)
     assert env["TANDEM_NATS_URL"] == "nats://127.0.0.1:4222"
     assert (env["TANDEM_INSTANCE_ID"], env["TANDEM_NATS_USER"]) == ("decode-7", "decode-7")
     assert env["TANDEM_NATS_PASSWORD"] == made.instance_password("decode-7")
     assert env["TANDEM_INTERNAL_SECRET"] == made.internal_secret
-    assert len({made.instance_password("decode-7"), made.instance_password("decode-8"), *made.nats_passwords.values()}) == len(USERS) + 2
+    assert len({made.instance_password("decode-7"), made.instance_password("decode-8"), made.operator_password}) == 3
     assert local_service_env("decode", "decode-7", "nats://127.0.0.1:4222") == {
         "TANDEM_NATS_URL": "nats://127.0.0.1:4222",
         "TANDEM_INSTANCE_ID": "decode-7",
@@ -101,7 +101,7 @@ def test_a_login_in_a_url_survives_characters_urls_reserve():
 
 def test_secrets_never_show_in_a_repr():
     made = StackSecrets.generate()
-    assert made.redis_password not in repr(made) and made.nats_passwords["chat"] not in repr(made)
+    assert made.redis_password not in repr(made) and made.operator_password not in repr(made)
 
 
 def test_every_generated_password_starts_with_a_letter_which_nats_server_reads_as_a_string():
