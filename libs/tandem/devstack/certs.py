@@ -5,7 +5,9 @@ compose mounts). Keys are EC P-256, made fresh each time; the CA's key is never 
 
 Each certificate names its service three ways (SANs): `nats`, `nats.tandem.internal` (what
 clients verify, tandem.tls.server_name, whatever address they dialed) and localhost with the
-loopback addresses; it serves and it calls (serverAuth and clientAuth), since a worker's gRPC
+loopback addresses (and, for `nats`, every address its cluster's nodes route to: a route
+checks the node it dials by the address in its URL, nats-server having no name to ask for); it
+serves and it calls (serverAuth and clientAuth), since a worker's gRPC
 port is mutual. Kubernetes gets the same names from cert-manager (deploy/k8s/tls, and each service
 pod's own from cert-manager's csi-driver). A service instance's certificate (containers: compose's
 `decode-0`) carries one name more, its instance's (tandem.bus.permissions.cert_user), which
@@ -60,10 +62,15 @@ class CertSet:
 
 
 def make_cert_set(
-    parent: Path, services: tuple[str, ...] = SERVICES, valid_days: int = VALID_DAYS, instances: Sequence[Identity] = ()
+    parent: Path,
+    services: tuple[str, ...] = SERVICES,
+    valid_days: int = VALID_DAYS,
+    instances: Sequence[Identity] = (),
+    nats_addresses: Sequence[str] = (),
 ) -> CertSet:
     """A new CA and one certificate per service under `parent`/tls (replacing what was there), and
-    one per instance of `instances`, under its instance id's name (decode-0.pem)."""
+    one per instance of `instances`, under its instance id's name (decode-0.pem). `nats_addresses`:
+    the NATS nodes' own addresses off loopback (separate hosts), which their routes dial."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"Tandem development CA {now:%Y-%m-%d %H:%M:%S}")])
@@ -77,7 +84,9 @@ def make_cert_set(
     made = CertSet(parent / FOLDER)
     made.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     made.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    holders = [(service, server_name(service), _names(service)) for service in services]
+    holders = [
+        (service, server_name(service), _names(service, addresses=nats_addresses if service == "nats" else ())) for service in services
+    ]
     holders += [(i.instance_id, cert_user(i), _names(i.role, cert_user(i))) for i in instances]
     for holder, common_name, names in holders:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -134,15 +143,17 @@ def _key_usage(is_ca: bool) -> x509.KeyUsage:
     )
 
 
-def _names(service: str, *more: str) -> x509.SubjectAlternativeName:
+def _names(service: str, *more: str, addresses: Sequence[str] = ()) -> x509.SubjectAlternativeName:
     dns = [x509.DNSName(name) for name in (service, server_name(service), *more, "localhost")]
-    ips = [x509.IPAddress(ipaddress.ip_address(address)) for address in ("127.0.0.1", "::1")]
+    ips = [x509.IPAddress(ipaddress.ip_address(address)) for address in ("127.0.0.1", "::1", *addresses)]
     return x509.SubjectAlternativeName([*dns, *ips])
 
 
 def nats_tls_config(tls: TlsSettings) -> str:
     """nats-server's `tls` block: every client must speak TLS and show a certificate of the CA
-    (`verify`); a plaintext one is refused before it can log in."""
+    (`verify`); a plaintext one is refused before it can log in. The same block inside `cluster`
+    does it for the routes between nodes: each side shows the `nats` certificate, and the one that
+    dials checks the other's against the address it dialed."""
     return (
         "tls {\n"
         f"  cert_file: {json.dumps(tls.cert_file)}\n"

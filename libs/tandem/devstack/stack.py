@@ -139,8 +139,9 @@ class Stack:
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
         admit(self._workdir, load_or_create(self._workdir), self._config.identities())  # before the bus reads its users
-        self.certs = make_cert_set(self._workdir)
-        nats = await self._start_bus()
+        nats_hosts = [on(name) for name in ([f"nats-{i}" for i in range(HA_NATS_NODES)] if self._config.ha else ["nats"])]
+        self.certs = make_cert_set(self._workdir, nats_addresses=[host.address for host in nats_hosts if host is not None])
+        nats = await self._start_bus(nats_hosts)
         if self._config.ha:
             redis = await self._start_redis_ha()
         else:
@@ -294,16 +295,15 @@ class Stack:
 
     # -- members -----------------------------------------------------------------------------
 
-    async def _start_bus(self) -> EmbeddedServer | NatsCluster:
-        """NATS (--ha: a cluster, members nats-0, nats-1, ...), then the admin step that makes the
-        token stream (`tandem bus init`, as the operator): the services only wait for it."""
+    async def _start_bus(self, hosts: list[Host | None]) -> EmbeddedServer | NatsCluster:
+        """NATS (--ha: a cluster, members nats-0, nats-1, ...; `hosts`: each node's), then the admin
+        step that makes the token stream (`tandem bus init`, as the operator): the services only wait for it."""
         if not self._config.ha:
-            host = self._host_for("nats")
+            host = hosts[0]
             nats: EmbeddedServer | NatsCluster = await self._start_server(
                 "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host), certs=self.certs), host
             )
         else:
-            hosts = [self._host_for(f"nats-{index}") for index in range(HA_NATS_NODES)]
             nodes = plan_nats_cluster(HA_NATS_NODES, hosts)
             started = []
             for node, node_host in zip(nodes, hosts, strict=True):  # each restarts on its own ports and store
