@@ -5,9 +5,9 @@ compose mounts). Keys are EC P-256, made fresh each time; the CA's key is never 
 
 Each certificate names its service three ways (SANs): `nats`, `nats.tandem.internal` (what
 clients verify, tandem.tls.server_name, whatever address they dialed) and localhost with the
-loopback addresses (and, for `nats`, every address its cluster's nodes route to: a route
-checks the node it dials by the address in its URL, nats-server having no name to ask for); it
-serves and it calls (serverAuth and clientAuth), since a worker's gRPC
+loopback addresses (and, on hosts of their own, the addresses of a server's nodes: a NATS route
+or a Redis replica or sentinel checks the node it dials by the address it dialed, and a
+sentinel names a primary by its address); it serves and it calls (serverAuth and clientAuth), since a worker's gRPC
 port is mutual. Kubernetes gets the same names from cert-manager (deploy/k8s/tls, and each service
 pod's own from cert-manager's csi-driver). A service instance's certificate (containers: compose's
 `decode-0`) carries one name more, its instance's (tandem.bus.permissions.cert_user), which
@@ -19,7 +19,7 @@ import datetime
 import ipaddress
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,11 +66,12 @@ def make_cert_set(
     services: tuple[str, ...] = SERVICES,
     valid_days: int = VALID_DAYS,
     instances: Sequence[Identity] = (),
-    nats_addresses: Sequence[str] = (),
+    addresses: Mapping[str, Sequence[str]] | None = None,
 ) -> CertSet:
     """A new CA and one certificate per service under `parent`/tls (replacing what was there), and
-    one per instance of `instances`, under its instance id's name (decode-0.pem). `nats_addresses`:
-    the NATS nodes' own addresses off loopback (separate hosts), which their routes dial."""
+    one per instance of `instances`, under its instance id's name (decode-0.pem). `addresses`:
+    a service's addresses off loopback (`nats` and `redis` on hosts of their own), which its
+    certificate names too."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"Tandem development CA {now:%Y-%m-%d %H:%M:%S}")])
@@ -84,9 +85,8 @@ def make_cert_set(
     made = CertSet(parent / FOLDER)
     made.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     made.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    holders = [
-        (service, server_name(service), _names(service, addresses=nats_addresses if service == "nats" else ())) for service in services
-    ]
+    addresses = addresses or {}
+    holders = [(service, server_name(service), _names(service, addresses=addresses.get(service, ()))) for service in services]
     holders += [(i.instance_id, cert_user(i), _names(i.role, cert_user(i))) for i in instances]
     for holder, common_name, names in holders:
         key = ec.generate_private_key(ec.SECP256R1())

@@ -62,7 +62,7 @@ from tandem.devstack.certs import CertSet, make_cert_set
 from tandem.devstack.hosts import Host, HostNetwork
 from tandem.devstack.members import HA_NATS_NODES, Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
-from tandem.devstack.redis_ha import RedisHA, start_redis_ha
+from tandem.devstack.redis_ha import RedisHA, member_names, start_redis_ha
 from tandem.devstack.secrets import env_file_text, load_or_create, with_login, write_private
 from tandem.devstack.servers import (
     EmbeddedServer,
@@ -139,11 +139,19 @@ class Stack:
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
         admit(self._workdir, load_or_create(self._workdir), self._config.identities())  # before the bus reads its users
+        # The servers' hosts first: their certificates name the addresses their peers dial.
         nats_hosts = [on(name) for name in ([f"nats-{i}" for i in range(HA_NATS_NODES)] if self._config.ha else ["nats"])]
-        self.certs = make_cert_set(self._workdir, nats_addresses=[host.address for host in nats_hosts if host is not None])
+        redis_ha_hosts = {name: on(name) for name in member_names()} if self._config.ha else {}
+        self.certs = make_cert_set(
+            self._workdir,
+            addresses={
+                "nats": [host.address for host in nats_hosts if host is not None],
+                "redis": [host.address for host in redis_ha_hosts.values() if host is not None],
+            },
+        )
         nats = await self._start_bus(nats_hosts)
         if self._config.ha:
-            redis = await self._start_redis_ha()
+            redis = await self._start_redis_ha(redis_ha_hosts)
         else:
             redis_host = on("redis")
             redis = await self._start_server(
@@ -363,14 +371,15 @@ class Stack:
         self._console.say(f"{member.name} started (pid {server.pid}) at {server.address}{f' on host {host.name}' if host else ''}")
         return server
 
-    async def _start_redis_ha(self) -> EmbeddedServer:
+    async def _start_redis_ha(self, hosts: dict[str, Host | None]) -> EmbeddedServer:
         """--ha: the Sentinel set, each node and sentinel a member ("redis-0", the first primary,
-        "redis-1", "redis-sentinel-0", ...); its first primary stands for it as the stack's redis."""
-        ha = await asyncio.to_thread(start_redis_ha, self._workdir, self._console.line, place=self._host_for)
+        "redis-1", "redis-sentinel-0", ...; `hosts`: each one's); its first primary stands for it
+        as the stack's redis."""
+        ha = await asyncio.to_thread(start_redis_ha, self._workdir, self._console.line, place=hosts.get, certs=self.certs)
         self.redis_ha = ha
         self._members += ha.members()
         primary = ha.nodes[0]
-        self._console.say(f"redis with failover: primary {primary.address}, sentinels {ha.sentinel_spec}")
+        self._console.say(f"redis with failover: primary {primary.address}, sentinels {ha.sentinel_spec}; they listen on {ha.describe()}")
         url = with_login(primary.address, "", ha.secrets.redis_password)
         return EmbeddedServer(url=url, child=ha.children[primary.name], address=primary.address, secrets=ha.secrets)
 

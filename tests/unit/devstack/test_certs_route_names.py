@@ -16,7 +16,7 @@ def _ip_names(made: CertSet, service: str) -> set[str]:
 
 
 def test_the_nats_certificate_names_the_addresses_its_routes_dial(tmp_path: Path) -> None:
-    made = make_cert_set(tmp_path, services=("nats", "chat"), nats_addresses=["10.77.3.2", "10.77.3.3"])
+    made = make_cert_set(tmp_path, services=("nats", "chat"), addresses={"nats": ["10.77.3.2", "10.77.3.3"]})
     loopback_nodes = {node.host for node in plan_nats_cluster(3)}
     assert loopback_nodes | {"10.77.3.2", "10.77.3.3"} <= _ip_names(made, "nats")
     assert _ip_names(made, "chat") == {"127.0.0.1", "::1"}, "only nats is given the nodes' addresses"
