@@ -53,7 +53,7 @@ class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     one, as runtime's short-command client does without sentinels."""
 
 
-def tls_kwargs(url: str) -> dict[str, Any]:
+def _tls_of(url: str) -> dict[str, Any]:
     """The TLS a `rediss://` URL asks for, as a connection's keyword arguments; none for another scheme."""
     if not url.lower().startswith("rediss://"):
         return {}
@@ -65,7 +65,7 @@ def master_client(target: SentinelTarget, url: str, **pool_kwargs: Any) -> Redis
     """A client of the primary the sentinels name; `url` gives the database, TLS (`rediss://`)
     and a login, which `pool_kwargs` override; `pool_kwargs` the pool's limits, timeouts and retry."""
     from_url: dict[str, Any] = {name: value for name, value in parse_url(url).items() if name in ("db", "username", "password")}
-    tls = tls_kwargs(url)
+    tls = _tls_of(url)
     sentinel = Sentinel(
         target.addresses,
         sentinel_kwargs={"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
