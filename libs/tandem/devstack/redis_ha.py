@@ -310,6 +310,7 @@ class RedisHA:
             f"dir {node.folder / 'data'}",
             redis_auth_config(self.secrets, redis_server_binary()).strip(),  # the admin's password and the roles' users
             f"masterauth {password}",
+            "repl-diskless-sync-delay 0",  # Redis 7 syncs diskless, after 5 s by default: a replica that joins syncs at once
             'save ""',
             "appendonly yes",
             "appendfsync everysec",
