@@ -141,19 +141,19 @@ class Stack:
         admit(self._workdir, load_or_create(self._workdir), self._config.identities())  # before the bus reads its users
         # The servers' hosts first: their certificates name the addresses their peers dial.
         nats_hosts = [on(name) for name in ([f"nats-{i}" for i in range(HA_NATS_NODES)] if self._config.ha else ["nats"])]
-        redis_ha_hosts = {name: on(name) for name in member_names()} if self._config.ha else {}
+        redis_hosts = {name: on(name) for name in (member_names() if self._config.ha else ["redis"])}
         self.certs = make_cert_set(
             self._workdir,
             addresses={
                 "nats": [host.address for host in nats_hosts if host is not None],
-                "redis": [host.address for host in redis_ha_hosts.values() if host is not None],
+                "redis": [host.address for host in redis_hosts.values() if host is not None],
             },
         )
         nats = await self._start_bus(nats_hosts)
         if self._config.ha:
-            redis = await self._start_redis_ha(redis_ha_hosts)
+            redis = await self._start_redis_ha(redis_hosts)
         else:
-            redis_host = on("redis")
+            redis_host = redis_hosts["redis"]
             redis = await self._start_server(
                 "redis",
                 lambda port: start_redis(
