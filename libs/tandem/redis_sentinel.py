@@ -6,7 +6,12 @@ Those commands fail with a redis ConnectionError (MasterNotFoundError while no p
 a refused connection to the dead one, and ReadOnlyError from a primary demoted to replica is
 turned into one by redis-py's sentinel connection); callers treat them as they treat a Redis
 restart. The database, user and password are the redis URL's and the login's, as without
-sentinels."""
+sentinels.
+
+TLS comes from the URL too: a `rediss://` one (its CA in `ssl_ca_certs`, as without sentinels)
+makes every connection TLS, to the sentinels as to the primary they name, each checked against
+that CA and the name or address it was dialed by; the sentinels of a TLS set listen on TLS
+alone (tandem.devstack.redis_ha, the Helm values' `tls`)."""
 
 from __future__ import annotations
 
@@ -48,14 +53,25 @@ class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     one, as runtime's short-command client does without sentinels."""
 
 
+def _tls_of(url: str) -> dict[str, Any]:
+    """The TLS a `rediss://` URL asks for, as a connection's keyword arguments; none for another scheme."""
+    if not url.lower().startswith("rediss://"):
+        return {}
+    parsed = parse_url(url)
+    return {"ssl": True} | {name: value for name, value in parsed.items() if name in ("ssl_ca_certs", "ssl_check_hostname")}
+
+
 def master_client(target: SentinelTarget, url: str, **pool_kwargs: Any) -> Redis:
-    """A client of the primary the sentinels name; `url` gives the database (and a login, which
-    `pool_kwargs` override); `pool_kwargs` the pool's limits, timeouts and retry."""
+    """A client of the primary the sentinels name; `url` gives the database, TLS (`rediss://`)
+    and a login, which `pool_kwargs` override; `pool_kwargs` the pool's limits, timeouts and retry."""
     from_url: dict[str, Any] = {name: value for name, value in parse_url(url).items() if name in ("db", "username", "password")}
+    tls = _tls_of(url)
     sentinel = Sentinel(
         target.addresses,
         sentinel_kwargs={"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+        | tls
         | ({"password": target.password} if target.password else {}),
+        **tls,  # every master_for's, reader_like's too
     )
     return sentinel.master_for(target.master, connection_pool_class=BlockingSentinelPool, **(from_url | pool_kwargs))
 

@@ -5,7 +5,9 @@ compose mounts). Keys are EC P-256, made fresh each time; the CA's key is never 
 
 Each certificate names its service three ways (SANs): `nats`, `nats.tandem.internal` (what
 clients verify, tandem.tls.server_name, whatever address they dialed) and localhost with the
-loopback addresses; it serves and it calls (serverAuth and clientAuth), since a worker's gRPC
+loopback addresses (and, on hosts of their own, the addresses of a server's nodes: a NATS route
+or a Redis replica or sentinel checks the node it dials by the address it dialed, and a
+sentinel names a primary by its address); it serves and it calls (serverAuth and clientAuth), since a worker's gRPC
 port is mutual. Kubernetes gets the same names from cert-manager (deploy/k8s/tls, and each service
 pod's own from cert-manager's csi-driver). A service instance's certificate (containers: compose's
 `decode-0`) carries one name more, its instance's (tandem.bus.permissions.cert_user), which
@@ -17,7 +19,7 @@ import datetime
 import ipaddress
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +62,16 @@ class CertSet:
 
 
 def make_cert_set(
-    parent: Path, services: tuple[str, ...] = SERVICES, valid_days: int = VALID_DAYS, instances: Sequence[Identity] = ()
+    parent: Path,
+    services: tuple[str, ...] = SERVICES,
+    valid_days: int = VALID_DAYS,
+    instances: Sequence[Identity] = (),
+    addresses: Mapping[str, Sequence[str]] | None = None,
 ) -> CertSet:
     """A new CA and one certificate per service under `parent`/tls (replacing what was there), and
-    one per instance of `instances`, under its instance id's name (decode-0.pem)."""
+    one per instance of `instances`, under its instance id's name (decode-0.pem). `addresses`:
+    a service's addresses off loopback (`nats` and `redis` on hosts of their own), which its
+    certificate names too."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"Tandem development CA {now:%Y-%m-%d %H:%M:%S}")])
@@ -77,7 +85,8 @@ def make_cert_set(
     made = CertSet(parent / FOLDER)
     made.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     made.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    holders = [(service, server_name(service), _names(service)) for service in services]
+    addresses = addresses or {}
+    holders = [(service, server_name(service), _names(service, addresses=addresses.get(service, ()))) for service in services]
     holders += [(i.instance_id, cert_user(i), _names(i.role, cert_user(i))) for i in instances]
     for holder, common_name, names in holders:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -134,15 +143,17 @@ def _key_usage(is_ca: bool) -> x509.KeyUsage:
     )
 
 
-def _names(service: str, *more: str) -> x509.SubjectAlternativeName:
+def _names(service: str, *more: str, addresses: Sequence[str] = ()) -> x509.SubjectAlternativeName:
     dns = [x509.DNSName(name) for name in (service, server_name(service), *more, "localhost")]
-    ips = [x509.IPAddress(ipaddress.ip_address(address)) for address in ("127.0.0.1", "::1")]
+    ips = [x509.IPAddress(ipaddress.ip_address(address)) for address in ("127.0.0.1", "::1", *addresses)]
     return x509.SubjectAlternativeName([*dns, *ips])
 
 
 def nats_tls_config(tls: TlsSettings) -> str:
     """nats-server's `tls` block: every client must speak TLS and show a certificate of the CA
-    (`verify`); a plaintext one is refused before it can log in."""
+    (`verify`); a plaintext one is refused before it can log in. The same block inside `cluster`
+    does it for the routes between nodes: each side shows the `nats` certificate, and the one that
+    dials checks the other's against the address it dialed."""
     return (
         "tls {\n"
         f"  cert_file: {json.dumps(tls.cert_file)}\n"

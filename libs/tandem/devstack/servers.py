@@ -198,13 +198,14 @@ def plan_nats_cluster(num_nodes: int = 3, hosts: Sequence[Host | None] = ()) -> 
 
 def _cluster_node_config(workdir: Path, node: NatsNode, nodes: list[NatsNode], secrets: StackSecrets, certs: CertSet | None) -> str:
     routes = ", ".join(json.dumps(f"nats-route://{peer.host}:{peer.cluster_port}") for peer in nodes if peer != node)
+    tls = nats_tls_config(certs.settings("nats")) if certs else ""
     return (
         f"server_name: {json.dumps(f'tandem-{node.name}')}\n"
         f'listen: "{node.host}:{node.client_port}"\n'
         f"jetstream {{ store_dir: {json.dumps(str(workdir / node.name))} }}\n"
-        f'cluster {{ name: "tandem-local", listen: "{node.host}:{node.cluster_port}", routes: [{routes}] }}\n'
+        f'cluster {{ name: "tandem-local", listen: "{node.host}:{node.cluster_port}", routes: [{routes}]\n{tls}}}\n'
         + write_auth(workdir, secrets)
-        + (nats_tls_config(certs.settings("nats")) if certs else "")
+        + tls
     )
 
 
@@ -212,7 +213,7 @@ def start_nats_node(
     workdir: Path, node: NatsNode, nodes: list[NatsNode], on_line: Callable[[str, str], None] | None = None, certs: CertSet | None = None
 ) -> EmbeddedServer:
     """One node of the cluster `nodes` (again, after a restart: the same ports and store); with
-    `certs` its clients must speak TLS (the routes between nodes stay in clear: docs/security.md)."""
+    `certs` its clients and its routes to the other nodes must speak TLS."""
     secrets = load_or_create(workdir)
     config = workdir / f"{node.name}.conf"
     write_private(config, _cluster_node_config(workdir, node, nodes, secrets, certs))
@@ -230,16 +231,20 @@ def start_nats_node(
 
 
 def start_nats_cluster(
-    workdir: Path, num_nodes: int = 3, on_line: Callable[[str, str], None] | None = None, nodes: list[NatsNode] | None = None
+    workdir: Path,
+    num_nodes: int = 3,
+    on_line: Callable[[str, str], None] | None = None,
+    nodes: list[NatsNode] | None = None,
+    certs: CertSet | None = None,
 ) -> NatsCluster:
     """`num_nodes` nats-server nodes with JetStream, routed to each other, each with its own client
-    port and store under `workdir`, the same bus users as start_nats. JetStream elects its leader
-    after they meet: `init_token_stream` waits for it."""
+    port and store under `workdir`, the same bus users as start_nats (with `certs`: TLS on client
+    ports and routes). JetStream elects its leader after they meet: `init_token_stream` waits for it."""
     nodes = nodes or plan_nats_cluster(num_nodes)
     started: list[EmbeddedServer] = []
     try:
         for node in nodes:
-            started.append(start_nats_node(workdir, node, nodes, on_line))
+            started.append(start_nats_node(workdir, node, nodes, on_line, certs))
     except StartupError:
         for server in started:
             server.stop()

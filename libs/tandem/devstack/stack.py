@@ -62,7 +62,7 @@ from tandem.devstack.certs import CertSet, make_cert_set
 from tandem.devstack.hosts import Host, HostNetwork
 from tandem.devstack.members import HA_NATS_NODES, Console, Member, StackConfig, check_chat_ports_free, member_name_of, service_member
 from tandem.devstack.proc import ChildProcess
-from tandem.devstack.redis_ha import RedisHA, start_redis_ha
+from tandem.devstack.redis_ha import RedisHA, member_names, start_redis_ha
 from tandem.devstack.secrets import env_file_text, load_or_create, with_login, write_private
 from tandem.devstack.servers import (
     EmbeddedServer,
@@ -139,12 +139,21 @@ class Stack:
             self._console.say(f"every member on a host of its own, on {self.network.subnet} (bridge {self.network.bridge})")
         on = self._host_for
         admit(self._workdir, load_or_create(self._workdir), self._config.identities())  # before the bus reads its users
-        self.certs = make_cert_set(self._workdir)
-        nats = await self._start_bus()
+        # The servers' hosts first: their certificates name the addresses their peers dial.
+        nats_hosts = [on(name) for name in ([f"nats-{i}" for i in range(HA_NATS_NODES)] if self._config.ha else ["nats"])]
+        redis_hosts = {name: on(name) for name in (member_names() if self._config.ha else ["redis"])}
+        self.certs = make_cert_set(
+            self._workdir,
+            addresses={
+                "nats": [host.address for host in nats_hosts if host is not None],
+                "redis": [host.address for host in redis_hosts.values() if host is not None],
+            },
+        )
+        nats = await self._start_bus(nats_hosts)
         if self._config.ha:
-            redis = await self._start_redis_ha()
+            redis = await self._start_redis_ha(redis_hosts)
         else:
-            redis_host = on("redis")
+            redis_host = redis_hosts["redis"]
             redis = await self._start_server(
                 "redis",
                 lambda port: start_redis(
@@ -294,16 +303,15 @@ class Stack:
 
     # -- members -----------------------------------------------------------------------------
 
-    async def _start_bus(self) -> EmbeddedServer | NatsCluster:
-        """NATS (--ha: a cluster, members nats-0, nats-1, ...), then the admin step that makes the
-        token stream (`tandem bus init`, as the operator): the services only wait for it."""
+    async def _start_bus(self, hosts: list[Host | None]) -> EmbeddedServer | NatsCluster:
+        """NATS (--ha: a cluster, members nats-0, nats-1, ...; `hosts`: each node's), then the admin
+        step that makes the token stream (`tandem bus init`, as the operator): the services only wait for it."""
         if not self._config.ha:
-            host = self._host_for("nats")
+            host = hosts[0]
             nats: EmbeddedServer | NatsCluster = await self._start_server(
                 "nats", lambda port: start_nats(self._workdir, self._console.line, port=port, **_placed(host), certs=self.certs), host
             )
         else:
-            hosts = [self._host_for(f"nats-{index}") for index in range(HA_NATS_NODES)]
             nodes = plan_nats_cluster(HA_NATS_NODES, hosts)
             started = []
             for node, node_host in zip(nodes, hosts, strict=True):  # each restarts on its own ports and store
@@ -363,14 +371,15 @@ class Stack:
         self._console.say(f"{member.name} started (pid {server.pid}) at {server.address}{f' on host {host.name}' if host else ''}")
         return server
 
-    async def _start_redis_ha(self) -> EmbeddedServer:
+    async def _start_redis_ha(self, hosts: dict[str, Host | None]) -> EmbeddedServer:
         """--ha: the Sentinel set, each node and sentinel a member ("redis-0", the first primary,
-        "redis-1", "redis-sentinel-0", ...); its first primary stands for it as the stack's redis."""
-        ha = await asyncio.to_thread(start_redis_ha, self._workdir, self._console.line, place=self._host_for)
+        "redis-1", "redis-sentinel-0", ...; `hosts`: each one's); its first primary stands for it
+        as the stack's redis."""
+        ha = await asyncio.to_thread(start_redis_ha, self._workdir, self._console.line, place=hosts.get, certs=self.certs)
         self.redis_ha = ha
         self._members += ha.members()
         primary = ha.nodes[0]
-        self._console.say(f"redis with failover: primary {primary.address}, sentinels {ha.sentinel_spec}")
+        self._console.say(f"redis with failover: primary {primary.address}, sentinels {ha.sentinel_spec}; they listen on {ha.describe()}")
         url = with_login(primary.address, "", ha.secrets.redis_password)
         return EmbeddedServer(url=url, child=ha.children[primary.name], address=primary.address, secrets=ha.secrets)
 

@@ -99,7 +99,7 @@ def test_redis_has_a_password_from_its_secret(settings: dict[str, str]) -> None:
     assert redis["sentinel"]["enabled"] is True and redis["auth"]["sentinel"] is True
     assert settings["TANDEM_REDIS_SENTINELS"] == f"redis.{secret['namespace']}.svc:26379"
     assert settings["TANDEM_REDIS_SENTINEL_MASTER"] == redis["sentinel"]["masterSet"]
-    assert settings["TANDEM_REDIS_URL"].startswith(f"redis://redis.{secret['namespace']}.svc:")
+    assert settings["TANDEM_REDIS_URL"].startswith(f"rediss://redis.{secret['namespace']}.svc:")
     assert redis["sentinel"]["quorum"] == 2 and redis["replica"]["replicaCount"] == 3
     assert int(settings["TANDEM_REDIS_WAIT_REPLICAS"]) >= 1, "an acknowledged event is on a replica"
     for role in ("chat", "relay"):
@@ -174,3 +174,21 @@ def test_alerts_are_the_same_in_compose_and_kubernetes_and_use_exported_metrics(
 def test_is_exported_knows_a_metric_from_a_made_up_one() -> None:
     assert is_exported("tandem_worker_queue_wait_seconds_bucket")
     assert not is_exported("tandem_worker_made_up_ratio")
+
+
+def test_redis_serves_tls_with_cert_managers_certificate_and_the_services_ask_the_sentinels_over_tls(settings: dict[str, str]) -> None:
+    redis = values("redis-values.yaml")
+    tls = redis["tls"]
+    assert tls["enabled"] is True and tls["authClients"] is False  # the ACL passwords log clients in
+    (certificate,) = [
+        c for c in yaml.safe_load_all((K8S / "tls" / "certificates.yaml").read_text()) if c["spec"]["secretName"] == tls["existingSecret"]
+    ]
+    namespace = secret_generator("tandem-redis")["namespace"]
+    assert certificate["metadata"]["namespace"] == namespace, "the chart mounts a Secret of its own namespace"
+    assert (tls["certFilename"], tls["certKeyFilename"], tls["certCAFilename"]) == ("tls.crt", "tls.key", "ca.crt")  # cert-manager's keys
+    names = certificate["spec"]["dnsNames"]
+    sentinels_host = settings["TANDEM_REDIS_SENTINELS"].rsplit(":", 1)[0]
+    assert sentinels_host in names, "the services check the sentinels' Service by the name they dial"
+    assert redis["sentinel"]["useHostnames"] is True and f"*.redis-headless.{namespace}.svc.cluster.local" in names
+    url = settings["TANDEM_REDIS_URL"]
+    assert url.startswith(f"rediss://{sentinels_host}:") and url.endswith(f"?ssl_ca_certs={settings['TANDEM_TLS_CA_FILE']}")

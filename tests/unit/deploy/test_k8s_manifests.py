@@ -414,7 +414,7 @@ def test_the_nats_user_pool_covers_every_pod_a_statefulset_may_run(gpu: list[Obj
         assert cert_user(Identity(role, f"{role}-{hpa['spec']['maxReplicas']}")) not in users, f"{role}: users for pods that never run"
 
 
-def test_role_certificates_are_gone_and_the_operators_and_nats_remain() -> None:
+def test_role_certificates_are_gone_and_the_operators_and_the_servers_remain() -> None:
     certificates = {item["spec"]["secretName"]: item for item in yaml.safe_load_all((K8S / "tls" / "certificates.yaml").read_text())}
-    assert set(certificates) == {"tandem-operator-tls", "nats-tls"}, "a role's shared certificate would log in as no instance"
+    assert set(certificates) == {"tandem-operator-tls", "nats-tls", "redis-tls"}, "a role's shared certificate would log in as no instance"
     assert "nats.tandem.internal" in certificates["nats-tls"]["spec"]["dnsNames"]  # what every NATS client checks

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.asyncio.connection import SSLConnection
+from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
 from tandem.redis_sentinel import SentinelTarget, parse_sentinels, reader_like, sentinel_target
 from tandem.runtime.runtime import REDIS_POOL_WAIT_S, short_command_client
@@ -40,3 +41,22 @@ async def test_the_short_command_client_asks_the_sentinels_with_the_pools_limits
     assert reader_pool.connection_kwargs["socket_timeout"] == 15
     await reader.aclose()
     await client.aclose()
+
+
+async def test_a_rediss_url_makes_the_sentinels_the_primary_and_the_readers_connections_tls_with_its_ca():
+    target = SentinelTarget((("127.0.0.1", 1),), "tandem", "sentinel-pw")
+    url = "rediss://ignored:1/3?ssl_ca_certs=/etc/tandem/tls/ca.crt"
+    client = short_command_client(url, 7, {"password": "pw"}, target)
+    pool = client.connection_pool
+    assert isinstance(pool, SentinelConnectionPool)
+    reader = reader_like(client, url, socket_timeout_s=15)
+    sentinel = pool.sentinel_manager.sentinels[0].connection_pool
+    for connections in (pool, reader.connection_pool, sentinel):
+        assert issubclass(connections.connection_class, SSLConnection), connections
+        assert connections.connection_kwargs["ssl_ca_certs"] == "/etc/tandem/tls/ca.crt"
+    assert issubclass(pool.connection_class, SentinelManagedSSLConnection)
+    plain = short_command_client("redis://ignored:1/3", 7, {}, target)
+    assert not issubclass(plain.connection_pool.connection_class, SSLConnection)
+    assert not issubclass(plain.connection_pool.sentinel_manager.sentinels[0].connection_pool.connection_class, SSLConnection)
+    for each in (reader, client, plain):
+        await each.aclose()
