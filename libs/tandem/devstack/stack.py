@@ -57,6 +57,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tandem.bus.permissions import OPERATOR
+from tandem.devstack.announce import ready_lines
 from tandem.devstack.bus_users import admit
 from tandem.devstack.certs import CertSet, make_cert_set
 from tandem.devstack.hosts import Host, HostNetwork
@@ -410,45 +411,12 @@ class Stack:
 
     def _announce(self) -> None:
         host, port = self._config.host, self._config.chat_port
-        if self.network is not None:
-            host = self.network.hosts[self.members_of("chat")[0].name].address if self.members_of("chat") else host
-        self._console.say(f"Tandem is up at http://{host}:{port}")
-        chats = self.members_of("chat")
-        if len(chats) > 1:
-            for chat in chats:
-                self._console.say(f"{chat.name} at {chat.url}")
-        for key, api_key in self._config.api_keys.items():
-            self._console.say(f"API key: {key}  (user {api_key.user_id}, tier {api_key.tier.value})")
-        env = self._config.extra_env
-        if "TANDEM_SMALL_MODEL" in env:
-            small = f"{self._config.num_small_decode_workers} small-decode worker(s)"
-            self._console.say(
-                f'models: {env["TANDEM_LARGE_MODEL"]} (large), {env["TANDEM_SMALL_MODEL"]} (small, {small}); "auto" picks one'
-            )
-        self._announce_ranks()
-        services = [m for m in self._members if m.ops_url]
-        if services:  # free ports: each is said once here
-            self._console.say("ops ports (/healthz /readyz /metrics /docs): " + ", ".join(f"{m.name} {m.ops_url}" for m in services))
-        if chats:
-            self._console.say(f"try: curl -s {chats[0].ops_url}/readyz")
-        routers = self.members_of("router")
-        if routers and chats:
-            self._console.say(
-                f"watch: tandem top --router-url {routers[0].url} --router-ops-url {routers[0].ops_url} --chat-url {chats[0].ops_url}"
-            )
-        tls = "".join(f"{name}={value} " for name, value in self.operator_tls.env().items()) if self.operator_tls else ""
-        self._console.say(f'internal clients: TANDEM_NATS_URL={self.nats_url} {tls}tandem generate --via-bus "Hello"')
-        self._console.say(f"  (the operator's login, made for this run; as settings in {self._workdir / OPERATOR_FILE})")
-        self._console.say("Ctrl-C stops everything")
-
-    def _announce_ranks(self) -> None:
-        config = self._config
-        if config.tensor_parallel_size > 1:
-            self._console.say(f"the large model's prefill and decode workers: {config.tensor_parallel_size} tensor-parallel ranks each")
-        gpus = config.visible_gpus()
-        for member in self._members:
-            if member.instance_id in gpus:
-                self._console.say(f"{member.name} computes on GPUs {gpus[member.instance_id]} (its CUDA_VISIBLE_DEVICES)")
+        if self.network is not None and self.members_of("chat"):
+            host = self.network.hosts[self.members_of("chat")[0].name].address
+        for line in ready_lines(
+            self._config, self._members, f"http://{host}:{port}", self.nats_url, self.operator_tls, self._workdir / OPERATOR_FILE
+        ):
+            self._console.say(line)
 
     async def _reap(self, child: ChildProcess) -> None:
         try:
