@@ -304,4 +304,48 @@ inline void cap_scores(float* row, int64_t first, int64_t end, float softcap) {
 #endif
 }
 
+
+#if defined(__AVX512F__)
+// dst[j * dst_stride + i] = r[i][j] for 16 rows of 16 32-bit values (a key's float dimensions or
+// bf16 pairs of them), transposed in registers: pairs of rows interleaved by 32 and by 64 bits,
+// then the 128-bit lanes gathered.
+inline void transpose16(const __m512i (&r)[16], int32_t* dst, int64_t dst_stride) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: rows i .. i + 3 of column 4 L + c
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i even_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), even_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i odd_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD), odd_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_si512(dst + c * dst_stride, _mm512_shuffle_i32x4(even_low, even_high, 0x88));
+    _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(even_low, even_high, 0xDD));
+    _mm512_storeu_si512(dst + (4 + c) * dst_stride, _mm512_shuffle_i32x4(odd_low, odd_high, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD));
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Two cache rows of HD bf16 values (positions 2 k2 and 2 k2 + 1) as HD pairs, dimension by
+// dimension: out[d] holds (first[d], second[d]), the pair a bf16 dot product takes with a pair of
+// weights (p[2 k2], p[2 k2 + 1]). A missing row (before a window, past the context) is zeros.
+template <int64_t HD>
+inline void value_pairs(const c10::BFloat16* first, const c10::BFloat16* second, int32_t* out) {
+  for (int64_t c = 0; c < HD / 16; ++c) {
+    const __m512i lo = first == nullptr ? _mm512_setzero_si512()
+                                        : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 16 * c)));
+    const __m512i hi = second == nullptr ? _mm512_setzero_si512()
+                                         : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 16 * c)));
+    _mm512_storeu_si512(out + 16 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+#endif
+
 }  // namespace tandem::cpu

@@ -1,12 +1,9 @@
 // Paged prefill attention (paged_prefill): a prompt chunk's query rows against their causal
 // contexts, K and V read in place through the block table, with AVX-512 (and AVX512-BF16 for bf16
 // queries over a bf16 cache) or AVX2 and FMA; prefill_supported says where it serves. Where the
-// CPU has AMX, bf16 queries over a bf16 cache take its tiles by default (prefill_amx_supported):
-// the scores and the V sums are tile products (amx.h), 16 queries by 16 keys or dimensions a
-// tile, and the softmax between them goes on the vector units (each query's largest score taken
-// as its scores are stored, so the softmax reads them once); about 4.5 times the dot products'
-// rate on a 2,000-token prompt (bench/attention.py), the same bits however the prompt is chunked.
-// Every buffer a tile reads or writes starts on a cache line (aligned_vector).
+// CPU has AMX, bf16 queries over a bf16 cache in blocks of a multiple of 16 tokens take its tiles
+// by default (prefill_amx_supported; prefill_attention_amx.cpp), the same bits however the prompt
+// is chunked.
 //
 // A sliding window (window > 0): row j attends to positions max(0, start + j + 1 - window) ..
 // start + j. A tile scores and sums from its first row's window start (rounded down to the key
@@ -86,20 +83,6 @@ inline void score_query_pairs(const int32_t* queries, const int32_t* keys_p, flo
     for (int64_t b = 0; b < B; ++b) _mm512_storeu_ps(out + j * out_stride + 16 * b, _mm512_mul_ps(sums[j][b], scaled));
 }
 
-// Two cache rows of HD bf16 values (positions 2 k2 and 2 k2 + 1) as HD pairs, dimension by
-// dimension: out[d] holds (first[d], second[d]), the pair a bf16 dot product takes with a pair of
-// weights (p[2 k2], p[2 k2 + 1]). A missing row (before a window, past the context) is zeros.
-template <int64_t HD>
-inline void value_pairs(const c10::BFloat16* first, const c10::BFloat16* second, int32_t* out) {
-  for (int64_t c = 0; c < HD / 16; ++c) {
-    const __m512i lo = first == nullptr ? _mm512_setzero_si512()
-                                        : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 16 * c)));
-    const __m512i hi = second == nullptr ? _mm512_setzero_si512()
-                                         : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 16 * c)));
-    _mm512_storeu_si512(out + 16 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-  }
-}
-
 // acc[m][0 .. HD) += sum over the pairs k2 in [0, count) of weights[m][k2] . values[k2] for M
 // queries: weights as bf16 pairs (an int32 each), values as value_pairs wrote them (HD int32 a
 // pair), each pair of V rows loaded once for the M queries. Per lane one chain of bf16 dot
@@ -124,62 +107,6 @@ inline void accumulate_pairs(const int32_t* const* weights, const int32_t* value
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc[m] + 16 * c, a[m][c]);
 }
 
-// 2^t for t <= 0 on sixteen lanes, to about 3e-6 relative (the weights it makes are rounded to
-// bf16, 4e-3): 2^floor(t) (vscalefps: 0 below the floats' range) times a degree-4 polynomial in
-// the fraction, half the instructions of exp_nonpositive16.
-inline __m512 exp2_nonpositive16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // [0, 1)
-  __m512 p = _mm512_set1_ps(1.35206032e-2f);  // least squares in relative error on [0, 1): at most 2.7e-6
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.20374288e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41427493e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93006621e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000252f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The largest of sums[first .. len), sixteen at a time (the tail under a mask).
-inline float largest(const float* sums, int64_t first, int64_t len) {
-  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = first; t < len; t += 16) {
-    const __mmask16 m = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1);
-    peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, sums + t));
-  }
-  return _mm512_reduce_max_ps(peak);
-}
-
-// A query's weights for the AMX sums, from its raw scores (sums[t], t in [first, len), times
-// `scale` > 0) and their largest, `peak`: weights[from .. end) are e^(scale (s - peak)) rounded
-// to bf16 inside [first, len) and zeros outside it. Returns the float32 sum of the numerators
-// before rounding, sixteen at a time from `first`, the tail under a mask: its bits and order
-// depend on len - first alone.
-inline float softmax_weights(const float* sums, float peak, int64_t from, int64_t first, int64_t len, int64_t end, float scale,
-                             c10::BFloat16* weights) {
-  std::fill(weights + from, weights + first, c10::BFloat16(0.f));
-  std::fill(weights + len, weights + end, c10::BFloat16(0.f));
-  const float* s = sums + first;
-  c10::BFloat16* w = weights + first;
-  const int64_t count = len - first, whole = count / 16 * 16;
-  // e^(scale (s - max)) = 2^(s c - max c), c = scale log2(e): one fused multiply-add a score
-  // (at the maximum, a rounding's worth from 0)
-  const float c = scale * 1.44269504f;
-  const __m512 times = _mm512_set1_ps(c), shift = _mm512_set1_ps(-peak * c);
-  __m512 total = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t < whole; t += 16) {
-    const __m512 e = exp2_nonpositive16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), times, shift));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-    total = _mm512_add_ps(total, e);
-  }
-  if (t < count) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (count - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp2_nonpositive16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + t), times, shift)));
-    _mm256_mask_storeu_epi16(w + t, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-    total = _mm512_add_ps(total, e);
-  }
-  return _mm512_reduce_add_ps(total);
-}
-
 // p[0 .. len) rounded to bf16 (to nearest, ties to even) at out, zeros from len to the next
 // multiple of 16 (so the pair holding position len - 1 is whole).
 inline void weights_to_bf16(const float* p, int64_t len, c10::BFloat16* out) {
@@ -189,31 +116,6 @@ inline void weights_to_bf16(const float* p, int64_t len, c10::BFloat16* out) {
   }
 }
 #endif
-
-// dst[j * dst_stride + i] = r[i][j] for 16 rows of 16 32-bit values (a key's float dimensions or
-// bf16 pairs of them), transposed in registers: pairs of rows interleaved by 32 and by 64 bits,
-// then the 128-bit lanes gathered.
-inline void transpose16(const __m512i (&r)[16], int32_t* dst, int64_t dst_stride) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + c], 128-bit lane L: rows i .. i + 3 of column 4 L + c
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i even_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), even_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i odd_low = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD), odd_high = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    _mm512_storeu_si512(dst + c * dst_stride, _mm512_shuffle_i32x4(even_low, even_high, 0x88));
-    _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(even_low, even_high, 0xDD));
-    _mm512_storeu_si512(dst + (4 + c) * dst_stride, _mm512_shuffle_i32x4(odd_low, odd_high, 0x88));
-    _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD));
-  }
-}
 
 // A prefill chunk of one sequence: q (T, heads, HD) are its last T tokens, row j attending to
 // positions 0 .. start + j (start = seq_len - T). One task per (kv head, tile of rows). Keys are
@@ -232,7 +134,7 @@ inline void transpose16(const __m512i (&r)[16], int32_t* dst, int64_t dst_stride
 // prompt is chunked or tiled.
 template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
-                    double scale, int64_t window, float softcap, bool use_amx, at::Tensor& out) {
+                    double scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t q_len = q.size(0), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, start = seq_len - q_len;
@@ -307,18 +209,12 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   });
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    // The AMX path's tiles take 16 queries at a time: the buffers are padded to whole tiles (the
-    // padding's sums are never read).
-    const int64_t max_queries = (kPrefillTileRows * group + 15) / 16 * 16;
+    const int64_t max_queries = kPrefillTileRows * group;
     aligned_vector<float> queries(max_queries * HD), rows(kPairs ? 0 : block_size * HD), acc(max_queries * HD), totals(max_queries);
     aligned_vector<int32_t> query_pairs(kPairs ? max_queries * HD / 2 : 0);
     aligned_vector<float> scores(max_queries * padded_len);
     aligned_vector<c10::BFloat16> weights(kPairs ? max_queries * padded_len : 0);  // bf16 numerators, for kPairs
     std::vector<int64_t> lens(max_queries), firsts(max_queries);
-    aligned_vector<float> peaks(max_queries * 16);  // per query, sixteen lanes of its largest score so far
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (use_amx) amx::configure(amx::kRows);
-#endif
     // Tasks from the longest contexts down (the last tiles): the short ones fill in at the end.
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t tile = num_tiles - 1 - task / num_kv_heads, h = task % num_kv_heads;
@@ -340,42 +236,12 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           lens[index] = start + r + 1;
           firsts[index] = window_start(start + r, window);
         }
-      std::fill(peaks.begin(), peaks.end(), -std::numeric_limits<float>::infinity());
       // Scores, 32 keys (one lane each) at a time; the scores of keys past `context` (or before a
       // query's window) are never read.
       for (int64_t key0 = tile_first / kKeysAtOnce * kKeysAtOnce; key0 < context; key0 += kKeysAtOnce) {
         const int64_t count = std::min<int64_t>(kKeysAtOnce, context - key0);
         float* out = scores.data() + key0;
         int64_t q0 = 0;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        if (use_amx) {  // 16 queries by 16 keys a tile of sums, 32 dimensions a tile product
-          const int32_t* keys_p = all_keys_p.data() + (h * key_groups + key0 / kKeysAtOnce) * (HD / 2) * kKeysAtOnce;
-          constexpr int64_t key_row = kKeysAtOnce * sizeof(int32_t);  // a pair of dimensions for the group's keys
-          amx::product_tiles(reinterpret_cast<const char*>(query_pairs.data()), HD * 2, amx::kPairs * 4, (num_queries + 15) / 16,
-                             reinterpret_cast<const char*>(keys_p), amx::kCols * 4, key_row, amx::kPairs * key_row, count > 16 ? 2 : 1, HD / 32,
-                             out, padded_len * 4);
-          // each query's largest score so far, from the group just stored (still in the core's
-          // nearest cache): the softmax below reads its row once
-          if (softcap == 0.f)
-            for (int64_t index = 0; index < num_queries; ++index) {
-              const int64_t from = std::max(key0, firsts[index]), to = std::min(key0 + count, lens[index]);
-              if (from >= to) continue;
-              const float* row = scores.data() + index * padded_len;
-              float* pv = peaks.data() + index * 16;
-              __m512 p = _mm512_load_ps(pv);
-              if (from == key0 && to == key0 + kKeysAtOnce) {
-                p = _mm512_max_ps(p, _mm512_max_ps(_mm512_load_ps(row + key0), _mm512_load_ps(row + key0 + 16)));
-              } else {
-                for (int64_t t = from; t < to; t += 16) {
-                  const __mmask16 m = to - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (to - t)) - 1);
-                  p = _mm512_mask_max_ps(p, m, p, _mm512_maskz_loadu_ps(m, row + t));
-                }
-              }
-              _mm512_store_ps(pv, p);
-            }
-          continue;  // unscaled: the softmax below scales them
-        }
-#endif
         if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
           const int32_t* keys_p = all_keys_p.data() + (h * key_groups + key0 / kKeysAtOnce) * (HD / 2) * kKeysAtOnce;
@@ -406,92 +272,66 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       // Each query's softmax over its window; its weights from the tile's first V row (a block or a
       // pair's start) to its own window's start zero, so the shared sums below add nothing there.
       const int64_t v_first = kPairs ? tile_first / 2 * 2 : tile_first / block_size * block_size;
-      if (use_amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        // Each query's numerators as bf16 weights from the tile's first whole 32 keys to its context
-        // rounded up to 32 (zeros outside its own window), then the V pairs summed for 16 queries
-        // by 16 dimensions a tile, 16 pairs a tile product: each tile product's pairs are the same
-        // 32 positions whichever the chunk or tile, so a query's sum is too.
-        const int64_t w_first = tile_first / kKeysAtOnce * kKeysAtOnce, w_end = (context + kKeysAtOnce - 1) / kKeysAtOnce * kKeysAtOnce;
-        for (int64_t index = 0; index < num_queries; ++index) {
-          float* row = scores.data() + index * padded_len;
-          float row_scale = fscale;
-          if (softcap > 0.f) {  // capped after scaling: scaled here, the softmax's scale 1
-            for (int64_t t = firsts[index]; t < lens[index]; ++t) row[t] *= fscale;
-            cap_scores(row, firsts[index], lens[index], softcap);
-            row_scale = 1.f;
+      for (int64_t index = 0; index < num_queries; ++index) {
+        float* row = scores.data() + index * padded_len;
+        if (softcap > 0.f) cap_scores(row, firsts[index], lens[index], softcap);
+        totals[index] = softmax_numerators(row + firsts[index], lens[index] - firsts[index]);
+        std::fill(row + v_first, row + firsts[index], 0.f);
+      }
+      std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        // Each query's numerators rounded to bf16 (zero past its own context, to a whole pair),
+        // then summed against the V pairs by bf16 dot products: up to its shortest member's
+        // context a group of queries shares every pair it loads, then each goes on alone.
+        const int64_t pair_first = v_first / 2, convert_first = v_first / 16 * 16;
+        for (int64_t index = 0; index < num_queries; ++index)
+          weights_to_bf16(scores.data() + index * padded_len + convert_first, lens[index] - convert_first,
+                          weights.data() + index * padded_len + convert_first);
+        const int32_t* values = all_values_p.data() + h * padded_len * HD / 2 + pair_first * HD;
+        const auto pairs_of = [&](int64_t index) { return reinterpret_cast<const int32_t*>(weights.data() + index * padded_len) + pair_first; };
+        constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V pair is loaded for (their sums in registers)
+        int64_t index = 0;
+        for (; index + shared <= num_queries; index += shared) {
+          const int64_t common = (lens[index] + 1) / 2 - pair_first;  // lens grow with index
+          const int32_t* w[shared];
+          float* a[shared];
+          for (int64_t m = 0; m < shared; ++m) {
+            w[m] = pairs_of(index + m);
+            a[m] = acc.data() + (index + m) * HD;
           }
-          const float peak = softcap > 0.f ? largest(row, firsts[index], lens[index]) : _mm512_reduce_max_ps(_mm512_load_ps(peaks.data() + index * 16));
-          totals[index] = softmax_weights(row, peak, w_first, firsts[index], lens[index], w_end, row_scale, weights.data() + index * padded_len);
+          accumulate_pairs<HD, shared>(w, values, common, a);
+          for (int64_t m = 0; m < shared; ++m) {
+            const int64_t own = (lens[index + m] + 1) / 2 - pair_first;
+            const int32_t* wm = w[m] + common;
+            float* am = a[m];
+            if (own > common) accumulate_pairs<HD, 1>(&wm, values + common * HD, own - common, &am);
+          }
         }
-        const int32_t* values = all_values_p.data() + (h * padded_len + w_first) * HD / 2;
-        constexpr int64_t pair_row = HD * sizeof(int32_t);  // a pair of positions' HD dimensions
-        amx::product_tiles(reinterpret_cast<const char*>(weights.data() + w_first), padded_len * 2, amx::kPairs * 4, (num_queries + 15) / 16,
-                           reinterpret_cast<const char*>(values), amx::kCols * 4, pair_row, amx::kPairs * pair_row, HD / 16,
-                           (w_end - w_first) / kKeysAtOnce, acc.data(), HD * 4);
+        for (; index < num_queries; ++index) {
+          const int32_t* w = pairs_of(index);
+          float* a = acc.data() + index * HD;
+          accumulate_pairs<HD, 1>(&w, values, (lens[index] + 1) / 2 - pair_first, &a);
+        }
 #endif
       } else {
-        for (int64_t index = 0; index < num_queries; ++index) {
-          float* row = scores.data() + index * padded_len;
-          if (softcap > 0.f) cap_scores(row, firsts[index], lens[index], softcap);
-          totals[index] = softmax_numerators(row + firsts[index], lens[index] - firsts[index]);
-          std::fill(row + v_first, row + firsts[index], 0.f);
-        }
-        std::fill(acc.begin(), acc.begin() + num_queries * HD, 0.f);
-        if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-          // Each query's numerators rounded to bf16 (zero past its own context, to a whole pair),
-          // then summed against the V pairs by bf16 dot products: up to its shortest member's
-          // context a group of queries shares every pair it loads, then each goes on alone.
-          const int64_t pair_first = v_first / 2, convert_first = v_first / 16 * 16;
-          for (int64_t index = 0; index < num_queries; ++index)
-            weights_to_bf16(scores.data() + index * padded_len + convert_first, lens[index] - convert_first,
-                            weights.data() + index * padded_len + convert_first);
-          const int32_t* values = all_values_p.data() + h * padded_len * HD / 2 + pair_first * HD;
-          const auto pairs_of = [&](int64_t index) { return reinterpret_cast<const int32_t*>(weights.data() + index * padded_len) + pair_first; };
-          constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V pair is loaded for (their sums in registers)
+        for (int64_t first = v_first; first < context; first += block_size) {
+          const int64_t count = std::min(block_size, context - first);
+          rows_to_float<HD>(v_ptr + table[first / block_size] * vb + h * vh, count, vs, rows.data());
+          constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V row is loaded for (their sums in registers)
           int64_t index = 0;
-          for (; index + shared <= num_queries; index += shared) {
-            const int64_t common = (lens[index] + 1) / 2 - pair_first;  // lens grow with index
-            const int32_t* w[shared];
+          for (; index + shared <= num_queries && lens[index] >= first + count; index += shared) {  // lens grow with index
+            const float* p[shared];
             float* a[shared];
             for (int64_t m = 0; m < shared; ++m) {
-              w[m] = pairs_of(index + m);
+              p[m] = scores.data() + (index + m) * padded_len + first;
               a[m] = acc.data() + (index + m) * HD;
             }
-            accumulate_pairs<HD, shared>(w, values, common, a);
-            for (int64_t m = 0; m < shared; ++m) {
-              const int64_t own = (lens[index + m] + 1) / 2 - pair_first;
-              const int32_t* wm = w[m] + common;
-              float* am = a[m];
-              if (own > common) accumulate_pairs<HD, 1>(&wm, values + common * HD, own - common, &am);
-            }
+            accumulate_rows_shared<HD, shared>(p, rows.data(), HD, count, a);
           }
           for (; index < num_queries; ++index) {
-            const int32_t* w = pairs_of(index);
-            float* a = acc.data() + index * HD;
-            accumulate_pairs<HD, 1>(&w, values, (lens[index] + 1) / 2 - pair_first, &a);
-          }
-#endif
-        } else {
-          for (int64_t first = v_first; first < context; first += block_size) {
-            const int64_t count = std::min(block_size, context - first);
-            rows_to_float<HD>(v_ptr + table[first / block_size] * vb + h * vh, count, vs, rows.data());
-            constexpr int64_t shared = HD <= 64 ? 4 : 2;  // queries a V row is loaded for (their sums in registers)
-            int64_t index = 0;
-            for (; index + shared <= num_queries && lens[index] >= first + count; index += shared) {  // lens grow with index
-              const float* p[shared];
-              float* a[shared];
-              for (int64_t m = 0; m < shared; ++m) {
-                p[m] = scores.data() + (index + m) * padded_len + first;
-                a[m] = acc.data() + (index + m) * HD;
-              }
-              accumulate_rows_shared<HD, shared>(p, rows.data(), HD, count, a);
-            }
-            for (; index < num_queries; ++index) {
-              const int64_t own = std::min(count, lens[index] - first);  // this query's keys in the block
-              if (own > 0) accumulate_rows<HD>(scores.data() + index * padded_len + first, rows.data(), own, acc.data() + index * HD);
-            }
+            const int64_t own = std::min(count, lens[index] - first);  // this query's keys in the block
+            if (own > 0) accumulate_rows<HD>(scores.data() + index * padded_len + first, rows.data(), own, acc.data() + index * HD);
           }
         }
       }
@@ -512,9 +352,6 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<T>(acc[index * HD + d] * inverse);
         }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (use_amx) _tile_release();
-#endif
   });
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -552,7 +389,7 @@ inline void score_queries(const float* queries, const float* keys_t, float* out,
 
 template <typename T, typename C, int64_t HD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len,
-                    double scale, int64_t window, float softcap, bool /*use_amx: never without AVX-512*/, at::Tensor& out) {
+                    double scale, int64_t window, float softcap, at::Tensor& out) {
   static_assert(HD % 64 == 0, "the V sums go 64 dimensions at a time");
   const int64_t q_len = q.size(0), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -712,8 +549,20 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
               k_cache.scalar_type(), " cache here");
   // (its softmax shifts by the largest raw score, which is the largest scaled one only for scale > 0)
   TORCH_CHECK(kernel != kPrefillAmx || scale > 0, "paged_prefill's AMX kernel takes a scale > 0, not ", scale);
-  const bool use_amx = amx_serves && kernel != kPrefillVector && scale > 0;
+  // (a tile of 16 keys is 16 rows of one cache block)
+  TORCH_CHECK(kernel != kPrefillAmx || block_size % 16 == 0, "paged_prefill's AMX kernel takes blocks of a multiple of 16 tokens, not ", block_size);
+  const bool use_amx = amx_serves && kernel != kPrefillVector && scale > 0 && block_size % 16 == 0;
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (use_amx) {
+    const float cap = static_cast<float>(softcap);
+    if (q.size(2) == 64) prefill_amx<64>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
+    else if (q.size(2) == 96) prefill_amx<96>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
+    else if (q.size(2) == 128) prefill_amx<128>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
+    else prefill_amx<256>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
+    return out;
+  }
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const auto run = [&](auto q_type, auto cache_type) {
     using T = decltype(q_type);
@@ -721,15 +570,15 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     if constexpr (!std::is_same_v<T, double>) {
       const float cap = static_cast<float>(softcap);
       if (q.size(2) == 64)
-        prefill_kernel<T, C, 64>(q, k_cache, v_cache, table, seq_len, scale, window, cap, use_amx, out);
+        prefill_kernel<T, C, 64>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
 #if defined(__AVX512F__)
       else if (q.size(2) == 96)
-        prefill_kernel<T, C, 96>(q, k_cache, v_cache, table, seq_len, scale, window, cap, use_amx, out);
+        prefill_kernel<T, C, 96>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
 #endif
       else if (q.size(2) == 128)
-        prefill_kernel<T, C, 128>(q, k_cache, v_cache, table, seq_len, scale, window, cap, use_amx, out);
+        prefill_kernel<T, C, 128>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
       else
-        prefill_kernel<T, C, 256>(q, k_cache, v_cache, table, seq_len, scale, window, cap, use_amx, out);
+        prefill_kernel<T, C, 256>(q, k_cache, v_cache, table, seq_len, scale, window, cap, out);
     }
   };
   if (is_bf16_cache_of_float(k_cache, q))
