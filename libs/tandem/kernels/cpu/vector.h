@@ -63,6 +63,11 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) { return fp8_bits_to_float(_mm
 // Sixteen floats rounded to bf16 as c10 and torch's vectorized conversion round them: to nearest,
 // ties to even, denormals kept, NaN as 0xffff.
 inline __m256i float_to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  // The instruction rounds a normal or infinite float (or zero) the same way in one step, but takes
+  // a denormal as zero and writes its own NaN: lanes of those (rare) take the steps below.
+  if (_mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80) == 0) return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // QNaN, denormal, SNaN
+#endif
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
