@@ -179,9 +179,10 @@ constexpr int64_t kAmxChunkRows = 256;  // rows a task takes against one panel (
 constexpr int64_t kAmxPairsAhead = 4 * kAmxPairs;
 
 // RB row tiles (of the configured rows) by GB groups of sums, over every pair, stored to sums
-// (kAmxRows * RB rows of 32 floats).
-template <int RB, int GB>
-inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, int64_t pairs, float* sums) {
+// (kAmxRows * RB rows of 32 floats). `meanwhile` runs once the tile products are issued, before
+// their sums are stored: vector work (the block before's rounding) that goes on while they run.
+template <int RB, int GB, typename F>
+inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, int64_t pairs, float* sums, F&& meanwhile) {
   _tile_zero(0);
   if constexpr (GB > 1) _tile_zero(1);
   if constexpr (RB > 1) _tile_zero(2);
@@ -208,6 +209,7 @@ inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, 
       if constexpr (GB > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
+  meanwhile();
   _tile_stored(0, sums, 128);
   if constexpr (GB > 1) _tile_stored(1, sums + kPackedGroup, 128);
   if constexpr (RB > 1) _tile_stored(2, sums + kAmxRows * 32, 128);
@@ -223,30 +225,40 @@ inline void store_sums(const float* sums, int64_t rows, int64_t width, const flo
     }
 }
 
-// rows of x (at most kAmxChunkRows) against a panel of `width` (1 or 2) groups.
+// rows of x (at most kAmxChunkRows) against a panel of `width` (1 or 2) groups. A block's sums are
+// rounded into out while the next block's tile products run (two buffers of sums, in turn).
 inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, int64_t width, const int32_t* panel, int64_t pairs, const float* scale,
                       c10::BFloat16* out, int64_t os) {
-  alignas(64) float sums[2 * kAmxRows * 32];
+  alignas(64) float sums[2][2 * kAmxRows * 32];
+  int64_t pending_rows = 0, pending_m = 0, current = 0;  // the block whose sums wait in sums[1 - current]
+  const auto round_pending = [&] {
+    if (pending_rows > 0) store_sums(sums[1 - current], pending_rows, width, scale, out + pending_m * os, os);
+    pending_rows = 0;
+  };
+  const auto block_done = [&](int64_t m, int64_t block_rows) {
+    pending_m = m, pending_rows = block_rows, current = 1 - current;
+  };
   const int64_t full = rows / kAmxRows * kAmxRows;
   if (full > 0) amx::configure(kAmxRows);
   int64_t m = 0;
   for (; m + 2 * kAmxRows <= full; m += 2 * kAmxRows) {
-    if (width == 2) amx_block<2, 2>(x + m * xs, xs, panel, pairs, sums);
-    else amx_block<2, 1>(x + m * xs, xs, panel, pairs, sums);
-    store_sums(sums, 2 * kAmxRows, width, scale, out + m * os, os);
+    if (width == 2) amx_block<2, 2>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
+    else amx_block<2, 1>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
+    block_done(m, 2 * kAmxRows);
   }
   if (m < full) {
-    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums);
-    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums);
-    store_sums(sums, kAmxRows, width, scale, out + m * os, os);
+    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
+    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
+    block_done(m, kAmxRows);
     m += kAmxRows;
   }
   if (m < rows) {
-    amx::configure(rows - m);
-    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums);
-    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums);
-    store_sums(sums, rows - m, width, scale, out + m * os, os);
+    amx::configure(rows - m);  // (the sums before are in memory: a new configuration zeroes the tiles)
+    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
+    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
+    block_done(m, rows - m);
   }
+  round_pending();
 }
 
 #endif
