@@ -94,6 +94,9 @@ class GatedMLP(nn.Module):
         self.down_proj: nn.Module = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "silu_mul", None)  # models/packed.PackedLinear's, on AMX tiles
+        if self.activation == "silu" and fused is not None and (act := fused(x)) is not None:
+            return project(self.down_proj, act)
         gate_up = project(self.gate_up_proj, x)
         if self.activation == "gelu_tanh":
             gate, up = gate_up.chunk(2, dim=-1)

@@ -132,6 +132,18 @@ class PackedLinear(nn.Module):
             out = packed_linear(x, self.weight_packed, self.scale, max(kernel, 0))
         return out if self.bias is None else out + self.bias
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate/up projection (gate's channels first) for rows x in one pass
+        (packed_mm_silu), where their bucket's kernel is AMX and the weight bf16: the bits of
+        silu_mul(self(x)), without writing and reading back its (rows, 2 intermediate) product. None
+        where it does not serve them."""
+        amx = PACKED_KERNEL_CODES["amx"]
+        if self.scale is not None or self.bias is not None or x.dim() != 2 or x.dtype != self.dtype or x.stride(-1) != 1:
+            return None
+        if self.kernels[bucket_of(x.shape[0])] != amx:
+            return None
+        return torch.ops.tandem.packed_mm_silu(x, self.weight_packed)
+
     def use_kernels(self, kernels: tuple[str, ...]) -> None:
         """Serve each bucket of rows by gemm_choice's kernel for it; onednn keeps a dense copy of
         the weight (bf16 or float32 weights only: int8 ones are not a oneDNN candidate)."""

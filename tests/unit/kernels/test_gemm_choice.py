@@ -147,6 +147,56 @@ def test_the_amx_kernel_refuses_inputs_it_does_not_tile():
         torch.ops.tandem.packed_mm(torch.ones(2, 48, dtype=torch.bfloat16), packed, None, 1)
 
 
+@needs_amx
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_fused_gate_up_product_gives_silu_mul_of_the_amx_product_bit_for_bit(num_threads):
+    """packed_mm_silu against silu_mul of packed_mm's AMX product, for rows alone and in calls
+    crossing the 16-row tiles and 256-row chunks; an int8 or odd-grouped weight is refused."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        generator = torch.Generator().manual_seed(4)
+        for intermediate, in_features in [(1536, 576), (16, 64), (48, 96)]:
+            weight = (torch.randn(2 * intermediate, in_features, generator=generator) / 10).to(torch.bfloat16)
+            packed = pack_weight(weight, torch.bfloat16)
+            x = torch.randn(600, in_features, generator=generator).to(torch.bfloat16)
+            for size in (1, 17, 33, 257, 600):
+                for i in range(0, 600, size):
+                    rows = x[i : i + size]
+                    expected = torch.ops.tandem.silu_mul(torch.ops.tandem.packed_mm(rows, packed, None, 1))
+                    assert torch.equal(torch.ops.tandem.packed_mm_silu(rows, packed), expected), f"{intermediate}x{in_features}, rows {i}+{size}"
+        int8 = pack_weight(torch.ones(32, 64, dtype=torch.int8), torch.bfloat16)
+        with pytest.raises(RuntimeError, match="gate/up projection"):
+            torch.ops.tandem.packed_mm_silu(torch.ones(2, 64, dtype=torch.bfloat16), int8)
+        odd = pack_weight(torch.ones(48, 64, dtype=torch.bfloat16), torch.bfloat16)  # 3 groups of 16: no gate/up halves
+        with pytest.raises(RuntimeError, match="gate/up projection"):
+            torch.ops.tandem.packed_mm_silu(torch.ones(2, 64, dtype=torch.bfloat16), odd)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_amx
+def test_an_mlp_on_amx_tiles_takes_the_fused_product_with_the_unfused_bits():
+    """A packed bf16 GatedMLP whose gate/up projection runs on AMX tiles calls packed_mm_silu, and
+    its output is the unfused one's (gate_up, then silu_mul); on the dot-product kernel it is not
+    called."""
+    from tandem.models.layers import GatedMLP
+    from tandem.models.packed import PackedLinear
+
+    torch.manual_seed(5)
+    mlp = GatedMLP(64, 96).to(torch.bfloat16)
+    mlp.gate_up_proj, mlp.down_proj = PackedLinear.from_linear(mlp.gate_up_proj), PackedLinear.from_linear(mlp.down_proj)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    mlp.gate_up_proj.use_kernels(("amx",) * len(BUCKETS))
+    mlp.down_proj.use_kernels(("amx",) * len(BUCKETS))
+    fused = mlp.gate_up_proj.silu_mul(x)
+    assert fused is not None
+    assert torch.equal(mlp(x), mlp.down_proj(torch.ops.tandem.silu_mul(mlp.gate_up_proj(x))))
+    mlp.gate_up_proj.use_kernels(("packed",) * len(BUCKETS))
+    assert mlp.gate_up_proj.silu_mul(x) is None
+    assert torch.equal(mlp(x), mlp.down_proj(torch.ops.tandem.silu_mul(mlp.gate_up_proj(x))))
+
+
 @pytest.mark.parametrize("policy", ["packed", "onednn"])
 def test_load_model_gives_every_packed_projection_the_policy_s_kernel(policy):
     """The embedded SmolLM2 loaded as a worker loads it (load_model's cpu_gemm, the setting's),

@@ -45,7 +45,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights, const
     write_kv(k, v, k_cache, v_cache, slot_mapping);
     const at::Tensor attended = paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, 0, 0.0);
     std::tie(h, normed) = add_rms_norm(h, packed_mm(attended.reshape({tokens, q_size}), w[2], scale_of(1), kernel[1]), w[3], eps);
-    const at::Tensor down = packed_mm(silu_mul(packed_mm(normed, w[4], scale_of(2), kernel[2])), w[5], scale_of(3), kernel[3]);
+    // (on AMX tiles with a bf16 weight, the SiLU and product in the same pass: the same bits)
+    const bool fused = kernel[2] == kPackedAmx && !scale_of(2).has_value() && w[4].scalar_type() == at::kBFloat16;
+    const at::Tensor act = fused ? packed_mm_silu(normed, w[4]) : silu_mul(packed_mm(normed, w[4], scale_of(2), kernel[2]));
+    const at::Tensor down = packed_mm(act, w[5], scale_of(3), kernel[3]);
     if (l + 1 < layers)
       std::tie(h, normed) = add_rms_norm(h, down, weights[(l + 1) * kWeights], eps);  // the next layer's input norm
     else

@@ -61,6 +61,9 @@ at::Tensor pack_weight(const at::Tensor& weight, at::ScalarType x_dtype);
 constexpr int64_t kPackedAvx512 = 0, kPackedAmx = 1;
 bool packed_mm_amx_supported(int64_t in_features, at::ScalarType x_dtype);
 at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scale, int64_t kernel = kPackedAvx512);
+// silu(gate) * up of x times a bf16 gate/up weight (packed_mm's layout, gate's channels first) on
+// AMX tiles, in one pass: silu_mul(packed_mm(x, packed, None, kPackedAmx))'s bits.
+at::Tensor packed_mm_silu(const at::Tensor& x, const at::Tensor& packed);
 
 // argmax_rows.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);

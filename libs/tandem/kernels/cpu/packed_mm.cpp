@@ -96,4 +96,18 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, const std::o
   return out;
 }
 
+at::Tensor packed_mm_silu(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and the packed weight must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 (rows, in_features) with unit last stride");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 2 * kPackedGroup &&
+                  packed.size(1) * 2 == x.size(1) && packed.size(0) % 2 == 0,
+              "the weight must be pack_weight's of a bf16 gate/up projection: (2 intermediate / 16, in_features / 2, 32), intermediate a multiple of 16");
+  TORCH_CHECK(packed_mm_amx_supported(x.size(1), x.scalar_type()), "packed_mm_silu takes AMX tiles, which do not serve these rows here");
+  at::Tensor out = at::empty({x.size(0), packed.size(0) / 2 * kPackedGroup}, x.options());
+#if defined(TANDEM_AMX)
+  if (x.size(0) > 0) amx_silu_kernel(x, packed, out);
+#endif
+  return out;
+}
+
 }  // namespace tandem::cpu

@@ -29,6 +29,8 @@ void packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFl
 bool amx_supported(int64_t in_features);
 // packed_kernel's product on AMX tiles: the same bits.
 void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* scale, at::Tensor& out);
+// out (M, I) = silu(gate) * up of the packed bf16 (2 I, K) gate/up weight's product (packed_mm_silu).
+void amx_silu_kernel(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 // out = x (M, K) float32 @ the packed float32 or int8 weight's W.T (scale: an int8 weight's, else null).

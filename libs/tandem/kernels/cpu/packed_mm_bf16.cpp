@@ -13,6 +13,7 @@
 
 #include "amx.h"
 #include "packed_mm.h"
+#include "silu.h"
 #include "vector.h"
 
 #include <ATen/Parallel.h>
@@ -178,11 +179,12 @@ constexpr int64_t kAmxChunkRows = 256;  // rows a task takes against one panel (
 // on its loads, and the hardware's prefetch alone left one row slower than the dot products.
 constexpr int64_t kAmxPairsAhead = 4 * kAmxPairs;
 
-// RB row tiles (of the configured rows) by GB groups of sums, over every pair, stored to sums
-// (kAmxRows * RB rows of 32 floats). `meanwhile` runs once the tile products are issued, before
-// their sums are stored: vector work (the block before's rounding) that goes on while they run.
+// RB row tiles (of the configured rows) by GB groups of sums (the packed groups at `panel` and
+// `second`), over every pair, stored to sums (kAmxRows * RB rows of 32 floats). `meanwhile` runs
+// once the tile products are issued, before their sums are stored: vector work (the block
+// before's rounding) that goes on while they run.
 template <int RB, int GB, typename F>
-inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, int64_t pairs, float* sums, F&& meanwhile) {
+inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, const int32_t* second, int64_t pairs, float* sums, F&& meanwhile) {
   _tile_zero(0);
   if constexpr (GB > 1) _tile_zero(1);
   if constexpr (RB > 1) _tile_zero(2);
@@ -193,14 +195,14 @@ inline void amx_block(const c10::BFloat16* x, int64_t xs, const int32_t* panel, 
       const int64_t ahead = std::min(p + kAmxPairsAhead, pairs - kAmxPairs);
       for (int64_t line = 0; line < kAmxPairs; ++line) {
         _mm_prefetch(reinterpret_cast<const char*>(panel + (ahead + line) * kPackedGroup), _MM_HINT_T0);
-        if constexpr (GB > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (pairs + ahead + line) * kPackedGroup), _MM_HINT_T0);
+        if constexpr (GB > 1) _mm_prefetch(reinterpret_cast<const char*>(second + (ahead + line) * kPackedGroup), _MM_HINT_T0);
       }
     }
     _tile_loadd(4, x + 2 * p, x_bytes);
     _tile_loadd(6, panel + p * kPackedGroup, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (GB > 1) {
-      _tile_loadd(7, panel + (pairs + p) * kPackedGroup, 64);
+      _tile_loadd(7, second + p * kPackedGroup, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (RB > 1) {
@@ -225,40 +227,38 @@ inline void store_sums(const float* sums, int64_t rows, int64_t width, const flo
     }
 }
 
-// rows of x (at most kAmxChunkRows) against a panel of `width` (1 or 2) groups. A block's sums are
-// rounded into out while the next block's tile products run (two buffers of sums, in turn).
-inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, int64_t width, const int32_t* panel, int64_t pairs, const float* scale,
-                      c10::BFloat16* out, int64_t os) {
+// rows of x (at most kAmxChunkRows) against the packed group at `panel` and, unless null, the one
+// at `second`; finish(sums, rows, m) takes each block's sums (32 floats a row: the first group's
+// 16, then the second's) for its rows from m. A block's sums are finished while the next block's
+// tile products run (two buffers of sums, in turn).
+template <typename Finish>
+inline void amx_panel(const c10::BFloat16* x, int64_t xs, int64_t rows, const int32_t* panel, const int32_t* second, int64_t pairs,
+                      Finish&& finish) {
   alignas(64) float sums[2][2 * kAmxRows * 32];
   int64_t pending_rows = 0, pending_m = 0, current = 0;  // the block whose sums wait in sums[1 - current]
-  const auto round_pending = [&] {
-    if (pending_rows > 0) store_sums(sums[1 - current], pending_rows, width, scale, out + pending_m * os, os);
+  const auto finish_pending = [&] {
+    if (pending_rows > 0) finish(sums[1 - current], pending_rows, pending_m);
     pending_rows = 0;
   };
-  const auto block_done = [&](int64_t m, int64_t block_rows) {
+  const auto block = [&](auto row_tiles, int64_t m, int64_t block_rows) {
+    constexpr int RB = decltype(row_tiles)::value;
+    if (second != nullptr) amx_block<RB, 2>(x + m * xs, xs, panel, second, pairs, sums[current], finish_pending);
+    else amx_block<RB, 1>(x + m * xs, xs, panel, second, pairs, sums[current], finish_pending);
     pending_m = m, pending_rows = block_rows, current = 1 - current;
   };
   const int64_t full = rows / kAmxRows * kAmxRows;
   if (full > 0) amx::configure(kAmxRows);
   int64_t m = 0;
-  for (; m + 2 * kAmxRows <= full; m += 2 * kAmxRows) {
-    if (width == 2) amx_block<2, 2>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
-    else amx_block<2, 1>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
-    block_done(m, 2 * kAmxRows);
-  }
+  for (; m + 2 * kAmxRows <= full; m += 2 * kAmxRows) block(std::integral_constant<int, 2>{}, m, 2 * kAmxRows);
   if (m < full) {
-    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
-    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
-    block_done(m, kAmxRows);
+    block(std::integral_constant<int, 1>{}, m, kAmxRows);
     m += kAmxRows;
   }
   if (m < rows) {
     amx::configure(rows - m);  // (the sums before are in memory: a new configuration zeroes the tiles)
-    if (width == 2) amx_block<1, 2>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
-    else amx_block<1, 1>(x + m * xs, xs, panel, pairs, sums[current], round_pending);
-    block_done(m, rows - m);
+    block(std::integral_constant<int, 1>{}, m, rows - m);
   }
-  round_pending();
+  finish_pending();
 }
 
 #endif
@@ -344,7 +344,36 @@ void amx_packed_kernel(const at::Tensor& x, const at::Tensor& packed, const c10:
         weights = widened.data();
         task_scale = panel_scale;
       }
-      amx_panel(x_ptr + m0 * xs, xs, rows, width, weights, pairs, task_scale, o_ptr + m0 * N + group0 * kPackedGroup, N);
+      c10::BFloat16* o = o_ptr + m0 * N + group0 * kPackedGroup;
+      amx_panel(x_ptr + m0 * xs, xs, rows, weights, width == 2 ? weights + pairs * kPackedGroup : nullptr, pairs,
+                [&](const float* sums, int64_t block_rows, int64_t m) { store_sums(sums, block_rows, width, task_scale, o + m * N, N); });
+    }
+    _tile_release();
+  });
+}
+
+// out (M, I) = silu(x W_gate^T) * (x W_up^T) for a bf16 gate/up weight packed as one (2 I, K)
+// projection, gate's I channels first: a task's block of sums pairs gate group g with up group
+// I / 16 + g, each rounded to bf16 as packed_mm's output would be, then silu.h's SiLU and product,
+// while the next block's tile products run. The bits of silu_mul(packed_mm(x, packed, None, AMX)).
+void amx_silu_kernel(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  const int64_t M = x.size(0), gate_groups = packed.size(0) / 2, pairs = packed.size(1), I = gate_groups * kPackedGroup;
+  const auto* x_ptr = x.data_ptr<c10::BFloat16>();
+  auto* o_ptr = out.data_ptr<c10::BFloat16>();
+  const auto* weights = reinterpret_cast<const int32_t*>(packed.data_ptr<c10::BFloat16>());
+  const int64_t xs = x.stride(0), chunks = (M + kAmxChunkRows - 1) / kAmxChunkRows;
+  at::parallel_for(0, gate_groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task % gate_groups, m0 = (task / gate_groups) * kAmxChunkRows, rows = std::min(kAmxChunkRows, M - m0);
+      c10::BFloat16* o = o_ptr + m0 * I + g * kPackedGroup;
+      const auto finish = [&](const float* sums, int64_t block_rows, int64_t m) {
+        for (int64_t r = 0; r < block_rows; ++r) {
+          const __m512 gate = bf16_bits_to_float(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * 32))));
+          const __m512 up = bf16_bits_to_float(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * 32 + kPackedGroup))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (m + r) * I), silu_mul_bf16x16(gate, up));
+        }
+      };
+      amx_panel(x_ptr + m0 * xs, xs, rows, weights + g * pairs * kPackedGroup, weights + (gate_groups + g) * pairs * kPackedGroup, pairs, finish);
     }
     _tile_release();
   });

@@ -18,6 +18,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("fp8_mm(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("fp8_mm_supported(int rows, int in_features, ScalarType dtype) -> bool", &fp8_mm_supported);
   m.def("packed_mm(Tensor x, Tensor packed, Tensor? scale=None, int kernel=0) -> Tensor");
+  m.def("packed_mm_silu(Tensor x, Tensor packed) -> Tensor");
   m.def("packed_mm_amx_supported(int in_features, ScalarType x_dtype) -> bool", &packed_mm_amx_supported);
   m.def("pack_weight(Tensor weight, ScalarType x_dtype) -> Tensor");
   m.def("packed_mm_supported(int out_features, int in_features, ScalarType dtype, ScalarType x_dtype) -> bool", &packed_mm_supported);
@@ -38,6 +39,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("fp8_mm", &fp8_mm);
   m.impl("packed_mm", &packed_mm);
+  m.impl("packed_mm_silu", &packed_mm_silu);
   m.impl("pack_weight", &pack_weight);
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);

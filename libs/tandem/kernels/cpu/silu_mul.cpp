@@ -1,6 +1,7 @@
 // An MLP's SiLU and product (silu_mul): silu(gate) * up with torch's bits, in one call.
 
 #include "ops.h"
+#include "silu.h"
 #include "vector.h"
 
 #include <ATen/Parallel.h>
@@ -13,24 +14,18 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#include <sleef.h>
-#endif
 
 namespace tandem::cpu {
 namespace {
 
 #if defined(__AVX512F__)
 // out = silu(gate) * up, 16 columns a time, as torch computes F.silu(gate) * up with its AVX-512
-// kernels: x / (1 + e^-x) in float32 with SLEEF's e^x (the one torch's vectorized silu calls),
-// rounded to T, then the product in float32 rounded to T.
+// kernels (silu.h): the SiLU in float32 rounded to T, then the product in float32 rounded to T.
 template <typename T>
 void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1), in_stride = gate_up.stride(0);
   const T* in_ptr = gate_up.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
-  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
   // torch's grain: below 32,768 elements one thread (a decode step's few rows)
   at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -38,14 +33,10 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
       const T* up = gate + width;
       T* dst = out_ptr + r * width;
       for (int64_t i = 0; i < width; i += 16) {
-        const __m512 x = load16(gate + i);
-        __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign))));
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          silu = bf16_bits_to_float(float_to_bf16(silu));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), float_to_bf16(_mm512_mul_ps(silu, load16(up + i))));
-        } else {
-          _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, load16(up + i)));
-        }
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), silu_mul_bf16x16(load16(gate + i), load16(up + i)));
+        else
+          _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu16(load16(gate + i)), load16(up + i)));
       }
     }
   });
