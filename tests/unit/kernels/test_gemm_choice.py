@@ -164,7 +164,9 @@ def test_the_fused_gate_up_product_gives_silu_mul_of_the_amx_product_bit_for_bit
                 for i in range(0, 600, size):
                     rows = x[i : i + size]
                     expected = torch.ops.tandem.silu_mul(torch.ops.tandem.packed_mm(rows, packed, None, 1))
-                    assert torch.equal(torch.ops.tandem.packed_mm_silu(rows, packed), expected), f"{intermediate}x{in_features}, rows {i}+{size}"
+                    assert torch.equal(torch.ops.tandem.packed_mm_silu(rows, packed), expected), (
+                        f"{intermediate}x{in_features}, rows {i}+{size}"
+                    )
         int8 = pack_weight(torch.ones(32, 64, dtype=torch.int8), torch.bfloat16)
         with pytest.raises(RuntimeError, match="gate/up projection"):
             torch.ops.tandem.packed_mm_silu(torch.ones(2, 64, dtype=torch.bfloat16), int8)
