@@ -26,7 +26,7 @@ bool prefill_amx_supported(int64_t head_dim, at::ScalarType dtype, at::ScalarTyp
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table, int64_t seq_len,
                          double scale, int64_t window, double softcap, int64_t kernel);
 // prefill_attention_amx.cpp: paged_prefill's AMX kernel, for HD 64, 96, 128 and 256, bf16 q into
-// out (q's shape), over bf16 caches of blocks of a multiple of 16 tokens; scale > 0
+// out (q's shape), over bf16 caches; scale > 0
 template <int64_t HD>
 void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* table, int64_t seq_len, double scale,
                  int64_t window, float softcap, at::Tensor& out);

@@ -1,9 +1,8 @@
 // Paged prefill attention (paged_prefill): a prompt chunk's query rows against their causal
 // contexts, K and V read in place through the block table, with AVX-512 (and AVX512-BF16 for bf16
 // queries over a bf16 cache) or AVX2 and FMA; prefill_supported says where it serves. Where the
-// CPU has AMX, bf16 queries over a bf16 cache in blocks of a multiple of 16 tokens take its tiles
-// by default (prefill_amx_supported; prefill_attention_amx.cpp), the same bits however the prompt
-// is chunked.
+// CPU has AMX, bf16 queries over a bf16 cache take its tiles by default (prefill_amx_supported;
+// prefill_attention_amx.cpp), the same bits however the prompt is chunked.
 //
 // A sliding window (window > 0): row j attends to positions max(0, start + j + 1 - window) ..
 // start + j. A tile scores and sums from its first row's window start (rounded down to the key
@@ -549,9 +548,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
               k_cache.scalar_type(), " cache here");
   // (its softmax shifts by the largest raw score, which is the largest scaled one only for scale > 0)
   TORCH_CHECK(kernel != kPrefillAmx || scale > 0, "paged_prefill's AMX kernel takes a scale > 0, not ", scale);
-  // (a tile of 16 keys is 16 rows of one cache block)
-  TORCH_CHECK(kernel != kPrefillAmx || block_size % 16 == 0, "paged_prefill's AMX kernel takes blocks of a multiple of 16 tokens, not ", block_size);
-  const bool use_amx = amx_serves && kernel != kPrefillVector && scale > 0 && block_size % 16 == 0;
+  const bool use_amx = amx_serves && kernel != kPrefillVector && scale > 0;
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx) {

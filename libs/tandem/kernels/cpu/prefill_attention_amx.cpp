@@ -1,19 +1,21 @@
 // paged_prefill's AMX kernel (prefill_amx): bf16 queries over a bf16 cache, the scores and the V
 // sums as tile products (amx.h), transposed: a tile of sums has 16 queries as its columns and 16
 // keys (scores) or 16 dimensions (V sums) as its rows.
-// - S^T = K Q^T: a 16-key tile of K is 16 rows of its cache block, loaded in place (no copy or
-//   transposition of the keys); the pass's 16 queries are transposed once into a tile a step and
-//   stay in L1. Runs of two key tiles alternate between two sets of tiles, so one run's products
-//   go on while the run before stores its sums.
+// - S^T = K Q^T: each kv head's keys are copied once a call into rows of their own (a 16-key tile
+//   2 KB in one piece, where in the cache its rows lie among the other heads' and layers'; no
+//   transposition); the pass's 16 queries are transposed once into a tile a step and stay in L1.
+//   Runs of two key tiles alternate between two sets of tiles, so one run's products go on while
+//   the run before stores its sums.
 // - The softmax takes one query a lane and one key a row: a query's largest score is a lane of a
 //   vertical max (taken as the run's sums are stored), its sum of numerators a lane of vertical
 //   adds in key order; its weights are written as the bf16 pairs of two consecutive keys, the
 //   layout a tile product takes as B.
 // - O^T = V^T P^T: V is transposed once a call into pairs of consecutive positions, 32 positions
 //   by HD dimensions a 1 KB-per-tile block; 32 keys a step, four dimension tiles a run.
-// On a 2-vCPU Xeon with AMX, a 2,000-token prompt's attention (bench/attention.py's shape, SmolLM2's
-// heads) took about 5.3-5.8 ms a layer against 6.0-6.4 for the untransposed tiles it replaced (48
-// queries by 32 keys a block, keys transposed into pairs), measured alternately.
+// On a 2-vCPU Xeon with AMX (bench/attention.py --dtype bf16, four alternated pairs), SmolLM2's
+// attention over a 2,000-token prompt took 5.6-5.9 ms a layer against 5.9-6.4 for the
+// untransposed tiles it replaced (48 queries by 32 keys a block, keys transposed into pairs), and
+// two 512-token chunks among 62 decodes 3.0-3.2 against 3.3-3.5.
 // A score's bits are a tile product's over its query and key alone, a weight's e^(scale (s - peak))
 // rounded to bf16 with the query's own largest score, a sum over 32-key steps at positions fixed
 // by the keys alone: the same bits however the prompt is chunked or its queries grouped.
@@ -172,6 +174,20 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
     }
   });
+  // K per kv head with its rows contiguous (HD bf16 a key; zeros past seq_len to the next 32): a
+  // key tile is 2 KB in one piece, not 16 rows among the other heads' and layers' in the cache
+  aligned_vector<BF> keys(num_kv_heads * padded_len * HD);
+  at::parallel_for(0, num_kv_heads * pair_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / pair_groups, key0 = (item % pair_groups) * kStepKeys;
+      if (key0 + kStepKeys <= chunk_first / kStepKeys * kStepKeys) continue;  // before every pass's first key: never read
+      for (int64_t key = key0; key < key0 + kStepKeys; ++key) {
+        BF* dst = keys.data() + (h * padded_len + key) * HD;
+        if (key < seq_len) std::copy_n(k_ptr + table[key / block_size] * kb + (key % block_size) * ks + h * kh, HD, dst);
+        else std::fill_n(dst, HD, BF(0.f));
+      }
+    }
+  });
   const int64_t num_tiles = (q_len + kTileRows - 1) / kTileRows, num_tasks = num_tiles * num_kv_heads;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
@@ -223,14 +239,14 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             else peak = _mm512_mask_max_ps(peak, attending(firsts_v, lens_v, key), peak, row);
           }
         };
-        const auto key_rows = [&](int64_t key) { return reinterpret_cast<const char*>(k_ptr + table[key / block_size] * kb + (key % block_size) * ks + h * kh); };
+        const auto key_rows = [&](int64_t key) { return reinterpret_cast<const char*>(keys.data() + (h * padded_len + key) * HD); };
         const char* queries_b = reinterpret_cast<const char*>(queries_t.data());
         for (int64_t key0 = w_first, run = 0; key0 < score_end; key0 += 32, ++run) {
           const bool two = key0 + 16 < score_end;
           const char* second = two ? key_rows(key0 + 16) : nullptr;
           float* sums = scores.data() + (key0 - w_first) * kLanes;
-          if (run % 2 == 0) score_run_even(key_rows(key0), second, ks * 2, queries_b, HD / 32, sums);
-          else score_run_odd(key_rows(key0), second, ks * 2, queries_b, HD / 32, sums);
+          if (run % 2 == 0) score_run_even(key_rows(key0), second, HD * 2, queries_b, HD / 32, sums);
+          else score_run_odd(key_rows(key0), second, HD * 2, queries_b, HD / 32, sums);
           if (softcap == 0.f) take_peaks(std::max(key0, any_first), std::min(key0 + (two ? 32 : 16), any_end));
         }
         float row_scale = fscale;
