@@ -19,6 +19,10 @@
 
 namespace tandem::cpu {
 
+// A prefill row's window start: the first position that position `last` attends to (0 without a
+// window), for paged_prefill's kernels (prefill_attention.cpp, prefill_attention_amx.cpp).
+inline int64_t window_start(int64_t last, int64_t window) { return window > 0 ? std::max<int64_t>(0, last + 1 - window) : 0; }
+
 // e^x for x <= 0 (a softmax's shifted scores), written so the compiler vectorizes a loop of it:
 // x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error about
 // 2e-7), 2^n put in the exponent bits. Below -87 the result is 0, as expf's underflows to.

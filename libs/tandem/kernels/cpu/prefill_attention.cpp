@@ -30,9 +30,6 @@
 namespace tandem::cpu {
 namespace {
 
-// A row's window start: the first position that position `last` attends to (0 without a window).
-inline int64_t window_start(int64_t last, int64_t window) { return window > 0 ? std::max<int64_t>(0, last + 1 - window) : 0; }
-
 #if defined(__AVX512F__)
 constexpr int64_t kPrefillTileRows = 16;  // query rows a task takes (each with its group's heads)
 constexpr int64_t kScoreQueries = 8;      // queries scored together against a block's 16 keys

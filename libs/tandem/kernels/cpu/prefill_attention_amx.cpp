@@ -46,8 +46,6 @@ constexpr int64_t kTileRows = 16;   // query rows a task takes (each with its gr
 constexpr int64_t kRunTiles = 4;    // tiles of sums a product run keeps: tiles 0-3 (4-5: A, 6: B)
 constexpr int64_t kStepKeys = 32;   // keys a tile product of V sums takes (16 pairs)
 
-inline int64_t window_start(int64_t last, int64_t window) { return window > 0 ? std::max<int64_t>(0, last + 1 - window) : 0; }
-
 // 2^t for t <= 0 on sixteen lanes, to about 3e-6 relative (the weights it makes are rounded to
 // bf16, 4e-3): 2^floor(t) (vscalefps: 0 below the floats' range) times a degree-4 polynomial in
 // the fraction.
@@ -227,8 +225,8 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             r[i] = i < lanes ? _mm512_loadu_si512(query_pairs.data() + (lane0 + i) * (HD / 2) + 16 * s) : _mm512_setzero_si512();
           transpose16(r, queries_t.data() + s * 16 * kLanes, kLanes);
         }
-        // S^T from the first 32 keys any lane reads to the last 16 any lane reads: key tiles straight
-        // from the cache, four a run; each lane's largest score as its rows are stored
+        // S^T from the first 32 keys any lane reads to the last 16 any lane reads, two key tiles of
+        // the head's copied keys a run; each lane's largest score as its rows are stored
         const int64_t w_first = any_first / kStepKeys * kStepKeys, w_end = (any_end + kStepKeys - 1) / kStepKeys * kStepKeys;
         const int64_t score_end = (any_end + 15) / 16 * 16;
         __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
