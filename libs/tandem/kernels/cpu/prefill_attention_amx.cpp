@@ -153,36 +153,32 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const float fscale = static_cast<float>(scale);
   const int64_t padded_len = (seq_len + kStepKeys - 1) / kStepKeys * kStepKeys, pairs = padded_len / 2;
   const int64_t chunk_first = window_start(start, window);  // the first key any row reads
-  // V^T in pairs, per kv head and 32 positions (16 pairs): values_t[((h G + g) HD + d) 16 + i] =
-  // (v[32 g + 2 i][d], v[32 g + 2 i + 1][d]) (G: 32-position groups), zeros outside
-  // [chunk_first, seq_len): a tile of 16 dimensions is 1 KB in one piece, not 16 rows a page apart.
+  // Once a call, per kv head and 32 positions (16 pairs), in one pass:
+  // - V^T in pairs: values_t[((h G + g) HD + d) 16 + i] = (v[32 g + 2 i][d], v[32 g + 2 i + 1][d])
+  //   (G: 32-position groups), zeros outside [chunk_first, seq_len): a tile of 16 dimensions is
+  //   1 KB in one piece, not 16 rows a page apart;
+  // - K with its rows contiguous (HD bf16 a key; zeros past seq_len): a key tile is 2 KB in one
+  //   piece, not 16 rows among the other heads' and layers' in the cache.
+  // Groups before every row's window are never read and left out.
   const int64_t pair_groups = pairs / 16;
   aligned_vector<int32_t> values_t(num_kv_heads * pair_groups * HD * 16);
+  aligned_vector<BF> keys(num_kv_heads * padded_len * HD);
   at::parallel_for(0, num_kv_heads * pair_groups, 1, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t block[16 * HD];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / pair_groups, pair0 = (item % pair_groups) * 16;
-      if (2 * (pair0 + 16) <= chunk_first) continue;  // before every row's window: never read
-      const auto row_at = [&](int64_t p) { return p >= chunk_first && p < seq_len ? v_ptr + table[p / block_size] * vb + (p % block_size) * vs + h * vh : nullptr; };
-      for (int64_t i = 0; i < 16; ++i) value_pairs<HD>(row_at(2 * (pair0 + i)), row_at(2 * (pair0 + i) + 1), block + i * HD);
-      for (int64_t c = 0; c < HD / 16; ++c) {
-        __m512i r[16];
-        for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_load_si512(block + i * HD + 16 * c);
-        transpose16(r, values_t.data() + (item * HD + 16 * c) * 16, 16);
-      }
-    }
-  });
-  // K per kv head with its rows contiguous (HD bf16 a key; zeros past seq_len to the next 32): a
-  // key tile is 2 KB in one piece, not 16 rows among the other heads' and layers' in the cache
-  aligned_vector<BF> keys(num_kv_heads * padded_len * HD);
-  at::parallel_for(0, num_kv_heads * pair_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / pair_groups, key0 = (item % pair_groups) * kStepKeys;
-      if (key0 + kStepKeys <= chunk_first / kStepKeys * kStepKeys) continue;  // before every pass's first key: never read
+      if (key0 + kStepKeys <= chunk_first / kStepKeys * kStepKeys) continue;
       for (int64_t key = key0; key < key0 + kStepKeys; ++key) {
         BF* dst = keys.data() + (h * padded_len + key) * HD;
         if (key < seq_len) std::copy_n(k_ptr + table[key / block_size] * kb + (key % block_size) * ks + h * kh, HD, dst);
         else std::fill_n(dst, HD, BF(0.f));
+      }
+      const auto row_at = [&](int64_t p) { return p >= chunk_first && p < seq_len ? v_ptr + table[p / block_size] * vb + (p % block_size) * vs + h * vh : nullptr; };
+      for (int64_t i = 0; i < 16; ++i) value_pairs<HD>(row_at(key0 + 2 * i), row_at(key0 + 2 * i + 1), block + i * HD);
+      for (int64_t c = 0; c < HD / 16; ++c) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_load_si512(block + i * HD + 16 * c);
+        transpose16(r, values_t.data() + (item * HD + 16 * c) * 16, 16);
       }
     }
   });
