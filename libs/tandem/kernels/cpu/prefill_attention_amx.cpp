@@ -3,9 +3,10 @@
 // keys (scores) or 16 dimensions (V sums) as its rows.
 // - S^T = K Q^T: each kv head's keys are copied once a call into rows of their own (a 16-key tile
 //   2 KB in one piece, where in the cache its rows lie among the other heads' and layers'; no
-//   transposition); the pass's 16 queries are transposed once into a tile a step and stay in L1.
-//   Runs of two key tiles alternate between two sets of tiles, so one run's products go on while
-//   the run before stores its sums.
+//   transposition); the pass's 16 queries are transposed once into a tile a step and stay in L1
+//   (at 64 dimensions, in tiles 6 and 7 for the whole pass). Runs of two key tiles alternate
+//   between two sets of tiles, so one run's products go on while the run before stores its sums
+//   and the run before that has its largest scores taken.
 // - The softmax takes one query a lane and one key a row: a query's largest score is a lane of a
 //   vertical max (taken as the run's sums are stored), its sum of numerators a lane of vertical
 //   adds in key order; its weights are written as the bf16 pairs of two consecutive keys, the
@@ -48,16 +49,16 @@ constexpr int64_t kStepKeys = 32;   // keys a tile product of V sums takes (16 p
 
 // 2^t for t <= 0 on sixteen lanes, to about 3e-6 relative (the weights it makes are rounded to
 // bf16, 4e-3): 2^floor(t) (vscalefps: 0 below the floats' range) times a degree-4 polynomial in
-// the fraction.
+// the fraction t - floor(t) (vreduceps, one operation where a floor and a subtraction were two:
+// the fraction rounded down, not to nearest, where -1 < t < 0).
 inline __m512 exp2_nonpositive16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);       // [0, 1)
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);  // [0, 1)
   __m512 p = _mm512_set1_ps(1.35206032e-2f);  // least squares in relative error on [0, 1): at most 2.7e-6
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.20374288e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41427493e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93006621e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000252f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, t);  // p 2^floor(t)
 }
 
 // Sums tiles 0 .. TILES-1 = the product over `steps` of A tile i (at a_rows[i] + s * a_step, rows
@@ -126,6 +127,31 @@ inline void product_run(int64_t tiles, const char* const* a_rows, int64_t a_stri
 TANDEM_SCORE_RUN(score_run_even, 0, 1, 4, 6)
 TANDEM_SCORE_RUN(score_run_odd, 2, 3, 5, 7)
 #undef TANDEM_SCORE_RUN
+
+// The same for 64 dimensions (two steps), the pass's Q^T held in tiles 6 and 7 from one run to the
+// next (loaded once a pass, not once a run).
+#define TANDEM_SCORE_RUN_64(NAME, SUM0, SUM1, A)                                           \
+  inline void NAME(const char* first, const char* second, int64_t stride, float* sums) { \
+    _tile_zero(SUM0);                                                                   \
+    _tile_loadd(A, first, stride);                                                      \
+    _tile_dpbf16ps(SUM0, A, 6);                                                         \
+    if (second != nullptr) {                                                            \
+      _tile_zero(SUM1);                                                                 \
+      _tile_loadd(A, second, stride);                                                   \
+      _tile_dpbf16ps(SUM1, A, 6);                                                       \
+    }                                                                                   \
+    _tile_loadd(A, first + 64, stride);                                                 \
+    _tile_dpbf16ps(SUM0, A, 7);                                                         \
+    if (second != nullptr) {                                                            \
+      _tile_loadd(A, second + 64, stride);                                              \
+      _tile_dpbf16ps(SUM1, A, 7);                                                       \
+    }                                                                                   \
+    _tile_stored(SUM0, sums, 64);                                                       \
+    if (second != nullptr) _tile_stored(SUM1, sums + 16 * kLanes, 64);                  \
+  }
+TANDEM_SCORE_RUN_64(score_run_64_even, 0, 1, 4)
+TANDEM_SCORE_RUN_64(score_run_64_odd, 2, 3, 5)
+#undef TANDEM_SCORE_RUN_64
 
 // The lanes (queries) that attend to key `key`: first <= key < len.
 inline __mmask16 attending(__m512i firsts, __m512i lens, int64_t key) {
@@ -235,14 +261,26 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         };
         const auto key_rows = [&](int64_t key) { return reinterpret_cast<const char*>(keys.data() + (h * padded_len + key) * HD); };
         const char* queries_b = reinterpret_cast<const char*>(queries_t.data());
+        if constexpr (HD == 64) {
+          _tile_loadd(6, queries_b, 64);
+          _tile_loadd(7, queries_b + 1024, 64);
+        }
         for (int64_t key0 = w_first, run = 0; key0 < score_end; key0 += 32, ++run) {
           const bool two = key0 + 16 < score_end;
           const char* second = two ? key_rows(key0 + 16) : nullptr;
           float* sums = scores.data() + (key0 - w_first) * kLanes;
-          if (run % 2 == 0) score_run_even(key_rows(key0), second, HD * 2, queries_b, HD / 32, sums);
-          else score_run_odd(key_rows(key0), second, HD * 2, queries_b, HD / 32, sums);
-          if (softcap == 0.f) take_peaks(std::max(key0, any_first), std::min(key0 + (two ? 32 : 16), any_end));
+          if constexpr (HD == 64) {
+            if (run % 2 == 0) score_run_64_even(key_rows(key0), second, HD * 2, sums);
+            else score_run_64_odd(key_rows(key0), second, HD * 2, sums);
+          } else if (run % 2 == 0) {
+            score_run_even(key_rows(key0), second, HD * 2, queries_b, HD / 32, sums);
+          } else {
+            score_run_odd(key_rows(key0), second, HD * 2, queries_b, HD / 32, sums);
+          }
+          // the run before's peaks while this run's products go on
+          if (softcap == 0.f && run > 0) take_peaks(std::max(key0 - 32, any_first), std::min(key0, any_end));
         }
+        if (softcap == 0.f) take_peaks(std::max((score_end - 1 - w_first) / 32 * 32 + w_first, any_first), any_end);
         float row_scale = fscale;
         if (softcap > 0.f) {  // capped after scaling: scaled here, the softmax's scale 1
           const int64_t count = (score_end - w_first) * kLanes;
