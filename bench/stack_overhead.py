@@ -68,7 +68,8 @@ REPLY_TIMEOUT_S = 300.0
 # The settings a worker's engine is built from (tandem.worker.parts: open_model, EngineSpec.from_settings).
 ENGINE_SETTINGS = (
     "model_path", "served_model_name", "quantization", "device", "dtype", "kv_cache_mib", "max_num_seqs",
-    "max_num_batched_tokens", "max_num_unpaid_batched_tokens", "torch_threads", "cpu_affinity",
+    "max_num_batched_tokens", "max_num_prefill_only_batched_tokens", "max_num_unpaid_batched_tokens", "torch_threads",
+    "cpu_affinity",
 )  # fmt: skip
 # Where a reply's time goes in the stack: (row, role, histogram, labels), over the timed rounds.
 STAGES: tuple[tuple[str, str, str, dict[str, str]], ...] = (

@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     """a worker's sequences running at once"""
     max_num_batched_tokens: Annotated[int | None, Field(ge=1)] = None
     """a worker's tokens computed per engine step, decodes and prefill chunks together; unset: 512 on a CPU, 8192 on a GPU"""
+    max_num_prefill_only_batched_tokens: Annotated[int | None, Field(ge=1)] = None
+    """a worker's tokens per engine step when none of its sequences decodes (prompts alone: no stream waits on the step; a prefill worker's every step); unset: 2048 on a CPU whose step budget is unset, else the step budget"""
     max_num_unpaid_batched_tokens: Annotated[int | None, Field(ge=1)] = None
     """a worker's tokens per engine step for free and background requests together while paid requests run (paid ones take the rest of the step; with none running, the whole step is theirs); a short step lets a paid request arriving during one start soon; unset: 8 on a CPU, no cap of their own on a GPU"""
     repetition_stop_max_ngram_tokens: Annotated[int, Field(ge=0)] = 64

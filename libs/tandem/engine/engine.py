@@ -190,6 +190,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.batched_tokens_on(parameter.device.type),
+                max_num_prefill_only_tokens=config.prefill_only_tokens_on(parameter.device.type),
                 max_num_seqs=config.max_num_seqs,
                 num_reserved_blocks=config.num_reserved_blocks,
                 max_num_unpaid_tokens=config.max_num_unpaid_tokens or DEFAULT_UNPAID_TOKENS.get(parameter.device.type),

@@ -9,8 +9,8 @@ The first of these that is given sets the KV cache's size (EngineConfig):
   that share must be free at start, or this process's already, as vLLM checks);
 - else, on a CPU: 1024 MiB.
 
-The profiled step is the largest the scheduler plans: max_num_batched_tokens dummy prompt tokens
-(one sequence, or several of max_model_len where that is shorter) in one forward, then the logits of
+The profiled step is the largest the scheduler plans: a step of prompts alone (its
+max_num_prefill_only_tokens, at least max_num_batched_tokens) dummy prompt tokens (one sequence, or several of max_model_len where that is shorter) in one forward, then the logits of
 max_num_seqs rows. Its peak above what was held before it is the activations': on a GPU torch's
 allocator says it; on a CPU the process's peak resident memory (VmHWM, reset first through
 /proc/self/clear_refs).
@@ -223,9 +223,9 @@ def profile_activation_bytes(
     model: LlamaForCausalLM, config: EngineConfig, cache_dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> int:
     """The peak memory of the largest step above what was held before it: a forward of
-    max_num_batched_tokens prompt tokens, then max_num_seqs rows' logits, over a scratch KV cache
+    max_num_prefill_only_tokens prompt tokens, then max_num_seqs rows' logits, over a scratch KV cache
     (allocated before, so not counted) of blocks enough for those tokens. The same calls on every rank."""
-    num_tokens = config.batched_tokens_on(device.type)
+    num_tokens = config.prefill_only_tokens_on(device.type)  # at least the step budget
     lengths = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
     rows, num_blocks = [], 0
     for i, length in enumerate(lengths):

@@ -15,7 +15,8 @@ its token count, one chunk per step, which covers chunked prefill, prefix hits a
 one rule. A step takes, in order: every running decode (one token each), the next chunk of
 running prefills (each in lane order, oldest first within a lane), then admissions from the
 waiting queues by lane (paid, free, background; round-robin by user within a lane,
-lane_queue.py) while KV blocks last above the reserve.
+lane_queue.py) while KV blocks last above the reserve. A step with no running decode may take
+more tokens (max_num_prefill_only_tokens): no stream waits on it.
 
 Paid work goes first in every step: while a paid sequence waits, free and background sequences
 compute nothing (the step is the paid admission's, plus paid decodes), and running decodes and
@@ -160,14 +161,14 @@ class Scheduler:
         plan = StepPlan(aborted=aborted, finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         running = sorted(self._running, key=lambda s: s.lane)  # stable: oldest first within a lane
+        decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
+        prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         budget = StepBudget.for_step(
-            self.config.max_num_batched_tokens,
+            self.config.step_tokens(has_decodes=bool(decodes)),
             self.config.max_num_unpaid_tokens,
             is_paid_waiting=bool(self._waiting[Lane.PAID]),
             is_paid_running=any(seq.lane is Lane.PAID for seq in running),
         )
-        decodes = [seq for seq in running if seq.num_uncomputed_tokens == 1]
-        prefills = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step

@@ -53,6 +53,7 @@ class EngineSpec:
             kv_cache_dtype=None if settings.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype, device),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_prefill_only_tokens=settings.max_num_prefill_only_batched_tokens,
             max_num_unpaid_tokens=settings.max_num_unpaid_batched_tokens,
             enforce_eager=settings.enforce_eager or role == "prefill",
             repetition_stop=repetition_stop(settings),

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from tandem.engine.scheduler import EmptyPrompt, PromptTooLong, UpdateResult
+from tandem.engine.scheduler import EmptyPrompt, PromptTooLong, SchedulerConfig, UpdateResult
 from tandem.engine.sequence import FinishReason, Lane, SamplingOptions, Sequence, SequenceStatus
 
 
@@ -246,3 +246,31 @@ def test_choices_added_in_the_same_step_each_compute_the_prompt(make_engine):
     engine.step()
     assert [seq.num_cached_tokens for seq in together] == [0, 0, 0]
     assert len({block for seq in together for block in seq.block_table[:2]}) == 6
+
+
+def test_steps_of_prompts_alone_take_the_prefill_only_budget_and_a_running_decode_brings_back_the_step_budget(make_engine):
+    """No stream waits on a step in which nothing decodes: its prompts take up to
+    max_num_prefill_only_tokens. Once one sequence decodes, every step keeps to the step budget."""
+    engine = make_engine(num_blocks=512, max_num_batched_tokens=64, max_num_prefill_only_tokens=256)
+    first = seq("first", 600, max_tokens=4)
+    engine.scheduler.add(first)
+    sizes = []
+    while first.num_output_tokens == 0:
+        plan, _ = engine.step()
+        assert plan.num_decode_tokens == 0
+        sizes.append(plan.num_prefill_tokens)
+    assert sizes == [256, 256, 88]
+    second = seq("second", 600, first_token=5000)
+    engine.scheduler.add(second)
+    plan, _ = engine.step()  # first decodes: the step budget binds the second's chunk
+    assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (1, 63)
+    while first.finish_reason is None:
+        plan, _ = engine.step()
+        assert plan.num_decode_tokens + plan.num_prefill_tokens <= 64
+    plan, _ = engine.step()  # first finished, the second still prefilling: prompts alone again
+    assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (0, 256)
+
+
+def test_a_prefill_only_budget_below_one_is_refused():
+    with pytest.raises(ValueError, match="invalid scheduler config"):
+        SchedulerConfig(max_num_prefill_only_tokens=0)

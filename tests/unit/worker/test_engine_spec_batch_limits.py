@@ -1,6 +1,6 @@
 """A worker's engine batch limits and KV cache size come from its settings (TANDEM_MAX_NUM_SEQS,
-TANDEM_MAX_NUM_BATCHED_TOKENS, TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS, TANDEM_KV_CACHE_MIB), not from
-constants."""
+TANDEM_MAX_NUM_BATCHED_TOKENS, TANDEM_MAX_NUM_PREFILL_ONLY_BATCHED_TOKENS,
+TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS, TANDEM_KV_CACHE_MIB), not from constants."""
 
 from __future__ import annotations
 
@@ -34,9 +34,15 @@ def test_the_engine_gets_the_batch_limits_and_kv_cache_from_the_environment(monk
     monkeypatch.setenv("TANDEM_MAX_NUM_BATCHED_TOKENS", "96")
     monkeypatch.setenv("TANDEM_KV_CACHE_MIB", "64")
     monkeypatch.setenv("TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS", "32")
+    monkeypatch.setenv("TANDEM_MAX_NUM_PREFILL_ONLY_BATCHED_TOKENS", "384")
     spec = EngineSpec.from_settings(load_settings(device="cpu"), MODEL)
     assert spec.engine == EngineConfig(
-        kv_cache_mib=64, max_num_seqs=8, max_num_batched_tokens=96, max_num_unpaid_tokens=32, repetition_stop=DEFAULT_REPETITION_STOP
+        kv_cache_mib=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=96,
+        max_num_prefill_only_tokens=384,
+        max_num_unpaid_tokens=32,
+        repetition_stop=DEFAULT_REPETITION_STOP,
     )
 
 
@@ -57,7 +63,14 @@ def test_the_engine_gets_its_torch_threads_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", ["TANDEM_MAX_NUM_SEQS", "TANDEM_MAX_NUM_BATCHED_TOKENS", "TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS", "TANDEM_KV_CACHE_MIB"]
+    "name",
+    [
+        "TANDEM_MAX_NUM_SEQS",
+        "TANDEM_MAX_NUM_BATCHED_TOKENS",
+        "TANDEM_MAX_NUM_PREFILL_ONLY_BATCHED_TOKENS",
+        "TANDEM_MAX_NUM_UNPAID_BATCHED_TOKENS",
+        "TANDEM_KV_CACHE_MIB",
+    ],
 )
 def test_a_limit_below_one_stops_the_process_naming_the_variable(monkeypatch, name):
     monkeypatch.setenv(name, "0")
@@ -70,3 +83,14 @@ def test_an_engine_pinned_to_cpus_takes_one_torch_thread_per_cpu_unless_told(mon
     assert EngineSpec.from_settings(load_settings(device="cpu"), MODEL).torch_threads == 3
     monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
     assert EngineSpec.from_settings(load_settings(device="cpu"), MODEL).torch_threads == 1
+
+
+def test_a_step_of_prompts_alone_takes_2048_tokens_on_a_cpu_unless_a_budget_is_set():
+    """The default step budget's CPU engine lets prompts alone take 2048 tokens a step (vLLM-CPU's
+    server budget); a configured step budget binds them too, unless theirs is configured as well,
+    and theirs is never below the step budget."""
+    assert EngineConfig().prefill_only_tokens_on("cpu") == 2048
+    assert EngineConfig().prefill_only_tokens_on("cuda") == 8192
+    assert EngineConfig(max_num_batched_tokens=96).prefill_only_tokens_on("cpu") == 96
+    assert EngineConfig(max_num_batched_tokens=96, max_num_prefill_only_tokens=384).prefill_only_tokens_on("cpu") == 384
+    assert EngineConfig(max_num_prefill_only_tokens=64).prefill_only_tokens_on("cpu") == 512
