@@ -41,6 +41,9 @@ def stack(nats_server, redis_server) -> Iterator[dict[str, str]]:
             TANDEM_KV_CACHE_MIB="256",
             TANDEM_DTYPE="fp32",
             TANDEM_KV_TRANSFER_MAX_BYTES_PER_S=str(BLOCKS_PER_S * FP32_BLOCK_BYTES),
+            # 512 tokens a step, prompts alone too (a configured budget binds them): a long prompt
+            # takes several steps, each its whole budget, so the next one waits in the queue
+            TANDEM_MAX_NUM_BATCHED_TOKENS="512",
         )
         child = service_process(role, env)
         child.start()

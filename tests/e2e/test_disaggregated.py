@@ -90,6 +90,10 @@ def stack(nats_server, redis_server) -> Iterator[Stack]:
             TANDEM_DTYPE="fp32",
             TANDEM_KV_CACHE_MIB="128",
             TANDEM_REMOTE_PREFILL_MIN_TOKENS=str(REMOTE_PREFILL_MIN_TOKENS),
+            # 512 tokens a step, prompts alone too (a configured budget binds them): a prefill of
+            # ~1,000 tokens spans steps, so the drain test sees it queued in a heartbeat and stops
+            # its worker mid-prefill
+            TANDEM_MAX_NUM_BATCHED_TOKENS="512",
         )
         child = service_process(role, env)
         child.start()
