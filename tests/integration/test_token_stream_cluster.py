@@ -8,6 +8,7 @@ the stream, while `tandem bus init` may, as often as it is run."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -25,10 +26,21 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from helpers import instance_client, wait_until
 from nats.aio.client import Client
+from nats.js.errors import APIError
 
 from services.relay.consumer import TokenConsumer, TokenConsumerConfig, consumer_config
 from tandem.bus.token_stream import STREAM, TokenStreamConfig, token_stream_config
-from tandem.devstack.servers import EmbeddedServer, NatsCluster, init_token_stream, start_nats, start_nats_cluster
+from tandem.devstack.servers import (
+    EmbeddedServer,
+    NatsCluster,
+    init_token_stream,
+    plan_nats_cluster,
+    start_nats,
+    start_nats_cluster,
+    start_nats_node,
+)
+from tandem.errors import StartupError
+from tandem.ops import bus_init
 from tandem.runtime.runtime import short_command_client
 from tandem.tokenlog import TokenLogWriter, logged_events
 from tandem.v1.common_pb2 import FINISH_REASON_STOP
@@ -254,6 +266,51 @@ def _bus_init(url: str, **env: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
+
+
+async def test_bus_init_waits_for_a_clusters_last_node_and_names_the_setting_when_too_few_come(tmp_path, caplog):
+    """`tandem bus init` run while a node has not yet joined (or reported to the leader: the same
+    refusal, "peer offline"): it is refused three replicas and tries again until the node is there;
+    asked for more replicas than the cluster's nodes, it stops after the grace, naming the setting."""
+    caplog.set_level(logging.INFO, logger=bus_init.__name__)
+    plan = plan_nats_cluster(3)
+    started = [start_nats_node(tmp_path, node, plan) for node in plan[:2]]
+    url = ",".join(node.url for node in started)
+    try:
+        client = await _connect(url.split(","))
+        try:
+            await wait_until(lambda: _placement_refused(client, TokenStreamConfig(num_replicas=3)), timeout_s=60)
+        finally:
+            await client.close()
+        initialising = asyncio.create_task(bus_init.init_bus(url, TokenStreamConfig(num_replicas=3), placement_grace_s=120))
+        await wait_until(lambda: _retried(caplog, initialising), timeout_s=30)
+        joined_at = time.monotonic()
+        started.append(await asyncio.to_thread(start_nats_node, tmp_path, plan[2], plan))
+        stream = await asyncio.wait_for(initialising, 120)
+        print(f"\nthe stream placed {time.monotonic() - joined_at:.2f} s after the last node started")
+        assert stream.num_replicas == 3
+        with pytest.raises(StartupError, match="TANDEM_TOKEN_STREAM_REPLICAS"):
+            await bus_init.init_bus(url, TokenStreamConfig(num_replicas=4), placement_grace_s=2)
+    finally:
+        for node in started:
+            node.stop()
+
+
+async def _placement_refused(client: Client, config: TokenStreamConfig) -> bool:
+    try:
+        await client.jetstream(timeout=2).add_stream(token_stream_config(config))
+    except APIError as exc:
+        return exc.err_code == bus_init._NO_SUITABLE_PEERS
+    except nats.errors.TimeoutError:  # no leader yet
+        return False
+    raise AssertionError("two nodes of three placed three replicas")
+
+
+async def _retried(caplog: pytest.LogCaptureFixture, initialising: asyncio.Task) -> bool:
+    if initialising.done():
+        initialising.result()  # its error, if it gave up
+        raise AssertionError("bus init placed three replicas on two nodes")
+    return any(record.name == bus_init.__name__ for record in caplog.records)
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@ services only wait for the stream. Run it once the bus is up and again after cha
 the `tandem-bus-init` Job. Running it twice changes nothing the second time.
 
 A clustered JetStream answers only once its nodes have met and elected a leader, so it retries
-what the bus answers while it is not ready yet, for `within_s`; a stream the cluster cannot place
-(more replicas than nodes) fails at once, naming the setting."""
+what the bus answers while it is not ready yet, for `within_s`. A stream the cluster cannot place
+fails naming the setting: at once on a server not clustered, and on a cluster after
+`placement_grace_s` of refusals, since a node that has just met the others counts as offline
+until it has reported to their leader."""
 
 from __future__ import annotations
 
@@ -32,18 +34,31 @@ INIT_WITHIN_S = 60.0
 _RETRY_S = 0.25
 # JetStream's answers while a cluster is still forming (no leader yet): try again.
 _NOT_READY = frozenset({10008})  # JetStream system temporarily unavailable
-# JetStream's answers to a stream it cannot place: no use trying again.
-_CANNOT_PLACE = frozenset({10005, 10074})  # no suitable peers; replicas > 1 on a server not clustered
+# JetStream's answers to a stream it cannot place: more replicas than a cluster's nodes online,
+# tried again for a grace while a node that has just joined reports; or replicas > 1 on a server
+# not clustered, no use trying again.
+_NO_SUITABLE_PEERS = 10005
+_NOT_CLUSTERED = 10074
+# A cluster's nodes send their first statistics to its leader a moment after they meet (measured
+# here about a second after the last node starts); until then placement counts them as offline.
+PLACEMENT_GRACE_S = 15.0
 
 
 async def init_bus(
-    url: str, config: TokenStreamConfig, user: str = "", password: str = "", within_s: float = INIT_WITHIN_S, tls: TlsSettings | None = None
+    url: str,
+    config: TokenStreamConfig,
+    user: str = "",
+    password: str = "",
+    within_s: float = INIT_WITHIN_S,
+    tls: TlsSettings | None = None,
+    placement_grace_s: float = PLACEMENT_GRACE_S,
 ) -> StreamConfig:
     """Creates or updates the token stream on the bus at `url` (one URL or every node's,
     comma-separated; the login in it, or `user` and `password`); returns the stream's
     configuration as JetStream holds it. Raises StartupError when the bus is not there in
     `within_s` or cannot hold the stream as configured. `tls`: the CA and certificate it connects
-    with (tandem.tls; none: in clear)."""
+    with (tandem.tls; none: in clear). `placement_grace_s`: how long a cluster's refusals to place
+    the stream are tried again (see the module's docstring)."""
     login = {"user": user, "password": password} if user else {}
     shown = without_credentials(url)
     try:
@@ -56,25 +71,29 @@ async def init_bus(
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise StartupError(f"tandem bus init: cannot reach NATS at {shown} ({type(exc).__name__} {exc})") from None
     try:
-        return await _ensure_within(nc, config, within_s)
+        return await _ensure_within(nc, config, within_s, placement_grace_s)
     finally:
         await nc.close()
 
 
-async def _ensure_within(nc: nats.NATS, config: TokenStreamConfig, within_s: float) -> StreamConfig:
+async def _ensure_within(nc: nats.NATS, config: TokenStreamConfig, within_s: float, placement_grace_s: float) -> StreamConfig:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
+    placement_until = deadline  # the grace's end, counted from the cluster's first refusal
+    is_refused_before = False
     while True:
         try:
             js = await ensure_token_stream(nc, config)
             return (await js.stream_info(STREAM)).config
         except APIError as exc:
-            if exc.err_code in _CANNOT_PLACE:
+            if exc.err_code == _NO_SUITABLE_PEERS and not is_refused_before:
+                is_refused_before, placement_until = True, min(loop.time() + placement_grace_s, deadline)
+            if exc.err_code == _NOT_CLUSTERED or (exc.err_code == _NO_SUITABLE_PEERS and loop.time() >= placement_until):
                 raise StartupError(
                     f"tandem bus init: the bus cannot keep {config.num_replicas} replicas of {STREAM} ({exc.description}): "
                     "set TANDEM_TOKEN_STREAM_REPLICAS to at most the cluster's nodes (1 for a single server)"
                 ) from None
-            if exc.err_code not in _NOT_READY and not isinstance(exc, ServiceUnavailableError):
+            if exc.err_code not in _NOT_READY | {_NO_SUITABLE_PEERS} and not isinstance(exc, ServiceUnavailableError):
                 raise StartupError(f"tandem bus init: JetStream refused {STREAM}: {exc.description} (code {exc.err_code})") from None
             problem: BaseException = exc
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as exc:
