@@ -38,17 +38,22 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertSet:
 
 
 @pytest.fixture(scope="module")
-def address(certs: CertSet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(certs: CertSet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChildProcess]:
     folder: Path = tmp_path_factory.mktemp("mapped-nats")
     config = folder / "nats.conf"
     config.write_text(mapped_tls_config(str(certs.folder)) + render_config(cert_mapped_users([DECODE_0, DECODE_1, RELAY_0])))
     argv = [nats_server_binary(), "-c", str(config), "-js", "-sd", str(folder / "store"), "-a", "127.0.0.1", "-p", "-1"]
     child = ChildProcess("nats", argv)
     child.start()
-    listening = child.wait_for_line(r"Listening for client connections on ([\d.]+):(\d+)", READY_TIMEOUT_S)
-    assert listening is not None, child.recent_output()
-    yield f"nats://{listening[1]}:{listening[2]}"
+    yield child
     child.stop()
+
+
+@pytest.fixture(scope="module")
+def address(server: ChildProcess) -> str:
+    listening = server.wait_for_line(r"Listening for client connections on ([\d.]+):(\d+)", READY_TIMEOUT_S)
+    assert listening is not None, server.recent_output()
+    return f"nats://{listening[1]}:{listening[2]}"
 
 
 async def _connect(address: str, certs: CertSet, holder: str, inbox: str, **login: str) -> tuple[Client, asyncio.Queue[Exception]]:
@@ -76,6 +81,17 @@ async def _refused(refusals: asyncio.Queue[Exception], subject: str) -> None:
     assert subject.lower() in str(exc).lower(), f"refused something else than {subject}: {exc}"
 
 
+async def _arrival(queue: asyncio.Queue[Msg], server: ChildProcess, refusals: asyncio.Queue[Exception], *clients: Client) -> Msg:
+    """The next message in `queue`; past WAIT_S, a failure that says what the clients and the
+    server were doing (connected, their last error, refusals not yet read, the server's log)."""
+    try:
+        return await asyncio.wait_for(queue.get(), WAIT_S)
+    except TimeoutError:
+        states = [(client.is_connected, client.last_error) for client in clients]
+        pending = [refusals.get_nowait() for _ in range(refusals.qsize())]
+        raise AssertionError(f"nothing in {WAIT_S} s; clients {states}, refusals {pending}; server:\n{server.recent_output(40)}") from None
+
+
 def _collect(into: asyncio.Queue[Msg]):
     async def on_message(msg: Msg) -> None:
         into.put_nowait(msg)
@@ -83,7 +99,9 @@ def _collect(into: asyncio.Queue[Msg]):
     return on_message
 
 
-async def test_decode_0s_certificate_takes_its_own_assignments_and_not_decode_1s_nor_the_relays_inbox(address: str, certs: CertSet):
+async def test_decode_0s_certificate_takes_its_own_assignments_and_not_decode_1s_nor_the_relays_inbox(
+    address: str, certs: CertSet, server: ChildProcess
+):
     operator, _ = await _connect(address, certs, OPERATOR, "_INBOX.operator")
     worker, refusals = await _connect(address, certs, "decode-0", inbox_prefix("decode", "decode-0"))
     try:
@@ -100,14 +118,14 @@ async def test_decode_0s_certificate_takes_its_own_assignments_and_not_decode_1s
         await operator.publish(relay_inbox.replace(">", "tokens"), b"a user's reply")
         await operator.publish(subjects.assign("decode-0"), b"control")
         await operator.flush()
-        assert (await asyncio.wait_for(mine.get(), WAIT_S)).data == b"control"
+        assert (await _arrival(mine, server, refusals, worker, operator)).data == b"control"
         assert theirs.empty(), "sent before the control message, they would have arrived first"
     finally:
         await worker.close()
         await operator.close()
 
 
-async def test_decode_0s_certificate_may_not_publish_decode_1s_heartbeat(address: str, certs: CertSet):
+async def test_decode_0s_certificate_may_not_publish_decode_1s_heartbeat(address: str, certs: CertSet, server: ChildProcess):
     operator, _ = await _connect(address, certs, OPERATOR, "_INBOX.operator")
     worker, refusals = await _connect(address, certs, "decode-0", inbox_prefix("decode", "decode-0"))
     try:
@@ -118,7 +136,7 @@ async def test_decode_0s_certificate_may_not_publish_decode_1s_heartbeat(address
         await worker.publish(subjects.heartbeat("decode", "decode-0"), b"control")
         await worker.flush()
         await _refused(refusals, subjects.heartbeat("decode", "decode-1"))
-        first = await asyncio.wait_for(arrived.get(), WAIT_S)
+        first = await _arrival(arrived, server, refusals, worker, operator)
         assert (first.subject, first.data) == (subjects.heartbeat("decode", "decode-0"), b"control")
     finally:
         await worker.close()
