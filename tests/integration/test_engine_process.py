@@ -111,6 +111,18 @@ async def test_the_engine_process_streams_the_same_greedy_tokens_as_the_engine_h
     assert num_applied == 1 and stats.num_generated_tokens == 12  # the stats include the posted add
 
 
+async def test_an_added_prompt_shows_queued_in_the_stats_before_the_step_that_computes_it(driven):
+    """The worker's heartbeat reads the last stats reported: a prompt one step computes whole
+    (100 tokens, within a step's budget) must be reported queued before that step, or the router
+    sees an idle worker for the whole of it."""
+    await driven.ready()
+    prompt = (PROMPT * 10)[:100]
+    await driven.run(Request("r-long", prompt, SamplingOptions(temperature=0.0, max_tokens=2, ignore_eos=True)))
+    queued = [stats.scheduler.num_queued_prefill_tokens for stats in driven.stats]
+    assert queued[0] == len(prompt), queued
+    assert queued[-1] == 0
+
+
 async def test_calls_return_and_raise_what_the_engine_does_and_check_answers_at_once(driven):
     process = await driven.ready()
     reservation = await process.call(partial(reserve_import, greedy("r-import"), 2))
