@@ -111,16 +111,22 @@ async def test_the_engine_process_streams_the_same_greedy_tokens_as_the_engine_h
     assert num_applied == 1 and stats.num_generated_tokens == 12  # the stats include the posted add
 
 
-async def test_an_added_prompt_shows_queued_in_the_stats_before_the_step_that_computes_it(driven):
+@pytest.mark.parametrize("step_tokens", [2048, 32])
+async def test_an_added_prompt_shows_queued_before_each_step_that_computes_it(step_tokens):
     """The worker's heartbeat reads the last stats reported: a prompt one step computes whole
     (100 tokens, within a step's budget) must be reported queued before that step, or the router
-    sees an idle worker for the whole of it."""
-    await driven.ready()
-    prompt = (PROMPT * 10)[:100]
-    await driven.run(Request("r-long", prompt, SamplingOptions(temperature=0.0, max_tokens=2, ignore_eos=True)))
+    sees an idle worker for the whole of it; one of several steps counts down after each."""
+    budget = {"max_num_batched_tokens": step_tokens, "max_num_prefill_only_batched_tokens": step_tokens}
+    driven = Driven(spec(**budget))
+    try:
+        await driven.ready()
+        prompt = (PROMPT * 10)[:100]
+        await driven.run(Request("r-long", prompt, SamplingOptions(temperature=0.0, max_tokens=2, ignore_eos=True)))
+    finally:
+        driven.process.stop(timeout_s=10)
     queued = [stats.scheduler.num_queued_prefill_tokens for stats in driven.stats]
-    assert queued[0] == len(prompt), queued
-    assert queued[-1] == 0
+    left = list(range(len(prompt), 1, -step_tokens))  # 100; or 100, 68, 36, 4: the last chunk's 4 still queued
+    assert list(dict.fromkeys(queued)) == [*left, 0], queued
 
 
 async def test_calls_return_and_raise_what_the_engine_does_and_check_answers_at_once(driven):

@@ -5,10 +5,11 @@ It builds the engine from the spec the worker sends first (its KV cache in the m
 the worker maps too), says it is ready, then steps while there is work. A reader thread takes the
 worker's messages (engine_wire.py): a check is answered at once (Engine.check reads only the
 configuration), a cut cuts the step in progress, calls queue for the engine between two steps.
-After every change (a batch of calls, a step) one message carries the step's outputs, the fresh
-stats, how many calls they include, and the KV events and queue waits recorded since the last (a
-batch of calls before a step is reported before it: a prompt computed in one step still shows
-queued in a heartbeat taken during that step, as with the engine in a thread); a
+After every change (a batch of calls, a step, even one that only computed part of a prompt) one
+message carries the step's outputs, the fresh stats, how many calls they include, and the KV
+events and queue waits recorded since the last (a batch of calls before a step is reported before
+it: a prompt computed in one step still shows queued in a heartbeat taken during that step, as
+with the engine in a thread); a
 call's result follows what the engine recorded before it, so the worker numbers KV events and
 answers state requests in one order. A closed socket ends it.
 
@@ -91,9 +92,10 @@ def serve(conn: Connection, kv_fd: int) -> None:
         if batch and engine.has_work():  # the work just added is in the stats while a step computes it
             worker.report_change(engine, [], num_applied)
             batch = []
-        outputs = engine.step() if engine.has_work() else []
-        if batch or outputs:
-            worker.report_change(engine, outputs, num_applied)
+        if engine.has_work():  # every step, a prompt's chunk too: the queued tokens count down
+            worker.report_change(engine, engine.step(), num_applied)
+        elif batch:
+            worker.report_change(engine, [], num_applied)
 
 
 def _read(conn: Connection, engine: Engine, worker: _Worker, calls: queue.Queue[Call | None]) -> None:
