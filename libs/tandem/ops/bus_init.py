@@ -100,7 +100,7 @@ async def _ensure_within(nc: nats.NATS, config: TokenStreamConfig, within_s: flo
             problem = exc
         if loop.time() >= deadline:
             raise StartupError(f"tandem bus init: JetStream not ready after {within_s:.0f} s ({type(problem).__name__} {problem})")
-        log.info("JetStream not ready yet (%s); retrying", type(problem).__name__)
+        log.info("JetStream not ready yet (%s %s); retrying", type(problem).__name__, problem)
         await asyncio.sleep(_RETRY_S)
 
 
