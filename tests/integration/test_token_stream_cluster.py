@@ -39,7 +39,6 @@ from tandem.devstack.servers import (
     start_nats_cluster,
     start_nats_node,
 )
-from tandem.errors import StartupError
 from tandem.ops import bus_init
 from tandem.runtime.runtime import short_command_client
 from tandem.tokenlog import TokenLogWriter, logged_events
@@ -250,7 +249,7 @@ async def _num_appended(timeline: Timeline, at_least: int) -> bool:
     return len(timeline.append_times) >= at_least
 
 
-def _bus_init(url: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _bus_init(url: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {
         **os.environ,
         "PYTHONPATH": f"{REPO / 'libs'}:{REPO}",
@@ -260,7 +259,7 @@ def _bus_init(url: str, **env: str) -> subprocess.CompletedProcess[str]:
         **env,
     }
     return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "bus", "init", "--within-s", "20"],
+        [sys.executable, "-m", "tandem.cli", "bus", "init", "--within-s", "20", *args],
         env=environment,
         capture_output=True,
         text=True,
@@ -283,14 +282,17 @@ async def test_bus_init_waits_for_a_clusters_last_node_and_names_the_setting_whe
         finally:
             await client.close()
         initialising = asyncio.create_task(bus_init.init_bus(url, TokenStreamConfig(num_replicas=3), placement_grace_s=120))
-        await wait_until(lambda: _retried(caplog, initialising), timeout_s=30)
-        joined_at = time.monotonic()
-        started.append(await asyncio.to_thread(start_nats_node, tmp_path, plan[2], plan))
-        stream = await asyncio.wait_for(initialising, 120)
+        try:
+            await wait_until(lambda: _retried(caplog, initialising), timeout_s=30)
+            joined_at = time.monotonic()
+            started.append(await asyncio.to_thread(start_nats_node, tmp_path, plan[2], plan))
+            stream = await asyncio.wait_for(initialising, 120)
+        finally:
+            initialising.cancel()
         print(f"\nthe stream placed {time.monotonic() - joined_at:.2f} s after the last node started")
         assert stream.num_replicas == 3
-        with pytest.raises(StartupError, match="TANDEM_TOKEN_STREAM_REPLICAS"):
-            await bus_init.init_bus(url, TokenStreamConfig(num_replicas=4), placement_grace_s=2)
+        too_many = await asyncio.to_thread(_bus_init, url, "--placement-grace-s", "2", TANDEM_TOKEN_STREAM_REPLICAS="4")
+        assert too_many.returncode != 0 and "TANDEM_TOKEN_STREAM_REPLICAS" in too_many.stderr, too_many.stderr
     finally:
         for node in started:
             node.stop()

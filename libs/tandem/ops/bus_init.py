@@ -121,7 +121,15 @@ def _run(args: argparse.Namespace) -> int:
         max_age_s=settings.token_stream_max_age_s,
     )
     stream = asyncio.run(
-        init_bus(settings.nats_url, config, settings.nats_user, settings.nats_password.get_secret_value(), args.within_s, TlsSettings())
+        init_bus(
+            settings.nats_url,
+            config,
+            settings.nats_user,
+            settings.nats_password.get_secret_value(),
+            args.within_s,
+            TlsSettings(),
+            args.placement_grace_s,
+        )
     )
     print(f"token stream {describe(stream)}")
     return 0
@@ -138,6 +146,12 @@ def add_cli(commands: argparse._SubParsersAction) -> None:
         "service may change a stream) at TANDEM_NATS_URL (one URL, or every node's comma-separated). Idempotent.",
     )
     init.add_argument("--within-s", type=float, default=INIT_WITHIN_S, help="how long to wait for the bus and JetStream")
+    init.add_argument(
+        "--placement-grace-s",
+        type=float,
+        default=PLACEMENT_GRACE_S,
+        help="how long a cluster's refusals to place the stream are tried again (its nodes report to the leader after they meet)",
+    )
     init.set_defaults(run=_run)
 
 
