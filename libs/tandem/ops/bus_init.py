@@ -79,16 +79,19 @@ async def init_bus(
 async def _ensure_within(nc: nats.NATS, config: TokenStreamConfig, within_s: float, placement_grace_s: float) -> StreamConfig:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
-    placement_until = deadline  # the grace's end, counted from the cluster's first refusal
-    is_refused_before = False
+    placement_until: float | None = None  # the grace's end, counted from the cluster's first refusal
     while True:
         try:
             js = await ensure_token_stream(nc, config)
             return (await js.stream_info(STREAM)).config
         except APIError as exc:
-            if exc.err_code == _NO_SUITABLE_PEERS and not is_refused_before:
-                is_refused_before, placement_until = True, min(loop.time() + placement_grace_s, deadline)
-            if exc.err_code == _NOT_CLUSTERED or (exc.err_code == _NO_SUITABLE_PEERS and loop.time() >= placement_until):
+            if exc.err_code == _NO_SUITABLE_PEERS:
+                if placement_until is None:
+                    placement_until = min(loop.time() + placement_grace_s, deadline)
+                is_placement_final = loop.time() >= placement_until
+            else:
+                is_placement_final = exc.err_code == _NOT_CLUSTERED
+            if is_placement_final:
                 raise StartupError(
                     f"tandem bus init: the bus cannot keep {config.num_replicas} replicas of {STREAM} ({exc.description}): "
                     "set TANDEM_TOKEN_STREAM_REPLICAS to at most the cluster's nodes (1 for a single server)"
